@@ -1,0 +1,1 @@
+"""improved: the self-improve daemon of a service mesh."""
