@@ -1,0 +1,120 @@
+"""Configuration: one TOML file (`--config` or `IMPROVED_CONFIG`), every key optional.
+
+```toml
+nats_url = "nats://127.0.0.1:4222"   # omit to start an embedded nats-server
+data_dir = ".improved"
+port = 4222                          # embedded server port
+sync = "always"                      # embedded server fsync: "always" or a duration ("2m")
+max_message_bytes = 262144
+
+[policy]
+forbidden_targets = ["..."]          # globs; default: the constitution's Art. VI list
+min_class = { grain = "L2" }         # per-scheme minimum class overrides
+fallback_min_class = "L2"            # for schemes not listed anywhere
+policy_principal = "policy:auto"     # authority of auto-applies (L0, L3 with grant)
+effect_window_ms = 86400000          # a world signal counts if it lands this soon after apply
+
+[apply]
+timeout_s = 5.0                      # one ApplyOrder request
+attempts = 3                         # requests per delivery before backing off
+max_deliveries = 8                   # redeliveries (with backoff) before giving up for now
+```
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .gradient import CLASSES, FALLBACK_MIN_CLASS
+from .guards import DEFAULT_FORBIDDEN
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Policy:
+    forbidden_targets: tuple[str, ...] = DEFAULT_FORBIDDEN
+    min_class: dict[str, str] = field(default_factory=dict)
+    fallback_min_class: str = FALLBACK_MIN_CLASS
+    policy_principal: str = "policy:auto"
+    effect_window_ms: int = 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
+class ApplySettings:
+    timeout_s: float = 5.0
+    attempts: int = 3
+    max_deliveries: int = 8
+
+
+@dataclass(frozen=True)
+class Config:
+    nats_url: str | None = None
+    data_dir: Path = Path(".improved")
+    port: int = 4222
+    sync: str = "always"
+    max_message_bytes: int = 256 * 1024
+    policy: Policy = field(default_factory=Policy)
+    apply: ApplySettings = field(default_factory=ApplySettings)
+
+
+def _check_class(name: str, value: object) -> str:
+    if value not in CLASSES:
+        raise ConfigError(f"{name}: expected one of {', '.join(CLASSES)}, got {value!r}")
+    return str(value)
+
+
+def parse(doc: dict) -> Config:
+    known = {"nats_url", "data_dir", "port", "sync", "max_message_bytes", "policy", "apply"}
+    unknown = set(doc) - known
+    if unknown:
+        raise ConfigError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
+    pol = dict(doc.get("policy", {}))
+    min_class = {k: _check_class(f"policy.min_class.{k}", v)
+                 for k, v in dict(pol.pop("min_class", {})).items()}
+    policy = Policy(
+        forbidden_targets=tuple(pol.pop("forbidden_targets", DEFAULT_FORBIDDEN)),
+        min_class=min_class,
+        fallback_min_class=_check_class(
+            "policy.fallback_min_class", pol.pop("fallback_min_class", FALLBACK_MIN_CLASS)),
+        policy_principal=str(pol.pop("policy_principal", "policy:auto")),
+        effect_window_ms=int(pol.pop("effect_window_ms", 24 * 3600 * 1000)),
+    )
+    if pol:
+        raise ConfigError(f"unknown policy keys: {', '.join(sorted(pol))}")
+    ap = dict(doc.get("apply", {}))
+    apply = ApplySettings(
+        timeout_s=float(ap.pop("timeout_s", 5.0)),
+        attempts=int(ap.pop("attempts", 3)),
+        max_deliveries=int(ap.pop("max_deliveries", 8)),
+    )
+    if ap:
+        raise ConfigError(f"unknown apply keys: {', '.join(sorted(ap))}")
+    return Config(
+        nats_url=doc.get("nats_url"),
+        data_dir=Path(doc.get("data_dir", ".improved")),
+        port=int(doc.get("port", 4222)),
+        sync=str(doc.get("sync", "always")),
+        max_message_bytes=int(doc.get("max_message_bytes", 256 * 1024)),
+        policy=policy,
+        apply=apply,
+    )
+
+
+def load(path: str | os.PathLike | None = None) -> Config:
+    """Read the TOML file named by `path` or `IMPROVED_CONFIG`; defaults when neither is set."""
+    path = path or os.environ.get("IMPROVED_CONFIG")
+    if not path:
+        return Config()
+    try:
+        with open(path, "rb") as fh:
+            return parse(tomllib.load(fh))
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file not found: {path}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc

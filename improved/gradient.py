@@ -1,0 +1,69 @@
+"""The L0–L4 trust gradient (DESIGN §2): which class and scope a target admits, and which gate a
+class faces. Pure functions over the policy; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+CLASSES = ("L0", "L1", "L2", "L3", "L4")
+RANK = {c: i for i, c in enumerate(CLASSES)}
+
+DEFAULT_MIN_CLASS: Mapping[str, str] = {
+    **dict.fromkeys(("cache", "rank", "score"), "L0"),
+    **dict.fromkeys(("skill", "doc", "config", "host"), "L2"),
+    **dict.fromkeys(("code", "binary", "schema", "secret", "topic", "lkg"), "L4"),
+}
+FALLBACK_MIN_CLASS = "L2"
+
+SCHEME_SCOPE: Mapping[str, str] = {
+    **dict.fromkeys(
+        ("cache", "rank", "score", "skill", "doc", "grain", "entity", "query", "template"),
+        "knowledge",
+    ),
+    **dict.fromkeys(
+        ("config", "host", "binary", "schema", "secret", "topic", "lkg"), "operation"
+    ),
+    "code": "code",
+}
+# Constitution IV.1: unclassified paths default to knowledge.
+FALLBACK_SCOPE = "knowledge"
+# The charter is a document: a `charter` proposal must target `doc:` (and is never auto-applied).
+CHARTER_SCHEMES = frozenset({"doc"})
+
+AUTO_APPLY_CLASSES = frozenset({"L0", "L3"})
+
+
+def scheme_of(target_ref: str) -> str:
+    return target_ref.split(":", 1)[0]
+
+
+def rest_of(target_ref: str) -> str:
+    return target_ref.split(":", 1)[1] if ":" in target_ref else ""
+
+
+def min_class(scheme: str, overrides: Mapping[str, str] | None = None,
+              fallback: str = FALLBACK_MIN_CLASS) -> str:
+    if overrides and scheme in overrides:
+        return overrides[scheme]
+    return DEFAULT_MIN_CLASS.get(scheme, fallback)
+
+
+def class_fits(change_class: str, scheme: str, overrides: Mapping[str, str] | None = None,
+               fallback: str = FALLBACK_MIN_CLASS) -> bool:
+    """L1 fits anything (it only surfaces); L3 fits skills only; others must reach the minimum."""
+    if change_class == "L1":
+        return True
+    if change_class == "L3":
+        return scheme == "skill"
+    return RANK[change_class] >= RANK[min_class(scheme, overrides, fallback)]
+
+
+def implied_scope(scheme: str) -> str:
+    return SCHEME_SCOPE.get(scheme, FALLBACK_SCOPE)
+
+
+def scope_fits(scope: str, scheme: str) -> bool:
+    if scope == "charter":
+        return scheme in CHARTER_SCHEMES
+    return scope == implied_scope(scheme)

@@ -1,0 +1,326 @@
+"""Every wire message of DESIGN §3 as a msgspec Struct.
+
+Inbound messages forbid unknown fields: a proposal that smuggles in `status` or `rec_status` is
+refused by the decoder itself, and a typo never silently changes a proposal's content address.
+Optional fields default to None and are omitted on the wire, so re-encoding a decoded message
+gives the same canonical content (and the same proposal id).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+ChangeClass = Literal["L0", "L1", "L2", "L3", "L4"]
+Scope = Literal["knowledge", "code", "operation", "charter"]
+Status = Literal["pending", "approved", "rejected", "applied", "rolled_back", "expired"]
+Stage = Literal["observe", "propose", "triage", "apply", "learn-back"]
+Verdict = Literal["accept", "defer", "reject"]
+ObserverType = Literal["human", "rec:agent", "rec:policy", "rec:system"]
+Cause = Literal[
+    "forbidden_target",
+    "feedback_collapse",
+    "class_mismatch",
+    "scope_mismatch",
+    "no_grant",
+    "awaiting_operator",
+    "awaiting_quorum",
+    "quorum_dissent",
+    "expired",
+    "duplicate_rejected",
+    "circuit_open",
+    "autonomy_off",
+    "invalid",
+]
+
+Millis = Annotated[int, Meta(ge=0, le=2**53)]
+ServiceName = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_-]{0,62}$")]
+ProposalId = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+TargetRef = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9+.-]*:.+$", max_length=1024)]
+# SPEC 07 §3.5.7: `<svc>[:<uuid>]`, `<runtime>:<uuid>[:<seq>]` or `operator:<principal>`.
+Actor = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_-]{0,62}(:[A-Za-z0-9._@+-]{1,128}){0,2}$")]
+ShortText = Annotated[str, Meta(max_length=500)]
+
+
+class _In(Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """Base of inbound messages: strict about unknown fields, sparse on output."""
+
+
+class _Out(Struct, omit_defaults=True, kw_only=True):
+    """Base of outbound records."""
+
+
+# -- proposal -----------------------------------------------------------------------------------
+
+
+class Origin(_In):
+    actor: Actor
+    service: ServiceName
+
+
+class AnalyzerRef(_In):
+    id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]+(/[0-9]+)?$", max_length=128)]
+    params: dict[str, Any] | None = None
+
+
+class Summary(_In):
+    template_id: Annotated[str, Meta(min_length=1, max_length=128)]
+    args: dict[str, Any] = {}
+
+
+class ProposalEdit(_In):
+    format: Annotated[str, Meta(min_length=1, max_length=64)]
+    base_digest: Annotated[str, Meta(min_length=1, max_length=128)]
+    diff: str
+
+
+class MetricSnapshot(_In):
+    metric: Annotated[str, Meta(min_length=1, max_length=128)]
+    baseline: float
+    unit: str | None = None
+    n: int | None = None
+    window: str | None = None
+    query: str | None = None
+    review_after: Millis | None = None
+
+
+class Signal(_In):
+    """Learn-back evidence (DESIGN §3.3)."""
+
+    kind: Literal["refine", "check", "world", "metric"]
+    actor: Actor
+    service: ServiceName
+    positive: bool
+    at: Millis
+    proposal_id: ProposalId | None = None
+    target_ref: TargetRef | None = None
+    name: Annotated[str, Meta(max_length=128)] | None = None
+    value: float | None = None
+
+
+class Proposal(_In):
+    """A request to change the mesh (DESIGN §3.2). Its content address is the proposal id."""
+
+    service: ServiceName
+    target_ref: TargetRef
+    change_class: ChangeClass
+    scope: Scope
+    origin: Origin
+    analyzer: AnalyzerRef
+    summary: Summary
+    created_at: Millis
+    proposal_cal: str | None = None
+    proposal_edit: ProposalEdit | None = None
+    proposal_data: dict[str, Any] | None = None
+    signals: Annotated[list[Signal], Meta(max_length=256)] | None = None
+    target_files: Annotated[list[Annotated[str, Meta(max_length=1024)]], Meta(max_length=256)] | None = None
+    derived_from: Annotated[list[str], Meta(max_length=64)] | None = None
+    evidence_query: str | None = None
+    metric_snapshot: MetricSnapshot | None = None
+    confidence: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    importance: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    severity: Literal["info", "low", "medium", "high"] | None = None
+    valid_to: Millis | None = None
+    namespace: Annotated[str, Meta(max_length=256)] | None = None
+    lkg: list[dict[str, Any]] | None = None
+    revert: dict[str, Any] | None = None
+    amends: str | None = None
+
+    @property
+    def action_kind(self) -> str:
+        """OMS action kind of the one proposal body: `cal`, `edit` or `data`."""
+        if self.proposal_cal is not None:
+            return "cal"
+        if self.proposal_edit is not None:
+            return "edit"
+        return "data"
+
+
+# -- outbound records (retained, DESIGN §3.4) ---------------------------------------------------
+
+
+class ProposalState(_Out):
+    proposal_id: str
+    service: str
+    target_ref: str
+    change_class: str
+    gate_class: str
+    scope: str
+    dedup_key: str
+    stage: str
+    status: str
+    summary_text: str
+    updated_at: int
+
+
+class TriageDecision(_Out):
+    proposal_id: str
+    service: str
+    verdict: str
+    cause: str | None
+    gate_class: str
+    rationale: str
+    actor: str
+    at: int
+
+
+class ApplyOutcome(_Out):
+    proposal_id: str
+    service: str
+    ok: bool
+    applied_id: str
+    authority: str
+    inverse: Any = None
+    rollbackable: bool = False
+    error: str | None = None
+    revert_proposal_id: str | None = None
+    at: int = 0
+
+
+class LearnBack(_Out):
+    proposal_id: str
+    service: str
+    signals_counted: int
+    independent: int
+    verdict: str
+    at: int
+    metric: str | None = None
+    baseline: float | None = None
+
+
+# -- apply dispatch -----------------------------------------------------------------------------
+
+
+class ApplyOrder(_Out):
+    """Daemon → `<svc>.improve.apply`. The service must treat a second order for the same
+    proposal_id as the first."""
+
+    proposal_id: str
+    proposal: Proposal
+    authority: str
+    attempt: int
+
+
+class ApplyResult(Struct, omit_defaults=True, kw_only=True):
+    """The service's reply to an ApplyOrder (lenient: services may add fields)."""
+
+    ok: bool
+    applied_id: str = ""
+    inverse: Any = None
+    rollbackable: bool = False
+    error: str | None = None
+
+
+class ApplyReport(_In):
+    """A service that applied asynchronously reports on `improve.applied.<svc>`."""
+
+    proposal_id: ProposalId
+    service: ServiceName
+    ok: bool
+    applied_id: str = ""
+    inverse: Any = None
+    rollbackable: bool = False
+    error: str | None = None
+    at: Millis | None = None
+
+
+# -- request/reply bodies -----------------------------------------------------------------------
+
+
+class TriageRequest(_In):
+    proposal_id: ProposalId
+
+
+class ProposeReply(_Out):
+    proposal_id: str
+    status: str
+
+
+class RefineReply(_Out):
+    proposal_id: str
+    counted: bool
+    independent: bool
+
+
+class ErrorBody(_Out):
+    code: str
+    message: str
+    field: str | None = None
+
+
+class ErrorReply(_Out):
+    error: ErrorBody
+
+
+# -- audit (DESIGN §6) --------------------------------------------------------------------------
+
+
+class Trailer(Struct, omit_defaults=True, kw_only=True):
+    """One audit trailer: a transition of one proposal, chained to the previous by `prev`."""
+
+    proposal_id: str
+    seq: int
+    from_stage: str
+    to_stage: str
+    gate_class: str
+    scope: str
+    actor: str
+    observer_type: str
+    reason: str
+    refs: list[str] = []
+    at: int
+    prev: str
+    verdict: str | None = None
+    cause: str | None = None
+    hash: str = ""
+
+
+# -- signed operator acts (DESIGN §5.2), payloads of DSSE envelopes ------------------------------
+
+
+class DsseSignature(_In):
+    keyid: str
+    sig: str
+
+
+class Envelope(_In):
+    payloadType: str  # noqa: N815 - DSSE field name
+    payload: str
+    signatures: list[DsseSignature]
+
+
+class Review(_In):
+    proposal_id: ProposalId
+    verdict: Literal["approve", "reject", "rollback"]
+    principal: Actor
+    reason: ShortText
+    at: Millis
+
+
+class GrantCommand(_In):
+    op: Literal["grant", "revoke"]
+    skill: Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_-]{0,62}:[0-9a-f]{64}$")]
+    principal: Actor
+    reason: ShortText
+    at: Millis
+    expires_at: Millis | None = None
+
+
+class Grant(_Out):
+    """Retained on `improve.grants.<name>.<sha256>`: active, or revoked."""
+
+    skill: str
+    active: bool
+    principal: str
+    reason: str
+    at: int
+    expires_at: int | None = None
+
+
+json_encoder = msgspec.json.Encoder()
+
+
+def to_json(obj: Any) -> bytes:
+    return json_encoder.encode(obj)

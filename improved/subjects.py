@@ -1,0 +1,140 @@
+"""Every NATS subject, stream and bucket name the loop uses, in one place (DESIGN §3.1).
+
+Inbound subjects (requests to the loop) have one token fewer than the outbound, retained record
+subjects, so a single-token wildcard keeps the two apart: `improve.proposals.*` is the inbound
+stream's filter and `improve.proposals.*.*` the record stream's.
+"""
+
+from __future__ import annotations
+
+import re
+
+SERVICE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
+ID_RE = re.compile(r"^[0-9a-f]{64}$")
+SKILL_NAME_RE = SERVICE_RE
+
+# -- inbound: captured by the IMPROVE_IN stream so nothing is lost while no daemon runs ----------
+PROPOSALS = "improve.proposals"
+TRIAGE = "improve.triage"
+APPLIED = "improve.applied"
+OUTCOMES = "improve.outcomes"
+GRANTS = "improve.grants"
+QUORUM = "improve.quorum"
+AUDIT = "improve.audit"
+
+INBOUND_FILTERS = (
+    f"{PROPOSALS}.*",
+    f"{TRIAGE}.*",
+    f"{APPLIED}.*",
+    f"{OUTCOMES}.*",
+    GRANTS,
+    QUORUM,
+)
+
+# -- outbound records: retained, the latest message per subject is the current state ------------
+RECORD_FILTERS = (
+    f"{PROPOSALS}.*.*",
+    f"{TRIAGE}.*.*",
+    f"{APPLIED}.*.*",
+    f"{OUTCOMES}.*.*",
+    f"{GRANTS}.*.*",
+    f"{QUORUM}.*",
+)
+AUDIT_FILTER = f"{AUDIT}.*.*"
+
+# -- streams, consumers and buckets -------------------------------------------------------------
+STREAM_INBOUND = "IMPROVE_IN"
+STREAM_RECORDS = "IMPROVE_RECORDS"
+STREAM_AUDIT = "IMPROVE_AUDIT"
+STREAM_REFUSED = "IMPROVED_REFUSED"
+CONSUMER_INBOUND = "improved-loop"
+BUCKET_STATE = "improved_state"
+
+# Refusals (bad input) are logged here: what was refused and why, never the payload itself.
+REFUSED = "improved.refused"
+REFUSED_FILTER = f"{REFUSED}.>"
+
+# -- request/reply (core NATS) -----------------------------------------------------------------
+SPEC_GET = "improved.spec.get"
+QUEUE_GROUP = "improved"
+
+
+def inbound_proposal(svc: str) -> str:
+    return f"{PROPOSALS}.{svc}"
+
+
+def inbound_review(svc: str) -> str:
+    return f"{TRIAGE}.{svc}"
+
+
+def inbound_applied(svc: str) -> str:
+    return f"{APPLIED}.{svc}"
+
+
+def inbound_outcome(svc: str) -> str:
+    return f"{OUTCOMES}.{svc}"
+
+
+def proposal_state(svc: str, pid: str) -> str:
+    return f"{PROPOSALS}.{svc}.{pid}"
+
+
+def triage_decision(svc: str, pid: str) -> str:
+    return f"{TRIAGE}.{svc}.{pid}"
+
+
+def apply_outcome(svc: str, pid: str) -> str:
+    return f"{APPLIED}.{svc}.{pid}"
+
+
+def learn_back(svc: str, pid: str) -> str:
+    return f"{OUTCOMES}.{svc}.{pid}"
+
+
+def grant_record(name: str, sha256: str) -> str:
+    return f"{GRANTS}.{name}.{sha256}"
+
+
+def audit(svc: str, pid: str) -> str:
+    return f"{AUDIT}.{svc}.{pid}"
+
+
+def refused(svc: str) -> str:
+    return f"{REFUSED}.{svc}"
+
+
+def propose_request(svc: str) -> str:
+    return f"{svc}.improve.propose"
+
+
+def triage_request(svc: str) -> str:
+    return f"{svc}.improve.triage"
+
+
+def refine_request(svc: str) -> str:
+    return f"{svc}.improve.refine"
+
+
+def apply_request(svc: str) -> str:
+    return f"{svc}.improve.apply"
+
+
+def service_spec(svc: str) -> str:
+    return f"{svc}.spec.get"
+
+
+# Wildcards the daemon serves; the service token is the first one.
+PROPOSE_REQUESTS = "*.improve.propose"
+TRIAGE_REQUESTS = "*.improve.triage"
+REFINE_REQUESTS = "*.improve.refine"
+
+
+def state_key(svc: str, pid: str) -> str:
+    """KV key of a proposal's cached state (KV keys allow dots, so this mirrors the subject)."""
+    return f"{svc}.{pid}"
+
+
+def token(subject: str, index: int) -> str | None:
+    """The index-th dot-separated token of a subject, or None when it has fewer tokens."""
+    parts = subject.split(".")
+    return parts[index] if -len(parts) <= index < len(parts) else None

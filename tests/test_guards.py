@@ -1,0 +1,249 @@
+"""Guards before the class gate (DESIGN §2, §3.3, §5.1): path normalisation, forbidden targets,
+sessions and signal independence."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from improved.guards import (
+    DEFAULT_FORBIDDEN,
+    EscapingPath,
+    Evidence,
+    forbidden_match,
+    is_independent,
+    normalize_path,
+    self_confirmed,
+    session_of,
+    target_paths,
+)
+from improved.model import Origin
+
+UUID = "3f0c2a4e-9b1d-4c57-8a2e-5d6f7a8b9c0d"
+WINDOW = 3_600_000
+
+# -- normalize_path ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "norm"),
+    [
+        ("a/../constitution.md", "constitution.md"),
+        ("$COSMIX/_spec/CHANGELOG.md", "_spec/CHANGELOG.md"),
+        ("${COSMIX}/src/Cargo.toml", "src/Cargo.toml"),
+        ("./a//b/./c", "a/b/c"),
+        ("//etc/systemd/system/x", "/etc/systemd/system/x"),
+        ("a\\b\\c.md", "a/b/c.md"),
+        ("  _doc/x.md  ", "_doc/x.md"),
+    ],
+)
+def test_normalize_path(raw, norm):
+    assert normalize_path(raw) == norm
+
+
+@pytest.mark.parametrize("raw", ["../x", "..", "a/../../x", "$COSMIX/../x"])
+def test_normalize_path_refuses_escaping_paths(raw):
+    with pytest.raises(EscapingPath):
+        normalize_path(raw)
+
+
+# -- forbidden_match ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "_spec/2026-04-20-00-constitution.md",
+        "x/../_spec/2026-04-20-00-constitution.md",
+        "$COSMIX/_doc/2026-04-20-declaration.md",
+        "/home/u/cosmix/_spec/CHANGELOG.md",
+        "src/crates/cosmix-mcp/src/main.rs",
+        "src/crates/cosmix-noded/deep/er/lib.rs",
+        "/srv/cosmix/src/crates/cosmix-indexd/Cargo.toml",
+        "/etc/systemd/system/cosmix-foo.service",
+        "/etc/systemd/system/cosmix-foo.timer",
+        "/etc/systemd/system/cosmix-foo-wake.service",
+        "~/.config/systemd/user/cosmix-bar.service",
+        "~/.config/cosmix/harness.toml",
+        "src/Cargo.toml",
+    ],
+)
+def test_forbidden_paths_match(path):
+    assert forbidden_match([path], DEFAULT_FORBIDDEN) is not None
+
+
+def test_match_reports_the_normalised_path():
+    hit = forbidden_match(["_doc/ok.md", "x/../_spec/2026-04-20-00-constitution.md"],
+                          DEFAULT_FORBIDDEN)
+    assert hit == "_spec/2026-04-20-00-constitution.md"
+
+
+def test_escaping_path_fails_closed():
+    assert forbidden_match(["../../etc/passwd"], DEFAULT_FORBIDDEN) == "../../etc/passwd"
+    # even with no pattern at all, an escaping path counts as a match
+    assert forbidden_match(["_doc/ok.md", "../x"], ()) == "../x"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "_doc/notes.md",
+        "src/crates/cosmix-other/x.rs",
+        "src/crates/cosmix-mcpx/main.rs",
+        "_spec/CHANGELOG.md.bak",
+        "/etc/systemd/system/other.service",
+        "~/.config/cosmix/sub/harness.toml",  # `*` does not cross directories
+        "/etc/cosmix/harness.toml",
+        "src/Cargo.lock",
+    ],
+)
+def test_allowed_paths_do_not_match(path):
+    assert forbidden_match([path], DEFAULT_FORBIDDEN) is None
+
+
+def test_no_paths_no_match():
+    assert forbidden_match([], DEFAULT_FORBIDDEN) is None
+
+
+def test_custom_patterns():
+    patterns = ("docs/private/**", "/opt/*.conf", "secret?.txt")
+    assert forbidden_match(["docs/private/a/b.md"], patterns) == "docs/private/a/b.md"
+    assert forbidden_match(["/opt/app.conf"], patterns) == "/opt/app.conf"
+    assert forbidden_match(["/opt/sub/app.conf"], patterns) is None
+    assert forbidden_match(["deep/secret1.txt"], patterns) == "deep/secret1.txt"
+    assert forbidden_match(["secret12.txt"], patterns) is None
+
+
+@pytest.mark.parametrize("path", ["$COSMIX/src/crates/cosmix-mcp/", "src/crates/cosmix-noded"])
+def test_forbidden_crate_directory_itself_matches(path):
+    assert forbidden_match([path], DEFAULT_FORBIDDEN) is not None
+
+
+def test_double_star_crosses_any_character():
+    assert forbidden_match(["src/crates/cosmix-mcp/a\nb.rs"], DEFAULT_FORBIDDEN) is not None
+
+
+def test_target_paths():
+    assert target_paths("doc:_doc/x.md", ["a.md"]) == ["a.md", "_doc/x.md"]
+    assert target_paths("rank:search/top", ["a.md"]) == ["a.md"]
+    assert target_paths("rank:search/top", None) == []
+    assert target_paths("code:src/lib.rs", None) == ["src/lib.rs"]
+    # so a doc: target on the constitution is caught even with no target_files
+    paths = target_paths("doc:x/../_spec/2026-04-20-00-constitution.md", None)
+    assert forbidden_match(paths, DEFAULT_FORBIDDEN) is not None
+    # while a rank: target whose rest looks like the path is not a path
+    assert forbidden_match(target_paths("rank:_spec/CHANGELOG.md", None),
+                           DEFAULT_FORBIDDEN) is None
+
+
+# -- sessions ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("actor", "session"),
+    [
+        (f"mcp:{UUID}:42", f"mcp:{UUID}"),
+        (f"mcp:{UUID}:0", f"mcp:{UUID}"),
+        (f"mcp:{UUID}", f"mcp:{UUID}"),
+        ("svc:uuid", "svc:uuid"),
+        ("operator:alice", "operator:alice"),
+        ("skills", "skills"),
+        (f"mcp:{UUID}:4x", f"mcp:{UUID}:4x"),  # not a sequence
+    ],
+)
+def test_session_of(actor, session):
+    assert session_of(actor) == session
+
+
+runtime = st.from_regex(r"\A[a-z][a-z0-9_-]{0,10}\Z")
+uuid_ish = st.uuids().map(str)
+seq = st.integers(min_value=0, max_value=10**9).map(str)
+actor_ids = st.one_of(
+    runtime,                                                              # <svc>
+    st.tuples(runtime, uuid_ish).map(":".join),                           # <svc>:<uuid>
+    st.tuples(runtime, uuid_ish, seq).map(":".join),                      # <rt>:<uuid>:<seq>
+    st.from_regex(r"\A[a-z][a-z0-9._-]{0,12}\Z").map("operator:".__add__),  # operator:<p>
+)
+
+
+@settings(max_examples=300)
+@given(actor=actor_ids)
+def test_session_of_is_idempotent(actor):
+    once = session_of(actor)
+    assert session_of(once) == once
+    assert actor.startswith(once)
+
+
+@settings(max_examples=200)
+@given(runtime=runtime, uuid=uuid_ish, a=seq, b=seq)
+def test_calls_of_one_session_share_it(runtime, uuid, a, b):
+    assert session_of(f"{runtime}:{uuid}:{a}") == session_of(f"{runtime}:{uuid}:{b}")
+
+
+@settings(max_examples=300)
+@given(actor=st.text(alphabet="ab1:", min_size=1, max_size=12))
+@example(actor="mcp:aaa:1:2")
+def test_session_of_is_idempotent_on_every_actor_the_wire_accepts(actor):
+    """Actors with more than one call sequence are refused at the wire, so the session of any
+    accepted actor is stable: `mcp:aaa:1:2` can never pose as a session of its own."""
+    try:
+        msgspec.json.decode(msgspec.json.encode({"actor": actor, "service": "svc"}),
+                            type=Origin)
+    except msgspec.ValidationError:
+        return
+    once = session_of(actor)
+    assert session_of(once) == once
+
+
+# -- independence ------------------------------------------------------------------------------
+
+ORIGIN = f"mcp:{UUID}:1"
+
+
+def ev(kind="check", actor="mcp:other:3", service="other", positive=True, at=1_000):
+    return Evidence(kind=kind, actor=actor, service=service, positive=positive, at=at)
+
+
+def test_same_session_is_not_independent():
+    assert not is_independent(ev(actor=ORIGIN, service="svc"), ORIGIN, "svc", None, WINDOW)
+    # another call of the same session is still the proposer
+    assert not is_independent(ev(actor=f"mcp:{UUID}:7"), ORIGIN, "svc", None, WINDOW)
+    assert not is_independent(ev(actor=f"mcp:{UUID}"), ORIGIN, "svc", None, WINDOW)
+    # a different service does not make the proposer's own session independent
+    assert not is_independent(ev(actor=f"mcp:{UUID}:9", service="elsewhere"), ORIGIN, "svc",
+                              500, WINDOW)
+
+
+@pytest.mark.parametrize("kind", ["refine", "check", "metric"])
+def test_another_session_is_independent(kind):
+    assert is_independent(ev(kind=kind, actor="mcp:other-uuid:1", service="svc"), ORIGIN, "svc",
+                          None, WINDOW)
+    assert is_independent(ev(kind=kind, actor="operator:alice"), ORIGIN, "svc", None, WINDOW)
+
+
+def test_world_signal_needs_other_service_applied_and_window():
+    applied = 10_000
+    world = ev(kind="world", actor="mcp:other:1", service="downstream", at=applied + 5)
+    assert is_independent(world, ORIGIN, "svc", applied, WINDOW)
+    # same service as the origin
+    assert not is_independent(ev(kind="world", actor="mcp:other:1", service="svc",
+                                 at=applied + 5), ORIGIN, "svc", applied, WINDOW)
+    # not applied yet
+    assert not is_independent(world, ORIGIN, "svc", None, WINDOW)
+    # before the apply, or after the window
+    assert not is_independent(ev(kind="world", actor="mcp:other:1", service="downstream",
+                                 at=applied - 1), ORIGIN, "svc", applied, WINDOW)
+    assert not is_independent(ev(kind="world", actor="mcp:other:1", service="downstream",
+                                 at=applied + WINDOW + 1), ORIGIN, "svc", applied, WINDOW)
+    # the window's edges are inside
+    for at in (applied, applied + WINDOW):
+        assert is_independent(ev(kind="world", actor="mcp:other:1", service="downstream",
+                                 at=at), ORIGIN, "svc", applied, WINDOW)
+
+
+def test_self_confirmed():
+    assert self_confirmed(positives=2, independent_positives=0)
+    assert not self_confirmed(positives=2, independent_positives=1)
+    assert not self_confirmed(positives=0, independent_positives=0)
