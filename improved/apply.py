@@ -1,0 +1,67 @@
+"""Stage 4, apply: which proposals may be applied, the order sent to the owning service, and the
+transition its result makes (DESIGN §3.4, §4). Pure; the engine does the request and retries.
+"""
+
+from __future__ import annotations
+
+from .audit import Draft
+from .config import Policy
+from .gradient import AUTO_APPLY_CLASSES
+from .model import ApplyOrder, ApplyOutcome, ApplyResult
+from .record import APPLIED, APPLY_FAILED, ProposalRecord, ref
+
+APPROVABLE = frozenset({"L2", "L3", "L4"})  # L1 only surfaces: never applied, even approved
+
+
+def auto_applies(record: ProposalRecord) -> bool:
+    """Accepted at L0, or at L3 under an active grant: the `rec:policy` path."""
+    d = record.decision
+    return (d is not None and d.verdict == "accept" and d.gate_class in AUTO_APPLY_CLASSES
+            and record.status == "pending")
+
+
+def needs_apply(record: ProposalRecord) -> bool:
+    """Gate satisfied and no outcome yet (a failed outcome is final until re-triaged)."""
+    if record.outcome is not None:
+        return False
+    return auto_applies(record) or (record.status == "approved"
+                                    and record.proposal.change_class in APPROVABLE)
+
+
+def expired(record: ProposalRecord, now: int) -> bool:
+    valid_to = record.proposal.valid_to
+    return valid_to is not None and valid_to <= now
+
+
+def authority(record: ProposalRecord, policy: Policy) -> str:
+    """Auto-applies run under the configured policy principal, never the analyzer's."""
+    return policy.policy_principal
+
+
+def order(record: ProposalRecord, policy: Policy, attempt: int) -> ApplyOrder:
+    return ApplyOrder(proposal_id=record.proposal_id, proposal=record.proposal,
+                      authority=authority(record, policy), attempt=attempt)
+
+
+def transition(record: ProposalRecord, result: ApplyResult, by: str,
+               now: int) -> tuple[ProposalRecord, Draft]:
+    outcome = ApplyOutcome(
+        proposal_id=record.proposal_id, service=record.service, ok=result.ok,
+        applied_id=result.applied_id, authority=by, inverse=result.inverse,
+        rollbackable=result.rollbackable if result.ok else False,
+        error=result.error, at=now,
+    )
+    observer = "rec:policy" if auto_applies(record) else "human"
+    if result.ok:
+        reason = f"applied by {record.service} as {result.applied_id or '(no id)'}" + (
+            "" if outcome.rollbackable else "; not rollbackable")
+    else:
+        reason = f"{record.service} refused the apply: {result.error or 'no reason given'}"
+    refs = [ref("applied", outcome.applied_id), ref("rollbackable", outcome.rollbackable)]
+    if outcome.inverse is not None:
+        refs.append(ref("inverse", outcome.inverse, as_json=True))
+    if outcome.error is not None:
+        refs.append(ref("error", outcome.error))
+    draft = Draft(from_stage=record.stage, to_stage="apply", actor=by, observer_type=observer,
+                  reason=reason, verdict=APPLIED if result.ok else APPLY_FAILED, refs=tuple(refs))
+    return record.replace(outcome=outcome, updated_at=now), draft

@@ -1,0 +1,155 @@
+"""Stage 2, propose: validate a proposal, compute its id and dedup_key, record it `pending`.
+
+Pure: bytes in, a Proposal or a WireError out; a registered record and its first trailer draft.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from . import canonical, wire
+from .audit import Draft
+from .config import Policy
+from .guards import Evidence, is_independent
+from .model import Proposal, Signal
+from .record import CountedSignal, ProposalRecord
+from .subjects import SKILL_NAME_RE
+
+CAL_LIMIT = 8192  # bytes: CAL's MAX_QUERY_LENGTH (OMS rule 9)
+
+# Deterministic summary templates (OMS rule 4: never free prose). Unknown ids still render
+# deterministically, as the id followed by the sorted arguments.
+TEMPLATES: dict[str, str] = {
+    "set_config": "set {key} to {value}",
+    "adjust_rank": "adjust rank of {item} by {delta}",
+    "new_skill": "add skill {name}",
+    "refine_skill": "refine skill {name}",
+    "edit_doc": "edit {doc}",
+    "investigate_regression": "investigate {count} negative {metric} signals on {target}",
+}
+
+
+def render_summary(template_id: str, args: dict[str, Any]) -> str:
+    template = TEMPLATES.get(template_id)
+    if template is not None:
+        try:
+            return template.format(**args)
+        except (KeyError, IndexError, ValueError):
+            pass
+    rendered = ", ".join(f"{k}={args[k]}" for k in sorted(args))
+    return f"{template_id}({rendered})"
+
+
+def validate(data: bytes, subject_service: str | None, limit: int) -> Proposal:
+    """Decode and check a proposal; raise WireError naming the first problem."""
+    proposal = wire.decode(data, Proposal, limit)
+    bodies = [n for n in ("proposal_cal", "proposal_edit", "proposal_data")
+              if getattr(proposal, n) is not None]
+    if len(bodies) != 1:
+        named = " and ".join(bodies) if bodies else "none"
+        raise wire.WireError(wire.BODY_COUNT, "a proposal carries exactly one of proposal_cal, "
+                             f"proposal_edit, proposal_data; this one has {named}",
+                             bodies[1] if len(bodies) > 1 else "proposal_cal")
+    if subject_service is not None and proposal.service != subject_service:
+        raise wire.WireError(wire.SUBJECT_MISMATCH, f"service {proposal.service!r} disagrees "
+                             f"with the subject's service {subject_service!r}", "service")
+    if proposal.proposal_cal is not None and len(proposal.proposal_cal.encode()) > CAL_LIMIT:
+        raise wire.WireError(wire.TOO_LARGE, f"proposal_cal is over {CAL_LIMIT} bytes",
+                             "proposal_cal")
+    skill = skill_definition(proposal)
+    if skill is not None:
+        name = skill.get("name")
+        if not isinstance(name, str) or not SKILL_NAME_RE.match(name):
+            raise wire.WireError(wire.INVALID_VALUE, "a skill's name must match "
+                                 "[a-z][a-z0-9_-]{0,62}", "proposal_data.skill.name")
+    elif proposal.change_class == "L3" and proposal.target_ref.startswith("skill:"):
+        raise wire.WireError(wire.INVALID_VALUE, "an L3 proposal must carry the skill "
+                             "definition it re-executes in proposal_data.skill",
+                             "proposal_data.skill")
+    return proposal
+
+
+def skill_definition(proposal: Proposal) -> dict[str, Any] | None:
+    data = proposal.proposal_data
+    skill = data.get("skill") if data else None
+    return skill if isinstance(skill, dict) else None
+
+
+def grain_of(proposal: Proposal) -> dict[str, Any]:
+    """The proposal as an OMS Recommendation grain: its fields plus type and dedup_key."""
+    grain = msgspec.to_builtins(proposal)
+    grain["type"] = "recommendation"
+    grain["dedup_key"] = canonical.dedup_key(proposal.analyzer.id, proposal.target_ref,
+                                             proposal.action_kind)
+    return grain
+
+
+def identify(proposal: Proposal) -> tuple[str, str]:
+    """(proposal_id, dedup_key): the content address and the identity across re-proposals."""
+    grain = grain_of(proposal)
+    try:
+        pid = canonical.content_address(grain, canonical.RECOMMENDATION)
+    except canonical.CanonicalError as exc:
+        field = wire_field(exc.path)
+        raise wire.WireError(wire.INVALID_VALUE, f"{exc.message} ({exc.code})"
+                             + (f" at `{field}`" if field else ""), field) from None
+    return pid, grain["dedup_key"]
+
+
+_FULL_NAME = {short: full for full, short in canonical.FIELD_MAP.items()}
+
+
+def wire_field(path: str) -> str | None:
+    """The encoder's path over compacted keys (`$.pdata.x`) as the wire field (`proposal_data.x`)."""
+    rest = path.removeprefix("$").removeprefix(".")
+    if not rest:
+        return None
+    head, sep, tail = rest.partition(".")
+    bracket = head.find("[")
+    if bracket > 0:
+        head, tail, sep = head[:bracket], head[bracket:] + sep + tail, ""
+    return _FULL_NAME.get(head, head) + sep + tail
+
+
+def count(signal: Signal, digest: str, proposal: Proposal, applied_at: int | None,
+          policy: Policy) -> CountedSignal:
+    evidence = Evidence(signal.kind, signal.actor, signal.service, signal.positive, signal.at)
+    return CountedSignal(
+        digest=digest, kind=signal.kind, actor=signal.actor, service=signal.service,
+        positive=signal.positive, at=signal.at,
+        independent=is_independent(evidence, proposal.origin.actor, proposal.origin.service,
+                                   applied_at, policy.effect_window_ms),
+    )
+
+
+def signal_digest(signal: Signal) -> str:
+    return canonical.digest(msgspec.to_builtins(signal))
+
+
+def register(proposal: Proposal, pid: str, dedup: str, policy: Policy,
+             now: int) -> tuple[ProposalRecord, Draft]:
+    """A new record, `pending`, and the trailer that registers it."""
+    skill = skill_definition(proposal)
+    signals = tuple(count(s, signal_digest(s), proposal, None, policy)
+                    for s in proposal.signals or ())
+    summary = render_summary(proposal.summary.template_id, proposal.summary.args)
+    record = ProposalRecord(
+        proposal_id=pid,
+        service=proposal.service,
+        dedup_key=dedup,
+        proposal=proposal,
+        summary_text=summary,
+        skill=canonical.skill_identity(skill) if skill is not None else None,
+        gate_class=proposal.change_class,
+        signals=signals,
+        updated_at=now,
+    )
+    observer = "human" if proposal.origin.actor.startswith("operator:") else "rec:agent"
+    draft = Draft(
+        from_stage="observe", to_stage="propose", actor=proposal.origin.actor,
+        observer_type=observer, reason=f"proposed: {summary}",
+        refs=(f"analyzer:{proposal.analyzer.id}", f"dedup_key:{dedup}"),
+    )
+    return record, draft

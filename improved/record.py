@@ -1,0 +1,160 @@
+"""A proposal's cached state and how its status follows from the audit chain (DESIGN §4).
+
+The record is a cache: `status` and `stage` are never taken from a message, only folded from the
+trailers the loop wrote (`status_after`). Everything else the stages need — the proposal, its
+decision, its apply outcome, the signals counted — travels with it so a stage is a pure function
+of (record, input).
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import Struct
+
+from .model import ApplyOutcome, Proposal, Trailer, TriageDecision
+
+
+class CountedSignal(Struct, kw_only=True, frozen=True):
+    digest: str
+    kind: str
+    actor: str
+    service: str
+    positive: bool
+    at: int
+    independent: bool
+
+
+class ChainHead(Struct, kw_only=True, frozen=True):
+    """Where the proposal's audit chain ends: its length, last hash and JetStream sequence."""
+
+    length: int = 0
+    last_hash: str = ""
+    stream_seq: int = 0
+
+
+class ProposalRecord(Struct, kw_only=True, frozen=True):
+    proposal_id: str
+    service: str
+    dedup_key: str
+    proposal: Proposal
+    summary_text: str
+    skill: str | None = None  # `<name>:<sha256>` of a skill proposal's definition
+    gate_class: str
+    status: str = "pending"
+    stage: str = "observe"
+    decision: TriageDecision | None = None
+    outcome: ApplyOutcome | None = None
+    apply_attempts: int = 0
+    signals: tuple[CountedSignal, ...] = ()
+    chain: ChainHead = ChainHead()
+    updated_at: int = 0
+
+    def replace(self, **changes) -> ProposalRecord:
+        return msgspec.structs.replace(self, **changes)
+
+    @property
+    def applied_at(self) -> int | None:
+        return self.outcome.at if self.outcome is not None and self.outcome.ok else None
+
+    @property
+    def positives(self) -> int:
+        return sum(1 for s in self.signals if s.positive)
+
+    @property
+    def independent_positives(self) -> int:
+        return sum(1 for s in self.signals if s.positive and s.independent)
+
+
+# Verdicts a trailer carries besides the triage verdicts (documented in docs/protocol.md).
+APPLIED = "applied"
+APPLY_FAILED = "failed"
+SIGNAL = "signal"
+APPROVE = "approve"
+
+
+def status_after(status: str, trailer: Trailer) -> str:
+    """The lifecycle status after one trailer: the whole of how status is derived."""
+    if trailer.to_stage == "propose":
+        return "pending"
+    if trailer.to_stage == "triage":
+        if trailer.verdict == "reject":
+            return "expired" if trailer.cause == "expired" else "rejected"
+        if trailer.verdict == APPROVE:
+            return "approved"
+        return status
+    if trailer.to_stage == "apply" and trailer.verdict == APPLIED:
+        return "applied"
+    return status
+
+
+def fold_status(trailers: list[Trailer]) -> tuple[str, str]:
+    """(status, stage) of a chain, from nothing but its trailers."""
+    status, stage = "pending", "observe"
+    for t in trailers:
+        status = status_after(status, t)
+        stage = t.to_stage
+    return status, stage
+
+
+record_encoder = msgspec.msgpack.Encoder()
+record_decoder = msgspec.msgpack.Decoder(ProposalRecord)
+
+
+def with_trailer(record: ProposalRecord, trailer: Trailer, stream_seq: int) -> ProposalRecord:
+    """The record after `trailer` joined its chain at JetStream sequence `stream_seq`."""
+    return record.replace(
+        status=status_after(record.status, trailer),
+        stage=trailer.to_stage,
+        chain=ChainHead(length=trailer.seq + 1, last_hash=trailer.hash, stream_seq=stream_seq),
+        updated_at=max(record.updated_at, trailer.at),
+    )
+
+
+# -- trailer refs: `name:value` strings that make each trailer self-sufficient for a rebuild ----
+
+def ref(name: str, value: object, *, as_json: bool = False) -> str:
+    """`name:value`; `as_json` keeps a value's type through a rebuild (e.g. a string inverse)."""
+    if as_json or not isinstance(value, str | bool):
+        value = msgspec.json.encode(value, order="sorted").decode()
+    elif isinstance(value, bool):
+        value = "true" if value else "false"
+    return f"{name}:{value}"
+
+
+def refs_of(trailer: Trailer) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for r in trailer.refs:
+        name, _, value = r.partition(":")
+        out.setdefault(name, value)
+    return out
+
+
+def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int]) -> ProposalRecord:
+    """Rebuild a record from its registration and its chain alone (the store is only a cache)."""
+    record = start
+    for trailer, stream_seq in zip(trailers, stream_seqs, strict=True):
+        refs = refs_of(trailer)
+        if trailer.to_stage == "triage" and trailer.verdict in ("accept", "defer", "reject"):
+            record = record.replace(
+                gate_class=trailer.gate_class,
+                decision=TriageDecision(
+                    proposal_id=record.proposal_id, service=record.service,
+                    verdict=trailer.verdict, cause=trailer.cause,
+                    gate_class=trailer.gate_class, rationale=trailer.reason,
+                    actor=trailer.actor, at=trailer.at))
+        elif trailer.to_stage == "apply":
+            ok = trailer.verdict == APPLIED
+            record = record.replace(outcome=ApplyOutcome(
+                proposal_id=record.proposal_id, service=record.service, ok=ok,
+                applied_id=refs.get("applied", ""), authority=trailer.actor,
+                inverse=msgspec.json.decode(refs["inverse"]) if "inverse" in refs else None,
+                rollbackable=refs.get("rollbackable") == "true",
+                error=refs.get("error"), at=trailer.at))
+        elif trailer.to_stage == "learn-back" and trailer.verdict == SIGNAL:
+            record = record.replace(signals=(*record.signals, CountedSignal(
+                digest=refs["signal"], kind=refs.get("kind", ""), actor=trailer.actor,
+                service=refs.get("service", ""), positive=refs.get("positive") == "true",
+                at=int(refs.get("at", trailer.at)),
+                independent=refs.get("independent") == "true")))
+        record = with_trailer(record, trailer, stream_seq)
+    return record

@@ -1,0 +1,84 @@
+"""Stage 3, triage: guards in a fixed order, then the class gate (DESIGN §2, §5).
+
+Order: forbidden target, class, scope, expiry, feedback collapse, class gate — so the cause of a
+decision is deterministic. Pure: (record, policy, clock, grant) → TriageDecision.
+"""
+
+from __future__ import annotations
+
+from . import gradient
+from .audit import REASON_LIMIT, Draft
+from .config import Policy
+from .guards import forbidden_match, self_confirmed, target_paths
+from .model import TriageDecision
+from .record import ProposalRecord
+
+
+def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
+           actor: str) -> TriageDecision:
+    p = record.proposal
+    scheme = gradient.scheme_of(p.target_ref)
+
+    def decision(verdict: str, cause: str | None, rationale: str,
+                 gate_class: str = p.change_class) -> TriageDecision:
+        return TriageDecision(proposal_id=record.proposal_id, service=record.service,
+                              verdict=verdict, cause=cause, gate_class=gate_class,
+                              rationale=rationale[:REASON_LIMIT], actor=actor, at=now)
+
+    hit = forbidden_match(target_paths(p.target_ref, p.target_files), policy.forbidden_targets)
+    if hit is not None:
+        return decision("reject", "forbidden_target",
+                        f"{hit} is a forbidden target (constitution VI); no class may change it")
+    if not gradient.class_fits(p.change_class, scheme, policy.min_class,
+                               policy.fallback_min_class):
+        if p.change_class == "L3":
+            why = "L3 fits skill: targets only"
+        else:
+            least = gradient.min_class(scheme, policy.min_class, policy.fallback_min_class)
+            why = f"{p.change_class} is below the minimum {least} for {scheme}: targets"
+        return decision("reject", "class_mismatch", f"{why}; re-propose at the right class")
+    if not gradient.scope_fits(p.scope, scheme):
+        want = "doc (the charter is a document)" if p.scope == "charter" else \
+            gradient.implied_scope(scheme)
+        return decision("reject", "scope_mismatch",
+                        f"scope {p.scope} does not fit {scheme}: targets (expected {want})")
+    if p.valid_to is not None and p.valid_to <= now:
+        return decision("reject", "expired", f"valid_to {p.valid_to} has passed")
+    if self_confirmed(record.positives, record.independent_positives):
+        return decision("defer", "feedback_collapse",
+                        f"all {record.positives} positive signals come from the proposer's own "
+                        "session; waiting for an independent one")
+    return gate(record, grant_active, decision)
+
+
+def gate(record: ProposalRecord, grant_active: bool, decision) -> TriageDecision:
+    cls = record.proposal.change_class
+    if cls == "L0":
+        return decision("accept", None, "L0 read-only learning applies automatically")
+    if cls == "L1":
+        return decision("accept", None, "L1 is surfaced for review and never applied")
+    if cls == "L3":
+        if grant_active:
+            return decision("accept", None, f"an active grant covers {record.skill}")
+        return decision("defer", "no_grant",
+                        f"no active grant for {record.skill}; gated as L2", gate_class="L2")
+    return decision("defer", "awaiting_operator",
+                    f"{cls} needs a signed operator approval"
+                    + (" per occurrence" if cls == "L4" else ""))
+
+
+def needs_triage(record: ProposalRecord) -> bool:
+    """Untriaged, or deferred as self-confirmed and now independently confirmed."""
+    d = record.decision
+    if d is None:
+        return record.status == "pending"
+    return (d.verdict == "defer" and d.cause == "feedback_collapse"
+            and record.status == "pending"
+            and not self_confirmed(record.positives, record.independent_positives))
+
+
+def transition(record: ProposalRecord, d: TriageDecision) -> tuple[ProposalRecord, Draft]:
+    draft = Draft(from_stage=record.stage, to_stage="triage", actor=d.actor,
+                  observer_type="rec:system", reason=d.rationale, verdict=d.verdict,
+                  cause=d.cause)
+    return record.replace(decision=d, gate_class=d.gate_class, updated_at=d.at), draft
