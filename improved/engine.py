@@ -1,0 +1,302 @@
+"""The imperative shell around the stages: load a proposal's record, let a pure stage decide,
+commit the decision as a trailer, cache the record, publish the retained records, and carry out
+the one side effect (the ApplyOrder).
+
+Every step is idempotent on the proposal id. The chain append is the commit point (see store);
+when it conflicts — a redelivery, a restart after a crash, a second replica — the engine
+re-reads the chain, rebuilds the record from it, and runs the step again, which then finds its
+transition already made and does nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from . import apply as apply_stage
+from . import audit, learnback, propose, triage
+from . import subjects as S
+from .audit import Draft
+from .config import Config
+from .model import ApplyOutcome, ApplyResult, Proposal, ProposalState, Signal, to_json
+from .record import ProposalRecord, replay, with_trailer
+from .store import ChainConflict, StateConflict, Store, trailer_decoder
+
+log = structlog.get_logger("improved.engine")
+
+MAX_CONFLICT_RETRIES = 8
+apply_result_decoder = msgspec.json.Decoder(ApplyResult)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class ServiceUnreachable(Exception):
+    """The owning service did not answer the ApplyOrder; the proposal stays retryable."""
+
+    record: ProposalRecord | None = None
+
+
+# An ingest step: (record or None) → (new record, draft) or None when there is nothing to do.
+Ingest = Callable[[ProposalRecord | None, int], tuple[ProposalRecord, Draft] | None]
+
+
+@dataclass
+class Handled:
+    record: ProposalRecord | None
+    changed: bool
+    counted: object = None  # what the ingest step reported (e.g. a CountedSignal)
+
+
+class Engine:
+    def __init__(self, nc: Client, store: Store, config: Config, actor: str):
+        self.nc = nc
+        self.store = store
+        self.config = config
+        self.policy = config.policy
+        self.actor = actor
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._waiters: dict[str, int] = {}
+
+    # -- per-proposal serialisation within this process -------------------------------------------
+
+    async def _acquire(self, pid: str) -> asyncio.Lock:
+        lock = self._locks.setdefault(pid, asyncio.Lock())
+        self._waiters[pid] = self._waiters.get(pid, 0) + 1
+        await lock.acquire()
+        return lock
+
+    def _release(self, pid: str, lock: asyncio.Lock) -> None:
+        lock.release()
+        self._waiters[pid] -= 1
+        if self._waiters[pid] == 0:
+            del self._waiters[pid]
+            del self._locks[pid]
+
+    # -- entry points --------------------------------------------------------------------------------
+
+    async def submit(self, proposal: Proposal, pid: str, dedup: str,
+                     republish: bool = False, dispatch: bool = True) -> Handled:
+        """Register a proposal (once) and carry it as far as its gate allows (short of the
+        apply when `dispatch` is False: the inbound consumer then carries the apply)."""
+
+        def ingest(record: ProposalRecord | None, now: int):
+            if record is not None:
+                return None
+            return propose.register(proposal, pid, dedup, self.policy, now)
+
+        return await self.handle(proposal.service, pid, ingest, proposal, republish, dispatch)
+
+    async def signal(self, svc: str, signal: Signal, republish: bool = False) -> Handled:
+        """Count a learn-back signal for its proposal, then re-triage if it now may proceed."""
+        box: dict[str, object] = {}
+
+        def ingest(record: ProposalRecord | None, now: int):
+            if record is None:
+                return None
+            step = learnback.observe_signal(record, signal, self.policy, now)
+            if step is None:
+                digest = propose.signal_digest(signal)
+                box["counted"] = next(s for s in record.signals if s.digest == digest)
+                return None
+            new, draft, counted = step
+            box["counted"] = counted
+            return new, draft
+
+        handled = await self.handle(svc, signal.proposal_id, ingest, None, republish)
+        handled.counted = box.get("counted")
+        return handled
+
+    async def report(self, svc: str, pid: str, result: ApplyResult) -> tuple[Handled, bool]:
+        """An asynchronous ApplyReport; (handled, whether it was taken as the apply result)."""
+        taken = False
+
+        def ingest(record: ProposalRecord | None, now: int):
+            nonlocal taken
+            if record is None or not apply_stage.needs_apply(record):
+                return None
+            taken = True
+            return apply_stage.transition(record, result,
+                                          apply_stage.authority(record, self.policy), now)
+
+        handled = await self.handle(svc, pid, ingest, None, False)
+        return handled, taken
+
+    async def advance(self, svc: str, pid: str, republish: bool = False) -> Handled:
+        """No new input: carry the proposal on (triage request, apply retry)."""
+        return await self.handle(svc, pid, lambda record, now: None, None, republish)
+
+    async def handle(self, svc: str, pid: str, ingest: Ingest, proposal: Proposal | None,
+                     republish: bool, dispatch: bool = True) -> Handled:
+        lock = await self._acquire(pid)
+        try:
+            for _ in range(MAX_CONFLICT_RETRIES):
+                try:
+                    record, rev = await self.store.load(svc, pid)
+                    before = record
+                    now = now_ms()
+                    step = ingest(record, now)
+                    if step is not None:
+                        record, rev = await self._commit(*step, rev, now)
+                    if record is None:
+                        return Handled(None, False)
+                    try:
+                        record, rev = await self._advance(record, rev, dispatch)
+                    except ServiceUnreachable as exc:
+                        # What was decided stands and is published; the apply waits.
+                        if exc.record is not None and (exc.record != before or republish):
+                            await self.publish(exc.record)
+                        raise
+                    changed = record != before
+                    if changed or republish:
+                        await self.publish(record)
+                    return Handled(record, changed)
+                except (ChainConflict, StateConflict) as exc:
+                    log.info("conflict, rebuilding from the chain", proposal_id=pid,
+                             kind=type(exc).__name__)
+                    await self.resync(svc, pid, proposal)
+                    republish = True
+            raise RuntimeError(f"proposal {pid}: still conflicting after "
+                               f"{MAX_CONFLICT_RETRIES} attempts")
+        finally:
+            self._release(pid, lock)
+
+    # -- the steps -----------------------------------------------------------------------------------
+
+    async def _commit(self, record: ProposalRecord, draft: Draft, rev: int,
+                      at: int) -> tuple[ProposalRecord, int]:
+        """Seal `draft` at `at` (the instant the stage decided), append it, cache the record."""
+        trailer = audit.seal(draft, record, at)
+        seq = await self.store.append(record, trailer)
+        record = with_trailer(record, trailer, seq)
+        rev = await self.store.save(record, rev)
+        log.info("transition", proposal_id=record.proposal_id, stage=trailer.to_stage,
+                 **{"class": record.gate_class}, verdict=trailer.verdict, cause=trailer.cause,
+                 status=record.status, seq=trailer.seq)
+        return record, rev
+
+    async def _advance(self, record: ProposalRecord, rev: int,
+                       dispatch: bool) -> tuple[ProposalRecord, int]:
+        for _ in range(8):
+            now = now_ms()
+            if triage.needs_triage(record) or (apply_stage.needs_apply(record)
+                                               and apply_stage.expired(record, now)):
+                grant = False
+                if record.proposal.change_class == "L3":
+                    grant = await self.store.grant_active(record.skill, now)
+                decision = triage.decide(record, self.policy, now, grant, self.actor)
+                record, rev = await self._commit(*triage.transition(record, decision), rev, now)
+                continue
+            if dispatch and apply_stage.needs_apply(record):
+                by = apply_stage.authority(record, self.policy)
+                try:
+                    result = await self._dispatch(record)
+                except ServiceUnreachable as exc:
+                    exc.record = record
+                    raise
+                at = now_ms()
+                record, rev = await self._commit(
+                    *apply_stage.transition(record, result, by, at), rev, at)
+                continue
+            break
+        return record, rev
+
+    async def _dispatch(self, record: ProposalRecord) -> ApplyResult:
+        """Send the ApplyOrder with a timeout and bounded retries; the service is idempotent on
+        the proposal id, so a retry after a lost reply applies nothing twice."""
+        settings = self.config.apply
+        last_error = "no attempt"
+        for attempt in range(1, settings.attempts + 1):
+            order = apply_stage.order(record, self.policy, record.apply_attempts + attempt)
+            try:
+                reply = await self.nc.request(S.apply_request(record.service), to_json(order),
+                                              timeout=settings.timeout_s)
+            except NoRespondersError:
+                last_error = f"no service answers {S.apply_request(record.service)}"
+            except NatsTimeout:
+                last_error = f"{S.apply_request(record.service)} timed out"
+            else:
+                return parse_apply_reply(reply.data)
+            log.warning("apply attempt failed", proposal_id=record.proposal_id,
+                        attempt=attempt, error=last_error)
+            await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
+        raise ServiceUnreachable(last_error)
+
+    # -- rebuilding from the chain -------------------------------------------------------------------
+
+    async def resync(self, svc: str, pid: str, proposal: Proposal | None) -> ProposalRecord | None:
+        """Make the cached record equal to what the chain says (the chain is authoritative)."""
+        cached, rev = await self.store.load(svc, pid)
+        source = cached.proposal if cached is not None else proposal
+        if source is None:
+            return None
+        rebuilt = await self.rebuild(source, pid)
+        if rebuilt is not None and rebuilt != cached:
+            try:
+                await self.store.save(rebuilt, rev)
+            except StateConflict:
+                pass  # someone else just saved; the next attempt re-reads
+        return rebuilt
+
+    async def rebuild(self, proposal: Proposal, pid: str) -> ProposalRecord | None:
+        _, dedup = propose.identify(proposal)
+        start, _ = propose.register(proposal, pid, dedup, self.policy, 0)
+        chain = await self.store.read_chain(proposal.service, pid)
+        if not chain:
+            return None
+        trailers = [trailer_decoder.decode(to_json(body)) for _, body in chain]
+        return replay(start, trailers, [seq for seq, _ in chain])
+
+    # -- retained records ----------------------------------------------------------------------------
+
+    async def publish(self, record: ProposalRecord) -> None:
+        svc, pid = record.service, record.proposal_id
+        jobs = [self.store.publish(S.proposal_state(svc, pid), state_of(record))]
+        if record.decision is not None:
+            jobs.append(self.store.publish(S.triage_decision(svc, pid), record.decision))
+        if record.outcome is not None:
+            jobs.append(self.store.publish(S.apply_outcome(svc, pid), record.outcome))
+        if len(record.signals) > len(record.proposal.signals or ()):
+            jobs.append(self.store.publish(S.learn_back(svc, pid),
+                                           learnback.summary(record, record.updated_at)))
+        await asyncio.gather(*jobs)
+
+    async def publish_unreachable(self, record: ProposalRecord, error: str) -> None:
+        """Tell watchers the apply is stuck, without a trailer: nothing transitioned."""
+        outcome = ApplyOutcome(proposal_id=record.proposal_id, service=record.service, ok=False,
+                               applied_id="", authority=apply_stage.authority(record, self.policy),
+                               error=f"unreachable: {error}", at=now_ms())
+        await self.store.publish(S.apply_outcome(record.service, record.proposal_id), outcome)
+
+
+def parse_apply_reply(data: bytes) -> ApplyResult:
+    """An ApplyResult, or the service's error reply turned into a failed result."""
+    try:
+        return apply_result_decoder.decode(data)
+    except msgspec.MsgspecError:
+        pass
+    try:
+        err = msgspec.json.decode(data).get("error", {})
+        message = err.get("message") or err.get("code") or "error reply"
+    except (msgspec.MsgspecError, AttributeError):
+        message = "the service answered with something that is not an ApplyResult"
+    return ApplyResult(ok=False, error=str(message)[:500])
+
+
+def state_of(record: ProposalRecord) -> ProposalState:
+    p = record.proposal
+    return ProposalState(
+        proposal_id=record.proposal_id, service=record.service, target_ref=p.target_ref,
+        change_class=p.change_class, gate_class=record.gate_class, scope=p.scope,
+        dedup_key=record.dedup_key, stage=record.stage, status=record.status,
+        summary_text=record.summary_text, updated_at=record.updated_at,
+    )

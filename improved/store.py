@@ -1,0 +1,214 @@
+"""JetStream streams, the state bucket, and the chain append (DESIGN §7 "store").
+
+Three streams and one bucket, created idempotently:
+- IMPROVE_IN: inbound requests (`improve.proposals.<svc>`, …), kept so nothing is lost while no
+  daemon runs; one durable pull consumer shared by every replica.
+- IMPROVE_RECORDS: retained records, one message per subject (the current state).
+- IMPROVE_AUDIT: the trailers, append-only (deny delete, deny purge, no limits).
+- KV `improved_state`: a cache of each proposal's record, rebuildable from the chain.
+
+The chain append is the commit point of every transition. It carries
+`Nats-Expected-Last-Subject-Sequence`, so a trailer joins the chain only if nothing joined since
+the writer last looked: a redelivery, a restart or a second replica gets a conflict instead of a
+duplicate trailer, re-reads the chain, and finds its transition already made.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js import api as jsapi
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
+
+from . import subjects as S
+from .model import Grant, Trailer, to_json
+from .record import ProposalRecord, record_decoder, record_encoder
+
+WRONG_LAST_SEQUENCE = 10071
+INBOUND_MAX_AGE_S = 30 * 24 * 3600
+REFUSED_MAX_AGE_S = 30 * 24 * 3600
+
+
+class ChainConflict(Exception):
+    """Someone appended to this chain since we read it."""
+
+
+class StateConflict(Exception):
+    """Someone updated the cached record since we read it."""
+
+
+trailer_decoder = msgspec.json.Decoder(Trailer)
+
+
+def stream_configs(replicas: int = 1) -> list[jsapi.StreamConfig]:
+    return [
+        jsapi.StreamConfig(
+            name=S.STREAM_INBOUND, subjects=list(S.INBOUND_FILTERS),
+            description="improved: inbound proposals, reviews, reports, signals, grants, votes",
+            retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType.FILE,
+            max_age=INBOUND_MAX_AGE_S, duplicate_window=120.0, num_replicas=replicas,
+        ),
+        jsapi.StreamConfig(
+            name=S.STREAM_RECORDS, subjects=list(S.RECORD_FILTERS),
+            description="improved: retained records, the latest per subject is current",
+            retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType.FILE,
+            max_msgs_per_subject=1, allow_direct=True, num_replicas=replicas,
+        ),
+        jsapi.StreamConfig(
+            name=S.STREAM_AUDIT, subjects=[S.AUDIT_FILTER],
+            description="improved: hash-chained audit trailers, append-only",
+            retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType.FILE,
+            deny_delete=True, deny_purge=True, allow_direct=True, num_replicas=replicas,
+        ),
+        jsapi.StreamConfig(
+            name=S.STREAM_REFUSED, subjects=[S.REFUSED_FILTER],
+            description="improved: refused inbound messages (what and why, never the payload)",
+            retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType.FILE,
+            max_age=REFUSED_MAX_AGE_S, max_msgs=100_000, num_replicas=replicas,
+        ),
+    ]
+
+
+def inbound_consumer(ack_wait_s: float = 30.0) -> jsapi.ConsumerConfig:
+    return jsapi.ConsumerConfig(
+        durable_name=S.CONSUMER_INBOUND, ack_policy=jsapi.AckPolicy.EXPLICIT,
+        deliver_policy=jsapi.DeliverPolicy.ALL, ack_wait=ack_wait_s, max_ack_pending=1024,
+        description="improved: the loop's shared work queue",
+    )
+
+
+class Store:
+    def __init__(self, nc: Client, replicas: int = 1):
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.replicas = replicas
+        self.kv = None
+
+    async def ensure(self) -> None:
+        """Create or update every stream, the consumer and the bucket; safe to run twice."""
+        for cfg in stream_configs(self.replicas):
+            try:
+                await self.js.add_stream(cfg)
+            except BadRequestError as exc:
+                if exc.err_code != 10058:  # stream name already in use: bring it up to date
+                    raise
+                await self.js.update_stream(cfg)
+        try:
+            await self.js.add_consumer(S.STREAM_INBOUND, inbound_consumer())
+        except BadRequestError as exc:
+            if exc.err_code not in (10148, 10013):  # exists with another config / name in use
+                raise
+        try:
+            self.kv = await self.js.key_value(S.BUCKET_STATE)
+        except BucketNotFoundError:
+            self.kv = await self.js.create_key_value(
+                bucket=S.BUCKET_STATE, history=1, replicas=self.replicas,
+                description="improved: cached proposal records (rebuildable from the chain)")
+
+    async def bind(self) -> None:
+        """Attach to an existing deployment without creating anything (read-only commands)."""
+        self.kv = await self.js.key_value(S.BUCKET_STATE)
+
+    # -- the state cache -------------------------------------------------------------------------
+
+    async def load(self, svc: str, pid: str) -> tuple[ProposalRecord | None, int]:
+        try:
+            entry = await self.kv.get(S.state_key(svc, pid))
+        except KeyNotFoundError:
+            return None, 0
+        if entry.value is None:
+            return None, entry.revision or 0
+        return record_decoder.decode(entry.value), entry.revision
+
+    async def save(self, record: ProposalRecord, revision: int) -> int:
+        key = S.state_key(record.service, record.proposal_id)
+        data = record_encoder.encode(record)
+        try:
+            if revision == 0:
+                return await self.kv.create(key, data)
+            return await self.kv.update(key, data, last=revision)
+        except KeyWrongLastSequenceError as exc:
+            raise StateConflict(key) from exc
+        except BadRequestError as exc:
+            if exc.err_code in (WRONG_LAST_SEQUENCE, 10164):
+                raise StateConflict(key) from exc
+            raise
+
+    async def keys(self) -> list[str]:
+        try:
+            return await self.kv.keys()
+        except Exception:  # nats-py raises NoKeysError on an empty bucket
+            return []
+
+    # -- the chain -------------------------------------------------------------------------------
+
+    async def append(self, record: ProposalRecord, trailer: Trailer) -> int:
+        """Append a trailer if the chain still ends where `record` says; its stream sequence."""
+        headers = {"Nats-Expected-Last-Subject-Sequence": str(record.chain.stream_seq)}
+        try:
+            ack = await self.js.publish(S.audit(record.service, record.proposal_id),
+                                        to_json(trailer), headers=headers,
+                                        stream=S.STREAM_AUDIT)
+        except APIError as exc:
+            if exc.err_code == WRONG_LAST_SEQUENCE:
+                raise ChainConflict(record.proposal_id) from exc
+            raise
+        return ack.seq
+
+    async def read_chain(self, svc: str, pid: str) -> list[tuple[int, dict[str, Any]]]:
+        """Every trailer of one chain as (stream sequence, raw JSON body), in order."""
+        subject = S.audit(svc, pid)
+        out: list[tuple[int, dict[str, Any]]] = []
+        seq = 1
+        while True:
+            try:
+                msg = await self.js.get_msg(S.STREAM_AUDIT, seq=seq, subject=subject,
+                                            next=True, direct=True)
+            except NotFoundError:
+                return out
+            out.append((msg.seq, msgspec.json.decode(msg.data)))
+            seq = msg.seq + 1
+
+    # -- retained records ------------------------------------------------------------------------
+
+    async def publish(self, subject: str, record: Any) -> None:
+        await self.js.publish(subject, to_json(record), stream=S.STREAM_RECORDS)
+
+    async def last(self, subject: str) -> bytes | None:
+        try:
+            msg = await self.js.get_msg(S.STREAM_RECORDS, subject=subject, direct=True)
+        except NotFoundError:
+            return None
+        return msg.data
+
+    async def grant_active(self, identity: str | None, now_ms: int) -> bool:
+        """An active, unexpired grant for exactly `<name>:<sha256>`; never a lookup by name."""
+        if not identity or ":" not in identity:
+            return False
+        name, digest = identity.split(":", 1)
+        data = await self.last(S.grant_record(name, digest))
+        if not data:
+            return False
+        try:
+            grant = msgspec.json.decode(data, type=Grant)
+        except msgspec.MsgspecError:
+            return False
+        return (grant.active and grant.skill == identity
+                and (grant.expires_at is None or grant.expires_at > now_ms))
+
+    # -- refusals --------------------------------------------------------------------------------
+
+    async def refuse(self, svc: str, entry: dict[str, Any]) -> None:
+        entry = {**entry, "at": int(time.time() * 1000)}
+        await self.js.publish(S.refused(svc), to_json(entry), stream=S.STREAM_REFUSED)
