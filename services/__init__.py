@@ -1,0 +1,1 @@
+"""Reference mesh services and the client SDK they use."""
