@@ -1,0 +1,109 @@
+"""The command line as an operator uses it: the embedded server, propose, show, audit verify,
+--help, and a clean exit on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal as signals
+import subprocess
+import sys
+import time
+
+import pytest
+
+from improved import bus
+
+from .factories import rank_proposal, skill_proposal
+
+IMPROVED = [sys.executable, "-m", "improved.cli"]
+ENV = {**os.environ, "IMPROVED_CONFIG": ""}
+
+
+def improved(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*IMPROVED, *args], capture_output=True, text=True, timeout=60,
+                          env=ENV, **kw)
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["propose"], ["show"], ["audit", "verify"]])
+def test_every_command_explains_itself(command):
+    result = improved(*command, "--help")
+    assert result.returncode == 0
+    assert "usage: improved" in result.stdout
+    assert len(result.stdout.split()) > 20
+
+
+def test_a_missing_config_file_is_a_clear_error():
+    result = improved("run", "--config", "/nonexistent/improved.toml")
+    assert result.returncode == 2
+    assert "config file not found: /nonexistent/improved.toml" in result.stderr
+
+
+def test_an_unreachable_server_is_a_clear_error(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(_builtins(rank_proposal("cli"))))
+    result = improved("propose", "--nats", f"nats://127.0.0.1:{bus.free_port()}", str(p))
+    assert result.returncode == 2
+    assert "cannot reach NATS" in result.stderr
+
+
+def _builtins(proposal) -> dict:
+    import msgspec
+
+    return msgspec.to_builtins(proposal)
+
+
+def test_run_propose_show_verify_and_stop(tmp_path):
+    port = bus.free_port()
+    data_dir = tmp_path / "data"
+    daemon = subprocess.Popen([*IMPROVED, "run", "--data-dir", str(data_dir), "--port",
+                               str(port)], stderr=subprocess.PIPE, text=True, env=ENV)
+    url = f"nats://127.0.0.1:{port}"
+    try:
+        banner = daemon.stderr.readline()
+        assert f"listening on {url}" in banner and "sync=always" in banner
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            line = daemon.stderr.readline()
+            if "ready as improved:" in line:
+                break
+        else:
+            pytest.fail("the daemon never said it was ready")
+        assert (data_dir / "jetstream").is_dir()
+
+        rank = tmp_path / "rank.json"
+        rank.write_text(json.dumps(_builtins(rank_proposal("clisvc"))))
+        skill = tmp_path / "skill.json"
+        skill.write_text(json.dumps(_builtins(skill_proposal("clisvc"))))
+        first = improved("propose", "--nats", url, str(rank))
+        assert first.returncode == 0, first.stderr
+        reply = json.loads(first.stdout)
+        assert re.fullmatch(r"[0-9a-f]{64}", reply["proposal_id"])
+        second = improved("propose", "--nats", url, "-", input=skill.read_text())
+        assert json.loads(second.stdout)["status"] == "pending"
+
+        bad = improved("propose", "--nats", url, "-",
+                       input=json.dumps({**_builtins(skill_proposal("clisvc")),
+                                         "rec_status": "approved"}))
+        assert bad.returncode == 1
+        assert json.loads(bad.stdout)["error"]["code"] == "status_forbidden"
+
+        shown = improved("show", "--nats", url, json.loads(second.stdout)["proposal_id"])
+        assert shown.returncode == 0, shown.stderr
+        view = json.loads(shown.stdout)
+        assert view["chain"] == "verified"
+        assert view["decision"]["cause"] == "awaiting_operator"
+        assert [t["to_stage"] for t in view["trailers"]] == ["propose", "triage"]
+
+        verified = improved("audit", "verify", "--nats", url)
+        assert verified.returncode == 0, verified.stderr
+        assert "2/2 chains verified" in verified.stdout
+        one = improved("audit", "verify", "--nats", url, reply["proposal_id"])
+        assert "1/1 chains verified" in one.stdout
+        missing = improved("show", "--nats", url, "f" * 64)
+        assert missing.returncode == 1 and "no proposal" in missing.stderr
+    finally:
+        daemon.send_signal(signals.SIGTERM)
+        code = daemon.wait(30)
+    assert code == 0
