@@ -34,8 +34,9 @@ def expired(record: ProposalRecord, now: int) -> bool:
 
 
 def authority(record: ProposalRecord, policy: Policy) -> str:
-    """Auto-applies run under the configured policy principal, never the analyzer's."""
-    return policy.policy_principal
+    """The approving principal's authority; auto-applies run under the configured policy
+    principal. Never the analyzer's."""
+    return record.approved_by or policy.policy_principal
 
 
 def order(record: ProposalRecord, policy: Policy, attempt: int) -> ApplyOrder:

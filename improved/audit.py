@@ -16,7 +16,7 @@ import msgspec
 
 from . import canonical
 from .model import Trailer
-from .record import ProposalRecord
+from .record import ChainHead, ProposalRecord
 
 REASON_LIMIT = 500
 
@@ -41,14 +41,20 @@ def trailer_hash(body: dict[str, Any]) -> str:
 
 
 def seal(draft: Draft, record: ProposalRecord, at: int) -> Trailer:
-    head = record.chain
+    return seal_next(draft, record.proposal_id, record.chain, record.gate_class,
+                     record.proposal.scope, at)
+
+
+def seal_next(draft: Draft, chain_id: str, head: ChainHead, gate_class: str, scope: str,
+              at: int) -> Trailer:
+    """The next trailer of the chain `chain_id` that ends at `head`."""
     t = Trailer(
-        proposal_id=record.proposal_id,
+        proposal_id=chain_id,
         seq=head.length,
         from_stage=draft.from_stage,
         to_stage=draft.to_stage,
-        gate_class=record.gate_class,
-        scope=record.proposal.scope,
+        gate_class=gate_class,
+        scope=scope,
         verdict=draft.verdict,
         cause=draft.cause,
         actor=draft.actor,
@@ -56,7 +62,7 @@ def seal(draft: Draft, record: ProposalRecord, at: int) -> Trailer:
         reason=draft.reason[:REASON_LIMIT],
         refs=list(draft.refs),
         at=at,
-        prev=head.last_hash or record.proposal_id,
+        prev=head.last_hash or chain_id,
     )
     return msgspec.structs.replace(t, hash=trailer_hash(msgspec.to_builtins(t)))
 

@@ -14,6 +14,10 @@ fallback_min_class = "L2"            # for schemes not listed anywhere
 policy_principal = "policy:auto"     # authority of auto-applies (L0, L3 with grant)
 effect_window_ms = 86400000          # a world signal counts if it lands this soon after apply
 
+[trust]                              # keys whose signed acts count, bound to their principal
+operators = { "operator:alice" = "<base64 of the raw 32-byte Ed25519 public key>" }
+act_max_age_s = 86400                # a signed act older than this (by its `at`) is refused
+
 [apply]
 timeout_s = 5.0                      # one ApplyOrder request
 attempts = 3                         # requests per delivery before backing off
@@ -30,6 +34,7 @@ from pathlib import Path
 
 from .gradient import CLASSES, FALLBACK_MIN_CLASS
 from .guards import DEFAULT_FORBIDDEN
+from .signing import TrustStore
 
 
 class ConfigError(ValueError):
@@ -53,6 +58,15 @@ class ApplySettings:
 
 
 @dataclass(frozen=True)
+class Trust:
+    operators: dict[str, str] = field(default_factory=dict)
+    act_max_age_s: float = 24 * 3600.0
+
+    def store(self) -> TrustStore:
+        return TrustStore.from_config(self.operators)
+
+
+@dataclass(frozen=True)
 class Config:
     nats_url: str | None = None
     data_dir: Path = Path(".improved")
@@ -61,6 +75,7 @@ class Config:
     max_message_bytes: int = 256 * 1024
     policy: Policy = field(default_factory=Policy)
     apply: ApplySettings = field(default_factory=ApplySettings)
+    trust: Trust = field(default_factory=Trust)
 
 
 def _check_class(name: str, value: object) -> str:
@@ -70,7 +85,8 @@ def _check_class(name: str, value: object) -> str:
 
 
 def parse(doc: dict) -> Config:
-    known = {"nats_url", "data_dir", "port", "sync", "max_message_bytes", "policy", "apply"}
+    known = {"nats_url", "data_dir", "port", "sync", "max_message_bytes", "policy", "apply",
+             "trust"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
@@ -95,6 +111,15 @@ def parse(doc: dict) -> Config:
     )
     if ap:
         raise ConfigError(f"unknown apply keys: {', '.join(sorted(ap))}")
+    tr = dict(doc.get("trust", {}))
+    trust = Trust(operators={str(k): str(v) for k, v in dict(tr.pop("operators", {})).items()},
+                  act_max_age_s=float(tr.pop("act_max_age_s", 24 * 3600.0)))
+    if tr:
+        raise ConfigError(f"unknown trust keys: {', '.join(sorted(tr))}")
+    try:
+        trust.store()
+    except ValueError as exc:
+        raise ConfigError(f"trust.operators: {exc}") from None
     return Config(
         nats_url=doc.get("nats_url"),
         data_dir=Path(doc.get("data_dir", ".improved")),
@@ -103,6 +128,7 @@ def parse(doc: dict) -> Config:
         max_message_bytes=int(doc.get("max_message_bytes", 256 * 1024)),
         policy=policy,
         apply=apply,
+        trust=trust,
     )
 
 

@@ -12,7 +12,10 @@ proposal left retryable; anything unexpected → nak and a log line. No message 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import os
+import re
 import signal as signals
 import uuid
 from collections import defaultdict
@@ -29,11 +32,13 @@ from nats.js.errors import FetchTimeoutError
 
 from . import bus, propose, wire
 from . import subjects as S
+from .authority import Act
 from .config import Config
 from .engine import Engine, ServiceUnreachable
 from .model import (
     ApplyReport,
     ApplyResult,
+    Envelope,
     ProposeReply,
     RefineReply,
     Signal,
@@ -41,6 +46,7 @@ from .model import (
     to_json,
 )
 from .observe import Observer, RegressionAnalyzer
+from .signing import envelope_digest
 from .store import Store
 
 log = structlog.get_logger("improved.daemon")
@@ -147,11 +153,18 @@ class Daemon:
         kind, svc = S.token(msg.subject, 1), S.token(msg.subject, 2)
         limit = self.config.max_message_bytes
         redelivered = msg.metadata.num_delivered > 1
+        act = Act(hashlib.sha256(msg.data).hexdigest(), msg.metadata.sequence.stream)
         try:
+            if msg.subject == S.GRANTS:
+                env, claimed = signed_act(msg.data, limit, "skill")
+                act = Act(envelope_digest(env), act.stream_seq)
+                if not isinstance(claimed, str) or not GRANT_SKILL_RE.match(claimed):
+                    raise wire.WireError(wire.INVALID_VALUE, "a grant names `<name>:<sha256>`",
+                                         "skill")
+                return Job(f"grant:{claimed}", lambda: self.engine.grant(env, claimed, act), msg)
             if svc is None or not S.SERVICE_RE.match(svc):
-                if kind in ("grants", "quorum"):
-                    raise wire.WireError("not_supported", "signed grants and quorum votes are "
-                                         "not accepted by this daemon yet")
+                if kind == "quorum":
+                    raise wire.WireError("not_supported", "quorum votes are not accepted yet")
                 raise wire.WireError(wire.INVALID_VALUE, f"bad service token in {msg.subject}")
             if kind == "proposals":
                 proposal = propose.validate(msg.data, svc, limit)
@@ -169,8 +182,12 @@ class Daemon:
                     raise wire.WireError(wire.SUBJECT_MISMATCH, f"service {report.service!r} "
                                          f"disagrees with the subject's {svc!r}", "service")
                 return Job(report.proposal_id, lambda: self._report(report), msg)
-            raise wire.WireError("not_supported", "operator reviews are signed DSSE envelopes, "
-                                 "which this daemon does not accept yet")
+            if kind == "triage":
+                env, pid = review_target(msg.data, limit)
+                if env is not None:
+                    act = Act(envelope_digest(env), act.stream_seq)
+                return Job(pid, lambda: self._review(svc, pid, env, act, msg), msg)
+            raise wire.WireError(wire.INVALID_VALUE, f"no inbound subject {msg.subject}")
         except wire.WireError as err:
             await self._refuse(svc or "_", msg.subject, err, len(msg.data))
             await msg.term()
@@ -215,6 +232,12 @@ class Daemon:
         handled = await self.engine.signal(svc, sig, msg.metadata.num_delivered > 1)
         if handled.record is None:
             raise _ProposalUnknown(f"no proposal {sig.proposal_id} for service {svc}")
+
+    async def _review(self, svc: str, pid: str, env: Envelope | None, act: Act,
+                      msg: Msg) -> None:
+        handled = await self.engine.review(svc, pid, env, act)
+        if handled.record is None:
+            raise _ProposalUnknown(f"no proposal {pid} for service {svc}")
 
     async def _report(self, report: ApplyReport) -> None:
         """An asynchronous apply result: accepted only while the proposal awaits its apply."""
@@ -323,6 +346,40 @@ class _ProposalUnknown(Exception):
     pass
 
 
+GRANT_SKILL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}:[0-9a-f]{64}$")
+
+
+def signed_act(data: bytes, limit: int, field: str) -> tuple[Envelope, object]:
+    """A DSSE envelope and one field of its (not yet verified) payload, to route it."""
+    env = wire.decode(data, Envelope, limit)
+    try:
+        payload = msgspec.json.decode(base64.b64decode(env.payload, validate=True))
+    except (ValueError, msgspec.MsgspecError):
+        raise wire.WireError(wire.INVALID_VALUE, "the envelope's payload is not base64 JSON",
+                             "payload") from None
+    if not isinstance(payload, dict):
+        raise wire.WireError(wire.INVALID_TYPE, "the signed payload is not an object", "payload")
+    return env, payload.get(field)
+
+
+def review_target(data: bytes, limit: int) -> tuple[Envelope | None, str]:
+    """(envelope or None when unsigned, the proposal id the review names)."""
+    try:
+        env, pid = signed_act(data, limit, "proposal_id")
+    except wire.WireError as err:
+        try:  # a bare, unsigned review still names its proposal: refuse it on that chain
+            bare = msgspec.json.decode(data)
+        except msgspec.MsgspecError:
+            raise err from None
+        if not (isinstance(bare, dict) and isinstance(bare.get("proposal_id"), str)):
+            raise err from None
+        env, pid = None, bare["proposal_id"]
+    if not isinstance(pid, str) or not S.ID_RE.match(pid):
+        raise wire.WireError(wire.INVALID_VALUE, "a review names a 64-hex proposal_id",
+                             "proposal_id")
+    return env, pid
+
+
 def capabilities() -> dict[str, Any]:
     """What `improved.spec.get` advertises (SPEC 07 §5 / SPEC 09 §9)."""
     return {
@@ -339,7 +396,7 @@ def capabilities() -> dict[str, Any]:
             "audit": S.AUDIT_FILTER,
         },
         "classes": ["L0", "L1", "L2", "L3", "L4"],
-        "signed_acts": False,
+        "signed_acts": ["review", "grant"],
         "quorum": False,
     }
 

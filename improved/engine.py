@@ -22,12 +22,26 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from . import apply as apply_stage
-from . import audit, learnback, propose, triage
+from . import audit, authority, canonical, learnback, propose, triage
 from . import subjects as S
 from .audit import Draft
+from .authority import Act
 from .config import Config
-from .model import ApplyOutcome, ApplyResult, Proposal, ProposalState, Signal, to_json
-from .record import ProposalRecord, replay, with_trailer
+from .model import (
+    ApplyOutcome,
+    ApplyResult,
+    Envelope,
+    Grant,
+    GrantCommand,
+    Proposal,
+    ProposalState,
+    Review,
+    Signal,
+    Trailer,
+    to_json,
+)
+from .record import ChainHead, ProposalRecord, refs_of, replay, with_trailer
+from .signing import PAYLOAD_TYPES, ActRefused
 from .store import ChainConflict, StateConflict, Store, trailer_decoder
 
 log = structlog.get_logger("improved.engine")
@@ -64,6 +78,8 @@ class Engine:
         self.config = config
         self.policy = config.policy
         self.actor = actor
+        self.trust = config.trust.store()
+        self.max_act_age_ms = int(config.trust.act_max_age_s * 1000)
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiters: dict[str, int] = {}
 
@@ -94,7 +110,10 @@ class Engine:
                 return None
             return propose.register(proposal, pid, dedup, self.policy, now)
 
-        return await self.handle(proposal.service, pid, ingest, proposal, republish, dispatch)
+        handled = await self.handle(proposal.service, pid, ingest, proposal, republish, dispatch)
+        if handled.changed or republish:
+            await self.store.set_dedup_head(proposal.service, dedup, pid, proposal.created_at)
+        return handled
 
     async def signal(self, svc: str, signal: Signal, republish: bool = False) -> Handled:
         """Count a learn-back signal for its proposal, then re-triage if it now may proceed."""
@@ -130,6 +149,79 @@ class Engine:
 
         handled = await self.handle(svc, pid, ingest, None, False)
         return handled, taken
+
+    async def review(self, svc: str, pid: str, env: Envelope | None, act: Act) -> Handled:
+        """An operator's signed review; unsigned (`env` None), bad or replayed ones are refused
+        on the proposal's chain and move nothing."""
+        record, _ = await self.store.load(svc, pid)
+        if record is None:
+            return Handled(None, False)
+        head = await self.store.dedup_head(svc, record.dedup_key)
+        superseded = (head is not None and head["proposal_id"] != pid
+                      and head["created_at"] >= record.proposal.created_at)
+
+        def ingest(record: ProposalRecord | None, now: int):
+            if record is None:
+                return None
+            kind = authority.seen(record, act)
+            if kind == "redelivery":
+                return None
+            if kind == "replay":
+                return authority.refusal(record, act, "replayed",
+                                         "this signed act was already used", self.actor)
+            if env is None:
+                return authority.refusal(record, act, "unsigned", "a review must be a signed "
+                                         "DSSE envelope", self.actor)
+            try:
+                verified, rv = authority.check_signed(
+                    self.trust, env, PAYLOAD_TYPES["review"], Review, now, self.max_act_age_ms)
+            except ActRefused as refused:
+                return authority.refusal(record, act, refused.code, refused.reason, self.actor)
+            return authority.review(record, act, verified, rv, superseded, self.actor, now)
+
+        handled = await self.handle(svc, pid, ingest, None, False)
+        rec = handled.record
+        if handled.changed and rec is not None and rec.decision is not None \
+                and rec.decision.verdict == "reject" and rec.decision.cause is None:
+            await self.store.ledger_put(svc, rec.dedup_key, {
+                "proposal_id": pid, "principal": rec.decision.actor,
+                "reason": rec.decision.rationale, "at": rec.decision.at,
+                "evidence": evidence_digest(rec.proposal)})
+        return handled
+
+    async def grant(self, env: Envelope, skill: str, act: Act) -> Grant | None:
+        """A signed grant or revoke for `<name>:<sha256>`: chained per hash, then retained."""
+        sha = skill.split(":", 1)[1]
+        subject = S.grant_audit(sha)
+        for _ in range(MAX_CONFLICT_RETRIES):
+            chain = await self.store.read_chain_at(subject)
+            trailers = [trailer_decoder.decode(to_json(body)) for _, body in chain]
+            acts = [(r["act"], int(r["act_seq"])) for r in map(refs_of, trailers) if "act" in r]
+            now = now_ms()
+            verified = cmd = refused = None
+            try:
+                verified, cmd = authority.check_signed(
+                    self.trust, env, PAYLOAD_TYPES["grant"], GrantCommand, now,
+                    self.max_act_age_ms)
+            except ActRefused as exc:
+                refused = exc
+            draft = authority.grant_act(acts, act, verified, cmd, refused, self.actor)
+            if draft is None:
+                break
+            head = ChainHead(length=len(chain), last_hash=chain[-1][1]["hash"] if chain else "",
+                             stream_seq=chain[-1][0] if chain else 0)
+            trailer = audit.seal_next(draft, sha, head, "L3", "knowledge", now)
+            try:
+                await self.store.append_to(subject, trailer, head.stream_seq)
+            except ChainConflict:
+                continue
+            log.info("grant act", skill=skill, verdict=trailer.verdict, reason=trailer.reason)
+            trailers.append(trailer)
+            break
+        state = grant_state(trailers)
+        if state is not None:
+            await self.store.publish(S.grant_record(*state.skill.split(":", 1)), state)
+        return state
 
     async def advance(self, svc: str, pid: str, republish: bool = False) -> Handled:
         """No new input: carry the proposal on (triage request, apply retry)."""
@@ -194,6 +286,13 @@ class Engine:
                 if record.proposal.change_class == "L3":
                     grant = await self.store.grant_active(record.skill, now)
                 decision = triage.decide(record, self.policy, now, grant, self.actor)
+                record, rev = await self._commit(*triage.transition(record, decision), rev, now)
+                continue
+            if (dispatch and apply_stage.needs_apply(record) and record.approved_by is None
+                    and record.gate_class == "L3"
+                    and not await self.store.grant_active(record.skill, now)):
+                # revoked since triage: the very next apply is stopped, gated as L2 again
+                decision = triage.decide(record, self.policy, now, False, self.actor)
                 record, rev = await self._commit(*triage.transition(record, decision), rev, now)
                 continue
             if dispatch and apply_stage.needs_apply(record):
@@ -276,6 +375,28 @@ class Engine:
                                applied_id="", authority=apply_stage.authority(record, self.policy),
                                error=f"unreachable: {error}", at=now_ms())
         await self.store.publish(S.apply_outcome(record.service, record.proposal_id), outcome)
+
+
+def evidence_digest(proposal: Proposal) -> str:
+    """What a rejection was made on: refreshed evidence re-enters review (DESIGN §4)."""
+    return canonical.digest({
+        "derived_from": proposal.derived_from,
+        "signals": msgspec.to_builtins(proposal.signals) if proposal.signals else None,
+        "metric_snapshot": msgspec.to_builtins(proposal.metric_snapshot)
+        if proposal.metric_snapshot else None,
+        "evidence_query": proposal.evidence_query,
+    })
+
+
+def grant_state(trailers: list[Trailer]) -> Grant | None:
+    """The current grant of a skill hash: its last counted grant or revoke act."""
+    for t in reversed(trailers):
+        if t.verdict in ("grant", "revoke"):
+            refs = refs_of(t)
+            return Grant(skill=refs["skill"], active=t.verdict == "grant", principal=t.actor,
+                         reason=t.reason, at=t.at,
+                         expires_at=int(refs["expires_at"]) if "expires_at" in refs else None)
+    return None
 
 
 def parse_apply_reply(data: bytes) -> ApplyResult:

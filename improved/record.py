@@ -45,6 +45,8 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
     decision: TriageDecision | None = None
     outcome: ApplyOutcome | None = None
     apply_attempts: int = 0
+    approved_by: str | None = None  # the principal whose signed approval the apply runs under
+    acts: tuple[tuple[str, int], ...] = ()  # (envelope digest, stream sequence) of signed acts seen
     signals: tuple[CountedSignal, ...] = ()
     chain: ChainHead = ChainHead()
     updated_at: int = 0
@@ -70,6 +72,7 @@ APPLIED = "applied"
 APPLY_FAILED = "failed"
 SIGNAL = "signal"
 APPROVE = "approve"
+REFUSED = "refused"  # a signed act that did not count; the status does not move
 
 
 def status_after(status: str, trailer: Trailer) -> str:
@@ -134,7 +137,14 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
     record = start
     for trailer, stream_seq in zip(trailers, stream_seqs, strict=True):
         refs = refs_of(trailer)
-        if trailer.to_stage == "triage" and trailer.verdict in ("accept", "defer", "reject"):
+        if "act" in refs:
+            record = record.replace(acts=(*record.acts, (refs["act"], int(refs["act_seq"]))))
+        if trailer.to_stage == "triage" and trailer.verdict == APPROVE:
+            record = record.replace(approved_by=trailer.actor, decision=TriageDecision(
+                proposal_id=record.proposal_id, service=record.service, verdict="accept",
+                cause=None, gate_class=trailer.gate_class, rationale=trailer.reason,
+                actor=trailer.actor, at=trailer.at))
+        elif trailer.to_stage == "triage" and trailer.verdict in ("accept", "defer", "reject"):
             record = record.replace(
                 gate_class=trailer.gate_class,
                 decision=TriageDecision(

@@ -109,16 +109,64 @@ class Store:
         except BadRequestError as exc:
             if exc.err_code not in (10148, 10013):  # exists with another config / name in use
                 raise
+        self.kv = await self._bucket(S.BUCKET_STATE, "cached proposal records (rebuildable "
+                                     "from the chain)")
+        self.dedup = await self._bucket(S.BUCKET_DEDUP, "newest proposal per dedup_key")
+        self.ledger = await self._bucket(S.BUCKET_LEDGER, "the rejection ledger by dedup_key")
+
+    async def _bucket(self, name: str, what: str):
         try:
-            self.kv = await self.js.key_value(S.BUCKET_STATE)
+            return await self.js.key_value(name)
         except BucketNotFoundError:
-            self.kv = await self.js.create_key_value(
-                bucket=S.BUCKET_STATE, history=1, replicas=self.replicas,
-                description="improved: cached proposal records (rebuildable from the chain)")
+            return await self.js.create_key_value(bucket=name, history=1,
+                                                  replicas=self.replicas,
+                                                  description=f"improved: {what}")
 
     async def bind(self) -> None:
         """Attach to an existing deployment without creating anything (read-only commands)."""
         self.kv = await self.js.key_value(S.BUCKET_STATE)
+        self.dedup = await self.js.key_value(S.BUCKET_DEDUP)
+        self.ledger = await self.js.key_value(S.BUCKET_LEDGER)
+
+    # -- supersession and the rejection ledger ----------------------------------------------------
+
+    async def dedup_head(self, svc: str, dedup: str) -> dict[str, Any] | None:
+        try:
+            entry = await self.dedup.get(S.dedup_key_of(svc, dedup))
+        except KeyNotFoundError:
+            return None
+        return msgspec.json.decode(entry.value) if entry.value else None
+
+    async def set_dedup_head(self, svc: str, dedup: str, pid: str, created_at: int) -> None:
+        """Record `pid` as the newest content under `dedup` unless something newer is there."""
+        key = S.dedup_key_of(svc, dedup)
+        value = to_json({"proposal_id": pid, "created_at": created_at})
+        for _ in range(8):
+            try:
+                entry = await self.dedup.get(key)
+            except KeyNotFoundError:
+                entry = None
+            try:
+                if entry is None or entry.value is None:
+                    await self.dedup.create(key, value)
+                    return
+                head = msgspec.json.decode(entry.value)
+                if (head["created_at"], head["proposal_id"]) >= (created_at, pid):
+                    return
+                await self.dedup.update(key, value, last=entry.revision)
+                return
+            except (KeyWrongLastSequenceError, BadRequestError):
+                continue
+
+    async def ledger_put(self, svc: str, dedup: str, entry: dict[str, Any]) -> None:
+        await self.ledger.put(S.dedup_key_of(svc, dedup), to_json(entry))
+
+    async def ledger_get(self, svc: str, dedup: str) -> dict[str, Any] | None:
+        try:
+            entry = await self.ledger.get(S.dedup_key_of(svc, dedup))
+        except KeyNotFoundError:
+            return None
+        return msgspec.json.decode(entry.value) if entry.value else None
 
     # -- the state cache -------------------------------------------------------------------------
 
@@ -155,20 +203,26 @@ class Store:
 
     async def append(self, record: ProposalRecord, trailer: Trailer) -> int:
         """Append a trailer if the chain still ends where `record` says; its stream sequence."""
-        headers = {"Nats-Expected-Last-Subject-Sequence": str(record.chain.stream_seq)}
+        return await self.append_to(S.audit(record.service, record.proposal_id), trailer,
+                                    record.chain.stream_seq)
+
+    async def append_to(self, subject: str, trailer: Trailer, expected_seq: int) -> int:
+        """Append to the chain on `subject` only if its last trailer is at `expected_seq`."""
+        headers = {"Nats-Expected-Last-Subject-Sequence": str(expected_seq)}
         try:
-            ack = await self.js.publish(S.audit(record.service, record.proposal_id),
-                                        to_json(trailer), headers=headers,
+            ack = await self.js.publish(subject, to_json(trailer), headers=headers,
                                         stream=S.STREAM_AUDIT)
         except APIError as exc:
             if exc.err_code == WRONG_LAST_SEQUENCE:
-                raise ChainConflict(record.proposal_id) from exc
+                raise ChainConflict(subject) from exc
             raise
         return ack.seq
 
     async def read_chain(self, svc: str, pid: str) -> list[tuple[int, dict[str, Any]]]:
         """Every trailer of one chain as (stream sequence, raw JSON body), in order."""
-        subject = S.audit(svc, pid)
+        return await self.read_chain_at(S.audit(svc, pid))
+
+    async def read_chain_at(self, subject: str) -> list[tuple[int, dict[str, Any]]]:
         out: list[tuple[int, dict[str, Any]]] = []
         seq = 1
         while True:

@@ -49,6 +49,10 @@ STREAM_AUDIT = "IMPROVE_AUDIT"
 STREAM_REFUSED = "IMPROVED_REFUSED"
 CONSUMER_INBOUND = "improved-loop"
 BUCKET_STATE = "improved_state"
+BUCKET_DEDUP = "improved_dedup"  # dedup_key → the newest proposal under it (supersession)
+BUCKET_LEDGER = "improved_ledger"  # dedup_key → the operator's rejection (the rejection ledger)
+# Grant acts are chained per skill hash under a token no service can have (services start [a-z]).
+GRANT_CHAINS = "_grants"
 
 # Refusals (bad input) are logged here: what was refused and why, never the payload itself.
 REFUSED = "improved.refused"
@@ -97,6 +101,14 @@ def grant_record(name: str, sha256: str) -> str:
 
 def audit(svc: str, pid: str) -> str:
     return f"{AUDIT}.{svc}.{pid}"
+
+
+def grant_audit(sha256: str) -> str:
+    return f"{AUDIT}.{GRANT_CHAINS}.{sha256}"
+
+
+def dedup_key_of(svc: str, dedup: str) -> str:
+    return f"{svc}.{dedup}"
 
 
 def refused(svc: str) -> str:
