@@ -4,24 +4,33 @@
     improved propose FILE|-
     improved show ID
     improved audit verify [ID]
+    improved keys new --principal operator:NAME
+    improved review
+    improved approve|reject ID --reason …
+    improved grant|revoke NAME:SHA256 --reason …
+    improved skill hash FILE
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import structlog
 
-from . import audit, bus
+from . import audit, bus, canonical, signing
 from . import subjects as S
 from .config import Config, ConfigError, load
+from .model import GrantCommand, Review, to_json
 from .store import Store
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -213,6 +222,181 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
     return asyncio.run(_verify(_url(args, _config(args)), args.id))
 
 
+# -- operator authority ------------------------------------------------------------------------
+
+
+def cmd_keys_new(args: argparse.Namespace) -> int:
+    principal = args.principal
+    if not principal.startswith("operator:") or len(principal) <= len("operator:"):
+        print("improved keys new: the principal is operator:NAME", file=sys.stderr)
+        return 2
+    try:
+        path, public = signing.new_key(principal, Path(args.dir) if args.dir else None)
+    except FileExistsError as exc:
+        print(f"improved keys new: {exc}", file=sys.stderr)
+        return 1
+    b64 = base64.b64encode(public).decode()
+    print(f"private key: {path} (keep it; mode 0600)")
+    print(f"keyid:       {signing.keyid_of(public)}")
+    print("add to the daemon's config to trust it:\n")
+    print(f'[trust.operators]\n"{principal}" = "{b64}"')
+    return 0
+
+
+def _signer(args: argparse.Namespace) -> tuple[str, Any]:
+    """(principal, private key) from --key, or from --principal's file in the key directory."""
+    if args.key:
+        key = signing.load_key(Path(args.key))
+        principal = args.principal or Path(args.key).stem.replace("_", ":", 1)
+        return principal, key
+    principal = args.principal or os.environ.get("IMPROVED_PRINCIPAL")
+    if not principal:
+        found = sorted(signing.key_dir().glob("operator_*.pem"))
+        if len(found) != 1:
+            raise SystemExit("improved: say who signs: --principal operator:NAME or --key FILE")
+        principal = found[0].stem.replace("_", ":", 1)
+    return principal, signing.load_key(signing.key_path(principal))
+
+
+async def _publish_act(url: str, subject: str, env) -> None:
+    nc = await bus.connect(url, "improved-cli", persistent=False)
+    try:
+        await nc.jetstream().publish(subject, to_json(env), stream=S.STREAM_INBOUND)
+    finally:
+        await bus.close(nc)
+
+
+async def _locate(url: str, pid: str) -> tuple[str, Any] | None:
+    nc = await bus.connect(url, "improved-cli", persistent=False)
+    try:
+        store = Store(nc)
+        await store.bind()
+        found = await _find(store, pid)
+        if found is None:
+            return None
+        record, _ = await store.load(*found)
+        return found[0], record
+    finally:
+        await bus.close(nc)
+
+
+def cmd_review_act(args: argparse.Namespace) -> int:
+    """approve / reject: sign a Review and publish it on improve.triage.<svc>."""
+    config = _config(args)
+    url = _url(args, config)
+    found = asyncio.run(_locate(url, args.id))
+    if found is None:
+        print(f"improved {args.verdict}: no proposal {args.id}", file=sys.stderr)
+        return 1
+    svc, _ = found
+    principal, key = _signer(args)
+    review = Review(proposal_id=args.id, verdict=args.verdict, principal=principal,
+                    reason=args.reason, at=int(time.time() * 1000))
+    env = signing.sign(signing.PAYLOAD_TYPES["review"], to_json(review), key)
+    asyncio.run(_publish_act(url, S.inbound_review(svc), env))
+    print(f"{args.verdict} of {args.id} signed by {principal} and published; "
+          f"`improved show {args.id}` follows it")
+    return 0
+
+
+def cmd_grant_act(args: argparse.Namespace) -> int:
+    config = _config(args)
+    principal, key = _signer(args)
+    expires = int((time.time() + args.expires_in) * 1000) if args.expires_in else None
+    try:
+        cmd = GrantCommand(op=args.op, skill=args.skill, principal=principal, reason=args.reason,
+                           at=int(time.time() * 1000), expires_at=expires)
+        msgspec.json.decode(to_json(cmd), type=GrantCommand)  # the daemon's own checks
+    except msgspec.ValidationError as exc:
+        print(f"improved {args.op}: {exc}; the skill is NAME:SHA256 "
+              "(see `improved skill hash FILE`)", file=sys.stderr)
+        return 2
+    env = signing.sign(signing.PAYLOAD_TYPES["grant"], to_json(cmd), key)
+    asyncio.run(_publish_act(_url(args, config), S.GRANTS, env))
+    print(f"{args.op} of {args.skill} signed by {principal} and published")
+    return 0
+
+
+def cmd_skill_hash(args: argparse.Namespace) -> int:
+    data = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+    try:
+        doc = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        print(f"improved skill hash: not JSON: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(doc, dict) and isinstance(doc.get("proposal_data"), dict):
+        doc = doc["proposal_data"].get("skill", doc)  # a whole proposal: hash its skill
+    if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
+        print("improved skill hash: expected a skill definition with a name", file=sys.stderr)
+        return 2
+    print(canonical.skill_identity(doc))
+    return 0
+
+
+async def _review_queue(url: str) -> list[dict[str, Any]]:
+    nc = await bus.connect(url, "improved-cli", persistent=False)
+    try:
+        store = Store(nc)
+        await store.bind()
+        queue = []
+        for key in await store.keys():
+            svc, _, pid = key.partition(".")
+            record, _ = await store.load(svc, pid)
+            d = record.decision if record else None
+            if record is None or record.status != "pending" or d is None \
+                    or d.verdict != "defer" or d.cause not in ("awaiting_operator", "no_grant"):
+                continue
+            p = record.proposal
+            queue.append({
+                "proposal_id": pid, "service": svc, "summary": record.summary_text,
+                "class": p.change_class, "gate": record.gate_class, "target": p.target_ref,
+                "cause": d.cause, "rationale": d.rationale, "scope": p.scope,
+                "origin": p.origin.actor, "analyzer": p.analyzer.id, "skill": record.skill,
+                "signals": {"counted": len(record.signals), "positive": record.positives,
+                            "independent_positive": record.independent_positives},
+                "evidence": {"derived_from": len(p.derived_from or ()),
+                             "evidence_query": p.evidence_query,
+                             "metric": msgspec.to_builtins(p.metric_snapshot)
+                             if p.metric_snapshot else None},
+                "target_files": p.target_files or [], "valid_to": p.valid_to,
+                "waiting_since": d.at,
+            })
+        return sorted(queue, key=lambda q: q["waiting_since"])
+    finally:
+        await bus.close(nc)
+
+
+def cmd_review(args: argparse.Namespace) -> int:
+    queue = asyncio.run(_review_queue(_url(args, _config(args))))
+    if args.json:
+        out(queue)
+        return 0
+    if not queue:
+        print("nothing waits for an operator")
+        return 0
+    for q in queue:
+        s = q["signals"]
+        print(f"{q['proposal_id']}  {q['service']}  {q['class']} gated {q['gate']} "
+              f"({q['cause']})")
+        print(f"  {q['summary']}")
+        print(f"  target {q['target']}  scope {q['scope']}"
+              + (f"  skill {q['skill']}" if q["skill"] else ""))
+        print(f"  from {q['origin']} via {q['analyzer']}")
+        print(f"  signals: {s['counted']} counted, {s['positive']} positive, "
+              f"{s['independent_positive']} independent positive")
+        ev = q["evidence"]
+        if ev["derived_from"] or ev["evidence_query"] or ev["metric"]:
+            print(f"  evidence: {ev['derived_from']} grains"
+                  + (f", query {ev['evidence_query']}" if ev["evidence_query"] else "")
+                  + (f", metric {ev['metric']}" if ev["metric"] else ""))
+        if q["target_files"]:
+            print(f"  files: {', '.join(q['target_files'])}")
+        print(f"  why waiting: {q['rationale']}")
+        print(f"  decide: improved approve {q['proposal_id']} --reason '…'   "
+              f"| improved reject {q['proposal_id']} --reason '…'\n")
+    return 0
+
+
 # -- parser -----------------------------------------------------------------------------------------
 
 
@@ -277,6 +461,69 @@ def parser() -> argparse.ArgumentParser:
     common(verify)
     verify.add_argument("id", metavar="ID", nargs="?", help="only this proposal's chain")
     verify.set_defaults(func=cmd_audit_verify)
+
+    def signer(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--reason", required=True, help="why (recorded in the audit trail)")
+        p.add_argument("--principal", metavar="operator:NAME",
+                       help="who signs (default: $IMPROVED_PRINCIPAL, or the only key in "
+                            "the key directory)")
+        p.add_argument("--key", metavar="FILE", help="the private key file to sign with")
+
+    keys = sub.add_parser("keys", help="operator signing keys",
+                          description="Operator signing keys (Ed25519).")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    knew = keys_sub.add_parser(
+        "new", help="create an operator key and print its trust-store entry",
+        description="Create an Ed25519 key for operator:NAME in the key directory "
+                    "($IMPROVED_KEYS, default ~/.config/improved/keys) and print the "
+                    "[trust.operators] entry the daemon's config needs to trust it.")
+    knew.add_argument("--principal", required=True, metavar="operator:NAME")
+    knew.add_argument("--dir", metavar="DIR", help="where to write the key")
+    knew.set_defaults(func=cmd_keys_new)
+
+    review = sub.add_parser(
+        "review", help="the queue of proposals waiting for an operator",
+        description="List every proposal waiting for an operator (L2/L4 awaiting_operator, L3 "
+                    "without a grant) with its rendered summary, class, target, cause, "
+                    "evidence and independent-signal counts, oldest first.")
+    common(review)
+    review.add_argument("--json", action="store_true", help="print the queue as JSON")
+    review.set_defaults(func=cmd_review)
+
+    for verdict in ("approve", "reject"):
+        act = sub.add_parser(
+            verdict, help=f"sign and publish an operator {verdict}",
+            description=f"Sign a Review ({verdict}) with your operator key (DSSE, Ed25519) "
+                        f"and publish it on improve.triage.<svc>. The daemon verifies the "
+                        f"signature against its trust store before anything moves.")
+        common(act)
+        act.add_argument("id", metavar="ID", help="the proposal id")
+        signer(act)
+        act.set_defaults(func=cmd_review_act, verdict=verdict)
+
+    for op in ("grant", "revoke"):
+        act = sub.add_parser(
+            op, help=f"sign and publish an L3 {op} for NAME:SHA256",
+            description=f"Sign a GrantCommand ({op}) for exactly one skill content hash and "
+                        f"publish it on improve.grants. A grant never covers another hash of "
+                        f"the same name.")
+        common(act)
+        act.add_argument("skill", metavar="NAME:SHA256")
+        signer(act)
+        if op == "grant":
+            act.add_argument("--expires-in", type=float, metavar="SECONDS",
+                             help="the grant lapses after this long")
+        act.set_defaults(func=cmd_grant_act, op=op, expires_in=None)
+
+    skill = sub.add_parser("skill", help="skill tools", description="Skill tools.")
+    skill_sub = skill.add_subparsers(dest="skill_command", required=True, metavar="ACTION")
+    shash = skill_sub.add_parser(
+        "hash", help="print a skill's NAME:SHA256 identity",
+        description="Print NAME:SHA256, the content identity an L3 grant binds: SHA-256 of "
+                    "the canonical MessagePack of the skill's definition fields only. FILE is "
+                    "a skill definition, or a proposal carrying one in proposal_data.skill.")
+    shash.add_argument("file", metavar="FILE|-")
+    shash.set_defaults(func=cmd_skill_hash)
     return top
 
 

@@ -4,15 +4,21 @@ an in-process daemon bound to it. Tests isolate themselves by service name."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import uuid
 
 import pytest
 import pytest_asyncio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from improved import bus
-from improved.config import ApplySettings, Config
+from improved import bus, signing
+from improved.config import ApplySettings, Config, Trust
 from improved.daemon import Daemon
+
+# The session daemon trusts alice; mallory's key is not in its trust store.
+ALICE = ("operator:alice", Ed25519PrivateKey.generate())
+MALLORY = ("operator:mallory", Ed25519PrivateKey.generate())
 
 
 @pytest.fixture(scope="session")
@@ -32,7 +38,9 @@ def nats_url(nats_server) -> str:
 
 def test_config(**overrides) -> Config:
     apply = overrides.pop("apply", ApplySettings(timeout_s=1.0, attempts=2, max_deliveries=3))
-    return Config(apply=apply, **overrides)
+    public = base64.b64encode(signing.raw_public(ALICE[1].public_key())).decode()
+    trust = overrides.pop("trust", Trust(operators={ALICE[0]: public}))
+    return Config(apply=apply, trust=trust, **overrides)
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

@@ -26,7 +26,9 @@ def improved(*args: str, **kw) -> subprocess.CompletedProcess:
                           env=ENV, **kw)
 
 
-@pytest.mark.parametrize("command", [[], ["run"], ["propose"], ["show"], ["audit", "verify"]])
+@pytest.mark.parametrize("command", [[], ["run"], ["propose"], ["show"], ["audit", "verify"],
+                                     ["keys", "new"], ["review"], ["approve"], ["reject"],
+                                     ["grant"], ["revoke"], ["skill", "hash"]])
 def test_every_command_explains_itself(command):
     result = improved(*command, "--help")
     assert result.returncode == 0
@@ -107,3 +109,56 @@ def test_run_propose_show_verify_and_stop(tmp_path):
         daemon.send_signal(signals.SIGTERM)
         code = daemon.wait(30)
     assert code == 0
+
+
+def test_an_operator_signs_from_the_terminal(tmp_path):
+    """keys new → trust it in the config → review shows the queue → approve moves it."""
+    keys = tmp_path / "keys"
+    made = improved("keys", "new", "--principal", "operator:carol", "--dir", str(keys))
+    assert made.returncode == 0, made.stderr
+    key_file = keys / "operator_carol.pem"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    entry = made.stdout.split("[trust.operators]\n", 1)[1].strip()
+    assert entry.startswith('"operator:carol" = "')
+    again = improved("keys", "new", "--principal", "operator:carol", "--dir", str(keys))
+    assert again.returncode == 1 and "refusing to overwrite" in again.stderr
+
+    port = bus.free_port()
+    config = tmp_path / "improved.toml"
+    config.write_text(f'port = {port}\ndata_dir = "{tmp_path / "data"}"\n\n'
+                      f"[trust.operators]\n{entry}\n")
+    daemon = subprocess.Popen([*IMPROVED, "run", "--config", str(config)],
+                              stderr=subprocess.PIPE, text=True, env=ENV)
+    url = f"nats://127.0.0.1:{port}"
+    try:
+        while "ready as improved:" not in daemon.stderr.readline():
+            pass
+        skill = tmp_path / "skill.json"
+        proposal = _builtins(skill_proposal("clisvc"))
+        skill.write_text(json.dumps(proposal))
+        hashed = improved("skill", "hash", str(skill))
+        from improved import canonical
+
+        assert hashed.stdout.strip() == canonical.skill_identity(
+            proposal["proposal_data"]["skill"])
+        pid = json.loads(improved("propose", "--nats", url, str(skill)).stdout)["proposal_id"]
+
+        queue = improved("review", "--nats", url)
+        assert pid in queue.stdout and "awaiting_operator" in queue.stdout
+        assert "add skill summarize" in queue.stdout and "independent positive" in queue.stdout
+
+        approved = improved("approve", pid, "--nats", url, "--reason", "read it",
+                            "--key", str(key_file), "--principal", "operator:carol")
+        assert approved.returncode == 0, approved.stderr
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            view = json.loads(improved("show", "--nats", url, pid).stdout)
+            if view["state"]["status"] == "approved":
+                break
+            time.sleep(0.2)
+        assert view["state"]["status"] == "approved"  # no service applies it here
+        assert view["trailers"][-1]["actor"] == "operator:carol"
+        assert pid not in improved("review", "--nats", url).stdout
+    finally:
+        daemon.send_signal(signals.SIGTERM)
+        assert daemon.wait(30) == 0

@@ -1,0 +1,251 @@
+"""Operator authority end to end: signed reviews, L3 grants bound to a content hash, and every
+kind of act that must be refused — with its reason on the chain and the state unmoved."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+import msgspec
+import pytest
+
+from improved import canonical
+from improved import subjects as S
+from improved.model import ApplyResult, GrantCommand, Review, to_json
+from improved.signing import PAYLOAD_TYPES, sign
+from services.sdk import MeshClient
+
+from .conftest import ALICE, MALLORY, eventually
+from .factories import skill_proposal
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def review(pid: str, verdict: str = "approve", who=ALICE, principal: str | None = None,
+           at: int | None = None, reason: str = "looked at it"):
+    body = Review(proposal_id=pid, verdict=verdict, principal=principal or who[0],
+                  reason=reason, at=at or now_ms())
+    return sign(PAYLOAD_TYPES["review"], to_json(body), who[1])
+
+
+def grant(skill: str, op: str = "grant", who=ALICE):
+    body = GrantCommand(op=op, skill=skill, principal=who[0], reason="trusted", at=now_ms())
+    return sign(PAYLOAD_TYPES["grant"], to_json(body), who[1])
+
+
+class Applier:
+    """A stand-in owning service: records every ApplyOrder, applies each id once."""
+
+    def __init__(self):
+        self.orders: list[str] = []
+        self.authorities: list[str] = []
+
+    async def __call__(self, order) -> ApplyResult:
+        self.orders.append(order.proposal_id)
+        self.authorities.append(order.authority)
+        skill = order.proposal.proposal_data["skill"]
+        return ApplyResult(ok=True, applied_id=canonical.skill_identity(skill),
+                           inverse={"retract": canonical.skill_identity(skill)},
+                           rollbackable=True)
+
+
+async def setup(nc, svc):
+    client = MeshClient(nc, svc)
+    applier = Applier()
+    sub = await client.serve_apply(applier)
+    return client, applier, sub
+
+
+async def publish(nc, subject: str, env) -> None:
+    await nc.jetstream().publish(subject, to_json(env))
+
+
+async def trailers(daemon, svc, pid):
+    return [b for _, b in await daemon.store.read_chain(svc, pid)]
+
+
+async def wait_trailers(daemon, svc, pid, n):
+    async def enough():
+        chain = await trailers(daemon, svc, pid)
+        return chain if len(chain) >= n else None
+
+    return await eventually(enough)
+
+
+async def test_approval_then_grant_then_drift_then_revoke(daemon, nc, svc):
+    client, applier, sub = await setup(nc, svc)
+    first = skill_proposal(svc, change_class="L2")
+    pid = (await client.propose(first)).proposal_id
+    assert (await client.triage(pid)).cause == "awaiting_operator"
+
+    # A signed approval applies it once, under alice's authority.
+    await publish(nc, S.inbound_review(svc), review(pid))
+    outcome = await eventually(lambda: client.outcome(pid))
+    assert outcome.ok and outcome.authority == "operator:alice"
+    assert applier.orders == [pid]
+    state = await client.state(pid)
+    assert state.status == "applied"
+    chain = await trailers(daemon, svc, pid)
+    assert [(t["to_stage"], t.get("verdict")) for t in chain] == [
+        ("propose", None), ("triage", "defer"), ("triage", "approve"), ("apply", "applied")]
+    assert chain[2]["observer_type"] == "human" and chain[2]["actor"] == "operator:alice"
+
+    # A grant for exactly this content makes the next L3 proposal of it auto-apply.
+    identity = canonical.skill_identity(first.proposal_data["skill"])
+    name, sha = identity.split(":")
+    await publish(nc, S.GRANTS, grant(identity))
+
+    async def granted():
+        data = await daemon.store.last(S.grant_record(name, sha))
+        return data and msgspec.json.decode(data)["active"]
+
+    await eventually(granted)
+    again = skill_proposal(svc, change_class="L3")
+    pid3 = (await client.propose(again)).proposal_id
+    decision = await client.triage(pid3)
+    assert (decision.verdict, decision.gate_class) == ("accept", "L3")
+    outcome3 = await eventually(lambda: client.outcome(pid3))
+    assert outcome3.ok and outcome3.authority == "policy:auto"
+    assert (await trailers(daemon, svc, pid3))[-1]["observer_type"] == "rec:policy"
+
+    # One byte changed in the instructions: another hash, gated as L2.
+    drifted = skill_proposal(svc, change_class="L3",
+                             instructions=first.proposal_data["skill"]["instructions"] + "!")
+    pid_d = (await client.propose(drifted)).proposal_id
+    decision = await client.triage(pid_d)
+    assert (decision.verdict, decision.cause, decision.gate_class) == ("defer", "no_grant", "L2")
+
+    # A revocation makes the original hash wait again.
+    await publish(nc, S.GRANTS, grant(identity, op="revoke"))
+
+    async def revoked():
+        data = await daemon.store.last(S.grant_record(name, sha))
+        return data and not msgspec.json.decode(data)["active"]
+
+    await eventually(revoked)
+    pid_r = (await client.propose(skill_proposal(svc, change_class="L3"))).proposal_id
+    decision = await client.triage(pid_r)
+    assert (decision.cause, decision.gate_class) == ("no_grant", "L2")
+    await asyncio.sleep(0.3)
+    assert applier.orders == [pid, pid3]
+    grant_chain = [b for _, b in await daemon.store.read_chain_at(S.grant_audit(sha))]
+    assert [t["verdict"] for t in grant_chain] == ["grant", "revoke"]
+    await sub.unsubscribe()
+
+
+async def refused_with(daemon, svc, pid, n_before, code):
+    chain = await wait_trailers(daemon, svc, pid, n_before + 1)
+    last = chain[-1]
+    assert last["verdict"] == "refused", last
+    assert f"({code})" in last["reason"], last
+    return chain
+
+
+@pytest.mark.parametrize("case", ["unknown_key", "bad_signature", "unsigned",
+                                  "principal_mismatch", "expired"])
+async def test_forged_or_stale_approvals_are_refused_and_change_nothing(daemon, nc, svc, case):
+    client, applier, sub = await setup(nc, svc)
+    pid = (await client.propose(skill_proposal(svc))).proposal_id
+    await client.triage(pid)
+    before = await client.state(pid)
+    if case == "unknown_key":
+        env = review(pid, who=MALLORY)
+    elif case == "bad_signature":
+        env = review(pid)
+        tampered = msgspec.json.decode(base64.b64decode(env.payload))
+        tampered["reason"] = "approved, honest"
+        env = msgspec.structs.replace(env, payload=base64.b64encode(
+            msgspec.json.encode(tampered)).decode())
+    elif case == "unsigned":
+        env = Review(proposal_id=pid, verdict="approve", principal=ALICE[0], reason="trust me",
+                     at=now_ms())
+    elif case == "principal_mismatch":
+        env = review(pid, principal="operator:bob")
+    else:
+        env = review(pid, at=now_ms() - 3 * 24 * 3600 * 1000)
+    await publish(nc, S.inbound_review(svc), env)
+    await refused_with(daemon, svc, pid, 2, case)
+    after = await client.state(pid)
+    assert (after.status, after.stage) == (before.status, "triage")
+    assert after.status == "pending"
+    assert applier.orders == []
+    await sub.unsubscribe()
+
+
+async def test_a_reused_envelope_is_refused_as_a_replay(daemon, nc, svc):
+    client, applier, sub = await setup(nc, svc)
+    pid = (await client.propose(skill_proposal(svc, change_class="L4",
+                                               target_ref="skill:summarize"))).proposal_id
+    await client.triage(pid)
+    env = review(pid)
+    await publish(nc, S.inbound_review(svc), env)
+    await eventually(lambda: client.outcome(pid))
+    n = len(await trailers(daemon, svc, pid))
+    await publish(nc, S.inbound_review(svc), env)
+    await refused_with(daemon, svc, pid, n, "replayed")
+    await asyncio.sleep(0.2)
+    assert applier.orders == [pid]
+    assert (await client.state(pid)).status == "applied"
+    await sub.unsubscribe()
+
+
+async def test_an_approval_of_a_superseded_proposal_is_refused(daemon, nc, svc):
+    client, applier, sub = await setup(nc, svc)
+    old = (await client.propose(skill_proposal(svc))).proposal_id
+    await client.triage(old)
+    newer = skill_proposal(svc, instructions="Read it twice, then write three bullet points.")
+    new = (await client.propose(newer)).proposal_id
+    assert new != old
+    await publish(nc, S.inbound_review(svc), review(old))
+    await refused_with(daemon, svc, old, 2, "superseded")
+    assert (await client.state(old)).status == "pending"
+    assert applier.orders == []
+    # The approval does not carry over to the new content either.
+    assert (await client.state(new)).status == "pending"
+    await sub.unsubscribe()
+
+
+async def test_a_signed_rejection_is_final_and_enters_the_ledger(daemon, nc, svc):
+    client, applier, sub = await setup(nc, svc)
+    proposal = skill_proposal(svc)
+    pid = (await client.propose(proposal)).proposal_id
+    await client.triage(pid)
+    await publish(nc, S.inbound_review(svc), review(pid, verdict="reject", reason="too vague"))
+
+    async def rejected():
+        state = await client.state(pid)
+        return state if state and state.status == "rejected" else None
+
+    await eventually(rejected)
+    decision = await client.decision(pid)
+    assert (decision.verdict, decision.actor) == ("reject", "operator:alice")
+    ledger = await daemon.store.ledger_get(svc, (await client.state(pid)).dedup_key)
+    assert ledger["proposal_id"] == pid and ledger["principal"] == "operator:alice"
+    # An approval after the rejection is refused: nothing moves.
+    n = len(await trailers(daemon, svc, pid))
+    await publish(nc, S.inbound_review(svc), review(pid))
+    await refused_with(daemon, svc, pid, n, "not_awaiting_review")
+    assert (await client.state(pid)).status == "rejected"
+    assert applier.orders == []
+    await sub.unsubscribe()
+
+
+async def test_grant_acts_are_verified_too(daemon, nc, svc):
+    skill = skill_proposal(svc).proposal_data["skill"]
+    identity = canonical.skill_identity({**skill, "description": f"for {svc}"})
+    name, sha = identity.split(":")
+    await publish(nc, S.GRANTS, grant(identity, who=MALLORY))
+
+    async def refused():
+        chain = [b for _, b in await daemon.store.read_chain_at(S.grant_audit(sha))]
+        return chain if chain else None
+
+    chain = await eventually(refused)
+    assert chain[0]["verdict"] == "refused" and "(unknown_key)" in chain[0]["reason"]
+    assert await daemon.store.last(S.grant_record(name, sha)) is None
+    assert not await daemon.store.grant_active(identity, now_ms())
