@@ -249,3 +249,32 @@ async def test_grant_acts_are_verified_too(daemon, nc, svc):
     assert chain[0]["verdict"] == "refused" and "(unknown_key)" in chain[0]["reason"]
     assert await daemon.store.last(S.grant_record(name, sha)) is None
     assert not await daemon.store.grant_active(identity, now_ms())
+
+
+async def test_a_revocation_stops_an_apply_that_was_already_accepted(daemon, nc, svc):
+    """Accepted under a grant while its service is down; revoked before the service returns:
+    the apply never happens and the proposal waits as L2."""
+    client = MeshClient(nc, svc)
+    proposal = skill_proposal(svc, change_class="L3", instructions=f"Summarise for {svc}.")
+    identity = canonical.skill_identity(proposal.proposal_data["skill"])
+    name, sha = identity.split(":")
+
+    async def grant_is(active):
+        data = await daemon.store.last(S.grant_record(name, sha))
+        return data is not None and msgspec.json.decode(data)["active"] is active
+
+    await publish(nc, S.GRANTS, grant(identity))
+    await eventually(lambda: grant_is(True))
+    pid = (await client.propose(proposal)).proposal_id
+    assert (await client.triage(pid)).verdict == "accept"
+    await publish(nc, S.GRANTS, grant(identity, op="revoke"))
+    await eventually(lambda: grant_is(False))
+
+    applier = Applier()
+    sub = await client.serve_apply(applier)
+    decision = await client.triage(pid)
+    assert (decision.verdict, decision.cause, decision.gate_class) == ("defer", "no_grant", "L2")
+    await asyncio.sleep(0.3)
+    assert applier.orders == []
+    assert (await client.state(pid)).status == "pending"
+    await sub.unsubscribe()
