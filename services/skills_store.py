@@ -1,0 +1,806 @@
+"""The reference skills store: SPEC 09 §4's storage contract over NATS KV.
+
+A skill's identity is `<name>:<sha256>` (`canonical.skill_hash`, definition fields only), never
+its bare name. This store keeps each definition under that hash, applies `skill:` proposals
+exactly once, returns a definition only under a grant for exactly its hash (re-hashing what it
+stored, so an altered record is refused, not served), and records each holder's competence as an
+OMS supersession chain (oms.md §5.3): proficiency never changes in place.
+
+Storage layout (`<svc>` with `-` made `_`):
+- KV `skills_<svc>` (history 64): key `<name>.<sha256>` → the definition record
+  `{name, sha256, definition, created_at, address, derived_from?, origin_did?, author_did?,
+  refines?, proposal_id?}`, where `address` is the OMS content address of the definition as a
+  Skill grain (type 0x0B). Written once; a retraction is a KV delete marker, and the history keeps
+  the record for audit. Writes are tagged `Improve-Proposal-Id`, as in the ranking store.
+- KV `skillapplies_<svc>` (history 1): the apply ledger, one entry per proposal id.
+- KV `skillcomp_<svc>` (history 1): `rec.<address>` → one competence grain, immutable and keyed
+  by its own content address; `head.<name>.<sha256>.<holder>` → `{address, practice_count}`, the
+  holder's current grain (`<holder>` is the SHA-256 hex of the holder DID: DIDs carry `:`, which
+  KV keys cannot). The head moves by compare-and-set, so concurrent practice makes a chain, never a
+  fork; a grain that lost the race stays behind unreferenced. The history is the walk back along
+  `derived_from[0]` from the head while the grain is this holder's.
+
+Competence rules:
+- Only an independent outcome counts (SPEC 09 §5): a self-signal returns None and writes nothing,
+  whatever its sign.
+- An independent positive outcome moves proficiency toward 1.0, a negative one toward 0.0, as an
+  exponential moving average with weight `ALPHA` (p + α(1-p), or p(1-α)). Both are practice, so
+  both supersede the head with `practice_count + 1`: OMS records every change in proficiency as
+  a supersession, decay included.
+- A holder's first grain starts from proficiency 0.0 and derives from the definition's address.
+- Transfer writes the new holder's first grain: the same definition, `derived_from` the source
+  grain, `origin_did` the first holder (kept across hops), proficiency and practice_count reset.
+
+Accepted proposal_data, target `skill:<name>`: `{"skill": definition}` (optionally with
+`"refines": "<name>:<sha256>"`), and `{"retract": "<name>:<sha256>"}` so that the inverse this
+store hands out can itself be applied; a retraction's inverse restores the same record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import signal as signals
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import Header
+from nats.js.errors import (
+    APIError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
+
+from improved import canonical
+from improved import subjects as S
+from improved.model import ApplyOrder, ApplyResult, Grant, Proposal, Signal, to_json
+
+from .sdk import MeshClient, failed, serve_spec
+
+log = structlog.get_logger("services.skills_store")
+
+IDENTITY_RE = re.compile(r"^([a-z][a-z0-9_-]{0,62}):([0-9a-f]{64})$")
+DEFINITION_FIELDS = canonical.SKILL_DEFINITION_FIELDS
+TEXT_FIELDS = ("name", "description", "instructions", "when_to_use", "version", "domain")
+LIST_FIELDS = ("allowed_tools", "resources", "dependencies", "input_modalities",
+               "output_modalities")
+PROVENANCE_FIELDS = ("derived_from", "origin_did", "author_did")
+COMPETENCE_FIELDS = ("holder_did", "proficiency", "practice_count", "last_practiced_at",
+                     "strategies", "transferable")
+NAMESPACE = "agent:skills"  # OMS: Skill grains SHOULD use it
+ALPHA = 0.2  # weight of one independent outcome in the proficiency average
+HISTORY = 64  # revisions kept per definition key: how far back a recovering order looks
+ROUNDS = 8  # optimistic-concurrency rounds before giving up
+PROVENANCE = "Improve-Proposal-Id"
+KV_OP = "KV-Operation"
+WRONG_LAST_SEQUENCE = (10071, 10164)
+CONNECT_S = 10.0
+
+
+class Refused(ValueError):
+    """Well formed, but this store will not do it; the text says why."""
+
+
+class GrantMismatch(LookupError):
+    """A skill asked for under a grant it does not match: no record for exactly that hash, an
+    altered record, a retracted one, or no active grant. There is never a fallback by name."""
+
+
+class CorruptRecord(ValueError):
+    """A competence grain that no longer matches its content address or its skill hash."""
+
+
+class NoCompetence(LookupError):
+    """The holder has no competence record for the skill."""
+
+
+class _Conflict(Exception):
+    """Someone else moved the key or the ledger entry: read again and retry."""
+
+
+@dataclass(frozen=True)
+class Change:
+    op: str  # "put" | "retract"
+    name: str
+    sha: str
+    record: dict[str, Any] | None = None  # put: the record to store
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}.{self.sha}"
+
+    @property
+    def identity(self) -> str:
+        return f"{self.name}:{self.sha}"
+
+
+def bucket_names(service: str) -> tuple[str, str, str]:
+    """(definitions, competence, ledger): `skills_<svc>`, `skillcomp_<svc>`,
+    `skillapplies_<svc>`, `-` made `_` (the ranking store's `applies_` stays distinct)."""
+    token = service.replace("-", "_")
+    return f"skills_{token}", f"skillcomp_{token}", f"skillapplies_{token}"
+
+
+def split_identity(identity: str) -> tuple[str, str]:
+    match = IDENTITY_RE.match(identity) if isinstance(identity, str) else None
+    if match is None:
+        raise GrantMismatch(f"{identity!r} is not a skill identity <name>:<sha256>")
+    return match.group(1), match.group(2)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+# -- definitions (pure) -------------------------------------------------------------------------
+
+
+def definition_of(skill: dict[str, Any]) -> dict[str, Any]:
+    return {k: skill[k] for k in DEFINITION_FIELDS if k in skill}
+
+
+def definition_record(skill: Any, created_at: int) -> dict[str, Any]:
+    """The record to store for `skill`, or Refused naming the first problem. Pure.
+
+    Competence fields are refused rather than dropped: they belong to competence records, and a
+    definition that silently lost them would surprise its author."""
+    if not isinstance(skill, dict):
+        raise Refused(f"a skill definition is an object, not {type(skill).__name__}")
+    competence = sorted(set(skill) & set(COMPETENCE_FIELDS))
+    if competence:
+        raise Refused(f"competence fields {competence} do not belong in a definition")
+    unknown = sorted(set(skill) - set(DEFINITION_FIELDS) - set(PROVENANCE_FIELDS)
+                     - {"type", "created_at"})
+    if unknown:
+        raise Refused(f"unknown skill fields {unknown}; a definition has "
+                      f"{list(DEFINITION_FIELDS)} plus provenance {list(PROVENANCE_FIELDS)}")
+    if skill.get("type", "skill") != "skill":
+        raise Refused(f"type must be 'skill', not {skill['type']!r}")
+    name = skill.get("name")
+    if not isinstance(name, str) or not S.SKILL_NAME_RE.match(name):
+        raise Refused(f"skill name {name!r} must match {S.SKILL_NAME_RE.pattern}")
+    if not isinstance(skill.get("description"), str) or not skill["description"]:
+        raise Refused("a skill needs a non-empty description (OMS: name and description)")
+    for field in TEXT_FIELDS + ("origin_did", "author_did"):
+        if skill.get(field) is not None and not isinstance(skill[field], str):
+            raise Refused(f"{field} must be a string")
+    for field in LIST_FIELDS + ("derived_from",):
+        value = skill.get(field)
+        if value is not None and not (isinstance(value, list)
+                                      and all(isinstance(v, str) for v in value)):
+            raise Refused(f"{field} must be a list of strings")
+    created = skill.get("created_at", created_at)
+    if not isinstance(created, int) or isinstance(created, bool) or not 0 <= created < 2**53:
+        raise Refused("created_at must be integer epoch milliseconds")
+    definition = _drop_none(definition_of(skill))
+    provenance = _drop_none({k: skill.get(k) for k in PROVENANCE_FIELDS})
+    try:
+        sha = canonical.skill_hash(definition)
+        address = canonical.content_address(
+            {"type": "skill", **definition, **provenance, "created_at": created,
+             "namespace": NAMESPACE}, canonical.SKILL)
+    except canonical.CanonicalError as exc:
+        raise Refused(f"the definition has no canonical form: {exc}") from None
+    return {"name": name, "sha256": sha, "definition": definition, "created_at": created,
+            "address": address, **provenance}
+
+
+def restorable(record: dict[str, Any]) -> dict[str, Any]:
+    """The skill dict that recreates `record` exactly (a retraction's inverse)."""
+    return {**record["definition"], "created_at": record["created_at"],
+            **{k: record[k] for k in PROVENANCE_FIELDS if k in record}}
+
+
+def verify(record: dict[str, Any] | None, name: str, sha: str) -> str | None:
+    """Why `record` may not be served as `<name>:<sha>`, or None when it may."""
+    if record is None:
+        return f"no stored skill {name}:{sha} (never stored, or retracted); no fallback by name"
+    definition = record.get("definition")
+    if not isinstance(definition, dict):
+        return f"the stored record for {name}:{sha} is unreadable"
+    if record.get("sha256") != sha:
+        return f"the stored record carries hash {record.get('sha256')!r}, not the granted {sha}"
+    try:
+        actual = canonical.skill_hash(definition)
+    except canonical.CanonicalError:
+        return f"the stored definition for {name}:{sha} has no canonical form"
+    if actual != sha:
+        return (f"the stored definition hashes to {actual}, not the granted {sha}: "
+                "it was altered after it was stored")
+    if definition.get("name") != name:
+        return f"the stored definition is named {definition.get('name')!r}, not {name!r}"
+    return None
+
+
+def parse_change(proposal: Proposal, pid: str | None = None) -> Change:
+    """The one change a proposal asks of this store, or Refused naming what is wrong. Pure."""
+    if proposal.proposal_cal is not None or proposal.proposal_edit is not None:
+        raise Refused("this store applies proposal_data only, not proposal_cal or proposal_edit")
+    scheme, _, target = proposal.target_ref.partition(":")
+    if scheme != "skill":
+        raise Refused(f"unsupported target scheme {scheme + ':'!r}; this store applies "
+                      "skill:<name> targets")
+    if not S.SKILL_NAME_RE.match(target):
+        raise Refused(f"target skill name {target!r} must match {S.SKILL_NAME_RE.pattern}")
+    data = proposal.proposal_data
+    if data is None:
+        raise Refused('proposal_data is missing; expected {"skill": definition}')
+    if set(data) == {"retract"}:
+        try:
+            name, sha = split_identity(data["retract"])
+        except GrantMismatch as exc:
+            raise Refused(f"retract: {exc}") from None
+        if name != target:
+            raise Refused(f"retract names skill {name!r}, not the target's {target!r}")
+        return Change(op="retract", name=name, sha=sha)
+    if "skill" not in data or not set(data) <= {"skill", "refines"}:
+        raise Refused('proposal_data must be {"skill": definition} (optionally with "refines", '
+                      f'or {{"retract": identity}}); got keys {sorted(data)}')
+    record = definition_record(data["skill"], proposal.created_at)
+    if record["name"] != target:
+        raise Refused(f"skill name {record['name']!r} does not match the target's name "
+                      f"{target!r}")
+    refines = data.get("refines")
+    if refines is not None:
+        match = IDENTITY_RE.match(refines) if isinstance(refines, str) else None
+        if match is None or match.group(1) != target:
+            raise Refused(f"refines must be an identity {target}:<sha256>, not {refines!r}")
+        record["refines"] = refines
+    if pid is not None:
+        record["proposal_id"] = pid
+    return Change(op="put", name=target, sha=record["sha256"], record=record)
+
+
+# -- competence (pure) --------------------------------------------------------------------------
+
+
+def next_proficiency(p: float, positive: bool) -> float:
+    """Exponential moving average toward 1.0 on success, toward 0.0 on failure."""
+    return p + ALPHA * (1.0 - p) if positive else p * (1.0 - ALPHA)
+
+
+def competence_grain(definition: dict[str, Any], *, holder_did: str, proficiency: float,
+                     practice_count: int, created_at: int, derived_from: list[str],
+                     last_practiced_at: int | None = None,
+                     origin_did: str | None = None) -> dict[str, Any]:
+    """One OMS Skill grain with learned-competence fields; confidence mirrors proficiency."""
+    return _drop_none({
+        "type": "skill", **definition, "holder_did": holder_did, "author_did": holder_did,
+        "proficiency": float(proficiency), "confidence": float(proficiency),
+        "practice_count": practice_count, "last_practiced_at": last_practiced_at,
+        "created_at": created_at, "namespace": NAMESPACE, "derived_from": derived_from,
+        "origin_did": origin_did,
+    })
+
+
+def address_of(grain: dict[str, Any]) -> str:
+    return canonical.content_address(grain, canonical.SKILL)
+
+
+def _check_holder(holder_did: Any) -> None:
+    if not isinstance(holder_did, str) or not holder_did:
+        raise Refused("a holder DID is a non-empty string")
+
+
+def _conflicted(exc: Exception) -> bool:
+    return isinstance(exc, KeyWrongLastSequenceError) or (
+        isinstance(exc, APIError) and exc.err_code in WRONG_LAST_SEQUENCE)
+
+
+class SkillsStore:
+    """Definitions in KV `skills_<svc>`, competence in `skillcomp_<svc>`, the apply ledger in
+    `skillapplies_<svc>` (layout in the module doc)."""
+
+    def __init__(self, nc: Client, service: str):
+        self.nc = nc
+        self.service = service
+        self.client = MeshClient(nc, service)
+        self.js = nc.jetstream()
+        self.defs_bucket, self.comp_bucket, self.ledger_bucket = bucket_names(service)
+        self.defs_stream = f"KV_{self.defs_bucket}"
+        self.applies = 0  # definition writes made by this instance through apply
+        self.orders = 0  # decoded ApplyOrders handled by this instance
+        self.comp = None
+        self.ledger = None
+        self._subs: list[Subscription] = []
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._bucket(self.defs_bucket, HISTORY, "skills store: definitions by hash")
+        self.comp = await self._bucket(self.comp_bucket, 1,
+                                       "skills store: competence grains and chain heads")
+        self.ledger = await self._bucket(self.ledger_bucket, 1,
+                                         "skills store apply ledger, one entry per proposal")
+        self._subs.append(await self.client.serve_apply(self.apply))
+        self._subs.append(await serve_spec(self.nc, self.service, self.capabilities()))
+        log.info("skills store ready", service=self.service,
+                 subject=S.apply_request(self.service), bucket=self.defs_bucket)
+
+    async def stop(self) -> None:
+        """Stop taking orders, finishing the one in hand."""
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            try:
+                await sub.drain()
+            except Exception as exc:  # already closed with the connection
+                log.debug("subscription drain failed", error=str(exc))
+
+    async def _bucket(self, name: str, history: int, description: str):
+        try:
+            return await self.js.key_value(name)
+        except BucketNotFoundError:
+            pass
+        try:
+            return await self.js.create_key_value(bucket=name, history=history, direct=True,
+                                                  description=description)
+        except APIError:  # created meanwhile by a twin instance
+            return await self.js.key_value(name)
+
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "service": self.service,
+            "improve": True,
+            "apply": S.apply_request(self.service),
+            "schemes": ["skill:"],
+            "proposal_data": ['{"skill": definition, "refines"?: identity}',
+                              '{"retract": identity}'],
+            "identity": "<name>:<sha256>",
+            "buckets": {"definitions": self.defs_bucket, "competence": self.comp_bucket,
+                        "ledger": self.ledger_bucket},
+        }
+
+    # -- definitions ---------------------------------------------------------------------------
+
+    def _subject(self, key: str) -> str:
+        return f"$KV.{self.defs_bucket}.{key}"
+
+    async def _current(self, key: str) -> tuple[dict[str, Any] | None, int]:
+        """(record or None when absent or retracted, revision of the key's last message).
+        An unreadable record comes back as `{}`, which fails verification."""
+        try:
+            msg = await self.js.get_msg(self.defs_stream, subject=self._subject(key),
+                                        direct=True)
+        except NotFoundError:
+            return None, 0
+        headers = msg.headers or {}
+        if headers.get(KV_OP) in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
+            return None, msg.seq
+        try:
+            record = msgspec.json.decode(msg.data or b"null")
+        except msgspec.DecodeError:
+            return {}, msg.seq
+        return (record if isinstance(record, dict) else {}), msg.seq
+
+    async def put_definition(self, definition: dict[str, Any]) -> str:
+        """Store a definition under its hash (a no-op when it is already there); its identity."""
+        record = definition_record(definition, now_ms())
+        change = Change(op="put", name=record["name"], sha=record["sha256"], record=record)
+        for _ in range(ROUNDS):
+            current, rev = await self._current(change.key)
+            if verify(current, change.name, change.sha) is None:
+                return change.identity
+            try:
+                await self._publish(change.key, to_json(record), rev, {})
+            except _Conflict:
+                continue
+            return change.identity
+        raise RuntimeError(f"could not store {change.identity}: the key kept changing")
+
+    async def record(self, identity: str) -> dict[str, Any]:
+        """The stored record of exactly `identity`, verified against its hash; GrantMismatch
+        otherwise."""
+        name, sha = split_identity(identity)
+        current, _ = await self._current(f"{name}.{sha}")
+        reason = verify(current, name, sha)
+        if reason is not None:
+            raise GrantMismatch(reason)
+        return current
+
+    async def get_by_identity(self, identity: str) -> dict[str, Any]:
+        """The definition stored as exactly `identity` (re-hashed on every read)."""
+        return definition_of((await self.record(identity))["definition"])
+
+    async def get(self, name: str, grant: str | None = None) -> dict[str, Any]:
+        """The definition of `name` under `grant` = `<name>:<sha256>`, and only that one."""
+        if grant is None:
+            raise GrantMismatch(f"no grant given for {name!r}: a skill is returned only under "
+                                "<name>:<sha256>, never looked up by name")
+        granted, _ = split_identity(grant)
+        if granted != name:
+            raise GrantMismatch(f"the grant {grant} is for skill {granted!r}, not {name!r}")
+        return await self.get_by_identity(grant)
+
+    async def check_grant_active(self, identity: str, now: int | None = None) -> bool:
+        """The daemon's retained grant record for exactly `identity` is active and unexpired."""
+        try:
+            name, sha = split_identity(identity)
+        except GrantMismatch:
+            return False
+        try:
+            msg = await self.js.get_msg(S.STREAM_RECORDS, subject=S.grant_record(name, sha),
+                                        direct=True)
+        except (NotFoundError, NoRespondersError):
+            return False
+        try:
+            grant = msgspec.json.decode(msg.data or b"", type=Grant)
+        except msgspec.MsgspecError:
+            return False
+        at = now_ms() if now is None else now
+        return (grant.active and grant.skill == identity
+                and (grant.expires_at is None or grant.expires_at > at))
+
+    async def get_granted(self, name: str, sha: str) -> dict[str, Any]:
+        """Like `get`, and only while an active grant record covers `<name>:<sha>`."""
+        identity = f"{name}:{sha}"
+        if not await self.check_grant_active(identity):
+            raise GrantMismatch(f"no active grant for {identity}")
+        return await self.get(name, identity)
+
+    async def refine(self, identity: str, changes: dict[str, Any], *, service: str,
+                     origin_actor: str, analyzer_id: str, created_at: int) -> Proposal:
+        """The L2 proposal of the definition with `changes` (None removes a field). Its hash is
+        new, so no grant on `identity` covers it: it re-enters at L2 (SPEC 09 §4)."""
+        old = await self.get_by_identity(identity)
+        unknown = sorted(set(changes) - set(DEFINITION_FIELDS))
+        if unknown:
+            raise Refused(f"a refinement changes definition fields only, not {unknown}")
+        if "name" in changes and changes["name"] != old["name"]:
+            raise Refused("a refinement keeps the skill's name; a new name is a new skill")
+        new = {**old}
+        for field, value in changes.items():
+            if value is None:
+                new.pop(field, None)
+            else:
+                new[field] = value
+        record = definition_record(new, created_at)
+        if record["sha256"] == split_identity(identity)[1]:
+            raise Refused(f"the changes leave {identity} as it is (same hash)")
+        body = {
+            "service": service, "target_ref": f"skill:{old['name']}", "change_class": "L2",
+            "scope": "knowledge", "origin": {"actor": origin_actor, "service": service},
+            "analyzer": {"id": analyzer_id},
+            "summary": {"template_id": "refine_skill", "args": {"name": old["name"]}},
+            "proposal_data": {"skill": record["definition"], "refines": identity},
+            "created_at": created_at,
+        }
+        try:
+            return msgspec.convert(body, type=Proposal)
+        except msgspec.ValidationError as exc:
+            raise Refused(f"the refinement is not a valid proposal: {exc}") from None
+
+    # -- applying ------------------------------------------------------------------------------
+
+    async def _entry(self, pid: str) -> tuple[dict[str, Any] | None, int]:
+        try:
+            entry = await self.ledger.get(pid)
+        except KeyNotFoundError:
+            return None, 0
+        return msgspec.json.decode(entry.value), entry.revision
+
+    async def apply_count(self, proposal_id: str) -> int:
+        """1 when the ledger holds the proposal id, else 0."""
+        return 1 if (await self._entry(proposal_id))[0] is not None else 0
+
+    async def apply(self, order: ApplyOrder) -> ApplyResult:
+        """The ApplyOrder handler: validate, then apply exactly once per proposal id."""
+        self.orders += 1
+        pid = order.proposal_id
+        if not S.ID_RE.match(pid):
+            return failed(f"proposal_id {pid!r} is not a 64-char lowercase hex id")
+        try:
+            change = parse_change(order.proposal, pid)
+        except Refused as exc:
+            log.info("apply refused", service=self.service, proposal_id=pid, reason=str(exc))
+            return failed(str(exc))
+        for _ in range(ROUNDS):
+            try:
+                return await self._apply_once(pid, change)
+            except _Conflict:
+                continue
+            except Refused as exc:
+                return failed(str(exc))
+            except NatsTimeout:  # a lost ack: the next round finds the write if it happened
+                await asyncio.sleep(0.05)
+        return failed(f"could not apply {change.identity}: it kept changing or the store did "
+                      f"not answer ({ROUNDS} attempts)")
+
+    async def _apply_once(self, pid: str, change: Change) -> ApplyResult:
+        """The ranking store's ledger protocol: create the entry, write tagged with the proposal
+        id against the prior revision, complete the entry. A complete entry answers as before; an
+        incomplete one (crash, twin) adopts its own write if the key's history holds it."""
+        entry, rev = await self._entry(pid)
+        if entry is not None and entry["revision"] is not None:
+            return self._result(entry)
+        current, cur_rev = await self._current(change.key)
+        if entry is None:
+            if change.op == "retract" and current is None:
+                raise Refused(f"{change.identity} is not stored (never, or already retracted)")
+            entry = {"op": change.op, "key": change.key, "identity": change.identity,
+                     "record": change.record,
+                     "prior": current if change.op == "retract" else None, "prior_rev": cur_rev,
+                     "revision": None}
+            rev = await self._ledger_write(pid, entry, 0)
+            written = await self._write(pid, entry, current, cur_rev)
+        else:
+            written = await self._own_write(pid, entry["key"], entry["prior_rev"])
+            if written is None:
+                written = await self._write(pid, entry, current, cur_rev)
+        entry = {**entry, "revision": written}
+        await self._ledger_write(pid, entry, rev)
+        return self._result(entry)
+
+    async def _ledger_write(self, pid: str, entry: dict[str, Any], last: int) -> int:
+        """Create (last=0) or compare-and-set the ledger entry; _Conflict if someone moved it."""
+        try:
+            if last == 0:
+                return await self.ledger.create(pid, to_json(entry))
+            return await self.ledger.update(pid, to_json(entry), last=last)
+        except APIError as exc:
+            if _conflicted(exc):
+                raise _Conflict(pid) from exc
+            raise
+
+    async def _write(self, pid: str, entry: dict[str, Any], current: dict[str, Any] | None,
+                     cur_rev: int) -> int:
+        """Make the key what the entry asks; a key already in that state is adopted unwritten
+        (content addressing makes a second copy of the same definition pointless)."""
+        name, sha = split_identity(entry["identity"])
+        if entry["op"] == "put":
+            if verify(current, name, sha) is None:
+                return cur_rev
+            seq = await self._publish(entry["key"], to_json(entry["record"]), cur_rev,
+                                      {PROVENANCE: pid})
+        else:
+            if current is None:
+                return cur_rev
+            seq = await self._publish(entry["key"], b"", cur_rev, {PROVENANCE: pid, KV_OP: "DEL"})
+        self.applies += 1
+        log.info("applied", service=self.service, proposal_id=pid, op=entry["op"],
+                 skill=entry["identity"], revision=seq)
+        return seq
+
+    async def _publish(self, key: str, data: bytes, prior_rev: int,
+                       headers: dict[str, str]) -> int:
+        """A write to the definitions key only on top of `prior_rev`."""
+        headers = {Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(prior_rev), **headers}
+        try:
+            ack = await self.js.publish(self._subject(key), data, headers=headers,
+                                        stream=self.defs_stream)
+        except APIError as exc:
+            if _conflicted(exc):
+                raise _Conflict(key) from exc
+            raise
+        return ack.seq
+
+    async def _own_write(self, pid: str, key: str, after: int) -> int | None:
+        """The revision of a write tagged `pid` on `key` after revision `after`, if any."""
+        seq = after + 1
+        for _ in range(HISTORY + 1):
+            try:
+                msg = await self.js.get_msg(self.defs_stream, seq=seq,
+                                            subject=self._subject(key), next=True, direct=True)
+            except NotFoundError:
+                return None
+            if (msg.headers or {}).get(PROVENANCE) == pid:
+                return msg.seq
+            seq = msg.seq + 1
+        return None
+
+    def _result(self, entry: dict[str, Any]) -> ApplyResult:
+        """The one result of a completed entry: the same every time it is asked for."""
+        identity = entry["identity"]
+        if entry["op"] == "put":
+            inverse: dict[str, Any] = {"retract": identity}
+        else:
+            inverse = {"skill": restorable(entry["prior"])}
+        return ApplyResult(ok=True, applied_id=identity, inverse=inverse, rollbackable=True)
+
+    # -- competence ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _head_key(name: str, sha: str, holder_did: str) -> str:
+        return f"head.{name}.{sha}.{canonical.sha256_hex(holder_did.encode())}"
+
+    async def _head(self, key: str) -> tuple[dict[str, Any] | None, int]:
+        try:
+            entry = await self.comp.get(key)
+        except KeyNotFoundError:
+            return None, 0
+        return msgspec.json.decode(entry.value), entry.revision
+
+    async def _load(self, address: str, sha: str) -> dict[str, Any] | None:
+        """The grain at `address`, checked against its address and skill hash; None if absent."""
+        try:
+            entry = await self.comp.get(f"rec.{address}")
+        except KeyNotFoundError:
+            return None
+        try:
+            grain = msgspec.json.decode(entry.value)
+            intact = address_of(grain) == address and canonical.skill_hash(grain) == sha
+        except (msgspec.DecodeError, canonical.CanonicalError, AttributeError, TypeError):
+            intact = False
+        if not intact:
+            raise CorruptRecord(f"competence grain {address} does not match its address or "
+                                "its skill hash")
+        return grain
+
+    async def _put_grain(self, grain: dict[str, Any]) -> str:
+        """Store an immutable grain under its own address (twice is harmless); the address."""
+        address = address_of(grain)
+        try:
+            await self.comp.create(f"rec.{address}", to_json(grain))
+        except KeyWrongLastSequenceError:
+            pass  # the same content, already there
+        return address
+
+    async def _advance(self, key: str, sha: str,
+                       make: Callable[[dict[str, Any] | None, str | None],
+                                      dict[str, Any] | None]) -> dict[str, Any] | None:
+        """Write `make(head grain, head address)` and move the head to it, compare-and-set."""
+        for _ in range(ROUNDS):
+            head, rev = await self._head(key)
+            prev_address = head["address"] if head else None
+            prev = await self._load(prev_address, sha) if prev_address else None
+            grain = make(prev, prev_address)
+            if grain is None:
+                return None
+            address = await self._put_grain(grain)
+            body = to_json({"address": address, "practice_count": grain["practice_count"]})
+            try:
+                if rev == 0:
+                    await self.comp.create(key, body)
+                else:
+                    await self.comp.update(key, body, last=rev)
+            except KeyWrongLastSequenceError:
+                continue
+            return grain
+        raise RuntimeError(f"the competence head {key} kept changing ({ROUNDS} attempts)")
+
+    async def practice(self, identity: str, holder_did: str, signal: Signal, independent: bool,
+                       at: int) -> dict[str, Any] | None:
+        """Record one outcome of `holder_did` practising `identity` as a new head grain.
+
+        A self-signal (not independent) returns None and writes nothing; an independent one,
+        positive or negative, supersedes (rules in the module doc)."""
+        _check_holder(holder_did)
+        name, sha = split_identity(identity)
+        if signal.target_ref is not None and signal.target_ref != f"skill:{name}":
+            raise Refused(f"the signal is about {signal.target_ref}, not skill:{name}")
+        if not independent:
+            return None
+        record = await self.record(identity)
+        definition = definition_of(record["definition"])
+
+        def make(prev: dict[str, Any] | None, prev_address: str | None) -> dict[str, Any]:
+            p = prev["proficiency"] if prev else 0.0
+            return competence_grain(
+                definition, holder_did=holder_did,
+                proficiency=next_proficiency(p, signal.positive),
+                practice_count=(prev["practice_count"] if prev else 0) + 1,
+                created_at=at, last_practiced_at=at,
+                derived_from=[prev_address or record["address"]],
+                origin_did=prev.get("origin_did") if prev else None)
+
+        grain = await self._advance(self._head_key(name, sha, holder_did), sha, make)
+        log.info("practised", service=self.service, skill=identity, positive=signal.positive,
+                 practice_count=grain["practice_count"], proficiency=grain["proficiency"])
+        return grain
+
+    async def competence(self, identity: str, holder_did: str) -> dict[str, Any] | None:
+        """The holder's current competence grain (the chain's head), or None."""
+        name, sha = split_identity(identity)
+        head, _ = await self._head(self._head_key(name, sha, holder_did))
+        return await self._load(head["address"], sha) if head else None
+
+    async def competence_history(self, identity: str, holder_did: str,
+                                 limit: int | None = None) -> list[dict[str, Any]]:
+        """The holder's chain, oldest first, head last (at most `limit` newest grains). It ends
+        where `derived_from` leaves the holder: at the definition, or a transfer's source."""
+        name, sha = split_identity(identity)
+        head, _ = await self._head(self._head_key(name, sha, holder_did))
+        chain: list[dict[str, Any]] = []
+        address = head["address"] if head else None
+        while address and (limit is None or len(chain) < limit):
+            grain = await self._load(address, sha)
+            if grain is None or grain.get("holder_did") != holder_did:
+                break
+            chain.append(grain)
+            address = (grain.get("derived_from") or [None])[0]
+        chain.reverse()
+        return chain
+
+    async def transfer(self, identity: str, from_holder: str, to_holder: str,
+                       at: int) -> dict[str, Any]:
+        """Give `to_holder` the recipe, not the track record (OMS transfer): a first grain with
+        the source's definition, derived_from the source grain, origin_did the first holder,
+        proficiency and practice_count 0. Repeating the same transfer returns the same grain."""
+        _check_holder(from_holder)
+        _check_holder(to_holder)
+        if from_holder == to_holder:
+            raise Refused("a holder cannot transfer a skill to itself")
+        name, sha = split_identity(identity)
+        await self.record(identity)  # only a servable definition is handed on
+        src_head, _ = await self._head(self._head_key(name, sha, from_holder))
+        source = await self._load(src_head["address"], sha) if src_head else None
+        if source is None:
+            raise NoCompetence(f"{from_holder} holds no competence record for {identity}")
+        grain = competence_grain(
+            definition_of(source), holder_did=to_holder, proficiency=0.0, practice_count=0,
+            created_at=at, derived_from=[src_head["address"]],
+            origin_did=source.get("origin_did") or from_holder)
+        address = await self._put_grain(grain)
+        key = self._head_key(name, sha, to_holder)
+        try:
+            await self.comp.create(key, to_json({"address": address, "practice_count": 0}))
+        except KeyWrongLastSequenceError:
+            head, _ = await self._head(key)
+            if not head or head["address"] != address:
+                raise Refused(f"{to_holder} already holds {identity}; it practises its own "
+                              "chain") from None
+        log.info("transferred", service=self.service, skill=identity, to_holder=to_holder)
+        return grain
+
+
+# -- standalone ---------------------------------------------------------------------------------
+
+
+async def run(url: str, service: str) -> int:
+    from improved import bus
+
+    try:  # reconnects are forever once up, but a first connection that never comes is an error
+        nc = await asyncio.wait_for(bus.connect(url, f"skills-store-{service}"), CONNECT_S)
+    except TimeoutError:
+        raise bus.BusError(f"cannot reach NATS at {url} within {CONNECT_S:g}s") from None
+    store = SkillsStore(nc, service)
+    await store.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signals.SIGTERM, signals.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"skills store {service!r} serving {S.apply_request(service)} "
+          f"(definitions in KV {store.defs_bucket}); Ctrl-C stops", file=sys.stderr, flush=True)
+    await stop.wait()
+    await store.stop()
+    await nc.drain()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.skills_store",
+        description="Reference mesh service: stores skill definitions bound to their "
+                    "<name>:<sha256>, applies skill: proposals ordered by improved exactly once, "
+                    "and serves a definition only under a grant for exactly its hash.")
+    parser.add_argument("--nats", default="nats://127.0.0.1:4222", metavar="URL",
+                        help="NATS server with JetStream (default: %(default)s)")
+    parser.add_argument("--service", required=True, metavar="NAME",
+                        help="the service name this store owns, [a-z][a-z0-9_-]{0,62}")
+    args = parser.parse_args(argv)
+    if not S.SERVICE_RE.match(args.service):
+        parser.error(f"--service {args.service!r} must match {S.SERVICE_RE.pattern}")
+    try:
+        return asyncio.run(run(args.nats, args.service))
+    except Exception as exc:  # BusError and friends: one line, not a traceback
+        print(f"skills store: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
