@@ -515,6 +515,30 @@ def parser() -> argparse.ArgumentParser:
                              help="the grant lapses after this long")
         act.set_defaults(func=cmd_grant_act, op=op, expires_in=None)
 
+    bench = sub.add_parser(
+        "bench", help="measure the loop against the broker's own limit",
+        description="Start (or connect to) NATS, daemon process(es) and a reference applier; "
+                    "drive N proposals at concurrency C through the whole loop (a mix of L0, "
+                    "L3 with a grant, L2 approved by a signing bench operator, and proposals "
+                    "rejected at triage); report end-to-end proposals/s, audited transitions/s, "
+                    "p50/p99 per stage, the raw pipelined JetStream publish rate measured in "
+                    "the same run, audit verify and rebuild rates, and the daemons' peak RSS.")
+    bench.add_argument("--nats", metavar="URL", help="use this server instead of an embedded one")
+    bench.add_argument("-n", type=int, default=2000, help="proposals (2000)")
+    bench.add_argument("-c", "--concurrency", type=int, default=200,
+                       help="proposals in flight at once (200)")
+    bench.add_argument("--mix", default="l3=0.7,l0=0.1,l2=0.1,reject=0.1",
+                       help="weights of l0, l3 (with grant), l2 (approved), reject "
+                            "(default l3=0.7,l0=0.1,l2=0.1,reject=0.1)")
+    bench.add_argument("--replicas", type=int, default=1, help="daemon processes (1)")
+    bench.add_argument("--sync", default="always",
+                       help="embedded server fsync: always (durable, default) or e.g. 2m")
+    bench.add_argument("--paced", action="store_true",
+                       help="also measure publish→decision latency at half the peak rate")
+    bench.add_argument("--timeout", type=float, default=300.0, help="give up after (300 s)")
+    bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    bench.set_defaults(func=lambda args: __import__("improved.bench").bench.main(args))
+
     skill = sub.add_parser("skill", help="skill tools", description="Skill tools.")
     skill_sub = skill.add_subparsers(dest="skill_command", required=True, metavar="ACTION")
     shash = skill_sub.add_parser(
