@@ -1,8 +1,9 @@
 """Wiring: the inbound consumer, the request/reply capabilities, and a clean drain on stop.
 
-Inbound messages are fetched in batches from the shared durable consumer. A batch is decoded
-first (pure), grouped by proposal id, and each group runs in order while groups run
-concurrently: per-proposal ordering holds, proposals do not wait for each other.
+Inbound messages are fetched in batches from the shared durable consumer and decoded (pure).
+Each job runs as its own task, chained behind the previous job for the same proposal id: the
+order per proposal holds while proposals do not wait for each other, and fetching goes on while
+earlier work is in flight, up to MAX_IN_FLIGHT jobs.
 
 Acks: success → ack; bad input → term (it will never become good) and a refusal record; an
 unreachable service → nak with backoff until the delivery budget is spent, then ack with the
@@ -18,7 +19,6 @@ import os
 import re
 import signal as signals
 import uuid
-from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +51,8 @@ from .store import Store
 
 log = structlog.get_logger("improved.daemon")
 
-FETCH_BATCH = 64
+FETCH_BATCH = 256
+MAX_IN_FLIGHT = 1024
 NOT_FOUND_RETRIES = 5
 
 
@@ -124,6 +125,8 @@ class Daemon:
     # -- the inbound consumer ------------------------------------------------------------------------
 
     async def _consume(self) -> None:
+        slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+        tails: dict[str, asyncio.Task] = {}  # the last job of each proposal id
         while not self._stopping.is_set():
             try:
                 msgs = await self._psub.fetch(FETCH_BATCH, timeout=0.5)
@@ -133,20 +136,23 @@ class Daemon:
                 log.warning("fetch failed", error=str(exc))
                 await asyncio.sleep(0.5)
                 continue
-            await self._run_batch(msgs)
+            for msg in msgs:
+                job = await self._decode(msg)
+                if job is None:
+                    continue
+                await slots.acquire()
+                task = asyncio.create_task(self._run_after(tails.get(job.key), job))
+                tails[job.key] = task
+                task.add_done_callback(
+                    lambda t, key=job.key: (slots.release(),
+                                            tails.pop(key) if tails.get(key) is t else None))
+        if tails:  # drain: finish what was taken
+            await asyncio.wait(list(tails.values()))
 
-    async def _run_batch(self, msgs: list[Msg]) -> None:
-        groups: dict[str, list[Job]] = defaultdict(list)
-        for msg in msgs:
-            job = await self._decode(msg)
-            if job is not None:
-                groups[job.key].append(job)
-
-        async def run_group(jobs: list[Job]) -> None:
-            for job in jobs:
-                await self._run(job)
-
-        await asyncio.gather(*(run_group(g) for g in groups.values()))
+    async def _run_after(self, previous: asyncio.Task | None, job: Job) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])
+        await self._run(job)
 
     async def _decode(self, msg: Msg) -> Job | None:
         """Turn one inbound message into a Job, or refuse it (term + refusal record)."""
@@ -305,7 +311,7 @@ class Daemon:
                                     headers={"Nats-Msg-Id": pid}, stream=S.STREAM_INBOUND)
         # Register and triage now, so the reply carries the status; the inbound consumer,
         # which has the message too, carries the apply with its retries.
-        handled = await self.engine.submit(proposal, pid, dedup, dispatch=False)
+        handled = await self.engine.submit(proposal, pid, dedup, dispatch=False, fresh=True)
         status = handled.record.status if handled.record else "pending"
         return to_json(ProposeReply(proposal_id=pid, status=status))
 
@@ -329,7 +335,7 @@ class Daemon:
             raise wire.WireError(wire.MISSING_FIELD, "a refine signal names its proposal_id",
                                  "proposal_id")
         try:
-            handled = await self.engine.signal(svc, sig)
+            handled = await self.engine.signal(svc, sig, fresh=True)
         except ServiceUnreachable:
             handled = None
         counted = handled.counted if handled else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ from .store import ChainConflict, StateConflict, Store, trailer_decoder
 log = structlog.get_logger("improved.engine")
 
 MAX_CONFLICT_RETRIES = 8
+CACHE_SIZE = 10_000  # records kept in memory per process (the KV bucket holds all of them)
 apply_result_decoder = msgspec.json.Decoder(ApplyResult)
 
 
@@ -80,6 +82,7 @@ class Engine:
         self.actor = actor
         self.trust = config.trust.store()
         self.max_act_age_ms = int(config.trust.act_max_age_s * 1000)
+        self._cache: OrderedDict[str, tuple[ProposalRecord, int]] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiters: dict[str, int] = {}
 
@@ -101,7 +104,8 @@ class Engine:
     # -- entry points --------------------------------------------------------------------------------
 
     async def submit(self, proposal: Proposal, pid: str, dedup: str,
-                     republish: bool = False, dispatch: bool = True) -> Handled:
+                     republish: bool = False, dispatch: bool = True,
+                     fresh: bool = False) -> Handled:
         """Register a proposal (once) and carry it as far as its gate allows (short of the
         apply when `dispatch` is False: the inbound consumer then carries the apply)."""
 
@@ -110,12 +114,14 @@ class Engine:
                 return None
             return propose.register(proposal, pid, dedup, self.policy, now)
 
-        handled = await self.handle(proposal.service, pid, ingest, proposal, republish, dispatch)
+        handled = await self.handle(proposal.service, pid, ingest, proposal, republish, dispatch,
+                                    fresh)
         if handled.changed or republish:
             await self.store.set_dedup_head(proposal.service, dedup, pid, proposal.created_at)
         return handled
 
-    async def signal(self, svc: str, signal: Signal, republish: bool = False) -> Handled:
+    async def signal(self, svc: str, signal: Signal, republish: bool = False,
+                     fresh: bool = False) -> Handled:
         """Count a learn-back signal for its proposal, then re-triage if it now may proceed."""
         box: dict[str, object] = {}
 
@@ -131,7 +137,8 @@ class Engine:
             box["counted"] = counted
             return new, draft
 
-        handled = await self.handle(svc, signal.proposal_id, ingest, None, republish)
+        handled = await self.handle(svc, signal.proposal_id, ingest, None, republish,
+                                    fresh=fresh)
         handled.counted = box.get("counted")
         return handled
 
@@ -225,59 +232,89 @@ class Engine:
 
     async def advance(self, svc: str, pid: str, republish: bool = False) -> Handled:
         """No new input: carry the proposal on (triage request, apply retry)."""
-        return await self.handle(svc, pid, lambda record, now: None, None, republish)
+        return await self.handle(svc, pid, lambda record, now: None, None, republish,
+                                 fresh=True)
 
     async def handle(self, svc: str, pid: str, ingest: Ingest, proposal: Proposal | None,
-                     republish: bool, dispatch: bool = True) -> Handled:
+                     republish: bool, dispatch: bool = True, fresh: bool = False) -> Handled:
+        """Load, ingest, advance, then cache and publish once. `fresh` skips this process's
+        cache (a request's reply should see what other replicas did)."""
         lock = await self._acquire(pid)
         try:
             for _ in range(MAX_CONFLICT_RETRIES):
                 try:
-                    record, rev = await self.store.load(svc, pid)
+                    record, rev = await self._load(svc, pid, fresh)
                     before = record
                     now = now_ms()
                     step = ingest(record, now)
                     if step is not None:
-                        record, rev = await self._commit(*step, rev, now)
+                        record = await self._commit(*step, now)
                     if record is None:
                         return Handled(None, False)
                     try:
-                        record, rev = await self._advance(record, rev, dispatch)
+                        record = await self._advance(record, dispatch)
                     except ServiceUnreachable as exc:
                         # What was decided stands and is published; the apply waits.
-                        if exc.record is not None and (exc.record != before or republish):
-                            await self.publish(exc.record)
+                        await self._settle(exc.record or record, rev, before, republish)
                         raise
                     changed = record != before
-                    if changed or republish:
-                        await self.publish(record)
+                    await self._settle(record, rev, before, republish)
                     return Handled(record, changed)
-                except (ChainConflict, StateConflict) as exc:
-                    log.info("conflict, rebuilding from the chain", proposal_id=pid,
-                             kind=type(exc).__name__)
+                except ChainConflict:
+                    log.info("chain moved, rebuilding from it", proposal_id=pid)
+                    self._cache.pop(pid, None)
                     await self.resync(svc, pid, proposal)
                     republish = True
+                    fresh = True
             raise RuntimeError(f"proposal {pid}: still conflicting after "
                                f"{MAX_CONFLICT_RETRIES} attempts")
         finally:
             self._release(pid, lock)
 
-    # -- the steps -----------------------------------------------------------------------------------
-
-    async def _commit(self, record: ProposalRecord, draft: Draft, rev: int,
-                      at: int) -> tuple[ProposalRecord, int]:
-        """Seal `draft` at `at` (the instant the stage decided), append it, cache the record."""
-        trailer = audit.seal(draft, record, at)
-        seq = await self.store.append(record, trailer)
-        record = with_trailer(record, trailer, seq)
-        rev = await self.store.save(record, rev)
-        log.info("transition", proposal_id=record.proposal_id, stage=trailer.to_stage,
-                 **{"class": record.gate_class}, verdict=trailer.verdict, cause=trailer.cause,
-                 status=record.status, seq=trailer.seq)
+    async def _load(self, svc: str, pid: str, fresh: bool) -> tuple[ProposalRecord | None, int]:
+        if not fresh and pid in self._cache:
+            self._cache.move_to_end(pid)
+            return self._cache[pid]
+        record, rev = await self.store.load(svc, pid)
+        if record is not None:
+            self._remember(record, rev)
         return record, rev
 
-    async def _advance(self, record: ProposalRecord, rev: int,
-                       dispatch: bool) -> tuple[ProposalRecord, int]:
+    def _remember(self, record: ProposalRecord, rev: int) -> None:
+        self._cache[record.proposal_id] = (record, rev)
+        self._cache.move_to_end(record.proposal_id)
+        while len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+
+    async def _settle(self, record: ProposalRecord, rev: int, before: ProposalRecord | None,
+                      republish: bool) -> None:
+        """After the chain moved: cache the record once and publish the retained records, both
+        at the same time (the cache is rebuildable, so a lost save only costs a rebuild)."""
+        jobs = []
+        if record != before:
+            jobs.append(self._save(record, rev))
+        if record != before or republish:
+            jobs.append(self.publish(record))
+        await asyncio.gather(*jobs)
+
+    async def _save(self, record: ProposalRecord, rev: int) -> None:
+        try:
+            self._remember(record, await self.store.save(record, rev))
+        except StateConflict:
+            self._cache.pop(record.proposal_id, None)  # someone newer saved; re-read next time
+
+    # -- the steps -----------------------------------------------------------------------------------
+
+    async def _commit(self, record: ProposalRecord, draft: Draft, at: int) -> ProposalRecord:
+        """Seal `draft` at `at` (the instant the stage decided) and append it: the commit."""
+        trailer = audit.seal(draft, record, at)
+        seq = await self.store.append(record, trailer)
+        log.info("transition", proposal_id=record.proposal_id, stage=trailer.to_stage,
+                 **{"class": record.gate_class}, verdict=trailer.verdict, cause=trailer.cause,
+                 seq=trailer.seq)
+        return with_trailer(record, trailer, seq)
+
+    async def _advance(self, record: ProposalRecord, dispatch: bool) -> ProposalRecord:
         for _ in range(8):
             now = now_ms()
             if triage.needs_triage(record) or (apply_stage.needs_apply(record)
@@ -286,14 +323,14 @@ class Engine:
                 if record.proposal.change_class == "L3":
                     grant = await self.store.grant_active(record.skill, now)
                 decision = triage.decide(record, self.policy, now, grant, self.actor)
-                record, rev = await self._commit(*triage.transition(record, decision), rev, now)
+                record = await self._commit(*triage.transition(record, decision), now)
                 continue
             if (dispatch and apply_stage.needs_apply(record) and record.approved_by is None
                     and record.gate_class == "L3"
                     and not await self.store.grant_active(record.skill, now)):
                 # revoked since triage: the very next apply is stopped, gated as L2 again
                 decision = triage.decide(record, self.policy, now, False, self.actor)
-                record, rev = await self._commit(*triage.transition(record, decision), rev, now)
+                record = await self._commit(*triage.transition(record, decision), now)
                 continue
             if dispatch and apply_stage.needs_apply(record):
                 by = apply_stage.authority(record, self.policy)
@@ -303,11 +340,10 @@ class Engine:
                     exc.record = record
                     raise
                 at = now_ms()
-                record, rev = await self._commit(
-                    *apply_stage.transition(record, result, by, at), rev, at)
+                record = await self._commit(*apply_stage.transition(record, result, by, at), at)
                 continue
             break
-        return record, rev
+        return record
 
     async def _dispatch(self, record: ProposalRecord) -> ApplyResult:
         """Send the ApplyOrder with a timeout and bounded retries; the service is idempotent on
@@ -335,25 +371,22 @@ class Engine:
     async def resync(self, svc: str, pid: str, proposal: Proposal | None) -> ProposalRecord | None:
         """Make the cached record equal to what the chain says (the chain is authoritative)."""
         cached, rev = await self.store.load(svc, pid)
-        source = cached.proposal if cached is not None else proposal
-        if source is None:
-            return None
-        rebuilt = await self.rebuild(source, pid)
+        rebuilt = await self.rebuild(svc, pid)
         if rebuilt is not None and rebuilt != cached:
             try:
-                await self.store.save(rebuilt, rev)
+                rev = await self.store.save(rebuilt, rev)
             except StateConflict:
-                pass  # someone else just saved; the next attempt re-reads
+                return rebuilt  # someone else just saved; the next attempt re-reads
+            self._remember(rebuilt, rev)
         return rebuilt
 
-    async def rebuild(self, proposal: Proposal, pid: str) -> ProposalRecord | None:
-        _, dedup = propose.identify(proposal)
-        start, _ = propose.register(proposal, pid, dedup, self.policy, 0)
-        chain = await self.store.read_chain(proposal.service, pid)
+    async def rebuild(self, svc: str, pid: str) -> ProposalRecord | None:
+        """A proposal's record from its chain alone (the registration carries the proposal)."""
+        chain = await self.store.read_chain(svc, pid)
         if not chain:
             return None
         trailers = [trailer_decoder.decode(to_json(body)) for _, body in chain]
-        return replay(start, trailers, [seq for seq, _ in chain])
+        return rebuild_record(trailers, [seq for seq, _ in chain], self.policy)
 
     # -- retained records ----------------------------------------------------------------------------
 
@@ -375,6 +408,18 @@ class Engine:
                                applied_id="", authority=apply_stage.authority(record, self.policy),
                                error=f"unreachable: {error}", at=now_ms())
         await self.store.publish(S.apply_outcome(record.service, record.proposal_id), outcome)
+
+
+def rebuild_record(trailers: list[Trailer], seqs: list[int], policy) -> ProposalRecord:
+    """Replay a chain from its registration trailer, which carries the proposal itself; the
+    proposal must hash to the chain's id, so a chain cannot be rebuilt around other content."""
+    proposal = propose.carried(trailers[0])
+    pid, dedup = propose.identify(proposal)
+    if pid != trailers[0].proposal_id:
+        raise ValueError(f"chain {trailers[0].proposal_id}: its registration carries the "
+                         f"content of {pid}")
+    start, _ = propose.register(proposal, pid, dedup, policy, 0)
+    return replay(start, trailers, seqs)
 
 
 def evidence_digest(proposal: Proposal) -> str:

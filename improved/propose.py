@@ -13,7 +13,7 @@ from . import canonical, wire
 from .audit import Draft
 from .config import Policy
 from .guards import Evidence, is_independent
-from .model import Proposal, Signal
+from .model import Proposal, Signal, to_json
 from .record import CountedSignal, ProposalRecord
 from .subjects import SKILL_NAME_RE
 
@@ -150,6 +150,15 @@ def register(proposal: Proposal, pid: str, dedup: str, policy: Policy,
     draft = Draft(
         from_stage="observe", to_stage="propose", actor=proposal.origin.actor,
         observer_type=observer, reason=f"proposed: {summary}",
-        refs=(f"analyzer:{proposal.analyzer.id}", f"dedup_key:{dedup}"),
+        refs=(f"analyzer:{proposal.analyzer.id}", f"dedup_key:{dedup}",
+              "proposal:" + to_json(proposal).decode()),
     )
     return record, draft
+
+
+def carried(trailer) -> Proposal:
+    """The proposal a registration trailer carries (its `proposal:` ref)."""
+    for r in trailer.refs:
+        if r.startswith("proposal:"):
+            return msgspec.json.decode(r[len("proposal:"):].encode(), type=Proposal)
+    raise ValueError(f"trailer {trailer.seq} of {trailer.proposal_id} carries no proposal")

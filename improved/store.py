@@ -109,16 +109,18 @@ class Store:
         except BadRequestError as exc:
             if exc.err_code not in (10148, 10013):  # exists with another config / name in use
                 raise
+        # A cache: in memory, since every record can be rebuilt from its chain.
         self.kv = await self._bucket(S.BUCKET_STATE, "cached proposal records (rebuildable "
-                                     "from the chain)")
+                                     "from the chain)", jsapi.StorageType.MEMORY)
         self.dedup = await self._bucket(S.BUCKET_DEDUP, "newest proposal per dedup_key")
         self.ledger = await self._bucket(S.BUCKET_LEDGER, "the rejection ledger by dedup_key")
 
-    async def _bucket(self, name: str, what: str):
+    async def _bucket(self, name: str, what: str,
+                      storage: jsapi.StorageType = jsapi.StorageType.FILE):
         try:
             return await self.js.key_value(name)
         except BucketNotFoundError:
-            return await self.js.create_key_value(bucket=name, history=1,
+            return await self.js.create_key_value(bucket=name, history=1, storage=storage,
                                                   replicas=self.replicas,
                                                   description=f"improved: {what}")
 
