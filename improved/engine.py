@@ -56,6 +56,10 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+class GrantRevoked(Exception):
+    """The grant an L3 auto-apply relies on is no longer active."""
+
+
 class ServiceUnreachable(Exception):
     """The owning service did not answer the ApplyOrder; the proposal stays retryable."""
 
@@ -114,8 +118,10 @@ class Engine:
                 return None
             return propose.register(proposal, pid, dedup, self.policy, now)
 
+        # A first delivery not in this process's cache is taken for new without a read: if
+        # the chain exists after all, the append conflicts and the record is rebuilt.
         handled = await self.handle(proposal.service, pid, ingest, proposal, republish, dispatch,
-                                    fresh)
+                                    fresh, optimistic=not (fresh or republish))
         if handled.changed or republish:
             await self.store.set_dedup_head(proposal.service, dedup, pid, proposal.created_at)
         return handled
@@ -236,14 +242,18 @@ class Engine:
                                  fresh=True)
 
     async def handle(self, svc: str, pid: str, ingest: Ingest, proposal: Proposal | None,
-                     republish: bool, dispatch: bool = True, fresh: bool = False) -> Handled:
+                     republish: bool, dispatch: bool = True, fresh: bool = False,
+                     optimistic: bool = False) -> Handled:
         """Load, ingest, advance, then cache and publish once. `fresh` skips this process's
         cache (a request's reply should see what other replicas did)."""
         lock = await self._acquire(pid)
         try:
             for _ in range(MAX_CONFLICT_RETRIES):
                 try:
-                    record, rev = await self._load(svc, pid, fresh)
+                    if optimistic and pid not in self._cache:
+                        record, rev = None, 0
+                    else:
+                        record, rev = await self._load(svc, pid, fresh)
                     before = record
                     now = now_ms()
                     step = ingest(record, now)
@@ -266,6 +276,7 @@ class Engine:
                     await self.resync(svc, pid, proposal)
                     republish = True
                     fresh = True
+                    optimistic = False
             raise RuntimeError(f"proposal {pid}: still conflicting after "
                                f"{MAX_CONFLICT_RETRIES} attempts")
         finally:
@@ -315,6 +326,7 @@ class Engine:
         return with_trailer(record, trailer, seq)
 
     async def _advance(self, record: ProposalRecord, dispatch: bool) -> ProposalRecord:
+        grant_read = False  # the grant was read by this very pass, an instant ago
         for _ in range(8):
             now = now_ms()
             if triage.needs_triage(record) or (apply_stage.needs_apply(record)
@@ -322,20 +334,20 @@ class Engine:
                 grant = False
                 if record.proposal.change_class == "L3":
                     grant = await self.store.grant_active(record.skill, now)
+                    grant_read = True
                 decision = triage.decide(record, self.policy, now, grant, self.actor)
-                record = await self._commit(*triage.transition(record, decision), now)
-                continue
-            if (dispatch and apply_stage.needs_apply(record) and record.approved_by is None
-                    and record.gate_class == "L3"
-                    and not await self.store.grant_active(record.skill, now)):
-                # revoked since triage: the very next apply is stopped, gated as L2 again
-                decision = triage.decide(record, self.policy, now, False, self.actor)
                 record = await self._commit(*triage.transition(record, decision), now)
                 continue
             if dispatch and apply_stage.needs_apply(record):
                 by = apply_stage.authority(record, self.policy)
                 try:
-                    result = await self._dispatch(record)
+                    result = await self._dispatch(record, grant_read)
+                except GrantRevoked:
+                    # revoked since triage: this apply is stopped, gated as L2 again
+                    decision = triage.decide(record, self.policy, now_ms(), False, self.actor)
+                    record = await self._commit(*triage.transition(record, decision),
+                                                decision.at)
+                    continue
                 except ServiceUnreachable as exc:
                     exc.record = record
                     raise
@@ -345,12 +357,18 @@ class Engine:
             break
         return record
 
-    async def _dispatch(self, record: ProposalRecord) -> ApplyResult:
+    async def _dispatch(self, record: ProposalRecord, grant_read: bool) -> ApplyResult:
         """Send the ApplyOrder with a timeout and bounded retries; the service is idempotent on
-        the proposal id, so a retry after a lost reply applies nothing twice."""
+        the proposal id, so a retry after a lost reply applies nothing twice. An L3 auto-apply
+        re-reads its grant before every attempt (but a first one right after triage read it),
+        so an order sent after a revocation was recorded is never sent."""
         settings = self.config.apply
         last_error = "no attempt"
+        grant_bound = record.gate_class == "L3" and record.approved_by is None
         for attempt in range(1, settings.attempts + 1):
+            if grant_bound and not (attempt == 1 and grant_read) \
+                    and not await self.store.grant_active(record.skill, now_ms()):
+                raise GrantRevoked(record.skill)
             order = apply_stage.order(record, self.policy, record.apply_attempts + attempt)
             try:
                 reply = await self.nc.request(S.apply_request(record.service), to_json(order),
