@@ -21,6 +21,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +77,7 @@ def out(obj: Any) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from .daemon import run_until_stopped
+    from .daemon import run_until_stopped, stop_on_signals
 
     config = _config(args)
     if args.data_dir:
@@ -92,10 +94,12 @@ def cmd_run(args: argparse.Namespace) -> int:
               flush=True)
 
     async def main() -> int:
+        stop = stop_on_signals()
         nc = await bus.connect(url, "improved")
         return await run_until_stopped(
-            nc, config, on_ready=lambda d: print(f"improved: ready as {d.actor} on {url}",
-                                                 file=sys.stderr, flush=True))
+            nc, config, stop=stop,
+            on_ready=lambda d: print(f"improved: ready as {d.actor} on {url}",
+                                     file=sys.stderr, flush=True))
 
     try:
         return asyncio.run(main())
@@ -107,13 +111,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 # -- client commands ------------------------------------------------------------------------------
 
 
-async def _request(url: str, subject: str, body: bytes, timeout: float) -> dict[str, Any]:
+@asynccontextmanager
+async def deployment(url: str, bind: bool = True) -> AsyncIterator[Store]:
+    """A one-shot connection to a running deployment, its buckets bound (nothing created)."""
     nc = await bus.connect(url, "improved-cli", persistent=False)
     try:
-        reply = await nc.request(subject, body, timeout=timeout)
-        return msgspec.json.decode(reply.data)
+        store = Store(nc)
+        if bind:
+            await store.bind()
+        yield store
     finally:
-        await nc.close()
+        await bus.close(nc)
+
+
+async def _request(url: str, subject: str, body: bytes, timeout: float) -> dict[str, Any]:
+    async with deployment(url, bind=False) as store:
+        reply = await store.nc.request(subject, body, timeout=timeout)
+        return msgspec.json.decode(reply.data)
 
 
 def cmd_propose(args: argparse.Namespace) -> int:
@@ -141,10 +155,7 @@ async def _find(store: Store, pid: str) -> tuple[str, str] | None:
 
 
 async def _show(url: str, pid: str) -> int:
-    nc = await bus.connect(url, "improved-cli", persistent=False)
-    try:
-        store = Store(nc)
-        await store.bind()
+    async with deployment(url) as store:
         found = await _find(store, pid)
         if found is None:
             print(f"improved show: no proposal {pid}", file=sys.stderr)
@@ -163,8 +174,6 @@ async def _show(url: str, pid: str) -> int:
         view["chain"] = "verified" if brk is None else f"BROKEN: {brk}"
         out(view)
         return 0
-    finally:
-        await nc.close()
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -172,9 +181,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 async def _verify(url: str, pid: str | None) -> int:
-    nc = await bus.connect(url, "improved-cli", persistent=False)
-    try:
-        store = Store(nc)
+    async with deployment(url, bind=False) as store:
         chains = await read_all_chains(store, pid)
         broken = 0
         trailers = 0
@@ -190,8 +197,6 @@ async def _verify(url: str, pid: str | None) -> int:
         print(f"{len(chains) - broken}/{len(chains)} chains verified, {trailers} trailers"
               + (f", {broken} broken" if broken else ""))
         return 1 if broken else 0
-    finally:
-        await nc.close()
 
 
 async def read_all_chains(store: Store, pid: str | None = None) -> dict[tuple[str, str],
@@ -259,25 +264,17 @@ def _signer(args: argparse.Namespace) -> tuple[str, Any]:
 
 
 async def _publish_act(url: str, subject: str, env) -> None:
-    nc = await bus.connect(url, "improved-cli", persistent=False)
-    try:
-        await nc.jetstream().publish(subject, to_json(env), stream=S.STREAM_INBOUND)
-    finally:
-        await bus.close(nc)
+    async with deployment(url, bind=False) as store:
+        await store.js.publish(subject, to_json(env), stream=S.STREAM_INBOUND)
 
 
 async def _locate(url: str, pid: str) -> tuple[str, Any] | None:
-    nc = await bus.connect(url, "improved-cli", persistent=False)
-    try:
-        store = Store(nc)
-        await store.bind()
+    async with deployment(url) as store:
         found = await _find(store, pid)
         if found is None:
             return None
         record, _ = await store.load(*found)
         return found[0], record
-    finally:
-        await bus.close(nc)
 
 
 def cmd_review_act(args: argparse.Namespace) -> int:
@@ -334,10 +331,7 @@ def cmd_skill_hash(args: argparse.Namespace) -> int:
 
 
 async def _review_queue(url: str) -> list[dict[str, Any]]:
-    nc = await bus.connect(url, "improved-cli", persistent=False)
-    try:
-        store = Store(nc)
-        await store.bind()
+    async with deployment(url) as store:
         queue = []
         for key in await store.keys():
             svc, _, pid = key.partition(".")
@@ -362,8 +356,6 @@ async def _review_queue(url: str) -> list[dict[str, Any]]:
                 "waiting_since": d.at,
             })
         return sorted(queue, key=lambda q: q["waiting_since"])
-    finally:
-        await bus.close(nc)
 
 
 def cmd_review(args: argparse.Namespace) -> int:

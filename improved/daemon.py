@@ -407,14 +407,22 @@ def capabilities() -> dict[str, Any]:
     }
 
 
-async def run_until_stopped(nc: Client, config: Config,
-                            on_ready: Callable[[Daemon], None] | None = None) -> int:
-    """Run a daemon until SIGTERM or SIGINT, then drain and return 0."""
-    daemon = Daemon(nc, config)
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT; install it first, so a stop during start-up still
+    ends in a drain and exit 0."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signals.SIGTERM, signals.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def run_until_stopped(nc: Client, config: Config,
+                            on_ready: Callable[[Daemon], None] | None = None,
+                            stop: asyncio.Event | None = None) -> int:
+    """Run a daemon until SIGTERM or SIGINT, then drain and return 0."""
+    daemon = Daemon(nc, config)
+    stop = stop or stop_on_signals()
     await daemon.start()
     if on_ready:
         on_ready(daemon)

@@ -164,6 +164,11 @@ async def test_a_stopped_daemon_exits_zero_and_a_second_start_is_harmless(own_se
     second = start_daemon(own_server.url, tmp_path)
     try:
         await wait_ready(nc)
+
+        async def both_ready():
+            return (tmp_path / "daemon.log").read_text().count("ready as improved:") == 2
+
+        await eventually(both_ready, timeout=30)
         client = MeshClient(nc, "twice")
         reply = await client.propose(skill_proposal("twice"))
         assert reply.status == "pending"
