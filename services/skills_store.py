@@ -11,7 +11,8 @@ Storage layout (`<svc>` with `-` made `_`):
   `{name, sha256, definition, created_at, address, derived_from?, origin_did?, author_did?,
   refines?, proposal_id?}`, where `address` is the OMS content address of the definition as a
   Skill grain (type 0x0B). Written once; a retraction is a KV delete marker, and the history keeps
-  the record for audit. Writes are tagged `Improve-Proposal-Id`, as in the ranking store.
+  the record for audit. Changed exactly once per proposal by the ledger protocol of
+  `services.kv_service`; a key already in the asked state is adopted, not written again.
 - KV `skillapplies_<svc>` (history 1): the apply ledger, one entry per proposal id.
 - KV `skillcomp_<svc>` (history 1): `rec.<address>` → one competence grain, immutable and keyed
   by its own content address; `head.<name>.<sha256>.<holder>` → `{address, practice_count}`, the
@@ -38,10 +39,7 @@ store hands out can itself be applied; a retraction's inverse restores the same 
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import re
-import signal as signals
 import sys
 import time
 from collections.abc import Callable
@@ -51,23 +49,15 @@ from typing import Any
 import msgspec
 import structlog
 from nats.aio.client import Client
-from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
-from nats.js.api import Header
-from nats.js.errors import (
-    APIError,
-    BucketNotFoundError,
-    KeyNotFoundError,
-    KeyWrongLastSequenceError,
-    NotFoundError,
-)
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
 from improved import canonical
 from improved import subjects as S
 from improved.model import ApplyOrder, ApplyResult, Grant, Proposal, Signal, to_json
 
-from .sdk import MeshClient, failed, serve_spec
+from . import kv_service
+from .kv_service import ROUNDS, Conflict, KVService, read_json
 
 log = structlog.get_logger("services.skills_store")
 
@@ -81,15 +71,9 @@ COMPETENCE_FIELDS = ("holder_did", "proficiency", "practice_count", "last_practi
                      "strategies", "transferable")
 NAMESPACE = "agent:skills"  # OMS: Skill grains SHOULD use it
 ALPHA = 0.2  # weight of one independent outcome in the proficiency average
-HISTORY = 64  # revisions kept per definition key: how far back a recovering order looks
-ROUNDS = 8  # optimistic-concurrency rounds before giving up
-PROVENANCE = "Improve-Proposal-Id"
-KV_OP = "KV-Operation"
-WRONG_LAST_SEQUENCE = (10071, 10164)
-CONNECT_S = 10.0
 
 
-class Refused(ValueError):
+class Refused(kv_service.Refused, ValueError):
     """Well formed, but this store will not do it; the text says why."""
 
 
@@ -104,10 +88,6 @@ class CorruptRecord(ValueError):
 
 class NoCompetence(LookupError):
     """The holder has no competence record for the skill."""
-
-
-class _Conflict(Exception):
-    """Someone else moved the key or the ledger entry: read again and retry."""
 
 
 @dataclass(frozen=True)
@@ -298,60 +278,23 @@ def _check_holder(holder_did: Any) -> None:
         raise Refused("a holder DID is a non-empty string")
 
 
-def _conflicted(exc: Exception) -> bool:
-    return isinstance(exc, KeyWrongLastSequenceError) or (
-        isinstance(exc, APIError) and exc.err_code in WRONG_LAST_SEQUENCE)
-
-
-class SkillsStore:
+class SkillsStore(KVService):
     """Definitions in KV `skills_<svc>`, competence in `skillcomp_<svc>`, the apply ledger in
     `skillapplies_<svc>` (layout in the module doc)."""
 
-    def __init__(self, nc: Client, service: str):
-        self.nc = nc
-        self.service = service
-        self.client = MeshClient(nc, service)
-        self.js = nc.jetstream()
-        self.defs_bucket, self.comp_bucket, self.ledger_bucket = bucket_names(service)
-        self.defs_stream = f"KV_{self.defs_bucket}"
-        self.applies = 0  # definition writes made by this instance through apply
-        self.orders = 0  # decoded ApplyOrders handled by this instance
-        self.comp = None
-        self.ledger = None
-        self._subs: list[Subscription] = []
+    KIND = "skills store"
+    VALUES = "definitions"
 
-    # -- lifecycle -----------------------------------------------------------------------------
+    def __init__(self, nc: Client, service: str):
+        self.defs_bucket, self.comp_bucket, ledger_bucket = bucket_names(service)
+        super().__init__(nc, service, self.defs_bucket, ledger_bucket)
+        self.defs_stream = self.stream
+        self.comp = None
 
     async def start(self) -> None:
-        await self._bucket(self.defs_bucket, HISTORY, "skills store: definitions by hash")
         self.comp = await self._bucket(self.comp_bucket, 1,
                                        "skills store: competence grains and chain heads")
-        self.ledger = await self._bucket(self.ledger_bucket, 1,
-                                         "skills store apply ledger, one entry per proposal")
-        self._subs.append(await self.client.serve_apply(self.apply))
-        self._subs.append(await serve_spec(self.nc, self.service, self.capabilities()))
-        log.info("skills store ready", service=self.service,
-                 subject=S.apply_request(self.service), bucket=self.defs_bucket)
-
-    async def stop(self) -> None:
-        """Stop taking orders, finishing the one in hand."""
-        subs, self._subs = self._subs, []
-        for sub in subs:
-            try:
-                await sub.drain()
-            except Exception as exc:  # already closed with the connection
-                log.debug("subscription drain failed", error=str(exc))
-
-    async def _bucket(self, name: str, history: int, description: str):
-        try:
-            return await self.js.key_value(name)
-        except BucketNotFoundError:
-            pass
-        try:
-            return await self.js.create_key_value(bucket=name, history=history, direct=True,
-                                                  description=description)
-        except APIError:  # created meanwhile by a twin instance
-            return await self.js.key_value(name)
+        await super().start()
 
     def capabilities(self) -> dict[str, Any]:
         return {
@@ -368,25 +311,11 @@ class SkillsStore:
 
     # -- definitions ---------------------------------------------------------------------------
 
-    def _subject(self, key: str) -> str:
-        return f"$KV.{self.defs_bucket}.{key}"
-
-    async def _current(self, key: str) -> tuple[dict[str, Any] | None, int]:
-        """(record or None when absent or retracted, revision of the key's last message).
-        An unreadable record comes back as `{}`, which fails verification."""
-        try:
-            msg = await self.js.get_msg(self.defs_stream, subject=self._subject(key),
-                                        direct=True)
-        except NotFoundError:
-            return None, 0
-        headers = msg.headers or {}
-        if headers.get(KV_OP) in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
-            return None, msg.seq
-        try:
-            record = msgspec.json.decode(msg.data or b"null")
-        except msgspec.DecodeError:
-            return {}, msg.seq
-        return (record if isinstance(record, dict) else {}), msg.seq
+    @staticmethod
+    def _decode(data: bytes) -> dict[str, Any]:
+        """An unreadable record comes back as `{}`, which fails verification."""
+        record = KVService._decode(data)
+        return record if isinstance(record, dict) else {}
 
     async def put_definition(self, definition: dict[str, Any]) -> str:
         """Store a definition under its hash (a no-op when it is already there); its identity."""
@@ -397,8 +326,8 @@ class SkillsStore:
             if verify(current, change.name, change.sha) is None:
                 return change.identity
             try:
-                await self._publish(change.key, to_json(record), rev, {})
-            except _Conflict:
+                await self._publish(change.key, to_json(record), rev)
+            except Conflict:
                 continue
             return change.identity
         raise RuntimeError(f"could not store {change.identity}: the key kept changing")
@@ -485,123 +414,30 @@ class SkillsStore:
         except msgspec.ValidationError as exc:
             raise Refused(f"the refinement is not a valid proposal: {exc}") from None
 
-    # -- applying ------------------------------------------------------------------------------
+    # -- applying (the protocol is kv_service's) -----------------------------------------------
 
-    async def _entry(self, pid: str) -> tuple[dict[str, Any] | None, int]:
-        try:
-            entry = await self.ledger.get(pid)
-        except KeyNotFoundError:
-            return None, 0
-        return msgspec.json.decode(entry.value), entry.revision
+    def _change(self, order: ApplyOrder) -> Change:
+        return parse_change(order.proposal, order.proposal_id)
 
-    async def apply_count(self, proposal_id: str) -> int:
-        """1 when the ledger holds the proposal id, else 0."""
-        return 1 if (await self._entry(proposal_id))[0] is not None else 0
-
-    async def apply(self, order: ApplyOrder) -> ApplyResult:
-        """The ApplyOrder handler: validate, then apply exactly once per proposal id."""
-        self.orders += 1
-        pid = order.proposal_id
-        if not S.ID_RE.match(pid):
-            return failed(f"proposal_id {pid!r} is not a 64-char lowercase hex id")
-        try:
-            change = parse_change(order.proposal, pid)
-        except Refused as exc:
-            log.info("apply refused", service=self.service, proposal_id=pid, reason=str(exc))
-            return failed(str(exc))
-        for _ in range(ROUNDS):
-            try:
-                return await self._apply_once(pid, change)
-            except _Conflict:
-                continue
-            except Refused as exc:
-                return failed(str(exc))
-            except NatsTimeout:  # a lost ack: the next round finds the write if it happened
-                await asyncio.sleep(0.05)
-        return failed(f"could not apply {change.identity}: it kept changing or the store did "
-                      f"not answer ({ROUNDS} attempts)")
-
-    async def _apply_once(self, pid: str, change: Change) -> ApplyResult:
-        """The ranking store's ledger protocol: create the entry, write tagged with the proposal
-        id against the prior revision, complete the entry. A complete entry answers as before; an
-        incomplete one (crash, twin) adopts its own write if the key's history holds it."""
-        entry, rev = await self._entry(pid)
-        if entry is not None and entry["revision"] is not None:
-            return self._result(entry)
-        current, cur_rev = await self._current(change.key)
-        if entry is None:
-            if change.op == "retract" and current is None:
-                raise Refused(f"{change.identity} is not stored (never, or already retracted)")
-            entry = {"op": change.op, "key": change.key, "identity": change.identity,
-                     "record": change.record,
-                     "prior": current if change.op == "retract" else None, "prior_rev": cur_rev,
-                     "revision": None}
-            rev = await self._ledger_write(pid, entry, 0)
-            written = await self._write(pid, entry, current, cur_rev)
-        else:
-            written = await self._own_write(pid, entry["key"], entry["prior_rev"])
-            if written is None:
-                written = await self._write(pid, entry, current, cur_rev)
-        entry = {**entry, "revision": written}
-        await self._ledger_write(pid, entry, rev)
-        return self._result(entry)
-
-    async def _ledger_write(self, pid: str, entry: dict[str, Any], last: int) -> int:
-        """Create (last=0) or compare-and-set the ledger entry; _Conflict if someone moved it."""
-        try:
-            if last == 0:
-                return await self.ledger.create(pid, to_json(entry))
-            return await self.ledger.update(pid, to_json(entry), last=last)
-        except APIError as exc:
-            if _conflicted(exc):
-                raise _Conflict(pid) from exc
-            raise
+    def _new_entry(self, change: Change, current: dict[str, Any] | None,
+                   cur_rev: int) -> dict[str, Any]:
+        if change.op == "retract" and current is None:
+            raise Refused(f"{change.identity} is not stored (never, or already retracted)")
+        return {"op": change.op, "key": change.key, "identity": change.identity,
+                "record": change.record, "prior": current if change.op == "retract" else None,
+                "prior_rev": cur_rev, "revision": None}
 
     async def _write(self, pid: str, entry: dict[str, Any], current: dict[str, Any] | None,
                      cur_rev: int) -> int:
         """Make the key what the entry asks; a key already in that state is adopted unwritten
         (content addressing makes a second copy of the same definition pointless)."""
-        name, sha = split_identity(entry["identity"])
         if entry["op"] == "put":
-            if verify(current, name, sha) is None:
+            if verify(current, *split_identity(entry["identity"])) is None:
                 return cur_rev
-            seq = await self._publish(entry["key"], to_json(entry["record"]), cur_rev,
-                                      {PROVENANCE: pid})
-        else:
-            if current is None:
-                return cur_rev
-            seq = await self._publish(entry["key"], b"", cur_rev, {PROVENANCE: pid, KV_OP: "DEL"})
-        self.applies += 1
-        log.info("applied", service=self.service, proposal_id=pid, op=entry["op"],
-                 skill=entry["identity"], revision=seq)
-        return seq
-
-    async def _publish(self, key: str, data: bytes, prior_rev: int,
-                       headers: dict[str, str]) -> int:
-        """A write to the definitions key only on top of `prior_rev`."""
-        headers = {Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(prior_rev), **headers}
-        try:
-            ack = await self.js.publish(self._subject(key), data, headers=headers,
-                                        stream=self.defs_stream)
-        except APIError as exc:
-            if _conflicted(exc):
-                raise _Conflict(key) from exc
-            raise
-        return ack.seq
-
-    async def _own_write(self, pid: str, key: str, after: int) -> int | None:
-        """The revision of a write tagged `pid` on `key` after revision `after`, if any."""
-        seq = after + 1
-        for _ in range(HISTORY + 1):
-            try:
-                msg = await self.js.get_msg(self.defs_stream, seq=seq,
-                                            subject=self._subject(key), next=True, direct=True)
-            except NotFoundError:
-                return None
-            if (msg.headers or {}).get(PROVENANCE) == pid:
-                return msg.seq
-            seq = msg.seq + 1
-        return None
+            return await self._publish(entry["key"], to_json(entry["record"]), cur_rev, pid)
+        if current is None:
+            return cur_rev
+        return await self._publish(entry["key"], b"", cur_rev, pid, delete=True)
 
     def _result(self, entry: dict[str, Any]) -> ApplyResult:
         """The one result of a completed entry: the same every time it is asked for."""
@@ -619,11 +455,7 @@ class SkillsStore:
         return f"head.{name}.{sha}.{canonical.sha256_hex(holder_did.encode())}"
 
     async def _head(self, key: str) -> tuple[dict[str, Any] | None, int]:
-        try:
-            entry = await self.comp.get(key)
-        except KeyNotFoundError:
-            return None, 0
-        return msgspec.json.decode(entry.value), entry.revision
+        return await read_json(self.comp, key)
 
     async def _load(self, address: str, sha: str) -> dict[str, Any] | None:
         """The grain at `address`, checked against its address and skill hash; None if absent."""
@@ -758,48 +590,16 @@ class SkillsStore:
         return grain
 
 
-# -- standalone ---------------------------------------------------------------------------------
-
-
 async def run(url: str, service: str) -> int:
-    from improved import bus
-
-    try:  # reconnects are forever once up, but a first connection that never comes is an error
-        nc = await asyncio.wait_for(bus.connect(url, f"skills-store-{service}"), CONNECT_S)
-    except TimeoutError:
-        raise bus.BusError(f"cannot reach NATS at {url} within {CONNECT_S:g}s") from None
-    store = SkillsStore(nc, service)
-    await store.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signals.SIGTERM, signals.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    print(f"skills store {service!r} serving {S.apply_request(service)} "
-          f"(definitions in KV {store.defs_bucket}); Ctrl-C stops", file=sys.stderr, flush=True)
-    await stop.wait()
-    await store.stop()
-    await nc.drain()
-    return 0
+    return await kv_service.run(SkillsStore, url, service)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.skills_store",
-        description="Reference mesh service: stores skill definitions bound to their "
-                    "<name>:<sha256>, applies skill: proposals ordered by improved exactly once, "
-                    "and serves a definition only under a grant for exactly its hash.")
-    parser.add_argument("--nats", default="nats://127.0.0.1:4222", metavar="URL",
-                        help="NATS server with JetStream (default: %(default)s)")
-    parser.add_argument("--service", required=True, metavar="NAME",
-                        help="the service name this store owns, [a-z][a-z0-9_-]{0,62}")
-    args = parser.parse_args(argv)
-    if not S.SERVICE_RE.match(args.service):
-        parser.error(f"--service {args.service!r} must match {S.SERVICE_RE.pattern}")
-    try:
-        return asyncio.run(run(args.nats, args.service))
-    except Exception as exc:  # BusError and friends: one line, not a traceback
-        print(f"skills store: {exc}", file=sys.stderr)
-        return 2
+    return kv_service.main(
+        SkillsStore, argv, "services.skills_store",
+        "Reference mesh service: stores skill definitions bound to their <name>:<sha256>, "
+        "applies skill: proposals ordered by improved exactly once, and serves a definition "
+        "only under a grant for exactly its hash.")
 
 
 if __name__ == "__main__":
