@@ -37,7 +37,10 @@ class Draft:
 
 def trailer_hash(body: dict[str, Any]) -> str:
     """SHA-256 hex of the canonical MessagePack of a trailer without its `hash`."""
-    return canonical.digest({k: v for k, v in body.items() if k != "hash"})
+    if "hash" in body:
+        body = dict(body)
+        del body["hash"]
+    return canonical.digest(body)
 
 
 def seal(draft: Draft, record: ProposalRecord, at: int) -> Trailer:

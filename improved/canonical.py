@@ -133,8 +133,53 @@ _ENCODER = msgspec.msgpack.Encoder(order="sorted")
 
 
 def encode(obj: object) -> bytes:
-    """Canonical MessagePack bytes of ``normalize(obj)``."""
+    """Canonical MessagePack bytes of ``normalize(obj)``.
+
+    Most values (audit trailers above all) are already canonical: ASCII text, no None in maps,
+    ints in range, finite floats. Those are encoded as they are, skipping the copy."""
+    if _plain(obj, 32):
+        return _ENCODER.encode(obj)
     return _ENCODER.encode(normalize(obj))
+
+
+def _plain(obj: object, depth: int) -> bool:
+    """True when normalize(obj) would return an equal value (so it need not run)."""
+    t = type(obj)
+    if t is str:
+        return obj.isascii()
+    if t is int:
+        return _INT_MIN <= obj <= _INT_MAX
+    if t is bool:
+        return True
+    if t is dict:
+        if depth <= 0:
+            return False
+        for k, v in obj.items():
+            if type(k) is not str or not k.isascii():
+                return False
+            tv = type(v)  # scalars inline: this loop is the audit verifier's hot path
+            if tv is str:
+                if not v.isascii():
+                    return False
+            elif tv is int:
+                if not _INT_MIN <= v <= _INT_MAX:
+                    return False
+            elif v is None or not _plain(v, depth - 1):
+                return False
+        return True
+    if t is list:
+        if depth <= 0:
+            return False
+        for v in obj:
+            if type(v) is str:
+                if not v.isascii():
+                    return False
+            elif v is not None and not _plain(v, depth - 1):
+                return False
+        return True
+    if t is float:
+        return math.isfinite(obj)
+    return False
 
 
 def _reference_encode(obj: object) -> bytes:
