@@ -91,7 +91,7 @@ def inbound_consumer(ack_wait_s: float = 30.0) -> jsapi.ConsumerConfig:
 class Store:
     def __init__(self, nc: Client, replicas: int = 1):
         self.nc = nc
-        self.js: JetStreamContext = nc.jetstream()
+        self.js: JetStreamContext = nc.jetstream(publish_async_max_pending=8192)
         self.replicas = replicas
         self.kv = None
 
@@ -239,7 +239,9 @@ class Store:
     # -- retained records ------------------------------------------------------------------------
 
     async def publish(self, subject: str, record: Any) -> None:
-        await self.js.publish(subject, to_json(record), stream=S.STREAM_RECORDS)
+        """Publish a retained record, pipelined: sent at once, acknowledged when awaited."""
+        ack = await self.js.publish_async(subject, to_json(record), stream=S.STREAM_RECORDS)
+        await ack
 
     async def last(self, subject: str) -> bytes | None:
         try:
