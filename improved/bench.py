@@ -165,7 +165,8 @@ class Bench:
     def start_daemons(self, url: str, replicas: int) -> None:
         public = base64.b64encode(signing.raw_public(self.key.public_key())).decode()
         config = self.tmp / "bench.toml"
-        config.write_text(f'[trust.operators]\n"{OPERATOR}" = "{public}"\n')
+        config.write_text(f'records_storage = "{self.args.records}"\n\n'
+                          f'[trust.operators]\n"{OPERATOR}" = "{public}"\n')
         env = {**os.environ, "IMPROVED_CONFIG": str(config)}
         for i in range(replicas):
             log = open(self.tmp / f"daemon-{i}.log", "ab")  # noqa: SIM115
@@ -230,7 +231,8 @@ class Bench:
             await self.grant(nc)
             result = await self.drive(nc, proposals, kinds, a.concurrency)
             result["broker"] = {"raw_js_publish_per_s": round(raw), "message_bytes": size,
-                                "sync": a.sync if self.server else "external server"}
+                                "sync": a.sync if self.server else "external server",
+                                "records_storage": a.records}
             result["ratio_transitions_to_raw"] = round(
                 result["audited_transitions_per_s"] / raw, 3)
             result["duplicate_applies"] = sum(1 for c in applier.orders.values() if c > 1)
@@ -385,12 +387,11 @@ class Bench:
 
     async def verify_and_rebuild(self, nc) -> dict[str, Any]:
         """Read every chain once, verify it, and rebuild every record from its chain alone."""
-        from .cli import read_all_chains
         from .engine import rebuild_record
 
         store = Store(nc)
         started = time.perf_counter()
-        chains = await read_all_chains(store)
+        chains = await store.all_chains()
         read_s = time.perf_counter() - started
         n = sum(len(c) for c in chains.values())
         started = time.perf_counter()
@@ -435,7 +436,8 @@ def table(r: dict[str, Any]) -> str:
         f"audited transitions  {r['audited_transitions_per_s']:,.1f}/s "
         f"({r['audited_transitions']} trailers)",
         f"raw JetStream        {r['broker']['raw_js_publish_per_s']:,}/s pipelined, "
-        f"{r['broker']['message_bytes']} B, sync {r['broker']['sync']}",
+        f"{r['broker']['message_bytes']} B, sync {r['broker']['sync']}, retained records in "
+        f"{r['broker']['records_storage']}",
         f"daemon / broker      {r['ratio_transitions_to_raw']:.1%}",
     ]
     for name, v in r["latency"].items():

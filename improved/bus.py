@@ -8,6 +8,7 @@ faster default at the cost of that guarantee (reference/anchors.md, the Jepsen n
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import subprocess
@@ -113,6 +114,14 @@ class EmbeddedServer:
             self.proc.wait()
 
 
+_reconnect_hooks: dict[int, list] = {}
+
+
+def on_reconnect(nc: Client, callback) -> None:
+    """Run `callback()` (a coroutine function) each time `nc` reconnects."""
+    _reconnect_hooks.setdefault(id(nc), []).append(callback)
+
+
 async def _quiet(exc: Exception) -> None:
     """Errors of a one-shot connection surface as the exception connect() raises."""
 
@@ -145,8 +154,11 @@ async def connect(url: str, name: str, *, connect_timeout: float = 5.0,
         if not closing():
             log.warning("nats disconnected", url=url)
 
-    async def on_reconnect() -> None:
+    async def on_reconnected() -> None:
         log.info("nats reconnected", url=url)
+        nc = held.get("nc")
+        for callback in _reconnect_hooks.get(id(nc), ()):
+            asyncio.ensure_future(callback())
 
     try:
         nc = await nats.connect(
@@ -156,7 +168,7 @@ async def connect(url: str, name: str, *, connect_timeout: float = 5.0,
             # bounded (> 0); a one-shot connection then drops reconnects once it is up
             max_reconnect_attempts=3 if persistent else 1, reconnect_time_wait=0.5,
             error_cb=on_error if persistent else _quiet, disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect, allow_reconnect=True,
+            reconnected_cb=on_reconnected, allow_reconnect=True,
         )
     except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
         raise BusError(f"cannot reach NATS at {url}: {exc}") from exc

@@ -33,7 +33,7 @@ from . import audit, bus, canonical, signing
 from . import subjects as S
 from .config import Config, ConfigError, load
 from .model import GrantCommand, Review, to_json
-from .store import Store
+from .store import Store, StoreError
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
@@ -182,7 +182,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 async def _verify(url: str, pid: str | None) -> int:
     async with deployment(url, bind=False) as store:
-        chains = await read_all_chains(store, pid)
+        chains = await store.all_chains(pid)
         broken = 0
         trailers = 0
         for (_, cpid), bodies in sorted(chains.items()):
@@ -197,30 +197,6 @@ async def _verify(url: str, pid: str | None) -> int:
         print(f"{len(chains) - broken}/{len(chains)} chains verified, {trailers} trailers"
               + (f", {broken} broken" if broken else ""))
         return 1 if broken else 0
-
-
-async def read_all_chains(store: Store, pid: str | None = None) -> dict[tuple[str, str],
-                                                                          list[dict]]:
-    """Every chain (or one), read once through an ordered consumer, in stream order."""
-    info = await store.js.stream_info(S.STREAM_AUDIT)
-    chains: dict[tuple[str, str], list[dict]] = {}
-    if info.state.messages == 0:
-        return chains
-    subject = S.audit("*", pid) if pid else S.AUDIT_FILTER
-    if pid:
-        filtered = await store.js.stream_info(S.STREAM_AUDIT, subjects_filter=subject)
-        if not filtered.state.subjects:
-            return chains
-    sub = await store.js.subscribe(subject, ordered_consumer=True, stream=S.STREAM_AUDIT)
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=5)
-            svc, cpid = S.token(msg.subject, 2), S.token(msg.subject, 3)
-            chains.setdefault((svc, cpid), []).append(msgspec.json.decode(msg.data))
-            if msg.metadata.num_pending == 0:
-                return chains
-    finally:
-        await sub.unsubscribe()
 
 
 def cmd_audit_verify(args: argparse.Namespace) -> int:
@@ -525,6 +501,8 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--replicas", type=int, default=1, help="daemon processes (1)")
     bench.add_argument("--sync", default="always",
                        help="embedded server fsync: always (durable, default) or e.g. 2m")
+    bench.add_argument("--records", choices=("file", "memory"), default="file",
+                       help="the daemons' records_storage (file)")
     bench.add_argument("--paced", action="store_true",
                        help="also measure publish→decision latency at half the peak rate")
     bench.add_argument("--timeout", type=float, default=300.0, help="give up after (300 s)")
@@ -551,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"improved: {exc}", file=sys.stderr)
         return 2
-    except bus.BusError as exc:
+    except (bus.BusError, StoreError) as exc:
         print(f"improved: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

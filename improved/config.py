@@ -6,6 +6,9 @@ data_dir = ".improved"
 port = 4222                          # embedded server port
 sync = "always"                      # embedded server fsync: "always" or a duration ("2m")
 max_message_bytes = 262144
+replicas = 1                         # JetStream replicas of every stream (3 on a cluster)
+records_storage = "file"             # retained records: "file", or "memory" as ABP kept them
+                                     # (rebuilt from the chains after a broker restart)
 
 [policy]
 forbidden_targets = ["..."]          # globs; default: the constitution's Art. VI list
@@ -73,6 +76,8 @@ class Config:
     port: int = 4222
     sync: str = "always"
     max_message_bytes: int = 256 * 1024
+    replicas: int = 1
+    records_storage: str = "file"
     policy: Policy = field(default_factory=Policy)
     apply: ApplySettings = field(default_factory=ApplySettings)
     trust: Trust = field(default_factory=Trust)
@@ -86,7 +91,7 @@ def _check_class(name: str, value: object) -> str:
 
 def parse(doc: dict) -> Config:
     known = {"nats_url", "data_dir", "port", "sync", "max_message_bytes", "policy", "apply",
-             "trust"}
+             "trust", "replicas", "records_storage"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
@@ -120,8 +125,16 @@ def parse(doc: dict) -> Config:
         trust.store()
     except ValueError as exc:
         raise ConfigError(f"trust.operators: {exc}") from None
+    records_storage = str(doc.get("records_storage", "file"))
+    if records_storage not in ("file", "memory"):
+        raise ConfigError(f"records_storage: expected file or memory, got {records_storage!r}")
+    replicas = int(doc.get("replicas", 1))
+    if replicas not in (1, 3, 5):
+        raise ConfigError(f"replicas: expected 1, 3 or 5, got {replicas}")
     return Config(
         nats_url=doc.get("nats_url"),
+        replicas=replicas,
+        records_storage=records_storage,
         data_dir=Path(doc.get("data_dir", ".improved")),
         port=int(doc.get("port", 4222)),
         sync=str(doc.get("sync", "always")),

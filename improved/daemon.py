@@ -80,7 +80,7 @@ class Daemon:
         self.nc = nc
         self.config = config
         self.actor = actor or instance_actor()
-        self.store = Store(nc)
+        self.store = Store(nc, config.replicas, config.records_storage)
         self.engine = Engine(nc, self.store, config, self.actor)
         self.observer = Observer([RegressionAnalyzer()])
         self._stopping = asyncio.Event()
@@ -92,6 +92,8 @@ class Daemon:
 
     async def start(self) -> None:
         await self.store.ensure()
+        await self.republish_if_lost()
+        bus.on_reconnect(self.nc, self._reconnected)
         for subject, handler in (
             (S.PROPOSE_REQUESTS, self.on_propose),
             (S.TRIAGE_REQUESTS, self.on_triage),
@@ -106,6 +108,21 @@ class Daemon:
         self.ready.set()
         log.info("daemon ready", actor=self.actor, streams=[S.STREAM_INBOUND, S.STREAM_RECORDS,
                                                            S.STREAM_AUDIT])
+
+    async def republish_if_lost(self) -> None:
+        """After a broker restart (records in memory) or a purge, rebuild the retained records
+        from the chains before serving, so late joiners read the truth again."""
+        if await self.store.records_lost():
+            log.warning("retained records are gone; republishing them from the audit chains")
+            count = await self.engine.republish_all()
+            log.info("retained records republished", chains=count)
+
+    async def _reconnected(self) -> None:
+        try:
+            await self.store.ensure()
+            await self.republish_if_lost()
+        except Exception as exc:  # never die in a callback; the next reconnect tries again
+            log.error("could not restore streams after reconnecting", error=str(exc))
 
     async def stop(self) -> None:
         """Stop taking work, finish what is in flight, unsubscribe."""

@@ -40,6 +40,10 @@ INBOUND_MAX_AGE_S = 30 * 24 * 3600
 REFUSED_MAX_AGE_S = 30 * 24 * 3600
 
 
+class StoreError(RuntimeError):
+    """The deployment's streams cannot be brought to the configuration asked for."""
+
+
 class ChainConflict(Exception):
     """Someone appended to this chain since we read it."""
 
@@ -51,7 +55,7 @@ class StateConflict(Exception):
 trailer_decoder = msgspec.json.Decoder(Trailer)
 
 
-def stream_configs(replicas: int = 1) -> list[jsapi.StreamConfig]:
+def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsapi.StreamConfig]:
     return [
         jsapi.StreamConfig(
             name=S.STREAM_INBOUND, subjects=list(S.INBOUND_FILTERS),
@@ -62,7 +66,7 @@ def stream_configs(replicas: int = 1) -> list[jsapi.StreamConfig]:
         jsapi.StreamConfig(
             name=S.STREAM_RECORDS, subjects=list(S.RECORD_FILTERS),
             description="improved: retained records, the latest per subject is current",
-            retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType.FILE,
+            retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType(records_storage),
             max_msgs_per_subject=1, allow_direct=True, num_replicas=replicas,
         ),
         jsapi.StreamConfig(
@@ -89,21 +93,27 @@ def inbound_consumer(ack_wait_s: float = 30.0) -> jsapi.ConsumerConfig:
 
 
 class Store:
-    def __init__(self, nc: Client, replicas: int = 1):
+    def __init__(self, nc: Client, replicas: int = 1, records_storage: str = "file"):
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream(publish_async_max_pending=8192)
         self.replicas = replicas
+        self.records_storage = records_storage
         self.kv = None
 
     async def ensure(self) -> None:
         """Create or update every stream, the consumer and the bucket; safe to run twice."""
-        for cfg in stream_configs(self.replicas):
+        for cfg in stream_configs(self.replicas, self.records_storage):
             try:
                 await self.js.add_stream(cfg)
             except BadRequestError as exc:
                 if exc.err_code != 10058:  # stream name already in use: bring it up to date
                     raise
-                await self.js.update_stream(cfg)
+                try:
+                    await self.js.update_stream(cfg)
+                except BadRequestError as upd:
+                    raise StoreError(f"stream {cfg.name} exists with a configuration that "
+                                     f"cannot become this one ({upd.description}); keep its "
+                                     f"storage and replicas, or remove it first") from upd
         try:
             await self.js.add_consumer(S.STREAM_INBOUND, inbound_consumer())
         except BadRequestError as exc:
@@ -235,6 +245,36 @@ class Store:
                 return out
             out.append((msg.seq, msgspec.json.decode(msg.data)))
             seq = msg.seq + 1
+
+    async def all_chains(self, pid: str | None = None) -> dict[tuple[str, str], list[dict]]:
+        """Every chain (or one proposal's), read once through an ordered consumer, keyed by
+        (service token, chain id), trailers in order."""
+        info = await self.js.stream_info(S.STREAM_AUDIT)
+        chains: dict[tuple[str, str], list[dict]] = {}
+        if info.state.messages == 0:
+            return chains
+        subject = S.audit("*", pid) if pid else S.AUDIT_FILTER
+        if pid:
+            filtered = await self.js.stream_info(S.STREAM_AUDIT, subjects_filter=subject)
+            if not filtered.state.subjects:
+                return chains
+        sub = await self.js.subscribe(subject, ordered_consumer=True, stream=S.STREAM_AUDIT)
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=5)
+                key = (S.token(msg.subject, 2), S.token(msg.subject, 3))
+                chains.setdefault(key, []).append(msgspec.json.decode(msg.data))
+                if msg.metadata.num_pending == 0:
+                    return chains
+        finally:
+            await sub.unsubscribe()
+
+    async def records_lost(self) -> bool:
+        """True when the retained records are gone (memory storage after a broker restart, or a
+        purge) while chains exist: they must be republished from the chains."""
+        records = await self.js.stream_info(S.STREAM_RECORDS)
+        chains = await self.js.stream_info(S.STREAM_AUDIT)
+        return records.state.messages == 0 and chains.state.messages > 0
 
     # -- retained records ------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ def nats_url(nats_server) -> str:
     return nats_server.url
 
 
-def test_config(**overrides) -> Config:
+def daemon_config(**overrides) -> Config:
     apply = overrides.pop("apply", ApplySettings(timeout_s=1.0, attempts=2, max_deliveries=3))
     public = base64.b64encode(signing.raw_public(ALICE[1].public_key())).decode()
     trust = overrides.pop("trust", Trust(operators={ALICE[0]: public}))
@@ -46,7 +46,7 @@ def test_config(**overrides) -> Config:
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def daemon(nats_url):
     nc = await bus.connect(nats_url, "improved-test-daemon")
-    d = Daemon(nc, test_config())
+    d = Daemon(nc, daemon_config())
     await d.start()
     yield d
     await d.stop()

@@ -1,0 +1,91 @@
+"""Retained records are derived state: when they are lost — memory storage across a broker
+restart, or a purge — the daemon republishes them from the audit chains."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from improved import bus
+from improved import subjects as S
+from improved.daemon import Daemon
+from services.ranking_store import RankingStore
+from services.sdk import MeshClient
+
+from .conftest import eventually, daemon_config
+from .factories import rank_proposal, skill_proposal
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+@pytest.fixture
+def own_server(tmp_path):
+    server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="2m")
+    server.start()
+    yield server
+    server.stop()
+
+
+async def _applied(client, pid):
+    state = await client.state(pid)
+    return state if state is not None and state.status == "applied" else None
+
+
+async def test_memory_records_come_back_after_a_broker_restart(own_server):
+    config = dataclasses.replace(daemon_config(), records_storage="memory")
+    nc = await bus.connect(own_server.url, "recovery-daemon")
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    client_nc = await bus.connect(own_server.url, "recovery-client")
+    client = MeshClient(client_nc, "recsvc")
+    store = RankingStore(client_nc, "recsvc")
+    await store.start()
+    try:
+        applied = (await client.propose(rank_proposal("recsvc", value=3))).proposal_id
+        waiting = (await client.propose(skill_proposal("recsvc"))).proposal_id
+        await eventually(lambda: _applied(client, applied))
+        before = (await client.state(waiting), await client.decision(waiting))
+
+        own_server.stop()
+        own_server.start()
+
+        async def back():
+            try:
+                return await _applied(client, applied)
+            except Exception:
+                return None
+
+        assert await eventually(back, timeout=30)
+        assert (await client.state(waiting), await client.decision(waiting)) == before
+        assert (await client.outcome(applied)).ok
+        assert store.applies == 1  # republishing replays records, never applies
+    finally:
+        await store.stop()
+        await daemon.stop()
+        await bus.close(client_nc)
+        await bus.close(nc)
+
+
+async def test_purged_records_are_republished_when_the_daemon_starts(own_server):
+    nc = await bus.connect(own_server.url, "purge-daemon")
+    daemon = Daemon(nc, daemon_config())
+    await daemon.start()
+    client = MeshClient(nc, "purgesvc")
+    pid = (await client.propose(skill_proposal("purgesvc"))).proposal_id
+    state = await client.state(pid)
+    await daemon.stop()
+
+    await nc.jetstream().purge_stream(S.STREAM_RECORDS)
+    assert await client.state(pid) is None
+
+    again = Daemon(nc, daemon_config())
+    await again.start()
+    try:
+        assert await client.state(pid) == state
+        assert (await client.decision(pid)).cause == "awaiting_operator"
+    finally:
+        await again.stop()
+        await asyncio.sleep(0)
+        await bus.close(nc)
