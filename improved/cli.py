@@ -203,6 +203,53 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
     return asyncio.run(_verify(_url(args, _config(args)), args.id))
 
 
+async def _rebuild(url: str, config: Config, write: bool) -> int:
+    from .engine import rebuild_record
+
+    async with deployment(url) as store:
+        chains = await store.all_chains()
+        decoder = msgspec.json.Decoder(audit.Trailer)
+        equal = differ = uncached = broken = 0
+        for (svc, pid), bodies in sorted(chains.items()):
+            if svc == S.GRANT_CHAINS:
+                continue
+            if audit.verify_chain(pid, bodies) is not None:
+                broken += 1
+                print(f"BROKEN {pid}: not rebuilt (run `improved audit verify {pid}`)")
+                continue
+            trailers = [decoder.decode(msgspec.json.encode(b)) for b in bodies]
+            cached, rev = await store.load(svc, pid)
+            seqs = [cached.chain.stream_seq if cached else 0] * len(trailers)
+            rebuilt = rebuild_record(trailers, seqs, config.policy)
+            if cached is None:
+                uncached += 1
+            elif same_state(rebuilt, cached):
+                equal += 1
+                continue
+            else:
+                differ += 1
+                print(f"DIFFERS {pid}: cache says {cached.status}/{cached.stage}, "
+                      f"the chain says {rebuilt.status}/{rebuilt.stage}")
+            if write:
+                real = [seq for seq, _ in await store.read_chain(svc, pid)]
+                await store.save(rebuild_record(trailers, real, config.policy), rev)
+        print(f"{equal + differ + uncached} proposals rebuilt from their chains alone: "
+              f"{equal} equal to the cached state, {differ} differ, {uncached} not cached"
+              + (f", {broken} chains broken" if broken else "")
+              + ("; cache rewritten" if write and (differ or uncached) else ""))
+        return 1 if broken or (differ and not write) else 0
+
+
+def same_state(a, b) -> bool:
+    """Equal in everything the chain decides (the chain head's stream sequence aside)."""
+    return a.replace(chain=b.chain, updated_at=b.updated_at) == b
+
+
+def cmd_audit_rebuild(args: argparse.Namespace) -> int:
+    config = _config(args)
+    return asyncio.run(_rebuild(_url(args, config), config, args.write))
+
+
 # -- operator authority ------------------------------------------------------------------------
 
 
@@ -429,6 +476,17 @@ def parser() -> argparse.ArgumentParser:
     common(verify)
     verify.add_argument("id", metavar="ID", nargs="?", help="only this proposal's chain")
     verify.set_defaults(func=cmd_audit_verify)
+    rebuild = aud_sub.add_parser(
+        "rebuild", help="rebuild every proposal's state from the chains alone",
+        description="Replay every proposal's audit chain (its first trailer carries the "
+                    "proposal) into a record and compare it with the cached state. Status is "
+                    "derived from the chain only, so the two must be equal; differences are "
+                    "listed. With --write the cache is replaced by what the chains say. Exits 1 "
+                    "on a broken chain, or on a difference without --write.")
+    common(rebuild)
+    rebuild.add_argument("--write", action="store_true",
+                         help="replace cached records that differ (or are missing)")
+    rebuild.set_defaults(func=cmd_audit_rebuild)
 
     def signer(p: argparse.ArgumentParser) -> None:
         p.add_argument("--reason", required=True, help="why (recorded in the audit trail)")

@@ -278,3 +278,31 @@ async def test_a_revocation_stops_an_apply_that_was_already_accepted(daemon, nc,
     assert applier.orders == []
     assert (await client.state(pid)).status == "pending"
     await sub.unsubscribe()
+
+
+async def test_audit_rebuild_finds_a_cache_that_disagrees_with_the_chain(daemon, nc, svc,
+                                                                         nats_url):
+    """Status is derived from the chain: a forged cache entry is found and repaired."""
+    import subprocess
+    import sys
+
+    client = MeshClient(nc, svc)
+    pid = (await client.propose(skill_proposal(svc))).proposal_id
+    await client.triage(pid)
+    record, rev = await daemon.store.load(svc, pid)
+    forged = record.replace(status="applied")
+    await daemon.store.save(forged, rev)
+
+    def rebuild(*extra):
+        return subprocess.run([sys.executable, "-m", "improved.cli", "audit", "rebuild",
+                               "--nats", nats_url, *extra], capture_output=True, text=True,
+                              timeout=60)
+
+    found = await asyncio.to_thread(rebuild)
+    assert f"DIFFERS {pid}: cache says applied/triage, the chain says pending/triage" \
+        in found.stdout
+    fixed = await asyncio.to_thread(rebuild, "--write")
+    assert "cache rewritten" in fixed.stdout
+    again = await asyncio.to_thread(rebuild)
+    assert pid not in again.stdout
+    assert (await daemon.store.load(svc, pid))[0].status == "pending"
