@@ -9,15 +9,13 @@ from typing import Any
 
 import msgspec
 
-from . import canonical, wire
+from . import cal, canonical, wire
 from .audit import Draft
 from .config import Policy
 from .guards import Evidence, is_independent
 from .model import Proposal, Signal, to_json
-from .record import CountedSignal, ProposalRecord
+from .record import SUPERSEDED, CountedSignal, ProposalRecord, ref
 from .subjects import SKILL_NAME_RE
-
-CAL_LIMIT = 8192  # bytes: CAL's MAX_QUERY_LENGTH (OMS rule 9)
 
 # Deterministic summary templates (OMS rule 4: never free prose). Unknown ids still render
 # deterministically, as the id followed by the sorted arguments.
@@ -55,9 +53,8 @@ def validate(data: bytes, subject_service: str | None, limit: int) -> Proposal:
     if subject_service is not None and proposal.service != subject_service:
         raise wire.WireError(wire.SUBJECT_MISMATCH, f"service {proposal.service!r} disagrees "
                              f"with the subject's service {subject_service!r}", "service")
-    if proposal.proposal_cal is not None and len(proposal.proposal_cal.encode()) > CAL_LIMIT:
-        raise wire.WireError(wire.TOO_LARGE, f"proposal_cal is over {CAL_LIMIT} bytes",
-                             "proposal_cal")
+    if proposal.proposal_cal is not None:
+        check_cal(proposal.proposal_cal)
     skill = skill_definition(proposal)
     if skill is not None:
         name = skill.get("name")
@@ -69,6 +66,18 @@ def validate(data: bytes, subject_service: str | None, limit: int) -> Proposal:
                              "definition it re-executes in proposal_data.skill",
                              "proposal_data.skill")
     return proposal
+
+
+def check_cal(text: str) -> None:
+    """A CAL Tier-1 batch only: ADD / SUPERSEDE / REVERT, never a destructive verb, never a
+    status (OMS rules 1, 3, 9)."""
+    try:
+        cal.parse(text)
+    except cal.CalError as exc:
+        code = {"E001": wire.TOO_LARGE, "status_forbidden": wire.STATUS_FORBIDDEN}.get(
+            exc.code, wire.INVALID_VALUE)
+        raise wire.WireError(code, f"proposal_cal is refused ({exc.code}): {exc.message}",
+                             "proposal_cal") from None
 
 
 def skill_definition(proposal: Proposal) -> dict[str, Any] | None:
@@ -154,6 +163,17 @@ def register(proposal: Proposal, pid: str, dedup: str, policy: Policy,
               "proposal:" + to_json(proposal).decode()),
     )
     return record, draft
+
+
+def supersede(record: ProposalRecord, by: str, actor: str) -> tuple[ProposalRecord, Draft] | None:
+    """Newer content under the same dedup_key: this proposal will never be applied, and an
+    approval it had is withdrawn. None when it is already settled or superseded."""
+    if record.superseded_by is not None or record.status not in ("pending", "approved"):
+        return None
+    draft = Draft(from_stage=record.stage, to_stage="triage", actor=actor,
+                  observer_type="rec:system", verdict=SUPERSEDED, refs=(ref("superseded_by", by),),
+                  reason=f"superseded by {by}: new content under the same dedup_key")
+    return record.replace(superseded_by=by, approved_by=None), draft
 
 
 def carried(trailer) -> Proposal:

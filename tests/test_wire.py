@@ -184,19 +184,36 @@ def test_huge_target_files_array():
     assert (err.code, err.field) == (wire.INVALID_VALUE, "target_files")
 
 
+VALID_CAL = 'ADD fact SET subject = "x" SET relation = "r" SET object = "{}" REASON "why"'
+
+
+def cal_of(size: int, pad: str = "A") -> str:
+    """A valid CAL batch of exactly `size` bytes (pad characters of equal UTF-8 width)."""
+    room = size - len(VALID_CAL.format("").encode())
+    return VALID_CAL.format(pad * (room // len(pad.encode())))
+
+
 def test_proposal_cal_over_8192_bytes():
-    err = refused(enc(body(proposal_data=..., change_class="L2", proposal_cal="A" * 8193)))
+    err = refused(enc(body(proposal_data=..., change_class="L2", proposal_cal=cal_of(8193))))
     assert (err.code, err.field) == (wire.TOO_LARGE, "proposal_cal")
     # multi-byte characters count as bytes, not characters
-    err = refused(enc(body(proposal_data=..., proposal_cal="é" * 4097)))
+    err = refused(enc(body(proposal_data=..., proposal_cal=cal_of(8194, "é"))))
     assert err.code == wire.TOO_LARGE
-    assert validate(enc(body(proposal_data=..., proposal_cal="A" * 8192))).proposal_cal
+    assert validate(enc(body(proposal_data=..., proposal_cal=cal_of(8192)))).proposal_cal
+
+
+def test_proposal_cal_refuses_destructive_verbs_and_status():
+    err = refused(enc(body(proposal_data=..., proposal_cal='DELETE facts REASON "x"')))
+    assert err.field == "proposal_cal" and "DELETE" in err.message
+    err = refused(enc(body(proposal_data=..., proposal_cal=(
+        'SUPERSEDE sha256:0123456789abcdef SET rec_status = "approved" REASON "x"'))))
+    assert (err.code, err.field) == (wire.STATUS_FORBIDDEN, "proposal_cal")
 
 
 def test_l3_without_skill_definition():
     err = refused(enc(body(change_class="L3", proposal_data={"other": 1})))
     assert (err.code, err.field) == (wire.INVALID_VALUE, "proposal_data.skill")
-    err = refused(enc(body(change_class="L3", proposal_data=..., proposal_cal="ADD grain:x")))
+    err = refused(enc(body(change_class="L3", proposal_data=..., proposal_cal=cal_of(100))))
     assert (err.code, err.field) == (wire.INVALID_VALUE, "proposal_data.skill")
     assert validate(enc(body(change_class="L3"))).change_class == "L3"
 
@@ -257,7 +274,7 @@ def test_target_or_action_kind_change_the_dedup_key():
     pid, dedup = _validate_and_identify(enc(BASE))
     pid2, dedup2 = _validate_and_identify(enc(body(target_ref="skill:greet2")))
     assert pid2 != pid and dedup2 != dedup
-    _, dedup3 = _validate_and_identify(enc(body(proposal_data=..., proposal_cal="ADD grain:x")))
+    _, dedup3 = _validate_and_identify(enc(body(proposal_data=..., proposal_cal=cal_of(100))))
     assert dedup3 != dedup
 
 
