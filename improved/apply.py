@@ -22,7 +22,7 @@ def auto_applies(record: ProposalRecord) -> bool:
 
 def needs_apply(record: ProposalRecord) -> bool:
     """Gate satisfied and no outcome yet (a failed outcome is final until re-triaged)."""
-    if record.outcome is not None:
+    if record.outcome is not None or record.superseded_by is not None:
         return False
     return auto_applies(record) or (record.status == "approved"
                                     and record.proposal.change_class in APPROVABLE)

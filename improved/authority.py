@@ -72,7 +72,7 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
     if rv.proposal_id != record.proposal_id:
         return refusal(record, act, "wrong_proposal", f"the review is for {rv.proposal_id}",
                        actor, verified.keyid)
-    if superseded:
+    if superseded or record.superseded_by is not None:
         return refusal(record, act, "superseded", "the proposal was superseded by new content; "
                        "an approval never carries over", actor, verified.keyid)
     if rv.verdict == "rollback":

@@ -361,6 +361,7 @@ async def _review_queue(url: str) -> list[dict[str, Any]]:
             record, _ = await store.load(svc, pid)
             d = record.decision if record else None
             if record is None or record.status != "pending" or d is None \
+                    or record.superseded_by is not None \
                     or d.verdict != "defer" or d.cause not in ("awaiting_operator", "no_grant"):
                 continue
             p = record.proposal

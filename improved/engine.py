@@ -23,7 +23,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from . import apply as apply_stage
-from . import audit, authority, canonical, learnback, propose, triage
+from . import audit, authority, learnback, propose, triage
 from . import subjects as S
 from .audit import Draft
 from .authority import Act
@@ -118,13 +118,29 @@ class Engine:
                 return None
             return propose.register(proposal, pid, dedup, self.policy, now)
 
+        svc = proposal.service
+        # Claim the dedup_key first: a crash before the registration leaves the message
+        # unacknowledged, so it is registered on redelivery.
+        head = await self.store.set_dedup_head(svc, dedup, pid, proposal.created_at)
+        other = head["proposal_id"] if head and head["proposal_id"] != pid else None
+        rejected = await self.store.ledger_get(svc, dedup) if other else None
         # A first delivery not in this process's cache is taken for new without a read: if
         # the chain exists after all, the append conflicts and the record is rebuilt.
-        handled = await self.handle(proposal.service, pid, ingest, proposal, republish, dispatch,
-                                    fresh, optimistic=not (fresh or republish))
-        if handled.changed or republish:
-            await self.store.set_dedup_head(proposal.service, dedup, pid, proposal.created_at)
+        handled = await self.handle(svc, pid, ingest, proposal, republish, dispatch,
+                                    fresh, optimistic=not (fresh or republish),
+                                    rejected=rejected)
+        if other is not None:
+            if (head["created_at"], other) < (proposal.created_at, pid):
+                await self.supersede(svc, other, pid)
+            else:  # this content arrived after newer content under the same key
+                handled = await self.supersede(svc, pid, other)
         return handled
+
+    async def supersede(self, svc: str, old: str, new: str) -> Handled:
+        """Mark `old` superseded by `new` (same dedup_key, new content)."""
+        return await self.handle(
+            svc, old, lambda record, now: propose.supersede(record, new, self.actor)
+            if record is not None else None, None, False)
 
     async def signal(self, svc: str, signal: Signal, republish: bool = False,
                      fresh: bool = False) -> Handled:
@@ -199,7 +215,7 @@ class Engine:
             await self.store.ledger_put(svc, rec.dedup_key, {
                 "proposal_id": pid, "principal": rec.decision.actor,
                 "reason": rec.decision.rationale, "at": rec.decision.at,
-                "evidence": evidence_digest(rec.proposal)})
+                "evidence": triage.evidence_digest(rec.proposal)})
         return handled
 
     async def grant(self, env: Envelope, skill: str, act: Act) -> Grant | None:
@@ -243,7 +259,7 @@ class Engine:
 
     async def handle(self, svc: str, pid: str, ingest: Ingest, proposal: Proposal | None,
                      republish: bool, dispatch: bool = True, fresh: bool = False,
-                     optimistic: bool = False) -> Handled:
+                     optimistic: bool = False, rejected: dict | None = None) -> Handled:
         """Load, ingest, advance, then cache and publish once. `fresh` skips this process's
         cache (a request's reply should see what other replicas did)."""
         lock = await self._acquire(pid)
@@ -262,7 +278,7 @@ class Engine:
                     if record is None:
                         return Handled(None, False)
                     try:
-                        record = await self._advance(record, dispatch)
+                        record = await self._advance(record, dispatch, rejected)
                     except ServiceUnreachable as exc:
                         # What was decided stands and is published; the apply waits.
                         await self._settle(exc.record or record, rev, before, republish)
@@ -325,7 +341,8 @@ class Engine:
                  seq=trailer.seq)
         return with_trailer(record, trailer, seq)
 
-    async def _advance(self, record: ProposalRecord, dispatch: bool) -> ProposalRecord:
+    async def _advance(self, record: ProposalRecord, dispatch: bool,
+                       rejected: dict | None = None) -> ProposalRecord:
         grant_read = False  # the grant was read by this very pass, an instant ago
         for _ in range(8):
             now = now_ms()
@@ -335,7 +352,7 @@ class Engine:
                 if record.proposal.change_class == "L3":
                     grant = await self.store.grant_active(record.skill, now)
                     grant_read = True
-                decision = triage.decide(record, self.policy, now, grant, self.actor)
+                decision = triage.decide(record, self.policy, now, grant, self.actor, rejected)
                 record = await self._commit(*triage.transition(record, decision), now)
                 continue
             if dispatch and apply_stage.needs_apply(record):
@@ -462,17 +479,6 @@ def rebuild_record(trailers: list[Trailer], seqs: list[int], policy) -> Proposal
                          f"content of {pid}")
     start, _ = propose.register(proposal, pid, dedup, policy, 0)
     return replay(start, trailers, seqs)
-
-
-def evidence_digest(proposal: Proposal) -> str:
-    """What a rejection was made on: refreshed evidence re-enters review (DESIGN §4)."""
-    return canonical.digest({
-        "derived_from": proposal.derived_from,
-        "signals": msgspec.to_builtins(proposal.signals) if proposal.signals else None,
-        "metric_snapshot": msgspec.to_builtins(proposal.metric_snapshot)
-        if proposal.metric_snapshot else None,
-        "evidence_query": proposal.evidence_query,
-    })
 
 
 def grant_state(trailers: list[Trailer]) -> Grant | None:

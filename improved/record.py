@@ -46,6 +46,7 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
     outcome: ApplyOutcome | None = None
     apply_attempts: int = 0
     approved_by: str | None = None  # the principal whose signed approval the apply runs under
+    superseded_by: str | None = None  # newer content under the same dedup_key
     acts: tuple[tuple[str, int], ...] = ()  # (envelope digest, stream sequence) of signed acts seen
     signals: tuple[CountedSignal, ...] = ()
     chain: ChainHead = ChainHead()
@@ -73,6 +74,7 @@ APPLY_FAILED = "failed"
 SIGNAL = "signal"
 APPROVE = "approve"
 REFUSED = "refused"  # a signed act that did not count; the status does not move
+SUPERSEDED = "superseded"  # newer content arrived under the same dedup_key
 
 
 def status_after(status: str, trailer: Trailer) -> str:
@@ -84,6 +86,8 @@ def status_after(status: str, trailer: Trailer) -> str:
             return "expired" if trailer.cause == "expired" else "rejected"
         if trailer.verdict == APPROVE:
             return "approved"
+        if trailer.verdict == SUPERSEDED and status == "approved":
+            return "pending"  # an approval never carries to content nobody reviewed
         return status
     if trailer.to_stage == "apply" and trailer.verdict == APPLIED:
         return "applied"
@@ -139,7 +143,9 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
         refs = refs_of(trailer)
         if "act" in refs:
             record = record.replace(acts=(*record.acts, (refs["act"], int(refs["act_seq"]))))
-        if trailer.to_stage == "triage" and trailer.verdict == APPROVE:
+        if trailer.to_stage == "triage" and trailer.verdict == SUPERSEDED:
+            record = record.replace(superseded_by=refs["superseded_by"], approved_by=None)
+        elif trailer.to_stage == "triage" and trailer.verdict == APPROVE:
             record = record.replace(approved_by=trailer.actor, decision=TriageDecision(
                 proposal_id=record.proposal_id, service=record.service, verdict="accept",
                 cause=None, gate_class=trailer.gate_class, rationale=trailer.reason,

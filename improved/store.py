@@ -149,8 +149,10 @@ class Store:
             return None
         return msgspec.json.decode(entry.value) if entry.value else None
 
-    async def set_dedup_head(self, svc: str, dedup: str, pid: str, created_at: int) -> None:
-        """Record `pid` as the newest content under `dedup` unless something newer is there."""
+    async def set_dedup_head(self, svc: str, dedup: str, pid: str,
+                             created_at: int) -> dict[str, Any] | None:
+        """Record `pid` as the newest content under `dedup` unless something newer is there;
+        return the head that was there before (None for a first proposal under the key)."""
         key = S.dedup_key_of(svc, dedup)
         value = to_json({"proposal_id": pid, "created_at": created_at})
         for _ in range(8):
@@ -161,14 +163,15 @@ class Store:
             try:
                 if entry is None or entry.value is None:
                     await self.dedup.create(key, value)
-                    return
+                    return None
                 head = msgspec.json.decode(entry.value)
                 if (head["created_at"], head["proposal_id"]) >= (created_at, pid):
-                    return
+                    return head
                 await self.dedup.update(key, value, last=entry.revision)
-                return
+                return head
             except (KeyWrongLastSequenceError, BadRequestError):
                 continue
+        return None
 
     async def ledger_put(self, svc: str, dedup: str, entry: dict[str, Any]) -> None:
         await self.ledger.put(S.dedup_key_of(svc, dedup), to_json(entry))

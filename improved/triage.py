@@ -1,21 +1,24 @@
 """Stage 3, triage: guards in a fixed order, then the class gate (DESIGN §2, §5).
 
-Order: forbidden target, class, scope, expiry, feedback collapse, class gate — so the cause of a
-decision is deterministic. Pure: (record, policy, clock, grant) → TriageDecision.
+Order: forbidden target, class, scope, expiry, the rejection ledger, feedback collapse, class
+gate — so the cause of a decision is deterministic. Pure: (record, policy, clock, grant) → TriageDecision.
 """
 
 from __future__ import annotations
 
-from . import gradient
+import msgspec
+
+from . import canonical, gradient
 from .audit import REASON_LIMIT, Draft
 from .config import Policy
 from .guards import forbidden_match, self_confirmed, target_paths
-from .model import TriageDecision
+from .model import Proposal, TriageDecision
 from .record import ProposalRecord
 
 
 def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
-           actor: str) -> TriageDecision:
+           actor: str, rejected: dict | None = None) -> TriageDecision:
+    """`rejected`: the rejection-ledger entry under this proposal's dedup_key, if any."""
     p = record.proposal
     scheme = gradient.scheme_of(p.target_ref)
 
@@ -44,11 +47,27 @@ def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
                         f"scope {p.scope} does not fit {scheme}: targets (expected {want})")
     if p.valid_to is not None and p.valid_to <= now:
         return decision("reject", "expired", f"valid_to {p.valid_to} has passed")
+    if (rejected is not None and rejected.get("proposal_id") != record.proposal_id
+            and rejected.get("evidence") == evidence_digest(p)):
+        return decision("reject", "duplicate_rejected",
+                        f"{rejected.get('principal')} rejected {rejected.get('proposal_id')} under "
+                        f"the same dedup_key on the same evidence: {rejected.get('reason')}")
     if self_confirmed(record.positives, record.independent_positives):
         return decision("defer", "feedback_collapse",
                         f"all {record.positives} positive signals come from the proposer's own "
                         "session; waiting for an independent one")
     return gate(record, grant_active, decision)
+
+
+def evidence_digest(proposal: Proposal) -> str:
+    """What a rejection was made on; refreshed evidence re-enters review (DESIGN §4)."""
+    return canonical.digest({
+        "derived_from": proposal.derived_from,
+        "signals": msgspec.to_builtins(proposal.signals) if proposal.signals else None,
+        "metric_snapshot": msgspec.to_builtins(proposal.metric_snapshot)
+        if proposal.metric_snapshot else None,
+        "evidence_query": proposal.evidence_query,
+    })
 
 
 def gate(record: ProposalRecord, grant_active: bool, decision) -> TriageDecision:
@@ -70,6 +89,8 @@ def gate(record: ProposalRecord, grant_active: bool, decision) -> TriageDecision
 def needs_triage(record: ProposalRecord) -> bool:
     """Untriaged, or deferred as self-confirmed and now independently confirmed."""
     d = record.decision
+    if record.superseded_by is not None:
+        return False
     if d is None:
         return record.status == "pending"
     return (d.verdict == "defer" and d.cause == "feedback_collapse"

@@ -201,8 +201,10 @@ async def test_an_approval_of_a_superseded_proposal_is_refused(daemon, nc, svc):
     newer = skill_proposal(svc, instructions="Read it twice, then write three bullet points.")
     new = (await client.propose(newer)).proposal_id
     assert new != old
+    chain = await wait_trailers(daemon, svc, old, 3)
+    assert chain[2]["verdict"] == "superseded"  # marked when the new content arrived
     await publish(nc, S.inbound_review(svc), review(old))
-    await refused_with(daemon, svc, old, 2, "superseded")
+    await refused_with(daemon, svc, old, 3, "superseded")
     assert (await client.state(old)).status == "pending"
     assert applier.orders == []
     # The approval does not carry over to the new content either.

@@ -14,7 +14,7 @@ from improved.daemon import Daemon
 from services.ranking_store import RankingStore
 from services.sdk import MeshClient
 
-from .conftest import eventually, daemon_config
+from .conftest import daemon_config, eventually
 from .factories import rank_proposal, skill_proposal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
