@@ -7,8 +7,15 @@ from __future__ import annotations
 from .audit import Draft
 from .config import Policy
 from .gradient import AUTO_APPLY_CLASSES
-from .model import ApplyOrder, ApplyOutcome, ApplyResult
-from .record import APPLIED, APPLY_FAILED, ProposalRecord, ref
+from .model import AnalyzerRef, ApplyOrder, ApplyOutcome, ApplyResult, Origin, Proposal, Summary
+from .record import (
+    APPLIED,
+    APPLY_FAILED,
+    ROLLBACK_FAILED,
+    ROLLED_BACK,
+    ProposalRecord,
+    ref,
+)
 
 APPROVABLE = frozenset({"L2", "L3", "L4"})  # L1 only surfaces: never applied, even approved
 
@@ -26,6 +33,56 @@ def needs_apply(record: ProposalRecord) -> bool:
         return False
     return auto_applies(record) or (record.status == "approved"
                                     and record.proposal.change_class in APPROVABLE)
+
+
+def needs_rollback(record: ProposalRecord) -> bool:
+    """An operator asked for the inverse of an applied change and it has not run yet."""
+    return (record.status == "applied" and record.rollback_by is not None
+            and record.rollback_outcome is None)
+
+
+def inverse_proposal(record: ProposalRecord) -> Proposal:
+    """The recorded inverse as a proposal of its own (content-addressed, so the owning
+    service applies it exactly once). Its body is the inverse the service returned."""
+    p = record.proposal
+    return Proposal(
+        service=p.service, target_ref=p.target_ref, change_class=p.change_class, scope=p.scope,
+        origin=Origin(actor="improved", service="improved"),
+        analyzer=AnalyzerRef(id="improved.rollback/1"),
+        summary=Summary(template_id="rollback", args={"proposal_id": record.proposal_id}),
+        proposal_data=record.outcome.inverse if isinstance(record.outcome.inverse, dict)
+        else {"inverse": record.outcome.inverse},
+        derived_from=[f"mg:sha256:{record.proposal_id}"],
+        created_at=record.outcome.at,
+        namespace=p.namespace,
+    )
+
+
+def rollback_order(record: ProposalRecord, attempt: int) -> tuple[str, ApplyOrder]:
+    """(the inverse's id, the order that applies it under the requesting operator)."""
+    from .propose import identify
+
+    inverse = inverse_proposal(record)
+    pid, _ = identify(inverse)
+    return pid, ApplyOrder(proposal_id=pid, proposal=inverse, authority=record.rollback_by,
+                           attempt=attempt)
+
+
+def rollback_transition(record: ProposalRecord, inverse_id: str, result: ApplyResult,
+                        now: int) -> tuple[ProposalRecord, Draft]:
+    outcome = ApplyOutcome(proposal_id=record.proposal_id, service=record.service, ok=result.ok,
+                           applied_id=result.applied_id, authority=record.rollback_by,
+                           error=result.error, at=now)
+    refs = [ref("applied", result.applied_id), ref("inverse_of", inverse_id)]
+    if result.error is not None:
+        refs.append(ref("error", result.error))
+    reason = (f"rolled back by {record.service}: the recorded inverse applied as "
+              f"{result.applied_id or inverse_id}" if result.ok else
+              f"{record.service} refused the inverse: {result.error or 'no reason given'}")
+    draft = Draft(from_stage=record.stage, to_stage="apply", actor=record.rollback_by,
+                  observer_type="human", verdict=ROLLED_BACK if result.ok else ROLLBACK_FAILED,
+                  reason=reason, refs=tuple(refs))
+    return record.replace(rollback_outcome=outcome, updated_at=now), draft
 
 
 def expired(record: ProposalRecord, now: int) -> bool:

@@ -15,7 +15,7 @@ import msgspec
 
 from .audit import REASON_LIMIT, Draft
 from .model import Review, TriageDecision
-from .record import APPROVE, REFUSED, ProposalRecord, ref
+from .record import APPROVE, REFUSED, ROLLBACK, ProposalRecord, ref
 from .signing import ActRefused, TrustStore, Verified
 
 CLOCK_SKEW_MS = 5 * 60 * 1000
@@ -72,12 +72,23 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
     if rv.proposal_id != record.proposal_id:
         return refusal(record, act, "wrong_proposal", f"the review is for {rv.proposal_id}",
                        actor, verified.keyid)
+    if rv.verdict == "rollback":
+        if record.status != "applied" or record.rollback_by is not None:
+            return refusal(record, act, "not_applied", f"nothing to roll back (status "
+                           f"{record.status})", actor, verified.keyid)
+        if not (record.outcome and record.outcome.rollbackable):
+            return refusal(record, act, "not_rollbackable", "the apply was recorded as not "
+                           "rollbackable: it has no inverse", actor, verified.keyid)
+        reason = f"rollback asked by {rv.principal}: {rv.reason}"[:REASON_LIMIT]
+        refs = (ref("act", act.digest), ref("act_seq", act.stream_seq),
+                ref("keyid", verified.keyid))
+        new = record.replace(rollback_by=rv.principal,
+                             acts=(*record.acts, (act.digest, act.stream_seq)), updated_at=now)
+        return new, Draft(from_stage=record.stage, to_stage="apply", actor=rv.principal,
+                          observer_type="human", verdict=ROLLBACK, reason=reason, refs=refs)
     if superseded or record.superseded_by is not None:
         return refusal(record, act, "superseded", "the proposal was superseded by new content; "
                        "an approval never carries over", actor, verified.keyid)
-    if rv.verdict == "rollback":
-        return refusal(record, act, "not_supported", "rollback is not implemented yet", actor,
-                       verified.keyid)
     d = record.decision
     waiting = (record.status == "pending" and d is not None and d.verdict == "defer"
                and d.cause in REVIEWABLE_CAUSES)

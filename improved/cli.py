@@ -517,12 +517,14 @@ def parser() -> argparse.ArgumentParser:
     review.add_argument("--json", action="store_true", help="print the queue as JSON")
     review.set_defaults(func=cmd_review)
 
-    for verdict in ("approve", "reject"):
+    for verdict, what in (("approve", "approve a proposal waiting for an operator"),
+                          ("reject", "reject a proposal (it enters the rejection ledger)"),
+                          ("rollback", "undo an applied proposal with its recorded inverse")):
         act = sub.add_parser(
-            verdict, help=f"sign and publish an operator {verdict}",
-            description=f"Sign a Review ({verdict}) with your operator key (DSSE, Ed25519) "
-                        f"and publish it on improve.triage.<svc>. The daemon verifies the "
-                        f"signature against its trust store before anything moves.")
+            verdict, help=f"sign and publish: {what}",
+            description=f"Sign a Review ({verdict}: {what}) with your operator key (DSSE, "
+                        f"Ed25519) and publish it on improve.triage.<svc>. The daemon verifies "
+                        f"the signature against its trust store before anything moves.")
         common(act)
         act.add_argument("id", metavar="ID", help="the proposal id")
         signer(act)

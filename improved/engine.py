@@ -29,6 +29,7 @@ from .audit import Draft
 from .authority import Act
 from .config import Config
 from .model import (
+    ApplyOrder,
     ApplyOutcome,
     ApplyResult,
     Envelope,
@@ -355,6 +356,17 @@ class Engine:
                 decision = triage.decide(record, self.policy, now, grant, self.actor, rejected)
                 record = await self._commit(*triage.transition(record, decision), now)
                 continue
+            if dispatch and apply_stage.needs_rollback(record):
+                inverse_id, order = apply_stage.rollback_order(record, 1)
+                try:
+                    result = await self._send(record, order)
+                except ServiceUnreachable as exc:
+                    exc.record = record
+                    raise
+                at = now_ms()
+                record = await self._commit(
+                    *apply_stage.rollback_transition(record, inverse_id, result, at), at)
+                continue
             if dispatch and apply_stage.needs_apply(record):
                 by = apply_stage.authority(record, self.policy)
                 try:
@@ -379,14 +391,24 @@ class Engine:
         the proposal id, so a retry after a lost reply applies nothing twice. An L3 auto-apply
         re-reads its grant before every attempt (but a first one right after triage read it),
         so an order sent after a revocation was recorded is never sent."""
-        settings = self.config.apply
-        last_error = "no attempt"
         grant_bound = record.gate_class == "L3" and record.approved_by is None
-        for attempt in range(1, settings.attempts + 1):
+
+        async def allowed(attempt: int) -> None:
             if grant_bound and not (attempt == 1 and grant_read) \
                     and not await self.store.grant_active(record.skill, now_ms()):
                 raise GrantRevoked(record.skill)
-            order = apply_stage.order(record, self.policy, record.apply_attempts + attempt)
+
+        return await self._send(record, apply_stage.order(record, self.policy, 1), allowed)
+
+    async def _send(self, record: ProposalRecord, order: ApplyOrder,
+                    allowed=None) -> ApplyResult:
+        """One order to the owning service: timeout, bounded retries, then ServiceUnreachable."""
+        settings = self.config.apply
+        last_error = "no attempt"
+        for attempt in range(1, settings.attempts + 1):
+            if allowed is not None:
+                await allowed(attempt)
+            order = msgspec.structs.replace(order, attempt=attempt)
             try:
                 reply = await self.nc.request(S.apply_request(record.service), to_json(order),
                                               timeout=settings.timeout_s)

@@ -47,6 +47,8 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
     apply_attempts: int = 0
     approved_by: str | None = None  # the principal whose signed approval the apply runs under
     superseded_by: str | None = None  # newer content under the same dedup_key
+    rollback_by: str | None = None  # the principal who asked for the inverse
+    rollback_outcome: ApplyOutcome | None = None
     acts: tuple[tuple[str, int], ...] = ()  # (envelope digest, stream sequence) of signed acts seen
     signals: tuple[CountedSignal, ...] = ()
     chain: ChainHead = ChainHead()
@@ -75,6 +77,9 @@ SIGNAL = "signal"
 APPROVE = "approve"
 REFUSED = "refused"  # a signed act that did not count; the status does not move
 SUPERSEDED = "superseded"  # newer content arrived under the same dedup_key
+ROLLBACK = "rollback"  # an operator asked for the recorded inverse
+ROLLED_BACK = "rolled_back"  # the owning service applied the inverse
+ROLLBACK_FAILED = "rollback_failed"
 
 
 def status_after(status: str, trailer: Trailer) -> str:
@@ -91,6 +96,8 @@ def status_after(status: str, trailer: Trailer) -> str:
         return status
     if trailer.to_stage == "apply" and trailer.verdict == APPLIED:
         return "applied"
+    if trailer.to_stage == "apply" and trailer.verdict == ROLLED_BACK:
+        return "rolled_back"
     return status
 
 
@@ -158,6 +165,13 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
                     verdict=trailer.verdict, cause=trailer.cause,
                     gate_class=trailer.gate_class, rationale=trailer.reason,
                     actor=trailer.actor, at=trailer.at))
+        elif trailer.to_stage == "apply" and trailer.verdict == ROLLBACK:
+            record = record.replace(rollback_by=trailer.actor)
+        elif trailer.to_stage == "apply" and trailer.verdict in (ROLLED_BACK, ROLLBACK_FAILED):
+            record = record.replace(rollback_outcome=ApplyOutcome(
+                proposal_id=record.proposal_id, service=record.service,
+                ok=trailer.verdict == ROLLED_BACK, applied_id=refs.get("applied", ""),
+                authority=trailer.actor, error=refs.get("error"), at=trailer.at))
         elif trailer.to_stage == "apply":
             ok = trailer.verdict == APPLIED
             record = record.replace(outcome=ApplyOutcome(

@@ -83,3 +83,58 @@ async def test_an_approval_expires_with_its_proposal(daemon, nc, svc):
     await asyncio.sleep(0.3)
     assert applier.orders == []
     await sub.unsubscribe()
+
+
+async def test_an_operator_rolls_back_an_applied_change(daemon, nc, svc):
+    from services.ranking_store import RankingStore
+
+    from .factories import rank_proposal
+
+    store = RankingStore(nc, svc)
+    await store.start()
+    client = MeshClient(nc, svc)
+    first = (await client.propose(rank_proposal(svc, value=1))).proposal_id
+    await eventually(lambda: status_of(client, first, "applied"))
+    second = (await client.propose(rank_proposal(svc, value=2))).proposal_id
+    await eventually(lambda: status_of(client, second, "applied"))
+    assert await store.value("search.title_boost") == 2
+
+    await publish(nc, S.inbound_review(svc), review(second, verdict="rollback", reason="bad"))
+    await eventually(lambda: status_of(client, second, "rolled_back"))
+    assert await store.value("search.title_boost") == 1  # the prior content reinstated
+    chain = await trailers(daemon, svc, second)
+    assert [t.get("verdict") for t in chain[-2:]] == ["rollback", "rolled_back"]
+    assert chain[-1]["actor"] == "operator:alice"
+
+    # a second rollback of the same proposal is refused; nothing moves
+    n = len(chain)
+    await publish(nc, S.inbound_review(svc), review(second, verdict="rollback", reason="again"))
+    chain = await eventually(lambda: _longer(daemon, svc, second, n))
+    assert chain[-1]["verdict"] == "refused" and "(not_applied)" in chain[-1]["reason"]
+    assert await store.value("search.title_boost") == 1
+    await store.stop()
+
+
+async def _longer(daemon, svc, pid, n):
+    chain = await trailers(daemon, svc, pid)
+    return chain if len(chain) > n else None
+
+
+async def test_a_change_without_an_inverse_cannot_be_rolled_back(daemon, nc, svc):
+    from improved.model import ApplyResult
+
+    from .factories import rank_proposal
+
+    async def no_inverse(order):
+        return ApplyResult(ok=True, applied_id="opaque-1", rollbackable=False)
+
+    client = MeshClient(nc, svc)
+    sub = await client.serve_apply(no_inverse)
+    pid = (await client.propose(rank_proposal(svc))).proposal_id
+    await eventually(lambda: status_of(client, pid, "applied"))
+    n = len(await trailers(daemon, svc, pid))
+    await publish(nc, S.inbound_review(svc), review(pid, verdict="rollback", reason="undo"))
+    chain = await eventually(lambda: _longer(daemon, svc, pid, n))
+    assert chain[-1]["verdict"] == "refused" and "(not_rollbackable)" in chain[-1]["reason"]
+    assert (await client.state(pid)).status == "applied"
+    await sub.unsubscribe()
