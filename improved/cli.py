@@ -250,6 +250,35 @@ def cmd_audit_rebuild(args: argparse.Namespace) -> int:
     return asyncio.run(_rebuild(_url(args, config), config, args.write))
 
 
+async def _status(url: str) -> dict[str, Any]:
+    from . import breaker
+
+    async with deployment(url, bind=False) as store:
+        _, body = await store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
+        state = breaker.from_trailer(body)
+        now = int(time.time() * 1000)
+        records = await store.js.stream_info(S.STREAM_RECORDS)
+        chains = await store.js.stream_info(S.STREAM_AUDIT)
+        return {
+            "autonomy": state.switch,
+            "breaker": ("open until " + _when(state.paused_until)
+                        if state.blocks(now) == "circuit_open" else "closed"),
+            "autonomous_rollbacks_in_window": len(state.rollbacks),
+            "holds_autonomous_applies": state.blocks(now),
+            "trailers": chains.state.messages,
+            "retained_records": records.state.messages,
+        }
+
+
+def _when(ms: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    out(asyncio.run(_status(_url(args, _config(args)))))
+    return 0
+
+
 # -- operator authority ------------------------------------------------------------------------
 
 
@@ -507,6 +536,14 @@ def parser() -> argparse.ArgumentParser:
     knew.add_argument("--principal", required=True, metavar="operator:NAME")
     knew.add_argument("--dir", metavar="DIR", help="where to write the key")
     knew.set_defaults(func=cmd_keys_new)
+
+    status = sub.add_parser(
+        "status", help="autonomy switch, circuit breaker and store size",
+        description="Print the autonomy switch and the circuit breaker as the autonomy chain "
+                    "records them (constitution IV.5/IV.6: autonomous applies pause after "
+                    "repeated rollbacks), and how many trailers and retained records there are.")
+    common(status)
+    status.set_defaults(func=cmd_status)
 
     review = sub.add_parser(
         "review", help="the queue of proposals waiting for an operator",

@@ -16,6 +16,10 @@ min_class = { grain = "L2" }         # per-scheme minimum class overrides
 fallback_min_class = "L2"            # for schemes not listed anywhere
 policy_principal = "policy:auto"     # authority of auto-applies (L0, L3 with grant)
 effect_window_ms = 86400000          # a world signal counts if it lands this soon after apply
+autonomy = "on"                      # "off": no autonomous apply (constitution IV.6)
+breaker_threshold = 3                # autonomous rollbacks within the window that trip ...
+breaker_window_days = 14             # ... the circuit breaker (constitution IV.5), which
+breaker_pause_hours = 48             # pauses autonomous applies this long
 
 [trust]                              # keys whose signed acts count, bound to their principal
 operators = { "operator:alice" = "<base64 of the raw 32-byte Ed25519 public key>" }
@@ -51,6 +55,10 @@ class Policy:
     fallback_min_class: str = FALLBACK_MIN_CLASS
     policy_principal: str = "policy:auto"
     effect_window_ms: int = 24 * 3600 * 1000
+    autonomy: str = "on"  # "off" holds every autonomous apply back (constitution IV.6)
+    breaker_threshold: int = 3  # autonomous rollbacks within the window that trip the breaker
+    breaker_window_days: float = 14.0
+    breaker_pause_hours: float = 48.0
 
 
 @dataclass(frozen=True)
@@ -105,7 +113,13 @@ def parse(doc: dict) -> Config:
             "policy.fallback_min_class", pol.pop("fallback_min_class", FALLBACK_MIN_CLASS)),
         policy_principal=str(pol.pop("policy_principal", "policy:auto")),
         effect_window_ms=int(pol.pop("effect_window_ms", 24 * 3600 * 1000)),
+        autonomy=str(pol.pop("autonomy", "on")),
+        breaker_threshold=int(pol.pop("breaker_threshold", 3)),
+        breaker_window_days=float(pol.pop("breaker_window_days", 14.0)),
+        breaker_pause_hours=float(pol.pop("breaker_pause_hours", 48.0)),
     )
+    if policy.autonomy not in ("on", "off"):
+        raise ConfigError(f"policy.autonomy: expected on or off, got {policy.autonomy!r}")
     if pol:
         raise ConfigError(f"unknown policy keys: {', '.join(sorted(pol))}")
     ap = dict(doc.get("apply", {}))

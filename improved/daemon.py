@@ -92,6 +92,7 @@ class Daemon:
 
     async def start(self) -> None:
         await self.store.ensure()
+        await self.engine.sync_switch()
         await self.republish_if_lost()
         bus.on_reconnect(self.nc, self._reconnected)
         for subject, handler in (

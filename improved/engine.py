@@ -23,7 +23,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from . import apply as apply_stage
-from . import audit, authority, learnback, propose, triage
+from . import audit, authority, breaker, learnback, propose, triage
 from . import subjects as S
 from .audit import Draft
 from .authority import Act
@@ -42,13 +42,14 @@ from .model import (
     Trailer,
     to_json,
 )
-from .record import ChainHead, ProposalRecord, refs_of, replay, with_trailer
+from .record import ChainHead, ProposalRecord, ref, refs_of, replay, with_trailer
 from .signing import PAYLOAD_TYPES, ActRefused
 from .store import ChainConflict, StateConflict, Store, trailer_decoder
 
 log = structlog.get_logger("improved.engine")
 
 MAX_CONFLICT_RETRIES = 8
+AUTONOMY_TTL_MS = 1000  # how stale this process's view of the breaker may be
 CACHE_SIZE = 10_000  # records kept in memory per process (the KV bucket holds all of them)
 apply_result_decoder = msgspec.json.Decoder(ApplyResult)
 
@@ -88,6 +89,7 @@ class Engine:
         self.trust = config.trust.store()
         self.max_act_age_ms = int(config.trust.act_max_age_s * 1000)
         self._cache: OrderedDict[str, tuple[ProposalRecord, int]] = OrderedDict()
+        self._autonomy: tuple[breaker.Autonomy, int] | None = None
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiters: dict[str, int] = {}
 
@@ -347,13 +349,24 @@ class Engine:
         grant_read = False  # the grant was read by this very pass, an instant ago
         for _ in range(8):
             now = now_ms()
+            autonomous = record.proposal.change_class in ("L0", "L3")
+            held = (await self.autonomy(now)).blocks(now) if autonomous else None
             if triage.needs_triage(record) or (apply_stage.needs_apply(record)
-                                               and apply_stage.expired(record, now)):
+                                               and apply_stage.expired(record, now)) \
+                    or (triage.held_back(record) and held is None):
                 grant = False
                 if record.proposal.change_class == "L3":
                     grant = await self.store.grant_active(record.skill, now)
                     grant_read = True
-                decision = triage.decide(record, self.policy, now, grant, self.actor, rejected)
+                decision = triage.decide(record, self.policy, now, grant, self.actor, rejected,
+                                         held)
+                record = await self._commit(*triage.transition(record, decision), now)
+                continue
+            if held is not None and apply_stage.auto_applies(record) \
+                    and apply_stage.needs_apply(record):
+                # accepted before the breaker opened (or autonomy went off): hold it back now;
+                # it was accepted as autonomous, so the gate sees its grant as it was then
+                decision = triage.decide(record, self.policy, now, True, self.actor, None, held)
                 record = await self._commit(*triage.transition(record, decision), now)
                 continue
             if dispatch and apply_stage.needs_rollback(record):
@@ -366,6 +379,8 @@ class Engine:
                 at = now_ms()
                 record = await self._commit(
                     *apply_stage.rollback_transition(record, inverse_id, result, at), at)
+                if result.ok and record.approved_by is None:
+                    await self.count_autonomous_rollback(record, at)
                 continue
             if dispatch and apply_stage.needs_apply(record):
                 by = apply_stage.authority(record, self.policy)
@@ -422,6 +437,59 @@ class Engine:
                         attempt=attempt, error=last_error)
             await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
         raise ServiceUnreachable(last_error)
+
+    # -- the breaker and the autonomy switch (constitution IV.5, IV.6) ---------------------------
+
+    async def autonomy(self, now: int) -> breaker.Autonomy:
+        """The autonomy chain's current state, read at most once a second."""
+        if self._autonomy is None or now - self._autonomy[1] > AUTONOMY_TTL_MS:
+            _, body = await self.store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
+            self._autonomy = (breaker.from_trailer(body), now)
+        return self._autonomy[0]
+
+    async def _append_autonomy(self, change, verdict: str, actor: str, observer: str,
+                               reason: str, extra: tuple[str, ...] = ()) -> breaker.Autonomy:
+        """Append the next state (`change(state)`) to the autonomy chain, retrying on a race."""
+        subject = S.autonomy_audit(breaker.AUTONOMY_ID)
+        for _ in range(MAX_CONFLICT_RETRIES):
+            seq, body = await self.store.chain_head(subject)
+            state = change(breaker.from_trailer(body))
+            head = ChainHead(length=body["seq"] + 1 if body else 0,
+                             last_hash=body["hash"] if body else "", stream_seq=seq)
+            at = now_ms()
+            trailer = audit.seal_next(breaker.draft(state, verdict, actor, observer, reason,
+                                                    extra),
+                                      breaker.AUTONOMY_ID, head, "L0", "operation", at)
+            try:
+                await self.store.append_to(subject, trailer, seq)
+            except ChainConflict:
+                continue
+            self._autonomy = (state, at)
+            return state
+        raise RuntimeError("the autonomy chain kept moving")
+
+    async def count_autonomous_rollback(self, record: ProposalRecord, at: int) -> None:
+        p = self.policy
+        state = await self._append_autonomy(
+            lambda s: breaker.after_rollback(s, at, p.breaker_threshold, p.breaker_window_days,
+                                             p.breaker_pause_hours),
+            "rollback", record.rollback_by or self.actor, "rec:system",
+            f"autonomous apply {record.proposal_id} rolled back",
+            (ref("proposal", record.proposal_id),))
+        if state.blocks(at) == "circuit_open":
+            log.warning("circuit breaker open: autonomous applies paused",
+                        until=state.paused_until, rollbacks=len(state.rollbacks))
+
+    async def sync_switch(self) -> breaker.Autonomy:
+        """Record the configured autonomy switch on the chain when it differs from it."""
+        current = await self.autonomy(now_ms() + AUTONOMY_TTL_MS + 1)
+        wanted = self.policy.autonomy
+        if current.switch == wanted:
+            return current
+        log.warning("autonomy switched by configuration", autonomy=wanted)
+        return await self._append_autonomy(
+            lambda s: breaker.switched(s, wanted), f"autonomy_{wanted}", self.actor,
+            "rec:system", f"autonomy switched {wanted} in the configuration")
 
     # -- rebuilding from the chain -------------------------------------------------------------------
 

@@ -249,6 +249,14 @@ class Store:
             out.append((msg.seq, msgspec.json.decode(msg.data)))
             seq = msg.seq + 1
 
+    async def chain_head(self, subject: str) -> tuple[int, dict[str, Any] | None]:
+        """(stream sequence, body) of the last trailer on a chain; (0, None) when empty."""
+        try:
+            msg = await self.js.get_msg(S.STREAM_AUDIT, subject=subject, direct=True)
+        except NotFoundError:
+            return 0, None
+        return msg.seq, msgspec.json.decode(msg.data)
+
     async def all_chains(self, pid: str | None = None) -> dict[tuple[str, str], list[dict]]:
         """Every chain (or one proposal's), read once through an ordered consumer, keyed by
         (service token, chain id), trailers in order."""

@@ -53,6 +53,7 @@ BUCKET_DEDUP = "improved_dedup"  # dedup_key → the newest proposal under it (s
 BUCKET_LEDGER = "improved_ledger"  # dedup_key → the operator's rejection (the rejection ledger)
 # Grant acts are chained per skill hash under a token no service can have (services start [a-z]).
 GRANT_CHAINS = "_grants"
+AUTONOMY_CHAIN = "_autonomy"  # the breaker and the autonomy switch (improved/breaker.py)
 
 # Refusals (bad input) are logged here: what was refused and why, never the payload itself.
 REFUSED = "improved.refused"
@@ -105,6 +106,10 @@ def audit(svc: str, pid: str) -> str:
 
 def grant_audit(sha256: str) -> str:
     return f"{AUDIT}.{GRANT_CHAINS}.{sha256}"
+
+
+def autonomy_audit(chain_id: str) -> str:
+    return f"{AUDIT}.{AUTONOMY_CHAIN}.{chain_id}"
 
 
 def dedup_key_of(svc: str, dedup: str) -> str:

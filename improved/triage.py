@@ -17,8 +17,10 @@ from .record import ProposalRecord
 
 
 def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
-           actor: str, rejected: dict | None = None) -> TriageDecision:
-    """`rejected`: the rejection-ledger entry under this proposal's dedup_key, if any."""
+           actor: str, rejected: dict | None = None,
+           held: str | None = None) -> TriageDecision:
+    """`rejected`: the rejection-ledger entry under this proposal's dedup_key, if any;
+    `held`: `circuit_open` or `autonomy_off` while autonomous applies are held back."""
     p = record.proposal
     scheme = gradient.scheme_of(p.target_ref)
 
@@ -56,7 +58,7 @@ def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
         return decision("defer", "feedback_collapse",
                         f"all {record.positives} positive signals come from the proposer's own "
                         "session; waiting for an independent one")
-    return gate(record, grant_active, decision)
+    return gate(record, grant_active, decision, held)
 
 
 def evidence_digest(proposal: Proposal) -> str:
@@ -70,8 +72,13 @@ def evidence_digest(proposal: Proposal) -> str:
     })
 
 
-def gate(record: ProposalRecord, grant_active: bool, decision) -> TriageDecision:
+def gate(record: ProposalRecord, grant_active: bool, decision,
+         held: str | None = None) -> TriageDecision:
     cls = record.proposal.change_class
+    if held is not None and (cls == "L0" or (cls == "L3" and grant_active)):
+        why = ("autonomy is switched off" if held == "autonomy_off" else
+               "the circuit breaker is open after repeated rollbacks of autonomous applies")
+        return decision("defer", held, f"{cls} would apply automatically, but {why}")
     if cls == "L0":
         return decision("accept", None, "L0 read-only learning applies automatically")
     if cls == "L1":
@@ -84,6 +91,16 @@ def gate(record: ProposalRecord, grant_active: bool, decision) -> TriageDecision
     return decision("defer", "awaiting_operator",
                     f"{cls} needs a signed operator approval"
                     + (" per occurrence" if cls == "L4" else ""))
+
+
+HELD = frozenset({"circuit_open", "autonomy_off"})
+
+
+def held_back(record: ProposalRecord) -> bool:
+    """Deferred only because autonomy was held back: worth another look once it is not."""
+    d = record.decision
+    return (d is not None and d.verdict == "defer" and d.cause in HELD
+            and record.status == "pending" and record.superseded_by is None)
 
 
 def needs_triage(record: ProposalRecord) -> bool:
