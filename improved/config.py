@@ -17,6 +17,7 @@ fallback_min_class = "L2"            # for schemes not listed anywhere
 policy_principal = "policy:auto"     # authority of auto-applies (L0, L3 with grant)
 effect_window_ms = 86400000          # a world signal counts if it lands this soon after apply
 autonomy = "on"                      # "off": no autonomous apply (constitution IV.6)
+doc_allowlist = ["docs/**", "*.md"]  # doc: targets that may be edited (default: none)
 breaker_threshold = 3                # autonomous rollbacks within the window that trip ...
 breaker_window_days = 14             # ... the circuit breaker (constitution IV.5), which
 breaker_pause_hours = 48             # pauses autonomous applies this long
@@ -56,6 +57,7 @@ class Policy:
     policy_principal: str = "policy:auto"
     effect_window_ms: int = 24 * 3600 * 1000
     autonomy: str = "on"  # "off" holds every autonomous apply back (constitution IV.6)
+    doc_allowlist: tuple[str, ...] = ()  # globs of the doc: targets that may be edited at all
     breaker_threshold: int = 3  # autonomous rollbacks within the window that trip the breaker
     breaker_window_days: float = 14.0
     breaker_pause_hours: float = 48.0
@@ -114,6 +116,7 @@ def parse(doc: dict) -> Config:
         policy_principal=str(pol.pop("policy_principal", "policy:auto")),
         effect_window_ms=int(pol.pop("effect_window_ms", 24 * 3600 * 1000)),
         autonomy=str(pol.pop("autonomy", "on")),
+        doc_allowlist=tuple(pol.pop("doc_allowlist", ())),
         breaker_threshold=int(pol.pop("breaker_threshold", 3)),
         breaker_window_days=float(pol.pop("breaker_window_days", 14.0)),
         breaker_pause_hours=float(pol.pop("breaker_pause_hours", 48.0)),

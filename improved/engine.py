@@ -122,16 +122,24 @@ class Engine:
             return propose.register(proposal, pid, dedup, self.policy, now)
 
         svc = proposal.service
-        # Claim the dedup_key first: a crash before the registration leaves the message
-        # unacknowledged, so it is registered on redelivery.
-        head = await self.store.set_dedup_head(svc, dedup, pid, proposal.created_at)
-        other = head["proposal_id"] if head and head["proposal_id"] != pid else None
-        rejected = await self.store.ledger_get(svc, dedup) if other else None
+        claim: dict = {}
+
+        async def prepare() -> dict | None:
+            """Under the proposal's lock, by whoever registers it: claim the dedup_key (a crash
+            before the registration leaves the message unacknowledged, so it is claimed again
+            on redelivery) and read the rejection ledger when the key was seen before."""
+            head = await self.store.set_dedup_head(svc, dedup, pid, proposal.created_at)
+            if head and head["proposal_id"] != pid:
+                claim["head"] = head
+                return await self.store.ledger_get(svc, dedup)
+            return None
+
         # A first delivery not in this process's cache is taken for new without a read: if
         # the chain exists after all, the append conflicts and the record is rebuilt.
         handled = await self.handle(svc, pid, ingest, proposal, republish, dispatch,
-                                    fresh, optimistic=not (fresh or republish),
-                                    rejected=rejected)
+                                    fresh, optimistic=not (fresh or republish), prepare=prepare)
+        head = claim.get("head")
+        other = head["proposal_id"] if head else None
         if other is not None:
             if (head["created_at"], other) < (proposal.created_at, pid):
                 await self.supersede(svc, other, pid)
@@ -211,15 +219,15 @@ class Engine:
                 return authority.refusal(record, act, refused.code, refused.reason, self.actor)
             return authority.review(record, act, verified, rv, superseded, self.actor, now)
 
-        handled = await self.handle(svc, pid, ingest, None, False)
-        rec = handled.record
-        if handled.changed and rec is not None and rec.decision is not None \
-                and rec.decision.verdict == "reject" and rec.decision.cause is None:
-            await self.store.ledger_put(svc, rec.dedup_key, {
-                "proposal_id": pid, "principal": rec.decision.actor,
-                "reason": rec.decision.rationale, "at": rec.decision.at,
-                "evidence": triage.evidence_digest(rec.proposal)})
-        return handled
+        async def ledger(rec: ProposalRecord) -> None:
+            """An operator's rejection enters the ledger before anyone can see it."""
+            d = rec.decision
+            if d is not None and d.verdict == "reject" and d.cause is None:
+                await self.store.ledger_put(svc, rec.dedup_key, {
+                    "proposal_id": pid, "principal": d.actor, "reason": d.rationale,
+                    "at": d.at, "evidence": triage.evidence_digest(rec.proposal)})
+
+        return await self.handle(svc, pid, ingest, None, False, on_change=ledger)
 
     async def grant(self, env: Envelope, skill: str, act: Act) -> Grant | None:
         """A signed grant or revoke for `<name>:<sha256>`: chained per hash, then retained."""
@@ -262,7 +270,7 @@ class Engine:
 
     async def handle(self, svc: str, pid: str, ingest: Ingest, proposal: Proposal | None,
                      republish: bool, dispatch: bool = True, fresh: bool = False,
-                     optimistic: bool = False, rejected: dict | None = None) -> Handled:
+                     optimistic: bool = False, prepare=None, on_change=None) -> Handled:
         """Load, ingest, advance, then cache and publish once. `fresh` skips this process's
         cache (a request's reply should see what other replicas did)."""
         lock = await self._acquire(pid)
@@ -274,6 +282,7 @@ class Engine:
                     else:
                         record, rev = await self._load(svc, pid, fresh)
                     before = record
+                    rejected = await prepare() if record is None and prepare else None
                     now = now_ms()
                     step = ingest(record, now)
                     if step is not None:
@@ -287,6 +296,8 @@ class Engine:
                         await self._settle(exc.record or record, rev, before, republish)
                         raise
                     changed = record != before
+                    if changed and on_change is not None:
+                        await on_change(record)
                     await self._settle(record, rev, before, republish)
                     return Handled(record, changed)
                 except ChainConflict:
@@ -528,7 +539,7 @@ class Engine:
                     if state is not None:
                         await self.store.publish(S.grant_record(*state.skill.split(":", 1)),
                                                  state)
-                else:
+                elif svc not in S.MESH_CHAINS:
                     await self.publish(rebuild_record(trailers, seqs, self.policy))
             except (ValueError, KeyError, msgspec.MsgspecError) as exc:
                 log.error("chain not replayable; left for audit verify", chain=cid,

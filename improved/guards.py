@@ -102,6 +102,15 @@ def forbidden_match(paths: Iterable[str], patterns: Sequence[str]) -> str | None
     return None
 
 
+def on_allowlist(path: str, patterns: Sequence[str]) -> bool:
+    """A path (normalised; an escaping one never is) that one of the globs names."""
+    try:
+        norm = normalize_path(path)
+    except EscapingPath:
+        return False
+    return any(_glob_regex(p).match(norm) for p in patterns)
+
+
 def target_paths(target_ref: str, target_files: Sequence[str] | None) -> list[str]:
     """Everything a proposal says it touches: its files, and its target when that is a path."""
     paths = list(target_files or ())

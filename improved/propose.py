@@ -54,7 +54,7 @@ def validate(data: bytes, subject_service: str | None, limit: int) -> Proposal:
         raise wire.WireError(wire.SUBJECT_MISMATCH, f"service {proposal.service!r} disagrees "
                              f"with the subject's service {subject_service!r}", "service")
     if proposal.proposal_cal is not None:
-        check_cal(proposal.proposal_cal)
+        check_cal(proposal.proposal_cal, proposal.namespace)
     skill = skill_definition(proposal)
     if skill is not None:
         name = skill.get("name")
@@ -68,16 +68,20 @@ def validate(data: bytes, subject_service: str | None, limit: int) -> Proposal:
     return proposal
 
 
-def check_cal(text: str) -> None:
+def check_cal(text: str, namespace: str | None) -> None:
     """A CAL Tier-1 batch only: ADD / SUPERSEDE / REVERT, never a destructive verb, never a
-    status (OMS rules 1, 3, 9)."""
+    status, never a write outside the proposal's own namespace (OMS rules 1, 3, 8, 9)."""
     try:
-        cal.parse(text)
+        batch = cal.parse(text)
     except cal.CalError as exc:
         code = {"E001": wire.TOO_LARGE, "status_forbidden": wire.STATUS_FORBIDDEN}.get(
             exc.code, wire.INVALID_VALUE)
         raise wire.WireError(code, f"proposal_cal is refused ({exc.code}): {exc.message}",
                              "proposal_cal") from None
+    outside = sorted(n for n in cal.touches_namespace(batch) if n != namespace)
+    if outside:
+        raise wire.WireError(wire.INVALID_VALUE, "proposal_cal writes outside the proposal's "
+                             f"namespace {namespace!r}: {', '.join(outside)}", "proposal_cal")
 
 
 def skill_definition(proposal: Proposal) -> dict[str, Any] | None:

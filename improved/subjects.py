@@ -54,6 +54,7 @@ BUCKET_LEDGER = "improved_ledger"  # dedup_key → the operator's rejection (the
 # Grant acts are chained per skill hash under a token no service can have (services start [a-z]).
 GRANT_CHAINS = "_grants"
 AUTONOMY_CHAIN = "_autonomy"  # the breaker and the autonomy switch (improved/breaker.py)
+MESH_CHAINS = frozenset({GRANT_CHAINS, AUTONOMY_CHAIN})  # chains that are not proposals
 
 # Refusals (bad input) are logged here: what was refused and why, never the payload itself.
 REFUSED = "improved.refused"

@@ -11,7 +11,7 @@ import msgspec
 from . import canonical, gradient
 from .audit import REASON_LIMIT, Draft
 from .config import Policy
-from .guards import forbidden_match, self_confirmed, target_paths
+from .guards import forbidden_match, on_allowlist, self_confirmed, target_paths
 from .model import Proposal, TriageDecision
 from .record import ProposalRecord
 
@@ -47,6 +47,9 @@ def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
             gradient.implied_scope(scheme)
         return decision("reject", "scope_mismatch",
                         f"scope {p.scope} does not fit {scheme}: targets (expected {want})")
+    if scheme == "doc" and not on_allowlist(gradient.rest_of(p.target_ref), policy.doc_allowlist):
+        return decision("reject", "invalid", f"{p.target_ref} is not on the doc allowlist "
+                        "(policy.doc_allowlist); doc: targets must be listed to be edited")
     if p.valid_to is not None and p.valid_to <= now:
         return decision("reject", "expired", f"valid_to {p.valid_to} has passed")
     if (rejected is not None and rejected.get("proposal_id") != record.proposal_id

@@ -14,7 +14,7 @@ from improved.guards import DEFAULT_FORBIDDEN, Evidence
 from improved.model import AnalyzerRef, Origin, Proposal, Signal, Summary
 from improved.record import ProposalRecord
 
-POLICY = Policy()
+POLICY = Policy(doc_allowlist=("**",))
 NOW = 1_700_000_000_000
 ORIGIN_ACTOR = "mcp:aaa:1"
 TRIAGER = "improved:test"
@@ -116,6 +116,19 @@ def test_scope_mismatch(target_ref, scope):
     assert (d.verdict, d.cause) == ("reject", "scope_mismatch")
 
 
+def test_doc_targets_must_be_on_the_allowlist():
+    narrow = Policy(doc_allowlist=("docs/**",))
+    listed = make_record(target_ref="doc:docs/guide.md", change_class="L2", policy=narrow)
+    assert decide(listed, policy=narrow).cause == "awaiting_operator"
+    other = make_record(target_ref="doc:notes/guide.md", change_class="L2", policy=narrow)
+    d = decide(other, policy=narrow)
+    assert (d.verdict, d.cause) == ("reject", "invalid") and "allowlist" in d.rationale
+    sneaky = make_record(target_ref="doc:docs/../notes/guide.md", change_class="L2",
+                         policy=narrow)
+    assert decide(sneaky, policy=narrow).cause == "invalid"
+    assert decide(listed, policy=Policy()).cause == "invalid"  # the default lists nothing
+
+
 def test_charter_on_a_doc_goes_to_the_operator():
     d = decide(make_record(target_ref="doc:_doc/charter.md", scope="charter", change_class="L2"))
     assert (d.verdict, d.cause) == ("defer", "awaiting_operator")
@@ -196,7 +209,7 @@ def test_l4_rationale_says_per_occurrence():
 
 
 def test_policy_overrides_min_class_and_forbidden_list():
-    loose = Policy(min_class={"grain": "L0"}, forbidden_targets=())
+    loose = Policy(min_class={"grain": "L0"}, forbidden_targets=(), doc_allowlist=("**",))
     record = make_record(policy=loose, change_class="L0", target_ref="grain:x")
     assert decide(record, policy=loose).verdict == "accept"
     assert decide(record).cause == "class_mismatch"
