@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# Bring up, on this machine, for a try:
+#   - the 3-node NATS cluster of deploy/nats-cluster (client ports 4222-4224, JetStream,
+#     users and permissions from deploy/accounts.conf);
+#   - two improved daemon replicas sharing the inbound durable consumer, one seeded on n1 and
+#     one on n2 (each learns the other nodes from the cluster);
+#   - the reference ranking store serving `ranking.improve.apply` as user svc-ranking.
+# Everything runs in the background; state and logs go to $IMPROVED_RUN_DIR
+# (default: <repo>/.improved/cluster). deploy/down.sh stops it all.
+#
+# Environment: IMPROVED_VENV (default <repo>/.venv), NATS_SERVER (default the venv's
+# nats-server), IMPROVED_RUN_DIR, WITH_RANKING=0 to skip the ranking store.
+set -euo pipefail
+
+HERE=$(cd -- "$(dirname -- "$0")" && pwd)
+ROOT=$(dirname -- "$HERE")
+VENV=${IMPROVED_VENV:-$ROOT/.venv}
+NATS_SERVER=${NATS_SERVER:-$VENV/bin/nats-server}
+IMPROVED=$VENV/bin/improved
+PYTHON=$VENV/bin/python
+RUN_DIR=${IMPROVED_RUN_DIR:-$ROOT/.improved/cluster}
+WITH_RANKING=${WITH_RANKING:-1}
+
+# Reference credentials from deploy/accounts.conf (change both places together).
+DAEMON_AUTH="improved:dev-improved-pw"
+OPERATOR_AUTH="operator:dev-operator-pw"
+RANKING_AUTH="svc-ranking:dev-ranking-pw"
+
+die() { echo "up.sh: $*" >&2; exit 1; }
+
+for exe in "$NATS_SERVER" "$IMPROVED" "$PYTHON"; do
+  [ -x "$exe" ] || die "$exe not found (set IMPROVED_VENV or NATS_SERVER)"
+done
+
+mkdir -p "$RUN_DIR/logs" "$RUN_DIR/data"
+cd "$RUN_DIR"
+
+# A pid file whose process is still alive means it is already up.
+running() {
+  [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
+}
+for pidfile in "$RUN_DIR"/*.pid; do
+  [ -e "$pidfile" ] || continue
+  if running "$pidfile"; then
+    die "already running ($pidfile); stop it first with $HERE/down.sh"
+  fi
+  rm -f "$pidfile"
+done
+
+on_error() {
+  echo "up.sh: failed; logs are in $RUN_DIR/logs; clean up with $HERE/down.sh" >&2
+}
+trap on_error ERR
+
+# Start a command in the background, in its own session (a Ctrl-C in this terminal later
+# does not reach it), with its output in a log file and its pid in <name>.pid.
+start() {
+  local name=$1
+  shift
+  if command -v setsid >/dev/null 2>&1; then
+    nohup setsid "$@" >"$RUN_DIR/logs/$name.log" 2>&1 </dev/null &
+  else
+    nohup "$@" >"$RUN_DIR/logs/$name.log" 2>&1 </dev/null &
+  fi
+  echo $! >"$RUN_DIR/$name.pid"
+}
+
+# Wait until a command succeeds, or fail after $1 seconds.
+wait_for() {
+  local seconds=$1 what=$2
+  shift 2
+  local deadline=$((SECONDS + seconds))
+  until "$@" >/dev/null 2>&1; do
+    [ "$SECONDS" -lt "$deadline" ] || die "$what not ready within ${seconds}s"
+    sleep 0.2
+  done
+}
+
+# -- the cluster ------------------------------------------------------------------------------
+for n in 1 2 3; do
+  start "n$n" "$NATS_SERVER" -c "$HERE/nats-cluster/n$n.conf"
+done
+
+# healthz answers 200 once the node is up and its JetStream is current with the meta leader.
+healthy() {
+  "$PYTHON" - "$1" <<'PY'
+import sys
+import urllib.request
+
+with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/healthz", timeout=1) as r:
+    sys.exit(0 if r.status == 200 else 1)
+PY
+}
+for port in 8222 8223 8224; do
+  wait_for 30 "nats node (monitor port $port)" healthy "$port"
+done
+echo "up.sh: cluster up: nats://127.0.0.1:4222, :4223, :4224 (monitoring :8222-:8224)"
+
+# -- the daemons ------------------------------------------------------------------------------
+# One config per replica, each seeded on a different node. No embedded server: nats_url is set.
+# `replicas = 3` makes the first daemon create R3 streams and buckets.
+for i in 1 2; do
+  cat >"$RUN_DIR/improved-$i.toml" <<EOF
+# written by deploy/up.sh: daemon replica $i of the try-it cluster
+nats_url = "nats://$DAEMON_AUTH@127.0.0.1:$((4221 + i))"
+data_dir = "$RUN_DIR/daemon-$i"
+replicas = 3          # R3: every stream and bucket on all three nodes
+EOF
+  # One after the other: the first creates the streams and buckets; two replicas creating
+  # them at once on a fresh cluster can time out on a stream whose leader is still elected.
+  start "improved-$i" "$IMPROVED" run --config "$RUN_DIR/improved-$i.toml"
+  wait_for 60 "daemon replica $i" grep -q "improved: ready" "$RUN_DIR/logs/improved-$i.log"
+done
+echo "up.sh: two daemon replicas ready (logs: $RUN_DIR/logs/improved-1.log, improved-2.log)"
+
+# -- the reference ranking service ------------------------------------------------------------
+if [ "$WITH_RANKING" = 1 ]; then
+  start ranking "$PYTHON" -m services.ranking_store --service ranking \
+    --nats "nats://$RANKING_AUTH@127.0.0.1:4224"
+  wait_for 30 "ranking store" grep -q "serving ranking.improve.apply" \
+    "$RUN_DIR/logs/ranking.log"
+  echo "up.sh: ranking store serving ranking.improve.apply as svc-ranking"
+fi
+
+# -- what the streams look like ---------------------------------------------------------------
+"$PYTHON" - "nats://$OPERATOR_AUTH@127.0.0.1:4222" <<'PY' || true
+import asyncio
+import sys
+
+import nats
+
+
+async def main() -> None:
+    nc = await nats.connect(sys.argv[1], connect_timeout=2, max_reconnect_attempts=1)
+    js = nc.jetstream()
+    for name in ("IMPROVE_IN", "IMPROVE_RECORDS", "IMPROVE_AUDIT"):
+        info = await js.stream_info(name)
+        cluster = info.cluster
+        print(f"up.sh: stream {name}: R{info.config.num_replicas}, leader "
+              f"{cluster.leader if cluster else '?'}, followers "
+              f"{', '.join(r.name for r in (cluster.replicas or [])) if cluster else '?'}")
+    await nc.close()
+
+
+asyncio.run(main())
+PY
+
+ex="$ROOT/examples/rank-l0.json"
+cat <<EOF
+
+Try it (operator credentials; the proposal targets service ranking):
+  sed 's/"demo"/"ranking"/g' $ex | \\
+    $IMPROVED propose - --nats nats://$OPERATOR_AUTH@127.0.0.1:4223
+  $IMPROVED show <proposal_id> --nats nats://$OPERATOR_AUTH@127.0.0.1:4222
+  $IMPROVED audit verify --nats nats://$OPERATOR_AUTH@127.0.0.1:4224
+
+Stop everything:      $HERE/down.sh
+Stop and wipe state:  $HERE/down.sh --purge
+EOF
