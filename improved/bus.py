@@ -17,6 +17,7 @@ import sysconfig
 import time
 from contextlib import suppress
 from pathlib import Path
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import nats
 import structlog
@@ -114,6 +115,25 @@ class EmbeddedServer:
             self.proc.wait()
 
 
+def split_credentials(url: str) -> tuple[list[str], dict[str, str]]:
+    """`nats://user:pass@h1:4222,nats://h2:4222` → servers without credentials, and the
+    credentials as options: nats-py sends URL credentials only to the server they were written
+    on, so after a failover to a discovered cluster node it would connect without them."""
+    servers, creds = [], {}
+    for part in url.split(","):
+        parsed = urlsplit(part.strip())
+        if parsed.username:
+            if parsed.password is None:  # nats://TOKEN@host
+                creds.setdefault("token", unquote(parsed.username))
+            else:
+                creds.setdefault("user", unquote(parsed.username))
+                creds.setdefault("password", unquote(parsed.password))
+            netloc = parsed.hostname + (f":{parsed.port}" if parsed.port else "")
+            part = urlunsplit((parsed.scheme, netloc, parsed.path, parsed.query, ""))
+        servers.append(part.strip())
+    return servers, creds
+
+
 _reconnect_hooks: dict[int, list] = {}
 
 
@@ -160,9 +180,10 @@ async def connect(url: str, name: str, *, connect_timeout: float = 5.0,
         for callback in _reconnect_hooks.get(id(nc), ()):
             asyncio.ensure_future(callback())
 
+    servers, credentials = split_credentials(url)
     try:
         nc = await nats.connect(
-            url, name=name, connect_timeout=connect_timeout,
+            servers, name=name, connect_timeout=connect_timeout, **credentials,
             # the first connection gets a few tries either way: a wrong URL is an error
             # nats-py gives up on a first connection only when reconnects are allowed and
             # bounded (> 0); a one-shot connection then drops reconnects once it is up

@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import FetchTimeoutError
 
-from . import bus, propose, wire
+from . import bus, notify, propose, wire
 from . import subjects as S
 from .authority import Act
 from .config import Config
@@ -109,6 +109,10 @@ class Daemon:
         self.ready.set()
         log.info("daemon ready", actor=self.actor, streams=[S.STREAM_INBOUND, S.STREAM_RECORDS,
                                                            S.STREAM_AUDIT])
+
+    def healthy(self) -> bool:
+        """The consumer task is alive (what the systemd watchdog checks)."""
+        return self.ready.is_set() and all(not t.done() for t in self._tasks)
 
     async def republish_if_lost(self) -> None:
         """After a broker restart (records in memory) or a purge, rebuild the retained records
@@ -444,8 +448,15 @@ async def run_until_stopped(nc: Client, config: Config,
     await daemon.start()
     if on_ready:
         on_ready(daemon)
+    notify.ready()  # systemd Type=notify: streams and consumers are bound
+    notify.status(f"serving as {daemon.actor}")
+    # The watchdog is fed while the consumer runs: a wedged loop gets restarted. A broker
+    # outage is not fed back: a restart would not cure it.
+    watchdog = asyncio.create_task(notify.watchdog_loop(daemon.healthy))
     await stop.wait()
     log.info("stopping: draining in-flight work", pid=os.getpid())
+    notify.stopping()
+    watchdog.cancel()
     await daemon.stop()
     await bus.close(nc)
     return 0

@@ -162,3 +162,35 @@ def test_an_operator_signs_from_the_terminal(tmp_path):
     finally:
         daemon.send_signal(signals.SIGTERM)
         assert daemon.wait(30) == 0
+
+
+def test_credentials_in_the_url_go_to_every_server():
+    assert bus.split_credentials("nats://u:p%40x@h1:4222,nats://h2:4223") == (
+        ["nats://h1:4222", "nats://h2:4223"], {"user": "u", "password": "p@x"})
+    assert bus.split_credentials("nats://s3cret@h:4222") == (["nats://h:4222"],
+                                                             {"token": "s3cret"})
+    assert bus.split_credentials("nats://127.0.0.1:4222") == (["nats://127.0.0.1:4222"], {})
+
+
+def test_run_tells_systemd_when_it_is_ready_and_when_it_stops(tmp_path):
+    import socket
+
+    sock_path = tmp_path / "notify.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(sock_path))
+    listener.settimeout(30)
+    env = {**ENV, "NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "2000000"}
+    daemon = subprocess.Popen([*IMPROVED, "run", "--data-dir", str(tmp_path / "d"), "--port",
+                               str(bus.free_port())], stderr=subprocess.DEVNULL, env=env)
+    try:
+        seen: list[str] = []
+        while not any("READY=1" in m for m in seen) or not any("WATCHDOG=1" in m for m in seen):
+            seen.append(listener.recv(4096).decode())
+        daemon.send_signal(signals.SIGTERM)
+        while not any("STOPPING=1" in m for m in seen):
+            seen.append(listener.recv(4096).decode())
+        assert daemon.wait(30) == 0
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+        listener.close()
