@@ -41,14 +41,18 @@ def needs_rollback(record: ProposalRecord) -> bool:
             and record.rollback_outcome is None)
 
 
-def inverse_proposal(record: ProposalRecord) -> Proposal:
+ROLLBACK_ANALYZER = "improved.rollback/1"
+
+
+def inverse_proposal(record: ProposalRecord, change_class: str | None = None) -> Proposal:
     """The recorded inverse as a proposal of its own (content-addressed, so the owning
     service applies it exactly once). Its body is the inverse the service returned."""
     p = record.proposal
     return Proposal(
-        service=p.service, target_ref=p.target_ref, change_class=p.change_class, scope=p.scope,
+        service=p.service, target_ref=p.target_ref,
+        change_class=change_class or p.change_class, scope=p.scope,
         origin=Origin(actor="improved", service="improved"),
-        analyzer=AnalyzerRef(id="improved.rollback/1"),
+        analyzer=AnalyzerRef(id=ROLLBACK_ANALYZER),
         summary=Summary(template_id="rollback", args={"proposal_id": record.proposal_id}),
         proposal_data=record.outcome.inverse if isinstance(record.outcome.inverse, dict)
         else {"inverse": record.outcome.inverse},
@@ -56,6 +60,39 @@ def inverse_proposal(record: ProposalRecord) -> Proposal:
         created_at=record.outcome.at,
         namespace=p.namespace,
     )
+
+
+def rollback_proposal(record: ProposalRecord) -> Proposal:
+    """What learn-back proposes after a regression: the recorded inverse, at the original's
+    class — except that an L3 inverse (it carries no skill to re-execute) asks an operator."""
+    cls = record.proposal.change_class
+    return inverse_proposal(record, "L2" if cls == "L3" else cls)
+
+
+def rolls_back(proposal: Proposal) -> str | None:
+    """The id of the proposal a learn-back rollback proposal undoes, if it is one."""
+    if proposal.analyzer.id != ROLLBACK_ANALYZER:
+        return None
+    for ref_ in proposal.derived_from or ():
+        if ref_.startswith("mg:sha256:"):
+            return ref_[len("mg:sha256:"):]
+    return None
+
+
+def rolled_back_by(record: ProposalRecord, inverse: ProposalRecord,
+                   now: int) -> tuple[ProposalRecord, Draft] | None:
+    """The original, once its rollback proposal was applied: rolled back."""
+    if record.status != "applied" or record.rollback_outcome is not None:
+        return None
+    out = inverse.outcome
+    outcome = ApplyOutcome(proposal_id=record.proposal_id, service=record.service, ok=True,
+                           applied_id=out.applied_id, authority=out.authority, at=now)
+    observer = "rec:policy" if inverse.approved_by is None else "human"
+    draft = Draft(from_stage=record.stage, to_stage="apply", actor=out.authority,
+                  observer_type=observer, verdict=ROLLED_BACK,
+                  reason=f"rolled back: its recorded inverse {inverse.proposal_id} was applied",
+                  refs=(ref("applied", out.applied_id), ref("inverse_of", inverse.proposal_id)))
+    return record.replace(rollback_outcome=outcome, updated_at=now), draft
 
 
 def rollback_order(record: ProposalRecord, attempt: int) -> tuple[str, ApplyOrder]:

@@ -18,6 +18,8 @@ policy_principal = "policy:auto"     # authority of auto-applies (L0, L3 with gr
 effect_window_ms = 86400000          # a world signal counts if it lands this soon after apply
 autonomy = "on"                      # "off": no autonomous apply (constitution IV.6)
 doc_allowlist = ["docs/**", "*.md"]  # doc: targets that may be edited (default: none)
+regression_tolerance = 0.05          # at review_after, a metric worse by more than 5 % ...
+metric_direction = { error_rate = "lower" }  # ... regressed (default: higher is better)
 breaker_threshold = 3                # autonomous rollbacks within the window that trip ...
 breaker_window_days = 14             # ... the circuit breaker (constitution IV.5), which
 breaker_pause_hours = 48             # pauses autonomous applies this long
@@ -58,6 +60,8 @@ class Policy:
     effect_window_ms: int = 24 * 3600 * 1000
     autonomy: str = "on"  # "off" holds every autonomous apply back (constitution IV.6)
     doc_allowlist: tuple[str, ...] = ()  # globs of the doc: targets that may be edited at all
+    regression_tolerance: float = 0.05  # relative change of a metric that counts as regression
+    metric_direction: dict[str, str] = field(default_factory=dict)  # metric → higher|lower
     breaker_threshold: int = 3  # autonomous rollbacks within the window that trip the breaker
     breaker_window_days: float = 14.0
     breaker_pause_hours: float = 48.0
@@ -117,6 +121,9 @@ def parse(doc: dict) -> Config:
         effect_window_ms=int(pol.pop("effect_window_ms", 24 * 3600 * 1000)),
         autonomy=str(pol.pop("autonomy", "on")),
         doc_allowlist=tuple(pol.pop("doc_allowlist", ())),
+        regression_tolerance=float(pol.pop("regression_tolerance", 0.05)),
+        metric_direction={str(k): str(v) for k, v in
+                          dict(pol.pop("metric_direction", {})).items()},
         breaker_threshold=int(pol.pop("breaker_threshold", 3)),
         breaker_window_days=float(pol.pop("breaker_window_days", 14.0)),
         breaker_pause_hours=float(pol.pop("breaker_pause_hours", 48.0)),

@@ -42,7 +42,7 @@ from .model import (
     Trailer,
     to_json,
 )
-from .record import ChainHead, ProposalRecord, ref, refs_of, replay, with_trailer
+from .record import REGRESSED, ChainHead, ProposalRecord, ref, refs_of, replay, with_trailer
 from .signing import PAYLOAD_TYPES, ActRefused
 from .store import ChainConflict, StateConflict, Store, trailer_decoder
 
@@ -408,6 +408,18 @@ class Engine:
                     raise
                 at = now_ms()
                 record = await self._commit(*apply_stage.transition(record, result, by, at), at)
+                undone = apply_stage.rolls_back(record.proposal)
+                if undone and result.ok:
+                    await self.rolled_back(record.service, undone, record)
+                continue
+            measured = learnback.measurement(record, self.policy, now)
+            if measured is not None:
+                verdict, value = measured
+                rollback_id = None
+                if verdict == REGRESSED and record.outcome.rollbackable:
+                    rollback_id = await self.propose_rollback(record)
+                record = await self._commit(*learnback.measured(
+                    record, verdict, value, rollback_id, self.actor, now), now)
                 continue
             break
         return record
@@ -448,6 +460,26 @@ class Engine:
                         attempt=attempt, error=last_error)
             await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
         raise ServiceUnreachable(last_error)
+
+    # -- learn-back rollbacks ------------------------------------------------------------------------
+
+    async def propose_rollback(self, record: ProposalRecord) -> str:
+        """Propose the recorded inverse of a regressed change, through the bus like any
+        proposal (durable, deduplicated by its id, and gated by its class)."""
+        proposal = apply_stage.rollback_proposal(record)
+        pid, _ = propose.identify(proposal)
+        await self.store.js.publish(S.inbound_proposal(proposal.service), to_json(proposal),
+                                    headers={"Nats-Msg-Id": pid}, stream=S.STREAM_INBOUND)
+        log.warning("regression: rollback proposed", proposal_id=record.proposal_id,
+                    rollback=pid, stage="learn-back")
+        return pid
+
+    async def rolled_back(self, svc: str, original: str, inverse: ProposalRecord) -> None:
+        handled = await self.handle(
+            svc, original, lambda record, now: apply_stage.rolled_back_by(record, inverse, now)
+            if record is not None else None, None, False)
+        if handled.changed and handled.record.approved_by is None:
+            await self.count_autonomous_rollback(handled.record, now_ms())
 
     # -- the breaker and the autonomy switch (constitution IV.5, IV.6) ---------------------------
 

@@ -10,7 +10,7 @@ from .audit import Draft
 from .config import Policy
 from .model import LearnBack, Signal
 from .propose import count, signal_digest
-from .record import SIGNAL, CountedSignal, ProposalRecord, ref
+from .record import HELD, REGRESSED, SIGNAL, CountedSignal, ProposalRecord, ref
 
 
 def observe_signal(record: ProposalRecord, signal: Signal, policy: Policy,
@@ -29,7 +29,9 @@ def observe_signal(record: ProposalRecord, signal: Signal, policy: Policy,
         reason=f"{sign} {signal.kind} signal from {signal.service}, {independence}",
         refs=(ref("signal", digest), ref("kind", signal.kind), ref("service", signal.service),
               ref("positive", signal.positive), ref("independent", counted.independent),
-              ref("at", signal.at)),
+              ref("at", signal.at))
+        + ((ref("name", signal.name),) if signal.name is not None else ())
+        + ((ref("value", signal.value),) if signal.value is not None else ()),
     )
     return record.replace(signals=(*record.signals, counted), updated_at=now), draft, counted
 
@@ -56,3 +58,43 @@ def summary(record: ProposalRecord, now: int) -> LearnBack:
         verdict=verdict(record), at=now,
         metric=snap.metric if snap else None, baseline=snap.baseline if snap else None,
     )
+
+
+# -- measurement at review_after (DESIGN §4) -----------------------------------------------------
+
+
+def measurement(record: ProposalRecord, policy: Policy, now: int) -> tuple[str, float] | None:
+    """Once `metric_snapshot.review_after` has passed on an applied proposal: compare the latest
+    independent reading of the metric (a `metric` signal named like it, after the apply) with
+    the baseline. (`regressed` | `held`, value), or None while there is nothing to measure."""
+    snap = record.proposal.metric_snapshot
+    applied_at = record.applied_at
+    if (snap is None or snap.review_after is None or applied_at is None
+            or record.status != "applied" or record.measured is not None
+            or now < snap.review_after):
+        return None
+    readings = [s for s in record.signals if s.kind == "metric" and s.independent
+                and s.name == snap.metric and s.value is not None and s.at >= applied_at]
+    if not readings:
+        return None
+    value = max(readings, key=lambda s: s.at).value
+    scale = abs(snap.baseline) or 1.0
+    change = (value - snap.baseline) / scale
+    lower_is_better = policy.metric_direction.get(snap.metric, "higher") == "lower"
+    worse = change > policy.regression_tolerance if lower_is_better \
+        else change < -policy.regression_tolerance
+    return (REGRESSED if worse else HELD), value
+
+
+def measured(record: ProposalRecord, verdict: str, value: float, rollback_id: str | None,
+             actor: str, now: int) -> tuple[ProposalRecord, Draft]:
+    snap = record.proposal.metric_snapshot
+    refs = [ref("metric", snap.metric), ref("value", value), ref("baseline", snap.baseline)]
+    if rollback_id:
+        refs.append(ref("rollback_proposal", rollback_id))
+    reason = (f"{snap.metric} {value} against baseline {snap.baseline}: "
+              + ("a regression beyond the tolerance; its recorded rollback is proposed as "
+                 f"{rollback_id}" if verdict == REGRESSED else "held"))
+    draft = Draft(from_stage=record.stage, to_stage="learn-back", actor=actor,
+                  observer_type="rec:system", verdict=verdict, reason=reason, refs=tuple(refs))
+    return record.replace(measured=verdict, updated_at=now), draft

@@ -131,7 +131,7 @@ def count(signal: Signal, digest: str, proposal: Proposal, applied_at: int | Non
     evidence = Evidence(signal.kind, signal.actor, signal.service, signal.positive, signal.at)
     return CountedSignal(
         digest=digest, kind=signal.kind, actor=signal.actor, service=signal.service,
-        positive=signal.positive, at=signal.at,
+        positive=signal.positive, at=signal.at, name=signal.name, value=signal.value,
         independent=is_independent(evidence, proposal.origin.actor, proposal.origin.service,
                                    applied_at, policy.effect_window_ms),
     )

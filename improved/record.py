@@ -22,6 +22,8 @@ class CountedSignal(Struct, kw_only=True, frozen=True):
     positive: bool
     at: int
     independent: bool
+    name: str | None = None
+    value: float | None = None
 
 
 class ChainHead(Struct, kw_only=True, frozen=True):
@@ -49,6 +51,7 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
     superseded_by: str | None = None  # newer content under the same dedup_key
     rollback_by: str | None = None  # the principal who asked for the inverse
     rollback_outcome: ApplyOutcome | None = None
+    measured: str | None = None  # `held` or `regressed`, once review_after was measured
     acts: tuple[tuple[str, int], ...] = ()  # (envelope digest, stream sequence) of signed acts seen
     signals: tuple[CountedSignal, ...] = ()
     chain: ChainHead = ChainHead()
@@ -80,6 +83,8 @@ SUPERSEDED = "superseded"  # newer content arrived under the same dedup_key
 ROLLBACK = "rollback"  # an operator asked for the recorded inverse
 ROLLED_BACK = "rolled_back"  # the owning service applied the inverse
 ROLLBACK_FAILED = "rollback_failed"
+HELD = "held"  # measured at review_after: the metric held
+REGRESSED = "regressed"  # measured at review_after: beyond the tolerance; a rollback is proposed
 
 
 def status_after(status: str, trailer: Trailer) -> str:
@@ -185,6 +190,9 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
                 digest=refs["signal"], kind=refs.get("kind", ""), actor=trailer.actor,
                 service=refs.get("service", ""), positive=refs.get("positive") == "true",
                 at=int(refs.get("at", trailer.at)),
-                independent=refs.get("independent") == "true")))
+                independent=refs.get("independent") == "true", name=refs.get("name"),
+                value=float(refs["value"]) if "value" in refs else None)))
+        elif trailer.to_stage == "learn-back" and trailer.verdict in (HELD, REGRESSED):
+            record = record.replace(measured=trailer.verdict)
         record = with_trailer(record, trailer, stream_seq)
     return record
