@@ -84,6 +84,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         config = replace(config, data_dir=Path(args.data_dir))
     if args.port:
         config = replace(config, port=args.port)
+    if args.metrics_port is not None:
+        config = replace(config, metrics_port=args.metrics_port)
     url = args.nats or config.nats_url
     server = None
     if url is None:
@@ -474,6 +476,9 @@ def parser() -> argparse.ArgumentParser:
                      help="where the embedded server keeps JetStream (default: .improved)")
     run.add_argument("--port", type=int, metavar="N",
                      help="embedded server port (default: 4222)")
+    run.add_argument("--metrics-port", type=int, metavar="N",
+                     help="serve Prometheus /metrics, /healthz and /readyz on this port "
+                          "(default: config metrics_port, else off)")
     run.set_defaults(func=cmd_run)
 
     prop = sub.add_parser(

@@ -9,6 +9,8 @@ max_message_bytes = 262144
 replicas = 1                         # JetStream replicas of every stream (3 on a cluster)
 records_storage = "file"             # retained records: "file", or "memory" as ABP kept them
                                      # (rebuilt from the chains after a broker restart)
+metrics_port = 9464                  # Prometheus /metrics, /healthz, /readyz (default: off)
+metrics_host = "127.0.0.1"
 
 [policy]
 forbidden_targets = ["..."]          # globs; default: the constitution's Art. VI list
@@ -92,6 +94,8 @@ class Config:
     max_message_bytes: int = 256 * 1024
     replicas: int = 1
     records_storage: str = "file"
+    metrics_port: int | None = None  # Prometheus /metrics, /healthz, /readyz (off when unset)
+    metrics_host: str = "127.0.0.1"
     policy: Policy = field(default_factory=Policy)
     apply: ApplySettings = field(default_factory=ApplySettings)
     trust: Trust = field(default_factory=Trust)
@@ -105,7 +109,7 @@ def _check_class(name: str, value: object) -> str:
 
 def parse(doc: dict) -> Config:
     known = {"nats_url", "data_dir", "port", "sync", "max_message_bytes", "policy", "apply",
-             "trust", "replicas", "records_storage"}
+             "trust", "replicas", "records_storage", "metrics_port", "metrics_host"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
@@ -159,6 +163,8 @@ def parse(doc: dict) -> Config:
         nats_url=doc.get("nats_url"),
         replicas=replicas,
         records_storage=records_storage,
+        metrics_port=int(doc["metrics_port"]) if "metrics_port" in doc else None,
+        metrics_host=str(doc.get("metrics_host", "127.0.0.1")),
         data_dir=Path(doc.get("data_dir", ".improved")),
         port=int(doc.get("port", 4222)),
         sync=str(doc.get("sync", "always")),

@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import FetchTimeoutError
 
-from . import bus, notify, propose, wire
+from . import bus, metrics, notify, propose, wire
 from . import subjects as S
 from .authority import Act
 from .config import Config
@@ -84,6 +84,7 @@ class Daemon:
         self.engine = Engine(nc, self.store, config, self.actor)
         self.observer = Observer([RegressionAnalyzer()])
         self._stopping = asyncio.Event()
+        self._in_flight = 0
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
         self.ready = asyncio.Event()
@@ -107,6 +108,8 @@ class Daemon:
             durable=S.CONSUMER_INBOUND, stream=S.STREAM_INBOUND)
         self._tasks.append(asyncio.create_task(self._consume(), name="improved-consume"))
         self.ready.set()
+        self.engine.metrics.set_ready(True)
+        self.engine.metrics.set_connected(True)
         log.info("daemon ready", actor=self.actor, streams=[S.STREAM_INBOUND, S.STREAM_RECORDS,
                                                            S.STREAM_AUDIT])
 
@@ -123,6 +126,7 @@ class Daemon:
             log.info("retained records republished", chains=count)
 
     async def _reconnected(self) -> None:
+        self.engine.metrics.set_connected(True)
         try:
             await self.store.ensure()
             await self.republish_if_lost()
@@ -165,11 +169,19 @@ class Daemon:
                 await slots.acquire()
                 task = asyncio.create_task(self._run_after(tails.get(job.key), job))
                 tails[job.key] = task
-                task.add_done_callback(
-                    lambda t, key=job.key: (slots.release(),
-                                            tails.pop(key) if tails.get(key) is t else None))
+                self._in_flight += 1
+                self.engine.metrics.set_in_flight(self._in_flight)
+                task.add_done_callback(lambda t, key=job.key: self._finished(t, key, slots, tails))
         if tails:  # drain: finish what was taken
             await asyncio.wait(list(tails.values()))
+
+    def _finished(self, task: asyncio.Task, key: str, slots: asyncio.Semaphore,
+                  tails: dict[str, asyncio.Task]) -> None:
+        slots.release()
+        if tails.get(key) is task:
+            del tails[key]
+        self._in_flight -= 1
+        self.engine.metrics.set_in_flight(self._in_flight)
 
     async def _run_after(self, previous: asyncio.Task | None, job: Job) -> None:
         if previous is not None:
@@ -230,6 +242,7 @@ class Daemon:
             if delivered < self.config.apply.max_deliveries:
                 await msg.nak(delay=backoff_s(delivered))
                 return
+            self.engine.metrics.apply_result("unreachable")
             log.error("apply gave up for now; the proposal stays retryable",
                       proposal_id=job.key, error=str(exc), deliveries=delivered)
             record, _ = await self.store.load(S.token(msg.subject, 2), job.key)
@@ -291,6 +304,7 @@ class Daemon:
     async def _refuse(self, svc: str, subject: str, err: wire.WireError, size: int) -> None:
         log.warning("refused", subject=subject, code=err.code, field=err.field,
                     reason=err.message)
+        self.engine.metrics.refused(err.code)
         try:
             await self.store.refuse(svc if S.SERVICE_RE.match(svc) else "_", {
                 "subject": subject, "code": err.code, "field": err.field,
@@ -453,10 +467,20 @@ async def run_until_stopped(nc: Client, config: Config,
     # The watchdog is fed while the consumer runs: a wedged loop gets restarted. A broker
     # outage is not fed back: a restart would not cure it.
     watchdog = asyncio.create_task(notify.watchdog_loop(daemon.healthy))
+    http = None
+    if config.metrics_port is not None:
+        http = await metrics.serve(daemon.engine.metrics, config.metrics_host,
+                                   config.metrics_port, ready=lambda: daemon.ready.is_set(),
+                                   healthy=daemon.healthy)
+        log.info("metrics and health served", host=config.metrics_host,
+                 port=http.sockets[0].getsockname()[1])
     await stop.wait()
     log.info("stopping: draining in-flight work", pid=os.getpid())
     notify.stopping()
     watchdog.cancel()
+    daemon.engine.metrics.set_ready(False)
+    if http is not None:
+        http.close()
     await daemon.stop()
     await bus.close(nc)
     return 0

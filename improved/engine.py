@@ -28,6 +28,7 @@ from . import subjects as S
 from .audit import Draft
 from .authority import Act
 from .config import Config
+from .metrics import Metrics
 from .model import (
     ApplyOrder,
     ApplyOutcome,
@@ -90,6 +91,9 @@ class Engine:
         self.max_act_age_ms = int(config.trust.act_max_age_s * 1000)
         self._cache: OrderedDict[str, tuple[ProposalRecord, int]] = OrderedDict()
         self._autonomy: tuple[breaker.Autonomy, int] | None = None
+        self.metrics = Metrics()
+        self._awaiting: set[str] = set()  # proposals this replica saw deferred to an operator
+        self._started: dict[str, float] = {}  # when handling of a proposal began
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiters: dict[str, int] = {}
 
@@ -274,6 +278,7 @@ class Engine:
         """Load, ingest, advance, then cache and publish once. `fresh` skips this process's
         cache (a request's reply should see what other replicas did)."""
         lock = await self._acquire(pid)
+        self._started[pid] = time.perf_counter()
         try:
             for _ in range(MAX_CONFLICT_RETRIES):
                 try:
@@ -310,6 +315,7 @@ class Engine:
             raise RuntimeError(f"proposal {pid}: still conflicting after "
                                f"{MAX_CONFLICT_RETRIES} attempts")
         finally:
+            self._started.pop(pid, None)
             self._release(pid, lock)
 
     async def _load(self, svc: str, pid: str, fresh: bool) -> tuple[ProposalRecord | None, int]:
@@ -353,6 +359,22 @@ class Engine:
         log.info("transition", proposal_id=record.proposal_id, stage=trailer.to_stage,
                  **{"class": record.gate_class}, verdict=trailer.verdict, cause=trailer.cause,
                  seq=trailer.seq)
+        self.metrics.transition(trailer.to_stage, trailer.verdict, trailer.cause,
+                                record.gate_class)
+        started = self._started.get(record.proposal_id)
+        if started is not None:  # from the message's arrival to this transition
+            self.metrics.observe_stage(trailer.to_stage, time.perf_counter() - started)
+        if trailer.to_stage == "apply" and trailer.verdict in ("applied", "failed",
+                                                               "rolled_back"):
+            self.metrics.apply_result("ok" if trailer.verdict == "applied"
+                                      else trailer.verdict)
+        waiting = (trailer.to_stage == "triage" and trailer.verdict == "defer"
+                   and trailer.cause in ("awaiting_operator", "no_grant"))
+        if waiting:
+            self._awaiting.add(record.proposal_id)
+        elif trailer.to_stage in ("triage", "apply"):
+            self._awaiting.discard(record.proposal_id)
+        self.metrics.set_pending_reviews(len(self._awaiting))
         return with_trailer(record, trailer, seq)
 
     async def _advance(self, record: ProposalRecord, dispatch: bool,
@@ -488,6 +510,7 @@ class Engine:
         if self._autonomy is None or now - self._autonomy[1] > AUTONOMY_TTL_MS:
             _, body = await self.store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
             self._autonomy = (breaker.from_trailer(body), now)
+            self.metrics.set_autonomy(self._autonomy[0].blocks(now) or "on")
         return self._autonomy[0]
 
     async def _append_autonomy(self, change, verdict: str, actor: str, observer: str,

@@ -194,3 +194,44 @@ def test_run_tells_systemd_when_it_is_ready_and_when_it_stops(tmp_path):
         if daemon.poll() is None:
             daemon.kill()
         listener.close()
+
+
+def test_metrics_and_health_are_served_while_the_daemon_runs(tmp_path):
+    import urllib.request
+
+    port, mport = bus.free_port(), bus.free_port()
+    daemon = subprocess.Popen([*IMPROVED, "run", "--data-dir", str(tmp_path / "d"), "--port",
+                               str(port), "--metrics-port", str(mport)],
+                              stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        while "ready as improved:" not in daemon.stderr.readline():
+            pass
+
+        def get(path: str) -> tuple[int, str]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{mport}{path}", timeout=5) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as err:
+                return err.code, err.read().decode()
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if get("/readyz")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        assert get("/healthz") == (200, "ok")
+        assert get("/readyz") == (200, "ready")
+        skill = tmp_path / "skill.json"
+        skill.write_text(json.dumps(_builtins(skill_proposal("metricsvc"))))
+        improved("propose", "--nats", f"nats://127.0.0.1:{port}", str(skill))
+        status, body = get("/metrics")
+        assert status == 200
+        assert 'improved_transitions_total{cause="awaiting_operator",class="L2",' \
+               'stage="triage",verdict="defer"} 1.0' in body
+        assert "improved_pending_reviews 1.0" in body
+        assert get("/nope")[0] == 404
+    finally:
+        daemon.send_signal(signals.SIGTERM)
+        assert daemon.wait(30) == 0
