@@ -45,7 +45,7 @@ from .model import (
     TriageRequest,
     to_json,
 )
-from .observe import Observer, RegressionAnalyzer
+from .observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
 from .signing import envelope_digest
 from .store import Store
 
@@ -82,7 +82,8 @@ class Daemon:
         self.actor = actor or instance_actor()
         self.store = Store(nc, config.replicas, config.records_storage)
         self.engine = Engine(nc, self.store, config, self.actor)
-        self.observer = Observer([RegressionAnalyzer()])
+        self.observer = Observer([RegressionAnalyzer(), StaleSkillAnalyzer()])
+        self.engine.learn = self.observer.learn
         self._stopping = asyncio.Event()
         self._in_flight = 0
         self._subs: list = []

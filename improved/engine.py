@@ -92,6 +92,7 @@ class Engine:
         self._cache: OrderedDict[str, tuple[ProposalRecord, int]] = OrderedDict()
         self._autonomy: tuple[breaker.Autonomy, int] | None = None
         self.metrics = Metrics()
+        self.learn = None  # observe's learn-back: (analyzer id, accepted) → None
         self._awaiting: set[str] = set()  # proposals this replica saw deferred to an operator
         self._started: dict[str, float] = {}  # when handling of a proposal began
         self._locks: dict[str, asyncio.Lock] = {}
@@ -368,6 +369,12 @@ class Engine:
                                                                "rolled_back"):
             self.metrics.apply_result("ok" if trailer.verdict == "applied"
                                       else trailer.verdict)
+        if self.learn is not None:
+            if trailer.verdict == "approve" or (trailer.verdict == "applied"
+                                                and trailer.observer_type == "rec:policy"):
+                self.learn(record.proposal.analyzer.id, True)
+            elif trailer.verdict == "reject" and trailer.observer_type == "human":
+                self.learn(record.proposal.analyzer.id, False)
         waiting = (trailer.to_stage == "triage" and trailer.verdict == "defer"
                    and trailer.cause in ("awaiting_operator", "no_grant"))
         if waiting:

@@ -72,12 +72,70 @@ class RegressionAnalyzer:
 
 
 @dataclass
+class StaleSkillAnalyzer:
+    """A skill whose outcomes have turned negative — `threshold` negative refine or check
+    signals from distinct sessions since its last positive one — becomes an L2 proposal to
+    archive it (an operator decides; archival is not undone by itself)."""
+
+    id: str = "improved.stale_skill/1"
+    threshold: int = 3
+    _negatives: dict[tuple[str, str], list[Signal]] = field(
+        default_factory=lambda: defaultdict(list))
+
+    def observe(self, svc: str, signal: Signal) -> list[Candidate]:
+        ref = signal.target_ref
+        if not ref or not ref.startswith("skill:") or signal.kind not in ("refine", "check"):
+            return []
+        key = (svc, ref)
+        if signal.positive:
+            self._negatives.pop(key, None)  # a success: the skill is not stale
+            return []
+        seen = self._negatives[key]
+        if signal not in seen:
+            seen.append(signal)
+        sessions = {session_of(s.actor) for s in seen}
+        if len(sessions) < self.threshold:
+            return []
+        del self._negatives[key]
+        name = ref.split(":", 1)[1]
+        evidence = sorted(seen, key=lambda s: (s.at, s.actor))
+        proposal = Proposal(
+            service=svc, target_ref=ref, change_class="L2", scope="knowledge",
+            origin=Origin(actor="improved", service="improved"),
+            analyzer=AnalyzerRef(id=self.id, params={"threshold": self.threshold}),
+            summary=Summary(template_id="archive_skill",
+                            args={"name": name, "count": len(evidence)}),
+            proposal_data={"archive": name},
+            created_at=max(s.at for s in evidence),
+            signals=evidence,
+        )
+        return [Candidate(proposal, score=float(len(sessions)))]
+
+
+@dataclass
 class Observer:
+    """Ranks every analyzer's candidates by score times the analyzer's learned weight: the
+    share of its proposals operators accepted (Laplace-smoothed, so a new analyzer starts at
+    one half). Candidates below the threshold are not proposed."""
+
     analyzers: list[Analyzer]
-    threshold: float = 0.0
+    threshold: float = 1.0
+    history: dict[str, list[int]] = field(default_factory=dict)  # id → [accepted, rejected]
+
+    def weight(self, analyzer_id: str) -> float:
+        accepted, rejected = self.history.get(analyzer_id, [0, 0])
+        return (accepted + 1) / (accepted + rejected + 2)
+
+    def learn(self, analyzer_id: str, accepted: bool) -> None:
+        """Learn-back: an operator (or the policy) accepted or rejected one of its proposals."""
+        if analyzer_id not in {a.id for a in self.analyzers}:
+            return
+        counts = self.history.setdefault(analyzer_id, [0, 0])
+        counts[0 if accepted else 1] += 1
 
     def observe(self, svc: str, signal: Signal) -> list[Proposal]:
         """Every analyzer's candidates for this signal, best first, above the threshold."""
-        candidates = [c for a in self.analyzers for c in a.observe(svc, signal)]
-        candidates.sort(key=lambda c: -c.score)
-        return [c.proposal for c in candidates if c.score >= self.threshold]
+        ranked = [(c.score * self.weight(a.id), c.proposal)
+                  for a in self.analyzers for c in a.observe(svc, signal)]
+        ranked.sort(key=lambda rc: -rc[0])
+        return [p for score, p in ranked if score >= self.threshold]

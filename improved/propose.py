@@ -26,6 +26,8 @@ TEMPLATES: dict[str, str] = {
     "refine_skill": "refine skill {name}",
     "edit_doc": "edit {doc}",
     "investigate_regression": "investigate {count} negative {metric} signals on {target}",
+    "archive_skill": "archive skill {name} after {count} negative outcomes",
+    "rollback": "roll back {proposal_id}",
 }
 
 

@@ -200,3 +200,26 @@ async def test_a_metric_that_holds_leaves_the_change_applied(daemon, nc, svc):
     assert (await client.state(pid)).status == "applied"
     assert await store.value("search.title_boost") == 5
     await store.stop()
+
+
+async def test_an_operator_rejection_teaches_the_analyzer(daemon, nc, svc):
+    from .factories import signal
+
+    client = MeshClient(nc, svc)
+    analyzer = "improved.metric_regression/1"
+    before = list(daemon.observer.history.get(analyzer, [0, 0]))
+    for i in range(3):
+        await client.signal(signal(svc, f"mcp:watch-{i}:1", positive=False, kind="metric",
+                                   target_ref="rank:teach", name="ctr"))
+
+    async def surfaced():
+        keys = [k for k in await daemon.store.keys() if k.startswith(f"{svc}.")]
+        return keys[0].split(".", 1)[1] if len(keys) == 1 else None
+
+    pid = await eventually(surfaced)
+    await client.triage(pid)
+    await publish(nc, S.inbound_review(svc), review(pid, verdict="reject", reason="noise"))
+    await eventually(lambda: status_of(client, pid, "rejected"))
+    assert daemon.observer.history[analyzer] == [before[0], before[1] + 1]
+    assert daemon.observer.weight(analyzer) < 0.5
+    daemon.observer.history[analyzer] = before  # the session daemon serves other tests too

@@ -378,3 +378,48 @@ def test_the_regression_analyzer_needs_distinct_sessions_within_its_window():
     # positive signals and signals without a target are ignored
     assert observer.observe("svc", Signal(kind="metric", actor="mcp:z:1", service="w",
                                           positive=True, at=1, target_ref="rank:a")) == []
+
+
+def test_stale_skills_are_proposed_for_archival_and_a_success_resets_them():
+    from improved.model import Signal
+    from improved.observe import Observer, StaleSkillAnalyzer
+
+    def outcome(actor, positive, at):
+        return Signal(kind="refine", actor=actor, service="agents", positive=positive, at=at,
+                      target_ref="skill:summarize")
+
+    observer = Observer([StaleSkillAnalyzer(threshold=3)])
+    assert observer.observe("skills", outcome("mcp:a:1", False, 1)) == []
+    assert observer.observe("skills", outcome("mcp:b:1", False, 2)) == []
+    assert observer.observe("skills", outcome("mcp:c:1", True, 3)) == []  # success: not stale
+    assert observer.observe("skills", outcome("mcp:d:1", False, 4)) == []
+    assert observer.observe("skills", outcome("mcp:e:1", False, 5)) == []
+    [p] = observer.observe("skills", outcome("mcp:f:1", False, 6))
+    assert (p.change_class, p.target_ref, p.proposal_data) == (
+        "L2", "skill:summarize", {"archive": "summarize"})
+    assert propose.render_summary(p.summary.template_id, p.summary.args) == \
+        "archive skill summarize after 3 negative outcomes"
+
+
+def test_observe_ranks_by_what_operators_accepted_before():
+    from improved.model import Signal
+    from improved.observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
+
+    regress, stale = RegressionAnalyzer(threshold=3), StaleSkillAnalyzer(threshold=3)
+    observer = Observer([regress, stale])
+    assert observer.weight(regress.id) == observer.weight(stale.id) == 0.5
+    for _ in range(3):
+        observer.learn(regress.id, False)  # operators kept rejecting its proposals
+    observer.learn(stale.id, True)
+    assert observer.weight(regress.id) == 0.2 and observer.weight(stale.id) == 2 / 3
+    observer.learn("someone.else/1", True)  # not one of ours: ignored
+    assert "someone.else/1" not in observer.history
+
+    def neg(actor, at, ref):
+        return Signal(kind="metric", actor=actor, service="w", positive=False, at=at,
+                      target_ref=ref, name="ctr")
+
+    for i, actor in enumerate(("mcp:a:1", "mcp:b:1")):
+        observer.observe("svc", neg(actor, i, "rank:a"))
+    # three sessions would make a candidate, but 3 x 0.2 falls below the threshold of 1.0
+    assert observer.observe("svc", neg("mcp:c:1", 2, "rank:a")) == []
