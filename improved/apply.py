@@ -4,6 +4,7 @@ transition its result makes (DESIGN §3.4, §4). Pure; the engine does the reque
 
 from __future__ import annotations
 
+from . import cal
 from .audit import Draft
 from .config import Policy
 from .gradient import AUTO_APPLY_CLASSES
@@ -138,13 +139,26 @@ def order(record: ProposalRecord, policy: Policy, attempt: int) -> ApplyOrder:
                       authority=authority(record, policy), attempt=attempt)
 
 
+def derived_inverse(record: ProposalRecord, result: ApplyResult) -> tuple[object, bool]:
+    """The inverse to record: the service's own, else — for a CAL batch, which is Tier-1 and
+    so always invertible — the plan derived from the batch (OMS §3.6); else none."""
+    if result.inverse is not None or not result.ok:
+        return result.inverse, result.rollbackable if result.ok else False
+    cal_text = record.proposal.proposal_cal
+    if cal_text is not None:
+        batch = cal.parse(cal_text)
+        if cal.rollbackable(batch):
+            return {"cal_inverse": cal.inverse(batch)}, True
+    return None, result.rollbackable
+
+
 def transition(record: ProposalRecord, result: ApplyResult, by: str,
                now: int) -> tuple[ProposalRecord, Draft]:
+    inverse, rollbackable = derived_inverse(record, result)
     outcome = ApplyOutcome(
         proposal_id=record.proposal_id, service=record.service, ok=result.ok,
-        applied_id=result.applied_id, authority=by, inverse=result.inverse,
-        rollbackable=result.rollbackable if result.ok else False,
-        error=result.error, at=now,
+        applied_id=result.applied_id, authority=by, inverse=inverse,
+        rollbackable=rollbackable, error=result.error, at=now,
     )
     observer = "rec:policy" if auto_applies(record) else "human"
     if result.ok:

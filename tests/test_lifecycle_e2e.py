@@ -223,3 +223,29 @@ async def test_an_operator_rejection_teaches_the_analyzer(daemon, nc, svc):
     assert daemon.observer.history[analyzer] == [before[0], before[1] + 1]
     assert daemon.observer.weight(analyzer) < 0.5
     daemon.observer.history[analyzer] = before  # the session daemon serves other tests too
+
+
+async def test_a_cal_batch_gets_its_inverse_derived_at_apply_time(daemon, nc, svc):
+    from improved.model import ApplyResult
+
+    from .factories import rank_proposal
+
+    async def cal_store(order):  # a service that applies CAL but returns no inverse of its own
+        return ApplyResult(ok=True, applied_id="grain-1")
+
+    client = MeshClient(nc, svc)
+    sub = await client.serve_apply(cal_store)
+    batch = ('SUPERSEDE facts WHERE subject = "user:jo" AND relation = "prefers" '
+             'SET object = "tea" REASON "three later observations say tea"')
+    p = rank_proposal(svc, proposal_data=None, proposal_cal=batch, target_ref="rank:jo",
+                      change_class="L0")
+    pid = (await client.propose(p)).proposal_id
+    outcome = await eventually(lambda: client.outcome(pid))
+    assert outcome.ok and outcome.rollbackable
+    [step] = outcome.inverse["cal_inverse"]
+    assert step["op"] == "supersede"
+    assert step["restore_from"] == {"grain_type": "facts",
+                                    "where": {"subject": "user:jo", "relation": "prefers"}}
+    chain = await trailers(daemon, svc, pid)
+    assert any(r.startswith("inverse:") for r in chain[-1]["refs"])
+    await sub.unsubscribe()
