@@ -392,14 +392,18 @@ async def _review_queue(url: str) -> list[dict[str, Any]]:
             record, _ = await store.load(svc, pid)
             d = record.decision if record else None
             if record is None or record.status != "pending" or d is None \
-                    or record.superseded_by is not None \
-                    or d.verdict != "defer" or d.cause not in ("awaiting_operator", "no_grant"):
+                    or record.superseded_by is not None:
+                continue
+            surfaced = d.verdict == "accept" and record.gate_class == "L1"
+            if not surfaced and (d.verdict != "defer"
+                                 or d.cause not in ("awaiting_operator", "no_grant")):
                 continue
             p = record.proposal
             queue.append({
                 "proposal_id": pid, "service": svc, "summary": record.summary_text,
                 "class": p.change_class, "gate": record.gate_class, "target": p.target_ref,
-                "cause": d.cause, "rationale": d.rationale, "scope": p.scope,
+                "cause": "surfaced" if surfaced else d.cause, "rationale": d.rationale,
+                "scope": p.scope,
                 "origin": p.origin.actor, "analyzer": p.analyzer.id, "skill": record.skill,
                 "signals": {"counted": len(record.signals), "positive": record.positives,
                             "independent_positive": record.independent_positives},
@@ -439,8 +443,12 @@ def cmd_review(args: argparse.Namespace) -> int:
         if q["target_files"]:
             print(f"  files: {', '.join(q['target_files'])}")
         print(f"  why waiting: {q['rationale']}")
-        print(f"  decide: improved approve {q['proposal_id']} --reason '…'   "
-              f"| improved reject {q['proposal_id']} --reason '…'\n")
+        if q["cause"] == "surfaced":
+            print(f"  surfaced only (L1 is never applied): improved reject {q['proposal_id']} "
+                  "--reason '…' teaches its analyzer; re-propose at L2 to act on it\n")
+        else:
+            print(f"  decide: improved approve {q['proposal_id']} --reason '…'   "
+                  f"| improved reject {q['proposal_id']} --reason '…'\n")
     return 0
 
 

@@ -371,11 +371,12 @@ class Daemon:
         if sig.proposal_id is None:
             raise wire.WireError(wire.MISSING_FIELD, "a refine signal names its proposal_id",
                                  "proposal_id")
-        try:
-            handled = await self.engine.signal(svc, sig, fresh=True)
-        except ServiceUnreachable:
-            handled = None
-        counted = handled.counted if handled else None
+        # Durable first, like a proposal: the inbound consumer carries any apply it releases.
+        await self.store.js.publish(S.inbound_outcome(svc), msg.data,
+                                    headers={"Nats-Msg-Id": propose.signal_digest(sig)},
+                                    stream=S.STREAM_INBOUND)
+        handled = await self.engine.signal(svc, sig, fresh=True, dispatch=False)
+        counted = handled.counted
         if handled is not None and handled.record is None:
             raise _ProposalUnknown(f"no proposal {sig.proposal_id} for service {svc}")
         return to_json(RefineReply(proposal_id=sig.proposal_id, counted=counted is not None,

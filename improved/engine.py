@@ -159,7 +159,7 @@ class Engine:
             if record is not None else None, None, False)
 
     async def signal(self, svc: str, signal: Signal, republish: bool = False,
-                     fresh: bool = False) -> Handled:
+                     fresh: bool = False, dispatch: bool = True) -> Handled:
         """Count a learn-back signal for its proposal, then re-triage if it now may proceed."""
         box: dict[str, object] = {}
 
@@ -176,7 +176,7 @@ class Engine:
             return new, draft
 
         handled = await self.handle(svc, signal.proposal_id, ingest, None, republish,
-                                    fresh=fresh)
+                                    dispatch=dispatch, fresh=fresh)
         handled.counted = box.get("counted")
         return handled
 
@@ -602,7 +602,12 @@ class Engine:
                         await self.store.publish(S.grant_record(*state.skill.split(":", 1)),
                                                  state)
                 elif svc not in S.MESH_CHAINS:
-                    await self.publish(rebuild_record(trailers, seqs, self.policy))
+                    record = rebuild_record(trailers, seqs, self.policy)
+                    await self.publish(record)
+                    cached, rev = await self.store.load(svc, cid)
+                    if cached is None:  # the cache is gone too: refill it (real sequences)
+                        real = [seq for seq, _ in await self.store.read_chain(svc, cid)]
+                        await self._save(rebuild_record(trailers, real, self.policy), rev)
             except (ValueError, KeyError, msgspec.MsgspecError) as exc:
                 log.error("chain not replayable; left for audit verify", chain=cid,
                           service=svc, error=str(exc))

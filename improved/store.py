@@ -281,11 +281,14 @@ class Store:
             await sub.unsubscribe()
 
     async def records_lost(self) -> bool:
-        """True when the retained records are gone (memory storage after a broker restart, or a
-        purge) while chains exist: they must be republished from the chains."""
-        records = await self.js.stream_info(S.STREAM_RECORDS)
+        """True when the retained records or the state cache are gone (memory storage after a
+        broker restart, or a purge) while chains exist: rebuild them from the chains."""
         chains = await self.js.stream_info(S.STREAM_AUDIT)
-        return records.state.messages == 0 and chains.state.messages > 0
+        if chains.state.messages == 0:
+            return False
+        records = await self.js.stream_info(S.STREAM_RECORDS)
+        cache = await self.js.stream_info(f"KV_{S.BUCKET_STATE}")
+        return records.state.messages == 0 or cache.state.messages == 0
 
     # -- retained records ------------------------------------------------------------------------
 

@@ -143,8 +143,11 @@ def test_an_operator_signs_from_the_terminal(tmp_path):
             proposal["proposal_data"]["skill"])
         pid = json.loads(improved("propose", "--nats", url, str(skill)).stdout)["proposal_id"]
 
+        surfaced = json.loads(improved("propose", "--nats", url, "-", input=json.dumps(
+            _builtins(skill_proposal("clisvc", change_class="L1", name="other")))).stdout)
         queue = improved("review", "--nats", url)
         assert pid in queue.stdout and "awaiting_operator" in queue.stdout
+        assert surfaced["proposal_id"] in queue.stdout and "L1 is never applied" in queue.stdout
         assert "add skill summarize" in queue.stdout and "independent positive" in queue.stdout
 
         approved = improved("approve", pid, "--nats", url, "--reason", "read it",

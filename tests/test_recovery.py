@@ -78,13 +78,17 @@ async def test_purged_records_are_republished_when_the_daemon_starts(own_server)
     await daemon.stop()
 
     await nc.jetstream().purge_stream(S.STREAM_RECORDS)
+    await nc.jetstream().purge_stream(f"KV_{S.BUCKET_STATE}")  # the cache, as after a restart
     assert await client.state(pid) is None
+    assert (await daemon.store.load("purgesvc", pid))[0] is None
 
     again = Daemon(nc, daemon_config())
     await again.start()
     try:
         assert await client.state(pid) == state
         assert (await client.decision(pid)).cause == "awaiting_operator"
+        cached, _ = await again.store.load("purgesvc", pid)  # what review and show read
+        assert cached is not None and cached.status == "pending"
     finally:
         await again.stop()
         await asyncio.sleep(0)
