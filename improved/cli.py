@@ -281,6 +281,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    argv = ["--pace", str(args.pace)] + (["--data-dir", args.data_dir] if args.data_dir else [])
+    return demo.main(argv)
+
+
 # -- operator authority ------------------------------------------------------------------------
 
 
@@ -619,6 +626,20 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--timeout", type=float, default=300.0, help="give up after (300 s)")
     bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     bench.set_defaults(func=lambda args: __import__("improved.bench").bench.main(args))
+
+    demo = sub.add_parser(
+        "demo", help="walk through the whole loop in about a minute",
+        description="Start everything embedded (a nats-server, the daemon, a skills store and a "
+                    "ranking store) and walk through the loop: a skill proposed at L1, its first "
+                    "execution approved by a demo operator, a grant, a trusted re-execution, a "
+                    "refinement sent back to L2, a self-confirmed change deferred, a forbidden "
+                    "target rejected, a rollback — printing a timeline and ending with every "
+                    "audit chain verified.")
+    demo.add_argument("--pace", type=float, default=0.4, metavar="SECONDS",
+                      help="pause between steps (0.4)")
+    demo.add_argument("--data-dir", metavar="DIR",
+                      help="keep the demo's store here (a new or empty directory)")
+    demo.set_defaults(func=cmd_demo)
 
     skill = sub.add_parser("skill", help="skill tools", description="Skill tools.")
     skill_sub = skill.add_subparsers(dest="skill_command", required=True, metavar="ACTION")
