@@ -584,8 +584,6 @@ class Demo:
         else:
             rows.append(("improved demo --data-dir DIR", "keep the mesh's store this time"))
             rows.append(("improved run --data-dir DIR", "serve it again (port 4222)"))
-        # the state cache is kept in memory storage: after a server restart, `review` and
-        # `show` find nothing until it is rebuilt from the chains
         rows.append(("improved review", "the queue waiting for an operator"))
         example = self.ids.get("refined") if kept is not None else None
         rows.append((f"improved show {example or 'ID'}",
