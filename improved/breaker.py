@@ -9,6 +9,7 @@ Pure: (state, event, policy, clock) → state.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -27,6 +28,7 @@ class Autonomy:
     rollbacks: tuple[int, ...] = ()  # times of autonomous rollbacks inside the window
     paused_until: int = 0
     switch: str = "on"
+    crisis: str = ""  # an unresolved crisis (a broken audit log): no apply at all until resolved
 
     def blocks(self, now: int) -> str | None:
         """The triage cause that holds autonomous applies back now, if any."""
@@ -45,17 +47,21 @@ def after_rollback(state: Autonomy, at: int, threshold: int, window_days: float,
     paused = state.paused_until
     if len(recent) >= threshold:
         paused = max(paused, at + int(pause_hours * HOUR_MS))
-    return Autonomy(rollbacks=recent, paused_until=paused, switch=state.switch)
+    return dataclasses.replace(state, rollbacks=recent, paused_until=paused)
 
 
 def switched(state: Autonomy, switch: str) -> Autonomy:
-    return Autonomy(rollbacks=state.rollbacks, paused_until=state.paused_until, switch=switch)
+    return dataclasses.replace(state, switch=switch)
+
+
+def in_crisis(state: Autonomy, crisis: str) -> Autonomy:
+    return dataclasses.replace(state, crisis=crisis)
 
 
 def draft(state: Autonomy, verdict: str, actor: str, observer: str, reason: str,
           extra: tuple[str, ...] = ()) -> Draft:
     refs = (ref("rollbacks", list(state.rollbacks)), ref("paused_until", state.paused_until),
-            ref("autonomy", state.switch), *extra)
+            ref("autonomy", state.switch), ref("crisis", state.crisis), *extra)
     return Draft(from_stage="learn-back", to_stage="learn-back", actor=actor,
                  observer_type=observer, verdict=verdict, reason=reason, refs=refs)
 
@@ -67,7 +73,7 @@ def from_trailer(body: dict | None) -> Autonomy:
     refs = refs_of(msgspec.convert(body, type=_Refs))
     return Autonomy(rollbacks=tuple(msgspec.json.decode(refs.get("rollbacks", "[]"))),
                     paused_until=int(refs.get("paused_until", "0")),
-                    switch=refs.get("autonomy", "on"))
+                    switch=refs.get("autonomy", "on"), crisis=refs.get("crisis", ""))
 
 
 class _Refs(msgspec.Struct):

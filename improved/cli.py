@@ -32,7 +32,7 @@ import structlog
 from . import audit, bus, canonical, signing
 from . import subjects as S
 from .config import Config, ConfigError, load
-from .model import GrantCommand, Review, to_json
+from .model import CrisisAct, GrantCommand, Review, to_json
 from .store import Store, StoreError
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -183,12 +183,15 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 async def _verify(url: str, pid: str | None) -> int:
+    from . import checkpoint
+
     async with deployment(url, bind=False) as store:
-        chains = await store.all_chains(pid)
+        log_ = await store.audit_log(pid)
+        chains: dict[tuple[str, str], list[dict]] = {}
+        for _, subject, body in log_:
+            chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append(body)
         broken = 0
-        trailers = 0
         for (_, cpid), bodies in sorted(chains.items()):
-            trailers += len(bodies)
             brk = audit.verify_chain(cpid, bodies)
             if brk is not None:
                 broken += 1
@@ -196,8 +199,21 @@ async def _verify(url: str, pid: str | None) -> int:
         if pid is not None and not chains:
             print(f"improved audit verify: no chain for {pid}", file=sys.stderr)
             return 1
-        print(f"{len(chains) - broken}/{len(chains)} chains verified, {trailers} trailers"
+        print(f"{len(chains) - broken}/{len(chains)} chains verified, {len(log_)} trailers"
               + (f", {broken} broken" if broken else ""))
+        if pid is None:  # whole chains can only go missing against a checkpoint
+            cp_subject = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
+            cps = [body for _, subject, body in log_ if subject == cp_subject]
+            if cps:
+                cp = checkpoint.from_trailer(cps[-1])
+                hashes = [b.get("hash", "") for _, subject, b in log_ if subject != cp_subject]
+                problem = checkpoint.check(hashes, cp)
+                if problem is not None:
+                    broken += 1
+                    print(f"BROKEN {problem}")
+                else:
+                    print(f"checkpoint of {cp.count} trailers (signed by {cp.keyid[:20]}…) "
+                          "holds: nothing it covered was removed, altered or reordered")
         return 1 if broken else 0
 
 
@@ -267,6 +283,7 @@ async def _status(url: str) -> dict[str, Any]:
                         if state.blocks(now) == "circuit_open" else "closed"),
             "autonomous_rollbacks_in_window": len(state.rollbacks),
             "holds_autonomous_applies": state.blocks(now),
+            "crisis": state.crisis or None,  # while set, no apply at all (resolve it, signed)
             "trailers": chains.state.messages,
             "retained_records": records.state.messages,
         }
@@ -372,6 +389,18 @@ def cmd_grant_act(args: argparse.Namespace) -> int:
     env = signing.sign(signing.PAYLOAD_TYPES["grant"], to_json(cmd), key)
     asyncio.run(_publish_act(_url(args, config), S.GRANTS, env))
     print(f"{args.op} of {args.skill} signed by {principal} and published")
+    return 0
+
+
+def cmd_crisis_resolve(args: argparse.Namespace) -> int:
+    config = _config(args)
+    principal, key = _signer(args)
+    act = CrisisAct(op="resolve", crisis=args.crisis, principal=principal, reason=args.reason,
+                    at=int(time.time() * 1000))
+    env = signing.sign(signing.PAYLOAD_TYPES["crisis"], to_json(act), key)
+    asyncio.run(_publish_act(_url(args, config), S.GRANTS, env))
+    print(f"resolution of {args.crisis} signed by {principal} and published; "
+          "`improved status` shows whether the daemon accepted it")
     return 0
 
 
@@ -626,6 +655,20 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--timeout", type=float, default=300.0, help="give up after (300 s)")
     bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     bench.set_defaults(func=lambda args: __import__("improved.bench").bench.main(args))
+
+    crisis = sub.add_parser("crisis", help="resolve a crisis (a broken audit log)",
+                            description="Crisis tools (constitution V.4).")
+    crisis_sub = crisis.add_subparsers(dest="crisis_command", required=True, metavar="ACTION")
+    cres = crisis_sub.add_parser(
+        "resolve", help="sign the resolution of an open crisis",
+        description="When the daemon finds the audit log broken (a chain that does not verify, "
+                    "or trailers missing against a signed checkpoint) it refuses every apply "
+                    "until an operator resolves the crisis with a signed act. Investigate first "
+                    "(`improved audit verify`); the crisis id is in `improved status`.")
+    common(cres)
+    cres.add_argument("crisis", metavar="CRISIS_ID")
+    signer(cres)
+    cres.set_defaults(func=cmd_crisis_resolve)
 
     demo = sub.add_parser(
         "demo", help="walk through the whole loop in about a minute",

@@ -11,6 +11,8 @@ records_storage = "file"             # retained records: "file", or "memory" as 
                                      # (rebuilt from the chains after a broker restart)
 metrics_port = 9464                  # Prometheus /metrics, /healthz, /readyz (default: off)
 metrics_host = "127.0.0.1"
+checkpoint_interval_s = 300          # sign a checkpoint over the whole audit log this often
+checkpoint_key = "/etc/improved/checkpoint.pem"   # default: <data_dir>/checkpoint.pem
 
 [policy]
 forbidden_targets = ["..."]          # globs; default: the constitution's Art. VI list
@@ -95,6 +97,8 @@ class Config:
     replicas: int = 1
     records_storage: str = "file"
     metrics_port: int | None = None  # Prometheus /metrics, /healthz, /readyz (off when unset)
+    checkpoint_interval_s: float = 300.0  # 0: no periodic checkpoint (one at start and stop)
+    checkpoint_key: Path | None = None  # default: <data_dir>/checkpoint.pem, made on first use
     metrics_host: str = "127.0.0.1"
     policy: Policy = field(default_factory=Policy)
     apply: ApplySettings = field(default_factory=ApplySettings)
@@ -109,7 +113,8 @@ def _check_class(name: str, value: object) -> str:
 
 def parse(doc: dict) -> Config:
     known = {"nats_url", "data_dir", "port", "sync", "max_message_bytes", "policy", "apply",
-             "trust", "replicas", "records_storage", "metrics_port", "metrics_host"}
+             "trust", "replicas", "records_storage", "metrics_port", "metrics_host",
+             "checkpoint_interval_s", "checkpoint_key"}
     unknown = set(doc) - known
     if unknown:
         raise ConfigError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
@@ -165,6 +170,8 @@ def parse(doc: dict) -> Config:
         records_storage=records_storage,
         metrics_port=int(doc["metrics_port"]) if "metrics_port" in doc else None,
         metrics_host=str(doc.get("metrics_host", "127.0.0.1")),
+        checkpoint_interval_s=float(doc.get("checkpoint_interval_s", 300.0)),
+        checkpoint_key=Path(doc["checkpoint_key"]) if "checkpoint_key" in doc else None,
         data_dir=Path(doc.get("data_dir", ".improved")),
         port=int(doc.get("port", 4222)),
         sync=str(doc.get("sync", "always")),

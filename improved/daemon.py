@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import FetchTimeoutError
 
-from . import bus, metrics, notify, propose, wire
+from . import bus, checkpoint, metrics, notify, propose, wire
 from . import subjects as S
 from .authority import Act
 from .config import Config
@@ -46,7 +46,7 @@ from .model import (
     to_json,
 )
 from .observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
-from .signing import envelope_digest
+from .signing import PAYLOAD_TYPES, envelope_digest
 from .store import Store
 
 log = structlog.get_logger("improved.daemon")
@@ -96,6 +96,9 @@ class Daemon:
         await self.store.ensure()
         await self.engine.sync_switch()
         await self.republish_if_lost()
+        self._checkpoint_key = checkpoint.load_or_create_key(
+            self.config.checkpoint_key or self.config.data_dir / "checkpoint.pem")
+        await self.engine.checkpoint(self._checkpoint_key)  # verifies the log as it was left
         bus.on_reconnect(self.nc, self._reconnected)
         for subject, handler in (
             (S.PROPOSE_REQUESTS, self.on_propose),
@@ -108,11 +111,26 @@ class Daemon:
         self._psub = await self.store.js.pull_subscribe_bind(
             durable=S.CONSUMER_INBOUND, stream=S.STREAM_INBOUND)
         self._tasks.append(asyncio.create_task(self._consume(), name="improved-consume"))
+        if self.config.checkpoint_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._checkpoints(), name="improved-ckpt"))
         self.ready.set()
         self.engine.metrics.set_ready(True)
         self.engine.metrics.set_connected(True)
         log.info("daemon ready", actor=self.actor, streams=[S.STREAM_INBOUND, S.STREAM_RECORDS,
                                                            S.STREAM_AUDIT])
+
+    async def _checkpoints(self) -> None:
+        """Sign a checkpoint every interval (verifying the log first) until stopped."""
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._stopping.wait(),
+                                       timeout=self.config.checkpoint_interval_s)
+            except TimeoutError:
+                pass
+            try:
+                await self.engine.checkpoint(self._checkpoint_key)
+            except Exception as exc:  # a broker outage: the next interval tries again
+                log.warning("checkpoint failed", error=str(exc))
 
     def healthy(self) -> bool:
         """The consumer task is alive (what the systemd watchdog checks)."""
@@ -199,6 +217,8 @@ class Daemon:
             if msg.subject == S.GRANTS:
                 env, claimed = signed_act(msg.data, limit, "skill")
                 act = Act(envelope_digest(env), act.stream_seq)
+                if env.payloadType == PAYLOAD_TYPES["crisis"]:  # improve.grants carries both
+                    return Job("crisis", lambda: self.engine.resolve_crisis(env, act), msg)
                 if not isinstance(claimed, str) or not GRANT_SKILL_RE.match(claimed):
                     raise wire.WireError(wire.INVALID_VALUE, "a grant names `<name>:<sha256>`",
                                          "skill")

@@ -23,7 +23,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from . import apply as apply_stage
-from . import audit, authority, breaker, learnback, propose, triage
+from . import audit, authority, breaker, checkpoint, learnback, propose, triage
 from . import subjects as S
 from .audit import Draft
 from .authority import Act
@@ -33,6 +33,7 @@ from .model import (
     ApplyOrder,
     ApplyOutcome,
     ApplyResult,
+    CrisisAct,
     Envelope,
     Grant,
     GrantCommand,
@@ -409,6 +410,13 @@ class Engine:
                 decision = triage.decide(record, self.policy, now, True, self.actor, None, held)
                 record = await self._commit(*triage.transition(record, decision), now)
                 continue
+            if dispatch and (apply_stage.needs_rollback(record)
+                             or apply_stage.needs_apply(record)) \
+                    and (await self.autonomy(now)).crisis:
+                log.warning("crisis: applies are refused until an operator resolves it",
+                            proposal_id=record.proposal_id,
+                            crisis=(await self.autonomy(now)).crisis)
+                break
             if dispatch and apply_stage.needs_rollback(record):
                 inverse_id, order = apply_stage.rollback_order(record, 1)
                 try:
@@ -563,6 +571,75 @@ class Engine:
         return await self._append_autonomy(
             lambda s: breaker.switched(s, wanted), f"autonomy_{wanted}", self.actor,
             "rec:system", f"autonomy switched {wanted} in the configuration")
+
+    # -- checkpoints and crisis (constitution V.4) -------------------------------------------------
+
+    async def checkpoint(self, key) -> str | None:
+        """Verify the whole log — every chain, and everything the last checkpoint committed
+        to — then sign a new checkpoint. On a break, enter crisis instead; return the break."""
+        log_ = await self.store.audit_log()
+        cp_subject = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
+        entries = [(seq, body) for seq, subject, body in log_ if subject != cp_subject]
+        checkpoints = [body for _, subject, body in log_ if subject == cp_subject]
+        problem = None
+        chains: dict[str, list[dict]] = {}
+        for _, subject, body in log_:
+            chains.setdefault(subject, []).append(body)
+        for subject, bodies in chains.items():
+            brk = audit.verify_chain(S.token(subject, 3), bodies)
+            if brk is not None:
+                problem = f"{subject}: {brk}"
+                break
+        hashes = [body.get("hash", "") for _, body in entries]
+        if problem is None and checkpoints:
+            try:
+                problem = checkpoint.check(hashes, checkpoint.from_trailer(checkpoints[-1]))
+            except (KeyError, ValueError) as exc:
+                problem = f"the last checkpoint cannot be read: {exc}"
+        now = now_ms()
+        if problem is not None:
+            if not (await self.autonomy(now + AUTONOMY_TTL_MS + 1)).crisis:
+                crisis = f"crisis-{now}"
+                log.error("audit log broken: entering crisis, applies refused", crisis=crisis,
+                          problem=problem)
+                await self._append_autonomy(lambda s: breaker.in_crisis(s, crisis), "crisis",
+                                            self.actor, "rec:system",
+                                            f"{crisis}: {problem}"[:500])
+            return problem
+        cp = checkpoint.make(hashes, entries[-1][0] if entries else 0, now, key)
+        for _ in range(MAX_CONFLICT_RETRIES):
+            seq, body = await self.store.chain_head(cp_subject)
+            head = ChainHead(length=body["seq"] + 1 if body else 0,
+                             last_hash=body["hash"] if body else "", stream_seq=seq)
+            trailer = audit.seal_next(checkpoint.draft(cp, self.actor), checkpoint.CHECKPOINT_ID,
+                                      head, "L0", "operation", now)
+            try:
+                await self.store.append_to(cp_subject, trailer, seq)
+                break
+            except ChainConflict:
+                continue
+        log.info("checkpoint signed", trailers=cp.count, root=cp.root)
+        return None
+
+    async def resolve_crisis(self, env: Envelope, act: Act) -> bool:
+        """An operator's signed act clears the crisis it names; anything else is refused."""
+        try:
+            verified, cmd = authority.check_signed(self.trust, env, PAYLOAD_TYPES["crisis"],
+                                                   CrisisAct, now_ms(), self.max_act_age_ms)
+        except ActRefused as refused:
+            log.warning("crisis resolution refused", code=refused.code, reason=refused.reason)
+            return False
+        current = await self.autonomy(now_ms() + AUTONOMY_TTL_MS + 1)
+        if not current.crisis or current.crisis != cmd.crisis:
+            log.warning("crisis resolution refused: no such open crisis", crisis=cmd.crisis)
+            return False
+        await self._append_autonomy(lambda s: breaker.in_crisis(s, ""), "crisis_resolved",
+                                    cmd.principal, "human",
+                                    f"{cmd.crisis} resolved by {cmd.principal}: {cmd.reason}",
+                                    (ref("act", act.digest), ref("keyid", verified.keyid)))
+        log.warning("crisis resolved; applies resume", crisis=cmd.crisis,
+                    principal=cmd.principal)
+        return True
 
     # -- rebuilding from the chain -------------------------------------------------------------------
 

@@ -308,6 +308,16 @@ class GrantCommand(_In):
     expires_at: Millis | None = None
 
 
+class CrisisAct(_In):
+    """An operator's signed resolution of a crisis (constitution V.4: no self-absolution)."""
+
+    op: Literal["resolve"]
+    crisis: Annotated[str, Meta(min_length=1, max_length=128)]
+    principal: Actor
+    reason: ShortText
+    at: Millis
+
+
 class Grant(_Out):
     """Retained on `improve.grants.<name>.<sha256>`: active, or revoked."""
 

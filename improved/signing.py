@@ -24,6 +24,7 @@ PAYLOAD_TYPES = {
     "review": "application/vnd.improved.review+json",
     "grant": "application/vnd.improved.grant+json",
     "vote": "application/vnd.improved.vote+json",
+    "crisis": "application/vnd.improved.crisis+json",
 }
 
 
@@ -143,6 +144,11 @@ def key_path(principal: str, directory: Path | None = None) -> Path:
 def new_key(principal: str, directory: Path | None = None) -> tuple[Path, bytes]:
     """Write a new Ed25519 private key (0600, PKCS#8 PEM); return its path and public key."""
     path = key_path(principal, directory)
+    return path, raw_public(write_key(path).public_key())
+
+
+def write_key(path: Path) -> Ed25519PrivateKey:
+    """Generate a key into a new file readable by its owner only; never overwrite one."""
     if path.exists():
         raise FileExistsError(f"{path} exists; refusing to overwrite a key")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,7 +158,7 @@ def new_key(principal: str, directory: Path | None = None) -> tuple[Path, bytes]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as fh:
         fh.write(pem)
-    return path, raw_public(key.public_key())
+    return key
 
 
 def load_key(path: Path) -> Ed25519PrivateKey:

@@ -257,28 +257,35 @@ class Store:
             return 0, None
         return msg.seq, msgspec.json.decode(msg.data)
 
-    async def all_chains(self, pid: str | None = None) -> dict[tuple[str, str], list[dict]]:
-        """Every chain (or one proposal's), read once through an ordered consumer, keyed by
-        (service token, chain id), trailers in order."""
+    async def audit_log(self, pid: str | None = None) -> list[tuple[int, str, dict]]:
+        """Every trailer (or one proposal's) as (stream sequence, subject, body), in stream
+        order, read once through an ordered consumer."""
         info = await self.js.stream_info(S.STREAM_AUDIT)
-        chains: dict[tuple[str, str], list[dict]] = {}
+        log: list[tuple[int, str, dict]] = []
         if info.state.messages == 0:
-            return chains
+            return log
         subject = S.audit("*", pid) if pid else S.AUDIT_FILTER
         if pid:
             filtered = await self.js.stream_info(S.STREAM_AUDIT, subjects_filter=subject)
             if not filtered.state.subjects:
-                return chains
+                return log
         sub = await self.js.subscribe(subject, ordered_consumer=True, stream=S.STREAM_AUDIT)
         try:
             while True:
                 msg = await sub.next_msg(timeout=5)
-                key = (S.token(msg.subject, 2), S.token(msg.subject, 3))
-                chains.setdefault(key, []).append(msgspec.json.decode(msg.data))
+                log.append((msg.metadata.sequence.stream, msg.subject,
+                            msgspec.json.decode(msg.data)))
                 if msg.metadata.num_pending == 0:
-                    return chains
+                    return log
         finally:
             await sub.unsubscribe()
+
+    async def all_chains(self, pid: str | None = None) -> dict[tuple[str, str], list[dict]]:
+        """Every chain (or one proposal's), keyed by (service token, chain id), in order."""
+        chains: dict[tuple[str, str], list[dict]] = {}
+        for _, subject, body in await self.audit_log(pid):
+            chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append(body)
+        return chains
 
     async def records_lost(self) -> bool:
         """True when the retained records or the state cache are gone (memory storage after a

@@ -54,7 +54,8 @@ BUCKET_LEDGER = "improved_ledger"  # dedup_key → the operator's rejection (the
 # Grant acts are chained per skill hash under a token no service can have (services start [a-z]).
 GRANT_CHAINS = "_grants"
 AUTONOMY_CHAIN = "_autonomy"  # the breaker and the autonomy switch (improved/breaker.py)
-MESH_CHAINS = frozenset({GRANT_CHAINS, AUTONOMY_CHAIN})  # chains that are not proposals
+CHECKPOINT_CHAIN = "_checkpoints"  # signed checkpoints over the whole log (checkpoint.py)
+MESH_CHAINS = frozenset({GRANT_CHAINS, AUTONOMY_CHAIN, CHECKPOINT_CHAIN})  # not proposals
 
 # Refusals (bad input) are logged here: what was refused and why, never the payload itself.
 REFUSED = "improved.refused"
@@ -111,6 +112,10 @@ def grant_audit(sha256: str) -> str:
 
 def autonomy_audit(chain_id: str) -> str:
     return f"{AUDIT}.{AUTONOMY_CHAIN}.{chain_id}"
+
+
+def checkpoint_audit(chain_id: str) -> str:
+    return f"{AUDIT}.{CHECKPOINT_CHAIN}.{chain_id}"
 
 
 def dedup_key_of(svc: str, dedup: str) -> str:

@@ -28,7 +28,9 @@ def improved(*args: str, **kw) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("command", [[], ["run"], ["propose"], ["show"], ["audit", "verify"],
                                      ["keys", "new"], ["review"], ["approve"], ["reject"],
-                                     ["grant"], ["revoke"], ["skill", "hash"]])
+                                     ["grant"], ["revoke"], ["skill", "hash"], ["rollback"],
+                                     ["status"], ["crisis", "resolve"], ["demo"], ["bench"],
+                                     ["audit", "rebuild"]])
 def test_every_command_explains_itself(command):
     result = improved(*command, "--help")
     assert result.returncode == 0
@@ -100,7 +102,8 @@ def test_run_propose_show_verify_and_stop(tmp_path):
 
         verified = improved("audit", "verify", "--nats", url)
         assert verified.returncode == 0, verified.stderr
-        assert "2/2 chains verified" in verified.stdout
+        assert "3/3 chains verified" in verified.stdout  # two proposals and the checkpoints
+        assert "checkpoint of 0 trailers" in verified.stdout  # signed when the daemon started
         one = improved("audit", "verify", "--nats", url, reply["proposal_id"])
         assert "1/1 chains verified" in one.stdout
         missing = improved("show", "--nats", url, "f" * 64)
