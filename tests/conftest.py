@@ -31,6 +31,16 @@ def nats_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture
+def own_server(tmp_path):
+    """A server of a test's own, for tests that run their own daemon or trip mesh-wide state
+    (the breaker, a crisis) that would hold the session daemon's other tests back."""
+    server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="2m")
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def nats_url(nats_server) -> str:
     return nats_server.url

@@ -10,8 +10,6 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from improved import bus, canonical
 from improved import subjects as S
 from improved.breaker import AUTONOMY_ID, Autonomy, after_rollback
@@ -38,13 +36,6 @@ def test_three_rollbacks_inside_the_window_trip_the_breaker():
         s = after_rollback(s, at, 3, 14, 48)
     assert s.blocks(20 * day) is None and len(s.rollbacks) == 2
 
-
-@pytest.fixture
-def own_server(tmp_path):
-    server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="2m")
-    server.start()
-    yield server
-    server.stop()
 
 
 async def _status(client, pid, status):

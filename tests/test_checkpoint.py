@@ -67,13 +67,6 @@ def test_a_checkpoint_detects_every_kind_of_tampering(tamper):
     assert checkpoint.check(log, cp, trusted={"ed25519:someone-else"}) is not None
 
 
-@pytest.fixture
-def own_server(tmp_path):
-    server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="2m")
-    server.start()
-    yield server
-    server.stop()
-
 
 def resolve(crisis: str, who=ALICE):
     act = CrisisAct(op="resolve", crisis=crisis, principal=who[0], reason="log restored",

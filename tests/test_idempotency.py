@@ -100,14 +100,6 @@ async def wait_ready(nc) -> None:
     await eventually(answers, timeout=20)
 
 
-@pytest.fixture
-def own_server(tmp_path):
-    """A server of its own: this test runs its own daemon process against it."""
-    server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="2m")
-    server.start()
-    yield server
-    server.stop()
-
 
 async def test_a_daemon_killed_mid_flight_neither_loses_nor_repeats_a_step(own_server, tmp_path):
     nc = await bus.connect(own_server.url, "kill-test")

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from collections import Counter
 
-import pytest
-
 from improved import bus
 from improved import subjects as S
 from improved.daemon import Daemon
@@ -19,14 +17,6 @@ from services.sdk import MeshClient
 from .conftest import daemon_config, eventually
 from .factories import rank_proposal, skill_proposal
 from .test_authority import publish, review
-
-
-@pytest.fixture
-def own_server(tmp_path):
-    server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="2m")
-    server.start()
-    yield server
-    server.stop()
 
 
 async def test_rebuild_from_the_chains_equals_the_live_state(own_server):

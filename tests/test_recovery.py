@@ -20,13 +20,6 @@ from .factories import rank_proposal, skill_proposal
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-@pytest.fixture
-def own_server(tmp_path):
-    server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="2m")
-    server.start()
-    yield server
-    server.stop()
-
 
 async def _applied(client, pid):
     state = await client.state(pid)
