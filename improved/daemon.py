@@ -182,7 +182,13 @@ class Daemon:
                 await asyncio.sleep(0.5)
                 continue
             for msg in msgs:
-                job = await self._decode(msg)
+                try:
+                    job = await self._decode(msg)
+                except Exception:  # a bug in decoding must not end the consumer
+                    log.exception("could not decode an inbound message; terminated",
+                                  subject=msg.subject)
+                    await msg.term()
+                    continue
                 if job is None:
                     continue
                 await slots.acquire()
@@ -249,6 +255,11 @@ class Daemon:
                     act = Act(envelope_digest(env), act.stream_seq)
                 return Job(pid, lambda: self._review(svc, pid, env, act, msg), msg)
             raise wire.WireError(wire.INVALID_VALUE, f"no inbound subject {msg.subject}")
+        except RecursionError:
+            err = wire.WireError(wire.TOO_DEEP, "message nests too deeply")
+            await self._refuse(svc or "_", msg.subject, err, len(msg.data))
+            await msg.term()
+            return None
         except wire.WireError as err:
             await self._refuse(svc or "_", msg.subject, err, len(msg.data))
             await msg.term()

@@ -288,6 +288,11 @@ class Engine:
                         record, rev = None, 0
                     else:
                         record, rev = await self._load(svc, pid, fresh)
+                        if record is None and proposal is None:
+                            # not a registration: the cache may just be empty (a broker
+                            # restart wipes it); the chain is the truth
+                            if await self.resync(svc, pid, None) is not None:
+                                record, rev = await self._load(svc, pid, True)
                     before = record
                     rejected = await prepare() if record is None and prepare else None
                     now = now_ms()
@@ -492,7 +497,11 @@ class Engine:
             except NatsTimeout:
                 last_error = f"{S.apply_request(record.service)} timed out"
             else:
-                return parse_apply_reply(reply.data)
+                result = parse_apply_reply(reply.data)
+                if result is not None:
+                    return result
+                last_error = f"{S.apply_request(record.service)} answered not now: " \
+                    f"{error_message(reply.data)}"
             log.warning("apply attempt failed", proposal_id=record.proposal_id,
                         attempt=attempt, error=last_error)
             await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
@@ -679,18 +688,33 @@ class Engine:
                         await self.store.publish(S.grant_record(*state.skill.split(":", 1)),
                                                  state)
                 elif svc not in S.MESH_CHAINS:
-                    record = rebuild_record(trailers, seqs, self.policy)
-                    await self.publish(record)
-                    cached, rev = await self.store.load(svc, cid)
-                    if cached is None:  # the cache is gone too: refill it (real sequences)
-                        real = [seq for seq, _ in await self.store.read_chain(svc, cid)]
-                        await self._save(rebuild_record(trailers, real, self.policy), rev)
+                    await self._republish(svc, cid, trailers, seqs)
             except (ValueError, KeyError, msgspec.MsgspecError) as exc:
                 log.error("chain not replayable; left for audit verify", chain=cid,
                           service=svc, error=str(exc))
                 continue
             count += 1
         return count
+
+    async def _republish(self, svc: str, pid: str, trailers: list[Trailer],
+                         seqs: list[int]) -> None:
+        """Republish one proposal's records from its chain snapshot, under its lock, unless the
+        proposal moved on since the snapshot (then what the cache holds is newer)."""
+        lock = await self._acquire(pid)
+        try:
+            cached, rev = await self.store.load(svc, pid)
+            if cached is not None and cached.chain.length > len(trailers):
+                await self.publish(cached)
+                return
+            record = rebuild_record(trailers, seqs, self.policy)
+            if cached is None:  # the cache is gone too: refill it (real sequences)
+                real = [seq for seq, _ in await self.store.read_chain(svc, pid)]
+                record = rebuild_record(trailers, real, self.policy)
+                if len(real) == len(trailers):
+                    await self._save(record, rev)
+            await self.publish(record)
+        finally:
+            self._release(pid, lock)
 
     # -- retained records ----------------------------------------------------------------------------
 
@@ -737,18 +761,29 @@ def grant_state(trailers: list[Trailer]) -> Grant | None:
     return None
 
 
-def parse_apply_reply(data: bytes) -> ApplyResult:
-    """An ApplyResult, or the service's error reply turned into a failed result."""
+def parse_apply_reply(data: bytes) -> ApplyResult | None:
+    """The service's ApplyResult (`ok: false` is final: the service refused); None for an
+    error reply (DESIGN §3.1: the service could not process it now), which is retried; and
+    anything else a failed result."""
     try:
         return apply_result_decoder.decode(data)
     except msgspec.MsgspecError:
         pass
     try:
-        err = msgspec.json.decode(data).get("error", {})
-        message = err.get("message") or err.get("code") or "error reply"
+        if isinstance(msgspec.json.decode(data).get("error"), dict):
+            return None
     except (msgspec.MsgspecError, AttributeError):
-        message = "the service answered with something that is not an ApplyResult"
-    return ApplyResult(ok=False, error=str(message)[:500])
+        pass
+    return ApplyResult(ok=False,
+                       error="the service answered with something that is not an ApplyResult")
+
+
+def error_message(data: bytes) -> str:
+    try:
+        err = msgspec.json.decode(data)["error"]
+        return str(err.get("message") or err.get("code"))[:300]
+    except (msgspec.MsgspecError, KeyError, TypeError, AttributeError):
+        return "error reply"
 
 
 def state_of(record: ProposalRecord) -> ProposalState:

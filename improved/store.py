@@ -15,6 +15,7 @@ duplicate trailer, re-reads the chain, and finds its transition already made.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -36,6 +37,7 @@ from .model import Grant, Trailer, to_json
 from .record import ProposalRecord, record_decoder, record_encoder
 
 WRONG_LAST_SEQUENCE = 10071
+PUBLISH_ACK_TIMEOUT_S = 10.0
 INBOUND_MAX_AGE_S = 30 * 24 * 3600
 REFUSED_MAX_AGE_S = 30 * 24 * 3600
 
@@ -302,7 +304,8 @@ class Store:
     async def publish(self, subject: str, record: Any) -> None:
         """Publish a retained record, pipelined: sent at once, acknowledged when awaited."""
         ack = await self.js.publish_async(subject, to_json(record), stream=S.STREAM_RECORDS)
-        await ack
+        # an ack lost in a broker restart must not wedge the job: time out, nak, retry
+        await asyncio.wait_for(ack, timeout=PUBLISH_ACK_TIMEOUT_S)
 
     async def last(self, subject: str) -> bytes | None:
         try:

@@ -26,6 +26,8 @@ from improved.model import (
     ApplyOrder,
     ApplyOutcome,
     ApplyResult,
+    ErrorBody,
+    ErrorReply,
     LearnBack,
     Proposal,
     ProposalState,
@@ -219,8 +221,10 @@ class MeshClient:
     async def serve_apply(self, handler: ApplyHandler) -> Subscription:
         """Answer `<svc>.improve.apply` with `handler`; instances share a queue group.
 
-        Every order gets an ApplyResult: a bad order, a mis-routed one, a handler that raises or
-        returns junk all become `ok=false` with the reason. The subscription never dies."""
+        Every order gets a reply. A bad order, a mis-routed one, or a handler returning junk is
+        an ApplyResult `ok=false` with the reason: final. A handler that *raises* (the store was
+        briefly unreachable, say) answers the error reply of DESIGN §3.1 instead, which the
+        daemon takes as "not now" and retries with backoff. The subscription never dies."""
 
         async def on_order(msg: Msg) -> None:
             result = await self.answer(msg.data, handler)
@@ -235,8 +239,8 @@ class MeshClient:
         return await self.nc.subscribe(S.apply_request(self.service), queue=self.service,
                                        cb=on_order)
 
-    async def answer(self, data: bytes, handler: ApplyHandler) -> ApplyResult:
-        """One order's bytes → the ApplyResult to reply with (no exceptions escape)."""
+    async def answer(self, data: bytes, handler: ApplyHandler) -> ApplyResult | ErrorReply:
+        """One order's bytes → the reply (no exceptions escape)."""
         try:
             order = decode_order(data)
         except wire.WireError as err:
@@ -247,9 +251,10 @@ class MeshClient:
         try:
             result = await handler(order)
         except Exception as exc:
-            log.warning("apply handler failed", service=self.service,
+            log.warning("apply handler failed; the daemon will retry", service=self.service,
                         proposal_id=order.proposal_id, error=repr(exc))
-            return failed(f"apply failed: {type(exc).__name__}: {exc}")
+            return ErrorReply(error=ErrorBody(code="unavailable", message=(
+                f"apply failed for now: {type(exc).__name__}: {exc}")[:500]))
         if isinstance(result, dict):
             try:
                 result = msgspec.convert(result, type=ApplyResult)
