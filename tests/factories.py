@@ -6,7 +6,19 @@ import itertools
 import time
 from typing import Any
 
-from improved.model import AnalyzerRef, Origin, Proposal, Signal, Summary
+import msgspec
+
+from improved import subjects
+from improved.model import (
+    AnalyzerRef,
+    ApplyOrder,
+    ApplyResult,
+    Origin,
+    Proposal,
+    Signal,
+    Summary,
+    to_json,
+)
 
 _clock = itertools.count(1)
 
@@ -56,3 +68,19 @@ def signal(svc: str, actor: str, positive: bool = True, kind: str = "refine",
            proposal_id: str | None = None, **over: Any) -> Signal:
     return Signal(kind=kind, actor=actor, service=over.pop("service", svc), positive=positive,
                   at=over.pop("at", int(time.time() * 1000)), proposal_id=proposal_id, **over)
+
+
+def as_result(data: bytes) -> ApplyResult:
+    """The reply as an ApplyResult; an error reply ("not now": the daemon would retry) reads
+    as a failed one here, with its message."""
+    body = msgspec.json.decode(data)
+    if isinstance(body.get("error"), dict):
+        return ApplyResult(ok=False, error=body["error"]["message"])
+    return msgspec.convert(body, type=ApplyResult)
+
+
+async def send(nc, svc: str, o: ApplyOrder | bytes) -> tuple[ApplyResult, bytes]:
+    """One ApplyOrder sent by hand to `<svc>.improve.apply`: (its reply as a result, raw)."""
+    body = o if isinstance(o, bytes) else to_json(o)
+    reply = await nc.request(subjects.apply_request(svc), body, timeout=5)
+    return as_result(reply.data), reply.data

@@ -24,6 +24,8 @@ from improved.store import Store
 from services.ranking_store import RankingStore, bucket_names, main, parse_change
 from services.sdk import ImproveError, MeshClient, serve_spec
 
+from .factories import send
+
 KEY = "search.title_boost"
 
 
@@ -44,19 +46,6 @@ def order(p: Proposal, attempt: int = 1) -> ApplyOrder:
     return ApplyOrder(proposal_id=pid, proposal=p, authority="operator:policy", attempt=attempt)
 
 
-def as_result(data: bytes) -> ApplyResult:
-    """The reply as an ApplyResult; an error reply ("not now": the daemon would retry) reads
-    as a failed one here, with its message."""
-    body = msgspec.json.decode(data)
-    if isinstance(body.get("error"), dict):
-        return ApplyResult(ok=False, error=body["error"]["message"])
-    return msgspec.convert(body, type=ApplyResult)
-
-
-async def send(nc, svc: str, o: ApplyOrder | bytes) -> tuple[ApplyResult, bytes]:
-    body = o if isinstance(o, bytes) else to_json(o)
-    reply = await nc.request(subjects.apply_request(svc), body, timeout=5)
-    return as_result(reply.data), reply.data
 
 
 async def history(nc, svc: str, key: str) -> list:

@@ -13,7 +13,6 @@ from improved import canonical, propose, subjects
 from improved.model import (
     AnalyzerRef,
     ApplyOrder,
-    ApplyResult,
     Grant,
     Origin,
     Proposal,
@@ -31,6 +30,8 @@ from services.skills_store import (
     bucket_names,
     main,
 )
+
+from .factories import send
 
 AT = 1768471200000
 ANALYZER = "acme.skills/1"
@@ -57,18 +58,6 @@ def order(p: Proposal, attempt: int = 1) -> ApplyOrder:
     return ApplyOrder(proposal_id=pid, proposal=p, authority="operator:alice", attempt=attempt)
 
 
-def as_result(data: bytes) -> ApplyResult:
-    """The reply as an ApplyResult; an error reply ("not now": the daemon would retry) reads
-    as a failed one here, with its message."""
-    body = msgspec.json.decode(data)
-    if isinstance(body.get("error"), dict):
-        return ApplyResult(ok=False, error=body["error"]["message"])
-    return msgspec.convert(body, type=ApplyResult)
-
-
-async def send(nc, svc: str, o: ApplyOrder) -> tuple[ApplyResult, bytes]:
-    reply = await nc.request(subjects.apply_request(svc), to_json(o), timeout=5)
-    return as_result(reply.data), reply.data
 
 
 def signal(svc: str, *, actor: str = "evaluator:e1", positive: bool = True) -> Signal:
