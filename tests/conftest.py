@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -46,10 +48,15 @@ def nats_url(nats_server) -> str:
     return nats_server.url
 
 
+_KEYS = Path(tempfile.mkdtemp(prefix="improved-test-keys-"))
+
+
 def daemon_config(**overrides) -> Config:
     apply = overrides.pop("apply", ApplySettings(timeout_s=1.0, attempts=2, max_deliveries=3))
     public = base64.b64encode(signing.raw_public(ALICE[1].public_key())).decode()
     trust = overrides.pop("trust", Trust(operators={ALICE[0]: public}))
+    # each daemon signs checkpoints with a key of its own, kept out of the work tree
+    overrides.setdefault("checkpoint_key", _KEYS / f"checkpoint-{uuid.uuid4().hex[:8]}.pem")
     return Config(apply=apply, trust=trust, **overrides)
 
 

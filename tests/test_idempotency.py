@@ -84,7 +84,8 @@ async def _ok(client, pid):
 def start_daemon(url: str, tmp_path) -> subprocess.Popen:
     log = open(tmp_path / "daemon.log", "ab")  # noqa: SIM115
     return subprocess.Popen(
-        [sys.executable, "-m", "improved.cli", "--log-level", "warning", "run", "--nats", url],
+        [sys.executable, "-m", "improved.cli", "--log-level", "warning", "run", "--nats", url,
+         "--data-dir", str(tmp_path / "data")],
         stdout=log, stderr=log, stdin=subprocess.DEVNULL,
         env={**os.environ, "IMPROVED_CONFIG": ""})
 
