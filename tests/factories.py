@@ -84,3 +84,19 @@ async def send(nc, svc: str, o: ApplyOrder | bytes) -> tuple[ApplyResult, bytes]
     body = o if isinstance(o, bytes) else to_json(o)
     reply = await nc.request(subjects.apply_request(svc), body, timeout=5)
     return as_result(reply.data), reply.data
+
+
+def crash_once_after_the_write(store) -> None:
+    """Make a reference store crash once between writing a value and completing its ledger
+    entry, as a process dying at the worst moment would."""
+    real = store.ledger.update
+    calls = 0
+
+    async def crash_once(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("crashed after the write")
+        return await real(*args, **kwargs)
+
+    store.ledger.update = crash_once

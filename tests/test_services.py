@@ -24,7 +24,7 @@ from improved.store import Store
 from services.ranking_store import RankingStore, bucket_names, main, parse_change
 from services.sdk import ImproveError, MeshClient, serve_spec
 
-from .factories import send
+from .factories import crash_once_after_the_write, send
 
 KEY = "search.title_boost"
 
@@ -170,18 +170,7 @@ async def test_crash_before_the_write_is_finished_by_the_next_order(nc, svc, sto
 
 
 async def test_crash_after_the_write_adopts_it_without_writing_again(nc, svc, store):
-    ledger = store.ledger
-    real = ledger.update
-    calls = 0
-
-    async def crash_once(*args, **kwargs):
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("crashed after the write")
-        return await real(*args, **kwargs)
-
-    ledger.update = crash_once
+    crash_once_after_the_write(store)
     o = order(proposal(svc))
     crashed, _ = await send(nc, svc, o)
     assert not crashed.ok and await store.value(KEY) == 1.5

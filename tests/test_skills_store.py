@@ -31,7 +31,7 @@ from services.skills_store import (
     main,
 )
 
-from .factories import send
+from .factories import crash_once_after_the_write, send
 
 AT = 1768471200000
 ANALYZER = "acme.skills/1"
@@ -162,18 +162,7 @@ async def test_inverse_retracts_and_its_inverse_restores(nc, svc, store, name):
 
 
 async def test_crash_after_the_write_adopts_it_without_writing_again(nc, svc, store, name):
-    ledger = store.ledger
-    real = ledger.update
-    calls = 0
-
-    async def crash_once(*args, **kwargs):
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("crashed after the write")
-        return await real(*args, **kwargs)
-
-    ledger.update = crash_once
+    crash_once_after_the_write(store)
     defn = skill(name)
     o = order(proposal(svc, {"skill": defn}, target=f"skill:{name}"))
     crashed, _ = await send(nc, svc, o)
