@@ -416,12 +416,12 @@ class Engine:
                 record = await self._commit(*triage.transition(record, decision), now)
                 continue
             if dispatch and (apply_stage.needs_rollback(record)
-                             or apply_stage.needs_apply(record)) \
-                    and (await self.autonomy(now)).crisis:
-                log.warning("crisis: applies are refused until an operator resolves it",
-                            proposal_id=record.proposal_id,
-                            crisis=(await self.autonomy(now)).crisis)
-                break
+                             or apply_stage.needs_apply(record)):
+                crisis = (await self.autonomy(now)).crisis
+                if crisis:
+                    log.warning("crisis: applies are refused until an operator resolves it",
+                                proposal_id=record.proposal_id, crisis=crisis)
+                    break
             if dispatch and apply_stage.needs_rollback(record):
                 inverse_id, order = apply_stage.rollback_order(record, 1)
                 try:

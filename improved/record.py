@@ -46,7 +46,6 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
     stage: str = "observe"
     decision: TriageDecision | None = None
     outcome: ApplyOutcome | None = None
-    apply_attempts: int = 0
     approved_by: str | None = None  # the principal whose signed approval the apply runs under
     superseded_by: str | None = None  # newer content under the same dedup_key
     rollback_by: str | None = None  # the principal who asked for the inverse
