@@ -25,6 +25,7 @@ PAYLOAD_TYPES = {
     "grant": "application/vnd.improved.grant+json",
     "vote": "application/vnd.improved.vote+json",
     "crisis": "application/vnd.improved.crisis+json",
+    "tool_grant": "application/vnd.improved.tool-grant+json",  # one call of a gated tool
 }
 
 

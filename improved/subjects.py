@@ -146,6 +146,32 @@ def service_spec(svc: str) -> str:
     return f"{svc}.spec.get"
 
 
+def lkg_request(svc: str) -> str:
+    """L4 pre-apply check (extension, docs/protocol.md): the owning service confirms a healthy
+    last-known-good for every artefact an L4 proposal touches."""
+    return f"{svc}.improve.lkg"
+
+
+def skills_get(svc: str) -> str:
+    """A skills store's read under a TOFU grant (extension): `{"skill"}` → definition."""
+    return f"{svc}.skills.get"
+
+
+def tools_list(runtime: str) -> str:
+    """An agent runtime's tool catalog (SPEC 09 §3.1)."""
+    return f"{runtime}.tools.list"
+
+
+def tools_call(runtime: str) -> str:
+    """Invoke one catalogued tool of an agent runtime."""
+    return f"{runtime}.tools.call"
+
+
+def quorum_record(pid: str) -> str:
+    """Retained, immutable QuorumRecord of one proposal."""
+    return f"{QUORUM}.{pid}"
+
+
 # Wildcards the daemon serves; the service token is the first one.
 PROPOSE_REQUESTS = "*.improve.propose"
 TRIAGE_REQUESTS = "*.improve.triage"
