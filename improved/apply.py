@@ -4,7 +4,7 @@ transition its result makes (DESIGN §3.4, §4). Pure; the engine does the reque
 
 from __future__ import annotations
 
-from . import cal
+from . import cal, lkg
 from .audit import Draft
 from .config import Policy
 from .gradient import AUTO_APPLY_CLASSES
@@ -32,6 +32,8 @@ def needs_apply(record: ProposalRecord) -> bool:
     """Gate satisfied and no outcome yet (a failed outcome is final until re-triaged)."""
     if record.outcome is not None or record.superseded_by is not None:
         return False
+    if lkg.is_charter(record.proposal):
+        return False  # a constitution edit is prepared; an operator commits it (SPEC 09 §8)
     return auto_applies(record) or (record.status == "approved"
                                     and record.proposal.change_class in APPROVABLE)
 
@@ -65,14 +67,17 @@ def inverse_proposal(record: ProposalRecord, change_class: str | None = None) ->
 
 def rollback_proposal(record: ProposalRecord) -> Proposal:
     """What learn-back proposes after a regression: the recorded inverse, at the original's
-    class — except that an L3 inverse (it carries no skill to re-execute) asks an operator."""
+    class — except that an L3 inverse (it carries no skill to re-execute) asks an operator;
+    an L4 change proposes the reversal recorded before its apply."""
+    if record.revert is not None:
+        return record.revert
     cls = record.proposal.change_class
     return inverse_proposal(record, "L2" if cls == "L3" else cls)
 
 
 def rolls_back(proposal: Proposal) -> str | None:
-    """The id of the proposal a learn-back rollback proposal undoes, if it is one."""
-    if proposal.analyzer.id != ROLLBACK_ANALYZER:
+    """The id of the proposal a rollback (or an L4 reversal) proposal undoes, if it is one."""
+    if proposal.analyzer.id not in (ROLLBACK_ANALYZER, lkg.REVERT_ANALYZER):
         return None
     for ref_ in proposal.derived_from or ():
         if ref_.startswith("mg:sha256:"):
@@ -100,6 +105,9 @@ def rollback_order(record: ProposalRecord, attempt: int) -> tuple[str, ApplyOrde
     """(the inverse's id, the order that applies it under the requesting operator)."""
     from .propose import identify
 
+    if record.revert is not None:  # L4: the reversal generated and validated before apply
+        return record.revert_id, ApplyOrder(proposal_id=record.revert_id, proposal=record.revert,
+                                            authority=record.rollback_by, attempt=attempt)
     inverse = inverse_proposal(record)
     pid, _ = identify(inverse)
     return pid, ApplyOrder(proposal_id=pid, proposal=inverse, authority=record.rollback_by,
@@ -159,6 +167,7 @@ def transition(record: ProposalRecord, result: ApplyResult, by: str,
         proposal_id=record.proposal_id, service=record.service, ok=result.ok,
         applied_id=result.applied_id, authority=by, inverse=inverse,
         rollbackable=rollbackable, error=result.error, at=now,
+        revert_proposal_id=record.revert_id if result.ok else None,
     )
     observer = "rec:policy" if auto_applies(record) else "human"
     if result.ok:
@@ -167,6 +176,8 @@ def transition(record: ProposalRecord, result: ApplyResult, by: str,
     else:
         reason = f"{record.service} refused the apply: {result.error or 'no reason given'}"
     refs = [ref("applied", outcome.applied_id), ref("rollbackable", outcome.rollbackable)]
+    if outcome.revert_proposal_id is not None:
+        refs.append(ref("revert_proposal_id", outcome.revert_proposal_id))
     if outcome.inverse is not None:
         refs.append(ref("inverse", outcome.inverse, as_json=True))
     if outcome.error is not None:

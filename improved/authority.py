@@ -19,7 +19,8 @@ from .record import APPROVE, REFUSED, ROLLBACK, ProposalRecord, ref
 from .signing import ActRefused, TrustStore, Verified
 
 CLOCK_SKEW_MS = 5 * 60 * 1000
-REVIEWABLE_CAUSES = frozenset({"awaiting_operator", "no_grant"})
+REVIEWABLE_CAUSES = frozenset({"awaiting_operator", "no_grant", "awaiting_quorum",
+                               "quorum_dissent"})  # an operator may always decide instead
 
 
 @dataclass(frozen=True)
@@ -31,16 +32,17 @@ class Act:
 
 
 def check_signed(trust: TrustStore, env, payload_type: str, decode_as, now: int,
-                 max_age_ms: int) -> tuple[Verified, object]:
+                 max_age_ms: int, principal_of=lambda act: act.principal
+                 ) -> tuple[Verified, object]:
     """Verify signature, payload, principal binding and freshness; raise ActRefused."""
     verified = trust.verify(env, payload_type)
     try:
         act = msgspec.json.decode(verified.payload, type=decode_as)
     except msgspec.MsgspecError as exc:
         raise ActRefused("malformed", f"the signed payload is not a valid act: {exc}") from None
-    if act.principal != verified.principal:
+    if principal_of(act) != verified.principal:
         raise ActRefused("principal_mismatch", f"signed by the key of {verified.principal}, "
-                         f"but speaks for {act.principal}")
+                         f"but speaks for {principal_of(act)}")
     if act.at < now - max_age_ms or act.at > now + CLOCK_SKEW_MS:
         raise ActRefused("expired", f"signed at {act.at}, outside the accepted window")
     return verified, act
@@ -76,7 +78,7 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
         if record.status != "applied" or record.rollback_by is not None:
             return refusal(record, act, "not_applied", f"nothing to roll back (status "
                            f"{record.status})", actor, verified.keyid)
-        if not (record.outcome and record.outcome.rollbackable):
+        if not (record.outcome and (record.outcome.rollbackable or record.revert_id)):
             return refusal(record, act, "not_rollbackable", "the apply was recorded as not "
                            "rollbackable: it has no inverse", actor, verified.keyid)
         reason = f"rollback asked by {rv.principal}: {rv.reason}"[:REASON_LIMIT]

@@ -27,10 +27,12 @@ metric_direction = { error_rate = "lower" }  # ... regressed (default: higher is
 breaker_threshold = 3                # autonomous rollbacks within the window that trip ...
 breaker_window_days = 14             # ... the circuit breaker (constitution IV.5), which
 breaker_pause_hours = 48             # pauses autonomous applies this long
+quorum = false                       # L4 may pass on 3 signed votes of non-correlated sessions
 
 [trust]                              # keys whose signed acts count, bound to their principal
 operators = { "operator:alice" = "<base64 of the raw 32-byte Ed25519 public key>" }
 act_max_age_s = 86400                # a signed act older than this (by its `at`) is refused
+quorum = { "agent-a" = "<base64 public key>" }   # voters whose signed votes count (policy.quorum)
 
 [apply]
 timeout_s = 5.0                      # one ApplyOrder request
@@ -69,6 +71,7 @@ class Policy:
     breaker_threshold: int = 3  # autonomous rollbacks within the window that trip the breaker
     breaker_window_days: float = 14.0
     breaker_pause_hours: float = 48.0
+    quorum: bool = False  # L4 may also pass on signed votes of non-correlated sessions (§5.4)
 
 
 @dataclass(frozen=True)
@@ -82,9 +85,14 @@ class ApplySettings:
 class Trust:
     operators: dict[str, str] = field(default_factory=dict)
     act_max_age_s: float = 24 * 3600.0
+    quorum: dict[str, str] = field(default_factory=dict)  # voter principal → public key
 
     def store(self) -> TrustStore:
         return TrustStore.from_config(self.operators)
+
+    def voters(self) -> TrustStore:
+        """The keys whose quorum votes count; each bound to one voter identity."""
+        return TrustStore.from_config(self.quorum)
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,12 @@ class Config:
     policy: Policy = field(default_factory=Policy)
     apply: ApplySettings = field(default_factory=ApplySettings)
     trust: Trust = field(default_factory=Trust)
+
+
+def _check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: expected true or false, got {value!r}")
+    return value
 
 
 def _check_class(name: str, value: object) -> str:
@@ -136,6 +150,7 @@ def parse(doc: dict) -> Config:
         breaker_threshold=int(pol.pop("breaker_threshold", 3)),
         breaker_window_days=float(pol.pop("breaker_window_days", 14.0)),
         breaker_pause_hours=float(pol.pop("breaker_pause_hours", 48.0)),
+        quorum=_check_bool("policy.quorum", pol.pop("quorum", False)),
     )
     if policy.autonomy not in ("on", "off"):
         raise ConfigError(f"policy.autonomy: expected on or off, got {policy.autonomy!r}")
@@ -151,13 +166,15 @@ def parse(doc: dict) -> Config:
         raise ConfigError(f"unknown apply keys: {', '.join(sorted(ap))}")
     tr = dict(doc.get("trust", {}))
     trust = Trust(operators={str(k): str(v) for k, v in dict(tr.pop("operators", {})).items()},
-                  act_max_age_s=float(tr.pop("act_max_age_s", 24 * 3600.0)))
+                  act_max_age_s=float(tr.pop("act_max_age_s", 24 * 3600.0)),
+                  quorum={str(k): str(v) for k, v in dict(tr.pop("quorum", {})).items()})
     if tr:
         raise ConfigError(f"unknown trust keys: {', '.join(sorted(tr))}")
-    try:
-        trust.store()
-    except ValueError as exc:
-        raise ConfigError(f"trust.operators: {exc}") from None
+    for name, load in (("operators", trust.store), ("quorum", trust.voters)):
+        try:
+            load()
+        except ValueError as exc:
+            raise ConfigError(f"trust.{name}: {exc}") from None
     records_storage = str(doc.get("records_storage", "file"))
     if records_storage not in ("file", "memory"):
         raise ConfigError(f"records_storage: expected file or memory, got {records_storage!r}")

@@ -229,9 +229,14 @@ class Daemon:
                     raise wire.WireError(wire.INVALID_VALUE, "a grant names `<name>:<sha256>`",
                                          "skill")
                 return Job(f"grant:{claimed}", lambda: self.engine.grant(env, claimed, act), msg)
+            if msg.subject == S.QUORUM:
+                env, pid = signed_act(msg.data, limit, "proposal_id")
+                if not isinstance(pid, str) or not S.ID_RE.match(pid):
+                    raise wire.WireError(wire.INVALID_VALUE, "a vote names a 64-hex proposal_id",
+                                         "proposal_id")
+                act = Act(envelope_digest(env), act.stream_seq)
+                return Job(pid, lambda: self._vote(pid, env, act), msg)
             if svc is None or not S.SERVICE_RE.match(svc):
-                if kind == "quorum":
-                    raise wire.WireError("not_supported", "quorum votes are not accepted yet")
                 raise wire.WireError(wire.INVALID_VALUE, f"bad service token in {msg.subject}")
             if kind == "proposals":
                 proposal = propose.validate(msg.data, svc, limit)
@@ -311,6 +316,12 @@ class Daemon:
         handled = await self.engine.review(svc, pid, env, act)
         if handled.record is None:
             raise _ProposalUnknown(f"no proposal {pid} for service {svc}")
+
+    async def _vote(self, pid: str, env: Envelope, act: Act) -> None:
+        svc = await self.store.service_of(pid)
+        handled = await self.engine.vote(svc, pid, env, act) if svc else None
+        if handled is None or handled.record is None:
+            raise _ProposalUnknown(f"no proposal {pid}")
 
     async def _report(self, report: ApplyReport) -> None:
         """An asynchronous apply result: accepted only while the proposal awaits its apply."""
@@ -414,7 +425,7 @@ class Daemon:
                                    independent=bool(counted and counted.independent)))
 
     async def on_spec(self, svc: str, msg: Msg) -> bytes:
-        return msgspec.json.encode(capabilities())
+        return msgspec.json.encode(capabilities(self.config.policy.quorum))
 
 
 class _ProposalUnknown(Exception):
@@ -455,7 +466,7 @@ def review_target(data: bytes, limit: int) -> tuple[Envelope | None, str]:
     return env, pid
 
 
-def capabilities() -> dict[str, Any]:
+def capabilities(quorum: bool = False) -> dict[str, Any]:
     """What `improved.spec.get` advertises (SPEC 07 §5 / SPEC 09 §9)."""
     return {
         "service": "improved",
@@ -471,8 +482,10 @@ def capabilities() -> dict[str, Any]:
             "audit": S.AUDIT_FILTER,
         },
         "classes": ["L0", "L1", "L2", "L3", "L4"],
-        "signed_acts": ["review", "grant"],
-        "quorum": False,
+        "signed_acts": ["review", "grant", "vote", "crisis"],
+        "quorum": quorum,
+        "l4": {"lkg": "<svc>.improve.lkg", "revert_proposal_id": True,
+               "constitution_edits": "prepared, never applied"},
     }
 
 

@@ -23,7 +23,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from . import apply as apply_stage
-from . import audit, authority, breaker, checkpoint, learnback, propose, triage
+from . import audit, authority, breaker, checkpoint, learnback, lkg, propose, quorum, triage
 from . import subjects as S
 from .audit import Draft
 from .authority import Act
@@ -42,6 +42,7 @@ from .model import (
     Review,
     Signal,
     Trailer,
+    Vote,
     to_json,
 )
 from .record import REGRESSED, ChainHead, ProposalRecord, ref, refs_of, replay, with_trailer
@@ -89,6 +90,7 @@ class Engine:
         self.policy = config.policy
         self.actor = actor
         self.trust = config.trust.store()
+        self.voters = config.trust.voters()
         self.max_act_age_ms = int(config.trust.act_max_age_s * 1000)
         self._cache: OrderedDict[str, tuple[ProposalRecord, int]] = OrderedDict()
         self._autonomy: tuple[breaker.Autonomy, int] | None = None
@@ -234,6 +236,30 @@ class Engine:
                     "at": d.at, "evidence": triage.evidence_digest(rec.proposal)})
 
         return await self.handle(svc, pid, ingest, None, False, on_change=ledger)
+
+    async def vote(self, svc: str, pid: str, env: Envelope, act: Act) -> Handled:
+        """A signed quorum vote (SPEC 09 §6): counted on the proposal's chain or refused there
+        with its reason; the quorum's decision follows in the same pass."""
+
+        def ingest(record: ProposalRecord | None, now: int):
+            if record is None:
+                return None
+            kind = authority.seen(record, act)
+            if kind == "redelivery":
+                return None
+            if kind == "replay":
+                return authority.refusal(record, act, "replayed",
+                                         "this signed vote was already used", self.actor)
+            try:
+                verified, vote = authority.check_signed(
+                    self.voters, env, PAYLOAD_TYPES["vote"], Vote, now, self.max_act_age_ms,
+                    principal_of=lambda v: v.voter)
+            except ActRefused as refused:
+                return authority.refusal(record, act, refused.code, refused.reason, self.actor)
+            sig = next(s.sig for s in env.signatures if s.keyid == verified.keyid)
+            return quorum.count(record, act, verified, vote, sig, self.actor)
+
+        return await self.handle(svc, pid, ingest, None, False)
 
     async def grant(self, env: Envelope, skill: str, act: Act) -> Grant | None:
         """A signed grant or revoke for `<name>:<sha256>`: chained per hash, then retained."""
@@ -400,6 +426,13 @@ class Engine:
             if triage.needs_triage(record) or (apply_stage.needs_apply(record)
                                                and apply_stage.expired(record, now)) \
                     or (triage.held_back(record) and held is None):
+                original = lkg.reverts(record.proposal)
+                if original is not None and triage.needs_triage(record):
+                    step = lkg.inherit(record, await self._original(record.service, original),
+                                       now)
+                    if step is not None:
+                        record = await self._commit(*step, now)
+                        continue
                 grant = False
                 if record.proposal.change_class == "L3":
                     grant = await self.store.grant_active(record.skill, now)
@@ -414,6 +447,10 @@ class Engine:
                 # it was accepted as autonomous, so the gate sees its grant as it was then
                 decision = triage.decide(record, self.policy, now, True, self.actor, None, held)
                 record = await self._commit(*triage.transition(record, decision), now)
+                continue
+            step = quorum.decided(record, self.actor, now)
+            if step is not None:
+                record = await self._commit(*step, now)
                 continue
             if dispatch and (apply_stage.needs_rollback(record)
                              or apply_stage.needs_apply(record)):
@@ -434,6 +471,13 @@ class Engine:
                     *apply_stage.rollback_transition(record, inverse_id, result, at), at)
                 if result.ok and record.approved_by is None:
                     await self.count_autonomous_rollback(record, at)
+                continue
+            if dispatch and lkg.needs_check(record):
+                try:
+                    record = await self._commit(*await self._lkg_check(record), now_ms())
+                except ServiceUnreachable as exc:
+                    exc.record = record
+                    raise
                 continue
             if dispatch and apply_stage.needs_apply(record):
                 by = apply_stage.authority(record, self.policy)
@@ -458,13 +502,64 @@ class Engine:
             if measured is not None:
                 verdict, value = measured
                 rollback_id = None
-                if verdict == REGRESSED and record.outcome.rollbackable:
+                if verdict == REGRESSED and (record.outcome.rollbackable
+                                             or record.revert is not None):
                     rollback_id = await self.propose_rollback(record)
                 record = await self._commit(*learnback.measured(
                     record, verdict, value, rollback_id, self.actor, now), now)
                 continue
             break
         return record
+
+    async def _original(self, svc: str, pid: str) -> ProposalRecord | None:
+        """The record of the proposal a reversal reverts, as its chain says."""
+        record, _ = await self.store.load(svc, pid)
+        return record if record is not None else await self.rebuild(svc, pid)
+
+    async def _lkg_check(self, record: ProposalRecord) -> tuple[ProposalRecord, Draft]:
+        """SPEC 09 §7.1: ask the owning service for a healthy last-known-good of every
+        artefact; then generate the reversal and validate it as a proposal, before any order."""
+        by = apply_stage.authority(record, self.policy)
+        subject = S.lkg_request(record.service)
+        settings = self.config.apply
+        body = to_json(lkg.check_request(record))
+        last_error = "no attempt"
+        for attempt in range(1, settings.attempts + 1):
+            try:
+                reply = await self.nc.request(subject, body, timeout=settings.timeout_s)
+            except NoRespondersError:
+                last_error = f"no service answers {subject}"
+            except NatsTimeout:
+                last_error = f"{subject} timed out"
+            else:
+                try:
+                    report = lkg.report_decoder.decode(reply.data)
+                except msgspec.MsgspecError:
+                    return lkg.refused(record, f"{subject} answered {error_message(reply.data)}",
+                                       by, now_ms())
+                break
+            log.warning("lkg check failed", proposal_id=record.proposal_id, attempt=attempt,
+                        error=last_error)
+            await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
+        else:
+            raise ServiceUnreachable(last_error)
+        why = lkg.report_problem(record, report)
+        if why is not None:
+            log.warning("L4 refused before apply", proposal_id=record.proposal_id, reason=why)
+            return lkg.refused(record, why, by, now_ms())
+        rev = lkg.reversal(record, report)
+        try:
+            rev_id, rev_dedup = propose.identify(rev)
+            propose.validate(to_json(rev), record.service, self.config.max_message_bytes)
+        except Exception as exc:  # a WireError, or content the encoder refuses
+            return lkg.refused(record, f"the reversal is not a valid proposal: {exc}", by,
+                               now_ms())
+        check = triage.decide(propose.register(rev, rev_id, rev_dedup, self.policy, 0)[0],
+                              self.policy, now_ms(), False, self.actor)
+        if check.verdict == "reject":
+            return lkg.refused(record, f"the reversal would be rejected: {check.cause}: "
+                               f"{check.rationale}", by, now_ms())
+        return lkg.verified(record, report, rev, rev_id, self.actor)
 
     async def _dispatch(self, record: ProposalRecord, grant_read: bool) -> ApplyResult:
         """Send the ApplyOrder with a timeout and bounded retries; the service is idempotent on
@@ -725,6 +820,9 @@ class Engine:
             jobs.append(self.store.publish(S.triage_decision(svc, pid), record.decision))
         if record.outcome is not None:
             jobs.append(self.store.publish(S.apply_outcome(svc, pid), record.outcome))
+        decided = quorum.quorum_record(record)
+        if decided is not None:
+            jobs.append(self.store.publish_once(S.quorum_record(pid), decided))
         if len(record.signals) > len(record.proposal.signals or ()):
             jobs.append(self.store.publish(S.learn_back(svc, pid),
                                            learnback.summary(record, record.updated_at)))

@@ -308,6 +308,18 @@ class GrantCommand(_In):
     expires_at: Millis | None = None
 
 
+class Vote(_In):
+    """A quorum vote (SPEC 09 §6), the payload of a DSSE envelope on `improve.quorum`. `read`
+    names what the voter read: `proposal:<id>`, `diff:…`, `triage:…`, `spec:…`."""
+
+    proposal_id: ProposalId
+    vote: Literal["approve", "dissent"]
+    voter: Actor
+    session: Annotated[str, Meta(min_length=1, max_length=256)]
+    read: Annotated[list[Annotated[str, Meta(min_length=1, max_length=512)]], Meta(max_length=32)]
+    at: Millis
+
+
 class CrisisAct(_In):
     """An operator's signed resolution of a crisis (constitution V.4: no self-absolution)."""
 
@@ -327,6 +339,29 @@ class Grant(_Out):
     reason: str
     at: int
     expires_at: int | None = None
+
+
+class QuorumBallot(_Out):
+    voter: str
+    keyid: str
+    session: str
+    vote: str
+    read: list[str]
+    at: int
+    sig: str
+
+
+class QuorumRecord(_Out):
+    """Retained and immutable on `improve.quorum.<id>` once the quorum decided: who voted,
+    when, from which session, with which signature."""
+
+    proposal_id: str
+    service: str
+    outcome: str  # approved | deferred (a dissent defers to an operator)
+    approvals: int
+    dissents: int
+    votes: list[QuorumBallot]
+    at: int
 
 
 json_encoder = msgspec.json.Encoder()

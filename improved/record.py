@@ -34,6 +34,19 @@ class ChainHead(Struct, kw_only=True, frozen=True):
     stream_seq: int = 0
 
 
+class Ballot(Struct, kw_only=True, frozen=True):
+    """One counted quorum vote (SPEC 09 §6): who, from which session, what they said."""
+
+    keyid: str
+    voter: str
+    session: str
+    vote: str
+    at: int
+    act: str  # digest of the signed envelope
+    sig: str = ""
+    read: tuple[str, ...] = ()
+
+
 class ProposalRecord(Struct, kw_only=True, frozen=True):
     proposal_id: str
     service: str
@@ -51,6 +64,9 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
     rollback_by: str | None = None  # the principal who asked for the inverse
     rollback_outcome: ApplyOutcome | None = None
     measured: str | None = None  # `held` or `regressed`, once review_after was measured
+    revert: Proposal | None = None  # L4: the reversal generated and validated before apply
+    revert_id: str | None = None
+    ballots: tuple[Ballot, ...] = ()  # quorum votes counted so far
     acts: tuple[tuple[str, int], ...] = ()  # (envelope digest, stream sequence) of signed acts seen
     signals: tuple[CountedSignal, ...] = ()
     chain: ChainHead = ChainHead()
@@ -82,6 +98,10 @@ SUPERSEDED = "superseded"  # newer content arrived under the same dedup_key
 ROLLBACK = "rollback"  # an operator asked for the recorded inverse
 ROLLED_BACK = "rolled_back"  # the owning service applied the inverse
 ROLLBACK_FAILED = "rollback_failed"
+LKG_VERIFIED = "lkg_verified"  # L4: healthy last-known-good; the reversal is recorded
+INHERIT = "inherit"  # an L4 reversal runs under its original's approval
+VOTE = "vote"  # a counted quorum vote
+QUORUM = "quorum"  # the quorum approved: status approved
 HELD = "held"  # measured at review_after: the metric held
 REGRESSED = "regressed"  # measured at review_after: beyond the tolerance; a rollback is proposed
 
@@ -93,7 +113,7 @@ def status_after(status: str, trailer: Trailer) -> str:
     if trailer.to_stage == "triage":
         if trailer.verdict == "reject":
             return "expired" if trailer.cause == "expired" else "rejected"
-        if trailer.verdict == APPROVE:
+        if trailer.verdict in (APPROVE, INHERIT, QUORUM):
             return "approved"
         if trailer.verdict == SUPERSEDED and status == "approved":
             return "pending"  # an approval never carries to content nobody reviewed
@@ -169,6 +189,20 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
                     verdict=trailer.verdict, cause=trailer.cause,
                     gate_class=trailer.gate_class, rationale=trailer.reason,
                     actor=trailer.actor, at=trailer.at))
+        elif trailer.to_stage == "triage" and trailer.verdict in (INHERIT, QUORUM):
+            record = record.replace(approved_by=refs["authority"], decision=TriageDecision(
+                proposal_id=record.proposal_id, service=record.service, verdict="accept",
+                cause=None, gate_class=trailer.gate_class, rationale=trailer.reason,
+                actor=refs["authority"], at=trailer.at))
+        elif trailer.to_stage == "triage" and trailer.verdict == VOTE:
+            record = record.replace(ballots=(*record.ballots, Ballot(
+                keyid=refs["keyid"], voter=trailer.actor, session=refs["session"],
+                vote=refs["vote"], at=int(refs["voted_at"]), act=refs["act"],
+                sig=refs.get("sig", ""), read=tuple(msgspec.json.decode(refs["read"])))))
+        elif trailer.to_stage == "apply" and trailer.verdict == LKG_VERIFIED:
+            record = record.replace(
+                revert=msgspec.json.decode(refs["revert"], type=Proposal),
+                revert_id=refs["revert_proposal_id"])
         elif trailer.to_stage == "apply" and trailer.verdict == ROLLBACK:
             record = record.replace(rollback_by=trailer.actor)
         elif trailer.to_stage == "apply" and trailer.verdict in (ROLLED_BACK, ROLLBACK_FAILED):
@@ -183,7 +217,8 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
                 applied_id=refs.get("applied", ""), authority=trailer.actor,
                 inverse=msgspec.json.decode(refs["inverse"]) if "inverse" in refs else None,
                 rollbackable=refs.get("rollbackable") == "true",
-                error=refs.get("error"), at=trailer.at))
+                error=refs.get("error"), at=trailer.at,
+                revert_proposal_id=record.revert_id if ok else None))
         elif trailer.to_stage == "learn-back" and trailer.verdict == SIGNAL:
             record = record.replace(signals=(*record.signals, CountedSignal(
                 digest=refs["signal"], kind=refs.get("kind", ""), actor=trailer.actor,

@@ -307,6 +307,24 @@ class Store:
         # an ack lost in a broker restart must not wedge the job: time out, nak, retry
         await asyncio.wait_for(ack, timeout=PUBLISH_ACK_TIMEOUT_S)
 
+    async def publish_once(self, subject: str, record: Any) -> None:
+        """Publish an immutable record: only if the subject holds nothing yet."""
+        try:
+            await self.js.publish(subject, to_json(record), stream=S.STREAM_RECORDS,
+                                  headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+        except APIError as exc:
+            if exc.err_code != WRONG_LAST_SEQUENCE:
+                raise
+
+    async def service_of(self, pid: str) -> str | None:
+        """The service whose chain holds proposal `pid` (a vote names only the proposal)."""
+        info = await self.js.stream_info(S.STREAM_AUDIT, subjects_filter=S.audit("*", pid))
+        for subject in (info.state.subjects or {}):
+            svc = S.token(subject, 2)
+            if svc and svc not in S.MESH_CHAINS:
+                return svc
+        return None
+
     async def last(self, subject: str) -> bytes | None:
         try:
             msg = await self.js.get_msg(S.STREAM_RECORDS, subject=subject, direct=True)

@@ -1,6 +1,7 @@
 """Stage 3, triage: guards in a fixed order, then the class gate (DESIGN §2, §5).
 
-Order: forbidden target, class, scope, expiry, the rejection ledger, feedback collapse, class
+Order: forbidden target, class, scope, what the class must carry (L4: `lkg`; a constitution
+edit: `amends` and a CHANGELOG entry), the doc allowlist, expiry, the rejection ledger, feedback collapse, class
 gate — so the cause of a decision is deterministic. Pure: (record, policy, clock, grant) → TriageDecision.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from . import canonical, gradient
+from . import canonical, gradient, lkg
 from .audit import REASON_LIMIT, Draft
 from .config import Policy
 from .guards import forbidden_match, on_allowlist, self_confirmed, target_paths
@@ -30,7 +31,11 @@ def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
                               verdict=verdict, cause=cause, gate_class=gate_class,
                               rationale=rationale[:REASON_LIMIT], actor=actor, at=now)
 
-    hit = forbidden_match(target_paths(p.target_ref, p.target_files), policy.forbidden_targets)
+    paths = target_paths(p.target_ref, p.target_files)
+    charter = lkg.is_charter(p) and lkg.charter_problem(p) is None
+    if charter:  # prepared for an operator to commit, never applied: it may name the charter
+        paths = lkg.charter_paths(paths)
+    hit = forbidden_match(paths, policy.forbidden_targets)
     if hit is not None:
         return decision("reject", "forbidden_target",
                         f"{hit} is a forbidden target (constitution VI); no class may change it")
@@ -47,7 +52,10 @@ def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
             gradient.implied_scope(scheme)
         return decision("reject", "scope_mismatch",
                         f"scope {p.scope} does not fit {scheme}: targets (expected {want})")
-    if scheme == "doc" and not on_allowlist(gradient.rest_of(p.target_ref), policy.doc_allowlist):
+    bad = lkg.problem(p)
+    if bad is not None:
+        return decision("reject", "invalid", f"{p.change_class} {p.scope} proposal: {bad}")
+    if scheme == "doc" and not charter and not on_allowlist(gradient.rest_of(p.target_ref), policy.doc_allowlist):
         return decision("reject", "invalid", f"{p.target_ref} is not on the doc allowlist "
                         "(policy.doc_allowlist); doc: targets must be listed to be edited")
     if p.valid_to is not None and p.valid_to <= now:
@@ -61,7 +69,7 @@ def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
         return decision("defer", "feedback_collapse",
                         f"all {record.positives} positive signals come from the proposer's own "
                         "session; waiting for an independent one")
-    return gate(record, grant_active, decision, held)
+    return gate(record, grant_active, decision, held, policy.quorum)
 
 
 def evidence_digest(proposal: Proposal) -> str:
@@ -76,7 +84,7 @@ def evidence_digest(proposal: Proposal) -> str:
 
 
 def gate(record: ProposalRecord, grant_active: bool, decision,
-         held: str | None = None) -> TriageDecision:
+         held: str | None = None, quorum: bool = False) -> TriageDecision:
     cls = record.proposal.change_class
     if held is not None and (cls == "L0" or (cls == "L3" and grant_active)):
         why = ("autonomy is switched off" if held == "autonomy_off" else
@@ -91,6 +99,14 @@ def gate(record: ProposalRecord, grant_active: bool, decision,
             return decision("accept", None, f"an active grant covers {record.skill}")
         return decision("defer", "no_grant",
                         f"no active grant for {record.skill}; gated as L2", gate_class="L2")
+    if lkg.is_charter(record.proposal):
+        return decision("defer", "awaiting_operator",
+                        "a constitution edit is prepared here and committed by an operator by "
+                        "hand (SPEC 09 §8, Art. VII); the loop never applies it")
+    if cls == "L4" and quorum:
+        return decision("defer", "awaiting_quorum",
+                        "L4 needs signed approvals from three non-correlated sessions on "
+                        "improve.quorum, or a signed operator approval")
     return decision("defer", "awaiting_operator",
                     f"{cls} needs a signed operator approval"
                     + (" per occurrence" if cls == "L4" else ""))

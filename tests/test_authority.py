@@ -179,8 +179,7 @@ async def test_forged_or_stale_approvals_are_refused_and_change_nothing(daemon, 
 
 async def test_a_reused_envelope_is_refused_as_a_replay(daemon, nc, svc):
     client, applier, sub = await setup(nc, svc)
-    pid = (await client.propose(skill_proposal(svc, change_class="L4",
-                                               target_ref="skill:summarize"))).proposal_id
+    pid = (await client.propose(skill_proposal(svc, target_ref="skill:summarize"))).proposal_id
     await client.triage(pid)
     env = review(pid)
     await publish(nc, S.inbound_review(svc), env)

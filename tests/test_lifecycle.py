@@ -59,6 +59,9 @@ def make_proposal(**overrides) -> Proposal:
         created_at=START - 60_000, proposal_data={"skill": SKILL},
     )
     fields.update(overrides)
+    if fields["change_class"] == "L4":  # L4 lists every artefact it touches (SPEC 09 §7)
+        fields.setdefault("lkg", [{"artefact": "main", "digest": "sha256:" + "a" * 64,
+                                   "smoke_test": "nonempty"}])
     return Proposal(**fields)
 
 

@@ -34,6 +34,10 @@ def make_proposal(**overrides) -> Proposal:
         proposal_data={"skill": SKILL},
     )
     fields.update(overrides)
+    if fields["change_class"] == "L4" and fields["scope"] != "charter":
+        # L4 lists every artefact it touches (SPEC 09 §7)
+        fields.setdefault("lkg", [{"artefact": "main", "digest": "sha256:" + "a" * 64,
+                                   "smoke_test": "nonempty"}])
     return Proposal(**fields)
 
 
@@ -129,9 +133,9 @@ def test_doc_targets_must_be_on_the_allowlist():
     assert decide(listed, policy=Policy()).cause == "invalid"  # the default lists nothing
 
 
-def test_charter_on_a_doc_goes_to_the_operator():
+def test_a_charter_proposal_below_l4_is_refused_as_malformed():
     d = decide(make_record(target_ref="doc:_doc/charter.md", scope="charter", change_class="L2"))
-    assert (d.verdict, d.cause) == ("defer", "awaiting_operator")
+    assert (d.verdict, d.cause) == ("reject", "invalid") and "L4" in d.rationale
 
 
 @pytest.mark.parametrize("valid_to", [NOW, NOW - 1, 0])
@@ -308,6 +312,8 @@ def expected_cause(p: Proposal, grant: bool, now: int) -> tuple[str, str | None]
         return "reject", "class_mismatch"
     if not gradient.scope_fits(p.scope, scheme):
         return "reject", "scope_mismatch"
+    if p.scope == "charter":  # a constitution edit needs L4, `amends`, a CHANGELOG entry
+        return "reject", "invalid"
     if p.valid_to is not None and p.valid_to <= now:
         return "reject", "expired"
     evidence = [Evidence(s.kind, s.actor, s.service, s.positive, s.at) for s in p.signals or ()]
