@@ -8,6 +8,9 @@
     improved review
     improved approve|reject ID --reason …
     improved grant|revoke NAME:SHA256 --reason …
+    improved revert ID
+    improved vote ID approve|dissent --session S --read …
+    improved conformance SERVICE
     improved skill hash FILE
 """
 
@@ -32,7 +35,7 @@ import structlog
 from . import audit, bus, canonical, signing
 from . import subjects as S
 from .config import Config, ConfigError, load
-from .model import CrisisAct, GrantCommand, Review, to_json
+from .model import CrisisAct, GrantCommand, Review, Vote, to_json
 from .store import Store, StoreError
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -167,7 +170,8 @@ async def _show(url: str, pid: str) -> int:
         for name, subject in (("state", S.proposal_state(svc, pid)),
                               ("decision", S.triage_decision(svc, pid)),
                               ("outcome", S.apply_outcome(svc, pid)),
-                              ("learn_back", S.learn_back(svc, pid))):
+                              ("learn_back", S.learn_back(svc, pid)),
+                              ("quorum", S.quorum_record(pid))):
             data = await store.last(subject)
             view[name] = msgspec.json.decode(data) if data else None
         chain = [body for _, body in await store.read_chain(svc, pid)]
@@ -404,6 +408,67 @@ def cmd_crisis_resolve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_revert(args: argparse.Namespace) -> int:
+    """Publish the reversal an L4 apply recorded before it ran (SPEC 09 §7.3)."""
+    url = _url(args, _config(args))
+    found = asyncio.run(_locate(url, args.id))
+    if found is None:
+        print(f"improved revert: no proposal {args.id}", file=sys.stderr)
+        return 1
+    svc, record = found
+    if record.revert is None:
+        print(f"improved revert: {args.id} has no recorded reversal (only an L4 apply that "
+              "passed its last-known-good check has one)", file=sys.stderr)
+        return 1
+    if record.status != "applied":
+        print(f"improved revert: {args.id} is {record.status}, not applied", file=sys.stderr)
+        return 1
+
+    async def publish() -> None:
+        async with deployment(url, bind=False) as store:
+            await store.js.publish(S.inbound_proposal(svc), to_json(record.revert),
+                                   headers={"Nats-Msg-Id": record.revert_id},
+                                   stream=S.STREAM_INBOUND)
+
+    asyncio.run(publish())
+    print(f"reversal {record.revert_id} of {args.id} published; it runs under the original's "
+          f"approval by {record.approved_by}. `improved show {record.revert_id}` follows it")
+    return 0
+
+
+def cmd_vote(args: argparse.Namespace) -> int:
+    """Sign a quorum vote with a voter key and publish it on improve.quorum."""
+    config = _config(args)
+    key = signing.load_key(Path(args.key))
+    try:
+        vote = Vote(proposal_id=args.id, vote=args.vote, voter=args.voter, session=args.session,
+                    read=args.read, at=int(time.time() * 1000))
+        msgspec.json.decode(to_json(vote), type=Vote)  # the daemon's own checks
+    except msgspec.ValidationError as exc:
+        print(f"improved vote: {exc}", file=sys.stderr)
+        return 2
+    env = signing.sign(signing.PAYLOAD_TYPES["vote"], to_json(vote), key)
+    asyncio.run(_publish_act(_url(args, config), S.QUORUM, env))
+    print(f"{args.vote} on {args.id} signed by {args.voter} (session {args.session}) and "
+          f"published; `improved show {args.id}` shows whether it counted")
+    return 0
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from . import conformance
+
+    async def probe():
+        nc = await bus.connect(_url(args, _config(args)), "improved-conformance")
+        try:
+            return await conformance.probe(nc, args.service, timeout=args.timeout)
+        finally:
+            await bus.close(nc)
+
+    report = asyncio.run(probe())
+    print(conformance.render(report))
+    return 0 if report.level is not None else 1
+
+
 def cmd_skill_hash(args: argparse.Namespace) -> int:
     data = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
     try:
@@ -629,6 +694,45 @@ def parser() -> argparse.ArgumentParser:
             act.add_argument("--expires-in", type=float, metavar="SECONDS",
                              help="the grant lapses after this long")
         act.set_defaults(func=cmd_grant_act, op=op, expires_in=None)
+
+    revert = sub.add_parser(
+        "revert", help="run the recorded reversal of an applied L4 proposal",
+        description="An L4 apply records a reversal before it runs (every artefact back to "
+                    "its last-known-good) and names it in the outcome's revert_proposal_id. "
+                    "This publishes that reversal as a proposal; it inherits the original's "
+                    "approval, so it runs without a second one (SPEC 09 §7).")
+    common(revert)
+    revert.add_argument("id", metavar="ID", help="the applied L4 proposal's id")
+    revert.set_defaults(func=cmd_revert)
+
+    vote = sub.add_parser(
+        "vote", help="sign and publish a quorum vote on an L4 proposal",
+        description="Sign a QuorumVote with a voter key listed in [trust.quorum] and publish it "
+                    "on improve.quorum (policy.quorum must be on). Three approvals from "
+                    "distinct keys of non-correlated sessions approve; one dissent defers to an "
+                    "operator. A vote says what its voter read: the proposal, its diff, its "
+                    "triage record and the spec chapter.")
+    common(vote)
+    vote.add_argument("id", metavar="ID", help="the proposal id")
+    vote.add_argument("vote", choices=("approve", "dissent"))
+    vote.add_argument("--voter", required=True, help="the voter identity its key is bound to")
+    vote.add_argument("--key", required=True, metavar="FILE", help="the voter's private key")
+    vote.add_argument("--session", required=True,
+                      help="the voter's session (model version or operator origin)")
+    vote.add_argument("--read", action="append", required=True, metavar="WHAT",
+                      help="what was read, repeated: proposal:ID, diff:…, triage:…, spec:…")
+    vote.set_defaults(func=cmd_vote)
+
+    conf = sub.add_parser(
+        "conformance", help="which SPEC 09 conformance level a live service meets",
+        description="Probe a live service over NATS (spec.get, its apply subject, and for "
+                    "higher levels its skills read and last-known-good check) with orders a "
+                    "conformant service refuses, and report the level it meets (L0–L4) and "
+                    "why not the next. Changes nothing. Exit 1 when not even L0.")
+    common(conf)
+    conf.add_argument("service", metavar="SERVICE")
+    conf.add_argument("--timeout", type=float, default=2.0, help="per request (2 s)")
+    conf.set_defaults(func=cmd_conformance)
 
     bench = sub.add_parser(
         "bench", help="measure the loop against the broker's own limit",
