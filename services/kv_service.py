@@ -16,7 +16,8 @@ against the current revision.
 
 A store subclasses `KVService` and supplies what is its own: `_change` (validation),
 `_new_entry` (a ledger entry with at least `key`, `prior_rev` and `revision` None), `_write`,
-`_result` and `capabilities`; it may override `_decode` and `_rebase`.
+`_result` and `capabilities`; it may override `_decode` and `_rebase`, and `_prepare_change`
+when validating needs I/O (it runs before the ledger is touched; the default calls `_change`).
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ class KVService:
         if not S.ID_RE.match(pid):
             return failed(f"proposal_id {pid!r} is not a 64-char lowercase hex id")
         try:
-            change = self._change(order)
+            change = await self._prepare_change(order)
             for _ in range(ROUNDS):
                 try:
                     return await self._apply_once(pid, change)
@@ -176,6 +177,11 @@ class KVService:
             return failed(str(exc))
         return failed(f"could not apply {change.key!r}: it kept changing or the store did not "
                       f"answer ({ROUNDS} attempts)")
+
+    async def _prepare_change(self, order: ApplyOrder) -> Any:
+        """The change an order asks for, or Refused: `_change`, unless a store has checks to
+        await first (artefact_store's acceptance and blob uploads)."""
+        return self._change(order)
 
     async def _apply_once(self, pid: str, change: Any) -> ApplyResult:
         entry, rev = await read_json(self.ledger, pid)

@@ -45,6 +45,7 @@ PASSWORDS = {
     "operator": "dev-operator-pw",
     "svc-ranking": "dev-ranking-pw",
     "svc-skills": "dev-skills-pw",
+    "svc-deploy": "dev-deploy-pw",
 }
 FAKE_ID = "ab" * 32
 
@@ -504,6 +505,41 @@ async def test_other_service_users_start_their_reference_store(mesh):
         store = SkillsStore(conn.nc, "skills")
         await store.start()
         assert await store.check_grant_active(f"summarize:{FAKE_ID}") is False  # grants read
+        await store.stop()
+        await conn.nc.flush()
+        assert conn.violations() == []
+    finally:
+        await conn.nc.close()
+
+
+async def test_the_l4_artefact_store_runs_under_its_own_user(mesh):
+    """svc-deploy's grants fit the reference artefact store: its object store and buckets, the
+    last-known-good check, and reading the audit chain to refuse an unaccepted order."""
+    from improved.model import AnalyzerRef, ApplyOrder, Origin, Proposal, Summary, to_json
+    from improved.propose import identify
+    from services.artefact_store import ArtefactStore
+
+    conn = await connect_as(mesh["url"], "svc-deploy")
+    try:
+        store = ArtefactStore(conn.nc, "deploy")
+        await store.start()
+        digests = await store.seed({"app": '{"v": 1}'})
+        report = await store.check_lkg({"proposal_id": FAKE_ID, "lkg": [
+            {"artefact": "app", "digest": digests["app"], "smoke_test": "json"}]})
+        assert report["ok"], report
+        assert await store.content("app") == b'{"v": 1}'
+        proposal = Proposal(
+            service="deploy", target_ref="binary:deploy", change_class="L4", scope="operation",
+            origin=Origin(actor="agentd:x", service="agentd"), analyzer=AnalyzerRef(id="a/1"),
+            summary=Summary(template_id="swap"), created_at=1,
+            proposal_data={"artefacts": {"app": '{"v": 2}'}},
+            lkg=[{"artefact": "app", "digest": digests["app"], "smoke_test": "json"}])
+        pid, _ = identify(proposal)
+        # only the daemon may order an apply
+        reply = await mesh["daemon_conn"].nc.request("deploy.improve.apply", to_json(ApplyOrder(
+            proposal_id=pid, proposal=proposal, authority="operator:alice", attempt=1)),
+            timeout=5)
+        assert b"not_accepted" in reply.data, reply.data
         await store.stop()
         await conn.nc.flush()
         assert conn.violations() == []

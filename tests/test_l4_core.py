@@ -234,14 +234,16 @@ def open_record():
     return record.replace(decision=d, gate_class=d.gate_class)
 
 
-def cast(record, voter: str, session: str, vote: str = "approve", read=None, seq=[0]):
-    seq[0] += 1
+_SEQ = iter(range(1, 10**6))
+
+
+def cast(record, voter: str, session: str, vote: str = "approve", read=None):
     v = Vote(proposal_id=record.proposal_id, vote=vote, voter=voter, session=session,
              read=read if read is not None else [f"proposal:{record.proposal_id}", "diff:d",
                                                  "triage:t", "spec:09§7"], at=NOW)
     env = signing.sign(signing.PAYLOAD_TYPES["vote"], msgspec.json.encode(v), VOTERS[voter])
     verified = TRUST.verify(env, signing.PAYLOAD_TYPES["vote"])
-    new, draft = quorum.count(record, Act(verified.digest, seq[0]), verified, v,
+    new, draft = quorum.count(record, Act(verified.digest, next(_SEQ)), verified, v,
                               env.signatures[0].sig, TRIAGER)
     step = quorum.decided(new, TRIAGER, NOW)
     if step is not None:
