@@ -130,9 +130,11 @@ class ArtefactStore(KVService):
     VALUES = "manifest"
 
     def __init__(self, nc: Client, service: str,
-                 smoke_tests: Mapping[str, SmokeTest] | None = None):
+                 smoke_tests: Mapping[str, SmokeTest] | None = None,
+                 verify_acceptance: bool = True):
+        """An L4 store always verifies acceptance; the flag exists for `kv_service.run`."""
         self.objects_bucket, heads, ledger = bucket_names(service)
-        super().__init__(nc, service, heads, ledger)
+        super().__init__(nc, service, heads, ledger, verify_acceptance=True)
         self.smoke_tests: dict[str, SmokeTest] = {**DEFAULT_SMOKE_TESTS, **(smoke_tests or {})}
         self.objects = None
 
@@ -164,7 +166,7 @@ class ArtefactStore(KVService):
             "schemes": list(SCHEMES),
             "proposal_data": ['{"artefacts": {name: "<UTF-8 content>"}}',
                               '{"restore": {name: "sha256:<hex>"}}'],
-            "acceptance": "verified on the audit chain",
+            **self.acceptance_claim(),
             "smoke_tests": sorted(self.smoke_tests),
             "buckets": {"objects": self.objects_bucket, "manifest": self.bucket,
                         "ledger": self.ledger_bucket},

@@ -45,6 +45,7 @@ from nats.js.errors import (
 from improved import subjects as S
 from improved.model import ApplyOrder, ApplyResult, to_json
 
+from . import acceptance
 from .sdk import MeshClient, failed, serve_spec
 
 HISTORY = 64  # revisions kept per key: how far back a recovering order looks for its own write
@@ -83,9 +84,13 @@ class KVService:
     KIND = "kv service"  # how logs and the command line name the store
     VALUES = "values"  # what the values bucket holds
 
-    def __init__(self, nc: Client, service: str, bucket: str, ledger_bucket: str):
+    def __init__(self, nc: Client, service: str, bucket: str, ledger_bucket: str,
+                 verify_acceptance: bool = False):
         self.nc = nc
         self.service = service
+        # Check every order against the audit chain before applying (SPEC 09 conformance L2);
+        # off, the store trusts the bus permissions: only the daemon may send it orders.
+        self.verify_acceptance = verify_acceptance
         self.client = MeshClient(nc, service)
         self.js = nc.jetstream()
         self.bucket, self.ledger_bucket = bucket, ledger_bucket
@@ -179,9 +184,25 @@ class KVService:
                       f"answer ({ROUNDS} attempts)")
 
     async def _prepare_change(self, order: ApplyOrder) -> Any:
-        """The change an order asks for, or Refused: `_change`, unless a store has checks to
-        await first (artefact_store's acceptance and blob uploads)."""
+        """The change an order asks for, or Refused: `_change`, after the acceptance check when
+        the store verifies acceptance (a store may add checks that need I/O)."""
+        if self.verify_acceptance and not await self._applied(order.proposal_id):
+            refusal = await acceptance.check(self.js, order)
+            if refusal is not None:
+                raise Refused(refusal)
         return self._change(order)
+
+    async def _applied(self, pid: str) -> bool:
+        """The ledger holds a finished apply of `pid`: a repeated order gets its result."""
+        entry, _ = await read_json(self.ledger, pid)
+        return entry is not None and entry.get("revision") is not None
+
+    def acceptance_claim(self) -> dict[str, str]:
+        """What `spec.get` says about the acceptance gate, for the capabilities."""
+        if self.verify_acceptance:
+            return {"acceptance": "verified on the audit chain"}
+        return {"acceptance": f"trusted to the bus: only the daemon may publish "
+                              f"{S.apply_request(self.service)}"}
 
     async def _apply_once(self, pid: str, change: Any) -> ApplyResult:
         entry, rev = await read_json(self.ledger, pid)
@@ -259,7 +280,8 @@ class KVService:
 # -- standalone ---------------------------------------------------------------------------------
 
 
-async def run(cls: type[KVService], url: str, service: str) -> int:
+async def run(cls: type[KVService], url: str, service: str,
+              verify_acceptance: bool = False) -> int:
     from improved import bus
 
     name = f"{cls.KIND.replace(' ', '-')}-{service}"
@@ -267,7 +289,7 @@ async def run(cls: type[KVService], url: str, service: str) -> int:
         nc = await asyncio.wait_for(bus.connect(url, name), CONNECT_S)
     except TimeoutError:
         raise bus.BusError(f"cannot reach NATS at {url} within {CONNECT_S:g}s") from None
-    store = cls(nc, service)
+    store = cls(nc, service, verify_acceptance=verify_acceptance)
     await store.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -287,11 +309,15 @@ def main(cls: type[KVService], argv: list[str] | None, module: str, description:
                         help="NATS server with JetStream (default: %(default)s)")
     parser.add_argument("--service", required=True, metavar="NAME",
                         help="the service name this store owns, [a-z][a-z0-9_-]{0,62}")
+    parser.add_argument("--verify-acceptance", action="store_true",
+                        help="refuse any order whose acceptance (operator approval, active "
+                             "grant, quorum) is not on the audit chain, instead of trusting "
+                             "the bus permissions (needs read access to IMPROVE_AUDIT)")
     args = parser.parse_args(argv)
     if not S.SERVICE_RE.match(args.service):
         parser.error(f"--service {args.service!r} must match {S.SERVICE_RE.pattern}")
     try:
-        return asyncio.run(run(cls, args.nats, args.service))
+        return asyncio.run(run(cls, args.nats, args.service, args.verify_acceptance))
     except Exception as exc:  # BusError and friends: one line, not a traceback
         print(f"{cls.KIND}: {exc}", file=sys.stderr)
         return 2

@@ -105,9 +105,9 @@ class RankingStore(KVService):
 
     KIND = "ranking store"
 
-    def __init__(self, nc: Client, service: str):
+    def __init__(self, nc: Client, service: str, verify_acceptance: bool = False):
         self.values_bucket, ledger_bucket = bucket_names(service)
-        super().__init__(nc, service, self.values_bucket, ledger_bucket)
+        super().__init__(nc, service, self.values_bucket, ledger_bucket, verify_acceptance)
         self.values_stream = self.stream
 
     def capabilities(self) -> dict[str, Any]:
@@ -116,6 +116,8 @@ class RankingStore(KVService):
             "improve": True,
             "apply": S.apply_request(self.service),
             "schemes": [f"{s}:" for s in SCHEMES],
+            "conformance": "L3" if self.verify_acceptance else "L1",  # L3: no skills held
+            **self.acceptance_claim(),
             "proposal_data": ['{"set": {"key": K, "value": scalar}}', '{"delete": K}'],
             "buckets": {"values": self.values_bucket, "ledger": self.ledger_bucket},
         }

@@ -32,6 +32,13 @@ Competence rules:
 - Transfer writes the new holder's first grain: the same definition, `derived_from` the source
   grain, `origin_did` the first holder (kept across hops), proficiency and practice_count reset.
 
+Read under a grant (request/reply, queue group = the service): `<svc>.skills.get` with
+`{"skill": "<name>:<sha256>"}` answers `{"skill": identity, "definition": {...}}` only while the
+daemon's grant record for exactly that identity is active and the stored record re-hashes to it;
+otherwise `{"error": {"code", "message", "field"?}}` with code `invalid_value` (not an identity),
+`no_grant` (no active grant), `not_found` (granted, but not stored) or `grant_mismatch` (the
+stored record no longer matches the granted hash).
+
 Accepted proposal_data, target `skill:<name>`: `{"skill": definition}` (optionally with
 `"refines": "<name>:<sha256>"`), and `{"retract": "<name>:<sha256>"}` so that the inverse this
 store hands out can itself be applied; a retraction's inverse restores the same record.
@@ -49,12 +56,22 @@ from typing import Any
 import msgspec
 import structlog
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
-from improved import canonical
+from improved import canonical, wire
 from improved import subjects as S
-from improved.model import ApplyOrder, ApplyResult, Grant, Proposal, Signal, to_json
+from improved.model import (
+    ApplyOrder,
+    ApplyResult,
+    ErrorBody,
+    ErrorReply,
+    Grant,
+    Proposal,
+    Signal,
+    to_json,
+)
 
 from . import kv_service
 from .kv_service import ROUNDS, Conflict, KVService, read_json
@@ -80,6 +97,14 @@ class Refused(kv_service.Refused, ValueError):
 class GrantMismatch(LookupError):
     """A skill asked for under a grant it does not match: no record for exactly that hash, an
     altered record, a retracted one, or no active grant. There is never a fallback by name."""
+
+
+class NoGrant(GrantMismatch):
+    """No active, unexpired grant record covers exactly the identity asked for."""
+
+
+class NotStored(GrantMismatch):
+    """Nothing is stored under exactly the identity (never stored, or retracted)."""
 
 
 class CorruptRecord(ValueError):
@@ -285,15 +310,18 @@ class SkillsStore(KVService):
     KIND = "skills store"
     VALUES = "definitions"
 
-    def __init__(self, nc: Client, service: str):
+    def __init__(self, nc: Client, service: str, verify_acceptance: bool = False):
         self.defs_bucket, self.comp_bucket, ledger_bucket = bucket_names(service)
-        super().__init__(nc, service, self.defs_bucket, ledger_bucket)
+        super().__init__(nc, service, self.defs_bucket, ledger_bucket, verify_acceptance)
         self.defs_stream = self.stream
         self.comp = None
 
     async def start(self) -> None:
         self.comp = await self._bucket(self.comp_bucket, 1,
                                        "skills store: competence grains and chain heads")
+        # the read is served before the capabilities that advertise it
+        self._subs.append(await self.nc.subscribe(S.skills_get(self.service),
+                                                  queue=self.service, cb=self._on_get))
         await super().start()
 
     def capabilities(self) -> dict[str, Any]:
@@ -305,6 +333,10 @@ class SkillsStore(KVService):
             "proposal_data": ['{"skill": definition, "refines"?: identity}',
                               '{"retract": identity}'],
             "identity": "<name>:<sha256>",
+            "get": S.skills_get(self.service),
+            # L2 and L3 need the acceptance gate in the store itself (SPEC 09 conformance)
+            "conformance": "L3" if self.verify_acceptance else "L1",
+            **self.acceptance_claim(),
             "buckets": {"definitions": self.defs_bucket, "competence": self.comp_bucket,
                         "ledger": self.ledger_bucket},
         }
@@ -339,7 +371,7 @@ class SkillsStore(KVService):
         current, _ = await self._current(f"{name}.{sha}")
         reason = verify(current, name, sha)
         if reason is not None:
-            raise GrantMismatch(reason)
+            raise (NotStored if current is None else GrantMismatch)(reason)
         return current
 
     async def get_by_identity(self, identity: str) -> dict[str, Any]:
@@ -379,8 +411,52 @@ class SkillsStore(KVService):
         """Like `get`, and only while an active grant record covers `<name>:<sha>`."""
         identity = f"{name}:{sha}"
         if not await self.check_grant_active(identity):
-            raise GrantMismatch(f"no active grant for {identity}")
+            raise NoGrant(f"no active grant for {identity}")
         return await self.get(name, identity)
+
+    # -- the read under a grant, over NATS -----------------------------------------------------
+
+    async def answer_get(self, data: bytes) -> dict[str, Any] | ErrorReply:
+        """One `<svc>.skills.get` request's bytes → its reply (no exceptions escape)."""
+
+        def error(code: str, message: str, field: str | None = None) -> ErrorReply:
+            return ErrorReply(error=ErrorBody(code=code, message=message[:500], field=field))
+
+        try:
+            body = msgspec.json.decode(data)
+        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError, ValueError) as exc:
+            return error(wire.INVALID_VALUE, f"not a JSON object: {exc}")
+        if not isinstance(body, dict) or set(body) != {"skill"}:
+            return error(wire.INVALID_VALUE, 'the request is {"skill": "<name>:<sha256>"}',
+                         "skill")
+        identity = body["skill"]
+        match = IDENTITY_RE.match(identity) if isinstance(identity, str) else None
+        if match is None:
+            return error(wire.INVALID_VALUE, f"{identity!r} is not a skill identity "
+                         "<name>:<sha256>", "skill")
+        try:
+            definition = await self.get_granted(match.group(1), match.group(2))
+        except NoGrant as exc:
+            return error("no_grant", str(exc), "skill")
+        except NotStored as exc:
+            return error(wire.NOT_FOUND, str(exc), "skill")
+        except GrantMismatch as exc:
+            return error("grant_mismatch", str(exc), "skill")
+        except Exception as exc:  # the store briefly unreachable: "not now", never a definition
+            self.log.warning("skills.get failed", service=self.service, skill=identity,
+                             error=repr(exc))
+            return error("unavailable", f"the read failed for now: {type(exc).__name__}: {exc}")
+        return {"skill": identity, "definition": definition}
+
+    async def _on_get(self, msg: Msg) -> None:
+        reply = await self.answer_get(msg.data)
+        if not msg.reply:
+            return
+        try:
+            await msg.respond(to_json(reply))
+        except Exception as exc:
+            self.log.warning("could not answer skills.get", service=self.service,
+                             error=str(exc))
 
     async def refine(self, identity: str, changes: dict[str, Any], *, service: str,
                      origin_actor: str, analyzer_id: str, created_at: int) -> Proposal:

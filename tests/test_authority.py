@@ -307,3 +307,39 @@ async def test_audit_rebuild_finds_a_cache_that_disagrees_with_the_chain(daemon,
     again = await asyncio.to_thread(rebuild)
     assert pid not in again.stdout
     assert (await daemon.store.load(svc, pid))[0].status == "pending"
+
+
+async def test_a_store_verifying_acceptance_applies_only_what_the_loop_accepted(daemon, nc, svc):
+    """The skills store with the gate in the store: an operator-approved L2 and a granted L3
+    apply through the loop (the chain shows their acceptance); a hand-sent order for content
+    nobody approved is refused `not_accepted` and changes nothing."""
+    from improved.model import ApplyOrder
+    from improved.propose import identify
+    from services.skills_store import SkillsStore
+
+    from .factories import send
+
+    store = SkillsStore(nc, svc, verify_acceptance=True)
+    await store.start()
+    try:
+        client = MeshClient(nc, svc)
+        first = skill_proposal(svc)
+        pid = (await client.propose(first)).proposal_id
+        await client.triage(pid)
+        await publish(nc, S.inbound_review(svc), review(pid))
+        out = await eventually(lambda: client.outcome(pid))
+        assert out.ok, out.error
+        identity = canonical.skill_identity(first.proposal_data["skill"])
+        await publish(nc, S.GRANTS, grant(identity))
+        await eventually(lambda: daemon.store.grant_active(identity, now_ms()))
+        again = skill_proposal(svc, change_class="L3")  # same definition: an L3 re-execution
+        pid3 = (await client.propose(again)).proposal_id
+        assert (await eventually(lambda: client.outcome(pid3))).ok
+        stranger = skill_proposal(svc, name="unreviewed")
+        sid, _ = identify(stranger)
+        result, _ = await send(nc, svc, ApplyOrder(proposal_id=sid, proposal=stranger,
+                                                   authority=ALICE[0], attempt=1))
+        assert not result.ok and result.error.startswith("not_accepted:")
+        assert store.applies == 1  # the L3 re-execution of the same definition wrote nothing
+    finally:
+        await store.stop()
