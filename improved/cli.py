@@ -231,7 +231,7 @@ async def _rebuild(url: str, config: Config, write: bool) -> int:
     async with deployment(url) as store:
         chains = await store.all_chains()
         decoder = msgspec.json.Decoder(audit.Trailer)
-        equal = differ = uncached = broken = 0
+        equal = differ = uncached = broken = foreign = 0
         for (svc, pid), bodies in sorted(chains.items()):
             if svc in S.MESH_CHAINS:
                 continue
@@ -242,7 +242,12 @@ async def _rebuild(url: str, config: Config, write: bool) -> int:
             trailers = [decoder.decode(msgspec.json.encode(b)) for b in bodies]
             cached, rev = await store.load(svc, pid)
             seqs = [cached.chain.stream_seq if cached else 0] * len(trailers)
-            rebuilt = rebuild_record(trailers, seqs, config.policy)
+            try:
+                rebuilt = rebuild_record(trailers, seqs, config.policy)
+            except (ValueError, KeyError, msgspec.MsgspecError) as exc:
+                foreign += 1  # it verifies, but no registration of this daemon's starts it
+                print(f"NOT REBUILDABLE {pid}: {exc}")
+                continue
             if cached is None:
                 uncached += 1
             elif same_state(rebuilt, cached):
@@ -258,8 +263,9 @@ async def _rebuild(url: str, config: Config, write: bool) -> int:
         print(f"{equal + differ + uncached} proposals rebuilt from their chains alone: "
               f"{equal} equal to the cached state, {differ} differ, {uncached} not cached"
               + (f", {broken} chains broken" if broken else "")
+              + (f", {foreign} chains not rebuildable" if foreign else "")
               + ("; cache rewritten" if write and (differ or uncached) else ""))
-        return 1 if broken or (differ and not write) else 0
+        return 1 if broken or foreign or (differ and not write) else 0
 
 
 def same_state(a, b) -> bool:
