@@ -520,29 +520,9 @@ class Engine:
         """SPEC 09 §7.1: ask the owning service for a healthy last-known-good of every
         artefact; then generate the reversal and validate it as a proposal, before any order."""
         by = apply_stage.authority(record, self.policy)
-        subject = S.lkg_request(record.service)
-        settings = self.config.apply
         body = to_json(lkg.check_request(record))
-        last_error = "no attempt"
-        for attempt in range(1, settings.attempts + 1):
-            try:
-                reply = await self.nc.request(subject, body, timeout=settings.timeout_s)
-            except NoRespondersError:
-                last_error = f"no service answers {subject}"
-            except NatsTimeout:
-                last_error = f"{subject} timed out"
-            else:
-                try:
-                    report = lkg.report_decoder.decode(reply.data)
-                except msgspec.MsgspecError:
-                    return lkg.refused(record, f"{subject} answered {error_message(reply.data)}",
-                                       by, now_ms())
-                break
-            log.warning("lkg check failed", proposal_id=record.proposal_id, attempt=attempt,
-                        error=last_error)
-            await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
-        else:
-            raise ServiceUnreachable(last_error)
+        report = await self._ask(record, S.lkg_request(record.service), lambda _: body,
+                                 parse_lkg_reply)
         why = lkg.report_problem(record, report)
         if why is not None:
             log.warning("L4 refused before apply", proposal_id=record.proposal_id, reason=why)
@@ -578,27 +558,35 @@ class Engine:
     async def _send(self, record: ProposalRecord, order: ApplyOrder,
                     allowed=None) -> ApplyResult:
         """One order to the owning service: timeout, bounded retries, then ServiceUnreachable."""
+        return await self._ask(
+            record, S.apply_request(record.service),
+            lambda attempt: to_json(msgspec.structs.replace(order, attempt=attempt)),
+            parse_apply_reply, allowed)
+
+    async def _ask(self, record: ProposalRecord, subject: str, body, parse,
+                   allowed=None):
+        """A request to the owning service with a timeout and bounded retries: `parse` turns
+        a reply into a result, or None for an error reply ("not now", retried). All attempts
+        unanswered or not now: ServiceUnreachable (the proposal stays retryable)."""
         settings = self.config.apply
         last_error = "no attempt"
         for attempt in range(1, settings.attempts + 1):
             if allowed is not None:
                 await allowed(attempt)
-            order = msgspec.structs.replace(order, attempt=attempt)
             try:
-                reply = await self.nc.request(S.apply_request(record.service), to_json(order),
+                reply = await self.nc.request(subject, body(attempt),
                                               timeout=settings.timeout_s)
             except NoRespondersError:
-                last_error = f"no service answers {S.apply_request(record.service)}"
+                last_error = f"no service answers {subject}"
             except NatsTimeout:
-                last_error = f"{S.apply_request(record.service)} timed out"
+                last_error = f"{subject} timed out"
             else:
-                result = parse_apply_reply(reply.data)
+                result = parse(reply.data)
                 if result is not None:
                     return result
-                last_error = f"{S.apply_request(record.service)} answered not now: " \
-                    f"{error_message(reply.data)}"
-            log.warning("apply attempt failed", proposal_id=record.proposal_id,
-                        attempt=attempt, error=last_error)
+                last_error = f"{subject} answered not now: {error_message(reply.data)}"
+            log.warning("request to the owning service failed", proposal_id=record.proposal_id,
+                        subject=subject, attempt=attempt, error=last_error)
             await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
         raise ServiceUnreachable(last_error)
 
@@ -874,6 +862,19 @@ def parse_apply_reply(data: bytes) -> ApplyResult | None:
         pass
     return ApplyResult(ok=False,
                        error="the service answered with something that is not an ApplyResult")
+
+
+def parse_lkg_reply(data: bytes):
+    """The service's LKG report; None for an error reply (retried); anything else a report
+    that confirms nothing."""
+    try:
+        return lkg.report_decoder.decode(data)
+    except msgspec.MsgspecError:
+        pass
+    if parse_apply_reply(data) is None:  # an error reply: not now
+        return None
+    return lkg.LkgReport(ok=False, error="the service answered something that is not an LKG "
+                         "report")
 
 
 def error_message(data: bytes) -> str:

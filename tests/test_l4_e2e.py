@@ -342,3 +342,23 @@ async def test_a_vote_from_an_unknown_key_is_refused(quorum_daemon):
     chain = await votes_counted(daemon, svc, pid, 1)
     assert "unknown_key" in chain[-1]["reason"]
     await store.stop()
+
+
+async def test_an_l4_service_without_the_lkg_check_gets_no_order(daemon, nc, svc):
+    """No answer on `<svc>.improve.lkg` is "not now": the proposal stays approved and
+    retryable, the outcome says why, and no ApplyOrder is sent."""
+    client = MeshClient(nc, svc)
+    orders = []
+
+    async def applier(order):
+        orders.append(order)
+        raise AssertionError("no order may come before the last-known-good check")
+
+    sub = await client.serve_apply(applier)
+    pid = await client.publish(swap(svc, {"a": '{"v": 2}'}))
+    await approve(nc, client, svc, pid)
+    out = await eventually(lambda: client.outcome(pid), timeout=20)
+    assert out.ok is False and out.error.startswith("unreachable:")
+    assert S.lkg_request(svc) in out.error
+    assert orders == [] and (await client.state(pid)).status == "approved"
+    await sub.unsubscribe()
