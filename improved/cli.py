@@ -11,6 +11,7 @@
     improved revert ID
     improved vote ID approve|dissent --session S --read …
     improved conformance SERVICE
+    improved tools list|grant RUNTIME …
     improved skill hash FILE
 """
 
@@ -475,6 +476,46 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     return 0 if report.level is not None else 1
 
 
+def cmd_tools_list(args: argparse.Namespace) -> int:
+    reply = asyncio.run(_request(_url(args, _config(args)), S.tools_list(args.runtime), b"{}",
+                                 args.timeout))
+    out(reply)
+    return 1 if "error" in reply else 0
+
+
+def cmd_tools_grant(args: argparse.Namespace) -> int:
+    """Sign a per-call grant for one gated tool of a runtime; print the envelope for the agent
+    (or, with --call, make the call with it and print the result)."""
+    from . import tools
+
+    url = _url(args, _config(args))
+    try:
+        call_args = json.loads(args.args)
+    except json.JSONDecodeError as exc:
+        print(f"improved tools grant: --args is not JSON: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(call_args, dict):
+        print("improved tools grant: --args is a JSON object", file=sys.stderr)
+        return 2
+    catalog = asyncio.run(_request(url, S.tools_list(args.runtime), b"{}", args.timeout))
+    entry = next((t for t in catalog.get("tools", []) if t.get("name") == args.tool), None)
+    if entry is None:
+        print(f"improved tools grant: runtime {args.runtime} lists no tool {args.tool!r}",
+              file=sys.stderr)
+        return 1
+    principal, key = _signer(args)
+    env = tools.sign_grant(key, principal, entry["grant_token"], args.tool, call_args,
+                           args.reason, int(time.time() * 1000), int(args.ttl * 1000),
+                           runtime=args.runtime)
+    if not args.call:
+        out(msgspec.to_builtins(env))
+        return 0
+    body = to_json({"tool": args.tool, "args": call_args, "grant": env})
+    reply = asyncio.run(_request(url, S.tools_call(args.runtime), body, args.timeout))
+    out(reply)
+    return 0 if reply.get("ok") else 1
+
+
 def cmd_skill_hash(args: argparse.Namespace) -> int:
     data = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
     try:
@@ -740,6 +781,36 @@ def parser() -> argparse.ArgumentParser:
     conf.add_argument("--timeout", type=float, default=2.0, help="per request (2 s)")
     conf.set_defaults(func=cmd_conformance)
 
+    tls = sub.add_parser(
+        "tools", help="an agent runtime's tool surface (SPEC 09 §3.1)",
+        description="List a runtime's tool catalog, or sign a per-call grant that mounts one "
+                    "gated tool for exactly one call.")
+    tls_sub = tls.add_subparsers(dest="tools_command", required=True, metavar="ACTION")
+    tlist = tls_sub.add_parser(
+        "list", help="the catalog: every tool, its class, whether it is mounted",
+        description="Ask <runtime>.tools.list: every tool with its class (L0/L2/L4); a tool "
+                    "above the runtime's ceiling shows gated_authority, mountable false and "
+                    "its grant_token.")
+    common(tlist)
+    tlist.add_argument("runtime", metavar="RUNTIME")
+    tlist.add_argument("--timeout", type=float, default=5.0, help="seconds (5)")
+    tlist.set_defaults(func=cmd_tools_list)
+    tgrant = tls_sub.add_parser(
+        "grant", help="sign a grant for one call of a gated tool",
+        description="Look the tool's grant_token up in the runtime's catalog and sign a "
+                    "per-call grant (DSSE, your operator key) bound to that token, the "
+                    "runtime and the digest of exactly these arguments; it runs once. Prints "
+                    "the envelope for the agent to present, or makes the call with --call.")
+    common(tgrant)
+    tgrant.add_argument("runtime", metavar="RUNTIME")
+    tgrant.add_argument("tool", metavar="TOOL")
+    tgrant.add_argument("--args", default="{}", help="the call's arguments, a JSON object")
+    tgrant.add_argument("--ttl", type=float, default=300.0, help="seconds the grant lives (300)")
+    tgrant.add_argument("--call", action="store_true", help="make the call now with the grant")
+    tgrant.add_argument("--timeout", type=float, default=5.0, help="seconds (5)")
+    signer(tgrant)
+    tgrant.set_defaults(func=cmd_tools_grant)
+
     bench = sub.add_parser(
         "bench", help="measure the loop against the broker's own limit",
         description="Start (or connect to) NATS, daemon process(es) and a reference applier; "
@@ -782,12 +853,13 @@ def parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo", help="walk through the whole loop in about a minute",
-        description="Start everything embedded (a nats-server, the daemon, a skills store and a "
-                    "ranking store) and walk through the loop: a skill proposed at L1, its first "
-                    "execution approved by a demo operator, a grant, a trusted re-execution, a "
-                    "refinement sent back to L2, a self-confirmed change deferred, a forbidden "
-                    "target rejected, a rollback — printing a timeline and ending with every "
-                    "audit chain verified.")
+        description="Start everything embedded (a nats-server, the daemon, a skills store, a "
+                    "ranking store and an artefact store) and walk through the loop: a skill "
+                    "proposed at L1, its first execution approved by a demo operator, a grant, a "
+                    "trusted re-execution, a refinement sent back to L2, a self-confirmed change "
+                    "deferred, a forbidden target rejected, a rollback, an L4 binary swap "
+                    "refused whole, then applied and reverted without a second approval — "
+                    "printing a timeline and ending with every audit chain verified.")
     demo.add_argument("--pace", type=float, default=0.4, metavar="SECONDS",
                       help="pause between steps (0.4)")
     demo.add_argument("--data-dir", metavar="DIR",

@@ -36,6 +36,7 @@ import structlog
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 
+from services.artefact_store import ArtefactStore
 from services.ranking_store import RankingStore
 from services.sdk import MeshClient
 from services.skills_store import SkillsStore
@@ -82,6 +83,8 @@ SKILL = {
 }
 EXTRA_SENTENCE = " Keep each bullet under twenty words."
 RANK_KEY = "search.title_boost"
+DEPLOYER = "agentd:release-9c1e:1"  # proposes the L4 binary swap
+ARTEFACTS = {"app": '{"release": 1}', "config": '{"workers": 4}'}
 PRIOR, NEW = 1.0, 1.5
 FORBIDDEN = "notes/../_spec/2026-04-20-00-constitution.md"
 
@@ -216,8 +219,15 @@ class Demo:
         await self.search.start()
         values = await self.nc_search.jetstream().key_value(self.search.values_bucket)
         await values.put(RANK_KEY, to_json(PRIOR))
-        self.event("services", f"skills (reference skills store) and search (reference ranking "
-                   f"store, {RANK_KEY} = {PRIOR}) serve <svc>.improve.apply")
+        self.nc_deploy = await bus.connect(url, "demo-artefact-store")
+        self.conns.append(self.nc_deploy)
+        self.deploy = ArtefactStore(self.nc_deploy, "deploy")
+        await self.deploy.start()
+        await self.deploy.seed(ARTEFACTS)
+        self.event("services", f"skills (reference skills store), search (reference ranking "
+                   f"store, {RANK_KEY} = {PRIOR}) and deploy (reference L4 artefact store, "
+                   f"{', '.join(ARTEFACTS)} at their last-known-good) serve "
+                   "<svc>.improve.apply")
 
         # The agents, the evaluator and the operator share one connection; so does the
         # audit reader, which reads the chains straight from the stream, not from the daemon.
@@ -226,12 +236,14 @@ class Demo:
         self.js = self.nc.jetstream()
         self.skills_client = MeshClient(self.nc, "skills", timeout=STEP_TIMEOUT)
         self.search_client = MeshClient(self.nc, "search", timeout=STEP_TIMEOUT)
+        self.deploy_client = MeshClient(self.nc, "deploy", timeout=STEP_TIMEOUT)
         self.evaluator = MeshClient(self.nc, "evaluator", timeout=STEP_TIMEOUT)
         self.reader = Store(self.nc)
 
     async def stop(self) -> None:
         """Stop services, daemon, connections, server — each bounded, none allowed to raise."""
-        for store in (getattr(self, "skills", None), getattr(self, "search", None)):
+        for store in (getattr(self, "skills", None), getattr(self, "search", None),
+                      getattr(self, "deploy", None)):
             if store is not None:
                 with suppress(Exception):
                     await asyncio.wait_for(store.stop(), CLEANUP_TIMEOUT)
@@ -508,6 +520,58 @@ class Demo:
         self.expect(counted >= 1, "the autonomous rollback was not counted for the breaker")
         self.ok("rolled_back: the recorded inverse restored the prior value")
 
+    def swap_proposal(self, new: dict[str, str]) -> Proposal:
+        return Proposal(
+            service="deploy", target_ref="binary:deploy", change_class="L4", scope="operation",
+            origin=Origin(actor=DEPLOYER, service="deploy"),
+            analyzer=AnalyzerRef(id="acme.release/1"),
+            summary=Summary(template_id="swap_binary", args={"n": len(new)}),
+            proposal_data={"artefacts": new},
+            lkg=[{"artefact": name, "digest": "sha256:" + canonical.sha256_hex(text.encode()),
+                  "smoke_test": "json"} for name, text in new.items()],
+            created_at=self.now_ms())
+
+    async def outcome(self, client: MeshClient, pid: str):
+        return await self.wait(f"the apply outcome of {short(pid)}", lambda: client.outcome(pid))
+
+    async def step_l4(self) -> None:
+        before = await self.deploy.manifest()
+        bad = await self.propose(self.deploy_client, self.swap_proposal(
+            {"app": '{"release": 2}', "config": "{ not json"}))
+        await self.decision(self.deploy_client, bad)
+        await self.review("deploy", bad, "approve", "release 2")
+        out = await self.outcome(self.deploy_client, bad)
+        self.event("apply", f"ok={out.ok}: {out.error}")
+        self.expect(not out.ok and await self.deploy.manifest() == before,
+                    "a swap with a failing artefact changed something")
+        self.event("lkg", "app and config both still at their last-known-good: all or none")
+
+        good = await self.propose(self.deploy_client, self.swap_proposal(
+            {"app": '{"release": 2}', "config": '{"workers": 8}'}))
+        await self.decision(self.deploy_client, good)
+        await self.review("deploy", good, "approve", "release 2, fixed")
+        out = await self.outcome(self.deploy_client, good)
+        self.expect(out.ok, f"the healthy swap failed: {out.error}")
+        chain = await self.chain("deploy", good)
+        verdicts = [t.get("verdict") for t in chain]
+        self.expect(verdicts.index("lkg_verified") < verdicts.index("applied"),
+                    "the reversal was not recorded before the apply")
+        # the reversal travels on the chain (the `revert:` ref of the lkg_verified trailer)
+        checked = chain[verdicts.index("lkg_verified")]
+        reversal = next(r[len("revert:"):] for r in checked["refs"] if r.startswith("revert:"))
+        self.event("apply", f"{out.applied_id}; reversal recorded before the apply: "
+                   f"revert_proposal_id {short(out.revert_proposal_id)}")
+        await self.deploy_client.publish(msgspec.json.decode(reversal))
+        rev = await self.outcome(self.deploy_client, out.revert_proposal_id)
+        self.expect(rev.ok and rev.authority == OPERATOR,
+                    f"the reversal did not run under {OPERATOR}: {rev.error or rev.authority}")
+        await self.status(self.deploy_client, good, "rolled_back")
+        self.expect(await self.deploy.manifest() == before, "the reversal left a new version")
+        self.event("revert", f"{short(out.revert_proposal_id)} inherited the approval of "
+                   f"{OPERATOR}: no second signature; both artefacts back")
+        self.ok("L4: unhealthy swap refused whole; healthy swap applied, then reverted through "
+                "its revert_proposal_id without a second approval")
+
     async def step_audit(self) -> None:
         chains = await self.reader.all_chains()
         trailers = sum(len(bodies) for bodies in chains.values())
@@ -551,6 +615,10 @@ class Demo:
         ("step_rollback", "Undo: the operator rolls the ranking change back",
          "Every apply recorded the inverse the service returned; a signed rollback applies it "
          "and counts toward the circuit breaker."),
+        ("step_l4", "L4: last-known-good, all or none, and a reversal made in advance",
+         "A binary swap lists its artefacts with digests and smoke tests; the owning service "
+         "swaps all of them or none, and the reversal is recorded before the apply, so undoing "
+         "it needs no second signature."),
         ("step_audit", "The audit chains",
          "Every transition left a hash-chained trailer; re-deriving every hash and link needs "
          "nothing but the stream's contents."),

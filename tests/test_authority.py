@@ -323,7 +323,8 @@ async def test_a_store_verifying_acceptance_applies_only_what_the_loop_accepted(
     await store.start()
     try:
         client = MeshClient(nc, svc)
-        first = skill_proposal(svc)
+        own = f"Summarise for {svc}."  # grants are mesh-wide: a definition of this test's own
+        first = skill_proposal(svc, instructions=own)
         pid = (await client.propose(first)).proposal_id
         await client.triage(pid)
         await publish(nc, S.inbound_review(svc), review(pid))
@@ -332,7 +333,7 @@ async def test_a_store_verifying_acceptance_applies_only_what_the_loop_accepted(
         identity = canonical.skill_identity(first.proposal_data["skill"])
         await publish(nc, S.GRANTS, grant(identity))
         await eventually(lambda: daemon.store.grant_active(identity, now_ms()))
-        again = skill_proposal(svc, change_class="L3")  # same definition: an L3 re-execution
+        again = skill_proposal(svc, change_class="L3", instructions=own)  # an L3 re-execution
         pid3 = (await client.propose(again)).proposal_id
         assert (await eventually(lambda: client.outcome(pid3))).ok
         stranger = skill_proposal(svc, name="unreviewed")

@@ -30,7 +30,8 @@ def improved(*args: str, **kw) -> subprocess.CompletedProcess:
                                      ["keys", "new"], ["review"], ["approve"], ["reject"],
                                      ["grant"], ["revoke"], ["skill", "hash"], ["rollback"],
                                      ["status"], ["crisis", "resolve"], ["demo"], ["bench"],
-                                     ["audit", "rebuild"]])
+                                     ["audit", "rebuild"], ["revert"], ["vote"],
+                                     ["conformance"], ["tools", "list"], ["tools", "grant"]])
 def test_every_command_explains_itself(command):
     result = improved(*command, "--help")
     assert result.returncode == 0

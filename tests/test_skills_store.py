@@ -400,7 +400,8 @@ async def test_capabilities_advertise_the_read_and_stop_ends_it(nc, svc, store):
     spec = msgspec.json.decode(
         (await nc.request(subjects.service_spec(svc), b"{}", timeout=5)).data)
     assert spec["get"] == subjects.skills_get(svc)
-    assert spec["conformance"] == "L3"
+    # it trusts the bus for acceptance unless told to verify it, and says so
+    assert spec["conformance"] == "L1" and spec["acceptance"].startswith("trusted to the bus")
     assert spec["identity"] == "<name>:<sha256>"
     await store.stop()
     with pytest.raises((NoRespondersError, NatsTimeout)):  # nobody serves it any more
