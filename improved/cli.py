@@ -543,12 +543,14 @@ async def _review_queue(url: str) -> list[dict[str, Any]]:
                     or record.superseded_by is not None:
                 continue
             surfaced = d.verdict == "accept" and record.gate_class == "L1"
-            if not surfaced and (d.verdict != "defer"
-                                 or d.cause not in ("awaiting_operator", "no_grant")):
+            if not surfaced and (d.verdict != "defer" or d.cause not in (
+                    "awaiting_operator", "no_grant", "awaiting_quorum", "quorum_dissent")):
                 continue
             p = record.proposal
             queue.append({
                 "proposal_id": pid, "service": svc, "summary": record.summary_text,
+                "votes": [f"{b.vote} by {b.voter} ({b.session})" for b in record.ballots],
+                "constitution_edit": p.amends,
                 "class": p.change_class, "gate": record.gate_class, "target": p.target_ref,
                 "cause": "surfaced" if surfaced else d.cause, "rationale": d.rationale,
                 "scope": p.scope,
@@ -590,6 +592,11 @@ def cmd_review(args: argparse.Namespace) -> int:
                   + (f", metric {ev['metric']}" if ev["metric"] else ""))
         if q["target_files"]:
             print(f"  files: {', '.join(q['target_files'])}")
+        if q["votes"]:
+            print(f"  quorum votes: {'; '.join(q['votes'])}")
+        if q["constitution_edit"]:
+            print(f"  constitution edit amending {q['constitution_edit']}: approving it marks "
+                  "it ready; you commit the diff by hand")
         print(f"  why waiting: {q['rationale']}")
         if q["cause"] == "surfaced":
             print(f"  surfaced only (L1 is never applied): improved reject {q['proposal_id']} "
