@@ -252,6 +252,12 @@ async def votes_counted(daemon, svc, pid, n):
     return await eventually(enough)
 
 
+async def nothing_applied(client, store, pid) -> None:
+    """Watch a moment for what must not happen: the quorum did not approve, nothing ran."""
+    await asyncio.sleep(0.3)
+    assert (await client.state(pid)).status == "pending" and store.orders == 0
+
+
 async def test_two_votes_do_not_apply_three_non_correlated_do(quorum_daemon):
     nc, daemon = quorum_daemon
     svc = "q3"
@@ -259,8 +265,7 @@ async def test_two_votes_do_not_apply_three_non_correlated_do(quorum_daemon):
     await publish(nc, S.QUORUM, vote(pid, "agent-a", "model-x"))
     await publish(nc, S.QUORUM, vote(pid, "agent-b", "model-y"))
     await votes_counted(daemon, svc, pid, 2)
-    await asyncio.sleep(0.3)
-    assert (await client.state(pid)).status == "pending" and store.orders == 0
+    await nothing_applied(client, store, pid)
     await publish(nc, S.QUORUM, vote(pid, "agent-c", "operator-origin-z"))
     out = await outcome(client, pid)
     assert out.ok, out.error
@@ -287,8 +292,7 @@ async def test_the_same_key_voting_three_times_does_not_apply(quorum_daemon):
     assert [t.get("verdict") for t in chain if t.get("verdict") in ("vote", "refused")] == \
         ["vote", "refused", "refused"]
     assert any("same_key" in t["reason"] for t in chain)
-    await asyncio.sleep(0.3)
-    assert (await client.state(pid)).status == "pending" and store.orders == 0
+    await nothing_applied(client, store, pid)
     await store.stop()
 
 
@@ -303,8 +307,7 @@ async def test_the_proposers_session_and_correlated_sessions_never_add_up(quorum
     reasons = [t["reason"] for t in chain if t.get("verdict") == "refused"]
     assert any("proposer_session" in r for r in reasons)
     assert any("correlated_session" in r for r in reasons)
-    await asyncio.sleep(0.3)
-    assert (await client.state(pid)).status == "pending" and store.orders == 0
+    await nothing_applied(client, store, pid)
     await store.stop()
 
 
