@@ -36,7 +36,7 @@ import structlog
 from . import audit, bus, canonical, signing
 from . import subjects as S
 from .config import Config, ConfigError, load
-from .model import CrisisAct, GrantCommand, Review, Vote, to_json
+from .model import Actor, CrisisAct, GrantCommand, Review, Vote, to_json
 from .store import Store, StoreError
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
@@ -320,12 +320,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_keys_new(args: argparse.Namespace) -> int:
-    principal = args.principal
-    if not principal.startswith("operator:") or len(principal) <= len("operator:"):
-        print("improved keys new: the principal is operator:NAME", file=sys.stderr)
-        return 2
+    """An operator key ([trust.operators]) or a quorum voter key ([trust.quorum])."""
+    if args.voter:
+        who, table = args.voter, "trust.quorum"
+        try:
+            msgspec.convert(who, type=Actor)
+        except msgspec.ValidationError:
+            print("improved keys new: a voter is an actor id, e.g. agent-review-a",
+                  file=sys.stderr)
+            return 2
+        filename = "voter:" + who
+    else:
+        who, table = args.principal, "trust.operators"
+        if not who or not who.startswith("operator:") or len(who) <= len("operator:"):
+            print("improved keys new: the principal is operator:NAME (or --voter NAME)",
+                  file=sys.stderr)
+            return 2
+        filename = who
     try:
-        path, public = signing.new_key(principal, Path(args.dir) if args.dir else None)
+        path, public = signing.new_key(filename, Path(args.dir) if args.dir else None)
     except FileExistsError as exc:
         print(f"improved keys new: {exc}", file=sys.stderr)
         return 1
@@ -333,7 +346,7 @@ def cmd_keys_new(args: argparse.Namespace) -> int:
     print(f"private key: {path} (keep it; mode 0600)")
     print(f"keyid:       {signing.keyid_of(public)}")
     print("add to the daemon's config to trust it:\n")
-    print(f'[trust.operators]\n"{principal}" = "{b64}"')
+    print(f'[{table}]\n"{who}" = "{b64}"')
     return 0
 
 
@@ -698,10 +711,14 @@ def parser() -> argparse.ArgumentParser:
     keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     knew = keys_sub.add_parser(
         "new", help="create an operator key and print its trust-store entry",
-        description="Create an Ed25519 key for operator:NAME in the key directory "
-                    "($IMPROVED_KEYS, default ~/.config/improved/keys) and print the "
-                    "[trust.operators] entry the daemon's config needs to trust it.")
-    knew.add_argument("--principal", required=True, metavar="operator:NAME")
+        description="Create an Ed25519 key for operator:NAME (or a quorum voter NAME) in the "
+                    "key directory ($IMPROVED_KEYS, default ~/.config/improved/keys) and print "
+                    "the [trust.operators] (or [trust.quorum]) entry the daemon's config needs "
+                    "to trust it.")
+    who = knew.add_mutually_exclusive_group(required=True)
+    who.add_argument("--principal", metavar="operator:NAME", help="an operator's key")
+    who.add_argument("--voter", metavar="NAME",
+                     help="a quorum voter's key (its [trust.quorum] entry; see `improved vote`)")
     knew.add_argument("--dir", metavar="DIR", help="where to write the key")
     knew.set_defaults(func=cmd_keys_new)
 

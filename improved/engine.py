@@ -494,9 +494,6 @@ class Engine:
                     raise
                 at = now_ms()
                 record = await self._commit(*apply_stage.transition(record, result, by, at), at)
-                undone = apply_stage.rolls_back(record.proposal)
-                if undone and result.ok:
-                    await self.rolled_back(record.service, undone, record)
                 continue
             measured = learnback.measurement(record, self.policy, now)
             if measured is not None:
@@ -508,6 +505,11 @@ class Engine:
                 record = await self._commit(*learnback.measured(
                     record, verdict, value, rollback_id, self.actor, now), now)
                 continue
+            undone = apply_stage.rolls_back(record.proposal)
+            if undone and record.outcome is not None and record.outcome.ok:
+                # the original is rolled back once its inverse applied; idempotent, so a crash
+                # between the two trailers is finished by the next pass over this proposal
+                await self.rolled_back(record.service, undone, record)
             break
         return record
 

@@ -21,6 +21,10 @@ from improved.daemon import Daemon
 # The session daemon trusts alice; mallory's key is not in its trust store.
 ALICE = ("operator:alice", Ed25519PrivateKey.generate())
 MALLORY = ("operator:mallory", Ed25519PrivateKey.generate())
+# Quorum voters, trusted by `quorum_daemon` only.
+VOTERS = {name: Ed25519PrivateKey.generate() for name in ("agent-a", "agent-b", "agent-c",
+                                                          "agent-d")}
+
 
 
 @pytest.fixture(scope="session")
@@ -98,3 +102,22 @@ async def eventually(check, timeout: float = 10.0, interval: float = 0.05):
     raise AssertionError(f"condition not met within {timeout}s (last: {last!r})")
 
 
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def quorum_daemon(own_server):
+    """A daemon of its own with `policy.quorum` on, trusting VOTERS' keys as quorum voters."""
+    import dataclasses
+
+    nc = await bus.connect(own_server.url, "quorum")
+    base = daemon_config()
+    voters = {n: base64.b64encode(signing.raw_public(k.public_key())).decode()
+              for n, k in VOTERS.items()}
+    config = dataclasses.replace(
+        base, policy=dataclasses.replace(base.policy, quorum=True),
+        trust=Trust(operators=base.trust.operators, quorum=voters))
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    yield nc, daemon
+    await daemon.stop()
+    await bus.close(nc)

@@ -96,3 +96,27 @@ async def test_tools_list_and_a_granted_call_from_the_terminal(nc, nats_url, ali
         assert calls == [{"to": "v2"}]
     finally:
         await service.stop()
+
+
+async def test_three_voters_approve_an_l4_from_the_terminal(quorum_daemon, own_server, tmp_path):
+    from .conftest import VOTERS
+    from .test_l4_e2e import quorum_case
+
+    nc, daemon = quorum_daemon
+    store, client, pid = await quorum_case(nc, daemon, "qcli")
+    for n, voter in enumerate(("agent-a", "agent-b", "agent-c")):
+        key = tmp_path / f"{voter}.pem"
+        key.write_bytes(VOTERS[voter].private_bytes(serialization.Encoding.PEM,
+                                                    serialization.PrivateFormat.PKCS8,
+                                                    serialization.NoEncryption()))
+        done = await cli("vote", pid, "approve", "--voter", voter, "--key", str(key),
+                         "--session", f"model-{n}", "--read", f"proposal:{pid}",
+                         "--read", "diff:reviewed", "--read", "triage:reviewed",
+                         "--read", "spec:09§7", "--nats", own_server.url)
+        assert done.returncode == 0, done.stderr
+    out = await outcome(client, pid)
+    assert out.ok and out.authority.startswith("quorum:")
+    shown = await cli("show", pid, "--nats", own_server.url)
+    view = json.loads(shown.stdout)
+    assert view["quorum"]["outcome"] == "approved" and len(view["quorum"]["votes"]) == 3
+    await store.stop()

@@ -6,8 +6,6 @@ and the signed quorum."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import dataclasses
 import hashlib
 import time
 
@@ -15,10 +13,8 @@ import msgspec
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from improved import bus, signing
+from improved import signing
 from improved import subjects as S
-from improved.config import Trust
-from improved.daemon import Daemon
 from improved.model import (
     AnalyzerRef,
     Origin,
@@ -32,7 +28,7 @@ from improved.model import (
 from services.artefact_store import ArtefactStore
 from services.sdk import MeshClient
 
-from .conftest import ALICE, daemon_config, eventually
+from .conftest import ALICE, VOTERS, eventually
 from .test_authority import publish, review, trailers
 from .test_l4_core import CHANGELOG_DIFF, CONSTITUTION
 
@@ -207,31 +203,11 @@ async def test_a_constitution_edit_is_prepared_and_never_applied(daemon, nc, svc
 
 # -- the quorum (policy.quorum on; a daemon of its own) -----------------------------------------
 
-VOTERS = {name: Ed25519PrivateKey.generate() for name in ("agent-a", "agent-b", "agent-c",
-                                                          "agent-d")}
-
-
 def vote(pid: str, voter: str, session: str, verdict: str = "approve"):
     body = Vote(proposal_id=pid, vote=verdict, voter=voter, session=session,
                 read=[f"proposal:{pid}", f"diff:{pid[:8]}", f"triage:{pid[:8]}", "spec:09§7"],
                 at=now_ms())
     return signing.sign(signing.PAYLOAD_TYPES["vote"], to_json(body), VOTERS[voter])
-
-
-@pytest.fixture
-async def quorum_daemon(own_server):
-    nc = await bus.connect(own_server.url, "quorum")
-    base = daemon_config()
-    voters = {n: base64.b64encode(signing.raw_public(k.public_key())).decode()
-              for n, k in VOTERS.items()}
-    config = dataclasses.replace(
-        base, policy=dataclasses.replace(base.policy, quorum=True),
-        trust=Trust(operators=base.trust.operators, quorum=voters))
-    daemon = Daemon(nc, config)
-    await daemon.start()
-    yield nc, daemon
-    await daemon.stop()
-    await bus.close(nc)
 
 
 async def quorum_case(nc, daemon, svc):
@@ -365,3 +341,61 @@ async def test_an_l4_service_without_the_lkg_check_gets_no_order(daemon, nc, svc
     assert S.lkg_request(svc) in out.error
     assert orders == [] and (await client.state(pid)).status == "approved"
     await sub.unsubscribe()
+
+
+async def test_an_l4_regression_proposes_the_recorded_reversal_which_runs_unapproved(
+        daemon, nc, svc):
+    """Learn-back: the metric regresses after an approved L4 apply; the rollback proposed is
+    the reversal recorded before the apply, and it runs under the original's approval."""
+    from improved.model import MetricSnapshot
+
+    from .factories import signal
+
+    store = await started(nc, svc, {"a": '{"v": 1}'})
+    before = await store.manifest()
+    client = MeshClient(nc, svc)
+    change = msgspec.structs.replace(swap(svc, {"a": '{"v": 2}'}), metric_snapshot=MetricSnapshot(
+        metric="throughput_rps", baseline=100.0, review_after=now_ms() + 300))
+    pid = await client.publish(change)
+    await approve(nc, client, svc, pid)
+    out = await outcome(client, pid)
+    assert out.ok
+    await asyncio.sleep(0.4)
+    await client.refine(signal(svc, "mcp:analytics-2:1", kind="metric", name="throughput_rps",
+                               value=40.0, positive=False, proposal_id=pid))
+    await eventually(lambda: _status(client, pid, "rolled_back"), timeout=15)
+    assert await store.manifest() == before
+    chain = await trailers(daemon, svc, pid)
+    regressed = next(t for t in chain if t.get("verdict") == "regressed")
+    assert f"rollback_proposal:{out.revert_proposal_id}" in regressed["refs"]
+    rev_chain = await trailers(daemon, svc, out.revert_proposal_id)
+    assert "inherit" in [t.get("verdict") for t in rev_chain]
+    await store.stop()
+
+
+async def test_a_crash_between_the_reversal_and_the_rollback_mark_is_finished_later(
+        daemon, nc, svc, monkeypatch):
+    """The reversal's apply trailer is written, then the process dies before the original is
+    marked rolled back: the next pass over the reversal finishes it."""
+    store = await started(nc, svc, {"a": '{"v": 1}'})
+    client = MeshClient(nc, svc)
+    pid = await client.publish(swap(svc, {"a": '{"v": 2}'}))
+    await approve(nc, client, svc, pid)
+    out = await outcome(client, pid)
+    record, _ = await daemon.store.load(svc, pid)
+    real = daemon.engine.rolled_back
+    crashes = []
+
+    async def crash_once(*args, **kwargs):
+        if not crashes:
+            crashes.append(args)
+            raise RuntimeError("died between the two trailers")
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(daemon.engine, "rolled_back", crash_once)
+    await client.publish(record.revert)
+    rev = await outcome(client, out.revert_proposal_id)
+    assert rev.ok
+    await eventually(lambda: _status(client, pid, "rolled_back"), timeout=15)
+    assert crashes  # it did die once, and the redelivery finished the job
+    await store.stop()
