@@ -92,15 +92,36 @@ def make_proposal(kind: str, i: int, t0: int) -> Proposal:
 
 
 class Applier:
-    """The reference applier of the bench: answers every ApplyOrder, counts them per id."""
+    """The reference applier of the bench: answers every ApplyOrder, counts them per id. With
+    `js`, it first verifies on the audit chain that the order was accepted (what a conformant
+    L2+ service does, services/acceptance.py), each order in a task of its own."""
 
-    def __init__(self):
+    def __init__(self, js=None):
         self.orders: Counter[str] = Counter()
+        self.refused = 0
         self.decoder = msgspec.json.Decoder(ApplyOrder)
+        self.js = js
+        self.tasks: set[asyncio.Task] = set()
 
     async def handle(self, msg) -> None:
+        if self.js is None:
+            await self._answer(msg)
+            return
+        task = asyncio.create_task(self._answer(msg))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _answer(self, msg) -> None:
         order = self.decoder.decode(msg.data)
         self.orders[order.proposal_id] += 1
+        if self.js is not None:
+            from services import acceptance
+
+            refusal = await acceptance.check(self.js, order)
+            if refusal is not None:
+                self.refused += 1
+                await msg.respond(to_json(ApplyResult(ok=False, error=refusal)))
+                return
         result = ApplyResult(ok=True, applied_id=f"bench:{order.proposal_id[:12]}",
                              inverse={"undo": order.proposal_id[:12]}, rollbackable=True)
         await msg.respond(to_json(result))
@@ -226,7 +247,7 @@ class Bench:
             raw = await self.raw_rate(nc, size, max(a.n * 4, 5000))
             self.start_daemons(url, a.replicas)
             await self.wait_ready(nc)
-            applier = Applier()
+            applier = Applier(nc.jetstream() if a.verify_acceptance else None)
             await nc.subscribe(S.apply_request(SVC), cb=applier.handle)
             await self.grant(nc)
             result = await self.drive(nc, proposals, kinds, a.concurrency)
@@ -236,6 +257,8 @@ class Bench:
             result["ratio_transitions_to_raw"] = round(
                 result["audited_transitions_per_s"] / raw, 3)
             result["duplicate_applies"] = sum(1 for c in applier.orders.values() if c > 1)
+            result["applier"] = {"verifies_acceptance": bool(a.verify_acceptance),
+                                 "refused_unaccepted": applier.refused}
             result["verify"] = await self.verify_and_rebuild(nc)
             result["peak_rss_mb"] = [round(peak_rss_mb(d.pid), 1) for d in self.daemons]
             if a.paced:
@@ -453,6 +476,10 @@ def table(r: dict[str, Any]) -> str:
         f"({v['trailers']} trailers, {v['chains']} chains, {v['broken']} broken)",
         f"rebuild              {v['rebuild_trailers_per_s']:,} trailers/s",
         f"duplicate applies    {r['duplicate_applies']}",
+        "applier              "
+        + ("verified acceptance on the audit chain for every order "
+           f"({r['applier']['refused_unaccepted']} refused)"
+           if r["applier"]["verifies_acceptance"] else "trusted the bus (no acceptance check)"),
         f"daemon peak RSS      {', '.join(f'{m} MB' for m in r['peak_rss_mb'])}",
     ]
     return "\n".join(lines)
@@ -465,4 +492,5 @@ def main(args) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))
         print(f"\nJSON written to {args.json}")
-    return 0 if result["duplicate_applies"] == 0 and result["completed"] == args.n else 1
+    return 0 if (result["duplicate_applies"] == 0 and result["completed"] == args.n
+                 and result["applier"]["refused_unaccepted"] == 0) else 1

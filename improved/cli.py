@@ -855,6 +855,9 @@ def parser() -> argparse.ArgumentParser:
                        help="embedded server fsync: always (durable, default) or e.g. 2m")
     bench.add_argument("--records", choices=("file", "memory"), default="file",
                        help="the daemons' records_storage (file)")
+    bench.add_argument("--verify-acceptance", action="store_true",
+                       help="the applier checks every order's acceptance on the audit chain "
+                            "first, as an L2+ conformant service does")
     bench.add_argument("--paced", action="store_true",
                        help="also measure publish→decision latency at half the peak rate")
     bench.add_argument("--timeout", type=float, default=300.0, help="give up after (300 s)")
