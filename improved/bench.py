@@ -30,6 +30,8 @@ import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.js import api as jsapi
 
+from services import acceptance
+
 from . import audit, bus, canonical, propose, signing
 from . import subjects as S
 from .config import Policy
@@ -115,8 +117,6 @@ class Applier:
         order = self.decoder.decode(msg.data)
         self.orders[order.proposal_id] += 1
         if self.js is not None:
-            from services import acceptance
-
             refusal = await acceptance.check(self.js, order)
             if refusal is not None:
                 self.refused += 1

@@ -208,24 +208,10 @@ class Engine:
         superseded = (head is not None and head["proposal_id"] != pid
                       and head["created_at"] >= record.proposal.created_at)
 
-        def ingest(record: ProposalRecord | None, now: int):
-            if record is None:
-                return None
-            kind = authority.seen(record, act)
-            if kind == "redelivery":
-                return None
-            if kind == "replay":
-                return authority.refusal(record, act, "replayed",
-                                         "this signed act was already used", self.actor)
-            if env is None:
-                return authority.refusal(record, act, "unsigned", "a review must be a signed "
-                                         "DSSE envelope", self.actor)
-            try:
-                verified, rv = authority.check_signed(
-                    self.trust, env, PAYLOAD_TYPES["review"], Review, now, self.max_act_age_ms)
-            except ActRefused as refused:
-                return authority.refusal(record, act, refused.code, refused.reason, self.actor)
-            return authority.review(record, act, verified, rv, superseded, self.actor, now)
+        ingest = self._signed_act(
+            act, env, self.trust, "review", Review,
+            lambda record, verified, rv, now: authority.review(
+                record, act, verified, rv, superseded, self.actor, now))
 
         async def ledger(rec: ProposalRecord) -> None:
             """An operator's rejection enters the ledger before anyone can see it."""
@@ -241,25 +227,41 @@ class Engine:
         """A signed quorum vote (SPEC 09 §6): counted on the proposal's chain or refused there
         with its reason; the quorum's decision follows in the same pass."""
 
-        def ingest(record: ProposalRecord | None, now: int):
-            if record is None:
-                return None
-            kind = authority.seen(record, act)
-            if kind == "redelivery":
-                return None
-            if kind == "replay":
-                return authority.refusal(record, act, "replayed",
-                                         "this signed vote was already used", self.actor)
-            try:
-                verified, vote = authority.check_signed(
-                    self.voters, env, PAYLOAD_TYPES["vote"], Vote, now, self.max_act_age_ms,
-                    principal_of=lambda v: v.voter)
-            except ActRefused as refused:
-                return authority.refusal(record, act, refused.code, refused.reason, self.actor)
+        def count(record: ProposalRecord, verified, vote: Vote, now: int):
             sig = next(s.sig for s in env.signatures if s.keyid == verified.keyid)
             return quorum.count(record, act, verified, vote, sig, self.actor)
 
+        ingest = self._signed_act(act, env, self.voters, "vote", Vote, count,
+                                  principal_of=lambda v: v.voter)
         return await self.handle(svc, pid, ingest, None, False)
+
+    def _signed_act(self, act: Act, env: Envelope | None, trust, kind: str, decode_as, step,
+                    principal_of=lambda body: body.principal) -> Ingest:
+        """The ingest of a signed act on a proposal's chain: a redelivery changes nothing; a
+        replay, a bare (unsigned) act or one that does not verify is refused there with its
+        reason; a verified one goes to `step(record, verified, body, now)`."""
+
+        def ingest(record: ProposalRecord | None, now: int):
+            if record is None:
+                return None
+            seen = authority.seen(record, act)
+            if seen == "redelivery":
+                return None
+            if seen == "replay":
+                return authority.refusal(record, act, "replayed",
+                                         "this signed act was already used", self.actor)
+            if env is None:
+                return authority.refusal(record, act, "unsigned", f"a {kind} must be a signed "
+                                         "DSSE envelope", self.actor)
+            try:
+                verified, body = authority.check_signed(
+                    trust, env, PAYLOAD_TYPES[kind], decode_as, now, self.max_act_age_ms,
+                    principal_of)
+            except ActRefused as refused:
+                return authority.refusal(record, act, refused.code, refused.reason, self.actor)
+            return step(record, verified, body, now)
+
+        return ingest
 
     async def grant(self, env: Envelope, skill: str, act: Act) -> Grant | None:
         """A signed grant or revoke for `<name>:<sha256>`: chained per hash, then retained."""

@@ -16,6 +16,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from .audit import REASON_LIMIT, Draft
+from .guards import EscapingPath, normalize_path
 from .model import AnalyzerRef, ApplyOutcome, Origin, Proposal, Summary, TriageDecision
 from .record import APPLY_FAILED, INHERIT, LKG_VERIFIED, ProposalRecord, ref
 
@@ -132,8 +133,6 @@ def changelog_entry(diff: str) -> bool:
 def charter_paths(paths: list[str]) -> list[str]:
     """The paths a valid constitution edit may name although they are forbidden targets: it
     is only prepared, an operator commits it."""
-    from .guards import EscapingPath, normalize_path
-
     out = []
     for p in paths:
         try:

@@ -46,7 +46,7 @@ from nats.js.errors import (
 from improved import subjects as S
 from improved.model import ApplyOrder, ApplyResult, Proposal, to_json
 
-from . import acceptance, kv_service
+from . import kv_service
 from .kv_service import Conflict, KVService, Refused, read_json
 
 SmokeTest = Callable[[bytes], int]
@@ -296,9 +296,7 @@ class ArtefactStore(KVService):
         entry, _ = await read_json(self.ledger, order.proposal_id)
         if entry is not None and entry.get("revision") is not None:
             return Change(op=entry["op"], set=entry["set"])  # applied: the ledger answers
-        refusal = await acceptance.check(self.js, order)
-        if refusal is not None:
-            raise Refused(refusal)
+        await self._check_accepted(order)
         change = self.parse_change(order.proposal)
         manifest = await self.manifest()
         for name in change.set:

@@ -187,10 +187,14 @@ class KVService:
         """The change an order asks for, or Refused: `_change`, after the acceptance check when
         the store verifies acceptance (a store may add checks that need I/O)."""
         if self.verify_acceptance and not await self._applied(order.proposal_id):
-            refusal = await acceptance.check(self.js, order)
-            if refusal is not None:
-                raise Refused(refusal)
+            await self._check_accepted(order)
         return self._change(order)
+
+    async def _check_accepted(self, order: ApplyOrder) -> None:
+        """Refused (`not_accepted: …`) unless the audit chain shows the order was accepted."""
+        refusal = await acceptance.check(self.js, order)
+        if refusal is not None:
+            raise Refused(refusal)
 
     async def _applied(self, pid: str) -> bool:
         """The ledger holds a finished apply of `pid`: a repeated order gets its result."""
