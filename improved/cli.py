@@ -153,11 +153,12 @@ def cmd_propose(args: argparse.Namespace) -> int:
 
 
 async def _find(store: Store, pid: str) -> tuple[str, str] | None:
-    for key in await store.keys():
-        svc, _, kid = key.partition(".")
-        if kid == pid:
-            return svc, kid
-    return None
+    """(service, id) of a proposal, from its audit chain's subject: one stream-info request
+    instead of listing every key of the state bucket."""
+    if not S.ID_RE.match(pid):
+        return None
+    svc = await store.service_of(pid)
+    return (svc, pid) if svc is not None else None
 
 
 async def _show(url: str, pid: str) -> int:
