@@ -23,7 +23,18 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from . import apply as apply_stage
-from . import audit, authority, breaker, checkpoint, learnback, lkg, propose, quorum, triage
+from . import (
+    audit,
+    authority,
+    breaker,
+    checkpoint,
+    learnback,
+    lkg,
+    planner,
+    propose,
+    quorum,
+    triage,
+)
 from . import subjects as S
 from .audit import Draft
 from .authority import Act
@@ -45,13 +56,14 @@ from .model import (
     Vote,
     to_json,
 )
-from .record import REGRESSED, ChainHead, ProposalRecord, ref, refs_of, replay, with_trailer
+from .record import ChainHead, ProposalRecord, ref, refs_of, replay, with_trailer
 from .signing import PAYLOAD_TYPES, ActRefused
 from .store import ChainConflict, StateConflict, Store, trailer_decoder
 
 log = structlog.get_logger("improved.engine")
 
 MAX_CONFLICT_RETRIES = 8
+MAX_STEPS = 8  # planner steps in one pass; the next message or retry carries on
 AUTONOMY_TTL_MS = 1000  # how stale this process's view of the breaker may be
 CACHE_SIZE = 10_000  # records kept in memory per process (the KV bucket holds all of them)
 apply_result_decoder = msgspec.json.Decoder(ApplyResult)
@@ -420,100 +432,74 @@ class Engine:
 
     async def _advance(self, record: ProposalRecord, dispatch: bool,
                        rejected: dict | None = None) -> ProposalRecord:
+        """Carry the proposal on, one planner step at a time, until the planner has nothing
+        more to do now. Each step is one effect; the decision is the planner's."""
         grant_read = False  # the grant was read by this very pass, an instant ago
-        for _ in range(8):
+        for _ in range(MAX_STEPS):
             now = now_ms()
-            autonomous = record.proposal.change_class in ("L0", "L3")
-            held = (await self.autonomy(now)).blocks(now) if autonomous else None
-            if triage.needs_triage(record) or (apply_stage.needs_apply(record)
-                                               and apply_stage.expired(record, now)) \
-                    or (triage.held_back(record) and held is None):
-                original = lkg.reverts(record.proposal)
-                if original is not None and triage.needs_triage(record):
-                    step = lkg.inherit(record, await self._original(record.service, original),
-                                       now)
-                    if step is not None:
-                        record = await self._commit(*step, now)
-                        continue
-                grant = False
-                if record.proposal.change_class == "L3":
-                    grant = await self.store.grant_active(record.skill, now)
-                    grant_read = True
-                decision = triage.decide(record, self.policy, now, grant, self.actor, rejected,
-                                         held)
-                record = await self._commit(*triage.transition(record, decision), now)
-                continue
-            if held is not None and apply_stage.auto_applies(record) \
-                    and apply_stage.needs_apply(record):
-                # accepted before the breaker opened (or autonomy went off): hold it back now;
-                # it was accepted as autonomous, so the gate sees its grant as it was then
-                decision = triage.decide(record, self.policy, now, True, self.actor, None, held)
-                record = await self._commit(*triage.transition(record, decision), now)
-                continue
-            step = quorum.decided(record, self.actor, now)
-            if step is not None:
-                record = await self._commit(*step, now)
-                continue
-            if dispatch and (apply_stage.needs_rollback(record)
-                             or apply_stage.needs_apply(record)):
-                crisis = (await self.autonomy(now)).crisis
-                if crisis:
-                    log.warning("crisis: applies are refused until an operator resolves it",
-                                proposal_id=record.proposal_id, crisis=crisis)
-                    break
-            if dispatch and apply_stage.needs_rollback(record):
-                inverse_id, order = apply_stage.rollback_order(record, 1)
-                try:
-                    result = await self._send(record, order)
-                except ServiceUnreachable as exc:
-                    exc.record = record
-                    raise
-                at = now_ms()
-                record = await self._commit(
-                    *apply_stage.rollback_transition(record, inverse_id, result, at), at)
-                if result.ok and record.approved_by is None:
-                    await self.count_autonomous_rollback(record, at)
-                continue
-            if dispatch and lkg.needs_check(record):
-                try:
-                    record = await self._commit(*await self._lkg_check(record), now_ms())
-                except ServiceUnreachable as exc:
-                    exc.record = record
-                    raise
-                continue
-            if dispatch and apply_stage.needs_apply(record):
-                by = apply_stage.authority(record, self.policy)
-                try:
-                    result = await self._dispatch(record, grant_read)
-                except GrantRevoked:
-                    # revoked since triage: this apply is stopped, gated as L2 again
-                    decision = triage.decide(record, self.policy, now_ms(), False, self.actor)
-                    record = await self._commit(*triage.transition(record, decision),
-                                                decision.at)
-                    continue
-                except ServiceUnreachable as exc:
-                    exc.record = record
-                    raise
-                at = now_ms()
-                record = await self._commit(*apply_stage.transition(record, result, by, at), at)
-                continue
-            measured = learnback.measurement(record, self.policy, now)
-            if measured is not None:
-                verdict, value = measured
-                rollback_id = None
-                if verdict == REGRESSED and (record.outcome.rollbackable
-                                             or record.revert is not None):
-                    rollback_id = await self.propose_rollback(record)
-                record = await self._commit(*learnback.measured(
-                    record, verdict, value, rollback_id, self.actor, now), now)
-                continue
-            undone = apply_stage.rolls_back(record.proposal)
-            if undone and record.outcome is not None and record.outcome.ok:
-                # the original is rolled back once its inverse applied; idempotent, so a crash
-                # between the two trailers is finished by the next pass over this proposal
-                await self.rolled_back(record.service, undone, record)
-            break
+            view = planner.View(now=now, autonomy=await self.autonomy(now), dispatch=dispatch,
+                                rejected=rejected)
+            step = planner.next_step(record, view, self.policy, self.actor)
+            while isinstance(step, planner.ReadGrant | planner.ReadOriginal):
+                view = planner.with_read(view, step, await self._read(record, step, now))
+                grant_read = grant_read or isinstance(step, planner.ReadGrant)
+                step = planner.next_step(record, view, self.policy, self.actor)
+            try:
+                match step:
+                    case planner.Commit(record=after, draft=draft):
+                        record = await self._commit(after, draft, now)
+                    case planner.SendRollback():
+                        record = await self._rollback(record, step)
+                    case planner.CheckLkg():
+                        record = await self._commit(*await self._lkg_check(record), now_ms())
+                    case planner.SendApply():
+                        record = await self._apply(record, step, grant_read)
+                    case planner.Measure(commit=commit, rollback=rollback):
+                        if rollback is not None:
+                            await self.propose_rollback(record, rollback)
+                        record = await self._commit(commit.record, commit.draft, now)
+                    case planner.FinishRollback(original_id=original):
+                        await self.rolled_back(record.service, original, record)
+                        break
+                    case planner.Halt(reason=reason):
+                        log.warning("applies refused", proposal_id=record.proposal_id,
+                                    reason=reason)
+                        break
+                    case _:
+                        break
+            except ServiceUnreachable as exc:
+                exc.record = record  # what was decided stands; the send waits
+                raise
         return record
+
+    async def _read(self, record: ProposalRecord, step, now: int):
+        """Carry out a planner read: the grant of an L3 skill, the original of a reversal."""
+        if isinstance(step, planner.ReadGrant):
+            return await self.store.grant_active(step.skill, now)
+        return await self._original(record.service, step.proposal_id)
+
+    async def _rollback(self, record: ProposalRecord,
+                        step: planner.SendRollback) -> ProposalRecord:
+        """An operator's rollback: the recorded inverse goes to the owning service."""
+        result = await self._send(record, step.order)
+        at = now_ms()
+        record = await self._commit(
+            *apply_stage.rollback_transition(record, step.inverse_id, result, at), at)
+        if result.ok and record.approved_by is None:
+            await self.count_autonomous_rollback(record, at)
+        return record
+
+    async def _apply(self, record: ProposalRecord, step: planner.SendApply,
+                     grant_read: bool) -> ProposalRecord:
+        """Send the ApplyOrder and commit its result; a grant revoked since triage stops it."""
+        try:
+            result = await self._dispatch(record, step, grant_read)
+        except GrantRevoked:
+            commit = planner.revoked(record, self.policy, now_ms(), self.actor)
+            return await self._commit(commit.record, commit.draft, commit.record.updated_at)
+        at = now_ms()
+        return await self._commit(*apply_stage.transition(record, result, step.authority, at),
+                                  at)
 
     async def _original(self, svc: str, pid: str) -> ProposalRecord | None:
         """The record of the proposal a reversal reverts, as its chain says."""
@@ -522,42 +508,30 @@ class Engine:
 
     async def _lkg_check(self, record: ProposalRecord) -> tuple[ProposalRecord, Draft]:
         """SPEC 09 §7.1: ask the owning service for a healthy last-known-good of every
-        artefact; then generate the reversal and validate it as a proposal, before any order."""
-        by = apply_stage.authority(record, self.policy)
+        artefact; the planner turns the answer into the transition."""
         body = to_json(lkg.check_request(record))
         report = await self._ask(record, S.lkg_request(record.service), lambda _: body,
                                  parse_lkg_reply)
-        why = lkg.report_problem(record, report)
-        if why is not None:
-            log.warning("L4 refused before apply", proposal_id=record.proposal_id, reason=why)
-            return lkg.refused(record, why, by, now_ms())
-        rev = lkg.reversal(record, report)
-        try:
-            rev_id, rev_dedup = propose.identify(rev)
-            propose.validate(to_json(rev), record.service, self.config.max_message_bytes)
-        except Exception as exc:  # a WireError, or content the encoder refuses
-            return lkg.refused(record, f"the reversal is not a valid proposal: {exc}", by,
-                               now_ms())
-        check = triage.decide(propose.register(rev, rev_id, rev_dedup, self.policy, 0)[0],
-                              self.policy, now_ms(), False, self.actor)
-        if check.verdict == "reject":
-            return lkg.refused(record, f"the reversal would be rejected: {check.cause}: "
-                               f"{check.rationale}", by, now_ms())
-        return lkg.verified(record, report, rev, rev_id, self.actor)
+        commit = planner.after_lkg(record, report, self.policy, self.actor,
+                                   self.config.max_message_bytes, now_ms())
+        if commit.why == "lkg_refused":
+            log.warning("L4 refused before apply", proposal_id=record.proposal_id,
+                        reason=commit.draft.reason)
+        return commit.record, commit.draft
 
-    async def _dispatch(self, record: ProposalRecord, grant_read: bool) -> ApplyResult:
+    async def _dispatch(self, record: ProposalRecord, step: planner.SendApply,
+                        grant_read: bool) -> ApplyResult:
         """Send the ApplyOrder with a timeout and bounded retries; the service is idempotent on
         the proposal id, so a retry after a lost reply applies nothing twice. An L3 auto-apply
         re-reads its grant before every attempt (but a first one right after triage read it),
         so an order sent after a revocation was recorded is never sent."""
-        grant_bound = record.gate_class == "L3" and record.approved_by is None
 
         async def allowed(attempt: int) -> None:
-            if grant_bound and not (attempt == 1 and grant_read) \
+            if step.grant_bound and not (attempt == 1 and grant_read) \
                     and not await self.store.grant_active(record.skill, now_ms()):
                 raise GrantRevoked(record.skill)
 
-        return await self._send(record, apply_stage.order(record, self.policy, 1), allowed)
+        return await self._send(record, step.order, allowed)
 
     async def _send(self, record: ProposalRecord, order: ApplyOrder,
                     allowed=None) -> ApplyResult:
@@ -596,10 +570,9 @@ class Engine:
 
     # -- learn-back rollbacks ------------------------------------------------------------------------
 
-    async def propose_rollback(self, record: ProposalRecord) -> str:
+    async def propose_rollback(self, record: ProposalRecord, proposal: Proposal) -> str:
         """Propose the recorded inverse of a regressed change, through the bus like any
         proposal (durable, deduplicated by its id, and gated by its class)."""
-        proposal = apply_stage.rollback_proposal(record)
         pid, _ = propose.identify(proposal)
         await self.store.js.publish(S.inbound_proposal(proposal.service), to_json(proposal),
                                     headers={"Nats-Msg-Id": pid}, stream=S.STREAM_INBOUND)
