@@ -14,9 +14,10 @@ import pytest
 import pytest_asyncio
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from improved import bus, signing
-from improved.config import ApplySettings, Config, Trust
-from improved.daemon import Daemon
+from improved.core import signing
+from improved.runtime import bus
+from improved.runtime.config import ApplySettings, Config, Trust
+from improved.runtime.daemon import Daemon
 
 # The session daemon trusts alice; mallory's key is not in its trust store.
 ALICE = ("operator:alice", Ed25519PrivateKey.generate())

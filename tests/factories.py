@@ -8,8 +8,8 @@ from typing import Any
 
 import msgspec
 
-from improved import subjects
-from improved.model import (
+from improved.protocol import subjects
+from improved.protocol.model import (
     AnalyzerRef,
     ApplyOrder,
     ApplyResult,

@@ -36,14 +36,14 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
-from improved import audit
-from improved import subjects as S
-from improved.config import Policy
-from improved.engine import rebuild_record
-from improved.model import Proposal, to_json
-from improved.store import Store, trailer_decoder
-from services.kv_service import PROVENANCE
-from services.ranking_store import RankingStore
+from improved.core import audit
+from improved.protocol import subjects as S
+from improved.protocol.model import Proposal, to_json
+from improved.runtime.config import Policy
+from improved.runtime.engine import rebuild_record
+from improved.runtime.store import Store, trailer_decoder
+from improved_reference.kv_service import PROVENANCE
+from improved_reference.ranking_store import RankingStore
 
 from .factories import rank_proposal, skill_proposal
 
@@ -218,7 +218,7 @@ class Publisher:
         self.js = self.nc.jetstream(timeout=self.timeout)
 
     async def publish(self, proposal: Proposal, status: str, cause: str | None) -> str:
-        from improved import propose
+        from improved.core import propose
 
         pid, _ = propose.identify(proposal)
         data = to_json(proposal)
@@ -575,7 +575,7 @@ class LossyProxy:
     it would; `cut()` resets every connection, as a broker restart does."""
 
     def __init__(self, upstream_port: int):
-        from improved import bus
+        from improved.runtime import bus
 
         self.upstream = upstream_port
         self.port = bus.free_port()

@@ -8,14 +8,15 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from improved import audit, bus, propose
-from improved import subjects as S
-from improved.apply import ROLLBACK_ANALYZER
-from improved.model import AnalyzerRef, ApplyOrder, Origin, Proposal, Summary, to_json
-from improved.record import ChainHead
-from improved.store import Store
-from services import acceptance
-from services.artefact_store import ArtefactStore, bucket_names, digest_of, main
+from improved.client import acceptance
+from improved.core import audit, propose
+from improved.core.apply import ROLLBACK_ANALYZER
+from improved.core.record import ChainHead
+from improved.protocol import subjects as S
+from improved.protocol.model import AnalyzerRef, ApplyOrder, Origin, Proposal, Summary, to_json
+from improved.runtime import bus
+from improved.runtime.store import Store
+from improved_reference.artefact_store import ArtefactStore, bucket_names, digest_of, main
 
 from .factories import send, unique_ms
 

@@ -10,11 +10,11 @@ import time
 import msgspec
 import pytest
 
-from improved import canonical
-from improved import subjects as S
-from improved.model import ApplyResult, GrantCommand, Review, to_json
-from improved.signing import PAYLOAD_TYPES, sign
-from services.sdk import MeshClient
+from improved.client.sdk import MeshClient
+from improved.core.signing import PAYLOAD_TYPES, sign
+from improved.protocol import canonical
+from improved.protocol import subjects as S
+from improved.protocol.model import ApplyResult, GrantCommand, Review, to_json
 
 from .conftest import ALICE, MALLORY, eventually
 from .factories import skill_proposal
@@ -313,9 +313,9 @@ async def test_a_store_verifying_acceptance_applies_only_what_the_loop_accepted(
     """The skills store with the gate in the store: an operator-approved L2 and a granted L3
     apply through the loop (the chain shows their acceptance); a hand-sent order for content
     nobody approved is refused `not_accepted` and changes nothing."""
-    from improved.model import ApplyOrder
-    from improved.propose import identify
-    from services.skills_store import SkillsStore
+    from improved.core.propose import identify
+    from improved.protocol.model import ApplyOrder
+    from improved_reference.skills_store import SkillsStore
 
     from .factories import send
 

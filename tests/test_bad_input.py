@@ -8,9 +8,9 @@ import json
 import msgspec
 import pytest
 
-from improved import subjects as S
-from improved.model import to_json
-from services.sdk import MeshClient
+from improved.client.sdk import MeshClient
+from improved.protocol import subjects as S
+from improved.protocol.model import to_json
 
 from .conftest import eventually
 from .factories import rank_proposal, signal

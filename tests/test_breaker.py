@@ -10,12 +10,13 @@ import subprocess
 import sys
 import time
 
-from improved import bus, canonical
-from improved import subjects as S
-from improved.breaker import AUTONOMY_ID, Autonomy, after_rollback
-from improved.daemon import Daemon
-from improved.model import ApplyResult
-from services.sdk import MeshClient
+from improved.client.sdk import MeshClient
+from improved.core.breaker import AUTONOMY_ID, Autonomy, after_rollback
+from improved.protocol import canonical
+from improved.protocol import subjects as S
+from improved.protocol.model import ApplyResult
+from improved.runtime import bus
+from improved.runtime.daemon import Daemon
 
 from .conftest import daemon_config, eventually
 from .factories import rank_proposal, skill_proposal

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from improved import cal, canonical
-from improved.cal import Add, CalError, Hash, Revert, Selector, Supersede
+from improved.protocol import cal, canonical
+from improved.protocol.cal import Add, CalError, Hash, Revert, Selector, Supersede
 
 H1 = "sha256:" + "a1" * 32
 H2 = "sha256:0badc0de"

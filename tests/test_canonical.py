@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from improved.canonical import (
+from improved.protocol.canonical import (
     FACT,
     INDEX_LAYER_FIELDS,
     OBSERVATION,

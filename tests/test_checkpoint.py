@@ -13,13 +13,14 @@ import time
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from improved import bus, checkpoint
-from improved import subjects as S
-from improved.breaker import AUTONOMY_ID
-from improved.daemon import Daemon
-from improved.model import ApplyResult, CrisisAct, to_json
-from improved.signing import PAYLOAD_TYPES, sign
-from services.sdk import MeshClient
+from improved.client.sdk import MeshClient
+from improved.core import checkpoint
+from improved.core.breaker import AUTONOMY_ID
+from improved.core.signing import PAYLOAD_TYPES, sign
+from improved.protocol import subjects as S
+from improved.protocol.model import ApplyResult, CrisisAct, to_json
+from improved.runtime import bus
+from improved.runtime.daemon import Daemon
 
 from .conftest import ALICE, MALLORY, daemon_config, eventually
 from .factories import rank_proposal

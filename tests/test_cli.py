@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from improved import bus
+from improved.runtime import bus
 
 from .factories import rank_proposal, skill_proposal
 
@@ -141,7 +141,7 @@ def test_an_operator_signs_from_the_terminal(tmp_path):
         proposal = _builtins(skill_proposal("clisvc"))
         skill.write_text(json.dumps(proposal))
         hashed = improved("skill", "hash", str(skill))
-        from improved import canonical
+        from improved.protocol import canonical
 
         assert hashed.stdout.strip() == canonical.skill_identity(
             proposal["proposal_data"]["skill"])

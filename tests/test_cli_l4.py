@@ -10,11 +10,11 @@ import json
 import pytest
 from cryptography.hazmat.primitives import serialization
 
-from improved import signing
-from improved.tools import Provider, Runtime
-from services.artefact_store import ArtefactStore
-from services.sdk import MeshClient
-from services.tool_runtime import ToolRuntimeService
+from improved.client.sdk import MeshClient
+from improved.core import signing
+from improved.core.tools import Provider, Runtime
+from improved_reference.artefact_store import ArtefactStore
+from improved_reference.tool_runtime import ToolRuntimeService
 
 from .conftest import ALICE, eventually
 from .test_cli import improved

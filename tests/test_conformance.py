@@ -10,8 +10,10 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from improved import subjects
-from improved.conformance import (
+from improved.client.sdk import MeshClient, failed, serve_spec
+from improved.protocol import subjects
+from improved.protocol.model import ApplyOrder, ApplyResult, to_json
+from improved.runtime.conformance import (
     Check,
     Report,
     level_of,
@@ -20,11 +22,9 @@ from improved.conformance import (
     probe_scheme,
     render,
 )
-from improved.model import ApplyOrder, ApplyResult, to_json
-from services import ranking_store, skills_store
-from services.ranking_store import RankingStore
-from services.sdk import MeshClient, failed, serve_spec
-from services.skills_store import SkillsStore
+from improved_reference import ranking_store, skills_store
+from improved_reference.ranking_store import RankingStore
+from improved_reference.skills_store import SkillsStore
 
 FAST = 0.5  # seconds per request where the probe is expected to wait for nothing
 
@@ -376,7 +376,7 @@ async def test_a_bad_service_name_is_refused(nc):
 
 
 async def test_the_reference_artefact_store_is_l4_and_changes_nothing(daemon, nc, svc):
-    from services.artefact_store import ArtefactStore
+    from improved_reference.artefact_store import ArtefactStore
 
     store = ArtefactStore(nc, svc)
     await store.start()

@@ -13,8 +13,8 @@ import random
 
 import pytest
 
-from improved import bus
-from services.ranking_store import RankingStore
+from improved.runtime import bus
+from improved_reference.ranking_store import RankingStore
 
 from .harness import DaemonProcess, Publisher, kill_repeatedly, mix, settle_and_check, write_config
 

@@ -10,7 +10,8 @@ import time
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from improved import canonical, demo
+from improved.protocol import canonical
+from improved_reference import demo
 
 
 def _in_order(text: str, *parts: str) -> bool:

@@ -23,13 +23,13 @@ import pytest
 import pytest_asyncio
 from nats.errors import TimeoutError as NatsTimeout
 
-from improved import bus, notify
-from improved import subjects as S
-from improved.config import ApplySettings, Config
-from improved.daemon import Daemon
-from improved.store import Store
-from services.ranking_store import RankingStore
-from services.sdk import MeshClient
+from improved.client.sdk import MeshClient
+from improved.protocol import subjects as S
+from improved.runtime import bus, notify
+from improved.runtime.config import ApplySettings, Config
+from improved.runtime.daemon import Daemon
+from improved.runtime.store import Store
+from improved_reference.ranking_store import RankingStore
 
 from .factories import rank_proposal
 
@@ -498,7 +498,7 @@ async def test_operator_cli_reads_show_review_and_verify(mesh):
 
 async def test_other_service_users_start_their_reference_store(mesh):
     """svc-skills's grants fit the reference skills store's start-up (its three buckets)."""
-    from services.skills_store import SkillsStore
+    from improved_reference.skills_store import SkillsStore
 
     conn = await connect_as(mesh["url"], "svc-skills")
     try:
@@ -515,9 +515,9 @@ async def test_other_service_users_start_their_reference_store(mesh):
 async def test_the_l4_artefact_store_runs_under_its_own_user(mesh):
     """svc-deploy's grants fit the reference artefact store: its object store and buckets, the
     last-known-good check, and reading the audit chain to refuse an unaccepted order."""
-    from improved.model import AnalyzerRef, ApplyOrder, Origin, Proposal, Summary, to_json
-    from improved.propose import identify
-    from services.artefact_store import ArtefactStore
+    from improved.core.propose import identify
+    from improved.protocol.model import AnalyzerRef, ApplyOrder, Origin, Proposal, Summary, to_json
+    from improved_reference.artefact_store import ArtefactStore
 
     conn = await connect_as(mesh["url"], "svc-deploy")
     try:
@@ -720,7 +720,7 @@ UNIT = DEPLOY / "improved.service"
 
 
 def test_example_daemon_config_loads():
-    from improved.config import load
+    from improved.runtime.config import load
 
     config = load(DEPLOY / "improved.toml")
     assert config.nats_url.startswith("nats://improved:")

@@ -20,14 +20,14 @@ import msgspec
 import pytest
 from nats.errors import NoRespondersError
 
-from improved import bus
-from improved import subjects as S
-from improved.config import ApplySettings
-from improved.daemon import Daemon
-from improved.store import Store
-from services.kv_service import HISTORY
-from services.ranking_store import RankingStore, bucket_names
-from services.sdk import MeshClient
+from improved.client.sdk import MeshClient
+from improved.protocol import subjects as S
+from improved.runtime import bus
+from improved.runtime.config import ApplySettings
+from improved.runtime.daemon import Daemon
+from improved.runtime.store import Store
+from improved_reference.kv_service import HISTORY
+from improved_reference.ranking_store import RankingStore, bucket_names
 
 from .conftest import daemon_config, eventually
 from .factories import rank_proposal, signal, skill_proposal

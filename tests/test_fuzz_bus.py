@@ -31,10 +31,11 @@ import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from improved import bus, propose, wire
-from improved import subjects as S
-from improved.daemon import Daemon
-from improved.model import (
+from improved.client.sdk import MeshClient
+from improved.core import propose
+from improved.protocol import subjects as S
+from improved.protocol import wire
+from improved.protocol.model import (
     ApplyReport,
     ProposeReply,
     RefineReply,
@@ -43,7 +44,8 @@ from improved.model import (
     TriageRequest,
     to_json,
 )
-from services.sdk import MeshClient
+from improved.runtime import bus
+from improved.runtime.daemon import Daemon
 
 from .conftest import daemon_config, eventually
 from .factories import rank_proposal, signal, skill_proposal

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from improved import gradient
-from improved.gradient import CLASSES, class_fits, implied_scope, min_class, scope_fits
+from improved.core import gradient
+from improved.core.gradient import CLASSES, class_fits, implied_scope, min_class, scope_fits
 
 L0_SCHEMES = ("cache", "rank", "score")
 L2_SCHEMES = ("skill", "doc", "config", "host")

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from improved.guards import (
+from improved.core.guards import (
     DEFAULT_FORBIDDEN,
     EscapingPath,
     Evidence,
@@ -19,7 +19,7 @@ from improved.guards import (
     session_of,
     target_paths,
 )
-from improved.model import Origin
+from improved.protocol.model import Origin
 
 UUID = "3f0c2a4e-9b1d-4c57-8a2e-5d6f7a8b9c0d"
 WINDOW = 3_600_000

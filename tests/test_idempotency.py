@@ -13,11 +13,12 @@ from collections import Counter
 
 import pytest
 
-from improved import audit, bus
-from improved import subjects as S
-from improved.model import to_json
-from services.ranking_store import RankingStore
-from services.sdk import MeshClient
+from improved.client.sdk import MeshClient
+from improved.core import audit
+from improved.protocol import subjects as S
+from improved.protocol.model import to_json
+from improved.runtime import bus
+from improved_reference.ranking_store import RankingStore
 
 from .conftest import eventually
 from .factories import rank_proposal, skill_proposal
@@ -130,7 +131,7 @@ async def test_a_daemon_killed_mid_flight_neither_loses_nor_repeats_a_step(own_s
 
         await eventually(all_final, timeout=60)
         await asyncio.sleep(0.5)
-        from improved.store import Store
+        from improved.runtime.store import Store
 
         reader = Store(nc)
         for pid, proposal in zip(pids, proposals, strict=True):

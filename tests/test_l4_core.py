@@ -12,12 +12,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from improved import apply, lkg, propose, quorum, signing, triage
-from improved.authority import Act
-from improved.config import Policy
-from improved.model import AnalyzerRef, Origin, Proposal, ProposalEdit, Summary, Vote
-from improved.record import replay
-from improved.signing import TrustStore
+from improved.core import apply, lkg, propose, quorum, signing, triage
+from improved.core.authority import Act
+from improved.core.record import replay
+from improved.core.signing import TrustStore
+from improved.protocol.model import AnalyzerRef, Origin, Proposal, ProposalEdit, Summary, Vote
+from improved.runtime.config import Policy
 from tests.test_triage import NOW, TRIAGER
 
 POLICY = Policy(doc_allowlist=("docs/**",))
@@ -193,7 +193,7 @@ def test_the_reversal_restores_every_artefact_and_is_recorded_before_apply():
     assert after.revert_id == rev_id and not lkg.needs_check(after)
     assert apply.needs_apply(after)
     # the chain alone rebuilds it (the reversal travels in the trailer)
-    from improved import audit
+    from improved.core import audit
 
     trailer = audit.seal(draft, record, NOW)
     rebuilt = replay(record.replace(revert=None, revert_id=None), [trailer], [7])
@@ -305,7 +305,7 @@ def test_one_dissent_among_four_defers_to_the_operator():
 
 
 def test_quorum_ballots_survive_a_rebuild_from_the_chain():
-    from improved import audit
+    from improved.core import audit
 
     r = open_record()
     start = r

@@ -13,9 +13,10 @@ import msgspec
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from improved import signing
-from improved import subjects as S
-from improved.model import (
+from improved.client.sdk import MeshClient
+from improved.core import signing
+from improved.protocol import subjects as S
+from improved.protocol.model import (
     AnalyzerRef,
     Origin,
     Proposal,
@@ -25,8 +26,7 @@ from improved.model import (
     Vote,
     to_json,
 )
-from services.artefact_store import ArtefactStore
-from services.sdk import MeshClient
+from improved_reference.artefact_store import ArtefactStore
 
 from .conftest import ALICE, VOTERS, eventually
 from .test_authority import publish, review, trailers
@@ -347,7 +347,7 @@ async def test_an_l4_regression_proposes_the_recorded_reversal_which_runs_unappr
         daemon, nc, svc):
     """Learn-back: the metric regresses after an approved L4 apply; the rollback proposed is
     the reversal recorded before the apply, and it runs under the original's approval."""
-    from improved.model import MetricSnapshot
+    from improved.protocol.model import MetricSnapshot
 
     from .factories import signal
 

@@ -12,11 +12,19 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
-from improved import apply, audit, learnback, propose, record, triage
-from improved.config import Policy
-from improved.gradient import CLASSES
-from improved.model import AnalyzerRef, ApplyResult, Origin, Proposal, Signal, Summary, Trailer
-from improved.record import ProposalRecord
+from improved.core import apply, audit, learnback, propose, record, triage
+from improved.core.gradient import CLASSES
+from improved.core.record import ProposalRecord
+from improved.protocol.model import (
+    AnalyzerRef,
+    ApplyResult,
+    Origin,
+    Proposal,
+    Signal,
+    Summary,
+    Trailer,
+)
+from improved.runtime.config import Policy
 
 POLICY = Policy()
 START = 1_700_000_000_000

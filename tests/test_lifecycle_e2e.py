@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from improved import subjects as S
-from services.sdk import MeshClient
+from improved.client.sdk import MeshClient
+from improved.protocol import subjects as S
 
 from .conftest import eventually
 from .factories import skill_proposal
@@ -86,7 +86,7 @@ async def test_an_approval_expires_with_its_proposal(daemon, nc, svc):
 
 
 async def test_an_operator_rolls_back_an_applied_change(daemon, nc, svc):
-    from services.ranking_store import RankingStore
+    from improved_reference.ranking_store import RankingStore
 
     from .factories import rank_proposal
 
@@ -121,7 +121,7 @@ async def _longer(daemon, svc, pid, n):
 
 
 async def test_a_change_without_an_inverse_cannot_be_rolled_back(daemon, nc, svc):
-    from improved.model import ApplyResult
+    from improved.protocol.model import ApplyResult
 
     from .factories import rank_proposal
 
@@ -143,8 +143,8 @@ async def test_a_change_without_an_inverse_cannot_be_rolled_back(daemon, nc, svc
 async def test_a_regression_at_review_after_rolls_the_change_back(daemon, nc, svc):
     """apply → the metric regresses by review_after → the recorded rollback is proposed →
     applied → the original is rolled back with the prior content reinstated."""
-    from improved.model import MetricSnapshot
-    from services.ranking_store import RankingStore
+    from improved.protocol.model import MetricSnapshot
+    from improved_reference.ranking_store import RankingStore
 
     from .factories import rank_proposal, signal
 
@@ -177,8 +177,8 @@ async def test_a_regression_at_review_after_rolls_the_change_back(daemon, nc, sv
 
 
 async def test_a_metric_that_holds_leaves_the_change_applied(daemon, nc, svc):
-    from improved.model import MetricSnapshot
-    from services.ranking_store import RankingStore
+    from improved.protocol.model import MetricSnapshot
+    from improved_reference.ranking_store import RankingStore
 
     from .factories import rank_proposal, signal
 
@@ -226,7 +226,7 @@ async def test_an_operator_rejection_teaches_the_analyzer(daemon, nc, svc):
 
 
 async def test_a_cal_batch_gets_its_inverse_derived_at_apply_time(daemon, nc, svc):
-    from improved.model import ApplyResult
+    from improved.protocol.model import ApplyResult
 
     from .factories import rank_proposal
 

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from improved import audit
-from services.ranking_store import RankingStore
-from services.sdk import MeshClient
+from improved.client.sdk import MeshClient
+from improved.core import audit
+from improved_reference.ranking_store import RankingStore
 
 from .conftest import eventually
 from .factories import rank_proposal, signal, skill_proposal

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from improved.metrics import AUTONOMY_STATES, CONTENT_TYPE, Metrics, serve
+from improved.runtime.metrics import AUTONOMY_STATES, CONTENT_TYPE, Metrics, serve
 
 
 def samples(m: Metrics) -> dict[tuple[str, frozenset], float]:

@@ -8,11 +8,11 @@ import subprocess
 import sys
 from collections import Counter
 
-from improved import bus
-from improved import subjects as S
-from improved.daemon import Daemon
-from improved.model import ApplyResult
-from services.sdk import MeshClient
+from improved.client.sdk import MeshClient
+from improved.protocol import subjects as S
+from improved.protocol.model import ApplyResult
+from improved.runtime import bus
+from improved.runtime.daemon import Daemon
 
 from .conftest import daemon_config, eventually
 from .factories import rank_proposal, skill_proposal

@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 
-from improved import bus
-from improved import subjects as S
-from improved.daemon import Daemon
-from services.ranking_store import RankingStore
-from services.sdk import MeshClient
+from improved.client.sdk import MeshClient
+from improved.protocol import subjects as S
+from improved.runtime import bus
+from improved.runtime.daemon import Daemon
+from improved_reference.ranking_store import RankingStore
 
 from .conftest import daemon_config, eventually
 from .factories import rank_proposal, skill_proposal

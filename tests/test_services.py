@@ -9,8 +9,10 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from improved import propose, subjects
-from improved.model import (
+from improved.client.sdk import ImproveError, MeshClient, serve_spec
+from improved.core import propose
+from improved.protocol import subjects
+from improved.protocol.model import (
     AnalyzerRef,
     ApplyOrder,
     ApplyResult,
@@ -20,9 +22,8 @@ from improved.model import (
     Summary,
     to_json,
 )
-from improved.store import Store
-from services.ranking_store import RankingStore, bucket_names, main, parse_change
-from services.sdk import ImproveError, MeshClient, serve_spec
+from improved.runtime.store import Store
+from improved_reference.ranking_store import RankingStore, bucket_names, main, parse_change
 
 from .factories import crash_once_after_the_write, send
 

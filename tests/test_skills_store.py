@@ -11,8 +11,9 @@ import pytest_asyncio
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from improved import canonical, propose, subjects
-from improved.model import (
+from improved.core import propose
+from improved.protocol import canonical, subjects
+from improved.protocol.model import (
     AnalyzerRef,
     ApplyOrder,
     Grant,
@@ -22,8 +23,8 @@ from improved.model import (
     Summary,
     to_json,
 )
-from improved.store import Store
-from services.skills_store import (
+from improved.runtime.store import Store
+from improved_reference.skills_store import (
     ALPHA,
     GrantMismatch,
     NoCompetence,

@@ -8,6 +8,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import secrets
 import subprocess
 import sys
 import time
@@ -18,9 +19,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from improved import signing, subjects
-from improved.model import DsseSignature, Envelope, to_json
-from improved.tools import (
+from improved.core import signing
+from improved.core.tools import (
     DEFAULT_CEILINGS,
     Provider,
     Runtime,
@@ -29,7 +29,9 @@ from improved.tools import (
     grant_token,
     sign_grant,
 )
-from services.tool_runtime import ToolRuntimeService
+from improved.protocol import subjects
+from improved.protocol.model import DsseSignature, Envelope, to_json
+from improved_reference.tool_runtime import ToolRuntimeService
 
 from .conftest import ALICE, MALLORY
 
@@ -69,6 +71,7 @@ def runtime(mode: str = "autonomous", name: str = "agent", ceiling: str | None =
 
 
 def grant(provider: Provider, args=ARGS, *, key=ALICE, now: int = NOW, **kw) -> Envelope:
+    kw.setdefault("nonce", secrets.token_hex(16))
     return sign_grant(key[1], key[0], provider, provider.name, args, "ticket 42", now, **kw)
 
 
@@ -129,7 +132,7 @@ def test_grant_token_tells_tools_apart(a, b):
 
 
 def test_grant_token_is_the_same_in_another_process():
-    code = ("from improved.tools import Provider, grant_token; "
+    code = ("from improved.core.tools import Provider, grant_token; "
             "print(grant_token(Provider('deploy', 'L4', 'x', print, '1')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={"PYTHONHASHSEED": "123"},
@@ -215,14 +218,15 @@ def bad_grants(deploy: Provider, read: Provider) -> dict[str, Envelope]:
     return {
         "unknown_key": grant(deploy, key=MALLORY),
         "principal_mismatch": sign_grant(ALICE[1], "operator:bob", deploy, "deploy", ARGS,
-                                         "r", NOW),
+                                         "r", NOW, nonce="n" * 16),
         "bad_signature": tampered,
         "wrong_type": signing.sign(signing.PAYLOAD_TYPES["grant"],
                                    base64.b64decode(env.payload), ALICE[1]),
         "malformed": signing.sign(env.payloadType, b'{"tool": "deploy"}', ALICE[1]),
         "wrong_args": grant(deploy, {**ARGS, "force": False}),
         "wrong_tool": grant(read),
-        "wrong_token": sign_grant(ALICE[1], ALICE[0], read, "deploy", ARGS, "r", NOW),
+        "wrong_token": sign_grant(ALICE[1], ALICE[0], read, "deploy", ARGS, "r", NOW,
+                                  nonce=secrets.token_hex(16)),
         "wrong_runtime": grant(deploy, runtime="other-agent"),
         "expired": grant(deploy, now=NOW - 400_000),
         "expired ": grant(deploy, now=NOW - 10_000, ttl_ms=5_000),
@@ -336,10 +340,10 @@ async def test_async_tools_and_failing_tools():
     rt = Runtime("agent", trust=trust(), mode="interactive")
     rt.register(Provider("fetch", "L0", "", fetch))
     rt.register(Provider("broken", "L0", "", broken))
-    assert await rt.invoke("fetch", {"x": 1}) == {"ok": True, "result": {"got": 1}}
-    assert await rt.invoke("broken", {}) == {"ok": False, "error": "RuntimeError: disk full"}
+    assert await rt.invoke("fetch", {"x": 1}, None, NOW) == {"ok": True, "result": {"got": 1}}
+    assert await rt.invoke("broken", {}, None, NOW) == {"ok": False, "error": "RuntimeError: disk full"}
     with pytest.raises(TypeError):
-        await rt.invoke("fetch", [1])
+        await rt.invoke("fetch", [1], None, NOW)
 
 
 # -- over NATS ----------------------------------------------------------------------------------
@@ -391,15 +395,18 @@ async def test_e2e_autonomous_gates_l4(nc, svc):
         assert reply["refused"]["required"] == "L4"
         assert body.calls == []
 
-        env = sign_grant(ALICE[1], ALICE[0], token, "deploy", ARGS, "ticket 42", now_ms())
+        env = sign_grant(ALICE[1], ALICE[0], token, "deploy", ARGS, "ticket 42", now_ms(),
+                         nonce=secrets.token_hex(16))
         assert await call(nc, rt, "deploy", ARGS, env) == {
             "ok": True, "result": "deploy ran", "granted_by": ALICE[0]}
         assert body.calls == [ARGS]
         assert (await call(nc, rt, "deploy", ARGS, env))["refused"]["reason"] == "replayed"
 
-        evil = sign_grant(MALLORY[1], MALLORY[0], token, "deploy", ARGS, "r", now_ms())
+        evil = sign_grant(MALLORY[1], MALLORY[0], token, "deploy", ARGS, "r", now_ms(),
+                         nonce=secrets.token_hex(16))
         assert (await call(nc, rt, "deploy", ARGS, evil))["refused"]["reason"] == "unknown_key"
-        other = sign_grant(ALICE[1], ALICE[0], token, "deploy", {"path": "/"}, "r", now_ms())
+        other = sign_grant(ALICE[1], ALICE[0], token, "deploy", {"path": "/"}, "r", now_ms(),
+                         nonce=secrets.token_hex(16))
         assert (await call(nc, rt, "deploy", ARGS, other))["refused"]["reason"] == "wrong_args"
         assert body.calls == [ARGS]
 

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from improved import gradient, guards, learnback, propose, triage
-from improved.config import Policy
-from improved.gradient import CLASSES
-from improved.guards import DEFAULT_FORBIDDEN, Evidence
-from improved.model import AnalyzerRef, Origin, Proposal, Signal, Summary
-from improved.record import ProposalRecord
+from improved.core import gradient, guards, learnback, propose, triage
+from improved.core.gradient import CLASSES
+from improved.core.guards import DEFAULT_FORBIDDEN, Evidence
+from improved.core.record import ProposalRecord
+from improved.protocol.model import AnalyzerRef, Origin, Proposal, Signal, Summary
+from improved.runtime.config import Policy
 
 POLICY = Policy(doc_allowlist=("**",))
 NOW = 1_700_000_000_000
@@ -354,8 +354,8 @@ def test_cause_is_the_first_failing_check(cls, scheme, rest, files, scope, valid
 
 
 def test_the_regression_analyzer_needs_distinct_sessions_within_its_window():
-    from improved.model import Signal
-    from improved.observe import Observer, RegressionAnalyzer
+    from improved.core.observe import Observer, RegressionAnalyzer
+    from improved.protocol.model import Signal
 
     observer = Observer([RegressionAnalyzer(threshold=3, window_ms=1000)])
 
@@ -387,8 +387,8 @@ def test_the_regression_analyzer_needs_distinct_sessions_within_its_window():
 
 
 def test_stale_skills_are_proposed_for_archival_and_a_success_resets_them():
-    from improved.model import Signal
-    from improved.observe import Observer, StaleSkillAnalyzer
+    from improved.core.observe import Observer, StaleSkillAnalyzer
+    from improved.protocol.model import Signal
 
     def outcome(actor, positive, at):
         return Signal(kind="refine", actor=actor, service="agents", positive=positive, at=at,
@@ -408,8 +408,8 @@ def test_stale_skills_are_proposed_for_archival_and_a_success_resets_them():
 
 
 def test_observe_ranks_by_what_operators_accepted_before():
-    from improved.model import Signal
-    from improved.observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
+    from improved.core.observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
+    from improved.protocol.model import Signal
 
     regress, stale = RegressionAnalyzer(threshold=3), StaleSkillAnalyzer(threshold=3)
     observer = Observer([regress, stale])

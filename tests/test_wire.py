@@ -11,8 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from improved import propose, wire
-from improved.model import Proposal
+from improved.core import propose
+from improved.protocol import wire
+from improved.protocol.model import Proposal
 
 LIMIT = 256 * 1024
 WIRE_CODES = frozenset(v for k, v in vars(wire).items() if k.isupper() and isinstance(v, str))

@@ -1,0 +1,3 @@
+from improved.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,154 @@
+"""Service-side check that an order was accepted (SPEC 09 conformance L2).
+
+An owning service should not take the daemon's word that a proposal may be applied: the
+evidence is public. An L2/L4 approval is a trailer on the proposal's hash-chained audit chain,
+an L3 auto-apply rests on a retained grant record, and an operator-requested rollback is a
+`rollback` trailer on the original's chain. `check` reads that evidence itself and answers None
+(apply) or a refusal starting `not_accepted: `.
+
+Chains are read from the stream leader (no direct get, which may answer from a lagging replica)
+and verified with `improved.audit.verify_chain`, so the broker is not trusted either.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+from nats.js.errors import NotFoundError
+
+from improved.core import propose
+from improved.core.apply import rolls_back
+from improved.core.audit import verify_chain
+from improved.protocol import canonical, wire
+from improved.protocol import subjects as S
+from improved.protocol.model import ApplyOrder, Grant
+
+PREFIX = "not_accepted: "
+ACCEPTING = frozenset({"approve", "inherit", "quorum"})  # verdicts that accept, by their actor
+WITHDRAWING = frozenset({"reject", "superseded"})  # verdicts that undo an earlier acceptance
+ROLLBACK = "rollback"
+
+
+def _no(text: str) -> str:
+    return PREFIX + text
+
+
+async def read_chain(js: Any, subject: str) -> list[Any]:
+    """Every trailer body on `subject` of the audit stream, in order; [] when there is none."""
+    bodies: list[Any] = []
+    seq = 1
+    while True:
+        try:
+            msg = await js.get_msg(S.STREAM_AUDIT, seq=seq, subject=subject, next=True)
+        except NotFoundError:  # past the chain's end, or no audit stream at all
+            return bodies
+        try:
+            bodies.append(msgspec.json.decode(msg.data or b""))
+        except msgspec.DecodeError:
+            bodies.append(None)  # verify_chain names it
+        seq = msg.seq + 1
+
+
+async def _verified(js: Any, svc: str, chain_id: str) -> tuple[list[dict[str, Any]], str | None]:
+    """(the chain's trailers, None) or ([], the refusal) when it is missing or does not verify."""
+    bodies = await read_chain(js, S.audit(svc, chain_id))
+    if not bodies:
+        return [], _no(f"no audit chain for {chain_id[:8]}")
+    broken = verify_chain(chain_id, bodies)
+    if broken is not None:
+        return [], _no(f"the audit chain of {chain_id[:8]} does not verify: {broken}")
+    return bodies, None
+
+
+async def _approved(js: Any, svc: str, pid: str, authority: str) -> str | None:
+    """None when an accepting trailer by `authority` stands on the chain of `pid`."""
+    bodies, refusal = await _verified(js, svc, pid)
+    if refusal:
+        return refusal
+    accepted, withdrawn = False, None
+    for body in bodies:
+        verdict = body.get("verdict")
+        if verdict in ACCEPTING and body.get("actor") == authority:
+            accepted, withdrawn = True, None
+        elif verdict in WITHDRAWING and accepted:
+            accepted, withdrawn = False, verdict
+    if accepted:
+        return None
+    if withdrawn:
+        return _no(f"the approval by {authority} on the audit chain of {pid[:8]} was "
+                   f"withdrawn ({withdrawn})")
+    return _no(f"no approval by {authority} on the audit chain of {pid[:8]}")
+
+
+async def _rollback_asked(js: Any, svc: str, original: str, authority: str) -> str | None:
+    """None when `authority` asked for the rollback of `original` on its chain."""
+    bodies, refusal = await _verified(js, svc, original)
+    if refusal:
+        return refusal
+    if any(b.get("verdict") == ROLLBACK and b.get("actor") == authority for b in bodies):
+        return None
+    return _no(f"no rollback by {authority} on the audit chain of {original[:8]}")
+
+
+async def _granted(js: Any, skill: Any) -> str | None:
+    """None when the skill the proposal carries has an active, unexpired grant."""
+    if not isinstance(skill, dict):
+        return _no("an L3 proposal must carry proposal_data.skill")
+    try:
+        identity = canonical.skill_identity(skill)
+    except canonical.CanonicalError as exc:
+        return _no(f"the skill has no identity: {exc}")
+    name, sha = identity.split(":", 1)
+    try:
+        msg = await js.get_msg(S.STREAM_RECORDS, subject=S.grant_record(name, sha))
+        grant = msgspec.json.decode(msg.data or b"", type=Grant)
+    except (NotFoundError, msgspec.MsgspecError):
+        return _no(f"no grant for {identity}")
+    if not grant.active or grant.skill != identity:
+        return _no(f"the grant for {identity} is not active")
+    if grant.expires_at is not None and grant.expires_at <= int(time.time() * 1000):
+        return _no(f"the grant for {identity} expired")
+    return None
+
+
+def _bound(order: ApplyOrder) -> str | None:
+    """Evidence is filed under the proposal id, so the id must be the content's address."""
+    try:
+        pid, _ = propose.identify(order.proposal)
+    except wire.WireError as exc:
+        return _no(f"the proposal has no content address: {exc.message}")
+    if pid != order.proposal_id:
+        return _no(f"proposal_id {order.proposal_id[:8]} is not the content address of the "
+                   f"proposal ({pid[:8]})")
+    return None
+
+
+async def check(js: Any, order: ApplyOrder) -> str | None:
+    """None when the order may be applied, else why not (`not_accepted: ...`)."""
+    proposal = order.proposal
+    cls = proposal.change_class
+    if cls == "L0":
+        return None
+    if cls == "L1":
+        return _no("L1 proposals are never applied")
+    refusal = _bound(order)
+    if refusal:
+        return refusal
+    svc = proposal.service
+    original = rolls_back(proposal)
+    if original is not None and S.ID_RE.match(original):
+        asked = await _rollback_asked(js, svc, original, order.authority)
+        if asked is None:
+            return None
+        own = await _approved(js, svc, order.proposal_id, order.authority)
+        return None if own is None else asked  # a learn-back rollback has a chain of its own
+    if cls == "L3":
+        refusal = await _granted(js, (proposal.proposal_data or {}).get("skill"))
+        if refusal is None:
+            return None
+        # no grant: an operator may still have approved it (triage defers it as `no_grant`)
+        return None if await _approved(js, svc, order.proposal_id, order.authority) is None \
+            else refusal
+    return await _approved(js, svc, order.proposal_id, order.authority)

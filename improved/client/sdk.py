@@ -1,0 +1,283 @@
+"""A small async SDK for mesh services talking to `improved` (DESIGN §3, the wire contract).
+
+Everything goes through the nats-py Client handed in; nothing is global, so one process can hold
+several clients (one per service) side by side. Replies come back as the model Structs; an error
+reply `{"error": {...}}` becomes an ImproveError. Transport failures (no responders, timeouts)
+are nats-py's own exceptions: they mean "nobody answered", not "the daemon said no".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.js.errors import NotFoundError
+
+from improved.core import propose as propose_stage
+from improved.protocol import subjects as S
+from improved.protocol import wire
+from improved.protocol.model import (
+    ApplyOrder,
+    ApplyOutcome,
+    ApplyResult,
+    ErrorBody,
+    ErrorReply,
+    LearnBack,
+    Proposal,
+    ProposalState,
+    ProposeReply,
+    RefineReply,
+    Signal,
+    TriageDecision,
+    to_json,
+)
+
+log = structlog.get_logger("improved_reference.sdk")
+
+T = TypeVar("T")
+ProposalLike = Proposal | dict[str, Any]
+SignalLike = Signal | dict[str, Any]
+ApplyHandler = Callable[[ApplyOrder], Awaitable[ApplyResult]]
+
+# The daemon's default message limit: checking it here fails fast instead of after a round trip.
+MAX_MESSAGE_BYTES = 256 * 1024
+ERROR_LIMIT = 500  # characters of an error text in an ApplyResult
+
+
+class ImproveError(Exception):
+    """The daemon answered with `{"error": {"code", "message", "field"?}}` (or the SDK refused
+    the input before sending, with the same shape)."""
+
+    def __init__(self, code: str, message: str, field: str | None = None):
+        super().__init__(f"{code}: {message}" + (f" (field {field})" if field else ""))
+        self.code = code
+        self.message = message
+        self.field = field
+
+    @classmethod
+    def from_body(cls, body: Any) -> ImproveError:
+        """From the inner object of an error reply; tolerant of a malformed one."""
+        if not isinstance(body, dict):
+            return cls("invalid_reply", f"error reply is not an object: {body!r}")
+        field = body.get("field")
+        return cls(str(body.get("code") or "unknown"), str(body.get("message") or ""),
+                   field if isinstance(field, str) else None)
+
+    @classmethod
+    def from_wire(cls, err: wire.WireError) -> ImproveError:
+        return cls(err.code, err.message, err.field)
+
+
+def encode(obj: Any) -> bytes:
+    """A Struct or a plain dict as JSON, as-is (a deliberately bad dict stays bad)."""
+    return obj if isinstance(obj, bytes) else to_json(obj)
+
+
+def checked(reply: dict[str, Any], type_: type[T]) -> T:
+    """A reply as `type_`, or the ImproveError it carries."""
+    if "error" in reply:
+        raise ImproveError.from_body(reply["error"])
+    try:
+        return msgspec.convert(reply, type=type_)
+    except msgspec.ValidationError as exc:
+        raise ImproveError("invalid_reply", f"not a {type_.__name__}: {exc}") from None
+
+
+_order_decoder = msgspec.json.Decoder(ApplyOrder)
+
+
+def decode_order(data: bytes) -> ApplyOrder:
+    """An ApplyOrder, or a WireError naming what is wrong with it. Lenient on the order's own
+    fields (ApplyOrder is an outbound record), strict on the embedded Proposal."""
+    try:
+        return _order_decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise wire.from_validation(exc) from None
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError, ValueError) as exc:
+        raise wire.WireError(wire.INVALID_JSON, f"not a JSON object: {exc}") from None
+
+
+def failed(error: str) -> ApplyResult:
+    return ApplyResult(ok=False, error=error[:ERROR_LIMIT])
+
+
+class MeshClient:
+    """One mesh service's view of the loop: propose, follow, refine, and serve its applies."""
+
+    def __init__(self, nc: Client, service: str, timeout: float = 10.0):
+        if not S.SERVICE_RE.match(service):
+            raise ValueError(f"service name {service!r} must match {S.SERVICE_RE.pattern}")
+        self.nc = nc
+        self.service = service
+        self.timeout = timeout
+        self.js = nc.jetstream(timeout=timeout)
+
+    # -- request/reply with the daemon -------------------------------------------------------------
+
+    async def _request(self, subject: str, data: bytes) -> dict[str, Any]:
+        msg = await self.nc.request(subject, data, timeout=self.timeout)
+        try:
+            reply = msgspec.json.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            raise ImproveError("invalid_reply", f"{subject} answered non-JSON: {exc}") from None
+        if not isinstance(reply, dict):
+            raise ImproveError("invalid_reply", f"{subject} answered {type(reply).__name__}, "
+                               "not an object")
+        return reply
+
+    def _target(self, proposal: ProposalLike) -> str:
+        """The proposal's own service decides the subject; a dict without one uses ours."""
+        svc = proposal.service if isinstance(proposal, Proposal) else proposal.get("service")
+        return svc if isinstance(svc, str) and S.SERVICE_RE.match(svc) else self.service
+
+    async def propose(self, proposal: ProposalLike) -> ProposeReply:
+        """Propose and wait for the daemon to register it: `{proposal_id, status}`."""
+        reply = await self.propose_raw(encode(proposal), self._target(proposal))
+        return checked(reply, ProposeReply)
+
+    async def propose_raw(self, data: bytes, service: str | None = None) -> dict[str, Any]:
+        """Send any bytes as a proposal; the decoded reply, error or not, without raising."""
+        return await self._request(S.propose_request(service or self.service), data)
+
+    async def triage(self, proposal_id: str, service: str | None = None) -> TriageDecision:
+        """Ask for (or re-run, idempotently) the triage of a proposal."""
+        body = to_json({"proposal_id": proposal_id})
+        return checked(await self._request(S.triage_request(service or self.service), body),
+                       TriageDecision)
+
+    async def refine(self, signal: SignalLike, service: str | None = None) -> RefineReply:
+        """Send a signal about a proposal of `service` (default: ours) and learn if it counted.
+        The subject names the proposal's service; the signal's `service` names the sender."""
+        reply = await self._request(S.refine_request(service or self.service), encode(signal))
+        return checked(reply, RefineReply)
+
+    # -- durable, fire-and-forget (JetStream) ------------------------------------------------------
+
+    async def publish(self, proposal: ProposalLike) -> str:
+        """Publish a proposal into the inbound stream, deduplicated by its id; the id.
+
+        Publishing needs the id, so the proposal is validated here first: a bad one raises
+        ImproveError instead of being refused later, out of sight."""
+        data = encode(proposal)
+        try:
+            parsed = propose_stage.validate(data, None, MAX_MESSAGE_BYTES)
+            pid, _ = propose_stage.identify(parsed)
+        except wire.WireError as err:
+            raise ImproveError.from_wire(err) from None
+        await self.js.publish(S.inbound_proposal(parsed.service), data,
+                              headers={"Nats-Msg-Id": pid}, stream=S.STREAM_INBOUND)
+        return pid
+
+    async def signal(self, signal: SignalLike, service: str | None = None) -> str:
+        """Publish learn-back evidence about a proposal of `service` (default: ours); returns
+        the signal's digest, also its `Nats-Msg-Id`, so a retried publish counts once."""
+        data = encode(signal)
+        try:
+            parsed = wire.decode(data, Signal, MAX_MESSAGE_BYTES)
+        except wire.WireError as err:
+            raise ImproveError.from_wire(err) from None
+        digest = propose_stage.signal_digest(parsed)
+        await self.js.publish(S.inbound_outcome(service or self.service), data,
+                              headers={"Nats-Msg-Id": digest}, stream=S.STREAM_INBOUND)
+        return digest
+
+    # -- retained records --------------------------------------------------------------------------
+
+    async def _last(self, subject: str, type_: type[T]) -> T | None:
+        """The latest retained record on `subject`, or None when there is none (or no records
+        stream yet, which means the same: nothing has been recorded)."""
+        try:
+            msg = await self.js.get_msg(S.STREAM_RECORDS, subject=subject, direct=True)
+        except (NotFoundError, NoRespondersError):
+            return None
+        if not msg.data:
+            return None
+        return msgspec.json.decode(msg.data, type=type_)
+
+    async def state(self, proposal_id: str, service: str | None = None) -> ProposalState | None:
+        return await self._last(S.proposal_state(service or self.service, proposal_id),
+                                ProposalState)
+
+    async def decision(self, proposal_id: str,
+                       service: str | None = None) -> TriageDecision | None:
+        return await self._last(S.triage_decision(service or self.service, proposal_id),
+                                TriageDecision)
+
+    async def outcome(self, proposal_id: str, service: str | None = None) -> ApplyOutcome | None:
+        return await self._last(S.apply_outcome(service or self.service, proposal_id),
+                                ApplyOutcome)
+
+    async def learn_back(self, proposal_id: str, service: str | None = None) -> LearnBack | None:
+        return await self._last(S.learn_back(service or self.service, proposal_id), LearnBack)
+
+    # -- serving applies ---------------------------------------------------------------------------
+
+    async def serve_apply(self, handler: ApplyHandler) -> Subscription:
+        """Answer `<svc>.improve.apply` with `handler`; instances share a queue group.
+
+        Every order gets a reply. A bad order, a mis-routed one, or a handler returning junk is
+        an ApplyResult `ok=false` with the reason: final. A handler that *raises* (the store was
+        briefly unreachable, say) answers the error reply of DESIGN §3.1 instead, which the
+        daemon takes as "not now" and retries with backoff. The subscription never dies."""
+
+        async def on_order(msg: Msg) -> None:
+            result = await self.answer(msg.data, handler)
+            if not msg.reply:
+                return
+            try:
+                await msg.respond(to_json(result))
+            except Exception as exc:  # the daemon retries; the ledger makes that harmless
+                log.warning("could not reply to an apply order", service=self.service,
+                            error=str(exc))
+
+        return await self.nc.subscribe(S.apply_request(self.service), queue=self.service,
+                                       cb=on_order)
+
+    async def answer(self, data: bytes, handler: ApplyHandler) -> ApplyResult | ErrorReply:
+        """One order's bytes → the reply (no exceptions escape)."""
+        try:
+            order = decode_order(data)
+        except wire.WireError as err:
+            return failed(f"bad ApplyOrder: {err.message}")
+        if order.proposal.service != self.service:
+            return failed(f"the proposal targets service {order.proposal.service!r}, "
+                          f"not {self.service!r}")
+        try:
+            result = await handler(order)
+        except Exception as exc:
+            log.warning("apply handler failed; the daemon will retry", service=self.service,
+                        proposal_id=order.proposal_id, error=repr(exc))
+            return ErrorReply(error=ErrorBody(code="unavailable", message=(
+                f"apply failed for now: {type(exc).__name__}: {exc}")[:500]))
+        if isinstance(result, dict):
+            try:
+                result = msgspec.convert(result, type=ApplyResult)
+            except msgspec.ValidationError as exc:
+                return failed(f"the apply handler returned a bad result: {exc}")
+        if not isinstance(result, ApplyResult):
+            return failed(f"the apply handler returned {type(result).__name__}, "
+                          "not an ApplyResult")
+        return result
+
+
+async def serve_spec(nc: Client, service: str,
+                     capabilities: dict[str, Any] | None = None) -> Subscription:
+    """Answer `<svc>.spec.get` with `capabilities`; without them, advertise their omission
+    (`{"improve": false}`) rather than stay silent, so a caller can tell "no" from "down"."""
+    body = to_json(capabilities if capabilities is not None
+                   else {"service": service, "improve": False})
+
+    async def on_get(msg: Msg) -> None:
+        if msg.reply:
+            try:
+                await msg.respond(body)
+            except Exception as exc:
+                log.warning("could not answer spec.get", service=service, error=str(exc))
+
+    return await nc.subscribe(S.service_spec(service), queue=service, cb=on_get)

@@ -1,0 +1,196 @@
+"""Stage 4, apply: which proposals may be applied, the order sent to the owning service, and the
+transition its result makes (DESIGN §3.4, §4). Pure; the engine does the request and retries.
+"""
+
+from __future__ import annotations
+
+from improved.core import lkg
+from improved.core.audit import Draft
+from improved.core.gradient import AUTO_APPLY_CLASSES
+from improved.core.record import (
+    APPLIED,
+    APPLY_FAILED,
+    ROLLBACK_FAILED,
+    ROLLED_BACK,
+    ProposalRecord,
+    ref,
+)
+from improved.protocol import cal
+from improved.protocol.model import (
+    AnalyzerRef,
+    ApplyOrder,
+    ApplyOutcome,
+    ApplyResult,
+    Origin,
+    Proposal,
+    Summary,
+)
+from improved.runtime.config import Policy
+
+APPROVABLE = frozenset({"L2", "L3", "L4"})  # L1 only surfaces: never applied, even approved
+
+
+def auto_applies(record: ProposalRecord) -> bool:
+    """Accepted at L0, or at L3 under an active grant: the `rec:policy` path."""
+    d = record.decision
+    return (d is not None and d.verdict == "accept" and d.gate_class in AUTO_APPLY_CLASSES
+            and record.status == "pending")
+
+
+def needs_apply(record: ProposalRecord) -> bool:
+    """Gate satisfied and no outcome yet (a failed outcome is final until re-triaged)."""
+    if record.outcome is not None or record.superseded_by is not None:
+        return False
+    if lkg.is_charter(record.proposal):
+        return False  # a constitution edit is prepared; an operator commits it (SPEC 09 §8)
+    return auto_applies(record) or (record.status == "approved"
+                                    and record.proposal.change_class in APPROVABLE)
+
+
+def needs_rollback(record: ProposalRecord) -> bool:
+    """An operator asked for the inverse of an applied change and it has not run yet."""
+    return (record.status == "applied" and record.rollback_by is not None
+            and record.rollback_outcome is None)
+
+
+ROLLBACK_ANALYZER = "improved.rollback/1"
+
+
+def inverse_proposal(record: ProposalRecord, change_class: str | None = None) -> Proposal:
+    """The recorded inverse as a proposal of its own (content-addressed, so the owning
+    service applies it exactly once). Its body is the inverse the service returned."""
+    p = record.proposal
+    return Proposal(
+        service=p.service, target_ref=p.target_ref,
+        change_class=change_class or p.change_class, scope=p.scope,
+        origin=Origin(actor="improved", service="improved"),
+        analyzer=AnalyzerRef(id=ROLLBACK_ANALYZER),
+        summary=Summary(template_id="rollback", args={"proposal_id": record.proposal_id}),
+        proposal_data=record.outcome.inverse if isinstance(record.outcome.inverse, dict)
+        else {"inverse": record.outcome.inverse},
+        derived_from=[f"mg:sha256:{record.proposal_id}"],
+        created_at=record.outcome.at,
+        namespace=p.namespace,
+    )
+
+
+def rollback_proposal(record: ProposalRecord) -> Proposal:
+    """What learn-back proposes after a regression: the recorded inverse, at the original's
+    class — except that an L3 inverse (it carries no skill to re-execute) asks an operator;
+    an L4 change proposes the reversal recorded before its apply."""
+    if record.revert is not None:
+        return record.revert
+    cls = record.proposal.change_class
+    return inverse_proposal(record, "L2" if cls == "L3" else cls)
+
+
+def rolls_back(proposal: Proposal) -> str | None:
+    """The id of the proposal a rollback (or an L4 reversal) proposal undoes, if it is one."""
+    if proposal.analyzer.id not in (ROLLBACK_ANALYZER, lkg.REVERT_ANALYZER):
+        return None
+    for ref_ in proposal.derived_from or ():
+        if ref_.startswith("mg:sha256:"):
+            return ref_[len("mg:sha256:"):]
+    return None
+
+
+def rolled_back_by(record: ProposalRecord, inverse: ProposalRecord,
+                   now: int) -> tuple[ProposalRecord, Draft] | None:
+    """The original, once its rollback proposal was applied: rolled back."""
+    if record.status != "applied" or record.rollback_outcome is not None:
+        return None
+    out = inverse.outcome
+    outcome = ApplyOutcome(proposal_id=record.proposal_id, service=record.service, ok=True,
+                           applied_id=out.applied_id, authority=out.authority, at=now)
+    observer = "rec:policy" if inverse.approved_by is None else "human"
+    draft = Draft(from_stage=record.stage, to_stage="apply", actor=out.authority,
+                  observer_type=observer, verdict=ROLLED_BACK,
+                  reason=f"rolled back: its recorded inverse {inverse.proposal_id} was applied",
+                  refs=(ref("applied", out.applied_id), ref("inverse_of", inverse.proposal_id)))
+    return record.replace(rollback_outcome=outcome, updated_at=now), draft
+
+
+def rollback_order(record: ProposalRecord, attempt: int) -> tuple[str, ApplyOrder]:
+    """(the inverse's id, the order that applies it under the requesting operator)."""
+    from improved.core.propose import identify
+
+    if record.revert is not None:  # L4: the reversal generated and validated before apply
+        return record.revert_id, ApplyOrder(proposal_id=record.revert_id, proposal=record.revert,
+                                            authority=record.rollback_by, attempt=attempt)
+    inverse = inverse_proposal(record)
+    pid, _ = identify(inverse)
+    return pid, ApplyOrder(proposal_id=pid, proposal=inverse, authority=record.rollback_by,
+                           attempt=attempt)
+
+
+def rollback_transition(record: ProposalRecord, inverse_id: str, result: ApplyResult,
+                        now: int) -> tuple[ProposalRecord, Draft]:
+    outcome = ApplyOutcome(proposal_id=record.proposal_id, service=record.service, ok=result.ok,
+                           applied_id=result.applied_id, authority=record.rollback_by,
+                           error=result.error, at=now)
+    refs = [ref("applied", result.applied_id), ref("inverse_of", inverse_id)]
+    if result.error is not None:
+        refs.append(ref("error", result.error))
+    reason = (f"rolled back by {record.service}: the recorded inverse applied as "
+              f"{result.applied_id or inverse_id}" if result.ok else
+              f"{record.service} refused the inverse: {result.error or 'no reason given'}")
+    draft = Draft(from_stage=record.stage, to_stage="apply", actor=record.rollback_by,
+                  observer_type="human", verdict=ROLLED_BACK if result.ok else ROLLBACK_FAILED,
+                  reason=reason, refs=tuple(refs))
+    return record.replace(rollback_outcome=outcome, updated_at=now), draft
+
+
+def expired(record: ProposalRecord, now: int) -> bool:
+    valid_to = record.proposal.valid_to
+    return valid_to is not None and valid_to <= now
+
+
+def authority(record: ProposalRecord, policy: Policy) -> str:
+    """The approving principal's authority; auto-applies run under the configured policy
+    principal. Never the analyzer's."""
+    return record.approved_by or policy.policy_principal
+
+
+def order(record: ProposalRecord, policy: Policy, attempt: int) -> ApplyOrder:
+    return ApplyOrder(proposal_id=record.proposal_id, proposal=record.proposal,
+                      authority=authority(record, policy), attempt=attempt)
+
+
+def derived_inverse(record: ProposalRecord, result: ApplyResult) -> tuple[object, bool]:
+    """The inverse to record: the service's own, else — for a CAL batch, which is Tier-1 and
+    so always invertible — the plan derived from the batch (OMS §3.6); else none."""
+    if result.inverse is not None or not result.ok:
+        return result.inverse, result.rollbackable if result.ok else False
+    cal_text = record.proposal.proposal_cal
+    if cal_text is not None:
+        batch = cal.parse(cal_text)
+        if cal.rollbackable(batch):
+            return {"cal_inverse": cal.inverse(batch)}, True
+    return None, result.rollbackable
+
+
+def transition(record: ProposalRecord, result: ApplyResult, by: str,
+               now: int) -> tuple[ProposalRecord, Draft]:
+    inverse, rollbackable = derived_inverse(record, result)
+    outcome = ApplyOutcome(
+        proposal_id=record.proposal_id, service=record.service, ok=result.ok,
+        applied_id=result.applied_id, authority=by, inverse=inverse,
+        rollbackable=rollbackable, error=result.error, at=now,
+        revert_proposal_id=record.revert_id if result.ok else None,
+    )
+    observer = "rec:policy" if auto_applies(record) else "human"
+    if result.ok:
+        reason = f"applied by {record.service} as {result.applied_id or '(no id)'}" + (
+            "" if outcome.rollbackable else "; not rollbackable")
+    else:
+        reason = f"{record.service} refused the apply: {result.error or 'no reason given'}"
+    refs = [ref("applied", outcome.applied_id), ref("rollbackable", outcome.rollbackable)]
+    if outcome.revert_proposal_id is not None:
+        refs.append(ref("revert_proposal_id", outcome.revert_proposal_id))
+    if outcome.inverse is not None:
+        refs.append(ref("inverse", outcome.inverse, as_json=True))
+    if outcome.error is not None:
+        refs.append(ref("error", outcome.error))
+    draft = Draft(from_stage=record.stage, to_stage="apply", actor=by, observer_type=observer,
+                  reason=reason, verdict=APPLIED if result.ok else APPLY_FAILED, refs=tuple(refs))
+    return record.replace(outcome=outcome, updated_at=now), draft

@@ -1,0 +1,146 @@
+"""Operator authority: what a signed review does to a proposal (DESIGN §5.2, §4).
+
+Pure: (record, the act as received, the verdict of the signature check, the clock) → a
+transition. Every act that reaches a known proposal leaves a trailer — an approval or a
+rejection that counts, or a refusal that says why — and only the counting ones move the status.
+A JetStream redelivery (same envelope, same stream sequence) is recognised and changes nothing;
+the same envelope offered again under a new sequence is a replay and is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from improved.core.audit import REASON_LIMIT, Draft
+from improved.core.record import APPROVE, REFUSED, ROLLBACK, ProposalRecord, ref
+from improved.core.signing import ActRefused, TrustStore, Verified
+from improved.protocol.model import Review, TriageDecision
+
+CLOCK_SKEW_MS = 5 * 60 * 1000
+REVIEWABLE_CAUSES = frozenset({"awaiting_operator", "no_grant", "awaiting_quorum",
+                               "quorum_dissent"})  # an operator may always decide instead
+
+
+@dataclass(frozen=True)
+class Act:
+    """A signed act as received: its digest and where the stream put it."""
+
+    digest: str
+    stream_seq: int
+
+
+def check_signed(trust: TrustStore, env, payload_type: str, decode_as, now: int,
+                 max_age_ms: int, principal_of=lambda act: act.principal
+                 ) -> tuple[Verified, object]:
+    """Verify signature, payload, principal binding and freshness; raise ActRefused."""
+    verified = trust.verify(env, payload_type)
+    try:
+        act = msgspec.json.decode(verified.payload, type=decode_as)
+    except msgspec.MsgspecError as exc:
+        raise ActRefused("malformed", f"the signed payload is not a valid act: {exc}") from None
+    if principal_of(act) != verified.principal:
+        raise ActRefused("principal_mismatch", f"signed by the key of {verified.principal}, "
+                         f"but speaks for {principal_of(act)}")
+    if act.at < now - max_age_ms or act.at > now + CLOCK_SKEW_MS:
+        raise ActRefused("expired", f"signed at {act.at}, outside the accepted window")
+    return verified, act
+
+
+def seen(record: ProposalRecord, act: Act) -> str | None:
+    """`redelivery` when this very message was handled, `replay` when the envelope was."""
+    if (act.digest, act.stream_seq) in record.acts:
+        return "redelivery"
+    if any(d == act.digest for d, _ in record.acts):
+        return "replay"
+    return None
+
+
+def refusal(record: ProposalRecord, act: Act, code: str, why: str, actor: str,
+            keyid: str | None = None) -> tuple[ProposalRecord, Draft]:
+    refs = [ref("act", act.digest), ref("act_seq", act.stream_seq), ref("code", code)]
+    if keyid:
+        refs.append(ref("keyid", keyid))
+    draft = Draft(from_stage=record.stage, to_stage="triage", actor=actor,
+                  observer_type="rec:system", verdict=REFUSED,
+                  reason=f"signed act refused ({code}): {why}"[:REASON_LIMIT], refs=tuple(refs))
+    return record.replace(acts=(*record.acts, (act.digest, act.stream_seq))), draft
+
+
+def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, superseded: bool,
+           actor: str, now: int) -> tuple[ProposalRecord, Draft]:
+    """The transition a verified review makes: approve, reject, or a refusal with its reason."""
+    if rv.proposal_id != record.proposal_id:
+        return refusal(record, act, "wrong_proposal", f"the review is for {rv.proposal_id}",
+                       actor, verified.keyid)
+    if rv.verdict == "rollback":
+        if record.status != "applied" or record.rollback_by is not None:
+            return refusal(record, act, "not_applied", f"nothing to roll back (status "
+                           f"{record.status})", actor, verified.keyid)
+        if not (record.outcome and (record.outcome.rollbackable or record.revert_id)):
+            return refusal(record, act, "not_rollbackable", "the apply was recorded as not "
+                           "rollbackable: it has no inverse", actor, verified.keyid)
+        reason = f"rollback asked by {rv.principal}: {rv.reason}"[:REASON_LIMIT]
+        refs = (ref("act", act.digest), ref("act_seq", act.stream_seq),
+                ref("keyid", verified.keyid))
+        new = record.replace(rollback_by=rv.principal,
+                             acts=(*record.acts, (act.digest, act.stream_seq)), updated_at=now)
+        return new, Draft(from_stage=record.stage, to_stage="apply", actor=rv.principal,
+                          observer_type="human", verdict=ROLLBACK, reason=reason, refs=refs)
+    if superseded or record.superseded_by is not None:
+        return refusal(record, act, "superseded", "the proposal was superseded by new content; "
+                       "an approval never carries over", actor, verified.keyid)
+    d = record.decision
+    waiting = (record.status == "pending" and d is not None and d.verdict == "defer"
+               and d.cause in REVIEWABLE_CAUSES)
+    if rv.verdict == "approve" and not waiting:
+        why = (f"status {record.status}" if record.status != "pending"
+               else f"triage said {d.verdict}/{d.cause}" if d else "not triaged yet")
+        return refusal(record, act, "not_awaiting_review", f"nothing to approve ({why})",
+                       actor, verified.keyid)
+    if rv.verdict == "reject" and record.status not in ("pending", "approved"):
+        return refusal(record, act, "not_awaiting_review", f"status {record.status}", actor,
+                       verified.keyid)
+    refs = (ref("act", act.digest), ref("act_seq", act.stream_seq), ref("keyid", verified.keyid))
+    reason = f"{rv.verdict}d by {rv.principal}: {rv.reason}"[:REASON_LIMIT]
+    acts = (*record.acts, (act.digest, act.stream_seq))
+    if rv.verdict == "approve":
+        decision = TriageDecision(proposal_id=record.proposal_id, service=record.service,
+                                  verdict="accept", cause=None, gate_class=record.gate_class,
+                                  rationale=reason, actor=rv.principal, at=now)
+        new = record.replace(decision=decision, approved_by=rv.principal, acts=acts,
+                             updated_at=now)
+        return new, Draft(from_stage=record.stage, to_stage="triage", actor=rv.principal,
+                          observer_type="human", verdict=APPROVE, reason=reason, refs=refs)
+    decision = TriageDecision(proposal_id=record.proposal_id, service=record.service,
+                              verdict="reject", cause=None, gate_class=record.gate_class,
+                              rationale=reason, actor=rv.principal, at=now)
+    new = record.replace(decision=decision, approved_by=None, acts=acts, updated_at=now)
+    return new, Draft(from_stage=record.stage, to_stage="triage", actor=rv.principal,
+                      observer_type="human", verdict="reject", reason=reason, refs=refs)
+
+
+# -- grants (DESIGN §5.3): chained per skill hash on `improve.audit._grants.<sha256>` ---------
+
+
+def grant_act(acts: list[tuple[str, int]], act: Act, verified: Verified | None, cmd,
+              refused: ActRefused | None, actor: str) -> Draft | None:
+    """The trailer a grant or revoke act adds to its skill's grant chain; None on redelivery."""
+    if (act.digest, act.stream_seq) in acts:
+        return None
+    refs = [ref("act", act.digest), ref("act_seq", act.stream_seq)]
+    if refused is None and any(d == act.digest for d, _ in acts):
+        refused = ActRefused("replayed", "this signed act was already used")
+    if refused is not None:
+        refs.append(ref("code", refused.code))
+        return Draft(from_stage="triage", to_stage="triage", actor=actor,
+                     observer_type="rec:system", verdict=REFUSED, refs=tuple(refs),
+                     reason=f"signed act refused ({refused.code}): {refused.reason}"
+                     [:REASON_LIMIT])
+    refs += [ref("keyid", verified.keyid), ref("skill", cmd.skill)]
+    if cmd.expires_at is not None:
+        refs.append(ref("expires_at", cmd.expires_at))
+    return Draft(from_stage="triage", to_stage="triage", actor=cmd.principal,
+                 observer_type="human", verdict=cmd.op, refs=tuple(refs),
+                 reason=f"{cmd.op} {cmd.skill} by {cmd.principal}: {cmd.reason}"[:REASON_LIMIT])

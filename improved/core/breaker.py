@@ -1,0 +1,82 @@
+"""The circuit breaker of constitution IV.5 and the autonomy switch of IV.6, kept on a chain.
+
+Every rollback of an autonomous apply (L0, or L3 under a grant) is a trailer on one mesh-wide
+chain, `improve.audit._autonomy.<AUTONOMY_ID>`, and each trailer carries the whole state after
+it: the autonomous rollbacks inside the window, the end of a pause, and the switch. So the
+current state is the last trailer, and any reader can re-derive it by replaying the chain.
+Pure: (state, event, policy, clock) → state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+
+import msgspec
+
+from improved.core.audit import Draft
+from improved.core.record import ref, refs_of
+
+AUTONOMY_ID = hashlib.sha256(b"improved autonomy").hexdigest()
+DAY_MS = 24 * 3600 * 1000
+HOUR_MS = 3600 * 1000
+
+
+@dataclass(frozen=True)
+class Autonomy:
+    rollbacks: tuple[int, ...] = ()  # times of autonomous rollbacks inside the window
+    paused_until: int = 0
+    switch: str = "on"
+    crisis: str = ""  # an unresolved crisis (a broken audit log): no apply at all until resolved
+
+    def blocks(self, now: int) -> str | None:
+        """The triage cause that holds autonomous applies back now, if any."""
+        if self.switch == "off":
+            return "autonomy_off"
+        if now < self.paused_until:
+            return "circuit_open"
+        return None
+
+
+def after_rollback(state: Autonomy, at: int, threshold: int, window_days: float,
+                   pause_hours: float) -> Autonomy:
+    """Count an autonomous rollback; trip the breaker at `threshold` within the window."""
+    window = int(window_days * DAY_MS)
+    recent = tuple(t for t in state.rollbacks if t > at - window) + (at,)
+    paused = state.paused_until
+    if len(recent) >= threshold:
+        paused = max(paused, at + int(pause_hours * HOUR_MS))
+    return dataclasses.replace(state, rollbacks=recent, paused_until=paused)
+
+
+def switched(state: Autonomy, switch: str) -> Autonomy:
+    return dataclasses.replace(state, switch=switch)
+
+
+def in_crisis(state: Autonomy, crisis: str) -> Autonomy:
+    return dataclasses.replace(state, crisis=crisis)
+
+
+def draft(state: Autonomy, verdict: str, actor: str, observer: str, reason: str,
+          extra: tuple[str, ...] = ()) -> Draft:
+    refs = (ref("rollbacks", list(state.rollbacks)), ref("paused_until", state.paused_until),
+            ref("autonomy", state.switch), ref("crisis", state.crisis), *extra)
+    return Draft(from_stage="learn-back", to_stage="learn-back", actor=actor,
+                 observer_type=observer, verdict=verdict, reason=reason, refs=refs)
+
+
+def from_trailer(body: dict | None) -> Autonomy:
+    """The state a trailer of the autonomy chain records (the default for an empty chain)."""
+    if not body:
+        return Autonomy()
+    refs = refs_of(msgspec.convert(body, type=_Refs))
+    return Autonomy(rollbacks=tuple(msgspec.json.decode(refs.get("rollbacks", "[]"))),
+                    paused_until=int(refs.get("paused_until", "0")),
+                    switch=refs.get("autonomy", "on"), crisis=refs.get("crisis", ""))
+
+
+class _Refs(msgspec.Struct):
+    refs: list[str] = []
+    seq: int = 0
+    proposal_id: str = ""

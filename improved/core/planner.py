@@ -1,0 +1,263 @@
+"""The planner: what happens next to a proposal, decided without I/O.
+
+`next_step(record, view, policy, actor)` looks at a proposal's record (rebuilt from its chain)
+and at a `View` of the few things outside it that the shell read up front — the clock, the
+autonomy chain's state, whether this pass may dispatch, the rejection-ledger entry — and returns
+one `Step`: commit a transition, send a rollback, check the last-known-good, send the apply,
+measure, finish a rollback, halt, or done. The engine carries out that one step and asks again,
+so the order of the loop lives here, in one function, and is tested without a broker.
+
+Two inputs are read only when a step needs them: the grant of an L3 skill and the original of
+a reversal. Until the view holds them the planner answers `ReadGrant` / `ReadOriginal` (as h11
+answers NEED_DATA); the shell reads, fills the view and asks again.
+
+The priority order, first match wins:
+  1. triage — untriaged, released from feedback collapse, expired before its apply, or held
+     back by the breaker/switch that no longer holds (a reversal first inherits its original's
+     approval);
+  2. re-hold — an autonomous proposal accepted before the breaker opened or autonomy went off;
+  3. the quorum's decision, once its votes add up;
+  4. halt — a crisis refuses every dispatch;
+  5. an operator's rollback of an applied change;
+  6. the L4 last-known-good check (and the reversal recorded before any order);
+  7. the apply;
+  8. learn-back's measurement at `review_after` (a regression proposes the recorded rollback);
+  9. finishing the original once its rollback (or reversal) applied;
+  10. done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Final
+
+import msgspec
+
+from improved.core import apply as apply_stage
+from improved.core import learnback, lkg, propose, quorum, triage
+from improved.core.audit import Draft
+from improved.core.breaker import Autonomy
+from improved.core.record import REGRESSED, ProposalRecord
+from improved.protocol.model import ApplyOrder, Proposal, to_json
+from improved.protocol.wire import WireError
+from improved.runtime.config import Policy
+
+AUTONOMOUS_CLASSES: Final = frozenset({"L0", "L3"})
+
+
+class _Unread:
+    """Marks a view input the shell has not read (distinct from a read that found nothing)."""
+
+    def __repr__(self) -> str:
+        return "UNREAD"
+
+
+UNREAD: Final = _Unread()
+
+
+@dataclass(frozen=True)
+class View:
+    """What the shell read for one planning pass."""
+
+    now: int
+    autonomy: Autonomy = field(default_factory=Autonomy)
+    dispatch: bool = True  # False: decide, but leave sending orders to the inbound consumer
+    rejected: dict | None = None  # the rejection-ledger entry under the dedup_key, if any
+    grant: bool | _Unread = UNREAD  # is the L3 skill's grant active
+    original: ProposalRecord | None | _Unread = UNREAD  # the record a reversal reverts
+
+    def held(self, record: ProposalRecord) -> str | None:
+        """The cause holding this proposal's autonomous apply back now, if any."""
+        if record.proposal.change_class not in AUTONOMOUS_CLASSES:
+            return None
+        return self.autonomy.blocks(self.now)
+
+
+# -- steps -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Append `draft` as the next trailer; `record` is the record after it."""
+
+    record: ProposalRecord
+    draft: Draft
+    why: str  # which rule decided: triage, hold, inherit, quorum, revoked
+
+
+@dataclass(frozen=True)
+class ReadGrant:
+    skill: str
+
+
+@dataclass(frozen=True)
+class ReadOriginal:
+    proposal_id: str
+
+
+@dataclass(frozen=True)
+class Halt:
+    """Nothing may be sent now (a crisis); the proposal stays where it is."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class SendRollback:
+    inverse_id: str
+    order: ApplyOrder
+
+
+@dataclass(frozen=True)
+class CheckLkg:
+    """Ask the owning service for a healthy last-known-good of every artefact (SPEC 09 §7.1)."""
+
+
+@dataclass(frozen=True)
+class SendApply:
+    order: ApplyOrder
+    authority: str
+    grant_bound: bool  # an L3 auto-apply: its grant is re-checked before every attempt
+
+
+@dataclass(frozen=True)
+class Measure:
+    """Learn-back's measurement: publish `rollback` (if any) durably first, then commit."""
+
+    commit: Commit
+    rollback: Proposal | None
+
+
+@dataclass(frozen=True)
+class FinishRollback:
+    """The original this applied rollback (or reversal) undoes is to be marked rolled back."""
+
+    original_id: str
+
+
+@dataclass(frozen=True)
+class Done:
+    pass
+
+
+Step = (Commit | ReadGrant | ReadOriginal | Halt | SendRollback | CheckLkg | SendApply
+        | Measure | FinishRollback | Done)
+
+DONE: Final = Done()
+
+
+# -- the decision ------------------------------------------------------------------------------
+
+
+def next_step(record: ProposalRecord, view: View, policy: Policy, actor: str) -> Step:
+    """The one next step for `record` (see the module docstring for the order)."""
+    held = view.held(record)
+    if _wants_triage(record, view.now, held):
+        return _triage(record, view, policy, actor, held)
+    if held is not None and apply_stage.auto_applies(record) and apply_stage.needs_apply(record):
+        # accepted before the breaker opened (or autonomy went off): hold it back now; it was
+        # accepted as autonomous, so the gate sees its grant as it was then
+        decision = triage.decide(record, policy, view.now, True, actor, None, held)
+        return Commit(*triage.transition(record, decision), why="hold")
+    decided = quorum.decided(record, actor, view.now)
+    if decided is not None:
+        return Commit(*decided, why="quorum")
+    return _dispatch(record, view, policy) or _after_apply(record, view, policy, actor)
+
+
+def _wants_triage(record: ProposalRecord, now: int, held: str | None) -> bool:
+    return (triage.needs_triage(record)
+            or (apply_stage.needs_apply(record) and apply_stage.expired(record, now))
+            or (triage.held_back(record) and held is None))
+
+
+def _triage(record: ProposalRecord, view: View, policy: Policy, actor: str,
+            held: str | None) -> Step:
+    original = lkg.reverts(record.proposal)
+    if original is not None and triage.needs_triage(record):
+        if isinstance(view.original, _Unread):
+            return ReadOriginal(original)
+        inherited = lkg.inherit(record, view.original, view.now)
+        if inherited is not None:
+            return Commit(*inherited, why="inherit")
+    grant = False
+    if record.proposal.change_class == "L3":
+        if isinstance(view.grant, _Unread):
+            return ReadGrant(record.skill)
+        grant = view.grant
+    decision = triage.decide(record, policy, view.now, grant, actor, view.rejected, held)
+    return Commit(*triage.transition(record, decision), why="triage")
+
+
+def _dispatch(record: ProposalRecord, view: View, policy: Policy) -> Step | None:
+    """The steps that send something to the owning service, when this pass may."""
+    rollback = apply_stage.needs_rollback(record)
+    if not view.dispatch or not (rollback or apply_stage.needs_apply(record)):
+        return None
+    if view.autonomy.crisis:
+        return Halt(f"crisis {view.autonomy.crisis}: applies are refused until an operator "
+                    "resolves it")
+    if rollback:
+        return SendRollback(*apply_stage.rollback_order(record, 1))
+    if lkg.needs_check(record):
+        return CheckLkg()
+    return SendApply(apply_stage.order(record, policy, 1), apply_stage.authority(record, policy),
+                     grant_bound=record.gate_class == "L3" and record.approved_by is None)
+
+
+def _after_apply(record: ProposalRecord, view: View, policy: Policy, actor: str) -> Step:
+    measured = learnback.measurement(record, policy, view.now)
+    if measured is not None:
+        verdict, value = measured
+        rollback = None
+        if verdict == REGRESSED and (record.outcome is not None and record.outcome.rollbackable
+                                     or record.revert is not None):
+            rollback = apply_stage.rollback_proposal(record)
+        rollback_id = propose.identify(rollback)[0] if rollback is not None else None
+        commit = Commit(*learnback.measured(record, verdict, value, rollback_id, actor,
+                                            view.now), why="measured")
+        return Measure(commit, rollback)
+    undone = apply_stage.rolls_back(record.proposal)
+    if undone and record.outcome is not None and record.outcome.ok:
+        # idempotent, so a crash between the two trailers is finished by the next pass
+        return FinishRollback(undone)
+    return DONE
+
+
+def after_lkg(record: ProposalRecord, report: lkg.LkgReport, policy: Policy, actor: str,
+              max_message_bytes: int, now: int) -> Commit:
+    """The owning service's last-known-good report as a transition: refused (nothing was
+    sent, nothing changed), or verified with the reversal generated now, validated as a
+    proposal and recorded on the chain before any order goes out (SPEC 09 §7.1)."""
+    by = apply_stage.authority(record, policy)
+    why = lkg.report_problem(record, report)
+    if why is None:
+        rev = lkg.reversal(record, report)
+        try:
+            rev_id, rev_dedup = propose.identify(rev)
+            propose.validate(to_json(rev), record.service, max_message_bytes)
+        except (WireError, ValueError, msgspec.MsgspecError) as exc:
+            why = f"the reversal is not a valid proposal: {exc}"
+        else:
+            start, _ = propose.register(rev, rev_id, rev_dedup, policy, 0)
+            check = triage.decide(start, policy, now, False, actor)
+            if check.verdict != "reject":
+                return Commit(*lkg.verified(record, report, rev, rev_id, actor),
+                              why="lkg_verified")
+            why = f"the reversal would be rejected: {check.cause}: {check.rationale}"
+    return Commit(*lkg.refused(record, why, by, now), why="lkg_refused")
+
+
+def revoked(record: ProposalRecord, policy: Policy, now: int, actor: str) -> Commit:
+    """The grant an L3 auto-apply relied on was revoked before its order went out: the apply
+    is stopped and the proposal gated as L2 again."""
+    decision = triage.decide(record, policy, now, False, actor)
+    return Commit(*triage.transition(record, decision), why="revoked")
+
+
+def with_read(view: View, step: ReadGrant | ReadOriginal,
+              value: bool | ProposalRecord | None) -> View:
+    """The view after the shell carried out a read step."""
+    if isinstance(step, ReadGrant):
+        return replace(view, grant=bool(value))
+    return replace(view, original=value if isinstance(value, ProposalRecord) else None)

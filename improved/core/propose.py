@@ -1,0 +1,190 @@
+"""Stage 2, propose: validate a proposal, compute its id and dedup_key, record it `pending`.
+
+Pure: bytes in, a Proposal or a WireError out; a registered record and its first trailer draft.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from improved.core.audit import Draft
+from improved.core.guards import Evidence, is_independent
+from improved.core.record import SUPERSEDED, CountedSignal, ProposalRecord, ref
+from improved.protocol import cal, canonical, wire
+from improved.protocol.model import Proposal, Signal, to_json
+from improved.protocol.subjects import SKILL_NAME_RE
+from improved.runtime.config import Policy
+
+# Deterministic summary templates (OMS rule 4: never free prose). Unknown ids still render
+# deterministically, as the id followed by the sorted arguments.
+TEMPLATES: dict[str, str] = {
+    "set_config": "set {key} to {value}",
+    "adjust_rank": "adjust rank of {item} by {delta}",
+    "new_skill": "add skill {name}",
+    "refine_skill": "refine skill {name}",
+    "edit_doc": "edit {doc}",
+    "investigate_regression": "investigate {count} negative {metric} signals on {target}",
+    "archive_skill": "archive skill {name} after {count} negative outcomes",
+    "rollback": "roll back {proposal_id}",
+}
+
+
+def render_summary(template_id: str, args: dict[str, Any]) -> str:
+    template = TEMPLATES.get(template_id)
+    if template is not None:
+        try:
+            return template.format(**args)
+        except (KeyError, IndexError, ValueError):
+            pass
+    rendered = ", ".join(f"{k}={args[k]}" for k in sorted(args))
+    return f"{template_id}({rendered})"
+
+
+def validate(data: bytes, subject_service: str | None, limit: int) -> Proposal:
+    """Decode and check a proposal; raise WireError naming the first problem."""
+    proposal = wire.decode(data, Proposal, limit)
+    bodies = [n for n in ("proposal_cal", "proposal_edit", "proposal_data")
+              if getattr(proposal, n) is not None]
+    if len(bodies) != 1:
+        named = " and ".join(bodies) if bodies else "none"
+        raise wire.WireError(wire.BODY_COUNT, "a proposal carries exactly one of proposal_cal, "
+                             f"proposal_edit, proposal_data; this one has {named}",
+                             bodies[1] if len(bodies) > 1 else "proposal_cal")
+    if subject_service is not None and proposal.service != subject_service:
+        raise wire.WireError(wire.SUBJECT_MISMATCH, f"service {proposal.service!r} disagrees "
+                             f"with the subject's service {subject_service!r}", "service")
+    if proposal.proposal_cal is not None:
+        check_cal(proposal.proposal_cal, proposal.namespace)
+    skill = skill_definition(proposal)
+    if skill is not None:
+        name = skill.get("name")
+        if not isinstance(name, str) or not SKILL_NAME_RE.match(name):
+            raise wire.WireError(wire.INVALID_VALUE, "a skill's name must match "
+                                 "[a-z][a-z0-9_-]{0,62}", "proposal_data.skill.name")
+    elif proposal.change_class == "L3" and proposal.target_ref.startswith("skill:"):
+        raise wire.WireError(wire.INVALID_VALUE, "an L3 proposal must carry the skill "
+                             "definition it re-executes in proposal_data.skill",
+                             "proposal_data.skill")
+    return proposal
+
+
+def check_cal(text: str, namespace: str | None) -> None:
+    """A CAL Tier-1 batch only: ADD / SUPERSEDE / REVERT, never a destructive verb, never a
+    status, never a write outside the proposal's own namespace (OMS rules 1, 3, 8, 9)."""
+    try:
+        batch = cal.parse(text)
+    except cal.CalError as exc:
+        code = {"E001": wire.TOO_LARGE, "status_forbidden": wire.STATUS_FORBIDDEN}.get(
+            exc.code, wire.INVALID_VALUE)
+        raise wire.WireError(code, f"proposal_cal is refused ({exc.code}): {exc.message}",
+                             "proposal_cal") from None
+    outside = sorted(n for n in cal.touches_namespace(batch) if n != namespace)
+    if outside:
+        raise wire.WireError(wire.INVALID_VALUE, "proposal_cal writes outside the proposal's "
+                             f"namespace {namespace!r}: {', '.join(outside)}", "proposal_cal")
+
+
+def skill_definition(proposal: Proposal) -> dict[str, Any] | None:
+    data = proposal.proposal_data
+    skill = data.get("skill") if data else None
+    return skill if isinstance(skill, dict) else None
+
+
+def grain_of(proposal: Proposal) -> dict[str, Any]:
+    """The proposal as an OMS Recommendation grain: its fields plus type and dedup_key."""
+    grain = msgspec.to_builtins(proposal)
+    grain["type"] = "recommendation"
+    grain["dedup_key"] = canonical.dedup_key(proposal.analyzer.id, proposal.target_ref,
+                                             proposal.action_kind)
+    return grain
+
+
+def identify(proposal: Proposal) -> tuple[str, str]:
+    """(proposal_id, dedup_key): the content address and the identity across re-proposals."""
+    grain = grain_of(proposal)
+    try:
+        pid = canonical.content_address(grain, canonical.RECOMMENDATION)
+    except canonical.CanonicalError as exc:
+        field = wire_field(exc.path)
+        raise wire.WireError(wire.INVALID_VALUE, f"{exc.message} ({exc.code})"
+                             + (f" at `{field}`" if field else ""), field) from None
+    return pid, grain["dedup_key"]
+
+
+_FULL_NAME = {short: full for full, short in canonical.FIELD_MAP.items()}
+
+
+def wire_field(path: str) -> str | None:
+    """The encoder's path over compacted keys (`$.pdata.x`) as the wire field (`proposal_data.x`)."""
+    rest = path.removeprefix("$").removeprefix(".")
+    if not rest:
+        return None
+    head, sep, tail = rest.partition(".")
+    bracket = head.find("[")
+    if bracket > 0:
+        head, tail, sep = head[:bracket], head[bracket:] + sep + tail, ""
+    return _FULL_NAME.get(head, head) + sep + tail
+
+
+def count(signal: Signal, digest: str, proposal: Proposal, applied_at: int | None,
+          policy: Policy) -> CountedSignal:
+    evidence = Evidence(signal.kind, signal.actor, signal.service, signal.positive, signal.at)
+    return CountedSignal(
+        digest=digest, kind=signal.kind, actor=signal.actor, service=signal.service,
+        positive=signal.positive, at=signal.at, name=signal.name, value=signal.value,
+        independent=is_independent(evidence, proposal.origin.actor, proposal.origin.service,
+                                   applied_at, policy.effect_window_ms),
+    )
+
+
+def signal_digest(signal: Signal) -> str:
+    return canonical.digest(msgspec.to_builtins(signal))
+
+
+def register(proposal: Proposal, pid: str, dedup: str, policy: Policy,
+             now: int) -> tuple[ProposalRecord, Draft]:
+    """A new record, `pending`, and the trailer that registers it."""
+    skill = skill_definition(proposal)
+    signals = tuple(count(s, signal_digest(s), proposal, None, policy)
+                    for s in proposal.signals or ())
+    summary = render_summary(proposal.summary.template_id, proposal.summary.args)
+    record = ProposalRecord(
+        proposal_id=pid,
+        service=proposal.service,
+        dedup_key=dedup,
+        proposal=proposal,
+        summary_text=summary,
+        skill=canonical.skill_identity(skill) if skill is not None else None,
+        gate_class=proposal.change_class,
+        signals=signals,
+        updated_at=now,
+    )
+    observer = "human" if proposal.origin.actor.startswith("operator:") else "rec:agent"
+    draft = Draft(
+        from_stage="observe", to_stage="propose", actor=proposal.origin.actor,
+        observer_type=observer, reason=f"proposed: {summary}",
+        refs=(f"analyzer:{proposal.analyzer.id}", f"dedup_key:{dedup}",
+              "proposal:" + to_json(proposal).decode()),
+    )
+    return record, draft
+
+
+def supersede(record: ProposalRecord, by: str, actor: str) -> tuple[ProposalRecord, Draft] | None:
+    """Newer content under the same dedup_key: this proposal will never be applied, and an
+    approval it had is withdrawn. None when it is already settled or superseded."""
+    if record.superseded_by is not None or record.status not in ("pending", "approved"):
+        return None
+    draft = Draft(from_stage=record.stage, to_stage="triage", actor=actor,
+                  observer_type="rec:system", verdict=SUPERSEDED, refs=(ref("superseded_by", by),),
+                  reason=f"superseded by {by}: new content under the same dedup_key")
+    return record.replace(superseded_by=by, approved_by=None), draft
+
+
+def carried(trailer) -> Proposal:
+    """The proposal a registration trailer carries (its `proposal:` ref)."""
+    for r in trailer.refs:
+        if r.startswith("proposal:"):
+            return msgspec.json.decode(r[len("proposal:"):].encode(), type=Proposal)
+    raise ValueError(f"trailer {trailer.seq} of {trailer.proposal_id} carries no proposal")

@@ -1,0 +1,130 @@
+"""The signed quorum for L4 (SPEC 09 §6, DESIGN §5.4), off unless `policy.quorum`.
+
+Pure. Three approvals from distinct keys of non-correlated sessions approve; one dissent defers
+to an operator (quorum is not majority rule). What never adds up: the same key twice, two keys
+of one session, the proposer's own session, a vote that does not say it read the proposal, its
+diff, its triage record and the spec. Every vote leaves a trailer — counted, or refused with
+its reason — and the decision is a trailer of its own; the QuorumRecord is then retained, once.
+"""
+
+from __future__ import annotations
+
+from improved.core.audit import REASON_LIMIT, Draft
+from improved.core.authority import Act, refusal
+from improved.core.guards import session_of
+from improved.core.record import QUORUM, VOTE, Ballot, ProposalRecord, ref
+from improved.core.signing import Verified
+from improved.protocol.model import QuorumBallot, QuorumRecord, TriageDecision, Vote
+
+SIZE = 3
+REQUIRED_READS = ("proposal", "diff", "triage", "spec")
+
+
+def is_open(record: ProposalRecord) -> bool:
+    d = record.decision
+    return (record.status == "pending" and record.superseded_by is None and d is not None
+            and d.verdict == "defer" and d.cause == "awaiting_quorum")
+
+
+def unread(vote: Vote, pid: str) -> list[str]:
+    """What the vote does not say it read (SPEC 09 §6: proposal, diff, triage record, spec)."""
+    kinds = {r.split(":", 1)[0] for r in vote.read}
+    missing = [k for k in REQUIRED_READS if k not in kinds]
+    if "proposal" in kinds and f"proposal:{pid}" not in vote.read:
+        missing.append(f"proposal:{pid} (it names another proposal)")
+    return missing
+
+
+def count(record: ProposalRecord, act: Act, verified: Verified, vote: Vote, sig: str,
+          actor: str) -> tuple[ProposalRecord, Draft]:
+    """A verified vote: counted (a `vote` trailer) or refused with the rule it broke."""
+
+    def refuse(code: str, why: str):
+        return refusal(record, act, code, why, actor, verified.keyid)
+
+    if vote.proposal_id != record.proposal_id:
+        return refuse("wrong_proposal", f"the vote is for {vote.proposal_id}")
+    if not is_open(record):
+        d = record.decision
+        return refuse("closed", f"no quorum is open (status {record.status}"
+                      + (f", triage {d.verdict}/{d.cause}" if d else "") + ")")
+    missing = unread(vote, record.proposal_id)
+    if missing:
+        return refuse("unread", "a voter must have read " + ", ".join(missing))
+    session = session_of(vote.session)
+    if session == session_of(record.proposal.origin.actor):
+        return refuse("proposer_session", "the proposer's own session never counts")
+    if any(b.keyid == verified.keyid for b in record.ballots):
+        return refuse("same_key", f"{verified.keyid} has voted already")
+    if any(b.session == session for b in record.ballots):
+        return refuse("correlated_session", f"session {session} has voted already (with "
+                      "another key): correlated votes count once")
+    ballot = Ballot(keyid=verified.keyid, voter=vote.voter, session=session, vote=vote.vote,
+                    at=vote.at, act=act.digest, sig=sig, read=tuple(vote.read))
+    ballots = (*record.ballots, ballot)
+    approvals = sum(1 for b in ballots if b.vote == "approve")
+    reason = (f"{vote.vote} by {vote.voter} (session {session}): {approvals} of {SIZE} "
+              "approvals")[:REASON_LIMIT]
+    refs = (ref("act", act.digest), ref("act_seq", act.stream_seq), ref("keyid", verified.keyid),
+            ref("session", session), ref("vote", vote.vote), ref("voted_at", vote.at),
+            ref("sig", sig), ref("read", list(vote.read), as_json=True))
+    draft = Draft(from_stage=record.stage, to_stage="triage", actor=vote.voter,
+                  observer_type="rec:agent", verdict=VOTE, reason=reason, refs=refs)
+    return record.replace(ballots=ballots, acts=(*record.acts, (act.digest, act.stream_seq)),
+                          updated_at=max(record.updated_at, vote.at)), draft
+
+
+def authority_of(record: ProposalRecord) -> str:
+    """The principal an approved quorum's apply runs under (an Actor id)."""
+    return f"quorum:{record.proposal_id[:16]}"
+
+
+def decided(record: ProposalRecord, actor: str, now: int) -> tuple[ProposalRecord, Draft] | None:
+    """One dissent defers to the operator; three approvals approve; else still open."""
+    if not is_open(record) or not record.ballots:
+        return None
+    dissent = [b for b in record.ballots if b.vote == "dissent"]
+    approvals = [b for b in record.ballots if b.vote == "approve"]
+    voters = ", ".join(b.voter for b in record.ballots)
+    if dissent:
+        reason = (f"{dissent[0].voter} dissents: deferred to an operator (quorum is not "
+                  f"majority rule; voters {voters})")[:REASON_LIMIT]
+        d = TriageDecision(proposal_id=record.proposal_id, service=record.service,
+                           verdict="defer", cause="quorum_dissent", gate_class=record.gate_class,
+                           rationale=reason, actor=actor, at=now)
+        return record.replace(decision=d, updated_at=now), Draft(
+            from_stage=record.stage, to_stage="triage", actor=actor, observer_type="rec:system",
+            verdict="defer", cause="quorum_dissent", reason=reason)
+    if len(approvals) < SIZE:
+        return None
+    by = authority_of(record)
+    reason = f"approved by a quorum of {len(approvals)}: {voters}"[:REASON_LIMIT]
+    d = TriageDecision(proposal_id=record.proposal_id, service=record.service, verdict="accept",
+                       cause=None, gate_class=record.gate_class, rationale=reason, actor=by,
+                       at=now)
+    draft = Draft(from_stage=record.stage, to_stage="triage", actor=by,
+                  observer_type="rec:agent", verdict=QUORUM, reason=reason,
+                  refs=(ref("authority", by), *(ref("keyid", b.keyid) for b in approvals)))
+    return record.replace(decision=d, approved_by=by, updated_at=now), draft
+
+
+def outcome_of(record: ProposalRecord) -> str | None:
+    """`approved` or `deferred` once the quorum decided; None while open (or never held)."""
+    if record.approved_by is not None and record.approved_by == authority_of(record):
+        return "approved"
+    d = record.decision
+    if d is not None and d.cause == "quorum_dissent":
+        return "deferred"
+    return None
+
+
+def quorum_record(record: ProposalRecord) -> QuorumRecord | None:
+    outcome = outcome_of(record)
+    if outcome is None:
+        return None
+    votes = [QuorumBallot(voter=b.voter, keyid=b.keyid, session=b.session, vote=b.vote,
+                          read=list(b.read), at=b.at, sig=b.sig) for b in record.ballots]
+    return QuorumRecord(proposal_id=record.proposal_id, service=record.service, outcome=outcome,
+                        approvals=sum(1 for b in record.ballots if b.vote == "approve"),
+                        dissents=sum(1 for b in record.ballots if b.vote == "dissent"),
+                        votes=votes, at=record.decision.at)

@@ -1,0 +1,232 @@
+"""A proposal's cached state and how its status follows from the audit chain (DESIGN §4).
+
+The record is a cache: `status` and `stage` are never taken from a message, only folded from the
+trailers the loop wrote (`status_after`). Everything else the stages need — the proposal, its
+decision, its apply outcome, the signals counted — travels with it so a stage is a pure function
+of (record, input).
+"""
+
+from __future__ import annotations
+
+import msgspec
+from msgspec import Struct
+
+from improved.protocol.model import ApplyOutcome, Proposal, Trailer, TriageDecision
+
+
+class CountedSignal(Struct, kw_only=True, frozen=True):
+    digest: str
+    kind: str
+    actor: str
+    service: str
+    positive: bool
+    at: int
+    independent: bool
+    name: str | None = None
+    value: float | None = None
+
+
+class ChainHead(Struct, kw_only=True, frozen=True):
+    """Where the proposal's audit chain ends: its length, last hash and JetStream sequence."""
+
+    length: int = 0
+    last_hash: str = ""
+    stream_seq: int = 0
+
+
+class Ballot(Struct, kw_only=True, frozen=True):
+    """One counted quorum vote (SPEC 09 §6): who, from which session, what they said."""
+
+    keyid: str
+    voter: str
+    session: str
+    vote: str
+    at: int
+    act: str  # digest of the signed envelope
+    sig: str = ""
+    read: tuple[str, ...] = ()
+
+
+class ProposalRecord(Struct, kw_only=True, frozen=True):
+    proposal_id: str
+    service: str
+    dedup_key: str
+    proposal: Proposal
+    summary_text: str
+    skill: str | None = None  # `<name>:<sha256>` of a skill proposal's definition
+    gate_class: str
+    status: str = "pending"
+    stage: str = "observe"
+    decision: TriageDecision | None = None
+    outcome: ApplyOutcome | None = None
+    approved_by: str | None = None  # the principal whose signed approval the apply runs under
+    superseded_by: str | None = None  # newer content under the same dedup_key
+    rollback_by: str | None = None  # the principal who asked for the inverse
+    rollback_outcome: ApplyOutcome | None = None
+    measured: str | None = None  # `held` or `regressed`, once review_after was measured
+    revert: Proposal | None = None  # L4: the reversal generated and validated before apply
+    revert_id: str | None = None
+    ballots: tuple[Ballot, ...] = ()  # quorum votes counted so far
+    acts: tuple[tuple[str, int], ...] = ()  # (envelope digest, stream sequence) of signed acts seen
+    signals: tuple[CountedSignal, ...] = ()
+    chain: ChainHead = ChainHead()
+    updated_at: int = 0
+
+    def replace(self, **changes) -> ProposalRecord:
+        return msgspec.structs.replace(self, **changes)
+
+    @property
+    def applied_at(self) -> int | None:
+        return self.outcome.at if self.outcome is not None and self.outcome.ok else None
+
+    @property
+    def positives(self) -> int:
+        return sum(1 for s in self.signals if s.positive)
+
+    @property
+    def independent_positives(self) -> int:
+        return sum(1 for s in self.signals if s.positive and s.independent)
+
+
+# Verdicts a trailer carries besides the triage verdicts (documented in docs/protocol.md).
+APPLIED = "applied"
+APPLY_FAILED = "failed"
+SIGNAL = "signal"
+APPROVE = "approve"
+REFUSED = "refused"  # a signed act that did not count; the status does not move
+SUPERSEDED = "superseded"  # newer content arrived under the same dedup_key
+ROLLBACK = "rollback"  # an operator asked for the recorded inverse
+ROLLED_BACK = "rolled_back"  # the owning service applied the inverse
+ROLLBACK_FAILED = "rollback_failed"
+LKG_VERIFIED = "lkg_verified"  # L4: healthy last-known-good; the reversal is recorded
+INHERIT = "inherit"  # an L4 reversal runs under its original's approval
+VOTE = "vote"  # a counted quorum vote
+QUORUM = "quorum"  # the quorum approved: status approved
+HELD = "held"  # measured at review_after: the metric held
+REGRESSED = "regressed"  # measured at review_after: beyond the tolerance; a rollback is proposed
+
+
+def status_after(status: str, trailer: Trailer) -> str:
+    """The lifecycle status after one trailer: the whole of how status is derived."""
+    if trailer.to_stage == "propose":
+        return "pending"
+    if trailer.to_stage == "triage":
+        if trailer.verdict == "reject":
+            return "expired" if trailer.cause == "expired" else "rejected"
+        if trailer.verdict in (APPROVE, INHERIT, QUORUM):
+            return "approved"
+        if trailer.verdict == SUPERSEDED and status == "approved":
+            return "pending"  # an approval never carries to content nobody reviewed
+        return status
+    if trailer.to_stage == "apply" and trailer.verdict == APPLIED:
+        return "applied"
+    if trailer.to_stage == "apply" and trailer.verdict == ROLLED_BACK:
+        return "rolled_back"
+    return status
+
+
+def fold_status(trailers: list[Trailer]) -> tuple[str, str]:
+    """(status, stage) of a chain, from nothing but its trailers."""
+    status, stage = "pending", "observe"
+    for t in trailers:
+        status = status_after(status, t)
+        stage = t.to_stage
+    return status, stage
+
+
+record_encoder = msgspec.msgpack.Encoder()
+record_decoder = msgspec.msgpack.Decoder(ProposalRecord)
+
+
+def with_trailer(record: ProposalRecord, trailer: Trailer, stream_seq: int) -> ProposalRecord:
+    """The record after `trailer` joined its chain at JetStream sequence `stream_seq`."""
+    return record.replace(
+        status=status_after(record.status, trailer),
+        stage=trailer.to_stage,
+        chain=ChainHead(length=trailer.seq + 1, last_hash=trailer.hash, stream_seq=stream_seq),
+        updated_at=max(record.updated_at, trailer.at),
+    )
+
+
+# -- trailer refs: `name:value` strings that make each trailer self-sufficient for a rebuild ----
+
+def ref(name: str, value: object, *, as_json: bool = False) -> str:
+    """`name:value`; `as_json` keeps a value's type through a rebuild (e.g. a string inverse)."""
+    if as_json or not isinstance(value, str | bool):
+        value = msgspec.json.encode(value, order="sorted").decode()
+    elif isinstance(value, bool):
+        value = "true" if value else "false"
+    return f"{name}:{value}"
+
+
+def refs_of(trailer: Trailer) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for r in trailer.refs:
+        name, _, value = r.partition(":")
+        out.setdefault(name, value)
+    return out
+
+
+def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int]) -> ProposalRecord:
+    """Rebuild a record from its registration and its chain alone (the store is only a cache)."""
+    record = start
+    for trailer, stream_seq in zip(trailers, stream_seqs, strict=True):
+        refs = refs_of(trailer)
+        if "act" in refs:
+            record = record.replace(acts=(*record.acts, (refs["act"], int(refs["act_seq"]))))
+        if trailer.to_stage == "triage" and trailer.verdict == SUPERSEDED:
+            record = record.replace(superseded_by=refs["superseded_by"], approved_by=None)
+        elif trailer.to_stage == "triage" and trailer.verdict == APPROVE:
+            record = record.replace(approved_by=trailer.actor, decision=TriageDecision(
+                proposal_id=record.proposal_id, service=record.service, verdict="accept",
+                cause=None, gate_class=trailer.gate_class, rationale=trailer.reason,
+                actor=trailer.actor, at=trailer.at))
+        elif trailer.to_stage == "triage" and trailer.verdict in ("accept", "defer", "reject"):
+            record = record.replace(
+                gate_class=trailer.gate_class,
+                decision=TriageDecision(
+                    proposal_id=record.proposal_id, service=record.service,
+                    verdict=trailer.verdict, cause=trailer.cause,
+                    gate_class=trailer.gate_class, rationale=trailer.reason,
+                    actor=trailer.actor, at=trailer.at))
+        elif trailer.to_stage == "triage" and trailer.verdict in (INHERIT, QUORUM):
+            record = record.replace(approved_by=refs["authority"], decision=TriageDecision(
+                proposal_id=record.proposal_id, service=record.service, verdict="accept",
+                cause=None, gate_class=trailer.gate_class, rationale=trailer.reason,
+                actor=refs["authority"], at=trailer.at))
+        elif trailer.to_stage == "triage" and trailer.verdict == VOTE:
+            record = record.replace(ballots=(*record.ballots, Ballot(
+                keyid=refs["keyid"], voter=trailer.actor, session=refs["session"],
+                vote=refs["vote"], at=int(refs["voted_at"]), act=refs["act"],
+                sig=refs.get("sig", ""), read=tuple(msgspec.json.decode(refs["read"])))))
+        elif trailer.to_stage == "apply" and trailer.verdict == LKG_VERIFIED:
+            record = record.replace(
+                revert=msgspec.json.decode(refs["revert"], type=Proposal),
+                revert_id=refs["revert_proposal_id"])
+        elif trailer.to_stage == "apply" and trailer.verdict == ROLLBACK:
+            record = record.replace(rollback_by=trailer.actor)
+        elif trailer.to_stage == "apply" and trailer.verdict in (ROLLED_BACK, ROLLBACK_FAILED):
+            record = record.replace(rollback_outcome=ApplyOutcome(
+                proposal_id=record.proposal_id, service=record.service,
+                ok=trailer.verdict == ROLLED_BACK, applied_id=refs.get("applied", ""),
+                authority=trailer.actor, error=refs.get("error"), at=trailer.at))
+        elif trailer.to_stage == "apply":
+            ok = trailer.verdict == APPLIED
+            record = record.replace(outcome=ApplyOutcome(
+                proposal_id=record.proposal_id, service=record.service, ok=ok,
+                applied_id=refs.get("applied", ""), authority=trailer.actor,
+                inverse=msgspec.json.decode(refs["inverse"]) if "inverse" in refs else None,
+                rollbackable=refs.get("rollbackable") == "true",
+                error=refs.get("error"), at=trailer.at,
+                revert_proposal_id=record.revert_id if ok else None))
+        elif trailer.to_stage == "learn-back" and trailer.verdict == SIGNAL:
+            record = record.replace(signals=(*record.signals, CountedSignal(
+                digest=refs["signal"], kind=refs.get("kind", ""), actor=trailer.actor,
+                service=refs.get("service", ""), positive=refs.get("positive") == "true",
+                at=int(refs.get("at", trailer.at)),
+                independent=refs.get("independent") == "true", name=refs.get("name"),
+                value=float(refs["value"]) if "value" in refs else None)))
+        elif trailer.to_stage == "learn-back" and trailer.verdict in (HELD, REGRESSED):
+            record = record.replace(measured=trailer.verdict)
+        record = with_trailer(record, trailer, stream_seq)
+    return record

@@ -1,0 +1,142 @@
+"""Stage 3, triage: guards in a fixed order, then the class gate (DESIGN §2, §5).
+
+Order: forbidden target, class, scope, what the class must carry (L4: `lkg`; a constitution
+edit: `amends` and a CHANGELOG entry), the doc allowlist, expiry, the rejection ledger, feedback collapse, class
+gate — so the cause of a decision is deterministic. Pure: (record, policy, clock, grant) → TriageDecision.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from improved.core import gradient, lkg
+from improved.core.audit import REASON_LIMIT, Draft
+from improved.core.guards import forbidden_match, on_allowlist, self_confirmed, target_paths
+from improved.core.record import ProposalRecord
+from improved.protocol import canonical
+from improved.protocol.model import Proposal, TriageDecision
+from improved.runtime.config import Policy
+
+
+def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
+           actor: str, rejected: dict | None = None,
+           held: str | None = None) -> TriageDecision:
+    """`rejected`: the rejection-ledger entry under this proposal's dedup_key, if any;
+    `held`: `circuit_open` or `autonomy_off` while autonomous applies are held back."""
+    p = record.proposal
+    scheme = gradient.scheme_of(p.target_ref)
+
+    def decision(verdict: str, cause: str | None, rationale: str,
+                 gate_class: str = p.change_class) -> TriageDecision:
+        return TriageDecision(proposal_id=record.proposal_id, service=record.service,
+                              verdict=verdict, cause=cause, gate_class=gate_class,
+                              rationale=rationale[:REASON_LIMIT], actor=actor, at=now)
+
+    paths = target_paths(p.target_ref, p.target_files)
+    charter = lkg.is_charter(p) and lkg.charter_problem(p) is None
+    if charter:  # prepared for an operator to commit, never applied: it may name the charter
+        paths = lkg.charter_paths(paths)
+    hit = forbidden_match(paths, policy.forbidden_targets)
+    if hit is not None:
+        return decision("reject", "forbidden_target",
+                        f"{hit} is a forbidden target (constitution VI); no class may change it")
+    if not gradient.class_fits(p.change_class, scheme, policy.min_class,
+                               policy.fallback_min_class):
+        if p.change_class == "L3":
+            why = "L3 fits skill: targets only"
+        else:
+            least = gradient.min_class(scheme, policy.min_class, policy.fallback_min_class)
+            why = f"{p.change_class} is below the minimum {least} for {scheme}: targets"
+        return decision("reject", "class_mismatch", f"{why}; re-propose at the right class")
+    if not gradient.scope_fits(p.scope, scheme):
+        want = "doc (the charter is a document)" if p.scope == "charter" else \
+            gradient.implied_scope(scheme)
+        return decision("reject", "scope_mismatch",
+                        f"scope {p.scope} does not fit {scheme}: targets (expected {want})")
+    bad = lkg.problem(p)
+    if bad is not None:
+        return decision("reject", "invalid", f"{p.change_class} {p.scope} proposal: {bad}")
+    if scheme == "doc" and not charter and not on_allowlist(gradient.rest_of(p.target_ref), policy.doc_allowlist):
+        return decision("reject", "invalid", f"{p.target_ref} is not on the doc allowlist "
+                        "(policy.doc_allowlist); doc: targets must be listed to be edited")
+    if p.valid_to is not None and p.valid_to <= now:
+        return decision("reject", "expired", f"valid_to {p.valid_to} has passed")
+    if (rejected is not None and rejected.get("proposal_id") != record.proposal_id
+            and rejected.get("evidence") == evidence_digest(p)):
+        return decision("reject", "duplicate_rejected",
+                        f"{rejected.get('principal')} rejected {rejected.get('proposal_id')} under "
+                        f"the same dedup_key on the same evidence: {rejected.get('reason')}")
+    if self_confirmed(record.positives, record.independent_positives):
+        return decision("defer", "feedback_collapse",
+                        f"all {record.positives} positive signals come from the proposer's own "
+                        "session; waiting for an independent one")
+    return gate(record, grant_active, decision, held, policy.quorum)
+
+
+def evidence_digest(proposal: Proposal) -> str:
+    """What a rejection was made on; refreshed evidence re-enters review (DESIGN §4)."""
+    return canonical.digest({
+        "derived_from": proposal.derived_from,
+        "signals": msgspec.to_builtins(proposal.signals) if proposal.signals else None,
+        "metric_snapshot": msgspec.to_builtins(proposal.metric_snapshot)
+        if proposal.metric_snapshot else None,
+        "evidence_query": proposal.evidence_query,
+    })
+
+
+def gate(record: ProposalRecord, grant_active: bool, decision,
+         held: str | None = None, quorum: bool = False) -> TriageDecision:
+    cls = record.proposal.change_class
+    if held is not None and (cls == "L0" or (cls == "L3" and grant_active)):
+        why = ("autonomy is switched off" if held == "autonomy_off" else
+               "the circuit breaker is open after repeated rollbacks of autonomous applies")
+        return decision("defer", held, f"{cls} would apply automatically, but {why}")
+    if cls == "L0":
+        return decision("accept", None, "L0 read-only learning applies automatically")
+    if cls == "L1":
+        return decision("accept", None, "L1 is surfaced for review and never applied")
+    if cls == "L3":
+        if grant_active:
+            return decision("accept", None, f"an active grant covers {record.skill}")
+        return decision("defer", "no_grant",
+                        f"no active grant for {record.skill}; gated as L2", gate_class="L2")
+    if lkg.is_charter(record.proposal):
+        return decision("defer", "awaiting_operator",
+                        "a constitution edit is prepared here and committed by an operator by "
+                        "hand (SPEC 09 §8, Art. VII); the loop never applies it")
+    if cls == "L4" and quorum:
+        return decision("defer", "awaiting_quorum",
+                        "L4 needs signed approvals from three non-correlated sessions on "
+                        "improve.quorum, or a signed operator approval")
+    return decision("defer", "awaiting_operator",
+                    f"{cls} needs a signed operator approval"
+                    + (" per occurrence" if cls == "L4" else ""))
+
+
+HELD = frozenset({"circuit_open", "autonomy_off"})
+
+
+def held_back(record: ProposalRecord) -> bool:
+    """Deferred only because autonomy was held back: worth another look once it is not."""
+    d = record.decision
+    return (d is not None and d.verdict == "defer" and d.cause in HELD
+            and record.status == "pending" and record.superseded_by is None)
+
+
+def needs_triage(record: ProposalRecord) -> bool:
+    """Untriaged, or deferred as self-confirmed and now independently confirmed."""
+    d = record.decision
+    if record.superseded_by is not None:
+        return False
+    if d is None:
+        return record.status == "pending"
+    return (d.verdict == "defer" and d.cause == "feedback_collapse"
+            and record.status == "pending"
+            and not self_confirmed(record.positives, record.independent_positives))
+
+
+def transition(record: ProposalRecord, d: TriageDecision) -> tuple[ProposalRecord, Draft]:
+    draft = Draft(from_stage=record.stage, to_stage="triage", actor=d.actor,
+                  observer_type="rec:system", reason=d.rationale, verdict=d.verdict,
+                  cause=d.cause)
+    return record.replace(decision=d, gate_class=d.gate_class, updated_at=d.at), draft

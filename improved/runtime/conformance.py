@@ -1,0 +1,431 @@
+"""The conformance kit: which SPEC 09 conformance level (L0–L4) a live service meets, and why not
+the next one.
+
+A service author points it at a running service: `report = await probe(nc, "search")`, then
+`print(render(report))`. Everything goes through NATS, as the daemon or an agent runtime would
+talk to the service. The levels are cumulative: a service meets the highest level L such that
+every check of L and of every level below passed.
+
+What is probed, level by level:
+- L0: `<svc>.spec.get` answers a JSON object saying `"improve": true` or `false`. A service that
+  advertises `"improve": false` has advertised its omission: it is L0 and the probe stops there.
+- L1: the spec says `"improve": true` and names `"apply": "<svc>.improve.apply"` (where the daemon
+  sends its orders); a malformed ApplyOrder there gets a well-formed reply: an ApplyResult with
+  `ok: false`, or an error reply `{"error": {...}}`.
+- L2: a well-formed L2 ApplyOrder whose proposal has no operator acceptance on record is refused,
+  `ok: false` with an error starting `not_accepted:`; sent again, it gets the very same reply.
+- L3: the spec advertises `"identity": "<name>:<sha256>"` and a `"get"` subject (a skills read
+  under a grant); asked for a random identity nobody granted, it answers an error `no_grant`,
+  `grant_mismatch` or `not_found`, never a definition. A service that holds no skills (no
+  `skill:` scheme, no skills read) passes L3 as not applicable: TOFU (§4) binds skills.
+- L4: the spec advertises `"lkg": "<svc>.improve.lkg"`; asked to confirm a last-known-good for an
+  artefact that does not exist, it answers `{"ok": false, ...}`; and an L4 ApplyOrder carrying
+  that `lkg` list, without an operator acceptance, is refused `not_accepted:`.
+
+The probe never changes real state when the service is conformant: every order it sends must be
+refused. Each order's proposal carries a random nonce (in its summary args), so its proposal id,
+the proposal's content address, is fresh: no audit chain, hence no operator acceptance, exists
+for it. Its target is `<first advertised scheme>conformance-probe` and its `proposal_data` is
+`{}`, so even a service that wrongly applies it has little to apply. Probing stops at the first
+level that fails: a service that did not refuse what it should have is not sent more orders.
+
+What the kit cannot observe (SPEC 09 "Conformance" asks more than a probe can see):
+- L1 also asks that a service *emit* valid proposals on `improve.proposals.<svc>` and *accept
+  triage decisions* on `improve.triage.<svc>`. Emitting happens when the service has something
+  to propose, and triage decisions are records the daemon writes, which the service consumes (or
+  not) without an observable reply. The kit checks the half a request can reach: the service
+  serves apply orders and answers a bad one instead of staying silent.
+- L2's gate is observed from the refusing side only: the kit can show that an order without
+  acceptance is refused for that reason, not that a genuinely accepted one is applied (that
+  would change state; the loop's own end-to-end tests cover it).
+- L3's TOFU asks for storing hashes, refusing drift and re-prompting on a hash change. The kit
+  sees only that an ungranted identity is never served; drift would need a stored skill to
+  tamper with.
+- L4's atomic apply window and `revert_proposal_id` emission happen during a real apply and a
+  rollback; the kit sees only the pre-apply LKG verification refusing an unknown artefact and the
+  acceptance gate on an L4 order.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+
+from improved.core import gradient, propose
+from improved.protocol import subjects as S
+from improved.protocol.model import (
+    AnalyzerRef,
+    ApplyOrder,
+    ApplyResult,
+    Origin,
+    Proposal,
+    Summary,
+    to_json,
+)
+
+LEVELS = ("L0", "L1", "L2", "L3", "L4")
+ACTOR = "conformance"
+ANALYZER = "improved.conformance/1"
+TEMPLATE = "conformance-probe"
+AUTHORITY = "operator:conformance-probe"
+PROBE_KEY = "conformance-probe"
+DEFAULT_SCHEME = "config"
+NOT_ACCEPTED = "not_accepted:"
+GET_REFUSALS = ("no_grant", "grant_mismatch", "not_found")
+IDENTITY = "<name>:<sha256>"
+MALFORMED_ORDER = {"proposal_id": "x"}
+_SCHEME_RE = re.compile(r"^[a-z][a-z0-9+.-]*$")
+_SUBJECT_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")  # no wildcards, no spaces
+_SHOWN = 200  # characters of a reply quoted in a detail
+
+
+@dataclass(frozen=True)
+class Check:
+    level: str
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class Report:
+    service: str
+    level: str | None  # "L0".."L4"; None: not even L0
+    checks: list[Check] = field(default_factory=list)
+    spec: dict[str, Any] | None = None  # what spec.get answered, when it answered an object
+
+    @property
+    def claimed(self) -> str | None:
+        """The level the service advertises of itself (`"conformance"` in its spec), if any."""
+        claim = (self.spec or {}).get("conformance")
+        return claim if isinstance(claim, str) else None
+
+    @property
+    def next_level(self) -> str | None:
+        """The level above the one met; None when L4 is met."""
+        index = -1 if self.level is None else LEVELS.index(self.level)
+        return LEVELS[index + 1] if index + 1 < len(LEVELS) else None
+
+    @property
+    def first_failure(self) -> Check | None:
+        return next((c for c in self.checks if not c.passed), None)
+
+
+def level_of(checks: list[Check]) -> str | None:
+    """The highest level whose checks, and those of every level below, all passed; a level with
+    no checks (never probed) is not met. Pure."""
+    met = None
+    for level in LEVELS:
+        mine = [c for c in checks if c.level == level]
+        if not mine or not all(c.passed for c in mine):
+            break
+        met = level
+    return met
+
+
+def render(report: Report) -> str:
+    """The report as text: one line per check, then the level met and why not the next."""
+    lines = [f"conformance of {report.service} (SPEC 09):"]
+    for c in report.checks:
+        lines.append(f"  {'PASS' if c.passed else 'FAIL'} {c.level} {c.name}: {c.detail}")
+    lines.append(f"{report.service} meets {report.level}" if report.level is not None
+                 else f"{report.service} meets no level")
+    nxt = report.next_level
+    if nxt is not None:
+        failure = report.first_failure
+        lines.append(f"not {nxt}: {failure.detail if failure else 'not probed'}")
+    if report.claimed is not None and report.claimed != report.level:
+        lines.append(f"(it advertises \"conformance\": {report.claimed!r})")
+    return "\n".join(lines)
+
+
+# -- talking to the service -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Answer:
+    value: Any = None  # the decoded JSON reply
+    problem: str | None = None  # why there is none: no responders, a timeout, not JSON
+
+    @property
+    def answered(self) -> bool:
+        return self.problem is None
+
+
+async def _ask(nc: Client, subject: str, body: Any, timeout: float) -> _Answer:
+    try:
+        msg = await nc.request(subject, to_json(body), timeout=timeout)
+    except NoRespondersError:
+        return _Answer(problem=f"no answer on {subject} (no responders)")
+    except TimeoutError:
+        return _Answer(problem=f"no answer on {subject} within {timeout:g}s")
+    try:
+        return _Answer(value=msgspec.json.decode(msg.data))
+    except msgspec.DecodeError:
+        return _Answer(problem=f"{subject} answered non-JSON: {_show(msg.data)}")
+
+
+def _show(value: Any) -> str:
+    text = value.decode(errors="replace") if isinstance(value, bytes) else \
+        to_json(value).decode(errors="replace")
+    return text if len(text) <= _SHOWN else text[:_SHOWN] + "…"
+
+
+def _error_of(reply: Any) -> dict[str, Any] | None:
+    """The inner object of an error reply `{"error": {...}}`, else None."""
+    if isinstance(reply, dict) and isinstance(reply.get("error"), dict):
+        return reply["error"]
+    return None
+
+
+def _describe_error(err: dict[str, Any]) -> str:
+    return f"{err.get('code')}: {err.get('message')}"
+
+
+def _apply_result(reply: Any) -> ApplyResult | None:
+    if not isinstance(reply, dict) or _error_of(reply) is not None:
+        return None
+    try:
+        return msgspec.convert(reply, type=ApplyResult)
+    except msgspec.ValidationError:
+        return None
+
+
+# -- the probe orders -----------------------------------------------------------------------------
+
+
+def probe_scheme(spec: dict[str, Any]) -> str:
+    """The first scheme the service advertises (`"rank:"` → `rank`), else `config`."""
+    schemes = spec.get("schemes")
+    if isinstance(schemes, list) and schemes and isinstance(schemes[0], str):
+        scheme = schemes[0].rstrip(":")
+        if _SCHEME_RE.match(scheme):
+            return scheme
+    return DEFAULT_SCHEME
+
+
+def probe_order(service: str, spec: dict[str, Any], change_class: str = "L2",
+                lkg: list[dict[str, Any]] | None = None) -> ApplyOrder:
+    """A well-formed order a conformant service must refuse: its proposal, made fresh by a random
+    nonce, has no audit chain and so no operator acceptance."""
+    scheme = probe_scheme(spec)
+    proposal = Proposal(
+        service=service, target_ref=f"{scheme}:{PROBE_KEY}", change_class=change_class,
+        scope=gradient.implied_scope(scheme), origin=Origin(actor=ACTOR, service=ACTOR),
+        analyzer=AnalyzerRef(id=ANALYZER),
+        summary=Summary(template_id=TEMPLATE, args={"nonce": secrets.token_hex(16)}),
+        proposal_data={}, created_at=int(time.time() * 1000), lkg=lkg)
+    pid, _ = propose.identify(proposal)
+    return ApplyOrder(proposal_id=pid, proposal=proposal, authority=AUTHORITY, attempt=1)
+
+
+def probe_lkg() -> list[dict[str, Any]]:
+    """An artefact that exists nowhere, so no service can hold a last-known-good for it."""
+    return [{"artefact": f"{PROBE_KEY}-{secrets.token_hex(8)}", "digest": "sha256:" + "0" * 64,
+             "smoke_test": "nonempty"}]
+
+
+def _refusal(answer: _Answer, subject: str, change_class: str) -> tuple[bool, str]:
+    """Whether an order's answer is the refusal for lack of acceptance, and the detail."""
+    what = f"an {change_class} order without an operator acceptance on record"
+    if not answer.answered:
+        return False, f"{answer.problem}: {what} must be refused, not left unanswered"
+    result = _apply_result(answer.value)
+    if result is None:
+        err = _error_of(answer.value)
+        if err is not None:
+            return False, (f"{what} was refused, but not for lack of acceptance (error reply "
+                           f"{_describe_error(err)}; a refusal is ok: false, "
+                           f"error \"{NOT_ACCEPTED} ...\")")
+        return False, f"{subject} answered {what} with no ApplyResult: {_show(answer.value)}"
+    if result.ok:
+        return False, (f"{what} was applied (applied_id {result.applied_id!r}); check the "
+                       f"service for target {PROBE_KEY!r}")
+    if not (result.error or "").startswith(NOT_ACCEPTED):
+        return False, (f"{what} was refused, but not for lack of acceptance (error: "
+                       f"{result.error!r}; expected it to start {NOT_ACCEPTED!r})")
+    return True, f"{what} was refused: {result.error}"
+
+
+def _advertised_subject(spec: dict[str, Any], key: str, expected: str | None) -> str | None:
+    """Why the spec's subject under `key` is not usable, or None when it is."""
+    value = spec.get(key)
+    if not isinstance(value, str) or not _SUBJECT_RE.match(value):
+        return f"the spec advertises no {key!r} subject (got {value!r})"
+    if expected is not None and value != expected:
+        return (f"the spec advertises {key!r} on {value}, but the daemon sends to {expected}")
+    return None
+
+
+# -- the levels -----------------------------------------------------------------------------------
+
+
+async def _l0(nc: Client, service: str, timeout: float,
+              checks: list[Check]) -> dict[str, Any] | None:
+    subject = S.service_spec(service)
+    answer = await _ask(nc, subject, {}, timeout)
+    if not answer.answered:
+        checks.append(Check("L0", "spec.get", False, (
+            f"no answer on {subject}: a service must advertise, even the omission "
+            f"({answer.problem})")))
+        return None
+    spec = answer.value
+    if not isinstance(spec, dict) or _error_of(spec) is not None:
+        checks.append(Check("L0", "spec.get", False, (
+            f"{subject} answered {_show(spec)}, not the service's capabilities (a JSON object)")))
+        return None
+    checks.append(Check("L0", "spec.get", True, f"{subject} answered its capabilities"))
+    improve = spec.get("improve")
+    if not isinstance(improve, bool):
+        checks.append(Check("L0", "improve advertised", False, (
+            f"the spec must say \"improve\": true or false, not {improve!r}")))
+        return None
+    checks.append(Check("L0", "improve advertised", True, f"\"improve\": {_show(improve)}"))
+    return spec
+
+
+async def _l1(nc: Client, service: str, spec: dict[str, Any], timeout: float,
+              checks: list[Check]) -> bool:
+    if spec["improve"] is False:
+        checks.append(Check("L1", "takes part", False, (
+            f"{service} advertises \"improve\": false: it does not take part in the loop")))
+        return False
+    checks.append(Check("L1", "takes part", True, "\"improve\": true"))
+    subject = S.apply_request(service)
+    problem = _advertised_subject(spec, "apply", subject)
+    if problem is not None:
+        checks.append(Check("L1", "apply advertised", False, problem))
+        return False
+    checks.append(Check("L1", "apply advertised", True, subject))
+    answer = await _ask(nc, subject, MALFORMED_ORDER, timeout)
+    what = f"a malformed ApplyOrder {_show(MALFORMED_ORDER)}"
+    if not answer.answered:
+        passed, detail = False, f"{answer.problem}: {what} must get a reply"
+    elif (err := _error_of(answer.value)) is not None:
+        passed, detail = True, f"{what} got an error reply ({_describe_error(err)})"
+    elif (result := _apply_result(answer.value)) is None:
+        passed, detail = False, (f"{what} got {_show(answer.value)}: neither an ApplyResult "
+                                 "nor an error reply")
+    elif result.ok:
+        passed, detail = False, f"{what} was answered ok: true"
+    else:
+        passed, detail = True, f"{what} was refused: {result.error}"
+    checks.append(Check("L1", "malformed order answered", passed, detail))
+    return passed
+
+
+async def _l2(nc: Client, service: str, spec: dict[str, Any], timeout: float,
+              checks: list[Check]) -> bool:
+    subject = S.apply_request(service)
+    order = probe_order(service, spec, "L2")
+    first = await _ask(nc, subject, order, timeout)
+    passed, detail = _refusal(first, subject, "L2")
+    checks.append(Check("L2", "refuses without acceptance", passed, detail))
+    if not passed:
+        return False
+    second = await _ask(nc, subject, order, timeout)
+    if not second.answered:
+        passed, detail = False, f"{second.problem}: a repeated order must get the same reply"
+    elif second.value != first.value:
+        passed, detail = False, (f"a repeated order got a different reply: first "
+                                 f"{_show(first.value)}, then {_show(second.value)}")
+    else:
+        passed, detail = True, "a repeated order got the same reply"
+    checks.append(Check("L2", "idempotent", passed, detail))
+    return passed
+
+
+def holds_skills(spec: dict[str, Any]) -> bool:
+    """TOFU by content hash (SPEC 09 §4) is about skills: a service that advertises no
+    `skill:` scheme and no skills read has nothing for L3 to ask of it."""
+    schemes = spec.get("schemes")
+    return ("get" in spec or "identity" in spec
+            or (isinstance(schemes, list) and "skill:" in schemes))
+
+
+async def _l3(nc: Client, service: str, spec: dict[str, Any], timeout: float,
+              checks: list[Check]) -> bool:
+    if not holds_skills(spec):
+        checks.append(Check("L3", "content-addressed skills", True,
+                            "not applicable: the service holds no skills (no skill: scheme, "
+                            "no skills read), so no TOFU grant can drift here"))
+        return True
+    problem = _advertised_subject(spec, "get", None)
+    checks.append(Check("L3", "get advertised", problem is None,
+                        spec.get("get") if problem is None else
+                        f"{problem}: a skills read under a grant"))
+    identity = spec.get("identity")
+    checks.append(Check("L3", "identity advertised", identity == IDENTITY, (
+        f"\"identity\": {IDENTITY!r}" if identity == IDENTITY else
+        f"the spec must advertise \"identity\": {IDENTITY!r} (got {identity!r})")))
+    if problem is not None:
+        return False
+    subject = spec["get"]
+    probe = f"probe:{secrets.token_hex(32)}"
+    answer = await _ask(nc, subject, {"skill": probe}, timeout)
+    what = f"a read of {probe}, which nobody granted,"
+    err = _error_of(answer.value) if answer.answered else None
+    if not answer.answered:
+        passed, detail = False, f"{answer.problem}: {what} must be refused"
+    elif isinstance(answer.value, dict) and "definition" in answer.value:
+        passed, detail = False, f"{what} returned a definition"
+    elif err is None:
+        passed, detail = False, f"{what} got {_show(answer.value)}, not an error reply"
+    elif err.get("code") not in GET_REFUSALS:
+        passed, detail = False, (f"{what} was refused with code {err.get('code')!r}, not one of "
+                                 f"{', '.join(GET_REFUSALS)}")
+    else:
+        passed, detail = True, f"{what} was refused ({_describe_error(err)})"
+    checks.append(Check("L3", "no read without a grant", passed, detail))
+    return all(c.passed for c in checks if c.level == "L3")
+
+
+async def _l4(nc: Client, service: str, spec: dict[str, Any], timeout: float,
+              checks: list[Check]) -> bool:
+    subject = S.lkg_request(service)
+    problem = _advertised_subject(spec, "lkg", subject)
+    if problem is not None:
+        checks.append(Check("L4", "lkg advertised", False,
+                            f"{problem}: the pre-apply last-known-good check"))
+        return False
+    checks.append(Check("L4", "lkg advertised", True, subject))
+    lkg = probe_lkg()
+    order = probe_order(service, spec, "L4", lkg)
+    answer = await _ask(nc, subject, {"proposal_id": order.proposal_id, "lkg": lkg}, timeout)
+    what = f"a last-known-good check of {lkg[0]['artefact']}, which exists nowhere,"
+    value = answer.value
+    if not answer.answered:
+        passed, detail = False, f"{answer.problem}: {what} must be answered ok: false"
+    elif not isinstance(value, dict) or not isinstance(value.get("ok"), bool):
+        passed, detail = False, f"{what} got {_show(value)}, not {{\"ok\": false, ...}}"
+    elif value["ok"]:
+        passed, detail = False, f"{what} was confirmed"
+    else:
+        passed, detail = True, f"{what} was refused: {_show(value)}"
+    checks.append(Check("L4", "no unknown last-known-good", passed, detail))
+    if not passed:
+        return False
+    apply_subject = S.apply_request(service)
+    passed, detail = _refusal(await _ask(nc, apply_subject, order, timeout), apply_subject, "L4")
+    checks.append(Check("L4", "refuses without acceptance", passed, detail))
+    return passed
+
+
+async def probe(nc: Client, service: str, timeout: float = 2.0) -> Report:
+    """Probe the live `service` over `nc`; each request waits at most `timeout` seconds."""
+    if not S.SERVICE_RE.match(service):
+        raise ValueError(f"service name {service!r} must match {S.SERVICE_RE.pattern}")
+    checks: list[Check] = []
+    spec = await _l0(nc, service, timeout, checks)
+    if spec is not None:
+        for level in (_l1, _l2, _l3, _l4):
+            if not await level(nc, service, spec, timeout, checks):
+                break
+    return Report(service=service, level=level_of(checks), checks=checks, spec=spec)

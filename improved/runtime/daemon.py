@@ -1,0 +1,534 @@
+"""Wiring: the inbound consumer, the request/reply capabilities, and a clean drain on stop.
+
+Inbound messages are fetched in batches from the shared durable consumer and decoded (pure).
+Each job runs as its own task, chained behind the previous job for the same proposal id: the
+order per proposal holds while proposals do not wait for each other, and fetching goes on while
+earlier work is in flight, up to MAX_IN_FLIGHT jobs.
+
+Acks: success → ack; bad input → term (it will never become good) and a refusal record; an
+unreachable service → nak with backoff until the delivery budget is spent, then ack with the
+proposal left retryable; anything unexpected → nak and a log line. No message stops the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import os
+import re
+import signal as signals
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import FetchTimeoutError
+
+from improved.core import propose
+from improved.core.authority import Act
+from improved.core.observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
+from improved.core.signing import PAYLOAD_TYPES, envelope_digest
+from improved.protocol import subjects as S
+from improved.protocol import wire
+from improved.protocol.model import (
+    ApplyReport,
+    ApplyResult,
+    Envelope,
+    ProposeReply,
+    RefineReply,
+    Signal,
+    TriageRequest,
+    to_json,
+)
+from improved.runtime import bus, keys, metrics, notify
+from improved.runtime.config import Config
+from improved.runtime.engine import Engine, ServiceUnreachable
+from improved.runtime.store import Store
+
+log = structlog.get_logger("improved.daemon")
+
+FETCH_BATCH = 256
+MAX_IN_FLIGHT = 1024
+NOT_FOUND_RETRIES = 5
+
+
+def backoff_s(delivered: int) -> float:
+    return min(0.5 * 2 ** max(delivered - 1, 0), 60.0)
+
+
+def instance_actor() -> str:
+    """SPEC 07 actor id of a daemon acting on its own: `improved:<uuid>` (v7 where available)."""
+    make = getattr(uuid, "uuid7", None)
+    return f"improved:{make() if make else uuid.uuid4()}"
+
+
+@dataclass
+class Job:
+    """One decoded inbound message, ready to run."""
+
+    key: str
+    run: Callable[[], Awaitable[Any]]
+    msg: Msg
+
+
+class Daemon:
+    def __init__(self, nc: Client, config: Config, actor: str | None = None):
+        self.nc = nc
+        self.config = config
+        self.actor = actor or instance_actor()
+        self.store = Store(nc, config.replicas, config.records_storage)
+        self.engine = Engine(nc, self.store, config, self.actor)
+        self.observer = Observer([RegressionAnalyzer(), StaleSkillAnalyzer()])
+        self.engine.learn = self.observer.learn
+        self._stopping = asyncio.Event()
+        self._in_flight = 0
+        self._subs: list = []
+        self._tasks: list[asyncio.Task] = []
+        self.ready = asyncio.Event()
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.store.ensure()
+        await self.engine.sync_switch()
+        await self.republish_if_lost()
+        self._checkpoint_key = keys.load_or_create_key(
+            self.config.checkpoint_key or self.config.data_dir / "checkpoint.pem")
+        await self.engine.checkpoint(self._checkpoint_key)  # verifies the log as it was left
+        bus.on_reconnect(self.nc, self._reconnected)
+        for subject, handler in (
+            (S.PROPOSE_REQUESTS, self.on_propose),
+            (S.TRIAGE_REQUESTS, self.on_triage),
+            (S.REFINE_REQUESTS, self.on_refine),
+            (S.SPEC_GET, self.on_spec),
+        ):
+            self._subs.append(await self.nc.subscribe(subject, queue=S.QUEUE_GROUP,
+                                                      cb=self._guarded(handler)))
+        self._psub = await self.store.js.pull_subscribe_bind(
+            durable=S.CONSUMER_INBOUND, stream=S.STREAM_INBOUND)
+        self._tasks.append(asyncio.create_task(self._consume(), name="improved-consume"))
+        if self.config.checkpoint_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._checkpoints(), name="improved-ckpt"))
+        self.ready.set()
+        self.engine.metrics.set_ready(True)
+        self.engine.metrics.set_connected(True)
+        log.info("daemon ready", actor=self.actor, streams=[S.STREAM_INBOUND, S.STREAM_RECORDS,
+                                                           S.STREAM_AUDIT])
+
+    async def _checkpoints(self) -> None:
+        """Sign a checkpoint every interval (verifying the log first) until stopped."""
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._stopping.wait(),
+                                       timeout=self.config.checkpoint_interval_s)
+            except TimeoutError:
+                pass
+            try:
+                await self.engine.checkpoint(self._checkpoint_key)
+            except Exception as exc:  # a broker outage: the next interval tries again
+                log.warning("checkpoint failed", error=str(exc))
+
+    def healthy(self) -> bool:
+        """The consumer task is alive (what the systemd watchdog checks)."""
+        return self.ready.is_set() and all(not t.done() for t in self._tasks)
+
+    async def republish_if_lost(self) -> None:
+        """After a broker restart (records in memory) or a purge, rebuild the retained records
+        from the chains before serving, so late joiners read the truth again."""
+        if await self.store.records_lost():
+            log.warning("retained records are gone; republishing them from the audit chains")
+            count = await self.engine.republish_all()
+            log.info("retained records republished", chains=count)
+
+    async def _reconnected(self) -> None:
+        self.engine.metrics.set_connected(True)
+        try:
+            await self.store.ensure()
+            await self.republish_if_lost()
+        except Exception as exc:  # never die in a callback; the next reconnect tries again
+            log.error("could not restore streams after reconnecting", error=str(exc))
+
+    async def stop(self) -> None:
+        """Stop taking work, finish what is in flight, unsubscribe."""
+        self._stopping.set()
+        for sub in self._subs:
+            await sub.unsubscribe()
+        for task in self._tasks:
+            try:
+                await asyncio.wait_for(task, timeout=30)
+            except TimeoutError:
+                task.cancel()
+        with_psub = getattr(self, "_psub", None)
+        if with_psub is not None:
+            await with_psub.unsubscribe()
+        log.info("daemon stopped", actor=self.actor)
+
+    # -- the inbound consumer ------------------------------------------------------------------------
+
+    async def _consume(self) -> None:
+        slots = asyncio.Semaphore(MAX_IN_FLIGHT)
+        tails: dict[str, asyncio.Task] = {}  # the last job of each proposal id
+        while not self._stopping.is_set():
+            try:
+                msgs = await self._psub.fetch(FETCH_BATCH, timeout=0.5)
+            except (TimeoutError, FetchTimeoutError, NatsTimeout):
+                continue
+            except Exception as exc:  # broker outage: wait and try again, never die
+                log.warning("fetch failed", error=str(exc))
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                try:
+                    job = await self._decode(msg)
+                except Exception:  # a bug in decoding must not end the consumer
+                    log.exception("could not decode an inbound message; terminated",
+                                  subject=msg.subject)
+                    await msg.term()
+                    continue
+                if job is None:
+                    continue
+                await slots.acquire()
+                task = asyncio.create_task(self._run_after(tails.get(job.key), job))
+                tails[job.key] = task
+                self._in_flight += 1
+                self.engine.metrics.set_in_flight(self._in_flight)
+                task.add_done_callback(lambda t, key=job.key: self._finished(t, key, slots, tails))
+        if tails:  # drain: finish what was taken
+            await asyncio.wait(list(tails.values()))
+
+    def _finished(self, task: asyncio.Task, key: str, slots: asyncio.Semaphore,
+                  tails: dict[str, asyncio.Task]) -> None:
+        slots.release()
+        if tails.get(key) is task:
+            del tails[key]
+        self._in_flight -= 1
+        self.engine.metrics.set_in_flight(self._in_flight)
+
+    async def _run_after(self, previous: asyncio.Task | None, job: Job) -> None:
+        if previous is not None:
+            await asyncio.wait([previous])
+        await self._run(job)
+
+    async def _decode(self, msg: Msg) -> Job | None:
+        """Turn one inbound message into a Job, or refuse it (term + refusal record)."""
+        kind, svc = S.token(msg.subject, 1), S.token(msg.subject, 2)
+        limit = self.config.max_message_bytes
+        redelivered = msg.metadata.num_delivered > 1
+        act = Act(hashlib.sha256(msg.data).hexdigest(), msg.metadata.sequence.stream)
+        try:
+            if msg.subject == S.GRANTS:
+                env, claimed = signed_act(msg.data, limit, "skill")
+                act = Act(envelope_digest(env), act.stream_seq)
+                if env.payloadType == PAYLOAD_TYPES["crisis"]:  # improve.grants carries both
+                    return Job("crisis", lambda: self.engine.resolve_crisis(env, act), msg)
+                if not isinstance(claimed, str) or not GRANT_SKILL_RE.match(claimed):
+                    raise wire.WireError(wire.INVALID_VALUE, "a grant names `<name>:<sha256>`",
+                                         "skill")
+                return Job(f"grant:{claimed}", lambda: self.engine.grant(env, claimed, act), msg)
+            if msg.subject == S.QUORUM:
+                env, pid = signed_act(msg.data, limit, "proposal_id")
+                if not isinstance(pid, str) or not S.ID_RE.match(pid):
+                    raise wire.WireError(wire.INVALID_VALUE, "a vote names a 64-hex proposal_id",
+                                         "proposal_id")
+                act = Act(envelope_digest(env), act.stream_seq)
+                return Job(pid, lambda: self._vote(pid, env, act), msg)
+            if svc is None or not S.SERVICE_RE.match(svc):
+                raise wire.WireError(wire.INVALID_VALUE, f"bad service token in {msg.subject}")
+            if kind == "proposals":
+                proposal = propose.validate(msg.data, svc, limit)
+                pid, dedup = propose.identify(proposal)
+                return Job(pid, lambda: self.engine.submit(proposal, pid, dedup, redelivered),
+                           msg)
+            if kind == "outcomes":
+                sig = wire.decode(msg.data, Signal, limit)
+                if sig.proposal_id is None:
+                    return Job(f"observe:{svc}", lambda: self._observe(svc, sig), msg)
+                return Job(sig.proposal_id, lambda: self._signal(svc, sig, msg), msg)
+            if kind == "applied":
+                report = wire.decode(msg.data, ApplyReport, limit)
+                if report.service != svc:
+                    raise wire.WireError(wire.SUBJECT_MISMATCH, f"service {report.service!r} "
+                                         f"disagrees with the subject's {svc!r}", "service")
+                return Job(report.proposal_id, lambda: self._report(report), msg)
+            if kind == "triage":
+                env, pid = review_target(msg.data, limit)
+                if env is not None:
+                    act = Act(envelope_digest(env), act.stream_seq)
+                return Job(pid, lambda: self._review(svc, pid, env, act, msg), msg)
+            raise wire.WireError(wire.INVALID_VALUE, f"no inbound subject {msg.subject}")
+        except RecursionError:
+            err = wire.WireError(wire.TOO_DEEP, "message nests too deeply")
+            await self._refuse(svc or "_", msg.subject, err, len(msg.data))
+            await msg.term()
+            return None
+        except wire.WireError as err:
+            await self._refuse(svc or "_", msg.subject, err, len(msg.data))
+            await msg.term()
+            return None
+
+    async def _run(self, job: Job) -> None:
+        msg = job.msg
+        delivered = msg.metadata.num_delivered
+        try:
+            await job.run()
+        except ServiceUnreachable as exc:
+            if delivered < self.config.apply.max_deliveries:
+                await msg.nak(delay=backoff_s(delivered))
+                return
+            self.engine.metrics.apply_result("unreachable")
+            log.error("apply gave up for now; the proposal stays retryable",
+                      proposal_id=job.key, error=str(exc), deliveries=delivered)
+            record, _ = await self.store.load(S.token(msg.subject, 2), job.key)
+            if record is not None:
+                await self.engine.publish_unreachable(record, str(exc))
+            await msg.ack()
+            return
+        except _ProposalUnknown as exc:
+            if delivered < NOT_FOUND_RETRIES:
+                await msg.nak(delay=backoff_s(delivered))
+                return
+            await self._refuse(S.token(msg.subject, 2) or "_", msg.subject,
+                               wire.WireError(wire.NOT_FOUND, str(exc), "proposal_id"),
+                               len(msg.data))
+            await msg.term()
+            return
+        except wire.WireError as err:
+            await self._refuse(S.token(msg.subject, 2) or "_", msg.subject, err, len(msg.data))
+            await msg.term()
+            return
+        except Exception:
+            log.exception("handler failed; will retry", subject=msg.subject, key=job.key)
+            await msg.nak(delay=backoff_s(delivered))
+            return
+        await msg.ack()
+
+    async def _signal(self, svc: str, sig: Signal, msg: Msg) -> None:
+        handled = await self.engine.signal(svc, sig, msg.metadata.num_delivered > 1)
+        if handled.record is None:
+            raise _ProposalUnknown(f"no proposal {sig.proposal_id} for service {svc}")
+
+    async def _review(self, svc: str, pid: str, env: Envelope | None, act: Act,
+                      msg: Msg) -> None:
+        handled = await self.engine.review(svc, pid, env, act)
+        if handled.record is None:
+            raise _ProposalUnknown(f"no proposal {pid} for service {svc}")
+
+    async def _vote(self, pid: str, env: Envelope, act: Act) -> None:
+        svc = await self.store.service_of(pid)
+        handled = await self.engine.vote(svc, pid, env, act) if svc else None
+        if handled is None or handled.record is None:
+            raise _ProposalUnknown(f"no proposal {pid}")
+
+    async def _report(self, report: ApplyReport) -> None:
+        """An asynchronous apply result: accepted only while the proposal awaits its apply."""
+        result = ApplyResult(ok=report.ok, applied_id=report.applied_id, inverse=report.inverse,
+                             rollbackable=report.rollbackable, error=report.error)
+        handled, taken = await self.engine.report(report.service, report.proposal_id, result)
+        if handled.record is None:
+            raise _ProposalUnknown(f"no proposal {report.proposal_id} for {report.service}")
+        if not taken:
+            raise wire.WireError("not_awaiting_apply", f"proposal {report.proposal_id} is "
+                                 f"{handled.record.status} and not waiting for an apply",
+                                 "proposal_id")
+
+    async def _observe(self, svc: str, sig: Signal) -> None:
+        for proposal in self.observer.observe(svc, sig):
+            pid, _ = propose.identify(proposal)
+            await self.store.js.publish(S.inbound_proposal(proposal.service), to_json(proposal),
+                                        headers={"Nats-Msg-Id": pid},
+                                        stream=S.STREAM_INBOUND)
+            log.info("observed a candidate", proposal_id=pid, stage="observe",
+                     analyzer=proposal.analyzer.id)
+
+    async def _refuse(self, svc: str, subject: str, err: wire.WireError, size: int) -> None:
+        log.warning("refused", subject=subject, code=err.code, field=err.field,
+                    reason=err.message)
+        self.engine.metrics.refused(err.code)
+        try:
+            await self.store.refuse(svc if S.SERVICE_RE.match(svc) else "_", {
+                "subject": subject, "code": err.code, "field": err.field,
+                "message": err.message, "size": size})
+        except Exception as exc:  # the refusal log is best effort; the refusal itself stands
+            log.warning("could not record a refusal", error=str(exc))
+
+    # -- request/reply -------------------------------------------------------------------------------
+
+    def _guarded(self, handler):
+        """Every request gets a reply: a record, or the error reply of DESIGN §3.1."""
+
+        async def run(msg: Msg) -> None:
+            svc = S.token(msg.subject, 0) or "_"
+            try:
+                if msg.subject != S.SPEC_GET and not S.SERVICE_RE.match(svc):
+                    raise wire.WireError(wire.INVALID_VALUE, f"bad service token {svc!r}")
+                reply = await handler(svc, msg)
+            except wire.WireError as err:
+                await self._refuse(svc, msg.subject, err, len(msg.data))
+                reply = err.reply()
+            except _ProposalUnknown as exc:
+                reply = wire.WireError(wire.NOT_FOUND, str(exc), "proposal_id").reply()
+            except Exception:
+                log.exception("request failed", subject=msg.subject)
+                reply = wire.WireError(wire.INTERNAL, "internal error; see the daemon log").reply()
+            if msg.reply:
+                try:
+                    await msg.respond(reply)
+                except Exception as exc:
+                    log.warning("could not reply", subject=msg.subject, error=str(exc))
+
+        return run
+
+    async def on_propose(self, svc: str, msg: Msg) -> bytes:
+        proposal = propose.validate(msg.data, svc, self.config.max_message_bytes)
+        pid, dedup = propose.identify(proposal)
+        # Durable first: once the stream has it, a crash cannot lose it.
+        await self.store.js.publish(S.inbound_proposal(svc), msg.data,
+                                    headers={"Nats-Msg-Id": pid}, stream=S.STREAM_INBOUND)
+        # Register and triage now, so the reply carries the status; the inbound consumer,
+        # which has the message too, carries the apply with its retries.
+        handled = await self.engine.submit(proposal, pid, dedup, dispatch=False, fresh=True)
+        status = handled.record.status if handled.record else "pending"
+        return to_json(ProposeReply(proposal_id=pid, status=status))
+
+    async def on_triage(self, svc: str, msg: Msg) -> bytes:
+        req = wire.decode(msg.data, TriageRequest, self.config.max_message_bytes)
+        try:
+            handled = await self.engine.advance(svc, req.proposal_id, republish=True)
+            record = handled.record
+        except ServiceUnreachable:
+            record, _ = await self.store.load(svc, req.proposal_id)
+        if record is None:
+            raise _ProposalUnknown(f"no proposal {req.proposal_id} for service {svc}")
+        if record.decision is None:
+            raise wire.WireError(wire.NOT_FOUND, "the proposal has no decision yet",
+                                 "proposal_id")
+        return to_json(record.decision)
+
+    async def on_refine(self, svc: str, msg: Msg) -> bytes:
+        sig = wire.decode(msg.data, Signal, self.config.max_message_bytes)
+        if sig.proposal_id is None:
+            raise wire.WireError(wire.MISSING_FIELD, "a refine signal names its proposal_id",
+                                 "proposal_id")
+        # Durable first, like a proposal: the inbound consumer carries any apply it releases.
+        await self.store.js.publish(S.inbound_outcome(svc), msg.data,
+                                    headers={"Nats-Msg-Id": propose.signal_digest(sig)},
+                                    stream=S.STREAM_INBOUND)
+        handled = await self.engine.signal(svc, sig, fresh=True, dispatch=False)
+        counted = handled.counted
+        if handled is not None and handled.record is None:
+            raise _ProposalUnknown(f"no proposal {sig.proposal_id} for service {svc}")
+        return to_json(RefineReply(proposal_id=sig.proposal_id, counted=counted is not None,
+                                   independent=bool(counted and counted.independent)))
+
+    async def on_spec(self, svc: str, msg: Msg) -> bytes:
+        return msgspec.json.encode(capabilities(self.config.policy.quorum))
+
+
+class _ProposalUnknown(Exception):
+    pass
+
+
+GRANT_SKILL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}:[0-9a-f]{64}$")
+
+
+def signed_act(data: bytes, limit: int, field: str) -> tuple[Envelope, object]:
+    """A DSSE envelope and one field of its (not yet verified) payload, to route it."""
+    env = wire.decode(data, Envelope, limit)
+    try:
+        payload = msgspec.json.decode(base64.b64decode(env.payload, validate=True))
+    except (ValueError, msgspec.MsgspecError):
+        raise wire.WireError(wire.INVALID_VALUE, "the envelope's payload is not base64 JSON",
+                             "payload") from None
+    if not isinstance(payload, dict):
+        raise wire.WireError(wire.INVALID_TYPE, "the signed payload is not an object", "payload")
+    return env, payload.get(field)
+
+
+def review_target(data: bytes, limit: int) -> tuple[Envelope | None, str]:
+    """(envelope or None when unsigned, the proposal id the review names)."""
+    try:
+        env, pid = signed_act(data, limit, "proposal_id")
+    except wire.WireError as err:
+        try:  # a bare, unsigned review still names its proposal: refuse it on that chain
+            bare = msgspec.json.decode(data)
+        except msgspec.MsgspecError:
+            raise err from None
+        if not (isinstance(bare, dict) and isinstance(bare.get("proposal_id"), str)):
+            raise err from None
+        env, pid = None, bare["proposal_id"]
+    if not isinstance(pid, str) or not S.ID_RE.match(pid):
+        raise wire.WireError(wire.INVALID_VALUE, "a review names a 64-hex proposal_id",
+                             "proposal_id")
+    return env, pid
+
+
+def capabilities(quorum: bool = False) -> dict[str, Any]:
+    """What `improved.spec.get` advertises (SPEC 07 §5 / SPEC 09 §9)."""
+    return {
+        "service": "improved",
+        "spec": "cosmix SPEC 09 self-improve",
+        "capabilities": {
+            "<svc>.improve.propose": "Proposal -> {proposal_id, status}",
+            "<svc>.improve.triage": "{proposal_id} -> TriageDecision (idempotent)",
+            "<svc>.improve.refine": "Signal -> {proposal_id, counted, independent}",
+        },
+        "topics": {
+            "inbound": list(S.INBOUND_FILTERS),
+            "retained": list(S.RECORD_FILTERS),
+            "audit": S.AUDIT_FILTER,
+        },
+        "classes": ["L0", "L1", "L2", "L3", "L4"],
+        "signed_acts": ["review", "grant", "vote", "crisis"],
+        "quorum": quorum,
+        "l4": {"lkg": "<svc>.improve.lkg", "revert_proposal_id": True,
+               "constitution_edits": "prepared, never applied"},
+    }
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT; install it first, so a stop during start-up still
+    ends in a drain and exit 0."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signals.SIGTERM, signals.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def run_until_stopped(nc: Client, config: Config,
+                            on_ready: Callable[[Daemon], None] | None = None,
+                            stop: asyncio.Event | None = None) -> int:
+    """Run a daemon until SIGTERM or SIGINT, then drain and return 0."""
+    daemon = Daemon(nc, config)
+    stop = stop or stop_on_signals()
+    await daemon.start()
+    if on_ready:
+        on_ready(daemon)
+    notify.ready()  # systemd Type=notify: streams and consumers are bound
+    notify.status(f"serving as {daemon.actor}")
+    # The watchdog is fed while the consumer runs: a wedged loop gets restarted. A broker
+    # outage is not fed back: a restart would not cure it.
+    watchdog = asyncio.create_task(notify.watchdog_loop(daemon.healthy))
+    http = None
+    if config.metrics_port is not None:
+        http = await metrics.serve(daemon.engine.metrics, config.metrics_host,
+                                   config.metrics_port, ready=lambda: daemon.ready.is_set(),
+                                   healthy=daemon.healthy)
+        log.info("metrics and health served", host=config.metrics_host,
+                 port=http.sockets[0].getsockname()[1])
+    await stop.wait()
+    log.info("stopping: draining in-flight work", pid=os.getpid())
+    notify.stopping()
+    watchdog.cancel()
+    daemon.engine.metrics.set_ready(False)
+    if http is not None:
+        http.close()
+    await daemon.stop()
+    await bus.close(nc)
+    return 0

@@ -1,0 +1,872 @@
+"""The imperative shell around the stages: load a proposal's record, let a pure stage decide,
+commit the decision as a trailer, cache the record, publish the retained records, and carry out
+the one side effect (the ApplyOrder).
+
+Every step is idempotent on the proposal id. The chain append is the commit point (see store);
+when it conflicts — a redelivery, a restart after a crash, a second replica — the engine
+re-reads the chain, rebuilds the record from it, and runs the step again, which then finds its
+transition already made and does nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from improved.core import apply as apply_stage
+from improved.core import (
+    audit,
+    authority,
+    breaker,
+    checkpoint,
+    learnback,
+    lkg,
+    planner,
+    propose,
+    quorum,
+    triage,
+)
+from improved.core.audit import Draft
+from improved.core.authority import Act
+from improved.core.record import ChainHead, ProposalRecord, ref, refs_of, replay, with_trailer
+from improved.core.signing import PAYLOAD_TYPES, ActRefused
+from improved.protocol import subjects as S
+from improved.protocol.model import (
+    ApplyOrder,
+    ApplyOutcome,
+    ApplyResult,
+    CrisisAct,
+    Envelope,
+    Grant,
+    GrantCommand,
+    Proposal,
+    ProposalState,
+    Review,
+    Signal,
+    Trailer,
+    Vote,
+    to_json,
+)
+from improved.runtime.config import Config
+from improved.runtime.metrics import Metrics
+from improved.runtime.store import ChainConflict, StateConflict, Store, trailer_decoder
+
+log = structlog.get_logger("improved.engine")
+
+MAX_CONFLICT_RETRIES = 8
+MAX_STEPS = 8  # planner steps in one pass; the next message or retry carries on
+AUTONOMY_TTL_MS = 1000  # how stale this process's view of the breaker may be
+CACHE_SIZE = 10_000  # records kept in memory per process (the KV bucket holds all of them)
+apply_result_decoder = msgspec.json.Decoder(ApplyResult)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class GrantRevoked(Exception):
+    """The grant an L3 auto-apply relies on is no longer active."""
+
+
+class ServiceUnreachable(Exception):
+    """The owning service did not answer the ApplyOrder; the proposal stays retryable."""
+
+    record: ProposalRecord | None = None
+
+
+# An ingest step: (record or None) → (new record, draft) or None when there is nothing to do.
+Ingest = Callable[[ProposalRecord | None, int], tuple[ProposalRecord, Draft] | None]
+
+
+@dataclass
+class Handled:
+    record: ProposalRecord | None
+    changed: bool
+    counted: object = None  # what the ingest step reported (e.g. a CountedSignal)
+
+
+class Engine:
+    def __init__(self, nc: Client, store: Store, config: Config, actor: str):
+        self.nc = nc
+        self.store = store
+        self.config = config
+        self.policy = config.policy
+        self.actor = actor
+        self.trust = config.trust.store()
+        self.voters = config.trust.voters()
+        self.max_act_age_ms = int(config.trust.act_max_age_s * 1000)
+        self._cache: OrderedDict[str, tuple[ProposalRecord, int]] = OrderedDict()
+        self._autonomy: tuple[breaker.Autonomy, int] | None = None
+        self.metrics = Metrics()
+        self.learn = None  # observe's learn-back: (analyzer id, accepted) → None
+        self._awaiting: set[str] = set()  # proposals this replica saw deferred to an operator
+        self._started: dict[str, float] = {}  # when handling of a proposal began
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._waiters: dict[str, int] = {}
+
+    # -- per-proposal serialisation within this process -------------------------------------------
+
+    async def _acquire(self, pid: str) -> asyncio.Lock:
+        lock = self._locks.setdefault(pid, asyncio.Lock())
+        self._waiters[pid] = self._waiters.get(pid, 0) + 1
+        await lock.acquire()
+        return lock
+
+    def _release(self, pid: str, lock: asyncio.Lock) -> None:
+        lock.release()
+        self._waiters[pid] -= 1
+        if self._waiters[pid] == 0:
+            del self._waiters[pid]
+            del self._locks[pid]
+
+    # -- entry points --------------------------------------------------------------------------------
+
+    async def submit(self, proposal: Proposal, pid: str, dedup: str,
+                     republish: bool = False, dispatch: bool = True,
+                     fresh: bool = False) -> Handled:
+        """Register a proposal (once) and carry it as far as its gate allows (short of the
+        apply when `dispatch` is False: the inbound consumer then carries the apply)."""
+
+        def ingest(record: ProposalRecord | None, now: int):
+            if record is not None:
+                return None
+            return propose.register(proposal, pid, dedup, self.policy, now)
+
+        svc = proposal.service
+        claim: dict = {}
+
+        async def prepare() -> dict | None:
+            """Under the proposal's lock, by whoever registers it: claim the dedup_key (a crash
+            before the registration leaves the message unacknowledged, so it is claimed again
+            on redelivery) and read the rejection ledger when the key was seen before."""
+            head = await self.store.set_dedup_head(svc, dedup, pid, proposal.created_at)
+            if head and head["proposal_id"] != pid:
+                claim["head"] = head
+                return await self.store.ledger_get(svc, dedup)
+            return None
+
+        # A first delivery not in this process's cache is taken for new without a read: if
+        # the chain exists after all, the append conflicts and the record is rebuilt.
+        handled = await self.handle(svc, pid, ingest, proposal, republish, dispatch,
+                                    fresh, optimistic=not (fresh or republish), prepare=prepare)
+        head = claim.get("head")
+        other = head["proposal_id"] if head else None
+        if other is not None:
+            if (head["created_at"], other) < (proposal.created_at, pid):
+                await self.supersede(svc, other, pid)
+            else:  # this content arrived after newer content under the same key
+                handled = await self.supersede(svc, pid, other)
+        return handled
+
+    async def supersede(self, svc: str, old: str, new: str) -> Handled:
+        """Mark `old` superseded by `new` (same dedup_key, new content)."""
+        return await self.handle(
+            svc, old, lambda record, now: propose.supersede(record, new, self.actor)
+            if record is not None else None, None, False)
+
+    async def signal(self, svc: str, signal: Signal, republish: bool = False,
+                     fresh: bool = False, dispatch: bool = True) -> Handled:
+        """Count a learn-back signal for its proposal, then re-triage if it now may proceed."""
+        box: dict[str, object] = {}
+
+        def ingest(record: ProposalRecord | None, now: int):
+            if record is None:
+                return None
+            step = learnback.observe_signal(record, signal, self.policy, now)
+            if step is None:
+                digest = propose.signal_digest(signal)
+                box["counted"] = next(s for s in record.signals if s.digest == digest)
+                return None
+            new, draft, counted = step
+            box["counted"] = counted
+            return new, draft
+
+        handled = await self.handle(svc, signal.proposal_id, ingest, None, republish,
+                                    dispatch=dispatch, fresh=fresh)
+        handled.counted = box.get("counted")
+        return handled
+
+    async def report(self, svc: str, pid: str, result: ApplyResult) -> tuple[Handled, bool]:
+        """An asynchronous ApplyReport; (handled, whether it was taken as the apply result)."""
+        taken = False
+
+        def ingest(record: ProposalRecord | None, now: int):
+            nonlocal taken
+            if record is None or not apply_stage.needs_apply(record):
+                return None
+            taken = True
+            return apply_stage.transition(record, result,
+                                          apply_stage.authority(record, self.policy), now)
+
+        handled = await self.handle(svc, pid, ingest, None, False)
+        return handled, taken
+
+    async def review(self, svc: str, pid: str, env: Envelope | None, act: Act) -> Handled:
+        """An operator's signed review; unsigned (`env` None), bad or replayed ones are refused
+        on the proposal's chain and move nothing."""
+        record, _ = await self.store.load(svc, pid)
+        if record is None:
+            return Handled(None, False)
+        head = await self.store.dedup_head(svc, record.dedup_key)
+        superseded = (head is not None and head["proposal_id"] != pid
+                      and head["created_at"] >= record.proposal.created_at)
+
+        ingest = self._signed_act(
+            act, env, self.trust, "review", Review,
+            lambda record, verified, rv, now: authority.review(
+                record, act, verified, rv, superseded, self.actor, now))
+
+        async def ledger(rec: ProposalRecord) -> None:
+            """An operator's rejection enters the ledger before anyone can see it."""
+            d = rec.decision
+            if d is not None and d.verdict == "reject" and d.cause is None:
+                await self.store.ledger_put(svc, rec.dedup_key, {
+                    "proposal_id": pid, "principal": d.actor, "reason": d.rationale,
+                    "at": d.at, "evidence": triage.evidence_digest(rec.proposal)})
+
+        return await self.handle(svc, pid, ingest, None, False, on_change=ledger)
+
+    async def vote(self, svc: str, pid: str, env: Envelope, act: Act) -> Handled:
+        """A signed quorum vote (SPEC 09 §6): counted on the proposal's chain or refused there
+        with its reason; the quorum's decision follows in the same pass."""
+
+        def count(record: ProposalRecord, verified, vote: Vote, now: int):
+            sig = next(s.sig for s in env.signatures if s.keyid == verified.keyid)
+            return quorum.count(record, act, verified, vote, sig, self.actor)
+
+        ingest = self._signed_act(act, env, self.voters, "vote", Vote, count,
+                                  principal_of=lambda v: v.voter)
+        return await self.handle(svc, pid, ingest, None, False)
+
+    def _signed_act(self, act: Act, env: Envelope | None, trust, kind: str, decode_as, step,
+                    principal_of=lambda body: body.principal) -> Ingest:
+        """The ingest of a signed act on a proposal's chain: a redelivery changes nothing; a
+        replay, a bare (unsigned) act or one that does not verify is refused there with its
+        reason; a verified one goes to `step(record, verified, body, now)`."""
+
+        def ingest(record: ProposalRecord | None, now: int):
+            if record is None:
+                return None
+            seen = authority.seen(record, act)
+            if seen == "redelivery":
+                return None
+            if seen == "replay":
+                return authority.refusal(record, act, "replayed",
+                                         "this signed act was already used", self.actor)
+            if env is None:
+                return authority.refusal(record, act, "unsigned", f"a {kind} must be a signed "
+                                         "DSSE envelope", self.actor)
+            try:
+                verified, body = authority.check_signed(
+                    trust, env, PAYLOAD_TYPES[kind], decode_as, now, self.max_act_age_ms,
+                    principal_of)
+            except ActRefused as refused:
+                return authority.refusal(record, act, refused.code, refused.reason, self.actor)
+            return step(record, verified, body, now)
+
+        return ingest
+
+    async def grant(self, env: Envelope, skill: str, act: Act) -> Grant | None:
+        """A signed grant or revoke for `<name>:<sha256>`: chained per hash, then retained."""
+        sha = skill.split(":", 1)[1]
+        subject = S.grant_audit(sha)
+        for _ in range(MAX_CONFLICT_RETRIES):
+            chain = await self.store.read_chain_at(subject)
+            trailers = [trailer_decoder.decode(to_json(body)) for _, body in chain]
+            acts = [(r["act"], int(r["act_seq"])) for r in map(refs_of, trailers) if "act" in r]
+            now = now_ms()
+            verified = cmd = refused = None
+            try:
+                verified, cmd = authority.check_signed(
+                    self.trust, env, PAYLOAD_TYPES["grant"], GrantCommand, now,
+                    self.max_act_age_ms)
+            except ActRefused as exc:
+                refused = exc
+            draft = authority.grant_act(acts, act, verified, cmd, refused, self.actor)
+            if draft is None:
+                break
+            head = ChainHead(length=len(chain), last_hash=chain[-1][1]["hash"] if chain else "",
+                             stream_seq=chain[-1][0] if chain else 0)
+            trailer = audit.seal_next(draft, sha, head, "L3", "knowledge", now)
+            try:
+                await self.store.append_to(subject, trailer, head.stream_seq)
+            except ChainConflict:
+                continue
+            log.info("grant act", skill=skill, verdict=trailer.verdict, reason=trailer.reason)
+            trailers.append(trailer)
+            break
+        state = grant_state(trailers)
+        if state is not None:
+            await self.store.publish(S.grant_record(*state.skill.split(":", 1)), state)
+        return state
+
+    async def advance(self, svc: str, pid: str, republish: bool = False) -> Handled:
+        """No new input: carry the proposal on (triage request, apply retry)."""
+        return await self.handle(svc, pid, lambda record, now: None, None, republish,
+                                 fresh=True)
+
+    async def handle(self, svc: str, pid: str, ingest: Ingest, proposal: Proposal | None,
+                     republish: bool, dispatch: bool = True, fresh: bool = False,
+                     optimistic: bool = False, prepare=None, on_change=None) -> Handled:
+        """Load, ingest, advance, then cache and publish once. `fresh` skips this process's
+        cache (a request's reply should see what other replicas did)."""
+        lock = await self._acquire(pid)
+        self._started[pid] = time.perf_counter()
+        try:
+            for _ in range(MAX_CONFLICT_RETRIES):
+                try:
+                    if optimistic and pid not in self._cache:
+                        record, rev = None, 0
+                    else:
+                        record, rev = await self._load(svc, pid, fresh)
+                        if record is None and proposal is None:
+                            # not a registration: the cache may just be empty (a broker
+                            # restart wipes it); the chain is the truth
+                            if await self.resync(svc, pid, None) is not None:
+                                record, rev = await self._load(svc, pid, True)
+                    before = record
+                    rejected = await prepare() if record is None and prepare else None
+                    now = now_ms()
+                    step = ingest(record, now)
+                    if step is not None:
+                        record = await self._commit(*step, now)
+                    if record is None:
+                        return Handled(None, False)
+                    try:
+                        record = await self._advance(record, dispatch, rejected)
+                    except ServiceUnreachable as exc:
+                        # What was decided stands and is published; the apply waits.
+                        await self._settle(exc.record or record, rev, before, republish)
+                        raise
+                    changed = record != before
+                    if changed and on_change is not None:
+                        await on_change(record)
+                    await self._settle(record, rev, before, republish)
+                    return Handled(record, changed)
+                except ChainConflict:
+                    log.info("chain moved, rebuilding from it", proposal_id=pid)
+                    self._cache.pop(pid, None)
+                    await self.resync(svc, pid, proposal)
+                    republish = True
+                    fresh = True
+                    optimistic = False
+            raise RuntimeError(f"proposal {pid}: still conflicting after "
+                               f"{MAX_CONFLICT_RETRIES} attempts")
+        finally:
+            self._started.pop(pid, None)
+            self._release(pid, lock)
+
+    async def _load(self, svc: str, pid: str, fresh: bool) -> tuple[ProposalRecord | None, int]:
+        if not fresh and pid in self._cache:
+            self._cache.move_to_end(pid)
+            return self._cache[pid]
+        record, rev = await self.store.load(svc, pid)
+        if record is not None:
+            self._remember(record, rev)
+        return record, rev
+
+    def _remember(self, record: ProposalRecord, rev: int) -> None:
+        self._cache[record.proposal_id] = (record, rev)
+        self._cache.move_to_end(record.proposal_id)
+        while len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+
+    async def _settle(self, record: ProposalRecord, rev: int, before: ProposalRecord | None,
+                      republish: bool) -> None:
+        """After the chain moved: cache the record once and publish the retained records, both
+        at the same time (the cache is rebuildable, so a lost save only costs a rebuild)."""
+        jobs = []
+        if record != before:
+            jobs.append(self._save(record, rev))
+        if record != before or republish:
+            jobs.append(self.publish(record))
+        await asyncio.gather(*jobs)
+
+    async def _save(self, record: ProposalRecord, rev: int) -> None:
+        try:
+            self._remember(record, await self.store.save(record, rev))
+        except StateConflict:
+            self._cache.pop(record.proposal_id, None)  # someone newer saved; re-read next time
+
+    # -- the steps -----------------------------------------------------------------------------------
+
+    async def _commit(self, record: ProposalRecord, draft: Draft, at: int) -> ProposalRecord:
+        """Seal `draft` at `at` (the instant the stage decided) and append it: the commit."""
+        trailer = audit.seal(draft, record, at)
+        seq = await self.store.append(record, trailer)
+        log.info("transition", proposal_id=record.proposal_id, stage=trailer.to_stage,
+                 **{"class": record.gate_class}, verdict=trailer.verdict, cause=trailer.cause,
+                 seq=trailer.seq)
+        self.metrics.transition(trailer.to_stage, trailer.verdict, trailer.cause,
+                                record.gate_class)
+        started = self._started.get(record.proposal_id)
+        if started is not None:  # from the message's arrival to this transition
+            self.metrics.observe_stage(trailer.to_stage, time.perf_counter() - started)
+        if trailer.to_stage == "apply" and trailer.verdict in ("applied", "failed",
+                                                               "rolled_back"):
+            self.metrics.apply_result("ok" if trailer.verdict == "applied"
+                                      else trailer.verdict)
+        if self.learn is not None:
+            if trailer.verdict == "approve" or (trailer.verdict == "applied"
+                                                and trailer.observer_type == "rec:policy"):
+                self.learn(record.proposal.analyzer.id, True)
+            elif trailer.verdict == "reject" and trailer.observer_type == "human":
+                self.learn(record.proposal.analyzer.id, False)
+        waiting = (trailer.to_stage == "triage" and trailer.verdict == "defer"
+                   and trailer.cause in ("awaiting_operator", "no_grant"))
+        if waiting:
+            self._awaiting.add(record.proposal_id)
+        elif trailer.to_stage in ("triage", "apply"):
+            self._awaiting.discard(record.proposal_id)
+        self.metrics.set_pending_reviews(len(self._awaiting))
+        return with_trailer(record, trailer, seq)
+
+    async def _advance(self, record: ProposalRecord, dispatch: bool,
+                       rejected: dict | None = None) -> ProposalRecord:
+        """Carry the proposal on, one planner step at a time, until the planner has nothing
+        more to do now. Each step is one effect; the decision is the planner's."""
+        grant_read = False  # the grant was read by this very pass, an instant ago
+        for _ in range(MAX_STEPS):
+            now = now_ms()
+            view = planner.View(now=now, autonomy=await self.autonomy(now), dispatch=dispatch,
+                                rejected=rejected)
+            step = planner.next_step(record, view, self.policy, self.actor)
+            while isinstance(step, planner.ReadGrant | planner.ReadOriginal):
+                view = planner.with_read(view, step, await self._read(record, step, now))
+                grant_read = grant_read or isinstance(step, planner.ReadGrant)
+                step = planner.next_step(record, view, self.policy, self.actor)
+            try:
+                match step:
+                    case planner.Commit(record=after, draft=draft):
+                        record = await self._commit(after, draft, now)
+                    case planner.SendRollback():
+                        record = await self._rollback(record, step)
+                    case planner.CheckLkg():
+                        record = await self._commit(*await self._lkg_check(record), now_ms())
+                    case planner.SendApply():
+                        record = await self._apply(record, step, grant_read)
+                    case planner.Measure(commit=commit, rollback=rollback):
+                        if rollback is not None:
+                            await self.propose_rollback(record, rollback)
+                        record = await self._commit(commit.record, commit.draft, now)
+                    case planner.FinishRollback(original_id=original):
+                        await self.rolled_back(record.service, original, record)
+                        break
+                    case planner.Halt(reason=reason):
+                        log.warning("applies refused", proposal_id=record.proposal_id,
+                                    reason=reason)
+                        break
+                    case _:
+                        break
+            except ServiceUnreachable as exc:
+                exc.record = record  # what was decided stands; the send waits
+                raise
+        return record
+
+    async def _read(self, record: ProposalRecord, step, now: int):
+        """Carry out a planner read: the grant of an L3 skill, the original of a reversal."""
+        if isinstance(step, planner.ReadGrant):
+            return await self.store.grant_active(step.skill, now)
+        return await self._original(record.service, step.proposal_id)
+
+    async def _rollback(self, record: ProposalRecord,
+                        step: planner.SendRollback) -> ProposalRecord:
+        """An operator's rollback: the recorded inverse goes to the owning service."""
+        result = await self._send(record, step.order)
+        at = now_ms()
+        record = await self._commit(
+            *apply_stage.rollback_transition(record, step.inverse_id, result, at), at)
+        if result.ok and record.approved_by is None:
+            await self.count_autonomous_rollback(record, at)
+        return record
+
+    async def _apply(self, record: ProposalRecord, step: planner.SendApply,
+                     grant_read: bool) -> ProposalRecord:
+        """Send the ApplyOrder and commit its result; a grant revoked since triage stops it."""
+        try:
+            result = await self._dispatch(record, step, grant_read)
+        except GrantRevoked:
+            commit = planner.revoked(record, self.policy, now_ms(), self.actor)
+            return await self._commit(commit.record, commit.draft, commit.record.updated_at)
+        at = now_ms()
+        return await self._commit(*apply_stage.transition(record, result, step.authority, at),
+                                  at)
+
+    async def _original(self, svc: str, pid: str) -> ProposalRecord | None:
+        """The record of the proposal a reversal reverts, as its chain says."""
+        record, _ = await self.store.load(svc, pid)
+        return record if record is not None else await self.rebuild(svc, pid)
+
+    async def _lkg_check(self, record: ProposalRecord) -> tuple[ProposalRecord, Draft]:
+        """SPEC 09 §7.1: ask the owning service for a healthy last-known-good of every
+        artefact; the planner turns the answer into the transition."""
+        body = to_json(lkg.check_request(record))
+        report = await self._ask(record, S.lkg_request(record.service), lambda _: body,
+                                 parse_lkg_reply)
+        commit = planner.after_lkg(record, report, self.policy, self.actor,
+                                   self.config.max_message_bytes, now_ms())
+        if commit.why == "lkg_refused":
+            log.warning("L4 refused before apply", proposal_id=record.proposal_id,
+                        reason=commit.draft.reason)
+        return commit.record, commit.draft
+
+    async def _dispatch(self, record: ProposalRecord, step: planner.SendApply,
+                        grant_read: bool) -> ApplyResult:
+        """Send the ApplyOrder with a timeout and bounded retries; the service is idempotent on
+        the proposal id, so a retry after a lost reply applies nothing twice. An L3 auto-apply
+        re-reads its grant before every attempt (but a first one right after triage read it),
+        so an order sent after a revocation was recorded is never sent."""
+
+        async def allowed(attempt: int) -> None:
+            if step.grant_bound and not (attempt == 1 and grant_read) \
+                    and not await self.store.grant_active(record.skill, now_ms()):
+                raise GrantRevoked(record.skill)
+
+        return await self._send(record, step.order, allowed)
+
+    async def _send(self, record: ProposalRecord, order: ApplyOrder,
+                    allowed=None) -> ApplyResult:
+        """One order to the owning service: timeout, bounded retries, then ServiceUnreachable."""
+        return await self._ask(
+            record, S.apply_request(record.service),
+            lambda attempt: to_json(msgspec.structs.replace(order, attempt=attempt)),
+            parse_apply_reply, allowed)
+
+    async def _ask(self, record: ProposalRecord, subject: str, body, parse,
+                   allowed=None):
+        """A request to the owning service with a timeout and bounded retries: `parse` turns
+        a reply into a result, or None for an error reply ("not now", retried). All attempts
+        unanswered or not now: ServiceUnreachable (the proposal stays retryable)."""
+        settings = self.config.apply
+        last_error = "no attempt"
+        for attempt in range(1, settings.attempts + 1):
+            if allowed is not None:
+                await allowed(attempt)
+            try:
+                reply = await self.nc.request(subject, body(attempt),
+                                              timeout=settings.timeout_s)
+            except NoRespondersError:
+                last_error = f"no service answers {subject}"
+            except NatsTimeout:
+                last_error = f"{subject} timed out"
+            else:
+                result = parse(reply.data)
+                if result is not None:
+                    return result
+                last_error = f"{subject} answered not now: {error_message(reply.data)}"
+            log.warning("request to the owning service failed", proposal_id=record.proposal_id,
+                        subject=subject, attempt=attempt, error=last_error)
+            await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
+        raise ServiceUnreachable(last_error)
+
+    # -- learn-back rollbacks ------------------------------------------------------------------------
+
+    async def propose_rollback(self, record: ProposalRecord, proposal: Proposal) -> str:
+        """Propose the recorded inverse of a regressed change, through the bus like any
+        proposal (durable, deduplicated by its id, and gated by its class)."""
+        pid, _ = propose.identify(proposal)
+        await self.store.js.publish(S.inbound_proposal(proposal.service), to_json(proposal),
+                                    headers={"Nats-Msg-Id": pid}, stream=S.STREAM_INBOUND)
+        log.warning("regression: rollback proposed", proposal_id=record.proposal_id,
+                    rollback=pid, stage="learn-back")
+        return pid
+
+    async def rolled_back(self, svc: str, original: str, inverse: ProposalRecord) -> None:
+        handled = await self.handle(
+            svc, original, lambda record, now: apply_stage.rolled_back_by(record, inverse, now)
+            if record is not None else None, None, False)
+        if handled.changed and handled.record.approved_by is None:
+            await self.count_autonomous_rollback(handled.record, now_ms())
+
+    # -- the breaker and the autonomy switch (constitution IV.5, IV.6) ---------------------------
+
+    async def autonomy(self, now: int) -> breaker.Autonomy:
+        """The autonomy chain's current state, read at most once a second."""
+        if self._autonomy is None or now - self._autonomy[1] > AUTONOMY_TTL_MS:
+            _, body = await self.store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
+            self._autonomy = (breaker.from_trailer(body), now)
+            self.metrics.set_autonomy(self._autonomy[0].blocks(now) or "on")
+        return self._autonomy[0]
+
+    async def _append_autonomy(self, change, verdict: str, actor: str, observer: str,
+                               reason: str, extra: tuple[str, ...] = ()) -> breaker.Autonomy:
+        """Append the next state (`change(state)`) to the autonomy chain, retrying on a race."""
+        subject = S.autonomy_audit(breaker.AUTONOMY_ID)
+        for _ in range(MAX_CONFLICT_RETRIES):
+            seq, body = await self.store.chain_head(subject)
+            state = change(breaker.from_trailer(body))
+            head = ChainHead(length=body["seq"] + 1 if body else 0,
+                             last_hash=body["hash"] if body else "", stream_seq=seq)
+            at = now_ms()
+            trailer = audit.seal_next(breaker.draft(state, verdict, actor, observer, reason,
+                                                    extra),
+                                      breaker.AUTONOMY_ID, head, "L0", "operation", at)
+            try:
+                await self.store.append_to(subject, trailer, seq)
+            except ChainConflict:
+                continue
+            self._autonomy = (state, at)
+            return state
+        raise RuntimeError("the autonomy chain kept moving")
+
+    async def count_autonomous_rollback(self, record: ProposalRecord, at: int) -> None:
+        p = self.policy
+        state = await self._append_autonomy(
+            lambda s: breaker.after_rollback(s, at, p.breaker_threshold, p.breaker_window_days,
+                                             p.breaker_pause_hours),
+            "rollback", record.rollback_by or self.actor, "rec:system",
+            f"autonomous apply {record.proposal_id} rolled back",
+            (ref("proposal", record.proposal_id),))
+        if state.blocks(at) == "circuit_open":
+            log.warning("circuit breaker open: autonomous applies paused",
+                        until=state.paused_until, rollbacks=len(state.rollbacks))
+
+    async def sync_switch(self) -> breaker.Autonomy:
+        """Record the configured autonomy switch on the chain when it differs from it."""
+        current = await self.autonomy(now_ms() + AUTONOMY_TTL_MS + 1)
+        wanted = self.policy.autonomy
+        if current.switch == wanted:
+            return current
+        log.warning("autonomy switched by configuration", autonomy=wanted)
+        return await self._append_autonomy(
+            lambda s: breaker.switched(s, wanted), f"autonomy_{wanted}", self.actor,
+            "rec:system", f"autonomy switched {wanted} in the configuration")
+
+    # -- checkpoints and crisis (constitution V.4) -------------------------------------------------
+
+    async def checkpoint(self, key) -> str | None:
+        """Verify the whole log — every chain, and everything the last checkpoint committed
+        to — then sign a new checkpoint. On a break, enter crisis instead; return the break."""
+        log_ = await self.store.audit_log()
+        cp_subject = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
+        entries = [(seq, body) for seq, subject, body in log_ if subject != cp_subject]
+        checkpoints = [body for _, subject, body in log_ if subject == cp_subject]
+        problem = None
+        chains: dict[str, list[dict]] = {}
+        for _, subject, body in log_:
+            chains.setdefault(subject, []).append(body)
+        for subject, bodies in chains.items():
+            brk = audit.verify_chain(S.token(subject, 3), bodies)
+            if brk is not None:
+                problem = f"{subject}: {brk}"
+                break
+        hashes = [body.get("hash", "") for _, body in entries]
+        if problem is None and checkpoints:
+            try:
+                problem = checkpoint.check(hashes, checkpoint.from_trailer(checkpoints[-1]))
+            except (KeyError, ValueError) as exc:
+                problem = f"the last checkpoint cannot be read: {exc}"
+        now = now_ms()
+        if problem is not None:
+            if not (await self.autonomy(now + AUTONOMY_TTL_MS + 1)).crisis:
+                crisis = f"crisis-{now}"
+                log.error("audit log broken: entering crisis, applies refused", crisis=crisis,
+                          problem=problem)
+                await self._append_autonomy(lambda s: breaker.in_crisis(s, crisis), "crisis",
+                                            self.actor, "rec:system",
+                                            f"{crisis}: {problem}"[:500])
+            return problem
+        cp = checkpoint.make(hashes, entries[-1][0] if entries else 0, now, key)
+        for _ in range(MAX_CONFLICT_RETRIES):
+            seq, body = await self.store.chain_head(cp_subject)
+            head = ChainHead(length=body["seq"] + 1 if body else 0,
+                             last_hash=body["hash"] if body else "", stream_seq=seq)
+            trailer = audit.seal_next(checkpoint.draft(cp, self.actor), checkpoint.CHECKPOINT_ID,
+                                      head, "L0", "operation", now)
+            try:
+                await self.store.append_to(cp_subject, trailer, seq)
+                break
+            except ChainConflict:
+                continue
+        log.info("checkpoint signed", trailers=cp.count, root=cp.root)
+        return None
+
+    async def resolve_crisis(self, env: Envelope, act: Act) -> bool:
+        """An operator's signed act clears the crisis it names; anything else is refused."""
+        try:
+            verified, cmd = authority.check_signed(self.trust, env, PAYLOAD_TYPES["crisis"],
+                                                   CrisisAct, now_ms(), self.max_act_age_ms)
+        except ActRefused as refused:
+            log.warning("crisis resolution refused", code=refused.code, reason=refused.reason)
+            return False
+        current = await self.autonomy(now_ms() + AUTONOMY_TTL_MS + 1)
+        if not current.crisis or current.crisis != cmd.crisis:
+            log.warning("crisis resolution refused: no such open crisis", crisis=cmd.crisis)
+            return False
+        await self._append_autonomy(lambda s: breaker.in_crisis(s, ""), "crisis_resolved",
+                                    cmd.principal, "human",
+                                    f"{cmd.crisis} resolved by {cmd.principal}: {cmd.reason}",
+                                    (ref("act", act.digest), ref("keyid", verified.keyid)))
+        log.warning("crisis resolved; applies resume", crisis=cmd.crisis,
+                    principal=cmd.principal)
+        return True
+
+    # -- rebuilding from the chain -------------------------------------------------------------------
+
+    async def resync(self, svc: str, pid: str, proposal: Proposal | None) -> ProposalRecord | None:
+        """Make the cached record equal to what the chain says (the chain is authoritative)."""
+        cached, rev = await self.store.load(svc, pid)
+        rebuilt = await self.rebuild(svc, pid)
+        if rebuilt is not None and rebuilt != cached:
+            try:
+                rev = await self.store.save(rebuilt, rev)
+            except StateConflict:
+                return rebuilt  # someone else just saved; the next attempt re-reads
+            self._remember(rebuilt, rev)
+        return rebuilt
+
+    async def rebuild(self, svc: str, pid: str) -> ProposalRecord | None:
+        """A proposal's record from its chain alone (the registration carries the proposal)."""
+        chain = await self.store.read_chain(svc, pid)
+        if not chain:
+            return None
+        trailers = [trailer_decoder.decode(to_json(body)) for _, body in chain]
+        return rebuild_record(trailers, [seq for seq, _ in chain], self.policy)
+
+    async def republish_all(self) -> int:
+        """Rebuild every record and grant from its chain and publish it again: what the
+        retained records would say had they never been lost. Returns the chains replayed."""
+        chains = await self.store.all_chains()
+        decoder = msgspec.json.Decoder(Trailer)
+        count = 0
+        for (svc, cid), bodies in chains.items():
+            seqs = list(range(1, len(bodies) + 1))  # positions; the cache re-reads real ones
+            trailers = [decoder.decode(to_json(body)) for body in bodies]
+            try:
+                if svc == S.GRANT_CHAINS:
+                    state = grant_state(trailers)
+                    if state is not None:
+                        await self.store.publish(S.grant_record(*state.skill.split(":", 1)),
+                                                 state)
+                elif svc not in S.MESH_CHAINS:
+                    await self._republish(svc, cid, trailers, seqs)
+            except (ValueError, KeyError, msgspec.MsgspecError) as exc:
+                log.error("chain not replayable; left for audit verify", chain=cid,
+                          service=svc, error=str(exc))
+                continue
+            count += 1
+        return count
+
+    async def _republish(self, svc: str, pid: str, trailers: list[Trailer],
+                         seqs: list[int]) -> None:
+        """Republish one proposal's records from its chain snapshot, under its lock, unless the
+        proposal moved on since the snapshot (then what the cache holds is newer)."""
+        lock = await self._acquire(pid)
+        try:
+            cached, rev = await self.store.load(svc, pid)
+            if cached is not None and cached.chain.length > len(trailers):
+                await self.publish(cached)
+                return
+            record = rebuild_record(trailers, seqs, self.policy)
+            if cached is None:  # the cache is gone too: refill it (real sequences)
+                real = [seq for seq, _ in await self.store.read_chain(svc, pid)]
+                record = rebuild_record(trailers, real, self.policy)
+                if len(real) == len(trailers):
+                    await self._save(record, rev)
+            await self.publish(record)
+        finally:
+            self._release(pid, lock)
+
+    # -- retained records ----------------------------------------------------------------------------
+
+    async def publish(self, record: ProposalRecord) -> None:
+        svc, pid = record.service, record.proposal_id
+        jobs = [self.store.publish(S.proposal_state(svc, pid), state_of(record))]
+        if record.decision is not None:
+            jobs.append(self.store.publish(S.triage_decision(svc, pid), record.decision))
+        if record.outcome is not None:
+            jobs.append(self.store.publish(S.apply_outcome(svc, pid), record.outcome))
+        decided = quorum.quorum_record(record)
+        if decided is not None:
+            jobs.append(self.store.publish_once(S.quorum_record(pid), decided))
+        if len(record.signals) > len(record.proposal.signals or ()):
+            jobs.append(self.store.publish(S.learn_back(svc, pid),
+                                           learnback.summary(record, record.updated_at)))
+        await asyncio.gather(*jobs)
+
+    async def publish_unreachable(self, record: ProposalRecord, error: str) -> None:
+        """Tell watchers the apply is stuck, without a trailer: nothing transitioned."""
+        outcome = ApplyOutcome(proposal_id=record.proposal_id, service=record.service, ok=False,
+                               applied_id="", authority=apply_stage.authority(record, self.policy),
+                               error=f"unreachable: {error}", at=now_ms())
+        await self.store.publish(S.apply_outcome(record.service, record.proposal_id), outcome)
+
+
+def rebuild_record(trailers: list[Trailer], seqs: list[int], policy) -> ProposalRecord:
+    """Replay a chain from its registration trailer, which carries the proposal itself; the
+    proposal must hash to the chain's id, so a chain cannot be rebuilt around other content."""
+    proposal = propose.carried(trailers[0])
+    pid, dedup = propose.identify(proposal)
+    if pid != trailers[0].proposal_id:
+        raise ValueError(f"chain {trailers[0].proposal_id}: its registration carries the "
+                         f"content of {pid}")
+    start, _ = propose.register(proposal, pid, dedup, policy, 0)
+    return replay(start, trailers, seqs)
+
+
+def grant_state(trailers: list[Trailer]) -> Grant | None:
+    """The current grant of a skill hash: its last counted grant or revoke act."""
+    for t in reversed(trailers):
+        if t.verdict in ("grant", "revoke"):
+            refs = refs_of(t)
+            return Grant(skill=refs["skill"], active=t.verdict == "grant", principal=t.actor,
+                         reason=t.reason, at=t.at,
+                         expires_at=int(refs["expires_at"]) if "expires_at" in refs else None)
+    return None
+
+
+def parse_apply_reply(data: bytes) -> ApplyResult | None:
+    """The service's ApplyResult (`ok: false` is final: the service refused); None for an
+    error reply (DESIGN §3.1: the service could not process it now), which is retried; and
+    anything else a failed result."""
+    try:
+        return apply_result_decoder.decode(data)
+    except msgspec.MsgspecError:
+        pass
+    try:
+        if isinstance(msgspec.json.decode(data).get("error"), dict):
+            return None
+    except (msgspec.MsgspecError, AttributeError):
+        pass
+    return ApplyResult(ok=False,
+                       error="the service answered with something that is not an ApplyResult")
+
+
+def parse_lkg_reply(data: bytes):
+    """The service's LKG report; None for an error reply (retried); anything else a report
+    that confirms nothing."""
+    try:
+        return lkg.report_decoder.decode(data)
+    except msgspec.MsgspecError:
+        pass
+    if parse_apply_reply(data) is None:  # an error reply: not now
+        return None
+    return lkg.LkgReport(ok=False, error="the service answered something that is not an LKG "
+                         "report")
+
+
+def error_message(data: bytes) -> str:
+    try:
+        err = msgspec.json.decode(data)["error"]
+        return str(err.get("message") or err.get("code"))[:300]
+    except (msgspec.MsgspecError, KeyError, TypeError, AttributeError):
+        return "error reply"
+
+
+def state_of(record: ProposalRecord) -> ProposalState:
+    p = record.proposal
+    return ProposalState(
+        proposal_id=record.proposal_id, service=record.service, target_ref=p.target_ref,
+        change_class=p.change_class, gate_class=record.gate_class, scope=p.scope,
+        dedup_key=record.dedup_key, stage=record.stage, status=record.status,
+        summary_text=record.summary_text, updated_at=record.updated_at,
+    )

@@ -1,0 +1,354 @@
+"""JetStream streams, the state bucket, and the chain append (DESIGN §7 "store").
+
+Three streams and one bucket, created idempotently:
+- IMPROVE_IN: inbound requests (`improve.proposals.<svc>`, …), kept so nothing is lost while no
+  daemon runs; one durable pull consumer shared by every replica.
+- IMPROVE_RECORDS: retained records, one message per subject (the current state).
+- IMPROVE_AUDIT: the trailers, append-only (deny delete, deny purge, no limits).
+- KV `improved_state`: a cache of each proposal's record, rebuildable from the chain.
+
+The chain append is the commit point of every transition. It carries
+`Nats-Expected-Last-Subject-Sequence`, so a trailer joins the chain only if nothing joined since
+the writer last looked: a redelivery, a restart or a second replica gets a conflict instead of a
+duplicate trailer, re-reads the chain, and finds its transition already made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js import api as jsapi
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
+
+from improved.core.record import ProposalRecord, record_decoder, record_encoder
+from improved.protocol import subjects as S
+from improved.protocol.model import Grant, Trailer, to_json
+
+WRONG_LAST_SEQUENCE = 10071
+PUBLISH_ACK_TIMEOUT_S = 10.0
+INBOUND_MAX_AGE_S = 30 * 24 * 3600
+REFUSED_MAX_AGE_S = 30 * 24 * 3600
+
+
+class StoreError(RuntimeError):
+    """The deployment's streams cannot be brought to the configuration asked for."""
+
+
+class ChainConflict(Exception):
+    """Someone appended to this chain since we read it."""
+
+
+class StateConflict(Exception):
+    """Someone updated the cached record since we read it."""
+
+
+trailer_decoder = msgspec.json.Decoder(Trailer)
+
+
+def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsapi.StreamConfig]:
+    return [
+        jsapi.StreamConfig(
+            name=S.STREAM_INBOUND, subjects=list(S.INBOUND_FILTERS),
+            description="improved: inbound proposals, reviews, reports, signals, grants, votes",
+            retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType.FILE,
+            max_age=INBOUND_MAX_AGE_S, duplicate_window=120.0, num_replicas=replicas,
+        ),
+        jsapi.StreamConfig(
+            name=S.STREAM_RECORDS, subjects=list(S.RECORD_FILTERS),
+            description="improved: retained records, the latest per subject is current",
+            retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType(records_storage),
+            max_msgs_per_subject=1, allow_direct=True, num_replicas=replicas,
+        ),
+        jsapi.StreamConfig(
+            name=S.STREAM_AUDIT, subjects=[S.AUDIT_FILTER],
+            description="improved: hash-chained audit trailers, append-only",
+            retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType.FILE,
+            deny_delete=True, deny_purge=True, allow_direct=True, num_replicas=replicas,
+        ),
+        jsapi.StreamConfig(
+            name=S.STREAM_REFUSED, subjects=[S.REFUSED_FILTER],
+            description="improved: refused inbound messages (what and why, never the payload)",
+            retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType.FILE,
+            max_age=REFUSED_MAX_AGE_S, max_msgs=100_000, num_replicas=replicas,
+        ),
+    ]
+
+
+def inbound_consumer(ack_wait_s: float = 30.0) -> jsapi.ConsumerConfig:
+    return jsapi.ConsumerConfig(
+        durable_name=S.CONSUMER_INBOUND, ack_policy=jsapi.AckPolicy.EXPLICIT,
+        deliver_policy=jsapi.DeliverPolicy.ALL, ack_wait=ack_wait_s, max_ack_pending=1024,
+        description="improved: the loop's shared work queue",
+    )
+
+
+class Store:
+    def __init__(self, nc: Client, replicas: int = 1, records_storage: str = "file"):
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream(publish_async_max_pending=8192)
+        self.replicas = replicas
+        self.records_storage = records_storage
+        self.kv = None
+
+    async def ensure(self) -> None:
+        """Create or update every stream, the consumer and the bucket; safe to run twice."""
+        for cfg in stream_configs(self.replicas, self.records_storage):
+            try:
+                await self.js.add_stream(cfg)
+            except BadRequestError as exc:
+                if exc.err_code != 10058:  # stream name already in use: bring it up to date
+                    raise
+                try:
+                    await self.js.update_stream(cfg)
+                except BadRequestError as upd:
+                    raise StoreError(f"stream {cfg.name} exists with a configuration that "
+                                     f"cannot become this one ({upd.description}); keep its "
+                                     f"storage and replicas, or remove it first") from upd
+        try:
+            await self.js.add_consumer(S.STREAM_INBOUND, inbound_consumer())
+        except BadRequestError as exc:
+            if exc.err_code not in (10148, 10013):  # exists with another config / name in use
+                raise
+        # A cache: in memory, since every record can be rebuilt from its chain.
+        self.kv = await self._bucket(S.BUCKET_STATE, "cached proposal records (rebuildable "
+                                     "from the chain)", jsapi.StorageType.MEMORY)
+        self.dedup = await self._bucket(S.BUCKET_DEDUP, "newest proposal per dedup_key")
+        self.ledger = await self._bucket(S.BUCKET_LEDGER, "the rejection ledger by dedup_key")
+
+    async def _bucket(self, name: str, what: str,
+                      storage: jsapi.StorageType = jsapi.StorageType.FILE):
+        try:
+            return await self.js.key_value(name)
+        except BucketNotFoundError:
+            return await self.js.create_key_value(bucket=name, history=1, storage=storage,
+                                                  replicas=self.replicas,
+                                                  description=f"improved: {what}")
+
+    async def bind(self) -> None:
+        """Attach to an existing deployment without creating anything (read-only commands)."""
+        self.kv = await self.js.key_value(S.BUCKET_STATE)
+        self.dedup = await self.js.key_value(S.BUCKET_DEDUP)
+        self.ledger = await self.js.key_value(S.BUCKET_LEDGER)
+
+    # -- supersession and the rejection ledger ----------------------------------------------------
+
+    async def dedup_head(self, svc: str, dedup: str) -> dict[str, Any] | None:
+        try:
+            entry = await self.dedup.get(S.dedup_key_of(svc, dedup))
+        except KeyNotFoundError:
+            return None
+        return msgspec.json.decode(entry.value) if entry.value else None
+
+    async def set_dedup_head(self, svc: str, dedup: str, pid: str,
+                             created_at: int) -> dict[str, Any] | None:
+        """Record `pid` as the newest content under `dedup` unless something newer is there;
+        return the head that was there before (None for a first proposal under the key)."""
+        key = S.dedup_key_of(svc, dedup)
+        value = to_json({"proposal_id": pid, "created_at": created_at})
+        for _ in range(8):
+            try:
+                entry = await self.dedup.get(key)
+            except KeyNotFoundError:
+                entry = None
+            try:
+                if entry is None or entry.value is None:
+                    await self.dedup.create(key, value)
+                    return None
+                head = msgspec.json.decode(entry.value)
+                if (head["created_at"], head["proposal_id"]) >= (created_at, pid):
+                    return head
+                await self.dedup.update(key, value, last=entry.revision)
+                return head
+            except (KeyWrongLastSequenceError, BadRequestError):
+                continue
+        return None
+
+    async def ledger_put(self, svc: str, dedup: str, entry: dict[str, Any]) -> None:
+        await self.ledger.put(S.dedup_key_of(svc, dedup), to_json(entry))
+
+    async def ledger_get(self, svc: str, dedup: str) -> dict[str, Any] | None:
+        try:
+            entry = await self.ledger.get(S.dedup_key_of(svc, dedup))
+        except KeyNotFoundError:
+            return None
+        return msgspec.json.decode(entry.value) if entry.value else None
+
+    # -- the state cache -------------------------------------------------------------------------
+
+    async def load(self, svc: str, pid: str) -> tuple[ProposalRecord | None, int]:
+        try:
+            entry = await self.kv.get(S.state_key(svc, pid))
+        except KeyNotFoundError:
+            return None, 0
+        if entry.value is None:
+            return None, entry.revision or 0
+        return record_decoder.decode(entry.value), entry.revision
+
+    async def save(self, record: ProposalRecord, revision: int) -> int:
+        key = S.state_key(record.service, record.proposal_id)
+        data = record_encoder.encode(record)
+        try:
+            if revision == 0:
+                return await self.kv.create(key, data)
+            return await self.kv.update(key, data, last=revision)
+        except KeyWrongLastSequenceError as exc:
+            raise StateConflict(key) from exc
+        except BadRequestError as exc:
+            if exc.err_code in (WRONG_LAST_SEQUENCE, 10164):
+                raise StateConflict(key) from exc
+            raise
+
+    async def keys(self) -> list[str]:
+        try:
+            return await self.kv.keys()
+        except Exception:  # nats-py raises NoKeysError on an empty bucket
+            return []
+
+    # -- the chain -------------------------------------------------------------------------------
+
+    async def append(self, record: ProposalRecord, trailer: Trailer) -> int:
+        """Append a trailer if the chain still ends where `record` says; its stream sequence."""
+        return await self.append_to(S.audit(record.service, record.proposal_id), trailer,
+                                    record.chain.stream_seq)
+
+    async def append_to(self, subject: str, trailer: Trailer, expected_seq: int) -> int:
+        """Append to the chain on `subject` only if its last trailer is at `expected_seq`."""
+        headers = {"Nats-Expected-Last-Subject-Sequence": str(expected_seq)}
+        try:
+            ack = await self.js.publish(subject, to_json(trailer), headers=headers,
+                                        stream=S.STREAM_AUDIT)
+        except APIError as exc:
+            if exc.err_code == WRONG_LAST_SEQUENCE:
+                raise ChainConflict(subject) from exc
+            raise
+        return ack.seq
+
+    async def read_chain(self, svc: str, pid: str) -> list[tuple[int, dict[str, Any]]]:
+        """Every trailer of one chain as (stream sequence, raw JSON body), in order."""
+        return await self.read_chain_at(S.audit(svc, pid))
+
+    async def read_chain_at(self, subject: str) -> list[tuple[int, dict[str, Any]]]:
+        out: list[tuple[int, dict[str, Any]]] = []
+        seq = 1
+        while True:
+            try:
+                msg = await self.js.get_msg(S.STREAM_AUDIT, seq=seq, subject=subject,
+                                            next=True, direct=True)
+            except NotFoundError:
+                return out
+            out.append((msg.seq, msgspec.json.decode(msg.data)))
+            seq = msg.seq + 1
+
+    async def chain_head(self, subject: str) -> tuple[int, dict[str, Any] | None]:
+        """(stream sequence, body) of the last trailer on a chain; (0, None) when empty."""
+        try:
+            msg = await self.js.get_msg(S.STREAM_AUDIT, subject=subject, direct=True)
+        except NotFoundError:
+            return 0, None
+        return msg.seq, msgspec.json.decode(msg.data)
+
+    async def audit_log(self, pid: str | None = None) -> list[tuple[int, str, dict]]:
+        """Every trailer (or one proposal's) as (stream sequence, subject, body), in stream
+        order, read once through an ordered consumer."""
+        info = await self.js.stream_info(S.STREAM_AUDIT)
+        log: list[tuple[int, str, dict]] = []
+        if info.state.messages == 0:
+            return log
+        subject = S.audit("*", pid) if pid else S.AUDIT_FILTER
+        if pid:
+            filtered = await self.js.stream_info(S.STREAM_AUDIT, subjects_filter=subject)
+            if not filtered.state.subjects:
+                return log
+        sub = await self.js.subscribe(subject, ordered_consumer=True, stream=S.STREAM_AUDIT)
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=5)
+                log.append((msg.metadata.sequence.stream, msg.subject,
+                            msgspec.json.decode(msg.data)))
+                if msg.metadata.num_pending == 0:
+                    return log
+        finally:
+            await sub.unsubscribe()
+
+    async def all_chains(self, pid: str | None = None) -> dict[tuple[str, str], list[dict]]:
+        """Every chain (or one proposal's), keyed by (service token, chain id), in order."""
+        chains: dict[tuple[str, str], list[dict]] = {}
+        for _, subject, body in await self.audit_log(pid):
+            chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append(body)
+        return chains
+
+    async def records_lost(self) -> bool:
+        """True when the retained records or the state cache are gone (memory storage after a
+        broker restart, or a purge) while chains exist: rebuild them from the chains."""
+        chains = await self.js.stream_info(S.STREAM_AUDIT)
+        if chains.state.messages == 0:
+            return False
+        records = await self.js.stream_info(S.STREAM_RECORDS)
+        cache = await self.js.stream_info(f"KV_{S.BUCKET_STATE}")
+        return records.state.messages == 0 or cache.state.messages == 0
+
+    # -- retained records ------------------------------------------------------------------------
+
+    async def publish(self, subject: str, record: Any) -> None:
+        """Publish a retained record, pipelined: sent at once, acknowledged when awaited."""
+        ack = await self.js.publish_async(subject, to_json(record), stream=S.STREAM_RECORDS)
+        # an ack lost in a broker restart must not wedge the job: time out, nak, retry
+        await asyncio.wait_for(ack, timeout=PUBLISH_ACK_TIMEOUT_S)
+
+    async def publish_once(self, subject: str, record: Any) -> None:
+        """Publish an immutable record: only if the subject holds nothing yet."""
+        try:
+            await self.js.publish(subject, to_json(record), stream=S.STREAM_RECORDS,
+                                  headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+        except APIError as exc:
+            if exc.err_code != WRONG_LAST_SEQUENCE:
+                raise
+
+    async def service_of(self, pid: str) -> str | None:
+        """The service whose chain holds proposal `pid` (a vote names only the proposal)."""
+        info = await self.js.stream_info(S.STREAM_AUDIT, subjects_filter=S.audit("*", pid))
+        for subject in (info.state.subjects or {}):
+            svc = S.token(subject, 2)
+            if svc and svc not in S.MESH_CHAINS:
+                return svc
+        return None
+
+    async def last(self, subject: str) -> bytes | None:
+        try:
+            msg = await self.js.get_msg(S.STREAM_RECORDS, subject=subject, direct=True)
+        except NotFoundError:
+            return None
+        return msg.data
+
+    async def grant_active(self, identity: str | None, now_ms: int) -> bool:
+        """An active, unexpired grant for exactly `<name>:<sha256>`; never a lookup by name."""
+        if not identity or ":" not in identity:
+            return False
+        name, digest = identity.split(":", 1)
+        data = await self.last(S.grant_record(name, digest))
+        if not data:
+            return False
+        try:
+            grant = msgspec.json.decode(data, type=Grant)
+        except msgspec.MsgspecError:
+            return False
+        return (grant.active and grant.skill == identity
+                and (grant.expires_at is None or grant.expires_at > now_ms))
+
+    # -- refusals --------------------------------------------------------------------------------
+
+    async def refuse(self, svc: str, entry: dict[str, Any]) -> None:
+        entry = {**entry, "at": int(time.time() * 1000)}
+        await self.js.publish(S.refused(svc), to_json(entry), stream=S.STREAM_REFUSED)

@@ -1,0 +1,326 @@
+"""What the reference stores share: a NATS KV values bucket changed exactly once per proposal.
+
+DESIGN §3.4 asks an owning service to apply each proposal id exactly once, answer a repeated
+order with the first result while changing nothing, and survive a crash mid-apply. Per order:
+1. read the key's current value and revision: the prior;
+2. `create` the ledger entry for the proposal id (atomic, so a second order finds it);
+3. write the value with `Nats-Expected-Last-Subject-Sequence` = the prior's revision and an
+   `Improve-Proposal-Id` header: the write cannot clobber a change it did not see as prior, and
+   it can be recognised later;
+4. complete the ledger entry with the write's revision.
+A repeated order whose entry is complete changes nothing and returns the stored result; it does
+not re-assert the value, which would undo a later proposal on the same key. An entry left
+incomplete (a crash, or a twin order in flight on another instance) is finished: first look for
+our own write in the key's history (kept `HISTORY` deep), and only if there is none write now,
+against the current revision.
+
+A store subclasses `KVService` and supplies what is its own: `_change` (validation),
+`_new_entry` (a ledger entry with at least `key`, `prior_rev` and `revision` None), `_write`,
+`_result` and `capabilities`; it may override `_decode` and `_rebase`, and `_prepare_change`
+when validating needs I/O (it runs before the ledger is touched; the default calls `_change`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal as signals
+import sys
+from typing import Any
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.subscription import Subscription
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import Header
+from nats.js.errors import (
+    APIError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
+
+from improved.client import acceptance
+from improved.client.sdk import MeshClient, failed, serve_spec
+from improved.protocol import subjects as S
+from improved.protocol.model import ApplyOrder, ApplyResult, to_json
+
+HISTORY = 64  # revisions kept per key: how far back a recovering order looks for its own write
+ROUNDS = 8  # optimistic-concurrency rounds before an order gives up
+PROVENANCE = "Improve-Proposal-Id"
+KV_OP = "KV-Operation"
+WRONG_LAST_SEQUENCE = (10071, 10164)
+CONNECT_S = 10.0
+
+
+class Refused(Exception):
+    """The order is well formed but the store will not apply it; the text says why."""
+
+
+class Conflict(Exception):
+    """Someone else moved the key or the ledger entry: read again and retry."""
+
+
+def _conflicted(exc: Exception) -> bool:
+    return isinstance(exc, KeyWrongLastSequenceError) or (
+        isinstance(exc, APIError) and exc.err_code in WRONG_LAST_SEQUENCE)
+
+
+async def read_json(kv: Any, key: str) -> tuple[Any, int]:
+    """(the JSON value at `key` in the KV bucket `kv`, its revision), or (None, 0) if absent."""
+    try:
+        entry = await kv.get(key)
+    except KeyNotFoundError:
+        return None, 0
+    return msgspec.json.decode(entry.value), entry.revision
+
+
+class KVService:
+    """Values in KV `bucket` (history `HISTORY`), the apply ledger in KV `ledger_bucket`."""
+
+    KIND = "kv service"  # how logs and the command line name the store
+    VALUES = "values"  # what the values bucket holds
+
+    def __init__(self, nc: Client, service: str, bucket: str, ledger_bucket: str,
+                 verify_acceptance: bool = False):
+        self.nc = nc
+        self.service = service
+        # Check every order against the audit chain before applying (SPEC 09 conformance L2);
+        # off, the store trusts the bus permissions: only the daemon may send it orders.
+        self.verify_acceptance = verify_acceptance
+        self.client = MeshClient(nc, service)
+        self.js = nc.jetstream()
+        self.bucket, self.ledger_bucket = bucket, ledger_bucket
+        self.stream = f"KV_{bucket}"
+        self.applies = 0  # value writes made by this instance through apply
+        self.orders = 0  # decoded ApplyOrders handled by this instance
+        self.ledger = None
+        self.log = structlog.get_logger(type(self).__module__)
+        self._subs: list[Subscription] = []
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self._bucket(self.bucket, HISTORY, f"{self.KIND} {self.VALUES}")
+        self.ledger = await self._bucket(self.ledger_bucket, 1,
+                                         f"{self.KIND} apply ledger, one entry per proposal")
+        self._subs.append(await self.client.serve_apply(self.apply))
+        self._subs.append(await serve_spec(self.nc, self.service, self.capabilities()))
+        self.log.info(f"{self.KIND} ready", service=self.service,
+                      subject=S.apply_request(self.service), bucket=self.bucket)
+
+    async def stop(self) -> None:
+        """Stop taking orders, finishing the one in hand."""
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            try:
+                await sub.drain()
+            except Exception as exc:  # already closed with the connection
+                self.log.debug("subscription drain failed", error=str(exc))
+
+    async def _bucket(self, name: str, history: int, description: str):
+        try:
+            return await self.js.key_value(name)
+        except BucketNotFoundError:
+            pass
+        try:
+            return await self.js.create_key_value(bucket=name, history=history, direct=True,
+                                                  description=description)
+        except APIError:  # created meanwhile by a twin instance
+            return await self.js.key_value(name)
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _subject(self, key: str) -> str:
+        return f"$KV.{self.bucket}.{key}"
+
+    async def _current(self, key: str) -> tuple[Any, int]:
+        """(value, None when absent or deleted; revision of the key's last message, 0 if none)."""
+        try:
+            msg = await self.js.get_msg(self.stream, subject=self._subject(key), direct=True)
+        except NotFoundError:
+            return None, 0
+        headers = msg.headers or {}
+        if headers.get(KV_OP) in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
+            return None, msg.seq
+        return self._decode(msg.data or b"null"), msg.seq
+
+    @staticmethod
+    def _decode(data: bytes) -> Any:
+        try:
+            return msgspec.json.decode(data)
+        except msgspec.DecodeError:  # written by someone else, not JSON: report it as text
+            return data.decode(errors="replace")
+
+    async def apply_count(self, proposal_id: str) -> int:
+        """1 when the ledger holds the proposal id, else 0."""
+        return 1 if (await read_json(self.ledger, proposal_id))[0] is not None else 0
+
+    # -- applying ------------------------------------------------------------------------------
+
+    async def apply(self, order: ApplyOrder) -> ApplyResult:
+        """The ApplyOrder handler: validate, then apply exactly once (see the module doc)."""
+        self.orders += 1
+        pid = order.proposal_id
+        if not S.ID_RE.match(pid):
+            return failed(f"proposal_id {pid!r} is not a 64-char lowercase hex id")
+        try:
+            change = await self._prepare_change(order)
+            for _ in range(ROUNDS):
+                try:
+                    return await self._apply_once(pid, change)
+                except Conflict:
+                    continue
+                except NatsTimeout:  # a lost ack: the next round finds the write if it happened
+                    await asyncio.sleep(0.05)
+        except Refused as exc:
+            self.log.info("apply refused", service=self.service, proposal_id=pid,
+                          reason=str(exc))
+            return failed(str(exc))
+        return failed(f"could not apply {change.key!r}: it kept changing or the store did not "
+                      f"answer ({ROUNDS} attempts)")
+
+    async def _prepare_change(self, order: ApplyOrder) -> Any:
+        """The change an order asks for, or Refused: `_change`, after the acceptance check when
+        the store verifies acceptance (a store may add checks that need I/O)."""
+        if self.verify_acceptance and not await self._applied(order.proposal_id):
+            await self._check_accepted(order)
+        return self._change(order)
+
+    async def _check_accepted(self, order: ApplyOrder) -> None:
+        """Refused (`not_accepted: …`) unless the audit chain shows the order was accepted."""
+        refusal = await acceptance.check(self.js, order)
+        if refusal is not None:
+            raise Refused(refusal)
+
+    async def _applied(self, pid: str) -> bool:
+        """The ledger holds a finished apply of `pid`: a repeated order gets its result."""
+        entry, _ = await read_json(self.ledger, pid)
+        return entry is not None and entry.get("revision") is not None
+
+    def acceptance_claim(self) -> dict[str, str]:
+        """What `spec.get` says about the acceptance gate, for the capabilities."""
+        if self.verify_acceptance:
+            return {"acceptance": "verified on the audit chain"}
+        return {"acceptance": f"trusted to the bus: only the daemon may publish "
+                              f"{S.apply_request(self.service)}"}
+
+    async def _apply_once(self, pid: str, change: Any) -> ApplyResult:
+        entry, rev = await read_json(self.ledger, pid)
+        if entry is not None and entry["revision"] is not None:
+            return self._result(entry)
+        # Read the key before looking for our write, so a write of ours that lands after the
+        # search fails the compare-and-set below instead of repeating.
+        current, cur_rev = await self._current(change.key if entry is None else entry["key"])
+        if entry is None:
+            entry = self._new_entry(change, current, cur_rev)
+            rev = await self._ledger_write(pid, entry, 0)
+            written = await self._write(pid, entry, current, cur_rev)
+        else:
+            written = await self._own_write(pid, entry["key"], entry["prior_rev"])
+            if written is None:
+                rebased = self._rebase(entry, current, cur_rev)
+                if rebased != entry:
+                    entry, rev = rebased, await self._ledger_write(pid, rebased, rev)
+                written = await self._write(pid, entry, current, cur_rev)
+        entry = {**entry, "revision": written}
+        await self._ledger_write(pid, entry, rev)
+        return self._result(entry)
+
+    def _rebase(self, entry: dict[str, Any], current: Any, cur_rev: int) -> dict[str, Any]:
+        """The unfinished entry to write against `cur_rev` (a store may record a new prior)."""
+        return entry
+
+    async def _ledger_write(self, pid: str, entry: dict[str, Any], last: int) -> int:
+        """Create (last=0) or compare-and-set the ledger entry; Conflict if someone moved it."""
+        try:
+            if last == 0:
+                return await self.ledger.create(pid, to_json(entry))
+            return await self.ledger.update(pid, to_json(entry), last=last)
+        except APIError as exc:
+            if _conflicted(exc):
+                raise Conflict(pid) from exc
+            raise
+
+    async def _publish(self, key: str, data: bytes, prior_rev: int, pid: str | None = None,
+                       delete: bool = False) -> int:
+        """A write to `key` only on top of `prior_rev`; tagged and counted when it applies `pid`."""
+        headers = {Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(prior_rev)}
+        if pid is not None:
+            headers[PROVENANCE] = pid
+        if delete:
+            headers[KV_OP] = "DEL"
+        try:
+            ack = await self.js.publish(self._subject(key), data, headers=headers,
+                                        stream=self.stream)
+        except APIError as exc:
+            if _conflicted(exc):
+                raise Conflict(key) from exc
+            raise
+        if pid is not None:
+            self.applies += 1
+            self.log.info("applied", service=self.service, proposal_id=pid, key=key,
+                          revision=ack.seq)
+        return ack.seq
+
+    async def _own_write(self, pid: str, key: str, after: int) -> int | None:
+        """The revision of a write tagged `pid` on `key` after revision `after`, if any."""
+        seq = after + 1
+        for _ in range(HISTORY + 1):
+            try:
+                msg = await self.js.get_msg(self.stream, seq=seq, subject=self._subject(key),
+                                            next=True, direct=True)
+            except NotFoundError:
+                return None
+            if (msg.headers or {}).get(PROVENANCE) == pid:
+                return msg.seq
+            seq = msg.seq + 1
+        return None
+
+
+# -- standalone ---------------------------------------------------------------------------------
+
+
+async def run(cls: type[KVService], url: str, service: str,
+              verify_acceptance: bool = False) -> int:
+    from improved.runtime import bus
+
+    name = f"{cls.KIND.replace(' ', '-')}-{service}"
+    try:  # reconnects are forever once up, but a first connection that never comes is an error
+        nc = await asyncio.wait_for(bus.connect(url, name), CONNECT_S)
+    except TimeoutError:
+        raise bus.BusError(f"cannot reach NATS at {url} within {CONNECT_S:g}s") from None
+    store = cls(nc, service, verify_acceptance=verify_acceptance)
+    await store.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signals.SIGTERM, signals.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"{cls.KIND} {service!r} serving {S.apply_request(service)} "
+          f"({cls.VALUES} in KV {store.bucket}); Ctrl-C stops", file=sys.stderr, flush=True)
+    await stop.wait()
+    await store.stop()
+    await nc.drain()
+    return 0
+
+
+def main(cls: type[KVService], argv: list[str] | None, module: str, description: str) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    parser.add_argument("--nats", default="nats://127.0.0.1:4222", metavar="URL",
+                        help="NATS server with JetStream (default: %(default)s)")
+    parser.add_argument("--service", required=True, metavar="NAME",
+                        help="the service name this store owns, [a-z][a-z0-9_-]{0,62}")
+    parser.add_argument("--verify-acceptance", action="store_true",
+                        help="refuse any order whose acceptance (operator approval, active "
+                             "grant, quorum) is not on the audit chain, instead of trusting "
+                             "the bus permissions (needs read access to IMPROVE_AUDIT)")
+    args = parser.parse_args(argv)
+    if not S.SERVICE_RE.match(args.service):
+        parser.error(f"--service {args.service!r} must match {S.SERVICE_RE.pattern}")
+    try:
+        return asyncio.run(run(cls, args.nats, args.service, args.verify_acceptance))
+    except Exception as exc:  # BusError and friends: one line, not a traceback
+        print(f"{cls.KIND}: {exc}", file=sys.stderr)
+        return 2
