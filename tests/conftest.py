@@ -108,14 +108,14 @@ async def eventually(check, timeout: float = 10.0, interval: float = 0.05):
 @pytest_asyncio.fixture(loop_scope="session")
 async def quorum_daemon(own_server):
     """A daemon of its own with `policy.quorum` on, trusting VOTERS' keys as quorum voters."""
-    import dataclasses
+    from msgspec.structs import replace
 
     nc = await bus.connect(own_server.url, "quorum")
     base = daemon_config()
     voters = {n: base64.b64encode(signing.raw_public(k.public_key())).decode()
               for n, k in VOTERS.items()}
-    config = dataclasses.replace(
-        base, policy=dataclasses.replace(base.policy, quorum=True),
+    config = replace(
+        base, policy=replace(base.policy, quorum=True),
         trust=Trust(operators=base.trust.operators, quorum=voters))
     daemon = Daemon(nc, config)
     await daemon.start()

@@ -4,11 +4,12 @@ tripping the session daemon's breaker would hold every other test back)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import subprocess
 import sys
 import time
+
+import msgspec
 
 from improved.client.sdk import MeshClient
 from improved.core.breaker import AUTONOMY_ID, Autonomy, after_rollback
@@ -94,7 +95,7 @@ async def test_three_autonomous_rollbacks_hold_the_fourth_l3_back(own_server):
 
 async def test_autonomy_off_holds_l0_back_until_it_is_on_again(own_server):
     nc = await bus.connect(own_server.url, "autonomy")
-    off = dataclasses.replace(daemon_config(), policy=dataclasses.replace(
+    off = msgspec.structs.replace(daemon_config(), policy=msgspec.structs.replace(
         daemon_config().policy, autonomy="off"))
     daemon = Daemon(nc, off)
     await daemon.start()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -76,8 +77,8 @@ def resolve(crisis: str, who=ALICE):
 
 
 async def test_a_broken_log_means_crisis_until_an_operator_resolves_it(own_server, tmp_path):
-    config = dataclasses.replace(daemon_config(), checkpoint_interval_s=0.0,
-                                 data_dir=tmp_path / "data")
+    config = msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
+                                     data_dir=tmp_path / "data")
     nc = await bus.connect(own_server.url, "crisis")
     daemon = Daemon(nc, config)
     await daemon.start()

@@ -4,8 +4,8 @@ restart, or a purge — the daemon republishes them from the audit chains."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
+import msgspec
 import pytest
 
 from improved.client.sdk import MeshClient
@@ -27,7 +27,7 @@ async def _applied(client, pid):
 
 
 async def test_memory_records_come_back_after_a_broker_restart(own_server):
-    config = dataclasses.replace(daemon_config(), records_storage="memory")
+    config = msgspec.structs.replace(daemon_config(), records_storage="memory")
     nc = await bus.connect(own_server.url, "recovery-daemon")
     daemon = Daemon(nc, config)
     await daemon.start()

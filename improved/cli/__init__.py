@@ -83,7 +83,7 @@ def out(obj: Any) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
+    from msgspec.structs import replace
 
     from improved.runtime.daemon import run_until_stopped, stop_on_signals
 

@@ -1,5 +1,10 @@
 """Configuration: one TOML file (`--config` or `IMPROVED_CONFIG`), every key optional.
 
+Decoded by msgspec into the frozen Structs below, as strictly as the wire: an unknown key, a
+value of the wrong type (no coercion: `"5"` is not a number, a string is not a list) or out of
+range is refused with a ConfigError of one line naming the key, e.g.
+`config error: policy.forbidden_targets: expected array, got str`.
+
 ```toml
 nats_url = "nats://127.0.0.1:4222"   # omit to start an embedded nats-server
 data_dir = ".improved"
@@ -41,12 +46,20 @@ max_deliveries = 8                   # redeliveries (with backoff) before giving
 ```
 """
 
-from __future__ import annotations
-
+import base64
+import binascii
+import difflib
+import json
 import os
+import re
 import tomllib
-from dataclasses import dataclass, field
+import types
+import typing
 from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, field
 
 from improved.core.gradient import CLASSES, FALLBACK_MIN_CLASS
 from improved.core.guards import DEFAULT_FORBIDDEN
@@ -57,34 +70,54 @@ class ConfigError(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class Policy:
+# Enumerated values, and ranges. A Meta's description is what an error says was expected.
+ChangeClass = Literal["L0", "L1", "L2", "L3", "L4"]
+assert typing.get_args(ChangeClass) == CLASSES
+Autonomy = Literal["on", "off"]
+Direction = Literal["higher", "lower"]
+RecordsStorage = Literal["file", "memory"]
+Replicas = Literal[1, 3, 5]
+Port = Annotated[int, Meta(ge=1, le=65535)]
+Positive = Annotated[int, Meta(ge=1)]
+# nats-server's jetstream sync_interval: "always", or a Go duration such as "2m" or "1h30m"
+Sync = Annotated[str, Meta(pattern=r"^(always|0|([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+)$",
+                           description='"always" or a duration such as "2m"')]
+Text = Annotated[str, Meta(min_length=1)]
+# Every float has a lower and an upper bound, which also refuses TOML's nan and inf.
+_YEARS_10_S = 10 * 365 * 86400  # upper bound of every span: far beyond use, well inside int64
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A table of the file: immutable and strict about its keys. Each one is also built by
+    keyword only (`kw_only` is per class in msgspec, not inherited)."""
+
+
+class Policy(_Section, kw_only=True):
     forbidden_targets: tuple[str, ...] = DEFAULT_FORBIDDEN
-    min_class: dict[str, str] = field(default_factory=dict)
-    fallback_min_class: str = FALLBACK_MIN_CLASS
-    policy_principal: str = "policy:auto"
-    effect_window_ms: int = 24 * 3600 * 1000
-    autonomy: str = "on"  # "off" holds every autonomous apply back (constitution IV.6)
+    min_class: dict[str, ChangeClass] = field(default_factory=dict)
+    fallback_min_class: ChangeClass = FALLBACK_MIN_CLASS
+    policy_principal: Text = "policy:auto"
+    effect_window_ms: Annotated[int, Meta(ge=1, le=_YEARS_10_S * 1000)] = 24 * 3600 * 1000
+    autonomy: Autonomy = "on"  # "off" holds every autonomous apply back (constitution IV.6)
     doc_allowlist: tuple[str, ...] = ()  # globs of the doc: targets that may be edited at all
-    regression_tolerance: float = 0.05  # relative change of a metric that counts as regression
-    metric_direction: dict[str, str] = field(default_factory=dict)  # metric → higher|lower
-    breaker_threshold: int = 3  # autonomous rollbacks within the window that trip the breaker
-    breaker_window_days: float = 14.0
-    breaker_pause_hours: float = 48.0
+    # relative change of a metric that counts as regression
+    regression_tolerance: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.05
+    metric_direction: dict[str, Direction] = field(default_factory=dict)  # metric → higher|lower
+    breaker_threshold: Positive = 3  # autonomous rollbacks within the window that trip the breaker
+    breaker_window_days: Annotated[float, Meta(gt=0.0, le=_YEARS_10_S / 86400)] = 14.0
+    breaker_pause_hours: Annotated[float, Meta(gt=0.0, le=_YEARS_10_S / 3600)] = 48.0
     quorum: bool = False  # L4 may also pass on signed votes of non-correlated sessions (§5.4)
 
 
-@dataclass(frozen=True)
-class ApplySettings:
-    timeout_s: float = 5.0
-    attempts: int = 3
-    max_deliveries: int = 8
+class ApplySettings(_Section, kw_only=True):
+    timeout_s: Annotated[float, Meta(gt=0.0, le=86400.0)] = 5.0
+    attempts: Positive = 3
+    max_deliveries: Positive = 8
 
 
-@dataclass(frozen=True)
-class Trust:
+class Trust(_Section, kw_only=True):
     operators: dict[str, str] = field(default_factory=dict)
-    act_max_age_s: float = 24 * 3600.0
+    act_max_age_s: Annotated[float, Meta(gt=0.0, le=float(_YEARS_10_S))] = 24 * 3600.0
     quorum: dict[str, str] = field(default_factory=dict)  # voter principal → public key
 
     def store(self) -> TrustStore:
@@ -95,108 +128,46 @@ class Trust:
         return TrustStore.from_config(self.quorum)
 
 
-@dataclass(frozen=True)
-class Config:
-    nats_url: str | None = None
+class Config(_Section, kw_only=True):
+    nats_url: Text | None = None
     data_dir: Path = Path(".improved")
-    port: int = 4222
-    sync: str = "always"
-    max_message_bytes: int = 256 * 1024
-    replicas: int = 1
-    records_storage: str = "file"
-    metrics_port: int | None = None  # Prometheus /metrics, /healthz, /readyz (off when unset)
-    checkpoint_interval_s: float = 300.0  # 0: no periodic checkpoint (one at start and stop)
+    port: Port = 4222
+    sync: Sync = "always"
+    max_message_bytes: Annotated[int, Meta(ge=1, le=64 * 1024 * 1024)] = 256 * 1024
+    replicas: Replicas = 1
+    records_storage: RecordsStorage = "file"
+    metrics_port: Port | None = None  # Prometheus /metrics, /healthz, /readyz (off when unset)
+    # 0: no periodic checkpoint (one at start and stop)
+    checkpoint_interval_s: Annotated[float, Meta(ge=0.0, le=float(_YEARS_10_S))] = 300.0
     checkpoint_key: Path | None = None  # default: <data_dir>/checkpoint.pem, made on first use
-    metrics_host: str = "127.0.0.1"
+    metrics_host: Text = "127.0.0.1"
     policy: Policy = field(default_factory=Policy)
     apply: ApplySettings = field(default_factory=ApplySettings)
     trust: Trust = field(default_factory=Trust)
 
 
-def _check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}: expected true or false, got {value!r}")
-    return value
+def _dec_hook(typ: type, obj: Any) -> Any:
+    if typ is Path:
+        if isinstance(obj, str) and obj:
+            return Path(obj)
+        raise ValueError(f"expected a path, got {_got(obj)}")
+    raise NotImplementedError(typ)
 
 
-def _check_class(name: str, value: object) -> str:
-    if value not in CLASSES:
-        raise ConfigError(f"{name}: expected one of {', '.join(CLASSES)}, got {value!r}")
-    return str(value)
-
-
-def parse(doc: dict) -> Config:
-    known = {"nats_url", "data_dir", "port", "sync", "max_message_bytes", "policy", "apply",
-             "trust", "replicas", "records_storage", "metrics_port", "metrics_host",
-             "checkpoint_interval_s", "checkpoint_key"}
-    unknown = set(doc) - known
-    if unknown:
-        raise ConfigError(f"unknown configuration keys: {', '.join(sorted(unknown))}")
-    pol = dict(doc.get("policy", {}))
-    min_class = {k: _check_class(f"policy.min_class.{k}", v)
-                 for k, v in dict(pol.pop("min_class", {})).items()}
-    policy = Policy(
-        forbidden_targets=tuple(pol.pop("forbidden_targets", DEFAULT_FORBIDDEN)),
-        min_class=min_class,
-        fallback_min_class=_check_class(
-            "policy.fallback_min_class", pol.pop("fallback_min_class", FALLBACK_MIN_CLASS)),
-        policy_principal=str(pol.pop("policy_principal", "policy:auto")),
-        effect_window_ms=int(pol.pop("effect_window_ms", 24 * 3600 * 1000)),
-        autonomy=str(pol.pop("autonomy", "on")),
-        doc_allowlist=tuple(pol.pop("doc_allowlist", ())),
-        regression_tolerance=float(pol.pop("regression_tolerance", 0.05)),
-        metric_direction={str(k): str(v) for k, v in
-                          dict(pol.pop("metric_direction", {})).items()},
-        breaker_threshold=int(pol.pop("breaker_threshold", 3)),
-        breaker_window_days=float(pol.pop("breaker_window_days", 14.0)),
-        breaker_pause_hours=float(pol.pop("breaker_pause_hours", 48.0)),
-        quorum=_check_bool("policy.quorum", pol.pop("quorum", False)),
-    )
-    if policy.autonomy not in ("on", "off"):
-        raise ConfigError(f"policy.autonomy: expected on or off, got {policy.autonomy!r}")
-    if pol:
-        raise ConfigError(f"unknown policy keys: {', '.join(sorted(pol))}")
-    ap = dict(doc.get("apply", {}))
-    apply = ApplySettings(
-        timeout_s=float(ap.pop("timeout_s", 5.0)),
-        attempts=int(ap.pop("attempts", 3)),
-        max_deliveries=int(ap.pop("max_deliveries", 8)),
-    )
-    if ap:
-        raise ConfigError(f"unknown apply keys: {', '.join(sorted(ap))}")
-    tr = dict(doc.get("trust", {}))
-    trust = Trust(operators={str(k): str(v) for k, v in dict(tr.pop("operators", {})).items()},
-                  act_max_age_s=float(tr.pop("act_max_age_s", 24 * 3600.0)),
-                  quorum={str(k): str(v) for k, v in dict(tr.pop("quorum", {})).items()})
-    if tr:
-        raise ConfigError(f"unknown trust keys: {', '.join(sorted(tr))}")
-    for name, load in (("operators", trust.store), ("quorum", trust.voters)):
+def parse(doc: object) -> Config:
+    """The Config a decoded TOML document describes, or ConfigError naming the first bad key."""
+    try:
+        config = msgspec.convert(doc, Config, dec_hook=_dec_hook)
+    except msgspec.ValidationError as exc:
         try:
-            load()
-        except ValueError as exc:
-            raise ConfigError(f"trust.{name}: {exc}") from None
-    records_storage = str(doc.get("records_storage", "file"))
-    if records_storage not in ("file", "memory"):
-        raise ConfigError(f"records_storage: expected file or memory, got {records_storage!r}")
-    replicas = int(doc.get("replicas", 1))
-    if replicas not in (1, 3, 5):
-        raise ConfigError(f"replicas: expected 1, 3 or 5, got {replicas}")
-    return Config(
-        nats_url=doc.get("nats_url"),
-        replicas=replicas,
-        records_storage=records_storage,
-        metrics_port=int(doc["metrics_port"]) if "metrics_port" in doc else None,
-        metrics_host=str(doc.get("metrics_host", "127.0.0.1")),
-        checkpoint_interval_s=float(doc.get("checkpoint_interval_s", 300.0)),
-        checkpoint_key=Path(doc["checkpoint_key"]) if "checkpoint_key" in doc else None,
-        data_dir=Path(doc.get("data_dir", ".improved")),
-        port=int(doc.get("port", 4222)),
-        sync=str(doc.get("sync", "always")),
-        max_message_bytes=int(doc.get("max_message_bytes", 256 * 1024)),
-        policy=policy,
-        apply=apply,
-        trust=trust,
-    )
+            why = _explain(str(exc), doc)
+        except (LookupError, StopIteration, TypeError, AttributeError):  # not from TOML
+            why = " ".join(str(exc).split())
+        raise ConfigError(f"config error: {why}") from None
+    for name in ("operators", "quorum"):
+        for principal, key in getattr(config.trust, name).items():
+            _check_key(("trust", name, principal), key)
+    return config
 
 
 def load(path: str | os.PathLike | None = None) -> Config:
@@ -206,8 +177,122 @@ def load(path: str | os.PathLike | None = None) -> Config:
         return Config()
     try:
         with open(path, "rb") as fh:
-            return parse(tomllib.load(fh))
+            doc = tomllib.load(fh)
     except FileNotFoundError as exc:
         raise ConfigError(f"config file not found: {path}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from exc
+    return parse(doc)
+
+
+# -- one line naming the key ---------------------------------------------------------------------
+
+
+def _check_key(path: tuple[str, ...], key: str) -> None:
+    """A trusted key is the base64 of a raw 32-byte Ed25519 public key (`improved keys new`)."""
+    try:
+        raw = base64.b64decode(key, validate=True)
+        if len(raw) == 32:
+            TrustStore.from_config({path[-1]: key})
+            return
+    except (binascii.Error, ValueError):
+        pass
+    raise ConfigError(f"config error: {_dotted(path)}: expected the base64 of a raw 32-byte "
+                      f"Ed25519 public key, got {_got(key)}")
+
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_SEGMENT = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
+
+
+def _dotted(path: tuple[str | int, ...]) -> str:
+    """`policy.min_class.grain`, `trust.operators."operator:alice"`, `policy.doc_allowlist[2]`."""
+    out = ""
+    for part in path:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            name = part if _BARE_KEY.match(part) else json.dumps(part)
+            out += f".{name}" if out else name
+    return out or "(top level)"
+
+
+def _got(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _explain(message: str, doc: object) -> str:
+    """Turn msgspec's `Expected `int` >= 1 - at `$.apply.attempts`` into
+    `apply.attempts: expected int >= 1, got 0`, naming a table's key where msgspec says `[...]`."""
+    message, _, where = message.partition(" - at `")
+    node: Any = doc
+    typ: Any = Config
+    path: list[str | int] = []
+    for name, index in _SEGMENT.findall(where.rstrip("`")[1:]):
+        if name:  # a field of a Struct
+            typ = typing.get_type_hints(_strip(typ), include_extras=True)[name]
+            node = node[name]
+            path.append(name)
+        elif index == "...":  # a value of a table: find the key msgspec does not name
+            typ = typing.get_args(_strip(typ))[1]
+            key = next(k for k, v in node.items() if not _fits(v, typ))
+            node = node[key]
+            path.append(key)
+        else:  # an element of an array
+            typ = typing.get_args(_strip(typ))[0]
+            node = node[int(index)]
+            path.append(int(index))
+    unknown = re.match(r"Object contains unknown field `(.*)`$", message, re.S)
+    if unknown:
+        key = unknown.group(1)
+        hints = typing.get_type_hints(_strip(typ))
+        near = difflib.get_close_matches(key, list(hints), n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        return f"{_dotted((*path, key))}: unknown key{hint}"
+    return f"{_dotted(tuple(path))}: {_expected(message, typ, node)}"
+
+
+def _fits(value: object, typ: Any) -> bool:
+    try:
+        msgspec.convert(value, typ, dec_hook=_dec_hook)
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
+def _strip(typ: Any) -> Any:
+    """The type under Annotated and `| None`."""
+    while True:
+        if typing.get_origin(typ) is Annotated:
+            typ = typing.get_args(typ)[0]
+        elif typing.get_origin(typ) in (typing.Union, types.UnionType):
+            typ = next(t for t in typing.get_args(typ) if t is not type(None))
+        else:
+            return typ
+
+
+def _expected(message: str, typ: Any, value: object) -> str:
+    if message.startswith("Invalid enum value"):
+        choices = ", ".join(str(c) for c in typing.get_args(_strip(typ)))
+        return f"expected one of {choices}, got {_got(value)}"
+    wrong_type = re.match(r"Expected `([^`]+)`, got `([^`]+)`$", message)
+    if wrong_type:  # in TOML's words: a table, and no null
+        want, got = (t.replace(" | null", "").replace("object", "table")
+                     for t in wrong_type.groups())
+        return f"expected {want}, got {got}"
+    if message.startswith("Expected `"):  # a constraint: a range, a length, a pattern
+        descriptions = [m.description for m in _metas(typ) if m.description]
+        want = descriptions[0] if descriptions else message[len("Expected "):].replace("`", "")
+        return f"expected {want}, got {_got(value)}"
+    return " ".join(message.split())  # a dec_hook's own words, or msgspec's, on one line
+
+
+def _metas(typ: Any) -> list[Meta]:
+    found = []
+    for t in (typ, *typing.get_args(typ)):
+        if typing.get_origin(t) is Annotated:
+            found += [m for m in t.__metadata__ if isinstance(m, Meta)]
+    return found
