@@ -115,7 +115,7 @@ echo "up.sh: two daemon replicas ready (logs: $RUN_DIR/logs/improved-1.log, impr
 
 # -- the reference ranking service ------------------------------------------------------------
 if [ "$WITH_RANKING" = 1 ]; then
-  start ranking "$PYTHON" -m services.ranking_store --service ranking \
+  start ranking "$PYTHON" -m improved_reference.ranking_store --service ranking \
     --nats "nats://$RANKING_AUTH@127.0.0.1:4224"
   wait_for 30 "ranking store" grep -q "serving ranking.improve.apply" \
     "$RUN_DIR/logs/ranking.log"

@@ -1,1 +1,72 @@
-"""improved: the self-improve daemon of a service mesh."""
+"""improved: the self-improve daemon of a service mesh, and the client its services use.
+
+Layers, each importing only the ones listed before it (tests/test_architecture.py holds it):
+
+- ``improved.protocol`` — the wire contract: messages, subjects, error replies, the canonical
+  OMS encoding, CAL. No I/O.
+- ``improved.core`` — every decision, pure: the stages (propose, triage, apply, learn-back),
+  the guards and the L0–L4 gradient, the record replayed from its audit chain, signed
+  authority, the quorum, the breaker, last-known-good, tool surfaces, checkpoints, and the
+  planner that picks each proposal's next step. No I/O, no clock, no randomness.
+- ``improved.client`` — what a mesh service needs: `MeshClient` (propose, refine, signal,
+  serve its ApplyOrders) and the check, on the audit chain, that an order was accepted.
+- ``improved.runtime`` — the daemon's imperative shell: the store over JetStream, the engine
+  that carries out the planner's steps, the daemon's consumers, configuration, metrics, keys,
+  the embedded nats-server.
+- ``improved.cli`` — the `improved` command.
+- ``improved.testing`` — a real broker, a real daemon and valid proposals for tests.
+
+The reference services, the demo and the bench live in the separate ``improved_reference``
+package, which depends on this one and never the other way round.
+
+This module re-exports what a mesh-service author writes against.
+"""
+
+from improved.client.sdk import ImproveError, MeshClient, decode_order, failed, serve_spec
+from improved.protocol.model import (
+    AnalyzerRef,
+    ApplyOrder,
+    ApplyOutcome,
+    ApplyReport,
+    ApplyResult,
+    LearnBack,
+    MetricSnapshot,
+    Origin,
+    Proposal,
+    ProposalEdit,
+    ProposalState,
+    ProposeReply,
+    RefineReply,
+    Signal,
+    Summary,
+    Trailer,
+    TriageDecision,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AnalyzerRef",
+    "ApplyOrder",
+    "ApplyOutcome",
+    "ApplyReport",
+    "ApplyResult",
+    "ImproveError",
+    "LearnBack",
+    "MeshClient",
+    "MetricSnapshot",
+    "Origin",
+    "Proposal",
+    "ProposalEdit",
+    "ProposalState",
+    "ProposeReply",
+    "RefineReply",
+    "Signal",
+    "Summary",
+    "Trailer",
+    "TriageDecision",
+    "__version__",
+    "decode_order",
+    "failed",
+    "serve_spec",
+]

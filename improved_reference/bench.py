@@ -32,6 +32,7 @@ from nats.js import api as jsapi
 
 from improved.client import acceptance
 from improved.core import audit, propose, signing
+from improved.core.policy import Policy
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import (
@@ -46,7 +47,6 @@ from improved.protocol.model import (
     to_json,
 )
 from improved.runtime import bus
-from improved.runtime.config import Policy
 from improved.runtime.store import Store
 
 SVC = "bench"
@@ -97,7 +97,7 @@ def make_proposal(kind: str, i: int, t0: int) -> Proposal:
 class Applier:
     """The reference applier of the bench: answers every ApplyOrder, counts them per id. With
     `js`, it first verifies on the audit chain that the order was accepted (what a conformant
-    L2+ service does, services/acceptance.py), each order in a task of its own."""
+    L2+ service does, improved/client/acceptance.py), each order in a task of its own."""
 
     def __init__(self, js=None):
         self.orders: Counter[str] = Counter()

@@ -1,6 +1,6 @@
 """An agent runtime's tool surface on NATS (SPEC 09 §3.1): list the catalog, call a tool.
 
-The authority rules are all in `improved.tools.Runtime`; this module only carries them over
+The authority rules are all in `improved.core.tools.Runtime`; this module only carries them over
 request/reply, so what an agent sees on the bus is exactly what the library decides:
 `<runtime>.tools.list` answers the whole catalog (gated tools included, with their grant
 tokens) and `<runtime>.tools.call` answers one invocation, a refusal or the error reply of

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from typing import Any
 
@@ -10,58 +9,12 @@ import msgspec
 
 from improved.protocol import subjects
 from improved.protocol.model import (
-    AnalyzerRef,
     ApplyOrder,
     ApplyResult,
-    Origin,
-    Proposal,
     Signal,
-    Summary,
     to_json,
 )
-
-_clock = itertools.count(1)
-
-
-def unique_ms() -> int:
-    """A creation time unique within the session, so equal-looking proposals differ."""
-    return 1_768_471_200_000 + next(_clock)
-
-
-def rank_proposal(svc: str, key: str = "search.title_boost", value: Any = 1.5,
-                  change_class: str = "L0", **over: Any) -> Proposal:
-    fields: dict[str, Any] = dict(
-        service=svc,
-        target_ref=f"rank:{key}",
-        change_class=change_class,
-        scope="knowledge",
-        origin=Origin(actor=f"mcp:{svc}-agent:1", service=svc),
-        analyzer=AnalyzerRef(id="acme.tuner/1"),
-        summary=Summary(template_id="adjust_rank", args={"item": key, "delta": value}),
-        proposal_data={"set": {"key": key, "value": value}},
-        created_at=unique_ms(),
-    )
-    fields.update(over)
-    return Proposal(**fields)
-
-
-def skill_proposal(svc: str, name: str = "summarize", change_class: str = "L2",
-                   instructions: str = "Read the text, then write three bullet points.",
-                   **over: Any) -> Proposal:
-    fields: dict[str, Any] = dict(
-        service=svc,
-        target_ref=f"skill:{name}",
-        change_class=change_class,
-        scope="knowledge",
-        origin=Origin(actor=f"mcp:{svc}-agent:1", service=svc),
-        analyzer=AnalyzerRef(id="acme.skills/1"),
-        summary=Summary(template_id="new_skill", args={"name": name}),
-        proposal_data={"skill": {"name": name, "description": "summarise a text",
-                                 "instructions": instructions}},
-        created_at=unique_ms(),
-    )
-    fields.update(over)
-    return Proposal(**fields)
+from improved.testing import rank_proposal, skill_proposal, unique_ms  # noqa: F401
 
 
 def signal(svc: str, actor: str, positive: bool = True, kind: str = "refine",

@@ -37,9 +37,9 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from improved.core import audit
+from improved.core.policy import Policy
 from improved.protocol import subjects as S
 from improved.protocol.model import Proposal, to_json
-from improved.runtime.config import Policy
 from improved.runtime.engine import rebuild_record
 from improved.runtime.store import Store, trailer_decoder
 from improved_reference.kv_service import PROVENANCE

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from improved.core import apply, lkg, propose, quorum, signing, triage
 from improved.core.authority import Act
+from improved.core.policy import Policy
 from improved.core.record import replay
 from improved.core.signing import TrustStore
 from improved.protocol.model import AnalyzerRef, Origin, Proposal, ProposalEdit, Summary, Vote
-from improved.runtime.config import Policy
 from tests.test_triage import NOW, TRIAGER
 
 POLICY = Policy(doc_allowlist=("docs/**",))

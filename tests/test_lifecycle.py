@@ -14,6 +14,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 
 from improved.core import apply, audit, learnback, propose, record, triage
 from improved.core.gradient import CLASSES
+from improved.core.policy import Policy
 from improved.core.record import ProposalRecord
 from improved.protocol.model import (
     AnalyzerRef,
@@ -24,7 +25,6 @@ from improved.protocol.model import (
     Summary,
     Trailer,
 )
-from improved.runtime.config import Policy
 
 POLICY = Policy()
 START = 1_700_000_000_000

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from improved.core import apply, audit, authority, learnback, lkg, planner, propose, quorum, signing
 from improved.core.authority import Act
 from improved.core.breaker import Autonomy
+from improved.core.policy import Policy
 from improved.core.record import ProposalRecord, with_trailer
 from improved.core.signing import TrustStore
 from improved.protocol.model import ApplyResult, MetricSnapshot, Review, Signal, Vote
-from improved.runtime.config import Policy
 from tests.test_l4_core import QUORUM_POLICY, TRUST, VOTERS, l4, report
 from tests.test_triage import NOW, TRIAGER, make_proposal
 

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from improved.core import gradient, guards, learnback, propose, triage
 from improved.core.gradient import CLASSES
 from improved.core.guards import DEFAULT_FORBIDDEN, Evidence
+from improved.core.policy import Policy
 from improved.core.record import ProposalRecord
 from improved.protocol.model import AnalyzerRef, Origin, Proposal, Signal, Summary
-from improved.runtime.config import Policy
 
 POLICY = Policy(doc_allowlist=("**",))
 NOW = 1_700_000_000_000

@@ -7,7 +7,7 @@ an L3 auto-apply rests on a retained grant record, and an operator-requested rol
 (apply) or a refusal starting `not_accepted: `.
 
 Chains are read from the stream leader (no direct get, which may answer from a lagging replica)
-and verified with `improved.audit.verify_chain`, so the broker is not trusted either.
+and verified with `improved.core.audit.verify_chain`, so the broker is not trusted either.
 """
 
 from __future__ import annotations

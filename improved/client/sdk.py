@@ -104,6 +104,7 @@ def decode_order(data: bytes) -> ApplyOrder:
 
 
 def failed(error: str) -> ApplyResult:
+    """The ApplyResult of a refused order: final, with the reason (trimmed to the limit)."""
     return ApplyResult(ok=False, error=error[:ERROR_LIMIT])
 
 

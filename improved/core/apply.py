@@ -7,6 +7,7 @@ from __future__ import annotations
 from improved.core import lkg
 from improved.core.audit import Draft
 from improved.core.gradient import AUTO_APPLY_CLASSES
+from improved.core.policy import Policy
 from improved.core.record import (
     APPLIED,
     APPLY_FAILED,
@@ -25,7 +26,6 @@ from improved.protocol.model import (
     Proposal,
     Summary,
 )
-from improved.runtime.config import Policy
 
 APPROVABLE = frozenset({"L2", "L3", "L4"})  # L1 only surfaces: never applied, even approved
 

@@ -7,10 +7,10 @@ the signal set — and with it the feedback-collapse guard — can be rebuilt fr
 from __future__ import annotations
 
 from improved.core.audit import Draft
+from improved.core.policy import Policy
 from improved.core.propose import count, signal_digest
 from improved.core.record import HELD, REGRESSED, SIGNAL, CountedSignal, ProposalRecord, ref
 from improved.protocol.model import LearnBack, Signal
-from improved.runtime.config import Policy
 
 
 def observe_signal(record: ProposalRecord, signal: Signal, policy: Policy,

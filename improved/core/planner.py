@@ -37,10 +37,10 @@ from improved.core import apply as apply_stage
 from improved.core import learnback, lkg, propose, quorum, triage
 from improved.core.audit import Draft
 from improved.core.breaker import Autonomy
+from improved.core.policy import Policy
 from improved.core.record import REGRESSED, ProposalRecord
 from improved.protocol.model import ApplyOrder, Proposal, to_json
 from improved.protocol.wire import WireError
-from improved.runtime.config import Policy
 
 AUTONOMOUS_CLASSES: Final = frozenset({"L0", "L3"})
 

@@ -11,11 +11,11 @@ import msgspec
 
 from improved.core.audit import Draft
 from improved.core.guards import Evidence, is_independent
+from improved.core.policy import Policy
 from improved.core.record import SUPERSEDED, CountedSignal, ProposalRecord, ref
 from improved.protocol import cal, canonical, wire
 from improved.protocol.model import Proposal, Signal, to_json
 from improved.protocol.subjects import SKILL_NAME_RE
-from improved.runtime.config import Policy
 
 # Deterministic summary templates (OMS rule 4: never free prose). Unknown ids still render
 # deterministically, as the id followed by the sorted arguments.

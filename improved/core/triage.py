@@ -12,10 +12,10 @@ import msgspec
 from improved.core import gradient, lkg
 from improved.core.audit import REASON_LIMIT, Draft
 from improved.core.guards import forbidden_match, on_allowlist, self_confirmed, target_paths
+from improved.core.policy import Policy
 from improved.core.record import ProposalRecord
 from improved.protocol import canonical
 from improved.protocol.model import Proposal, TriageDecision
-from improved.runtime.config import Policy
 
 
 def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,

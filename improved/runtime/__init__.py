@@ -1,0 +1,4 @@
+"""The daemon's imperative shell: `store` (JetStream streams, the chain append, retained
+records), `engine` (loads a record, asks the planner, carries out one step at a time),
+`daemon` (consumers, request handlers, checkpoints), `config`, `keys`, `metrics`, `notify`,
+`bus` (connections and the embedded nats-server), `conformance` (probing a live service)."""

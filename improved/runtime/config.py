@@ -61,8 +61,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, field
 
-from improved.core.gradient import CLASSES, FALLBACK_MIN_CLASS
-from improved.core.guards import DEFAULT_FORBIDDEN
+from improved.core.policy import YEARS_10_S as _YEARS_10_S
+from improved.core.policy import Policy, Positive, Text
 from improved.core.signing import TrustStore
 
 
@@ -71,42 +71,17 @@ class ConfigError(ValueError):
 
 
 # Enumerated values, and ranges. A Meta's description is what an error says was expected.
-ChangeClass = Literal["L0", "L1", "L2", "L3", "L4"]
-assert typing.get_args(ChangeClass) == CLASSES
-Autonomy = Literal["on", "off"]
-Direction = Literal["higher", "lower"]
 RecordsStorage = Literal["file", "memory"]
 Replicas = Literal[1, 3, 5]
 Port = Annotated[int, Meta(ge=1, le=65535)]
-Positive = Annotated[int, Meta(ge=1)]
 # nats-server's jetstream sync_interval: "always", or a Go duration such as "2m" or "1h30m"
 Sync = Annotated[str, Meta(pattern=r"^(always|0|([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+)$",
                            description='"always" or a duration such as "2m"')]
-Text = Annotated[str, Meta(min_length=1)]
-# Every float has a lower and an upper bound, which also refuses TOML's nan and inf.
-_YEARS_10_S = 10 * 365 * 86400  # upper bound of every span: far beyond use, well inside int64
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A table of the file: immutable and strict about its keys. Each one is also built by
     keyword only (`kw_only` is per class in msgspec, not inherited)."""
-
-
-class Policy(_Section, kw_only=True):
-    forbidden_targets: tuple[str, ...] = DEFAULT_FORBIDDEN
-    min_class: dict[str, ChangeClass] = field(default_factory=dict)
-    fallback_min_class: ChangeClass = FALLBACK_MIN_CLASS
-    policy_principal: Text = "policy:auto"
-    effect_window_ms: Annotated[int, Meta(ge=1, le=_YEARS_10_S * 1000)] = 24 * 3600 * 1000
-    autonomy: Autonomy = "on"  # "off" holds every autonomous apply back (constitution IV.6)
-    doc_allowlist: tuple[str, ...] = ()  # globs of the doc: targets that may be edited at all
-    # relative change of a metric that counts as regression
-    regression_tolerance: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.05
-    metric_direction: dict[str, Direction] = field(default_factory=dict)  # metric → higher|lower
-    breaker_threshold: Positive = 3  # autonomous rollbacks within the window that trip the breaker
-    breaker_window_days: Annotated[float, Meta(gt=0.0, le=_YEARS_10_S / 86400)] = 14.0
-    breaker_pause_hours: Annotated[float, Meta(gt=0.0, le=_YEARS_10_S / 3600)] = 48.0
-    quorum: bool = False  # L4 may also pass on signed votes of non-correlated sessions (§5.4)
 
 
 class ApplySettings(_Section, kw_only=True):

