@@ -411,7 +411,7 @@ class Bench:
 
     async def verify_and_rebuild(self, nc) -> dict[str, Any]:
         """Read every chain once, verify it, and rebuild every record from its chain alone."""
-        from improved.runtime.engine import rebuild_record
+        from improved.core.propose import rebuild_record
 
         store = Store(nc)
         started = time.perf_counter()

@@ -38,9 +38,9 @@ from nats.js.errors import NotFoundError
 
 from improved.core import audit
 from improved.core.policy import Policy
+from improved.core.propose import rebuild_record
 from improved.protocol import subjects as S
 from improved.protocol.model import Proposal, to_json
-from improved.runtime.engine import rebuild_record
 from improved.runtime.store import Store, trailer_decoder
 from improved_reference.kv_service import PROVENANCE
 from improved_reference.ranking_store import RankingStore

@@ -232,7 +232,7 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
 
 
 async def _rebuild(url: str, config: Config, write: bool) -> int:
-    from improved.runtime.engine import rebuild_record
+    from improved.core.propose import rebuild_record
 
     async with deployment(url) as store:
         chains = await store.all_chains()

@@ -9,14 +9,16 @@ the same envelope offered again under a new sequence is a replay and is refused.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, TypeVar, overload
 
 import msgspec
 
 from improved.core.audit import REASON_LIMIT, Draft
-from improved.core.record import APPROVE, REFUSED, ROLLBACK, ProposalRecord, ref
+from improved.core.record import APPROVE, REFUSED, ROLLBACK, ProposalRecord, ref, refs_of
 from improved.core.signing import ActRefused, TrustStore, Verified
-from improved.protocol.model import Review, TriageDecision
+from improved.protocol.model import Envelope, Grant, GrantCommand, Review, Trailer, TriageDecision
 
 CLOCK_SKEW_MS = 5 * 60 * 1000
 REVIEWABLE_CAUSES = frozenset({"awaiting_operator", "no_grant", "awaiting_quorum",
@@ -31,21 +33,60 @@ class Act:
     stream_seq: int
 
 
-def check_signed(trust: TrustStore, env, payload_type: str, decode_as, now: int,
-                 max_age_ms: int, principal_of=lambda act: act.principal
-                 ) -> tuple[Verified, object]:
-    """Verify signature, payload, principal binding and freshness; raise ActRefused."""
+class SignedBody(Protocol):
+    """The payload of a signed act: it says when it was signed."""
+
+    @property
+    def at(self) -> int: ...
+
+
+class PrincipalBody(SignedBody, Protocol):
+    """A signed act that names the principal it speaks for (a review, a grant, a crisis act)."""
+
+    @property
+    def principal(self) -> str: ...
+
+
+B = TypeVar("B", bound=SignedBody)
+P = TypeVar("P", bound=PrincipalBody)
+
+
+@overload
+def check_signed(trust: TrustStore, env: Envelope, payload_type: str, decode_as: type[P],
+                 now: int, max_age_ms: int) -> tuple[Verified, P]: ...
+
+
+@overload
+def check_signed(trust: TrustStore, env: Envelope, payload_type: str, decode_as: type[B],
+                 now: int, max_age_ms: int, principal_of: Callable[[B], str]
+                 ) -> tuple[Verified, B]: ...
+
+
+def check_signed(trust: TrustStore, env: Envelope, payload_type: str, decode_as: type[B],
+                 now: int, max_age_ms: int, principal_of: Callable[[B], str] | None = None
+                 ) -> tuple[Verified, B]:
+    """Verify signature, payload, principal binding and freshness; raise ActRefused.
+    `principal_of` says whom the act speaks for; by default its `principal` field."""
     verified = trust.verify(env, payload_type)
     try:
         act = msgspec.json.decode(verified.payload, type=decode_as)
     except msgspec.MsgspecError as exc:
         raise ActRefused("malformed", f"the signed payload is not a valid act: {exc}") from None
-    if principal_of(act) != verified.principal:
+    claimed = principal_of(act) if principal_of is not None else _named_principal(act)
+    if claimed != verified.principal:
         raise ActRefused("principal_mismatch", f"signed by the key of {verified.principal}, "
-                         f"but speaks for {principal_of(act)}")
+                         f"but speaks for {claimed}")
     if act.at < now - max_age_ms or act.at > now + CLOCK_SKEW_MS:
         raise ActRefused("expired", f"signed at {act.at}, outside the accepted window")
     return verified, act
+
+
+def _named_principal(act: SignedBody) -> str:
+    """The `principal` field of an act; an act type without one needs a `principal_of`."""
+    principal = getattr(act, "principal", None)
+    if not isinstance(principal, str):
+        raise TypeError(f"{type(act).__name__} names no principal: pass principal_of")
+    return principal
 
 
 def seen(record: ProposalRecord, act: Act) -> str | None:
@@ -124,9 +165,10 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
 # -- grants (DESIGN §5.3): chained per skill hash on `improve.audit._grants.<sha256>` ---------
 
 
-def grant_act(acts: list[tuple[str, int]], act: Act, verified: Verified | None, cmd,
-              refused: ActRefused | None, actor: str) -> Draft | None:
-    """The trailer a grant or revoke act adds to its skill's grant chain; None on redelivery."""
+def grant_act(acts: list[tuple[str, int]], act: Act, verified: Verified | None,
+              cmd: GrantCommand | None, refused: ActRefused | None, actor: str) -> Draft | None:
+    """The trailer a grant or revoke act adds to its skill's grant chain; None on redelivery.
+    Either `refused` says why the act did not verify, or `verified` and `cmd` are both set."""
     if (act.digest, act.stream_seq) in acts:
         return None
     refs = [ref("act", act.digest), ref("act_seq", act.stream_seq)]
@@ -138,9 +180,23 @@ def grant_act(acts: list[tuple[str, int]], act: Act, verified: Verified | None, 
                      observer_type="rec:system", verdict=REFUSED, refs=tuple(refs),
                      reason=f"signed act refused ({refused.code}): {refused.reason}"
                      [:REASON_LIMIT])
+    if verified is None or cmd is None:
+        raise ValueError("grant_act: an act that was not refused needs its verification and "
+                         "its command")
     refs += [ref("keyid", verified.keyid), ref("skill", cmd.skill)]
     if cmd.expires_at is not None:
         refs.append(ref("expires_at", cmd.expires_at))
     return Draft(from_stage="triage", to_stage="triage", actor=cmd.principal,
                  observer_type="human", verdict=cmd.op, refs=tuple(refs),
                  reason=f"{cmd.op} {cmd.skill} by {cmd.principal}: {cmd.reason}"[:REASON_LIMIT])
+
+
+def grant_state(trailers: list[Trailer]) -> Grant | None:
+    """The current grant of a skill hash: its last counted grant or revoke act."""
+    for t in reversed(trailers):
+        if t.verdict in ("grant", "revoke"):
+            refs = refs_of(t)
+            return Grant(skill=refs["skill"], active=t.verdict == "grant", principal=t.actor,
+                         reason=t.reason, at=t.at,
+                         expires_at=int(refs["expires_at"]) if "expires_at" in refs else None)
+    return None

@@ -12,9 +12,9 @@ import msgspec
 from improved.core.audit import Draft
 from improved.core.guards import Evidence, is_independent
 from improved.core.policy import Policy
-from improved.core.record import SUPERSEDED, CountedSignal, ProposalRecord, ref
+from improved.core.record import SUPERSEDED, CountedSignal, ProposalRecord, ref, replay
 from improved.protocol import cal, canonical, wire
-from improved.protocol.model import Proposal, Signal, to_json
+from improved.protocol.model import Proposal, Signal, Trailer, to_json
 from improved.protocol.subjects import SKILL_NAME_RE
 
 # Deterministic summary templates (OMS rule 4: never free prose). Unknown ids still render
@@ -94,7 +94,7 @@ def skill_definition(proposal: Proposal) -> dict[str, Any] | None:
 
 def grain_of(proposal: Proposal) -> dict[str, Any]:
     """The proposal as an OMS Recommendation grain: its fields plus type and dedup_key."""
-    grain = msgspec.to_builtins(proposal)
+    grain: dict[str, Any] = msgspec.to_builtins(proposal)  # a Struct encodes as a map
     grain["type"] = "recommendation"
     grain["dedup_key"] = canonical.dedup_key(proposal.analyzer.id, proposal.target_ref,
                                              proposal.action_kind)
@@ -182,9 +182,21 @@ def supersede(record: ProposalRecord, by: str, actor: str) -> tuple[ProposalReco
     return record.replace(superseded_by=by, approved_by=None), draft
 
 
-def carried(trailer) -> Proposal:
+def carried(trailer: Trailer) -> Proposal:
     """The proposal a registration trailer carries (its `proposal:` ref)."""
     for r in trailer.refs:
         if r.startswith("proposal:"):
             return msgspec.json.decode(r[len("proposal:"):].encode(), type=Proposal)
     raise ValueError(f"trailer {trailer.seq} of {trailer.proposal_id} carries no proposal")
+
+
+def rebuild_record(trailers: list[Trailer], seqs: list[int], policy: Policy) -> ProposalRecord:
+    """Replay a chain from its registration trailer, which carries the proposal itself; the
+    proposal must hash to the chain's id, so a chain cannot be rebuilt around other content."""
+    proposal = carried(trailers[0])
+    pid, dedup = identify(proposal)
+    if pid != trailers[0].proposal_id:
+        raise ValueError(f"chain {trailers[0].proposal_id}: its registration carries the "
+                         f"content of {pid}")
+    start, _ = register(proposal, pid, dedup, policy, 0)
+    return replay(start, trailers, seqs)

@@ -37,7 +37,7 @@ from improved.core import (
 )
 from improved.core.audit import Draft
 from improved.core.authority import Act
-from improved.core.record import ChainHead, ProposalRecord, ref, refs_of, replay, with_trailer
+from improved.core.record import ProposalRecord, ref, refs_of, with_trailer
 from improved.core.signing import PAYLOAD_TYPES, ActRefused
 from improved.protocol import subjects as S
 from improved.protocol.model import (
@@ -58,7 +58,7 @@ from improved.protocol.model import (
 )
 from improved.runtime.config import Config
 from improved.runtime.metrics import Metrics
-from improved.runtime.store import ChainConflict, StateConflict, Store, trailer_decoder
+from improved.runtime.store import ChainConflict, StateConflict, Store, decode_trailer
 
 log = structlog.get_logger("improved.engine")
 
@@ -279,11 +279,12 @@ class Engine:
         """A signed grant or revoke for `<name>:<sha256>`: chained per hash, then retained."""
         sha = skill.split(":", 1)[1]
         subject = S.grant_audit(sha)
-        for _ in range(MAX_CONFLICT_RETRIES):
-            chain = await self.store.read_chain_at(subject)
-            trailers = [trailer_decoder.decode(to_json(body)) for _, body in chain]
-            acts = [(r["act"], int(r["act_seq"])) for r in map(refs_of, trailers) if "act" in r]
-            now = now_ms()
+        read: list[list[tuple[int, dict]]] = []
+
+        def next_draft(chain: list[tuple[int, dict]], now: int) -> Draft | None:
+            read.append(chain)
+            acts = [(r["act"], int(r["act_seq"])) for r in (refs_of(decode_trailer(body))
+                                                            for _, body in chain) if "act" in r]
             verified = cmd = refused = None
             try:
                 verified, cmd = authority.check_signed(
@@ -291,20 +292,15 @@ class Engine:
                     self.max_act_age_ms)
             except ActRefused as exc:
                 refused = exc
-            draft = authority.grant_act(acts, act, verified, cmd, refused, self.actor)
-            if draft is None:
-                break
-            head = ChainHead(length=len(chain), last_hash=chain[-1][1]["hash"] if chain else "",
-                             stream_seq=chain[-1][0] if chain else 0)
-            trailer = audit.seal_next(draft, sha, head, "L3", "knowledge", now)
-            try:
-                await self.store.append_to(subject, trailer, head.stream_seq)
-            except ChainConflict:
-                continue
-            log.info("grant act", skill=skill, verdict=trailer.verdict, reason=trailer.reason)
-            trailers.append(trailer)
-            break
-        state = grant_state(trailers)
+            return authority.grant_act(acts, act, verified, cmd, refused, self.actor)
+
+        appended = await self.store.append_sealed(subject, sha, "L3", "knowledge", next_draft,
+                                                  whole=True, clock=now_ms)
+        trailers = [decode_trailer(body) for _, body in read[-1]]
+        if appended is not None:
+            log.info("grant act", skill=skill, verdict=appended.verdict, reason=appended.reason)
+            trailers.append(appended)
+        state = authority.grant_state(trailers)
         if state is not None:
             await self.store.publish(S.grant_record(*state.skill.split(":", 1)), state)
         return state
@@ -600,23 +596,18 @@ class Engine:
     async def _append_autonomy(self, change, verdict: str, actor: str, observer: str,
                                reason: str, extra: tuple[str, ...] = ()) -> breaker.Autonomy:
         """Append the next state (`change(state)`) to the autonomy chain, retrying on a race."""
-        subject = S.autonomy_audit(breaker.AUTONOMY_ID)
-        for _ in range(MAX_CONFLICT_RETRIES):
-            seq, body = await self.store.chain_head(subject)
-            state = change(breaker.from_trailer(body))
-            head = ChainHead(length=body["seq"] + 1 if body else 0,
-                             last_hash=body["hash"] if body else "", stream_seq=seq)
-            at = now_ms()
-            trailer = audit.seal_next(breaker.draft(state, verdict, actor, observer, reason,
-                                                    extra),
-                                      breaker.AUTONOMY_ID, head, "L0", "operation", at)
-            try:
-                await self.store.append_to(subject, trailer, seq)
-            except ChainConflict:
-                continue
-            self._autonomy = (state, at)
-            return state
-        raise RuntimeError("the autonomy chain kept moving")
+        states: list[breaker.Autonomy] = []
+
+        def next_draft(chain: list[tuple[int, dict]], now: int) -> Draft:
+            states.append(change(breaker.from_trailer(chain[-1][1] if chain else None)))
+            return breaker.draft(states[-1], verdict, actor, observer, reason, extra)
+
+        trailer = await self.store.append_sealed(
+            S.autonomy_audit(breaker.AUTONOMY_ID), breaker.AUTONOMY_ID, "L0", "operation",
+            next_draft, clock=now_ms)
+        assert trailer is not None  # next_draft always has a draft
+        self._autonomy = (states[-1], trailer.at)
+        return states[-1]
 
     async def count_autonomous_rollback(self, record: ProposalRecord, at: int) -> None:
         p = self.policy
@@ -676,17 +667,9 @@ class Engine:
                                             f"{crisis}: {problem}"[:500])
             return problem
         cp = checkpoint.make(hashes, entries[-1][0] if entries else 0, now, key)
-        for _ in range(MAX_CONFLICT_RETRIES):
-            seq, body = await self.store.chain_head(cp_subject)
-            head = ChainHead(length=body["seq"] + 1 if body else 0,
-                             last_hash=body["hash"] if body else "", stream_seq=seq)
-            trailer = audit.seal_next(checkpoint.draft(cp, self.actor), checkpoint.CHECKPOINT_ID,
-                                      head, "L0", "operation", now)
-            try:
-                await self.store.append_to(cp_subject, trailer, seq)
-                break
-            except ChainConflict:
-                continue
+        await self.store.append_sealed(
+            cp_subject, checkpoint.CHECKPOINT_ID, "L0", "operation",
+            lambda chain, at: checkpoint.draft(cp, self.actor), clock=lambda: now)
         log.info("checkpoint signed", trailers=cp.count, root=cp.root)
         return None
 
@@ -729,8 +712,8 @@ class Engine:
         chain = await self.store.read_chain(svc, pid)
         if not chain:
             return None
-        trailers = [trailer_decoder.decode(to_json(body)) for _, body in chain]
-        return rebuild_record(trailers, [seq for seq, _ in chain], self.policy)
+        trailers = [decode_trailer(body) for _, body in chain]
+        return propose.rebuild_record(trailers, [seq for seq, _ in chain], self.policy)
 
     async def republish_all(self) -> int:
         """Rebuild every record and grant from its chain and publish it again: what the
@@ -743,7 +726,7 @@ class Engine:
             trailers = [decoder.decode(to_json(body)) for body in bodies]
             try:
                 if svc == S.GRANT_CHAINS:
-                    state = grant_state(trailers)
+                    state = authority.grant_state(trailers)
                     if state is not None:
                         await self.store.publish(S.grant_record(*state.skill.split(":", 1)),
                                                  state)
@@ -766,10 +749,10 @@ class Engine:
             if cached is not None and cached.chain.length > len(trailers):
                 await self.publish(cached)
                 return
-            record = rebuild_record(trailers, seqs, self.policy)
+            record = propose.rebuild_record(trailers, seqs, self.policy)
             if cached is None:  # the cache is gone too: refill it (real sequences)
                 real = [seq for seq, _ in await self.store.read_chain(svc, pid)]
-                record = rebuild_record(trailers, real, self.policy)
+                record = propose.rebuild_record(trailers, real, self.policy)
                 if len(real) == len(trailers):
                     await self._save(record, rev)
             await self.publish(record)
@@ -799,29 +782,6 @@ class Engine:
                                applied_id="", authority=apply_stage.authority(record, self.policy),
                                error=f"unreachable: {error}", at=now_ms())
         await self.store.publish(S.apply_outcome(record.service, record.proposal_id), outcome)
-
-
-def rebuild_record(trailers: list[Trailer], seqs: list[int], policy) -> ProposalRecord:
-    """Replay a chain from its registration trailer, which carries the proposal itself; the
-    proposal must hash to the chain's id, so a chain cannot be rebuilt around other content."""
-    proposal = propose.carried(trailers[0])
-    pid, dedup = propose.identify(proposal)
-    if pid != trailers[0].proposal_id:
-        raise ValueError(f"chain {trailers[0].proposal_id}: its registration carries the "
-                         f"content of {pid}")
-    start, _ = propose.register(proposal, pid, dedup, policy, 0)
-    return replay(start, trailers, seqs)
-
-
-def grant_state(trailers: list[Trailer]) -> Grant | None:
-    """The current grant of a skill hash: its last counted grant or revoke act."""
-    for t in reversed(trailers):
-        if t.verdict in ("grant", "revoke"):
-            refs = refs_of(t)
-            return Grant(skill=refs["skill"], active=t.verdict == "grant", principal=t.actor,
-                         reason=t.reason, at=t.at,
-                         expires_at=int(refs["expires_at"]) if "expires_at" in refs else None)
-    return None
 
 
 def parse_apply_reply(data: bytes) -> ApplyResult | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -32,7 +33,9 @@ from nats.js.errors import (
     NotFoundError,
 )
 
-from improved.core.record import ProposalRecord, record_decoder, record_encoder
+from improved.core import audit
+from improved.core.audit import Draft
+from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
 from improved.protocol.model import Grant, Trailer, to_json
 
@@ -50,11 +53,27 @@ class ChainConflict(Exception):
     """Someone appended to this chain since we read it."""
 
 
+class ChainKeptMoving(RuntimeError):
+    """Every attempt to extend a mesh chain lost the race to another writer."""
+
+
+MAX_APPEND_ATTEMPTS = 8
+
+# What to add to a mesh chain, decided from the chain as read: (sealed trailers so far, now) →
+# the next draft, or None when there is nothing to add.
+NextDraft = Callable[[list[tuple[int, dict[str, Any]]], int], Draft | None]
+
+
 class StateConflict(Exception):
     """Someone updated the cached record since we read it."""
 
 
 trailer_decoder = msgspec.json.Decoder(Trailer)
+
+
+def decode_trailer(body: dict[str, Any]) -> Trailer:
+    """A trailer read as a raw JSON body (as the chain readers return them), typed."""
+    return trailer_decoder.decode(to_json(body))
 
 
 def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsapi.StreamConfig]:
@@ -234,6 +253,36 @@ class Store:
                 raise ChainConflict(subject) from exc
             raise
         return ack.seq
+
+    async def append_sealed(self, subject: str, chain_id: str, gate_class: str, scope: str,
+                            next_draft: NextDraft, *, whole: bool = False,
+                            clock: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+                            ) -> Trailer | None:
+        """Extend a mesh chain (autonomy, checkpoints, grants) by one trailer: read its end (or,
+        with `whole`, all of it), let `next_draft` decide, seal and append with the expected
+        sequence; on a conflict read and decide again. The appended trailer, or None when
+        `next_draft` had nothing to add; ChainKeptMoving when every attempt lost the race."""
+        for _ in range(MAX_APPEND_ATTEMPTS):
+            if whole:
+                chain = await self.read_chain_at(subject)
+            else:
+                seq, body = await self.chain_head(subject)
+                chain = [(seq, body)] if body is not None else []
+            now = clock()
+            draft = next_draft(chain, now)
+            if draft is None:
+                return None
+            last_seq, last = chain[-1] if chain else (0, None)
+            head = ChainHead(length=last["seq"] + 1 if last else 0,
+                             last_hash=last["hash"] if last else "", stream_seq=last_seq)
+            trailer = audit.seal_next(draft, chain_id, head, gate_class, scope, now)
+            try:
+                await self.append_to(subject, trailer, last_seq)
+            except ChainConflict:
+                continue
+            return trailer
+        raise ChainKeptMoving(f"{subject}: still conflicting after {MAX_APPEND_ATTEMPTS} "
+                              "attempts")
 
     async def read_chain(self, svc: str, pid: str) -> list[tuple[int, dict[str, Any]]]:
         """Every trailer of one chain as (stream sequence, raw JSON body), in order."""
