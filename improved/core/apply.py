@@ -22,6 +22,7 @@ from improved.protocol.model import (
     ApplyOrder,
     ApplyOutcome,
     ApplyResult,
+    ChangeClass,
     Origin,
     Proposal,
     Summary,
@@ -56,20 +57,22 @@ def needs_rollback(record: ProposalRecord) -> bool:
 ROLLBACK_ANALYZER = "improved.rollback/1"
 
 
-def inverse_proposal(record: ProposalRecord, change_class: str | None = None) -> Proposal:
+def inverse_proposal(record: ProposalRecord, change_class: ChangeClass | None = None) -> Proposal:
     """The recorded inverse as a proposal of its own (content-addressed, so the owning
     service applies it exactly once). Its body is the inverse the service returned."""
     p = record.proposal
+    out = record.outcome
+    if out is None:
+        raise ValueError(f"{record.proposal_id} has no apply outcome, so no recorded inverse")
     return Proposal(
         service=p.service, target_ref=p.target_ref,
         change_class=change_class or p.change_class, scope=p.scope,
         origin=Origin(actor="improved", service="improved"),
         analyzer=AnalyzerRef(id=ROLLBACK_ANALYZER),
         summary=Summary(template_id="rollback", args={"proposal_id": record.proposal_id}),
-        proposal_data=record.outcome.inverse if isinstance(record.outcome.inverse, dict)
-        else {"inverse": record.outcome.inverse},
+        proposal_data=out.inverse if isinstance(out.inverse, dict) else {"inverse": out.inverse},
         derived_from=[f"mg:sha256:{record.proposal_id}"],
-        created_at=record.outcome.at,
+        created_at=out.at,
         namespace=p.namespace,
     )
 
@@ -100,6 +103,9 @@ def rolled_back_by(record: ProposalRecord, inverse: ProposalRecord,
     if record.status != "applied" or record.rollback_outcome is not None:
         return None
     out = inverse.outcome
+    if out is None:
+        raise ValueError(f"rollback {inverse.proposal_id} of {record.proposal_id} has not been "
+                         "applied")
     outcome = ApplyOutcome(proposal_id=record.proposal_id, service=record.service, ok=True,
                            applied_id=out.applied_id, authority=out.authority, at=now)
     observer = "rec:policy" if inverse.approved_by is None else "human"
@@ -110,23 +116,33 @@ def rolled_back_by(record: ProposalRecord, inverse: ProposalRecord,
     return record.replace(rollback_outcome=outcome, updated_at=now), draft
 
 
+def rollback_principal(record: ProposalRecord) -> str:
+    """The operator who asked for the rollback (`needs_rollback` holds only once one did)."""
+    if record.rollback_by is None:
+        raise ValueError(f"no rollback of {record.proposal_id} was asked for")
+    return record.rollback_by
+
+
 def rollback_order(record: ProposalRecord, attempt: int) -> tuple[str, ApplyOrder]:
     """(the inverse's id, the order that applies it under the requesting operator)."""
     from improved.core.propose import identify
 
+    by = rollback_principal(record)
     if record.revert is not None:  # L4: the reversal generated and validated before apply
+        if record.revert_id is None:  # both come from the one lkg_verified trailer
+            raise ValueError(f"{record.proposal_id} records a reversal without its id")
         return record.revert_id, ApplyOrder(proposal_id=record.revert_id, proposal=record.revert,
-                                            authority=record.rollback_by, attempt=attempt)
+                                            authority=by, attempt=attempt)
     inverse = inverse_proposal(record)
     pid, _ = identify(inverse)
-    return pid, ApplyOrder(proposal_id=pid, proposal=inverse, authority=record.rollback_by,
-                           attempt=attempt)
+    return pid, ApplyOrder(proposal_id=pid, proposal=inverse, authority=by, attempt=attempt)
 
 
 def rollback_transition(record: ProposalRecord, inverse_id: str, result: ApplyResult,
                         now: int) -> tuple[ProposalRecord, Draft]:
+    by = rollback_principal(record)
     outcome = ApplyOutcome(proposal_id=record.proposal_id, service=record.service, ok=result.ok,
-                           applied_id=result.applied_id, authority=record.rollback_by,
+                           applied_id=result.applied_id, authority=by,
                            error=result.error, at=now)
     refs = [ref("applied", result.applied_id), ref("inverse_of", inverse_id)]
     if result.error is not None:
@@ -134,7 +150,7 @@ def rollback_transition(record: ProposalRecord, inverse_id: str, result: ApplyRe
     reason = (f"rolled back by {record.service}: the recorded inverse applied as "
               f"{result.applied_id or inverse_id}" if result.ok else
               f"{record.service} refused the inverse: {result.error or 'no reason given'}")
-    draft = Draft(from_stage=record.stage, to_stage="apply", actor=record.rollback_by,
+    draft = Draft(from_stage=record.stage, to_stage="apply", actor=by,
                   observer_type="human", verdict=ROLLED_BACK if result.ok else ROLLBACK_FAILED,
                   reason=reason, refs=tuple(refs))
     return record.replace(rollback_outcome=outcome, updated_at=now), draft

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -66,7 +67,7 @@ def draft(state: Autonomy, verdict: str, actor: str, observer: str, reason: str,
                  observer_type=observer, verdict=verdict, reason=reason, refs=refs)
 
 
-def from_trailer(body: dict | None) -> Autonomy:
+def from_trailer(body: dict[str, Any] | None) -> Autonomy:
     """The state a trailer of the autonomy chain records (the default for an empty chain)."""
     if not body:
         return Autonomy()

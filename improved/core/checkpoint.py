@@ -14,6 +14,7 @@ import base64
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -85,7 +86,7 @@ def draft(cp: Checkpoint, actor: str) -> Draft:
                        ref("public", cp.public), ref("sig", cp.sig)))
 
 
-def from_trailer(body: dict) -> Checkpoint:
+def from_trailer(body: dict[str, Any]) -> Checkpoint:
     refs = refs_of(_Refs(body.get("refs", [])))
     return Checkpoint(count=int(refs["count"]), root=refs["root"],
                       last_seq=int(refs["last_seq"]), at=int(refs["checkpoint_at"]),

@@ -5,18 +5,21 @@ class faces. Pure functions over the policy; no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Final
+
+from improved.protocol.model import ChangeClass, Scope
 
 CLASSES = ("L0", "L1", "L2", "L3", "L4")
 RANK = {c: i for i, c in enumerate(CLASSES)}
 
-DEFAULT_MIN_CLASS: Mapping[str, str] = {
+DEFAULT_MIN_CLASS: Mapping[str, ChangeClass] = {
     **dict.fromkeys(("cache", "rank", "score"), "L0"),
     **dict.fromkeys(("skill", "doc", "config", "host"), "L2"),
     **dict.fromkeys(("code", "binary", "schema", "secret", "topic", "lkg"), "L4"),
 }
-FALLBACK_MIN_CLASS = "L2"
+FALLBACK_MIN_CLASS: Final = "L2"
 
-SCHEME_SCOPE: Mapping[str, str] = {
+SCHEME_SCOPE: Mapping[str, Scope] = {
     **dict.fromkeys(
         ("cache", "rank", "score", "skill", "doc", "grain", "entity", "query", "template"),
         "knowledge",
@@ -27,7 +30,7 @@ SCHEME_SCOPE: Mapping[str, str] = {
     "code": "code",
 }
 # Constitution IV.1: unclassified paths default to knowledge.
-FALLBACK_SCOPE = "knowledge"
+FALLBACK_SCOPE: Final = "knowledge"
 # The charter is a document: a `charter` proposal must target `doc:` (and is never auto-applied).
 CHARTER_SCHEMES = frozenset({"doc"})
 
@@ -59,7 +62,7 @@ def class_fits(change_class: str, scheme: str, overrides: Mapping[str, str] | No
     return RANK[change_class] >= RANK[min_class(scheme, overrides, fallback)]
 
 
-def implied_scope(scheme: str) -> str:
+def implied_scope(scheme: str) -> Scope:
     return SCHEME_SCOPE.get(scheme, FALLBACK_SCOPE)
 
 

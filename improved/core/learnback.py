@@ -73,11 +73,11 @@ def measurement(record: ProposalRecord, policy: Policy, now: int) -> tuple[str, 
             or record.status != "applied" or record.measured is not None
             or now < snap.review_after):
         return None
-    readings = [s for s in record.signals if s.kind == "metric" and s.independent
+    readings = [(s.at, s.value) for s in record.signals if s.kind == "metric" and s.independent
                 and s.name == snap.metric and s.value is not None and s.at >= applied_at]
     if not readings:
         return None
-    value = max(readings, key=lambda s: s.at).value
+    _, value = max(readings, key=lambda r: r[0])  # the latest (the first of equals)
     scale = abs(snap.baseline) or 1.0
     change = (value - snap.baseline) / scale
     lower_is_better = policy.metric_direction.get(snap.metric, "higher") == "lower"
@@ -89,6 +89,8 @@ def measurement(record: ProposalRecord, policy: Policy, now: int) -> tuple[str, 
 def measured(record: ProposalRecord, verdict: str, value: float, rollback_id: str | None,
              actor: str, now: int) -> tuple[ProposalRecord, Draft]:
     snap = record.proposal.metric_snapshot
+    if snap is None:  # `measurement` measured nothing without one
+        raise ValueError(f"{record.proposal_id} has no metric_snapshot to measure against")
     refs = [ref("metric", snap.metric), ref("value", value), ref("baseline", snap.baseline)]
     if rollback_id:
         refs.append(ref("rollback_proposal", rollback_id))

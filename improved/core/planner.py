@@ -29,7 +29,7 @@ The priority order, first match wins:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -62,7 +62,7 @@ class View:
     now: int
     autonomy: Autonomy = field(default_factory=Autonomy)
     dispatch: bool = True  # False: decide, but leave sending orders to the inbound consumer
-    rejected: dict | None = None  # the rejection-ledger entry under the dedup_key, if any
+    rejected: dict[str, Any] | None = None  # the rejection-ledger entry under the dedup_key
     grant: bool | _Unread = UNREAD  # is the L3 skill's grant active
     original: ProposalRecord | None | _Unread = UNREAD  # the record a reversal reverts
 
@@ -181,7 +181,8 @@ def _triage(record: ProposalRecord, view: View, policy: Policy, actor: str,
         if inherited is not None:
             return Commit(*inherited, why="inherit")
     grant = False
-    if record.proposal.change_class == "L3":
+    # without a skill definition there is no `<name>:<sha256>` a grant could cover
+    if record.proposal.change_class == "L3" and record.skill is not None:
         if isinstance(view.grant, _Unread):
             return ReadGrant(record.skill)
         grant = view.grant

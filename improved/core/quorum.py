@@ -39,7 +39,7 @@ def count(record: ProposalRecord, act: Act, verified: Verified, vote: Vote, sig:
           actor: str) -> tuple[ProposalRecord, Draft]:
     """A verified vote: counted (a `vote` trailer) or refused with the rule it broke."""
 
-    def refuse(code: str, why: str):
+    def refuse(code: str, why: str) -> tuple[ProposalRecord, Draft]:
         return refusal(record, act, code, why, actor, verified.keyid)
 
     if vote.proposal_id != record.proposal_id:
@@ -122,9 +122,12 @@ def quorum_record(record: ProposalRecord) -> QuorumRecord | None:
     outcome = outcome_of(record)
     if outcome is None:
         return None
+    decision = record.decision
+    if decision is None:  # a quorum outcome is always a decision of its own
+        raise ValueError(f"{record.proposal_id}: a quorum outcome without a decision")
     votes = [QuorumBallot(voter=b.voter, keyid=b.keyid, session=b.session, vote=b.vote,
                           read=list(b.read), at=b.at, sig=b.sig) for b in record.ballots]
     return QuorumRecord(proposal_id=record.proposal_id, service=record.service, outcome=outcome,
                         approvals=sum(1 for b in record.ballots if b.vote == "approve"),
                         dissents=sum(1 for b in record.ballots if b.vote == "dissent"),
-                        votes=votes, at=record.decision.at)
+                        votes=votes, at=decision.at)

@@ -8,6 +8,9 @@ of (record, input).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import msgspec
 from msgspec import Struct
 
@@ -72,7 +75,7 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
     chain: ChainHead = ChainHead()
     updated_at: int = 0
 
-    def replace(self, **changes) -> ProposalRecord:
+    def replace(self, **changes: object) -> ProposalRecord:
         return msgspec.structs.replace(self, **changes)
 
     @property
@@ -159,7 +162,15 @@ def ref(name: str, value: object, *, as_json: bool = False) -> str:
     return f"{name}:{value}"
 
 
-def refs_of(trailer: Trailer) -> dict[str, str]:
+class HasRefs(Protocol):
+    """Anything that carries a trailer's refs: a Trailer, or a trailer decoded only as far."""
+
+    @property
+    def refs(self) -> Sequence[str]: ...
+
+
+def refs_of(trailer: HasRefs) -> dict[str, str]:
+    """The refs of a trailer by name; the first of a name wins."""
     out: dict[str, str] = {}
     for r in trailer.refs:
         name, _, value = r.partition(":")

@@ -7,6 +7,8 @@ gate — so the cause of a decision is deterministic. Pure: (record, policy, clo
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import msgspec
 
 from improved.core import gradient, lkg
@@ -19,7 +21,7 @@ from improved.protocol.model import Proposal, TriageDecision
 
 
 def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
-           actor: str, rejected: dict | None = None,
+           actor: str, rejected: dict[str, Any] | None = None,
            held: str | None = None) -> TriageDecision:
     """`rejected`: the rejection-ledger entry under this proposal's dedup_key, if any;
     `held`: `circuit_open` or `autonomy_off` while autonomous applies are held back."""
@@ -84,7 +86,14 @@ def evidence_digest(proposal: Proposal) -> str:
     })
 
 
-def gate(record: ProposalRecord, grant_active: bool, decision,
+class Decide(Protocol):
+    """Makes the TriageDecision for one proposal: `decide`'s `decision`."""
+
+    def __call__(self, verdict: str, cause: str | None, rationale: str,
+                 gate_class: str = ...) -> TriageDecision: ...
+
+
+def gate(record: ProposalRecord, grant_active: bool, decision: Decide,
          held: str | None = None, quorum: bool = False) -> TriageDecision:
     cls = record.proposal.change_class
     if held is not None and (cls == "L0" or (cls == "L3" and grant_active)):

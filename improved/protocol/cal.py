@@ -667,13 +667,13 @@ def _prior(prior: Mapping[str, object] | None, i: int) -> tuple[object, object]:
     raise ValueError(f"prior[{str(i)!r}] must be an address or a {{'new', 'old'}} mapping")
 
 
-def inverse(batch: Batch, prior: Mapping[str, object] | None = None) -> list[dict]:
+def inverse(batch: Batch, prior: Mapping[str, object] | None = None) -> list[dict[str, object]]:
     """The store-operation plan that undoes ``batch`` (OMS §3.6), last statement first.
 
     Derived from the batch itself, so it can be recorded at apply time and replayed later
     without reconstructing anything; see the module docstring for the shape and ``prior``.
     """
-    plan: list[dict] = []
+    plan: list[dict[str, object]] = []
     for i in reversed(range(len(batch))):
         s = batch[i]
         new, old = _prior(prior, i)

@@ -19,6 +19,8 @@ import hashlib
 import math
 import struct
 import unicodedata
+from collections.abc import Sized
+from typing import Any
 
 import msgspec
 
@@ -144,14 +146,14 @@ def encode(obj: object) -> bytes:
 
 def _plain(obj: object, depth: int) -> bool:
     """True when normalize(obj) would return an equal value (so it need not run)."""
-    t = type(obj)
-    if t is str:
+    # exact type tests, not isinstance: a subclass (a StrEnum, a bool) takes normalize's path
+    if type(obj) is str:
         return obj.isascii()
-    if t is int:
+    if type(obj) is int:
         return _INT_MIN <= obj <= _INT_MAX
-    if t is bool:
+    if type(obj) is bool:
         return True
-    if t is dict:
+    if type(obj) is dict:
         if depth <= 0:
             return False
         for k, v in obj.items():
@@ -167,7 +169,7 @@ def _plain(obj: object, depth: int) -> bool:
             elif v is None or not _plain(v, depth - 1):
                 return False
         return True
-    if t is list:
+    if type(obj) is list:
         if depth <= 0:
             return False
         for v in obj:
@@ -177,7 +179,7 @@ def _plain(obj: object, depth: int) -> bool:
             elif v is not None and not _plain(v, depth - 1):
                 return False
         return True
-    if t is float:
+    if type(obj) is float:
         return math.isfinite(obj)
     return False
 
@@ -222,7 +224,8 @@ def _reference_encode(obj: object) -> bytes:
     raise CanonicalError("ERR_TYPE", f"unsupported type {type(obj).__name__}")
 
 
-def _with_len(seq: bytes | list | dict, fix: int | None, fix_max: int, tags: tuple) -> bytes:
+def _with_len(seq: Sized, fix: int | None, fix_max: int,
+              tags: tuple[int | None, int | None, int | None]) -> bytes:
     n = len(seq)
     if fix is not None and n <= fix_max:
         return bytes([fix | n])
@@ -283,8 +286,8 @@ INDEX_LAYER_FIELDS = frozenset({"superseded_by", "system_valid_to", "verificatio
 _INDEX_LAYER_KEYS = INDEX_LAYER_FIELDS | {FIELD_MAP[f] for f in INDEX_LAYER_FIELDS}
 
 
-def _compact_map(d: dict, table: dict[str, str], path: str) -> dict:
-    out: dict = {}
+def _compact_map(d: dict[str, Any], table: dict[str, str], path: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for k, v in d.items():
         short = table.get(k, k)
         if short in out:
@@ -294,7 +297,7 @@ def _compact_map(d: dict, table: dict[str, str], path: str) -> dict:
     return out
 
 
-def compact(grain: dict) -> dict:
+def compact(grain: dict[str, Any]) -> dict[str, Any]:
     """Map full field names to OMS short keys; unknown keys stay verbatim.
 
     Nested compaction applies only inside content_refs, embedding_refs and related_to (§4.7).
@@ -309,7 +312,7 @@ def compact(grain: dict) -> dict:
     return out
 
 
-def grain_blob(grain: dict, type_byte: int) -> bytes:
+def grain_blob(grain: dict[str, Any], type_byte: int) -> bytes:
     """9-byte OMS header + canonical payload (OMS §3.1, §4.9).
 
     flags are always 0x00 (unsigned, unencrypted, uncompressed, msgpack, public). ns_hash is the
@@ -344,7 +347,7 @@ def grain_blob(grain: dict, type_byte: int) -> bytes:
     return header + encode(compact(grain))
 
 
-def content_address(grain: dict, type_byte: int) -> str:
+def content_address(grain: dict[str, Any], type_byte: int) -> str:
     return sha256_hex(grain_blob(grain, type_byte))
 
 
@@ -371,13 +374,13 @@ SKILL_DEFINITION_FIELDS = ("name", "description", "instructions", "when_to_use",
                            "output_modalities", "domain")
 
 
-def skill_hash(skill: dict) -> str:
+def skill_hash(skill: dict[str, Any]) -> str:
     """Hash of the definition only, so practice (competence, timestamps) never changes it."""
     definition = {k: skill[k] for k in SKILL_DEFINITION_FIELDS if k in skill}
     return digest(compact({"type": "skill", **definition}))
 
 
-def skill_identity(skill: dict) -> str:
+def skill_identity(skill: dict[str, Any]) -> str:
     name = skill.get("name")
     if not isinstance(name, str):
         raise CanonicalError("ERR_TYPE", "skill name must be a str", "$.name")
