@@ -38,7 +38,7 @@ import structlog
 from improved.core import audit, signing
 from improved.protocol import canonical
 from improved.protocol import subjects as S
-from improved.protocol.model import Actor, CrisisAct, GrantCommand, Review, Vote, to_json
+from improved.protocol.model import Actor, CrisisAct, GrantCommand, Review, Trailer, Vote, to_json
 from improved.runtime import bus, keys
 from improved.runtime.config import Config, ConfigError, load
 from improved.runtime.store import Store, StoreError
@@ -236,7 +236,7 @@ async def _rebuild(url: str, config: Config, write: bool) -> int:
 
     async with deployment(url) as store:
         chains = await store.all_chains()
-        decoder = msgspec.json.Decoder(audit.Trailer)
+        decoder = msgspec.json.Decoder(Trailer)
         equal = differ = uncached = broken = foreign = 0
         for (svc, pid), bodies in sorted(chains.items()):
             if svc in S.MESH_CHAINS:
