@@ -23,6 +23,7 @@ from improved.protocol.model import (
     ApplyOutcome,
     ApplyResult,
     ChangeClass,
+    ObserverType,
     Origin,
     Proposal,
     Summary,
@@ -108,7 +109,7 @@ def rolled_back_by(record: ProposalRecord, inverse: ProposalRecord,
                          "applied")
     outcome = ApplyOutcome(proposal_id=record.proposal_id, service=record.service, ok=True,
                            applied_id=out.applied_id, authority=out.authority, at=now)
-    observer = "rec:policy" if inverse.approved_by is None else "human"
+    observer: ObserverType = "rec:policy" if inverse.approved_by is None else "human"
     draft = Draft(from_stage=record.stage, to_stage="apply", actor=out.authority,
                   observer_type=observer, verdict=ROLLED_BACK,
                   reason=f"rolled back: its recorded inverse {inverse.proposal_id} was applied",
@@ -194,7 +195,7 @@ def transition(record: ProposalRecord, result: ApplyResult, by: str,
         rollbackable=rollbackable, error=result.error, at=now,
         revert_proposal_id=record.revert_id if result.ok else None,
     )
-    observer = "rec:policy" if auto_applies(record) else "human"
+    observer: ObserverType = "rec:policy" if auto_applies(record) else "human"
     if result.ok:
         reason = f"applied by {record.service} as {result.applied_id or '(no id)'}" + (
             "" if outcome.rollbackable else "; not rollbackable")

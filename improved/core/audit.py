@@ -16,7 +16,15 @@ import msgspec
 
 from improved.core.record import ChainHead, ProposalRecord
 from improved.protocol import canonical
-from improved.protocol.model import Trailer
+from improved.protocol.model import (
+    Cause,
+    ChangeClass,
+    ObserverType,
+    Scope,
+    Stage,
+    Trailer,
+    TrailerVerdict,
+)
 
 REASON_LIMIT = 500
 
@@ -25,13 +33,13 @@ REASON_LIMIT = 500
 class Draft:
     """What a stage decided; sealing turns it into the next trailer of the proposal's chain."""
 
-    from_stage: str
-    to_stage: str
+    from_stage: Stage
+    to_stage: Stage
     actor: str
-    observer_type: str
+    observer_type: ObserverType
     reason: str
-    verdict: str | None = None
-    cause: str | None = None
+    verdict: TrailerVerdict | None = None
+    cause: Cause | None = None
     refs: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -48,7 +56,7 @@ def seal(draft: Draft, record: ProposalRecord, at: int) -> Trailer:
                      record.proposal.scope, at)
 
 
-def seal_next(draft: Draft, chain_id: str, head: ChainHead, gate_class: str, scope: str,
+def seal_next(draft: Draft, chain_id: str, head: ChainHead, gate_class: ChangeClass, scope: Scope,
               at: int) -> Trailer:
     """The next trailer of the chain `chain_id` that ends at `head`."""
     t = Trailer(

@@ -18,6 +18,7 @@ import msgspec
 
 from improved.core.audit import Draft
 from improved.core.record import ref, refs_of
+from improved.protocol.model import Held, ObserverType, TrailerVerdict
 
 AUTONOMY_ID = hashlib.sha256(b"improved autonomy").hexdigest()
 DAY_MS = 24 * 3600 * 1000
@@ -31,7 +32,7 @@ class Autonomy:
     switch: str = "on"
     crisis: str = ""  # an unresolved crisis (a broken audit log): no apply at all until resolved
 
-    def blocks(self, now: int) -> str | None:
+    def blocks(self, now: int) -> Held | None:
         """The triage cause that holds autonomous applies back now, if any."""
         if self.switch == "off":
             return "autonomy_off"
@@ -59,7 +60,7 @@ def in_crisis(state: Autonomy, crisis: str) -> Autonomy:
     return dataclasses.replace(state, crisis=crisis)
 
 
-def draft(state: Autonomy, verdict: str, actor: str, observer: str, reason: str,
+def draft(state: Autonomy, verdict: TrailerVerdict, actor: str, observer: ObserverType, reason: str,
           extra: tuple[str, ...] = ()) -> Draft:
     refs = (ref("rollbacks", list(state.rollbacks)), ref("paused_until", state.paused_until),
             ref("autonomy", state.switch), ref("crisis", state.crisis), *extra)

@@ -6,11 +6,15 @@ the signal set — and with it the feedback-collapse guard — can be rebuilt fr
 
 from __future__ import annotations
 
+from typing import Literal
+
 from improved.core.audit import Draft
 from improved.core.policy import Policy
 from improved.core.propose import count, signal_digest
 from improved.core.record import HELD, REGRESSED, SIGNAL, CountedSignal, ProposalRecord, ref
-from improved.protocol.model import LearnBack, Signal
+from improved.protocol.model import LearnBack, ObserverType, Signal
+
+Measured = Literal["held", "regressed"]  # what learn-back found at review_after
 
 
 def observe_signal(record: ProposalRecord, signal: Signal, policy: Policy,
@@ -20,7 +24,7 @@ def observe_signal(record: ProposalRecord, signal: Signal, policy: Policy,
     if any(s.digest == digest for s in record.signals):
         return None
     counted = count(signal, digest, record.proposal, record.applied_at, policy)
-    observer = "human" if signal.actor.startswith("operator:") else "rec:agent"
+    observer: ObserverType = "human" if signal.actor.startswith("operator:") else "rec:agent"
     sign = "positive" if signal.positive else "negative"
     independence = "independent" if counted.independent else "not independent"
     draft = Draft(
@@ -63,7 +67,8 @@ def summary(record: ProposalRecord, now: int) -> LearnBack:
 # -- measurement at review_after (DESIGN §4) -----------------------------------------------------
 
 
-def measurement(record: ProposalRecord, policy: Policy, now: int) -> tuple[str, float] | None:
+def measurement(record: ProposalRecord, policy: Policy,
+                now: int) -> tuple[Measured, float] | None:
     """Once `metric_snapshot.review_after` has passed on an applied proposal: compare the latest
     independent reading of the metric (a `metric` signal named like it, after the apply) with
     the baseline. (`regressed` | `held`, value), or None while there is nothing to measure."""
@@ -86,7 +91,7 @@ def measurement(record: ProposalRecord, policy: Policy, now: int) -> tuple[str, 
     return (REGRESSED if worse else HELD), value
 
 
-def measured(record: ProposalRecord, verdict: str, value: float, rollback_id: str | None,
+def measured(record: ProposalRecord, verdict: Measured, value: float, rollback_id: str | None,
              actor: str, now: int) -> tuple[ProposalRecord, Draft]:
     snap = record.proposal.metric_snapshot
     if snap is None:  # `measurement` measured nothing without one

@@ -39,7 +39,7 @@ from improved.core.audit import Draft
 from improved.core.breaker import Autonomy
 from improved.core.policy import Policy
 from improved.core.record import REGRESSED, ProposalRecord
-from improved.protocol.model import ApplyOrder, Proposal, to_json
+from improved.protocol.model import ApplyOrder, Held, Proposal, to_json
 from improved.protocol.wire import WireError
 
 AUTONOMOUS_CLASSES: Final = frozenset({"L0", "L3"})
@@ -66,7 +66,7 @@ class View:
     grant: bool | _Unread = UNREAD  # is the L3 skill's grant active
     original: ProposalRecord | None | _Unread = UNREAD  # the record a reversal reverts
 
-    def held(self, record: ProposalRecord) -> str | None:
+    def held(self, record: ProposalRecord) -> Held | None:
         """The cause holding this proposal's autonomous apply back now, if any."""
         if record.proposal.change_class not in AUTONOMOUS_CLASSES:
             return None
@@ -165,14 +165,14 @@ def next_step(record: ProposalRecord, view: View, policy: Policy, actor: str) ->
     return _dispatch(record, view, policy) or _after_apply(record, view, policy, actor)
 
 
-def _wants_triage(record: ProposalRecord, now: int, held: str | None) -> bool:
+def _wants_triage(record: ProposalRecord, now: int, held: Held | None) -> bool:
     return (triage.needs_triage(record)
             or (apply_stage.needs_apply(record) and apply_stage.expired(record, now))
             or (triage.held_back(record) and held is None))
 
 
 def _triage(record: ProposalRecord, view: View, policy: Policy, actor: str,
-            held: str | None) -> Step:
+            held: Held | None) -> Step:
     original = lkg.reverts(record.proposal)
     if original is not None and triage.needs_triage(record):
         if isinstance(view.original, _Unread):

@@ -14,7 +14,7 @@ from improved.core.guards import Evidence, is_independent
 from improved.core.policy import Policy
 from improved.core.record import SUPERSEDED, CountedSignal, ProposalRecord, ref, replay
 from improved.protocol import cal, canonical, wire
-from improved.protocol.model import Proposal, Signal, Trailer, to_json
+from improved.protocol.model import ObserverType, Proposal, Signal, Trailer, to_json
 from improved.protocol.subjects import SKILL_NAME_RE
 
 # Deterministic summary templates (OMS rule 4: never free prose). Unknown ids still render
@@ -161,7 +161,8 @@ def register(proposal: Proposal, pid: str, dedup: str, policy: Policy,
         signals=signals,
         updated_at=now,
     )
-    observer = "human" if proposal.origin.actor.startswith("operator:") else "rec:agent"
+    observer: ObserverType = ("human" if proposal.origin.actor.startswith("operator:")
+                              else "rec:agent")
     draft = Draft(
         from_stage="observe", to_stage="propose", actor=proposal.origin.actor,
         observer_type=observer, reason=f"proposed: {summary}",

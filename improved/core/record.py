@@ -9,12 +9,20 @@ of (record, input).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Final, Protocol
 
 import msgspec
 from msgspec import Struct
 
-from improved.protocol.model import ApplyOutcome, Proposal, Trailer, TriageDecision
+from improved.protocol.model import (
+    ApplyOutcome,
+    ChangeClass,
+    Proposal,
+    Stage,
+    Status,
+    Trailer,
+    TriageDecision,
+)
 
 
 class CountedSignal(Struct, kw_only=True, frozen=True):
@@ -57,9 +65,9 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
     proposal: Proposal
     summary_text: str
     skill: str | None = None  # `<name>:<sha256>` of a skill proposal's definition
-    gate_class: str
-    status: str = "pending"
-    stage: str = "observe"
+    gate_class: ChangeClass
+    status: Status = "pending"
+    stage: Stage = "observe"
     decision: TriageDecision | None = None
     outcome: ApplyOutcome | None = None
     approved_by: str | None = None  # the principal whose signed approval the apply runs under
@@ -92,24 +100,24 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
 
 
 # Verdicts a trailer carries besides the triage verdicts (documented in docs/protocol.md).
-APPLIED = "applied"
-APPLY_FAILED = "failed"
-SIGNAL = "signal"
-APPROVE = "approve"
-REFUSED = "refused"  # a signed act that did not count; the status does not move
-SUPERSEDED = "superseded"  # newer content arrived under the same dedup_key
-ROLLBACK = "rollback"  # an operator asked for the recorded inverse
-ROLLED_BACK = "rolled_back"  # the owning service applied the inverse
-ROLLBACK_FAILED = "rollback_failed"
-LKG_VERIFIED = "lkg_verified"  # L4: healthy last-known-good; the reversal is recorded
-INHERIT = "inherit"  # an L4 reversal runs under its original's approval
-VOTE = "vote"  # a counted quorum vote
-QUORUM = "quorum"  # the quorum approved: status approved
-HELD = "held"  # measured at review_after: the metric held
-REGRESSED = "regressed"  # measured at review_after: beyond the tolerance; a rollback is proposed
+APPLIED: Final = "applied"
+APPLY_FAILED: Final = "failed"
+SIGNAL: Final = "signal"
+APPROVE: Final = "approve"
+REFUSED: Final = "refused"  # a signed act that did not count; the status does not move
+SUPERSEDED: Final = "superseded"  # newer content arrived under the same dedup_key
+ROLLBACK: Final = "rollback"  # an operator asked for the recorded inverse
+ROLLED_BACK: Final = "rolled_back"  # the owning service applied the inverse
+ROLLBACK_FAILED: Final = "rollback_failed"
+LKG_VERIFIED: Final = "lkg_verified"  # L4: healthy last-known-good; the reversal is recorded
+INHERIT: Final = "inherit"  # an L4 reversal runs under its original's approval
+VOTE: Final = "vote"  # a counted quorum vote
+QUORUM: Final = "quorum"  # the quorum approved: status approved
+HELD: Final = "held"  # measured at review_after: the metric held
+REGRESSED: Final = "regressed"  # measured at review_after: beyond the tolerance; a rollback is proposed
 
 
-def status_after(status: str, trailer: Trailer) -> str:
+def status_after(status: Status, trailer: Trailer) -> Status:
     """The lifecycle status after one trailer: the whole of how status is derived."""
     if trailer.to_stage == "propose":
         return "pending"
@@ -128,9 +136,10 @@ def status_after(status: str, trailer: Trailer) -> str:
     return status
 
 
-def fold_status(trailers: list[Trailer]) -> tuple[str, str]:
+def fold_status(trailers: list[Trailer]) -> tuple[Status, Stage]:
     """(status, stage) of a chain, from nothing but its trailers."""
-    status, stage = "pending", "observe"
+    status: Status = "pending"
+    stage: Stage = "observe"
     for t in trailers:
         status = status_after(status, t)
         stage = t.to_stage

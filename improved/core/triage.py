@@ -7,7 +7,7 @@ gate — so the cause of a decision is deterministic. Pure: (record, policy, clo
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, get_args
 
 import msgspec
 
@@ -17,19 +17,19 @@ from improved.core.guards import forbidden_match, on_allowlist, self_confirmed, 
 from improved.core.policy import Policy
 from improved.core.record import ProposalRecord
 from improved.protocol import canonical
-from improved.protocol.model import Proposal, TriageDecision
+from improved.protocol.model import Cause, ChangeClass, Held, Proposal, TriageDecision, Verdict
 
 
 def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
            actor: str, rejected: dict[str, Any] | None = None,
-           held: str | None = None) -> TriageDecision:
+           held: Held | None = None) -> TriageDecision:
     """`rejected`: the rejection-ledger entry under this proposal's dedup_key, if any;
     `held`: `circuit_open` or `autonomy_off` while autonomous applies are held back."""
     p = record.proposal
     scheme = gradient.scheme_of(p.target_ref)
 
-    def decision(verdict: str, cause: str | None, rationale: str,
-                 gate_class: str = p.change_class) -> TriageDecision:
+    def decision(verdict: Verdict, cause: Cause | None, rationale: str,
+                 gate_class: ChangeClass = p.change_class) -> TriageDecision:
         return TriageDecision(proposal_id=record.proposal_id, service=record.service,
                               verdict=verdict, cause=cause, gate_class=gate_class,
                               rationale=rationale[:REASON_LIMIT], actor=actor, at=now)
@@ -89,12 +89,12 @@ def evidence_digest(proposal: Proposal) -> str:
 class Decide(Protocol):
     """Makes the TriageDecision for one proposal: `decide`'s `decision`."""
 
-    def __call__(self, verdict: str, cause: str | None, rationale: str,
-                 gate_class: str = ...) -> TriageDecision: ...
+    def __call__(self, verdict: Verdict, cause: Cause | None, rationale: str,
+                 gate_class: ChangeClass = ...) -> TriageDecision: ...
 
 
 def gate(record: ProposalRecord, grant_active: bool, decision: Decide,
-         held: str | None = None, quorum: bool = False) -> TriageDecision:
+         held: Held | None = None, quorum: bool = False) -> TriageDecision:
     cls = record.proposal.change_class
     if held is not None and (cls == "L0" or (cls == "L3" and grant_active)):
         why = ("autonomy is switched off" if held == "autonomy_off" else
@@ -122,7 +122,7 @@ def gate(record: ProposalRecord, grant_active: bool, decision: Decide,
                     + (" per occurrence" if cls == "L4" else ""))
 
 
-HELD = frozenset({"circuit_open", "autonomy_off"})
+HELD: frozenset[str] = frozenset(get_args(Held))
 
 
 def held_back(record: ProposalRecord) -> bool:

@@ -17,7 +17,18 @@ ChangeClass = Literal["L0", "L1", "L2", "L3", "L4"]
 Scope = Literal["knowledge", "code", "operation", "charter"]
 Status = Literal["pending", "approved", "rejected", "applied", "rolled_back", "expired"]
 Stage = Literal["observe", "propose", "triage", "apply", "learn-back"]
-Verdict = Literal["accept", "defer", "reject"]
+Verdict = Literal["accept", "defer", "reject"]  # a triage decision's
+# Every verdict a trailer may carry (the registration trailer carries none): the triage
+# decision's, the signed acts', the apply's, learn-back's, and the mesh chains' own.
+TrailerVerdict = Literal[
+    "accept", "defer", "reject",  # triage
+    "approve", "refused", "superseded", "inherit", "vote", "quorum",  # authority
+    "lkg_verified", "applied", "failed", "rollback", "rolled_back", "rollback_failed",  # apply
+    "signal", "held", "regressed",  # learn-back
+    "grant", "revoke",  # the grant chain of a skill hash
+    "autonomy_on", "autonomy_off", "crisis", "crisis_resolved",  # the autonomy chain
+    "checkpoint",  # the checkpoint chain
+]
 ObserverType = Literal["human", "rec:agent", "rec:policy", "rec:system"]
 Cause = Literal[
     "forbidden_target",
@@ -34,6 +45,8 @@ Cause = Literal[
     "autonomy_off",
     "invalid",
 ]
+
+Held = Literal["circuit_open", "autonomy_off"]  # the causes that hold autonomous applies back
 
 Millis = Annotated[int, Meta(ge=0, le=2**53)]
 ServiceName = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_-]{0,62}$")]
@@ -145,12 +158,12 @@ class ProposalState(_Out):
     proposal_id: str
     service: str
     target_ref: str
-    change_class: str
-    gate_class: str
-    scope: str
+    change_class: ChangeClass
+    gate_class: ChangeClass
+    scope: Scope
     dedup_key: str
-    stage: str
-    status: str
+    stage: Stage
+    status: Status
     summary_text: str
     updated_at: int
 
@@ -158,9 +171,9 @@ class ProposalState(_Out):
 class TriageDecision(_Out):
     proposal_id: str
     service: str
-    verdict: str
-    cause: str | None
-    gate_class: str
+    verdict: Verdict
+    cause: Cause | None
+    gate_class: ChangeClass
     rationale: str
     actor: str
     at: int
@@ -262,18 +275,18 @@ class Trailer(Struct, omit_defaults=True, kw_only=True):
 
     proposal_id: str
     seq: int
-    from_stage: str
-    to_stage: str
-    gate_class: str
-    scope: str
+    from_stage: Stage
+    to_stage: Stage
+    gate_class: ChangeClass
+    scope: Scope
     actor: str
-    observer_type: str
+    observer_type: ObserverType
     reason: str
     refs: list[str] = []
     at: int
     prev: str
-    verdict: str | None = None
-    cause: str | None = None
+    verdict: TrailerVerdict | None = None
+    cause: Cause | None = None
     hash: str = ""
 
 
