@@ -1,20 +1,30 @@
-"""Builders for wire messages used across the end-to-end tests."""
+"""Wire messages for the end-to-end tests, stamped with the wall clock: proposals of a given
+service, signals, signed operator acts (reviews, grants) and L4 binary swaps. Pure builders;
+what sends them is in `tests.bus`. The core's tests use `tests.builders` (a fixed clock)."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any
 
-import msgspec
-
-from improved.protocol import subjects
+from improved.core.signing import PAYLOAD_TYPES, sign
 from improved.protocol.model import (
-    ApplyOrder,
-    ApplyResult,
+    AnalyzerRef,
+    GrantCommand,
+    Origin,
+    Proposal,
+    Review,
     Signal,
+    Summary,
     to_json,
 )
 from improved.testing import rank_proposal, skill_proposal, unique_ms  # noqa: F401
+from tests.keys import ALICE
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 def signal(svc: str, actor: str, positive: bool = True, kind: str = "refine",
@@ -23,33 +33,35 @@ def signal(svc: str, actor: str, positive: bool = True, kind: str = "refine",
                   at=over.pop("at", int(time.time() * 1000)), proposal_id=proposal_id, **over)
 
 
-def as_result(data: bytes) -> ApplyResult:
-    """The reply as an ApplyResult; an error reply ("not now": the daemon would retry) reads
-    as a failed one here, with its message."""
-    body = msgspec.json.decode(data)
-    if isinstance(body.get("error"), dict):
-        return ApplyResult(ok=False, error=body["error"]["message"])
-    return msgspec.convert(body, type=ApplyResult)
+def review(pid: str, verdict: str = "approve", who=ALICE, principal: str | None = None,
+           at: int | None = None, reason: str = "looked at it"):
+    """A review of `pid` signed by `who` (ALICE: an operator the test daemons trust)."""
+    body = Review(proposal_id=pid, verdict=verdict, principal=principal or who[0],
+                  reason=reason, at=at or now_ms())
+    return sign(PAYLOAD_TYPES["review"], to_json(body), who[1])
 
 
-async def send(nc, svc: str, o: ApplyOrder | bytes) -> tuple[ApplyResult, bytes]:
-    """One ApplyOrder sent by hand to `<svc>.improve.apply`: (its reply as a result, raw)."""
-    body = o if isinstance(o, bytes) else to_json(o)
-    reply = await nc.request(subjects.apply_request(svc), body, timeout=5)
-    return as_result(reply.data), reply.data
+def grant(skill: str, op: str = "grant", who=ALICE):
+    """A signed L3 grant (or, with op="revoke", its revocation) of one skill identity."""
+    body = GrantCommand(op=op, skill=skill, principal=who[0], reason="trusted", at=now_ms())
+    return sign(PAYLOAD_TYPES["grant"], to_json(body), who[1])
 
 
-def crash_once_after_the_write(store) -> None:
-    """Make a reference store crash once between writing a value and completing its ledger
-    entry, as a process dying at the worst moment would."""
-    real = store.ledger.update
-    calls = 0
+def sha(text: str) -> str:
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
-    async def crash_once(*args, **kwargs):
-        nonlocal calls
-        calls += 1
-        if calls == 1:
-            raise RuntimeError("crashed after the write")
-        return await real(*args, **kwargs)
 
-    store.ledger.update = crash_once
+def swap(svc: str, new: dict[str, str], smoke: dict[str, str] | None = None,
+         actor: str = "agentd:run-7:1") -> Proposal:
+    """An L4 swap of `svc`'s artefacts to the `new` texts, each with its last-known-good."""
+    smoke = smoke or {}
+    return Proposal(
+        service=svc, target_ref=f"binary:{svc}", change_class="L4", scope="operation",
+        origin=Origin(actor=actor, service="agentd"),
+        analyzer=AnalyzerRef(id="acme.deployer/1"),
+        summary=Summary(template_id="swap_binary", args={"n": len(new)}),
+        proposal_data={"artefacts": new},
+        lkg=[{"artefact": name, "digest": sha(text), "smoke_test": smoke.get(name, "json")}
+             for name, text in new.items()],
+        created_at=now_ms(),
+    )

@@ -44,8 +44,7 @@ from improved.protocol.model import Proposal, to_json
 from improved.runtime.store import Store, trailer_decoder
 from improved_reference.kv_service import PROVENANCE
 from improved_reference.ranking_store import RankingStore
-
-from .factories import rank_proposal, skill_proposal
+from tests.factories import rank_proposal, skill_proposal
 
 READY = "improved: ready as"
 FORBIDDEN = ["notes/../_spec/2026-04-20-00-constitution.md"]

@@ -1,0 +1,136 @@
+"""Helpers for tests against a live nats-server and daemon: the test daemons' config, waiting
+for a condition, publishing signed acts, sending orders by hand, reading a proposal's audit
+chain, a stand-in owning service, a store that crashes at the worst moment, and the L4 steps
+(an artefact store, an approval, a quorum case) several suites share."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import tempfile
+import uuid
+from pathlib import Path
+
+import msgspec
+
+from improved.client.sdk import MeshClient
+from improved.core import signing
+from improved.protocol import canonical, subjects
+from improved.protocol.model import ApplyOrder, ApplyResult, to_json
+from improved.runtime.config import ApplySettings, Config, Trust
+from improved_reference.artefact_store import ArtefactStore
+from tests.factories import review, swap
+from tests.keys import ALICE
+
+_KEYS = Path(tempfile.mkdtemp(prefix="improved-test-keys-"))
+
+
+def daemon_config(**overrides) -> Config:
+    """Short apply timeouts, ALICE trusted as an operator, a checkpoint key of its own."""
+    apply = overrides.pop("apply", ApplySettings(timeout_s=1.0, attempts=2, max_deliveries=3))
+    public = base64.b64encode(signing.raw_public(ALICE[1].public_key())).decode()
+    trust = overrides.pop("trust", Trust(operators={ALICE[0]: public}))
+    # each daemon signs checkpoints with a key of its own, kept out of the work tree
+    overrides.setdefault("checkpoint_key", _KEYS / f"checkpoint-{uuid.uuid4().hex[:8]}.pem")
+    return Config(apply=apply, trust=trust, **overrides)
+
+
+async def eventually(check, timeout: float = 10.0, interval: float = 0.05):
+    """Await `check()` until it returns something truthy; fail with its last value."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    last = None
+    while asyncio.get_running_loop().time() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s (last: {last!r})")
+
+
+async def publish(nc, subject: str, env) -> None:
+    """Publish a signed act (review, grant, vote...) to its JetStream subject."""
+    await nc.jetstream().publish(subject, to_json(env))
+
+
+async def trailers(daemon, svc, pid):
+    """The trailers of `pid`'s audit chain, oldest first."""
+    return [b for _, b in await daemon.store.read_chain(svc, pid)]
+
+
+def as_result(data: bytes) -> ApplyResult:
+    """The reply as an ApplyResult; an error reply ("not now": the daemon would retry) reads
+    as a failed one here, with its message."""
+    body = msgspec.json.decode(data)
+    if isinstance(body.get("error"), dict):
+        return ApplyResult(ok=False, error=body["error"]["message"])
+    return msgspec.convert(body, type=ApplyResult)
+
+
+async def send(nc, svc: str, o: ApplyOrder | bytes) -> tuple[ApplyResult, bytes]:
+    """One ApplyOrder sent by hand to `<svc>.improve.apply`: (its reply as a result, raw)."""
+    body = o if isinstance(o, bytes) else to_json(o)
+    reply = await nc.request(subjects.apply_request(svc), body, timeout=5)
+    return as_result(reply.data), reply.data
+
+
+def crash_once_after_the_write(store) -> None:
+    """Make a reference store crash once between writing a value and completing its ledger
+    entry, as a process dying at the worst moment would."""
+    real = store.ledger.update
+    calls = 0
+
+    async def crash_once(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("crashed after the write")
+        return await real(*args, **kwargs)
+
+    store.ledger.update = crash_once
+
+
+class Applier:
+    """A stand-in owning service: records every ApplyOrder, applies each id once."""
+
+    def __init__(self):
+        self.orders: list[str] = []
+        self.authorities: list[str] = []
+
+    async def __call__(self, order) -> ApplyResult:
+        self.orders.append(order.proposal_id)
+        self.authorities.append(order.authority)
+        skill = order.proposal.proposal_data["skill"]
+        return ApplyResult(ok=True, applied_id=canonical.skill_identity(skill),
+                           inverse={"retract": canonical.skill_identity(skill)},
+                           rollbackable=True)
+
+
+# -- L4 ------------------------------------------------------------------------------------------
+
+
+async def started(nc, svc: str, seed: dict[str, str]) -> ArtefactStore:
+    """The reference artefact store of `svc`, started and seeded with `seed`."""
+    store = ArtefactStore(nc, svc)
+    await store.start()
+    await store.seed(seed)
+    return store
+
+
+async def approve(nc, client, svc, pid):
+    """ALICE's signed approval of `pid`, once the daemon has decided it."""
+    await eventually(lambda: client.decision(pid))
+    await publish(nc, subjects.inbound_review(svc), review(pid))
+
+
+async def outcome(client, pid):
+    return await eventually(lambda: client.outcome(pid), timeout=15)
+
+
+async def quorum_case(nc, daemon, svc):
+    """An L4 swap on a quorum daemon, deferred for its quorum: (store, client, proposal id)."""
+    store = await started(nc, svc, {"a": '{"v": 1}'})
+    client = MeshClient(nc, svc)
+    pid = await client.publish(swap(svc, {"a": '{"v": 2}'}))
+    decision = await eventually(lambda: client.decision(pid))
+    assert (decision.verdict, decision.cause) == ("defer", "awaiting_quorum")
+    return store, client, pid

@@ -1,0 +1,16 @@
+"""The `improved` command run as an operator runs it: a subprocess of this interpreter with no
+config file from the environment, its output captured."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+IMPROVED = [sys.executable, "-m", "improved.cli"]
+ENV = {**os.environ, "IMPROVED_CONFIG": ""}
+
+
+def improved(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*IMPROVED, *args], capture_output=True, text=True, timeout=60,
+                          env=ENV, **kw)

@@ -1,0 +1,335 @@
+"""The reference L4 artefact store and the service-side acceptance check, against a real
+nats-server (no daemon): orders are sent by hand, and the audit trailers the acceptance check
+reads are sealed and appended here as the daemon would."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from improved.client import acceptance
+from improved.core import audit, propose
+from improved.core.apply import ROLLBACK_ANALYZER
+from improved.core.record import ChainHead
+from improved.protocol import subjects as S
+from improved.protocol.model import AnalyzerRef, ApplyOrder, Origin, Proposal, Summary, to_json
+from improved.runtime import bus
+from improved.runtime.store import Store
+from improved_reference.artefact_store import ArtefactStore, bucket_names, digest_of, main
+from tests.bus import send
+from tests.factories import unique_ms
+
+OPERATOR = "operator:alice"
+SEED = {"config": '{"level": 1}', "motd": "hello"}
+SMOKE = {"config": "json", "motd": "nonempty"}
+
+
+def lkg(contents: dict[str, str], smoke: dict[str, str] = SMOKE) -> list[dict[str, str]]:
+    return [{"artefact": n, "digest": digest_of(c.encode()), "smoke_test": smoke[n]}
+            for n, c in contents.items()]
+
+
+def l4(svc: str, data: dict, lkg_entries: list | None, change_class: str = "L4",
+       **over) -> Proposal:
+    fields = dict(
+        service=svc, target_ref=f"binary:{svc}", change_class=change_class, scope="operation",
+        origin=Origin(actor=f"mcp:{svc}-agent:1", service=svc),
+        analyzer=AnalyzerRef(id="acme.release/1"),
+        summary=Summary(template_id="swap_artefacts", args={}),
+        proposal_data=data, lkg=lkg_entries, created_at=unique_ms())
+    fields.update(over)
+    return Proposal(**fields)
+
+
+def swap(svc: str, contents: dict[str, str], **over) -> Proposal:
+    return l4(svc, {"artefacts": contents}, lkg(contents), **over)
+
+
+def order(p: Proposal, authority: str = OPERATOR) -> ApplyOrder:
+    pid, _ = propose.identify(p)
+    return ApplyOrder(proposal_id=pid, proposal=p, authority=authority, attempt=1)
+
+
+async def append(js, svc: str, chain_id: str, *steps: tuple[str | None, str],
+                 gate_class: str = "L4") -> None:
+    """Seal and append one trailer per (verdict, actor) to a chain, as the daemon would."""
+    bodies = await acceptance.read_chain(js, S.audit(svc, chain_id))
+    head = ChainHead(length=len(bodies), last_hash=bodies[-1]["hash"] if bodies else "")
+    for verdict, actor in steps:
+        draft = (audit.Draft("observe", "propose", actor, "rec:agent", "proposed")
+                 if verdict is None else
+                 audit.Draft("triage", "triage", actor, "human", f"{verdict} by {actor}",
+                             verdict=verdict))
+        trailer = audit.seal_next(draft, chain_id, head, gate_class, "operation", unique_ms())
+        await js.publish(S.audit(svc, chain_id), to_json(trailer), stream=S.STREAM_AUDIT)
+        head = ChainHead(length=head.length + 1, last_hash=trailer.hash)
+
+
+async def approved(js, o: ApplyOrder, *verdicts: tuple[str, str]) -> ApplyOrder:
+    """`o`, registered on its chain and then given `verdicts` (default: approved by alice)."""
+    await append(js, o.proposal.service, o.proposal_id, (None, o.proposal.origin.actor),
+                 *(verdicts or (("approve", OPERATOR),)))
+    return o
+
+
+async def manifest_rev(store: ArtefactStore) -> int:
+    return (await store._current("manifest"))[1]
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def store(daemon, nc, svc):
+    """The session daemon made the audit and records streams the acceptance check reads."""
+    s = ArtefactStore(nc, svc)
+    await s.start()
+    await s.seed(SEED)
+    yield s
+    await s.stop()
+    js = nc.jetstream()
+    objects, heads, ledger = bucket_names(svc)
+    await js.delete_object_store(objects)
+    for bucket in (heads, ledger):
+        await js.delete_key_value(bucket)
+
+
+def seeded() -> dict[str, str]:
+    return {n: digest_of(c.encode()) for n, c in SEED.items()}
+
+
+async def lkg_check(nc, svc: str, body) -> dict:
+    data = body if isinstance(body, bytes) else to_json(body)
+    reply = await nc.request(S.lkg_request(svc), data, timeout=5)
+    return msgspec.json.decode(reply.data)
+
+
+# -- the pre-apply LKG check ---------------------------------------------------------------------
+
+
+async def test_lkg_check_reports_healthy_failing_unknown_and_corrupt_and_changes_nothing(
+        nc, svc, store):
+    before, rev = await store.manifest(), await manifest_rev(store)
+    pid = "ab" * 32
+    new = {"config": '{"level": 2}', "motd": "hi"}
+
+    healthy = await lkg_check(nc, svc, {"proposal_id": pid, "lkg": lkg(new)})
+    assert healthy == {"ok": True, "artefacts": [
+        {"artefact": "config", "lkg_digest": seeded()["config"], "smoke_test": "json", "rc": 0},
+        {"artefact": "motd", "lkg_digest": seeded()["motd"], "smoke_test": "nonempty", "rc": 0}]}
+
+    # the current motd ("hello") is no JSON: its LKG fails that smoke test
+    failing = await lkg_check(nc, svc, {"proposal_id": pid, "lkg": lkg(
+        new, {"config": "json", "motd": "json"})})
+    assert failing["ok"] is False
+    assert [a["rc"] for a in failing["artefacts"]] == [0, 1]
+    assert "motd" in failing["error"]
+
+    unknown = await lkg_check(nc, svc, {"proposal_id": pid, "lkg": [
+        {"artefact": "nosuch", "digest": digest_of(b"x"), "smoke_test": "nonempty"},
+        {"artefact": "motd", "digest": digest_of(b"x"), "smoke_test": "nosuch-test"}]})
+    assert unknown["ok"] is False
+    assert unknown["artefacts"][0] == {"artefact": "nosuch", "lkg_digest": None,
+                                       "smoke_test": "nonempty", "rc": 127}
+    assert unknown["artefacts"][1]["rc"] == 127
+    assert "no last-known-good for nosuch" in unknown["error"]
+
+    for bad in (b"not json", {"lkg": lkg(new)}, {"proposal_id": pid, "lkg": []},
+                {"proposal_id": pid, "lkg": [{"artefact": "motd"}]}):
+        reply = await lkg_check(nc, svc, bad)
+        assert reply["error"]["code"] == "invalid_value", reply
+
+    assert (await store.manifest(), await manifest_rev(store)) == (before, rev)
+
+    # the LKG blob itself goes missing: rc 126
+    await store.objects.delete(seeded()["motd"].removeprefix("sha256:"))
+    corrupt = await lkg_check(nc, svc, {"proposal_id": pid, "lkg": lkg(new)})
+    assert corrupt["ok"] is False and [a["rc"] for a in corrupt["artefacts"]] == [0, 126]
+    assert "LKG blob missing or corrupt" in corrupt["error"]
+    assert (await store.manifest(), await manifest_rev(store)) == (before, rev)
+
+
+# -- swaps ---------------------------------------------------------------------------------------
+
+
+async def test_accepted_swap_applies_both_in_one_write_exactly_once(nc, svc, store):
+    js = nc.jetstream()
+    new = {"config": '{"level": 2}', "motd": "hello, world"}
+    o = await approved(js, order(swap(svc, new)))
+    rev = await manifest_rev(store)
+
+    result, raw = await send(nc, svc, o)
+    assert result.ok, result.error
+    assert result.applied_id == f"manifest@{rev + 1}"  # one write moved both
+    assert result.rollbackable and result.inverse == {"restore": seeded()}
+    assert await store.manifest() == {n: digest_of(c.encode()) for n, c in new.items()}
+    assert await store.content("motd") == b"hello, world"
+    assert await store.content("config") == b'{"level": 2}'
+
+    again, raw_again = await send(nc, svc, o)
+    assert (again, raw_again) == (result, raw)
+    assert await manifest_rev(store) == rev + 1
+    assert (store.applies, store.orders) == (1, 2)
+    assert await store.apply_count(o.proposal_id) == 1
+
+
+@pytest.mark.parametrize("fault, error", [
+    ("smoke", "artefact motd: smoke test nonempty failed (rc 1); nothing swapped"),
+    ("digest", "artefact motd: digest mismatch"),
+])
+async def test_second_artefact_failing_leaves_both_at_their_lkg(nc, svc, store, fault, error):
+    js = nc.jetstream()
+    new = {"config": '{"level": 3}', "motd": "" if fault == "smoke" else "fine"}
+    entries = lkg(new)
+    if fault == "digest":
+        entries[1]["digest"] = digest_of(b"something else")
+    o = await approved(js, order(l4(svc, {"artefacts": new}, entries)))
+    rev = await manifest_rev(store)
+
+    result, _ = await send(nc, svc, o)
+    assert not result.ok and result.error == error
+    assert await store.manifest() == seeded()
+    assert await manifest_rev(store) == rev
+    assert await store.apply_count(o.proposal_id) == 0
+    assert not await store._has_blob(digest_of(new["config"].encode()))  # nothing uploaded
+
+
+async def test_swap_needs_an_lkg_and_lkg_listing_every_artefact(nc, svc, store):
+    js = nc.jetstream()
+    contents = {"config": "{}", "brand-new": "x"}
+    fresh = await approved(js, order(l4(svc, {"artefacts": contents},
+                                        lkg(contents, {**SMOKE, "brand-new": "nonempty"}),
+                                        target_ref="lkg:brand-new")))
+    result, _ = await send(nc, svc, fresh)
+    assert not result.ok and "brand-new: no last-known-good" in result.error
+    partial = await approved(js, order(l4(svc, {"artefacts": {"config": "{}", "motd": "x"}},
+                                          lkg({"config": "{}"}))))
+    result, _ = await send(nc, svc, partial)
+    assert not result.ok and "lkg must list exactly" in result.error
+    assert await store.manifest() == seeded()
+
+
+# -- going back ----------------------------------------------------------------------------------
+
+
+async def test_inverse_applied_as_its_own_order_restores_both(nc, svc, store):
+    js = nc.jetstream()
+    new = {"config": '{"level": 4}', "motd": "bye"}
+    first, _ = await send(nc, svc, await approved(js, order(swap(svc, new))))
+    assert first.ok, first.error
+
+    back = await approved(js, order(l4(svc, first.inverse, None)))
+    result, _ = await send(nc, svc, back)
+    assert result.ok, result.error
+    assert await store.manifest() == seeded()
+    assert await store.content("motd") == b"hello"
+    assert result.inverse == {"restore": {n: digest_of(c.encode()) for n, c in new.items()}}
+
+    # a restore to a digest the store never held is refused
+    unknown = await approved(js, order(l4(svc, {"restore": {"motd": digest_of(b"never")}},
+                                          None)))
+    result, _ = await send(nc, svc, unknown)
+    assert not result.ok and "is not held" in result.error
+    assert await store.manifest() == seeded()
+
+
+async def test_operator_rollback_is_accepted_on_the_originals_chain(nc, svc, store):
+    js = nc.jetstream()
+    original = await approved(js, order(swap(svc, {"config": "[1]", "motd": "v2"})))
+    first, _ = await send(nc, svc, original)
+    assert first.ok, first.error
+    inverse = l4(svc, first.inverse, None, origin=Origin(actor="improved", service="improved"),
+                 analyzer=AnalyzerRef(id=ROLLBACK_ANALYZER),
+                 summary=Summary(template_id="rollback",
+                                 args={"proposal_id": original.proposal_id}),
+                 derived_from=[f"mg:sha256:{original.proposal_id}"])
+    o = order(inverse)
+
+    result, _ = await send(nc, svc, o)
+    assert not result.ok
+    assert result.error == (f"not_accepted: no rollback by {OPERATOR} on the audit chain of "
+                            f"{original.proposal_id[:8]}")
+    await append(js, svc, original.proposal_id, ("applied", OPERATOR), ("rollback", OPERATOR))
+    result, _ = await send(nc, svc, o)
+    assert result.ok, result.error
+    assert await store.manifest() == seeded()
+
+
+# -- acceptance ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("verdicts, authority, why", [
+    (None, OPERATOR, "no audit chain for"),
+    ((), OPERATOR, f"no approval by {OPERATOR} on the audit chain of"),
+    ((("approve", "operator:bob"),), OPERATOR, f"no approval by {OPERATOR}"),
+    ((("approve", OPERATOR),), "operator:bob", "no approval by operator:bob"),
+    ((("approve", OPERATOR), ("superseded", "improved")), OPERATOR, "withdrawn (superseded)"),
+])
+async def test_unaccepted_l4_order_is_refused_and_changes_nothing(nc, svc, store, verdicts,
+                                                                 authority, why):
+    js = nc.jetstream()
+    o = order(swap(svc, {"config": "{}", "motd": "unreviewed"}), authority)
+    if verdicts is not None:
+        await append(js, svc, o.proposal_id, (None, o.proposal.origin.actor), *verdicts)
+    rev = await manifest_rev(store)
+    result, _ = await send(nc, svc, o)
+    assert not result.ok
+    assert result.error.startswith("not_accepted: ") and why in result.error, result.error
+    assert (await store.manifest(), await manifest_rev(store)) == (seeded(), rev)
+    assert await store.apply_count(o.proposal_id) == 0
+
+
+async def test_acceptance_rules_for_other_classes_and_tampering(nc, svc, store):
+    js = nc.jetstream()
+    l0 = order(swap(svc, {"config": "{}", "motd": "x"}, change_class="L0"), "policy:auto")
+    assert await acceptance.check(js, l0) is None
+    l1 = order(swap(svc, {"config": "{}", "motd": "x"}, change_class="L1"))
+    assert await acceptance.check(js, l1) == "not_accepted: L1 proposals are never applied"
+
+    # an approved id does not carry over to other content
+    good = await approved(js, order(swap(svc, {"config": "{}", "motd": "x"})))
+    assert await acceptance.check(js, good) is None
+    forged = ApplyOrder(proposal_id=good.proposal_id, attempt=1, authority=OPERATOR,
+                        proposal=swap(svc, {"config": "{}", "motd": "evil"}))
+    assert "is not the content address" in await acceptance.check(js, forged)
+
+    # L3: an active grant for the exact skill, else an operator's approval
+    skill = {"name": "summarize", "description": "d", "instructions": "i"}
+    l3 = order(l4(svc, {"skill": skill}, None, change_class="L3"), "policy:auto")
+    assert (await acceptance.check(js, l3)).startswith("not_accepted: no grant for summarize:")
+
+
+async def test_a_chain_that_does_not_verify_is_no_evidence(own_server):
+    """On a server of its own: a broken chain would put the session daemon in crisis."""
+    nc = await bus.connect(own_server.url, "tamper")
+    try:
+        await Store(nc).ensure()
+        js = nc.jetstream()
+        svc = "tamper"
+        o = order(swap(svc, {"config": "{}", "motd": "y"}))
+        await append(js, svc, o.proposal_id, (None, "someone"))
+        body = audit.seal_next(audit.Draft("triage", "triage", OPERATOR, "human", "approve",
+                                           verdict="approve"), o.proposal_id,
+                               ChainHead(length=1, last_hash="0" * 64), "L4", "operation", 1)
+        await js.publish(S.audit(svc, o.proposal_id), to_json(body), stream=S.STREAM_AUDIT)
+        assert "does not verify" in await acceptance.check(js, o)
+    finally:
+        await bus.close(nc)
+
+
+# -- capabilities ----------------------------------------------------------------------------------
+
+
+async def test_spec_get_answers_capabilities_with_lkg(nc, svc, store):
+    reply = msgspec.json.decode((await nc.request(S.service_spec(svc), b"", timeout=5)).data)
+    assert reply["service"] == svc and reply["improve"] is True
+    assert reply["apply"] == S.apply_request(svc) and reply["lkg"] == S.lkg_request(svc)
+    assert reply["conformance"] == "L4"
+    assert reply["acceptance"] == "verified on the audit chain"
+    assert reply["smoke_tests"] == ["json", "nonempty", "utf8"]
+    assert "binary:" in reply["schemes"] and "lkg:" in reply["schemes"]
+
+
+def test_main_help(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    assert "--service" in capsys.readouterr().out

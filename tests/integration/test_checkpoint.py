@@ -1,0 +1,97 @@
+"""Tamper evidence beyond single chains on a live daemon: the crisis a broken log puts the daemon
+in until an operator's signed act resolves it (the checkpoints' pure rules are in
+tests/unit/test_checkpoint.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import msgspec
+
+from improved.client.sdk import MeshClient
+from improved.core.breaker import AUTONOMY_ID
+from improved.core.signing import PAYLOAD_TYPES, sign
+from improved.protocol import subjects as S
+from improved.protocol.model import ApplyResult, CrisisAct, to_json
+from improved.runtime import bus
+from improved.runtime.daemon import Daemon
+from tests.bus import daemon_config, eventually
+from tests.factories import rank_proposal
+from tests.keys import ALICE, MALLORY
+
+
+def resolve(crisis: str, who=ALICE):
+    act = CrisisAct(op="resolve", crisis=crisis, principal=who[0], reason="log restored",
+                    at=int(time.time() * 1000))
+    return sign(PAYLOAD_TYPES["crisis"], to_json(act), who[1])
+
+
+async def test_a_broken_log_means_crisis_until_an_operator_resolves_it(own_server, tmp_path):
+    config = msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
+                                     data_dir=tmp_path / "data")
+    nc = await bus.connect(own_server.url, "crisis")
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    svc = "cri"
+    client = MeshClient(nc, svc)
+    orders: list[str] = []
+
+    async def applier(order):
+        orders.append(order.proposal_id)
+        return ApplyResult(ok=True, applied_id="x", rollbackable=False)
+
+    sub = await client.serve_apply(applier)
+    js = nc.jetstream()
+    try:
+        first = (await client.propose(rank_proposal(svc, key="a"))).proposal_id
+        await eventually(lambda: _applied(client, first))
+        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+
+        # Someone with write access forges a trailer onto the proposal's chain.
+        forged = {"proposal_id": first, "seq": 3, "from_stage": "apply", "to_stage": "apply",
+                  "gate_class": "L0", "scope": "knowledge", "actor": "mallory",
+                  "observer_type": "rec:system", "reason": "nothing to see", "at": 1,
+                  "prev": "0" * 64, "hash": "0" * 64}
+        await js.publish(S.audit(svc, first), to_json(forged))
+        problem = await daemon.engine.checkpoint(daemon._checkpoint_key)
+        assert problem is not None and first in problem
+        state = await daemon.engine.autonomy(2**62)
+        assert state.crisis.startswith("crisis-")
+
+        # No apply while in crisis, whatever the class.
+        second = (await client.propose(rank_proposal(svc, key="b"))).proposal_id
+        assert (await client.triage(second)).verdict == "accept"
+        await asyncio.sleep(0.5)
+        assert orders == [first]
+        verify = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "improved.cli", "audit", "verify", "--nats",
+                             own_server.url], capture_output=True, text=True, timeout=30)
+        assert verify.returncode == 1 and "BROKEN" in verify.stdout
+
+        # An untrusted key cannot resolve it; a trusted operator can.
+        await js.publish(S.GRANTS, to_json(resolve(state.crisis, who=MALLORY)))
+        await asyncio.sleep(0.5)
+        assert (await daemon.engine.autonomy(2**62)).crisis == state.crisis
+        await js.publish(S.GRANTS, to_json(resolve(state.crisis)))
+
+        async def resolved():
+            return not (await daemon.engine.autonomy(2**62)).crisis
+
+        await eventually(resolved)
+        await client.triage(second)
+        await eventually(lambda: _applied(client, second))
+        chain = [b for _, b in await daemon.store.read_chain_at(S.autonomy_audit(AUTONOMY_ID))]
+        assert [t["verdict"] for t in chain][-2:] == ["crisis", "crisis_resolved"]
+        assert chain[-1]["actor"] == "operator:alice"
+    finally:
+        await sub.unsubscribe()
+        await daemon.stop()
+        await bus.close(nc)
+
+
+async def _applied(client, pid):
+    state = await client.state(pid)
+    return state if state is not None and state.status == "applied" else None

@@ -1,0 +1,255 @@
+"""The command line as an operator uses it: the embedded server, propose, show, audit verify,
+--help, a bad config file, and a clean exit on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal as signals
+import subprocess
+import sys
+import time
+
+import pytest
+
+from improved.runtime import bus
+from tests.cli import ENV, IMPROVED, improved
+from tests.factories import rank_proposal, skill_proposal
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["propose"], ["show"], ["audit", "verify"],
+                                     ["keys", "new"], ["review"], ["approve"], ["reject"],
+                                     ["grant"], ["revoke"], ["skill", "hash"], ["rollback"],
+                                     ["status"], ["crisis", "resolve"], ["demo"], ["bench"],
+                                     ["audit", "rebuild"], ["revert"], ["vote"],
+                                     ["conformance"], ["tools", "list"], ["tools", "grant"]])
+def test_every_command_explains_itself(command):
+    result = improved(*command, "--help")
+    assert result.returncode == 0
+    assert "usage: improved" in result.stdout
+    assert len(result.stdout.split()) > 20
+
+
+def test_a_missing_config_file_is_a_clear_error():
+    result = improved("run", "--config", "/nonexistent/improved.toml")
+    assert result.returncode == 2
+    assert "config file not found: /nonexistent/improved.toml" in result.stderr
+
+
+@pytest.mark.parametrize(("text", "line"), [
+    ('[policy]\nforbidden_targets = "_spec/2026-04-20-00-constitution.md"\n',
+     "improved: config error: policy.forbidden_targets: expected array, got str"),
+    ('[apply]\ntimeout_s = "five"\n',
+     "improved: config error: apply.timeout_s: expected float, got str"),
+    ('[policy]\nmin_class = { grain = "L9" }\n',
+     "improved: config error: policy.min_class.grain: expected one of L0, L1, L2, L3, L4, "
+     "got 'L9'"),
+])
+def test_improved_run_with_a_bad_config_says_one_line_and_exits(tmp_path, text, line):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text)
+    done = subprocess.run([sys.executable, "-m", "improved.cli", "run", "--config", str(bad)],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "IMPROVED_CONFIG": ""})
+    assert done.returncode == 2
+    assert done.stderr == line + "\n"
+
+
+def test_an_unreachable_server_is_a_clear_error(tmp_path):
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(_builtins(rank_proposal("cli"))))
+    result = improved("propose", "--nats", f"nats://127.0.0.1:{bus.free_port()}", str(p))
+    assert result.returncode == 2
+    assert "cannot reach NATS" in result.stderr
+
+
+def _builtins(proposal) -> dict:
+    import msgspec
+
+    return msgspec.to_builtins(proposal)
+
+
+def test_run_propose_show_verify_and_stop(tmp_path):
+    port = bus.free_port()
+    data_dir = tmp_path / "data"
+    daemon = subprocess.Popen([*IMPROVED, "run", "--data-dir", str(data_dir), "--port",
+                               str(port)], stderr=subprocess.PIPE, text=True, env=ENV)
+    url = f"nats://127.0.0.1:{port}"
+    try:
+        banner = daemon.stderr.readline()
+        assert f"listening on {url}" in banner and "sync=always" in banner
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            line = daemon.stderr.readline()
+            if "ready as improved:" in line:
+                break
+        else:
+            pytest.fail("the daemon never said it was ready")
+        assert (data_dir / "jetstream").is_dir()
+
+        rank = tmp_path / "rank.json"
+        rank.write_text(json.dumps(_builtins(rank_proposal("clisvc"))))
+        skill = tmp_path / "skill.json"
+        skill.write_text(json.dumps(_builtins(skill_proposal("clisvc"))))
+        first = improved("propose", "--nats", url, str(rank))
+        assert first.returncode == 0, first.stderr
+        reply = json.loads(first.stdout)
+        assert re.fullmatch(r"[0-9a-f]{64}", reply["proposal_id"])
+        second = improved("propose", "--nats", url, "-", input=skill.read_text())
+        assert json.loads(second.stdout)["status"] == "pending"
+
+        bad = improved("propose", "--nats", url, "-",
+                       input=json.dumps({**_builtins(skill_proposal("clisvc")),
+                                         "rec_status": "approved"}))
+        assert bad.returncode == 1
+        assert json.loads(bad.stdout)["error"]["code"] == "status_forbidden"
+
+        shown = improved("show", "--nats", url, json.loads(second.stdout)["proposal_id"])
+        assert shown.returncode == 0, shown.stderr
+        view = json.loads(shown.stdout)
+        assert view["chain"] == "verified"
+        assert view["decision"]["cause"] == "awaiting_operator"
+        assert [t["to_stage"] for t in view["trailers"]] == ["propose", "triage"]
+
+        verified = improved("audit", "verify", "--nats", url)
+        assert verified.returncode == 0, verified.stderr
+        assert "3/3 chains verified" in verified.stdout  # two proposals and the checkpoints
+        assert "checkpoint of 0 trailers" in verified.stdout  # signed when the daemon started
+        one = improved("audit", "verify", "--nats", url, reply["proposal_id"])
+        assert "1/1 chains verified" in one.stdout
+        missing = improved("show", "--nats", url, "f" * 64)
+        assert missing.returncode == 1 and "no proposal" in missing.stderr
+    finally:
+        daemon.send_signal(signals.SIGTERM)
+        code = daemon.wait(30)
+    assert code == 0
+
+
+def test_an_operator_signs_from_the_terminal(tmp_path):
+    """keys new → trust it in the config → review shows the queue → approve moves it."""
+    keys = tmp_path / "keys"
+    made = improved("keys", "new", "--principal", "operator:carol", "--dir", str(keys))
+    assert made.returncode == 0, made.stderr
+    key_file = keys / "operator_carol.pem"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    entry = made.stdout.split("[trust.operators]\n", 1)[1].strip()
+    assert entry.startswith('"operator:carol" = "')
+    again = improved("keys", "new", "--principal", "operator:carol", "--dir", str(keys))
+    assert again.returncode == 1 and "refusing to overwrite" in again.stderr
+
+    port = bus.free_port()
+    config = tmp_path / "improved.toml"
+    config.write_text(f'port = {port}\ndata_dir = "{tmp_path / "data"}"\n\n'
+                      f"[trust.operators]\n{entry}\n")
+    daemon = subprocess.Popen([*IMPROVED, "run", "--config", str(config)],
+                              stderr=subprocess.PIPE, text=True, env=ENV)
+    url = f"nats://127.0.0.1:{port}"
+    try:
+        while "ready as improved:" not in daemon.stderr.readline():
+            pass
+        skill = tmp_path / "skill.json"
+        proposal = _builtins(skill_proposal("clisvc"))
+        skill.write_text(json.dumps(proposal))
+        hashed = improved("skill", "hash", str(skill))
+        from improved.protocol import canonical
+
+        assert hashed.stdout.strip() == canonical.skill_identity(
+            proposal["proposal_data"]["skill"])
+        pid = json.loads(improved("propose", "--nats", url, str(skill)).stdout)["proposal_id"]
+
+        surfaced = json.loads(improved("propose", "--nats", url, "-", input=json.dumps(
+            _builtins(skill_proposal("clisvc", change_class="L1", name="other")))).stdout)
+        queue = improved("review", "--nats", url)
+        assert pid in queue.stdout and "awaiting_operator" in queue.stdout
+        assert surfaced["proposal_id"] in queue.stdout and "L1 is never applied" in queue.stdout
+        assert "add skill summarize" in queue.stdout and "independent positive" in queue.stdout
+
+        approved = improved("approve", pid, "--nats", url, "--reason", "read it",
+                            "--key", str(key_file), "--principal", "operator:carol")
+        assert approved.returncode == 0, approved.stderr
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            view = json.loads(improved("show", "--nats", url, pid).stdout)
+            if view["state"]["status"] == "approved":
+                break
+            time.sleep(0.2)
+        assert view["state"]["status"] == "approved"  # no service applies it here
+        assert view["trailers"][-1]["actor"] == "operator:carol"
+        assert pid not in improved("review", "--nats", url).stdout
+    finally:
+        daemon.send_signal(signals.SIGTERM)
+        assert daemon.wait(30) == 0
+
+
+def test_credentials_in_the_url_go_to_every_server():
+    assert bus.split_credentials("nats://u:p%40x@h1:4222,nats://h2:4223") == (
+        ["nats://h1:4222", "nats://h2:4223"], {"user": "u", "password": "p@x"})
+    assert bus.split_credentials("nats://s3cret@h:4222") == (["nats://h:4222"],
+                                                             {"token": "s3cret"})
+    assert bus.split_credentials("nats://127.0.0.1:4222") == (["nats://127.0.0.1:4222"], {})
+
+
+def test_run_tells_systemd_when_it_is_ready_and_when_it_stops(tmp_path):
+    import socket
+
+    sock_path = tmp_path / "notify.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(sock_path))
+    listener.settimeout(30)
+    env = {**ENV, "NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "2000000"}
+    daemon = subprocess.Popen([*IMPROVED, "run", "--data-dir", str(tmp_path / "d"), "--port",
+                               str(bus.free_port())], stderr=subprocess.DEVNULL, env=env)
+    try:
+        seen: list[str] = []
+        while not any("READY=1" in m for m in seen) or not any("WATCHDOG=1" in m for m in seen):
+            seen.append(listener.recv(4096).decode())
+        daemon.send_signal(signals.SIGTERM)
+        while not any("STOPPING=1" in m for m in seen):
+            seen.append(listener.recv(4096).decode())
+        assert daemon.wait(30) == 0
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+        listener.close()
+
+
+def test_metrics_and_health_are_served_while_the_daemon_runs(tmp_path):
+    import urllib.request
+
+    port, mport = bus.free_port(), bus.free_port()
+    daemon = subprocess.Popen([*IMPROVED, "run", "--data-dir", str(tmp_path / "d"), "--port",
+                               str(port), "--metrics-port", str(mport)],
+                              stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        while "ready as improved:" not in daemon.stderr.readline():
+            pass
+
+        def get(path: str) -> tuple[int, str]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{mport}{path}", timeout=5) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as err:
+                return err.code, err.read().decode()
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if get("/readyz")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        assert get("/healthz") == (200, "ok")
+        assert get("/readyz") == (200, "ready")
+        skill = tmp_path / "skill.json"
+        skill.write_text(json.dumps(_builtins(skill_proposal("metricsvc"))))
+        improved("propose", "--nats", f"nats://127.0.0.1:{port}", str(skill))
+        status, body = get("/metrics")
+        assert status == 200
+        assert 'improved_transitions_total{cause="awaiting_operator",class="L2",' \
+               'stage="triage",verdict="defer"} 1.0' in body
+        assert "improved_pending_reviews 1.0" in body
+        assert get("/nope")[0] == 404
+    finally:
+        daemon.send_signal(signals.SIGTERM)
+        assert daemon.wait(30) == 0

@@ -1,0 +1,122 @@
+"""The operator's terminal for the dangerous end of the gradient: probing a service's
+conformance, reverting an L4 apply, signing per-call tool grants — as subprocesses against the
+session's real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+
+from improved.client.sdk import MeshClient
+from improved.core import signing
+from improved.core.tools import Provider, Runtime
+from improved_reference.artefact_store import ArtefactStore
+from improved_reference.tool_runtime import ToolRuntimeService
+from tests.bus import approve, eventually, outcome
+from tests.cli import improved
+from tests.factories import swap
+from tests.keys import ALICE
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+def cli(*args: str):
+    return asyncio.to_thread(improved, *args)
+
+
+@pytest.fixture
+def alice_key(tmp_path):
+    path = tmp_path / "alice.pem"
+    path.write_bytes(ALICE[1].private_bytes(serialization.Encoding.PEM,
+                                            serialization.PrivateFormat.PKCS8,
+                                            serialization.NoEncryption()))
+    return str(path)
+
+
+async def test_conformance_reports_the_level_and_why_not_the_next(daemon, nc, svc, nats_url):
+    store = ArtefactStore(nc, svc)
+    await store.start()
+    try:
+        await store.seed({"app": "{}"})
+        ok = await cli("conformance", svc, "--nats", nats_url)
+        assert ok.returncode == 0, ok.stderr
+        assert f"{svc} meets L4" in ok.stdout
+        silent = await cli("conformance", f"{svc}-nobody", "--nats", nats_url,
+                           "--timeout", "0.3")
+        assert silent.returncode == 1
+        assert "spec.get" in silent.stdout
+    finally:
+        await store.stop()
+
+
+async def test_revert_publishes_the_recorded_reversal(daemon, nc, svc, nats_url):
+    store = ArtefactStore(nc, svc)
+    await store.start()
+    try:
+        await store.seed({"app": '{"v": 1}'})
+        before = await store.manifest()
+        client = MeshClient(nc, svc)
+        pid = await client.publish(swap(svc, {"app": '{"v": 2}'}))
+        await approve(nc, client, svc, pid)
+        out = await outcome(client, pid)
+        assert out.ok
+        done = await cli("revert", pid, "--nats", nats_url)
+        assert done.returncode == 0, done.stderr
+        assert out.revert_proposal_id in done.stdout and ALICE[0] in done.stdout
+        rev = await outcome(client, out.revert_proposal_id)
+        assert rev.ok and await store.manifest() == before
+        again = await cli("revert", pid, "--nats", nats_url)  # rolled back now
+        assert again.returncode == 1 and "rolled_back" in again.stderr
+    finally:
+        await store.stop()
+
+
+async def test_tools_list_and_a_granted_call_from_the_terminal(nc, nats_url, alice_key, svc):
+    calls = []
+    runtime = Runtime(svc, trust=signing.TrustStore.from_config({
+        ALICE[0]: __import__("base64").b64encode(
+            signing.raw_public(ALICE[1].public_key())).decode()}))
+    runtime.register(Provider("swap.binary", "L4", "swap the binary",
+                              lambda args: calls.append(args) or "swapped"))
+    service = ToolRuntimeService(nc, runtime)
+    await service.start()
+    try:
+        listed = await cli("tools", "list", svc, "--nats", nats_url)
+        tool = json.loads(listed.stdout)["tools"][0]
+        assert tool["gated_authority"] == "L4" and tool["mountable"] is False
+        granted = await cli("tools", "grant", svc, "swap.binary", "--args", '{"to": "v2"}',
+                            "--call", "--reason", "release 2", "--key", alice_key,
+                            "--principal", ALICE[0], "--nats", nats_url)
+        assert granted.returncode == 0, granted.stderr + granted.stdout
+        assert json.loads(granted.stdout)["result"] == "swapped"
+        await eventually(lambda: asyncio.sleep(0, result=calls))
+        assert calls == [{"to": "v2"}]
+    finally:
+        await service.stop()
+
+
+async def test_three_voters_approve_an_l4_from_the_terminal(quorum_daemon, own_server, tmp_path):
+    from tests.bus import quorum_case
+    from tests.keys import VOTERS
+
+    nc, daemon = quorum_daemon
+    store, client, pid = await quorum_case(nc, daemon, "qcli")
+    for n, voter in enumerate(("agent-a", "agent-b", "agent-c")):
+        key = tmp_path / f"{voter}.pem"
+        key.write_bytes(VOTERS[voter].private_bytes(serialization.Encoding.PEM,
+                                                    serialization.PrivateFormat.PKCS8,
+                                                    serialization.NoEncryption()))
+        done = await cli("vote", pid, "approve", "--voter", voter, "--key", str(key),
+                         "--session", f"model-{n}", "--read", f"proposal:{pid}",
+                         "--read", "diff:reviewed", "--read", "triage:reviewed",
+                         "--read", "spec:09§7", "--nats", own_server.url)
+        assert done.returncode == 0, done.stderr
+    out = await outcome(client, pid)
+    assert out.ok and out.authority.startswith("quorum:")
+    shown = await cli("show", pid, "--nats", own_server.url)
+    view = json.loads(shown.stdout)
+    assert view["quorum"]["outcome"] == "approved" and len(view["quorum"]["votes"]) == 3
+    await store.stop()

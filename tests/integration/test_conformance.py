@@ -1,0 +1,351 @@
+"""The conformance kit against live services on a real nats-server (no daemon): the reference
+stores, and small in-test services that get each level right or wrong on purpose."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from improved.client.sdk import MeshClient, failed, serve_spec
+from improved.protocol import subjects
+from improved.protocol.model import ApplyOrder, ApplyResult, to_json
+from improved.runtime.conformance import (
+    Report,
+    probe,
+    render,
+)
+from improved_reference import ranking_store, skills_store
+from improved_reference.ranking_store import RankingStore
+from improved_reference.skills_store import SkillsStore
+
+FAST = 0.5  # seconds per request where the probe is expected to wait for nothing
+
+
+class Fake:
+    """A tiny service: a spec, an apply handler and optional get/lkg handlers."""
+
+    def __init__(self, nc, service: str):
+        self.nc, self.service = nc, service
+        self.subs: list = []
+        self.orders: list[ApplyOrder] = []
+
+    async def spec(self, spec: dict[str, Any]) -> None:
+        self.subs.append(await serve_spec(self.nc, self.service, spec))
+
+    async def apply(self, handler: Callable[[ApplyOrder], Awaitable[ApplyResult]]) -> None:
+        async def counted(order: ApplyOrder) -> ApplyResult:
+            self.orders.append(order)
+            return await handler(order)
+
+        self.subs.append(await MeshClient(self.nc, self.service).serve_apply(counted))
+
+    async def reply(self, subject: str, answer: Callable[[dict], Any]) -> None:
+        async def on_msg(msg) -> None:
+            await msg.respond(to_json(answer(msgspec.json.decode(msg.data))))
+
+        self.subs.append(await self.nc.subscribe(subject, cb=on_msg))
+
+    async def close(self) -> None:
+        for sub in self.subs:
+            await sub.unsubscribe()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def fake(nc, svc):
+    f = Fake(nc, svc)
+    yield f
+    await f.close()
+
+
+async def refuse_unaccepted(order: ApplyOrder) -> ApplyResult:
+    return failed(f"not_accepted: no operator acceptance on record for {order.proposal_id}")
+
+
+def improving(svc: str, **more: Any) -> dict[str, Any]:
+    return {"service": svc, "improve": True, "apply": subjects.apply_request(svc), **more}
+
+
+def no_grant(request: dict) -> dict:
+    return {"error": {"code": "no_grant", "message": f"no active grant for {request['skill']}"}}
+
+
+def no_lkg(request: dict) -> dict:
+    return {"ok": False, "error": f"no last-known-good for {request['lkg'][0]['artefact']}"}
+
+
+async def full_l4(fake: Fake, svc: str, **spec_over: Any) -> None:
+    await fake.spec(improving(svc, schemes=["code:"], identity="<name>:<sha256>",
+                              get=subjects.skills_get(svc), lkg=subjects.lkg_request(svc),
+                              **spec_over))
+    await fake.apply(refuse_unaccepted)
+    await fake.reply(subjects.skills_get(svc), no_grant)
+    await fake.reply(subjects.lkg_request(svc), no_lkg)
+
+
+def lines(report: Report) -> list[str]:
+    return render(report).splitlines()
+
+
+# -- L0 and below ---------------------------------------------------------------------------------
+
+
+async def test_a_service_that_never_answers_meets_no_level(nc, svc):
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level is None
+    assert [(c.level, c.passed) for c in report.checks] == [("L0", False)]
+    assert lines(report)[-2:] == [
+        f"{svc} meets no level",
+        f"not L0: no answer on {svc}.spec.get: a service must advertise, even the omission "
+        f"(no answer on {svc}.spec.get (no responders))",
+    ]
+
+
+async def test_a_silent_subscriber_is_no_answer_either(nc, svc):
+    async def never_replies(msg) -> None:
+        pass
+
+    sub = await nc.subscribe(subjects.service_spec(svc), cb=never_replies)
+    try:
+        report = await probe(nc, svc, timeout=FAST)
+    finally:
+        await sub.unsubscribe()
+    assert report.level is None
+    assert f"within {FAST:g}s" in report.checks[0].detail
+
+
+async def test_an_advertised_omission_is_l0(nc, svc):
+    sub = await serve_spec(nc, svc)  # no capabilities: {"improve": false}
+    try:
+        report = await probe(nc, svc, timeout=FAST)
+    finally:
+        await sub.unsubscribe()
+    assert report.level == "L0"
+    assert report.spec == {"service": svc, "improve": False}
+    assert [c.level for c in report.checks] == ["L0", "L0", "L1"]  # and no order was sent
+    assert lines(report)[-2:] == [
+        f"{svc} meets L0",
+        f"not L1: {svc} advertises \"improve\": false: it does not take part in the loop",
+    ]
+
+
+@pytest.mark.parametrize("spec", [{"service": "x"}, {"improve": "yes"}])
+async def test_a_spec_without_a_boolean_improve_is_not_l0(fake, nc, svc, spec):
+    await fake.spec(spec)
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level is None
+    assert "\"improve\": true or false" in report.first_failure.detail
+
+
+async def test_an_error_reply_on_spec_get_is_not_l0(fake, nc, svc):
+    await fake.reply(subjects.service_spec(svc),
+                     lambda _: {"error": {"code": "internal", "message": "boom"}})
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level is None
+    assert "not the service's capabilities" in report.first_failure.detail
+
+
+# -- L1 -------------------------------------------------------------------------------------------
+
+
+async def test_no_apply_handler_is_l0(fake, nc, svc):
+    await fake.spec(improving(svc))
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level == "L0"
+    assert report.first_failure.name == "malformed order answered"
+    assert "must get a reply" in report.first_failure.detail
+
+
+async def test_an_apply_subject_the_daemon_does_not_use_is_l0(fake, nc, svc):
+    await fake.spec(improving(svc, apply=f"{svc}.orders"))
+    await fake.apply(refuse_unaccepted)
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level == "L0"
+    assert "the daemon sends to" in report.first_failure.detail
+    assert fake.orders == []
+
+
+# -- the reference stores: honest about not verifying acceptance --------------------------------
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def ranking(nc, svc):
+    store = RankingStore(nc, svc)
+    await store.start()
+    yield store
+    await store.stop()
+    for bucket in ranking_store.bucket_names(svc):
+        await nc.jetstream().delete_key_value(bucket)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def skills(nc, svc):
+    store = SkillsStore(nc, svc)
+    await store.start()
+    yield store
+    await store.stop()
+    for bucket in skills_store.bucket_names(svc):
+        await nc.jetstream().delete_key_value(bucket)
+
+
+async def test_the_ranking_store_is_l1_because_it_does_not_check_acceptance(nc, svc, ranking):
+    report = await probe(nc, svc)
+    assert report.level == "L1"
+    failure = report.first_failure
+    assert (failure.level, failure.name) == ("L2", "refuses without acceptance")
+    assert "refused, but not for lack of acceptance" in failure.detail
+    assert lines(report)[-2] == f"{svc} meets L1"
+    assert lines(report)[-1].startswith(
+        "not L2: an L2 order without an operator acceptance on record was refused, but not for "
+        "lack of acceptance")
+    assert ranking.applies == 0 and await ranking.value("conformance-probe") is None
+
+
+async def test_the_skills_store_trusting_the_bus_is_l1_and_says_so(nc, svc, skills):
+    report = await probe(nc, svc)
+    assert report.level == "L1" and report.claimed == "L1"
+    assert report.first_failure.level == "L2"
+    assert "not for lack of acceptance" in report.first_failure.detail
+    assert skills.applies == 0
+
+
+@pytest.mark.parametrize("store_class", [SkillsStore, RankingStore])
+async def test_a_store_verifying_acceptance_is_l3(daemon, nc, svc, store_class):
+    """With the gate in the store (the audit chain must show the acceptance), the skills store
+    meets L3 (TOFU by hash); the ranking store holds no skills, so L3 does not apply to it and
+    it stops short of L4 (no last-known-good check)."""
+    store = store_class(nc, svc, verify_acceptance=True)
+    await store.start()
+    try:
+        report = await probe(nc, svc)
+        assert report.level == "L3", render(report)
+        assert report.claimed == "L3"
+        assert lines(report)[-1].startswith("not L4:")
+        assert store.applies == 0
+    finally:
+        await store.stop()
+
+
+# -- L2 and above ---------------------------------------------------------------------------------
+
+
+async def test_a_service_refusing_unaccepted_orders_without_skills_or_lkg_is_l3(fake, nc, svc):
+    """L2 holds; L3 does not apply (no skills to pin); L4 needs the last-known-good check."""
+    await fake.spec(improving(svc, schemes=["rank:", "score:"]))
+    await fake.apply(refuse_unaccepted)
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level == "L3"
+    assert all(c.passed for c in report.checks if c.level in ("L0", "L1", "L2", "L3"))
+    assert "not applicable" in next(c.detail for c in report.checks if c.level == "L3")
+    assert lines(report)[-2] == f"{svc} meets L3"
+    assert lines(report)[-1].startswith("not L4:") and "last-known-good" in lines(report)[-1]
+    # the malformed order never reached the handler; the L2 order came twice, identical
+    assert len(fake.orders) == 2 and fake.orders[0] == fake.orders[1]
+    order = fake.orders[0]
+    assert order.proposal.target_ref == "rank:conformance-probe"
+    assert order.proposal.scope == "knowledge"
+    assert (order.proposal.change_class, order.authority, order.attempt) == (
+        "L2", "operator:conformance-probe", 1)
+    assert order.proposal.analyzer.id == "improved.conformance/1"
+    assert order.proposal.origin.actor == "conformance"
+    assert order.proposal.proposal_data == {}
+
+
+async def test_applying_an_unaccepted_order_is_not_l2(fake, nc, svc):
+    await fake.spec(improving(svc))
+
+    async def applies(order: ApplyOrder) -> ApplyResult:
+        return ApplyResult(ok=True, applied_id="k@1")
+
+    await fake.apply(applies)
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level == "L1"
+    assert report.first_failure.detail.startswith(
+        "an L2 order without an operator acceptance on record was applied")
+    assert len(fake.orders) == 1  # not sent again, nor any L4 order
+    assert fake.orders[0].proposal.target_ref == "config:conformance-probe"
+    assert fake.orders[0].proposal.scope == "operation"
+
+
+async def test_a_refusal_that_changes_on_repeat_is_not_l2(fake, nc, svc):
+    await fake.spec(improving(svc))
+
+    async def forgetful(order: ApplyOrder) -> ApplyResult:
+        return failed(f"not_accepted: attempt {len(fake.orders)}")
+
+    await fake.apply(forgetful)
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level == "L1"
+    assert report.first_failure.name == "idempotent"
+    assert "different reply" in report.first_failure.detail
+
+
+async def test_a_full_l4_service(fake, nc, svc):
+    await full_l4(fake, svc)
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level == "L4", render(report)
+    assert all(c.passed for c in report.checks)
+    assert {c.level for c in report.checks} == {"L0", "L1", "L2", "L3", "L4"}
+    assert lines(report)[-1] == f"{svc} meets L4"
+    l4 = [o for o in fake.orders if o.proposal.change_class == "L4"]
+    assert len(l4) == 1 and l4[0].proposal.lkg[0]["digest"] == "sha256:" + "0" * 64
+    assert l4[0].proposal.target_ref == "code:conformance-probe"
+    assert l4[0].proposal.scope == "code"
+
+
+async def test_serving_a_definition_without_a_grant_is_not_l3(fake, nc, svc):
+    await full_l4(fake, svc)
+    await fake.close()
+    fake.subs = []
+    await fake.spec(improving(svc, identity="<name>:<sha256>", get=subjects.skills_get(svc)))
+    await fake.apply(refuse_unaccepted)
+    await fake.reply(subjects.skills_get(svc),
+                     lambda r: {"skill": r["skill"], "definition": {"name": "probe"}})
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level == "L2"
+    assert "returned a definition" in report.first_failure.detail
+
+
+async def test_an_l3_service_without_lkg_is_l3(fake, nc, svc):
+    await fake.spec(improving(svc, identity="<name>:<sha256>", get=subjects.skills_get(svc)))
+    await fake.apply(refuse_unaccepted)
+    await fake.reply(subjects.skills_get(svc), no_grant)
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level == "L3"
+    assert lines(report)[-1].startswith("not L4: the spec advertises no 'lkg' subject")
+
+
+async def test_confirming_an_unknown_last_known_good_is_not_l4(fake, nc, svc):
+    await fake.spec(improving(svc, identity="<name>:<sha256>", get=subjects.skills_get(svc),
+                              lkg=subjects.lkg_request(svc)))
+    await fake.apply(refuse_unaccepted)
+    await fake.reply(subjects.skills_get(svc), no_grant)
+    await fake.reply(subjects.lkg_request(svc), lambda _: {"ok": True})
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level == "L3"
+    assert "was confirmed" in report.first_failure.detail
+    assert all(o.proposal.change_class == "L2" for o in fake.orders)  # no L4 order after that
+
+
+async def test_a_bad_service_name_is_refused(nc):
+    with pytest.raises(ValueError, match="must match"):
+        await probe(nc, "Not.A.Service")
+
+
+async def test_the_reference_artefact_store_is_l4_and_changes_nothing(daemon, nc, svc):
+    from improved_reference.artefact_store import ArtefactStore
+
+    store = ArtefactStore(nc, svc)
+    await store.start()
+    try:
+        await store.seed({"app": '{"v": 1}'})
+        before = await store.manifest()
+        report = await probe(nc, svc, timeout=FAST)
+        assert report.level == "L4", render(report)
+        assert lines(report)[-1] == f"{svc} meets L4"
+        assert await store.manifest() == before and store.applies == 0
+    finally:
+        await store.stop()

@@ -1,0 +1,87 @@
+"""Retained records are derived state: when they are lost — memory storage across a broker
+restart, or a purge — the daemon republishes them from the audit chains."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from improved.client.sdk import MeshClient
+from improved.protocol import subjects as S
+from improved.runtime import bus
+from improved.runtime.daemon import Daemon
+from improved_reference.ranking_store import RankingStore
+from tests.bus import daemon_config, eventually
+from tests.factories import rank_proposal, skill_proposal
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+
+async def _applied(client, pid):
+    state = await client.state(pid)
+    return state if state is not None and state.status == "applied" else None
+
+
+async def test_memory_records_come_back_after_a_broker_restart(own_server):
+    config = msgspec.structs.replace(daemon_config(), records_storage="memory")
+    nc = await bus.connect(own_server.url, "recovery-daemon")
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    client_nc = await bus.connect(own_server.url, "recovery-client")
+    client = MeshClient(client_nc, "recsvc")
+    store = RankingStore(client_nc, "recsvc")
+    await store.start()
+    try:
+        applied = (await client.propose(rank_proposal("recsvc", value=3))).proposal_id
+        waiting = (await client.propose(skill_proposal("recsvc"))).proposal_id
+        await eventually(lambda: _applied(client, applied))
+        before = (await client.state(waiting), await client.decision(waiting))
+
+        own_server.stop()
+        own_server.start()
+
+        async def back():
+            try:
+                return await _applied(client, applied)
+            except Exception:
+                return None
+
+        assert await eventually(back, timeout=30)
+        assert (await client.state(waiting), await client.decision(waiting)) == before
+        assert (await client.outcome(applied)).ok
+        assert store.applies == 1  # republishing replays records, never applies
+    finally:
+        await store.stop()
+        await daemon.stop()
+        await bus.close(client_nc)
+        await bus.close(nc)
+
+
+async def test_purged_records_are_republished_when_the_daemon_starts(own_server):
+    nc = await bus.connect(own_server.url, "purge-daemon")
+    daemon = Daemon(nc, daemon_config())
+    await daemon.start()
+    client = MeshClient(nc, "purgesvc")
+    pid = (await client.propose(skill_proposal("purgesvc"))).proposal_id
+    state = await client.state(pid)
+    await daemon.stop()
+
+    await nc.jetstream().purge_stream(S.STREAM_RECORDS)
+    await nc.jetstream().purge_stream(f"KV_{S.BUCKET_STATE}")  # the cache, as after a restart
+    assert await client.state(pid) is None
+    assert (await daemon.store.load("purgesvc", pid))[0] is None
+
+    again = Daemon(nc, daemon_config())
+    await again.start()
+    try:
+        assert await client.state(pid) == state
+        assert (await client.decision(pid)).cause == "awaiting_operator"
+        cached, _ = await again.store.load("purgesvc", pid)  # what review and show read
+        assert cached is not None and cached.status == "pending"
+    finally:
+        await again.stop()
+        await asyncio.sleep(0)
+        await bus.close(nc)

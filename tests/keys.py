@@ -1,0 +1,24 @@
+"""Signing identities shared by the tests, generated once per run.
+
+- ``ALICE``: an operator (name, private key) that every test daemon trusts.
+- ``MALLORY``: an operator whose key no test daemon trusts.
+- ``VOTERS``: quorum voters' keys by name; ``quorum_daemon`` trusts them as voters, and
+  ``TRUST`` is the same trust store for the pure quorum tests.
+"""
+
+from __future__ import annotations
+
+import base64
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from improved.core import signing
+from improved.core.signing import TrustStore
+
+ALICE = ("operator:alice", Ed25519PrivateKey.generate())
+MALLORY = ("operator:mallory", Ed25519PrivateKey.generate())
+VOTERS = {name: Ed25519PrivateKey.generate() for name in ("agent-a", "agent-b", "agent-c",
+                                                          "agent-d")}
+TRUST = TrustStore.from_config({
+    name: base64.b64encode(signing.raw_public(k.public_key())).decode()
+    for name, k in VOTERS.items()})

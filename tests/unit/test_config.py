@@ -1,0 +1,281 @@
+"""The configuration file as an operator writes it: strict about keys and types, one line naming
+the key when something is wrong, and the documented examples load to the documented values."""
+
+from __future__ import annotations
+
+import base64
+import re
+import typing
+from pathlib import Path
+
+import msgspec
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from improved.core.guards import DEFAULT_FORBIDDEN
+from improved.core.signing import raw_public
+from improved.runtime import config as config_module
+from improved.runtime.config import ApplySettings, Config, ConfigError, Policy, Trust, load, parse
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def b64_key() -> str:
+    return base64.b64encode(raw_public(Ed25519PrivateKey.generate().public_key())).decode()
+
+
+KEY_A, KEY_B = b64_key(), b64_key()
+
+
+def error_of(doc: dict) -> str:
+    with pytest.raises(ConfigError) as caught:
+        parse(doc)
+    return str(caught.value)
+
+
+# -- what a user hits --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("doc", "line"), [
+    ({"nats": "nats://x:4222"}, "config error: nats: unknown key (did you mean nats_url?)"),
+    ({"policy": {"autonomyy": "off"}},
+     "config error: policy.autonomyy: unknown key (did you mean autonomy?)"),
+    ({"apply": {"retries": 2, "timeout_s": 1}}, "config error: apply.retries: unknown key"),
+    ({"trust": {"operator": {}}}, "config error: trust.operator: unknown key (did you mean "
+                                  "operators?)"),
+    ({"policy": {"forbidden_targets": "_spec/2026-04-20-00-constitution.md"}},
+     "config error: policy.forbidden_targets: expected array, got str"),
+    ({"policy": {"doc_allowlist": ["docs/**", 3]}},
+     "config error: policy.doc_allowlist[1]: expected str, got int"),
+    ({"apply": {"timeout_s": "five"}}, "config error: apply.timeout_s: expected float, got str"),
+    ({"apply": {"attempts": "3"}}, "config error: apply.attempts: expected int, got str"),
+    ({"apply": {"attempts": 0}}, "config error: apply.attempts: expected int >= 1, got 0"),
+    ({"apply": {"timeout_s": -1.0}},
+     "config error: apply.timeout_s: expected float > 0.0, got -1.0"),
+    ({"policy": {"fallback_min_class": "L9"}},
+     "config error: policy.fallback_min_class: expected one of L0, L1, L2, L3, L4, got 'L9'"),
+    ({"policy": {"min_class": {"grain": "L2", "rank": "L9"}}},
+     "config error: policy.min_class.rank: expected one of L0, L1, L2, L3, L4, got 'L9'"),
+    ({"policy": {"autonomy": "maybe"}},
+     "config error: policy.autonomy: expected one of on, off, got 'maybe'"),
+    ({"policy": {"quorum": "yes"}}, "config error: policy.quorum: expected bool, got str"),
+    ({"policy": {"regression_tolerance": 5}},
+     "config error: policy.regression_tolerance: expected float <= 1.0, got 5"),
+    ({"policy": {"metric_direction": {"error rate": "down"}}},
+     "config error: policy.metric_direction.\"error rate\": expected one of higher, lower, "
+     "got 'down'"),
+    ({"policy": {"effect_window_ms": 1.5}},
+     "config error: policy.effect_window_ms: expected int, got float"),
+    ({"port": 0}, "config error: port: expected int >= 1, got 0"),
+    ({"metrics_port": 65536}, "config error: metrics_port: expected int <= 65535, got 65536"),
+    ({"replicas": 2}, "config error: replicas: expected one of 1, 3, 5, got 2"),
+    ({"records_storage": "disk"},
+     "config error: records_storage: expected one of file, memory, got 'disk'"),
+    ({"sync": "sometimes"},
+     "config error: sync: expected \"always\" or a duration such as \"2m\", got 'sometimes'"),
+    ({"data_dir": 7}, "config error: data_dir: expected a path, got 7"),
+    ({"policy": ["a"]}, "config error: policy: expected table, got array"),
+    ({"nats_url": 4222}, "config error: nats_url: expected str, got int"),
+    ({"policy": {"regression_tolerance": float("nan")}},
+     "config error: policy.regression_tolerance: expected float >= 0.0, got nan"),
+    ({"policy": {"breaker_window_days": float("inf")}},
+     "config error: policy.breaker_window_days: expected float <= 3650.0, got inf"),
+    ({"trust": {"operators": {"operator:alice": "not a key"}}},
+     "config error: trust.operators.\"operator:alice\": expected the base64 of a raw 32-byte "
+     "Ed25519 public key, got 'not a key'"),
+    ({"trust": {"quorum": {"agent-a": base64.b64encode(b"x" * 31).decode()}}},
+     "config error: trust.quorum.agent-a: expected the base64 of a raw 32-byte Ed25519 public "
+     "key, got 'eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eHh4eA=='"),
+])
+def test_a_bad_value_is_one_line_naming_the_key(doc, line):
+    assert error_of(doc) == line
+
+
+def test_a_string_of_forbidden_targets_does_not_unguard_the_constitution():
+    # it used to become one-character globs; now it is refused, and omitting it keeps Art. VI
+    assert "policy.forbidden_targets" in error_of({"policy": {"forbidden_targets": "abc"}})
+    assert parse({"policy": {}}).policy.forbidden_targets == DEFAULT_FORBIDDEN
+    assert parse({"policy": {"forbidden_targets": ["a/**"]}}).policy.forbidden_targets == (
+        "a/**",)
+
+
+def test_numbers_widen_to_float_but_nothing_else_is_coerced():
+    config = parse({"apply": {"timeout_s": 2}, "policy": {"breaker_pause_hours": 1}})
+    assert config.apply.timeout_s == 2.0 and isinstance(config.apply.timeout_s, float)
+    assert config.policy.breaker_pause_hours == 1.0
+    assert "expected int, got bool" in error_of({"port": True})
+    assert "expected float, got bool" in error_of({"apply": {"timeout_s": True}})
+
+
+def test_defaults_are_unchanged(monkeypatch):
+    monkeypatch.delenv("IMPROVED_CONFIG", raising=False)
+    assert parse({}) == Config() == load(None)
+    c = Config()
+    assert (c.nats_url, c.data_dir, c.port, c.sync, c.max_message_bytes, c.replicas,
+            c.records_storage, c.metrics_port, c.checkpoint_interval_s, c.checkpoint_key,
+            c.metrics_host) == (None, Path(".improved"), 4222, "always", 262144, 1, "file", None,
+                                300.0, None, "127.0.0.1")
+    p = c.policy
+    assert (p.forbidden_targets, p.min_class, p.fallback_min_class, p.policy_principal,
+            p.effect_window_ms, p.autonomy, p.doc_allowlist, p.regression_tolerance,
+            p.metric_direction, p.breaker_threshold, p.breaker_window_days,
+            p.breaker_pause_hours, p.quorum) == (
+        DEFAULT_FORBIDDEN, {}, "L2", "policy:auto", 86400000, "on", (), 0.05, {}, 3, 14.0, 48.0,
+        False)
+    assert (c.apply.timeout_s, c.apply.attempts, c.apply.max_deliveries) == (5.0, 3, 8)
+    assert (c.trust.operators, c.trust.act_max_age_s, c.trust.quorum) == ({}, 86400.0, {})
+
+
+def test_sections_are_built_by_keyword_immutable_and_replaced_whole():
+    policy = Policy(doc_allowlist=("docs/**",), quorum=True)
+    config = Config(policy=policy, apply=ApplySettings(timeout_s=1.0), trust=Trust())
+    with pytest.raises(AttributeError):
+        config.port = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        Policy(("a",))  # type: ignore[misc]  # keyword only
+    moved = msgspec.structs.replace(config, port=5000)
+    assert moved.port == 5000 and moved.policy is policy and config.port == 4222
+    assert Policy(min_class={}) == Policy()
+
+
+def test_sync_takes_always_or_a_duration():
+    for good in ("always", "2m", "1h30m", "500ms", "0"):
+        assert parse({"sync": good}).sync == good
+    for bad in ("", "2", "-1s", "2 m", "never"):
+        assert error_of({"sync": bad}).startswith("config error: sync: expected ")
+
+
+# -- the documented examples -------------------------------------------------------------------
+
+
+def _toml_block(text: str) -> str:
+    return text.split("```toml\n", 1)[1].split("\n```", 1)[0]
+
+
+def _with_keys(block: str) -> str:
+    keys = iter([KEY_A, KEY_B])
+    return re.sub(r'"<base64[^">]*>"', lambda _: f'"{next(keys)}"', block)
+
+
+def test_the_docstring_example_loads_to_its_values(tmp_path):
+    path = tmp_path / "improved.toml"
+    path.write_text(_with_keys(_toml_block(config_module.__doc__)))
+    assert load(path) == Config(
+        nats_url="nats://127.0.0.1:4222", data_dir=Path(".improved"), port=4222, sync="always",
+        max_message_bytes=262144, replicas=1, records_storage="file", metrics_port=9464,
+        metrics_host="127.0.0.1", checkpoint_interval_s=300.0,
+        checkpoint_key=Path("/etc/improved/checkpoint.pem"),
+        policy=Policy(forbidden_targets=("...",), min_class={"grain": "L2"},
+                      fallback_min_class="L2", policy_principal="policy:auto",
+                      effect_window_ms=86400000, autonomy="on",
+                      doc_allowlist=("docs/**", "*.md"), regression_tolerance=0.05,
+                      metric_direction={"error_rate": "lower"}, breaker_threshold=3,
+                      breaker_window_days=14.0, breaker_pause_hours=48.0, quorum=False),
+        trust=Trust(operators={"operator:alice": KEY_A}, act_max_age_s=86400.0,
+                    quorum={"agent-a": KEY_B}),
+        apply=ApplySettings(timeout_s=5.0, attempts=3, max_deliveries=8))
+
+
+def test_the_readme_example_loads_to_its_values(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    path = tmp_path / "improved.toml"
+    path.write_text(_with_keys(_toml_block(readme.split("## Configuration", 1)[1])))
+    config = load(path)
+    assert config == Config(
+        nats_url="nats://127.0.0.1:4222", data_dir=Path(".improved"), port=4222, sync="always",
+        max_message_bytes=262144, metrics_port=9464, replicas=1, records_storage="file",
+        policy=Policy(forbidden_targets=("_spec/2026-04-20-00-constitution.md",
+                                         "src/crates/cosmix-mcp/**"),
+                      min_class={"grain": "L2"}, fallback_min_class="L2",
+                      policy_principal="policy:auto", effect_window_ms=86400000, autonomy="on",
+                      breaker_threshold=3, breaker_pause_hours=48.0, doc_allowlist=("docs/**",),
+                      regression_tolerance=0.05, metric_direction={"error_rate": "lower"},
+                      quorum=False),
+        trust=Trust(operators={"operator:alice": KEY_A}, quorum={"agent-a": KEY_B}),
+        apply=ApplySettings(timeout_s=5.0, attempts=3, max_deliveries=8))
+    assert len(config.trust.store().keys) == 1 and len(config.trust.voters().keys) == 1
+
+
+def test_the_deploy_example_loads():
+    config = load(ROOT / "deploy" / "improved.toml")
+    assert config.replicas == 1 and config.policy.quorum is False
+
+
+def test_file_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("port = \n")
+    with pytest.raises(ConfigError, match=r"^config file .* is not valid TOML: "):
+        load(bad)
+    bad.write_bytes(b'nats_url = "\xff"\n')
+    with pytest.raises(ConfigError, match=r"^config file .* cannot be read: "):
+        load(bad)
+    with pytest.raises(ConfigError, match=r"^config file not found: "):
+        load(tmp_path / "missing.toml")
+
+
+# -- properties ----------------------------------------------------------------------------------
+
+
+def _fields(cls) -> list[str]:
+    return list(typing.get_type_hints(cls))
+
+
+SECTIONS = {"policy": Policy, "apply": ApplySettings, "trust": Trust}
+NAMES = sorted({*_fields(Config), *(n for c in SECTIONS.values() for n in _fields(c)),
+                "grain", "error_rate", "operator:alice", "agent-a"})
+keys = st.one_of(st.sampled_from(NAMES), st.text(max_size=10))
+scalars = st.one_of(
+    st.sampled_from(["L2", "L9", "on", "off", "file", "memory", "higher", "lower", "always",
+                     "2m", "", "policy:auto", "docs/**", KEY_A]),
+    st.text(max_size=12), st.integers(-(2**63), 2**63 - 1), st.floats(), st.booleans(),
+    st.datetimes(), st.dates(), st.times())
+values = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=4),
+    max_leaves=10)
+documents = st.dictionaries(
+    keys, st.one_of(values, st.dictionaries(keys, values, max_size=6)), max_size=8)
+
+
+def _one_line(message: str) -> bool:
+    return "\n" not in message and "\r" not in message
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(documents)
+def test_any_document_is_a_config_or_one_config_error(doc):
+    try:
+        config = parse(doc)
+    except ConfigError as exc:
+        assert _one_line(str(exc)) and str(exc).startswith("config error: ")
+    else:
+        assert isinstance(config, Config)
+
+
+VALID = {
+    "port": 4300, "sync": "2m", "replicas": 3,
+    "policy": {"min_class": {"grain": "L2"}, "doc_allowlist": ["docs/**"], "autonomy": "off",
+               "metric_direction": {"error_rate": "lower"}},
+    "apply": {"timeout_s": 2.0, "attempts": 2},
+    "trust": {"operators": {"operator:alice": KEY_A}, "quorum": {"agent-a": KEY_B}},
+}
+PLACES = [(n,) for n in _fields(Config) if n not in SECTIONS] + [
+    (s, n) for s, cls in SECTIONS.items() for n in _fields(cls)]
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(PLACES), values)
+def test_one_bad_value_in_a_good_file_is_named(place, value):
+    doc = {k: dict(v) if isinstance(v, dict) else v for k, v in VALID.items()}
+    if len(place) == 1:
+        doc[place[0]] = value
+    else:
+        doc.setdefault(place[0], {})[place[1]] = value
+    dotted = ".".join(place)
+    try:
+        parse(doc)
+    except ConfigError as exc:
+        message = str(exc)
+        assert _one_line(message)
+        assert re.match(rf"config error: {re.escape(dotted)}[.:\[]", message), message

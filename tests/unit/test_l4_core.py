@@ -1,0 +1,288 @@
+"""The pure core of L4 safety and the quorum (SPEC 09 §6–§8): what an L4 proposal must carry,
+constitution edits that are prepared and never applied, the reversal generated before apply,
+and which votes add up."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from improved.core import apply, lkg, propose, quorum, signing, triage
+from improved.core.authority import Act
+from improved.core.policy import Policy
+from improved.core.record import replay
+from improved.protocol.model import AnalyzerRef, Origin, Proposal, ProposalEdit, Summary, Vote
+from tests.builders import (
+    CHANGELOG_DIFF,
+    CONSTITUTION,
+    DIGEST_A,
+    NOW,
+    QUORUM_POLICY,
+    TRIAGER,
+    l4,
+    report,
+)
+from tests.keys import TRUST, VOTERS
+
+POLICY = Policy(doc_allowlist=("docs/**",))
+def charter(**overrides) -> Proposal:
+    fields = dict(
+        service="docs", target_ref=f"doc:{CONSTITUTION}", change_class="L4", scope="charter",
+        origin=Origin(actor="operator:alice", service="docs"),
+        analyzer=AnalyzerRef(id="pub.amend/1"), summary=Summary(template_id="amend", args={}),
+        created_at=NOW - 1000, amends="VII.1: IV.2",
+        proposal_edit=ProposalEdit(format="unified", base_digest="sha256:" + "0" * 64,
+                                   diff=CHANGELOG_DIFF),
+        target_files=[CONSTITUTION, "_spec/CHANGELOG.md"],
+    )
+    fields.update(overrides)
+    return Proposal(**fields)
+
+
+def registered(p: Proposal, policy: Policy = POLICY):
+    pid, dedup = propose.identify(p)
+    return propose.register(p, pid, dedup, policy, NOW)[0]
+
+
+def decide(record, policy: Policy = POLICY):
+    return triage.decide(record, policy, NOW, False, TRIAGER)
+
+
+# -- what L4 must carry ------------------------------------------------------------------------
+
+
+def test_a_well_formed_l4_waits_for_an_operator_per_occurrence():
+    d = decide(registered(l4()))
+    assert (d.verdict, d.cause) == ("defer", "awaiting_operator") and "per occurrence" in d.rationale
+
+
+@pytest.mark.parametrize("lkg_value, why", [
+    (None, "every artefact"),
+    ([], "every artefact"),
+    ([{"artefact": "a", "digest": "md5:1", "smoke_test": "x"}], "lkg"),
+    ([{"artefact": "a", "digest": DIGEST_A}], "smoke_test"),
+    ([{"artefact": "a", "digest": DIGEST_A, "smoke_test": "x"}] * 2, "twice"),
+])
+def test_an_l4_without_a_complete_lkg_list_is_rejected_invalid(lkg_value, why):
+    d = decide(registered(l4(lkg=lkg_value)))
+    assert (d.verdict, d.cause) == ("reject", "invalid") and why in d.rationale
+
+
+def test_with_quorum_on_l4_awaits_the_quorum():
+    d = decide(registered(l4(), QUORUM_POLICY), QUORUM_POLICY)
+    assert (d.verdict, d.cause) == ("defer", "awaiting_quorum")
+
+
+# -- constitution edits (SPEC 09 §8) -----------------------------------------------------------
+
+
+def test_a_constitution_edit_is_prepared_for_an_operator_and_never_applied():
+    record = registered(charter())
+    d = decide(record)
+    assert (d.verdict, d.cause) == ("defer", "awaiting_operator")
+    assert "never applies" in d.rationale
+    approved = record.replace(decision=d.__class__(**{**msgspec.structs.asdict(d),
+                                                      "verdict": "accept", "cause": None}),
+                              status="approved", approved_by="operator:alice")
+    assert not apply.needs_apply(approved)  # an operator commits it by hand
+
+
+@pytest.mark.parametrize("overrides, why", [
+    ({"amends": None, "scope": "charter"}, "amends"),
+    ({"change_class": "L2"}, "L4"),
+    ({"proposal_edit": ProposalEdit(format="unified", base_digest="x",
+                                    diff=f"+++ b/{CONSTITUTION}\n+version: 6\n")}, "CHANGELOG"),
+])
+def test_a_constitution_edit_needs_amends_l4_and_a_changelog_entry(overrides, why):
+    d = decide(registered(charter(**overrides)))
+    assert d.verdict == "reject" and d.cause in ("invalid", "forbidden_target")
+    if d.cause == "invalid":
+        assert why in d.rationale
+
+
+def test_a_malformed_constitution_edit_hits_the_forbidden_list():
+    d = decide(registered(charter(amends=None)))
+    assert (d.verdict, d.cause) == ("reject", "forbidden_target")
+
+
+def test_a_constitution_edit_cannot_smuggle_other_forbidden_files():
+    d = decide(registered(charter(target_files=[CONSTITUTION, "src/Cargo.toml"])))
+    assert (d.verdict, d.cause) == ("reject", "forbidden_target")
+
+
+def test_a_knowledge_edit_of_the_constitution_stays_forbidden():
+    p = charter(scope="knowledge", amends=None, change_class="L2")
+    assert decide(registered(p)).cause == "forbidden_target"
+
+
+@given(st.lists(st.text(max_size=30), max_size=6))
+@settings(max_examples=200)
+def test_changelog_detection_needs_an_added_line_under_a_changelog_header(lines):
+    diff = "\n".join(lines)
+    expected = False
+    inside = False
+    for line in diff.splitlines():
+        if line.startswith("+++ "):
+            inside = line.split()[-1].endswith("CHANGELOG.md") if len(line.split()) > 1 else False
+        elif line.startswith(("--- ", "diff ")):
+            continue
+        elif inside and line.startswith("+") and line[1:].strip():
+            expected = True
+            break
+    assert lkg.changelog_entry(diff) == expected
+
+
+# -- the reversal, generated before apply ---------------------------------------------------------
+
+
+def approved(p: Proposal):
+    record = registered(p)
+    return record.replace(status="approved", approved_by="operator:alice")
+
+
+def test_an_unhealthy_last_known_good_refuses_the_apply_before_any_order():
+    record = approved(l4())
+    assert lkg.needs_check(record)
+    why = lkg.report_problem(record, report(rc_b=1))
+    assert why is not None and "b (rc 1)" in why
+    after, draft = lkg.refused(record, why, "operator:alice", NOW)
+    assert after.outcome.ok is False and after.outcome.error.startswith("lkg:")
+    assert not apply.needs_apply(after) and not lkg.needs_check(after)
+
+
+def test_a_report_silent_about_an_artefact_is_not_healthy():
+    rep = lkg.LkgReport(ok=True, artefacts=report().artefacts[:1])
+    assert "b" in lkg.report_problem(approved(l4()), rep)
+
+
+def test_the_reversal_restores_every_artefact_and_is_recorded_before_apply():
+    record = approved(l4())
+    rev = lkg.reversal(record, report())
+    assert rev.proposal_data == {"restore": {"a": "sha256:" + "1" * 64,
+                                             "b": "sha256:" + "2" * 64}}
+    assert lkg.reverts(rev) == record.proposal_id and not lkg.needs_lkg(rev)
+    rev_id, _ = propose.identify(rev)
+    after, draft = lkg.verified(record, report(), rev, rev_id, TRIAGER)
+    assert after.revert_id == rev_id and not lkg.needs_check(after)
+    assert apply.needs_apply(after)
+    # the chain alone rebuilds it (the reversal travels in the trailer)
+    from improved.core import audit
+
+    trailer = audit.seal(draft, record, NOW)
+    rebuilt = replay(record.replace(revert=None, revert_id=None), [trailer], [7])
+    assert rebuilt.revert == rev and rebuilt.revert_id == rev_id
+
+
+def test_the_proposers_own_revert_body_is_used_when_given():
+    record = approved(l4(revert={"restore": {"a": "sha256:" + "9" * 64}}))
+    assert lkg.reversal(record, report()).proposal_data == {"restore": {"a": "sha256:" + "9" * 64}}
+
+
+def test_the_reversal_inherits_the_approval_only_of_its_applied_original():
+    original = approved(l4())
+    rev = lkg.reversal(original, report())
+    rev_id, _ = propose.identify(rev)
+    original, _ = lkg.verified(original, report(), rev, rev_id, TRIAGER)
+    reversal = registered(rev)
+    assert lkg.inherit(reversal, original, NOW) is None  # not applied yet
+    applied = original.replace(status="applied")
+    new, draft = lkg.inherit(reversal, applied, NOW)
+    assert new.approved_by == "operator:alice" and draft.verdict == "inherit"
+    other = registered(l4(created_at=NOW - 5))  # a look-alike that was not recorded
+    assert lkg.inherit(other.replace(proposal=rev), applied.replace(revert_id="0" * 64),
+                       NOW) is None
+
+
+# -- the quorum ------------------------------------------------------------------------------------
+
+def open_record():
+    record = registered(l4(), QUORUM_POLICY)
+    d = decide(record, QUORUM_POLICY)
+    return record.replace(decision=d, gate_class=d.gate_class)
+
+
+_SEQ = iter(range(1, 10**6))
+
+
+def cast(record, voter: str, session: str, vote: str = "approve", read=None):
+    v = Vote(proposal_id=record.proposal_id, vote=vote, voter=voter, session=session,
+             read=read if read is not None else [f"proposal:{record.proposal_id}", "diff:d",
+                                                 "triage:t", "spec:09§7"], at=NOW)
+    env = signing.sign(signing.PAYLOAD_TYPES["vote"], msgspec.json.encode(v), VOTERS[voter])
+    verified = TRUST.verify(env, signing.PAYLOAD_TYPES["vote"])
+    new, draft = quorum.count(record, Act(verified.digest, next(_SEQ)), verified, v,
+                              env.signatures[0].sig, TRIAGER)
+    step = quorum.decided(new, TRIAGER, NOW)
+    if step is not None:
+        new, _ = step
+    return new, draft
+
+
+def test_two_votes_do_not_approve_three_non_correlated_do():
+    r = open_record()
+    r, _ = cast(r, "agent-a", "s1")
+    r, _ = cast(r, "agent-b", "s2")
+    assert r.approved_by is None and quorum.is_open(r)
+    r, _ = cast(r, "agent-c", "s3")
+    assert r.approved_by == quorum.authority_of(r) and r.decision.verdict == "accept"
+    rec = quorum.quorum_record(r)
+    assert rec.outcome == "approved" and rec.approvals == 3
+    assert {v.voter for v in rec.votes} == {"agent-a", "agent-b", "agent-c"}
+    assert all(v.sig for v in rec.votes)
+
+
+def test_the_same_key_three_times_never_adds_up():
+    r = open_record()
+    codes = []
+    for _ in range(3):
+        r, draft = cast(r, "agent-a", f"s{len(codes)}")
+        codes.append(draft.verdict)
+    assert codes == ["vote", "refused", "refused"] and quorum.is_open(r)
+
+
+@pytest.mark.parametrize("second_session, code", [
+    ("s1", "correlated_session"),          # two keys of one session
+    ("agentd:run-1", "proposer_session"),  # the proposer's own session
+    ("agentd:run-1:9", "proposer_session"),
+])
+def test_correlated_votes_are_refused(second_session, code):
+    r = open_record()
+    r, _ = cast(r, "agent-a", "s1")
+    r, draft = cast(r, "agent-b", second_session)
+    assert draft.verdict == "refused" and f"({code})" in draft.reason
+    assert len(r.ballots) == 1
+
+
+def test_a_vote_that_did_not_read_everything_is_refused():
+    r = open_record()
+    r, draft = cast(r, "agent-a", "s1", read=[f"proposal:{r.proposal_id}", "diff:d"])
+    assert draft.verdict == "refused" and "triage" in draft.reason and "spec" in draft.reason
+
+
+def test_one_dissent_among_four_defers_to_the_operator():
+    r = open_record()
+    r, _ = cast(r, "agent-a", "s1")
+    r, _ = cast(r, "agent-b", "s2", vote="dissent")
+    assert (r.decision.verdict, r.decision.cause) == ("defer", "quorum_dissent")
+    r, d3 = cast(r, "agent-c", "s3")
+    r, d4 = cast(r, "agent-d", "s4")
+    assert d3.verdict == d4.verdict == "refused"  # closed: the operator decides now
+    assert r.approved_by is None
+    assert quorum.quorum_record(r).outcome == "deferred"
+
+
+def test_quorum_ballots_survive_a_rebuild_from_the_chain():
+    from improved.core import audit
+
+    r = open_record()
+    start = r
+    trailers = []
+    for voter, session in (("agent-a", "s1"), ("agent-b", "s2"), ("agent-c", "s3")):
+        before = r
+        r, draft = cast(r, voter, session)
+        trailers.append(audit.seal(draft, before, NOW))
+    assert len(replay(start, trailers[:1], [1]).ballots) == 1
+    rebuilt = replay(start, trailers, [1, 2, 3])
+    assert [b.voter for b in rebuilt.ballots] == ["agent-a", "agent-b", "agent-c"]

@@ -1,0 +1,361 @@
+"""The planner (improved/planner.py): every next step the engine takes, in its priority order,
+decided without a broker. Each case mirrors an end-to-end case of the loop tests; here the
+record is walked through its transitions purely (seal the draft, append it, ask again)."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+
+import msgspec
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from improved.core import apply, audit, authority, learnback, lkg, planner, propose, quorum, signing
+from improved.core.authority import Act
+from improved.core.breaker import Autonomy
+from improved.core.policy import Policy
+from improved.core.record import ProposalRecord, with_trailer
+from improved.core.signing import TrustStore
+from improved.protocol.model import ApplyResult, MetricSnapshot, Review, Signal, Vote
+from tests.builders import NOW, QUORUM_POLICY, TRIAGER, l4, make_proposal, report
+from tests.keys import TRUST, VOTERS
+
+POLICY = Policy(doc_allowlist=("**",))
+PRINCIPAL = POLICY.policy_principal
+_SEQ = itertools.count(100)
+OPEN = Autonomy()
+BREAKER = Autonomy(paused_until=NOW + 3_600_000)
+SWITCHED_OFF = Autonomy(switch="off")
+CRISIS = Autonomy(crisis="crisis-1")
+
+
+def registered(policy: Policy = POLICY, **overrides) -> ProposalRecord:
+    proposal = make_proposal(**overrides)
+    pid, dedup = propose.identify(proposal)
+    record, draft = propose.register(proposal, pid, dedup, policy, NOW - 1)
+    return commit(record, draft)
+
+
+def commit(record: ProposalRecord, draft, at: int = NOW) -> ProposalRecord:
+    """What the engine's commit does, without the broker: seal, append, carry the head on."""
+    return with_trailer(record, audit.seal(draft, record, at), next(_SEQ))
+
+
+def view(autonomy: Autonomy = OPEN, now: int = NOW, **over) -> planner.View:
+    return planner.View(now=now, autonomy=autonomy, **over)
+
+
+def step_of(record: ProposalRecord, v: planner.View | None = None,
+            policy: Policy = POLICY) -> planner.Step:
+    return planner.next_step(record, v or view(), policy, TRIAGER)
+
+
+def settle(record: ProposalRecord, v: planner.View | None = None, policy: Policy = POLICY,
+           grant: bool | None = None) -> tuple[ProposalRecord, list[str], planner.Step]:
+    """Carry out every commit (and the reads) the planner asks for; stop at the first step
+    that needs the world. Returns the record, the commits' rules in order, and that step."""
+    v = v or view()
+    rules: list[str] = []
+    for _ in range(20):
+        step = planner.next_step(record, v, policy, TRIAGER)
+        if isinstance(step, planner.ReadGrant):
+            assert grant is not None, "the planner asked for a grant the case did not expect"
+            v = planner.with_read(v, step, grant)
+            continue
+        if not isinstance(step, planner.Commit):
+            return record, rules, step
+        rules.append(step.why)
+        record = commit(step.record, step.draft)
+    raise AssertionError(f"the planner kept committing: {rules}")
+
+
+def applied(record: ProposalRecord, step: planner.SendApply, ok: bool = True,
+            **result) -> ProposalRecord:
+    res = ApplyResult(ok=ok, applied_id="a-1" if ok else "", **result)
+    return commit(*apply.transition(record, res, step.authority, NOW))
+
+
+ALICE = Ed25519PrivateKey.generate()
+OPERATORS = TrustStore.from_config({
+    "operator:alice": base64.b64encode(signing.raw_public(ALICE.public_key())).decode()})
+
+
+def signed_review(record: ProposalRecord, verdict: str) -> ProposalRecord:
+    """An operator's signed review, verified and recorded as the review ingest does."""
+    rv = Review(proposal_id=record.proposal_id, verdict=verdict, principal="operator:alice",
+                reason="looked at it", at=NOW)
+    env = signing.sign(signing.PAYLOAD_TYPES["review"], msgspec.json.encode(rv), ALICE)
+    verified = OPERATORS.verify(env, signing.PAYLOAD_TYPES["review"])
+    return commit(*authority.review(record, Act(verified.digest, next(_SEQ)), verified, rv,
+                                    False, TRIAGER, NOW))
+
+
+def approved(record: ProposalRecord) -> ProposalRecord:
+    record, _, _ = settle(record)
+    after = signed_review(record, "approve")
+    assert after.approved_by == "operator:alice", after.decision
+    return after
+
+
+# -- triage first, then the apply --------------------------------------------------------------
+
+
+def test_an_l0_is_triaged_then_sent_under_the_policy_principal():
+    record, rules, step = settle(registered(target_ref="rank:x", change_class="L0",
+                                            proposal_data={"set": {"key": "x", "value": 1}}))
+    assert rules == ["triage"] and record.decision.verdict == "accept"
+    assert isinstance(step, planner.SendApply)
+    assert step.authority == PRINCIPAL and not step.grant_bound
+    assert step.order.proposal_id == record.proposal_id
+
+
+def test_without_dispatch_an_accepted_l0_is_left_for_the_inbound_consumer():
+    record, rules, step = settle(registered(target_ref="rank:x", change_class="L0",
+                                            proposal_data={"set": {"key": "x", "value": 1}}),
+                                 view(dispatch=False))
+    assert rules == ["triage"] and step == planner.DONE
+
+
+def test_an_l2_waits_for_an_operator_and_then_runs_under_the_operators_authority():
+    record, rules, step = settle(registered())
+    assert rules == ["triage"] and step == planner.DONE
+    assert (record.decision.verdict, record.decision.cause) == ("defer", "awaiting_operator")
+    step = step_of(approved(record))
+    assert isinstance(step, planner.SendApply) and step.authority == "operator:alice"
+
+
+def test_an_l3_reads_its_grant_before_triage_and_stays_bound_to_it():
+    record = registered(change_class="L3")
+    assert step_of(record) == planner.ReadGrant(record.skill)
+    granted, rules, step = settle(record, grant=True)
+    assert rules == ["triage"] and granted.decision.verdict == "accept"
+    assert isinstance(step, planner.SendApply) and step.grant_bound
+    waiting, _, step = settle(record, grant=False)
+    assert (waiting.decision.cause, waiting.gate_class) == ("no_grant", "L2")
+    assert step == planner.DONE
+
+
+def test_a_grant_revoked_before_the_order_regates_the_l3_as_l2():
+    record, _, _ = settle(registered(change_class="L3"), grant=True)
+    c = planner.revoked(record, POLICY, NOW, TRIAGER)
+    assert (c.record.decision.cause, c.record.gate_class) == ("no_grant", "L2")
+    assert step_of(commit(c.record, c.draft)) == planner.DONE
+
+
+# -- the autonomy chain: holds, re-holds, releases, crisis -------------------------------------
+
+
+L0 = dict(target_ref="rank:x", change_class="L0", proposal_data={"set": {"key": "x", "value": 1}})
+
+
+@pytest.mark.parametrize("state,cause", [(BREAKER, "circuit_open"),
+                                         (SWITCHED_OFF, "autonomy_off")])
+def test_a_held_back_l0_is_deferred_and_released_once_autonomy_is_back(state, cause):
+    record, rules, step = settle(registered(**L0), view(state))
+    assert (record.decision.cause, step) == (cause, planner.DONE)
+    record, rules, step = settle(record, view(OPEN))
+    assert rules == ["triage"] and record.decision.verdict == "accept"
+    assert isinstance(step, planner.SendApply)
+
+
+def test_an_l0_accepted_before_the_breaker_opened_is_held_back_before_its_order():
+    record, _, _ = settle(registered(**L0), view(dispatch=False))
+    record, rules, step = settle(record, view(BREAKER))
+    assert rules == ["hold"] and record.decision.cause == "circuit_open"
+    assert step == planner.DONE
+
+
+def test_an_operator_approved_l2_is_not_held_by_the_breaker():
+    record, _, _ = settle(registered())
+    assert isinstance(step_of(approved(record), view(BREAKER)), planner.SendApply)
+
+
+def test_a_crisis_halts_every_dispatch_but_not_triage():
+    record, rules, step = settle(registered(**L0), view(CRISIS))
+    assert rules == ["triage"] and isinstance(step, planner.Halt)
+    assert "crisis-1" in step.reason
+    record, _, _ = settle(registered())
+    assert isinstance(step_of(approved(record), view(CRISIS)), planner.Halt)
+
+
+def test_an_accepted_proposal_that_expired_before_its_apply_is_rejected_instead():
+    record, _, _ = settle(registered(valid_to=NOW + 10, **L0), view(dispatch=False))
+    record, rules, step = settle(record, view(now=NOW + 10))
+    assert rules == ["triage"] and record.decision.cause == "expired"
+    assert step == planner.DONE
+
+
+def test_a_self_confirmed_proposal_waits_and_an_independent_signal_releases_it():
+    own = Signal(kind="check", actor=make_proposal().origin.actor, service="svc",
+                 positive=True, at=NOW - 5)
+    record, _, step = settle(registered(signals=[own]))
+    assert record.decision.cause == "feedback_collapse" and step == planner.DONE
+    other = Signal(kind="check", actor="mcp:other:1", service="other", positive=True,
+                   at=NOW - 4)
+    new, draft, _ = learnback.observe_signal(record, other, POLICY, NOW)
+    record, rules, _ = settle(commit(new, draft))
+    assert rules == ["triage"] and record.decision.cause == "awaiting_operator"
+
+
+# -- quorum, L4 and reversals -------------------------------------------------------------------
+
+
+def vote(record: ProposalRecord, voter: str, session: str, verdict: str = "approve"):
+    """A signed vote counted on the chain (the ingest); what the quorum decides is the
+    planner's."""
+    v = Vote(proposal_id=record.proposal_id, vote=verdict, voter=voter, session=session,
+             read=[f"proposal:{record.proposal_id}", "diff:d", "triage:t", "spec:09§7"], at=NOW)
+    env = signing.sign(signing.PAYLOAD_TYPES["vote"], msgspec.json.encode(v), VOTERS[voter])
+    verified = TRUST.verify(env, signing.PAYLOAD_TYPES["vote"])
+    return commit(*quorum.count(record, Act(verified.digest, next(_SEQ)), verified, v,
+                                env.signatures[0].sig, TRIAGER))
+
+
+def test_three_votes_approve_and_the_l4_goes_to_its_lkg_check_first():
+    r, _, step = settle(registered(QUORUM_POLICY, **_l4_fields()), policy=QUORUM_POLICY)
+    assert r.decision.cause == "awaiting_quorum" and step == planner.DONE
+    r = vote(vote(r, "agent-a", "s1"), "agent-b", "s2")
+    assert step_of(r, policy=QUORUM_POLICY) == planner.DONE  # two do not add up
+    r, rules, step = settle(vote(r, "agent-c", "s3"), policy=QUORUM_POLICY)
+    assert rules == ["quorum"] and r.status == "approved"
+    assert step == planner.CheckLkg()
+
+
+def test_one_dissent_hands_the_l4_to_an_operator():
+    r, _, _ = settle(registered(QUORUM_POLICY, **_l4_fields()), policy=QUORUM_POLICY)
+    r, rules, step = settle(vote(r, "agent-a", "s1", "dissent"), policy=QUORUM_POLICY)
+    assert rules == ["quorum"] and r.decision.cause == "quorum_dissent"
+    assert step == planner.DONE
+
+
+def test_an_unhealthy_lkg_fails_the_apply_with_nothing_sent():
+    record = approved(registered(**_l4_fields()))
+    c = planner.after_lkg(record, report(rc_b=1), POLICY, TRIAGER, 1 << 20, NOW)
+    assert c.why == "lkg_refused" and c.record.outcome.ok is False
+    assert step_of(commit(c.record, c.draft)) == planner.DONE
+
+
+def test_a_healthy_lkg_records_the_reversal_before_the_order():
+    record = approved(registered(**_l4_fields()))
+    c = planner.after_lkg(record, report(), POLICY, TRIAGER, 1 << 20, NOW)
+    assert c.why == "lkg_verified" and c.record.revert_id is not None
+    step = step_of(commit(c.record, c.draft))
+    assert isinstance(step, planner.SendApply) and step.authority == "operator:alice"
+
+
+def test_a_reversal_too_large_to_propose_refuses_the_apply():
+    record = approved(registered(**_l4_fields()))
+    c = planner.after_lkg(record, report(), POLICY, TRIAGER, 100, NOW)
+    assert c.why == "lkg_refused" and "not a valid proposal" in c.draft.reason
+
+
+def test_a_reversal_reads_its_original_and_inherits_an_applied_originals_approval():
+    original = approved(registered(**_l4_fields()))
+    c = planner.after_lkg(original, report(), POLICY, TRIAGER, 1 << 20, NOW)
+    original = commit(c.record, c.draft).replace(status="applied")
+    reversal = registered_proposal(original.revert)
+    assert step_of(reversal) == planner.ReadOriginal(original.proposal_id)
+    v = planner.with_read(view(), planner.ReadOriginal(original.proposal_id), original)
+    step = step_of(reversal, v)
+    assert isinstance(step, planner.Commit) and step.why == "inherit"
+    assert step.record.approved_by == "operator:alice"
+    # not found (or not applied): an ordinary triage
+    v = planner.with_read(view(), planner.ReadOriginal(original.proposal_id), None)
+    assert step_of(reversal, v).why == "triage"
+
+
+# -- after the apply: rollback, measurement, finishing a rollback -------------------------------
+
+
+def test_an_operators_rollback_goes_before_anything_else_and_is_halted_by_a_crisis():
+    record, _, step = settle(registered(**L0))
+    record = applied(record, step, inverse={"set": {"key": "x", "value": 0}}, rollbackable=True)
+    asked = signed_review(record, "rollback")
+    step = step_of(asked)
+    assert isinstance(step, planner.SendRollback) and step.order.authority == "operator:alice"
+    assert isinstance(step_of(asked, view(CRISIS)), planner.Halt)
+    assert step_of(asked, view(dispatch=False)) == planner.DONE
+
+
+def test_a_regression_at_review_after_proposes_the_recorded_rollback_then_commits():
+    snap = MetricSnapshot(metric="ctr", baseline=0.2, review_after=NOW + 100)
+    record, _, step = settle(registered(metric_snapshot=snap, **L0))
+    record = applied(record, step, inverse={"set": {"key": "x", "value": 0}}, rollbackable=True)
+    assert step_of(record, view(now=NOW + 200)) == planner.DONE  # nothing measured yet
+    reading = Signal(kind="metric", actor="mcp:meter:1", service="metrics", positive=False,
+                     at=NOW + 150, name="ctr", value=0.1)
+    new, draft, counted = learnback.observe_signal(record, reading, POLICY, NOW + 150)
+    assert counted.independent
+    record = commit(new, draft)
+    assert step_of(record, view(now=NOW + 99)) == planner.DONE  # before review_after
+    step = step_of(record, view(now=NOW + 200))
+    assert isinstance(step, planner.Measure) and step.rollback is not None
+    rollback_id, _ = propose.identify(step.rollback)
+    assert f"rollback_proposal:{rollback_id}" in step.commit.draft.refs
+    assert step_of(commit(step.commit.record, step.commit.draft), view(now=NOW + 200)) \
+        == planner.DONE
+
+
+def test_an_applied_rollback_finishes_its_original():
+    record, _, step = settle(registered(**L0))
+    record = applied(record, step, inverse={"set": {"key": "x", "value": 0}}, rollbackable=True)
+    inverse = registered_proposal(apply.rollback_proposal(record))
+    inverse, _, step = settle(inverse)
+    inverse = applied(inverse, step)
+    assert step_of(inverse) == planner.FinishRollback(record.proposal_id)
+
+
+# -- properties ----------------------------------------------------------------------------------
+
+
+def registered_proposal(proposal) -> ProposalRecord:
+    pid, dedup = propose.identify(proposal)
+    record, draft = propose.register(proposal, pid, dedup, POLICY, NOW - 1)
+    return commit(record, draft)
+
+
+def _l4_fields() -> dict:
+    p = l4()
+    return dict(service=p.service, target_ref=p.target_ref, change_class="L4",
+                scope=p.scope, origin=p.origin, analyzer=p.analyzer, summary=p.summary,
+                proposal_data=p.proposal_data, lkg=p.lkg)
+
+
+CASES = [
+    dict(L0), {}, dict(change_class="L3"), dict(change_class="L1"),
+    dict(target_ref="rank:x", change_class="L2", proposal_data={"set": {"key": "x"}}),
+    dict(target_ref="code:x", change_class="L0"),  # below its minimum: rejected
+]
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=st.sampled_from(CASES), autonomy=st.sampled_from([OPEN, BREAKER, SWITCHED_OFF,
+                                                               CRISIS]),
+       dispatch=st.booleans(), grant=st.booleans(), later=st.integers(0, 10**9),
+       approve=st.booleans(), ok=st.booleans())
+def test_the_planner_always_settles_and_never_sends_what_its_gate_forbids(
+        case, autonomy, dispatch, grant, later, approve, ok):
+    """Whatever the autonomy state, clock and grant: the commits end within a few steps, the
+    only sends are to an accepted proposal that is not held back, never in a crisis, never
+    without dispatch, and an order always carries the approver's or the policy's authority."""
+    record, rules, step = settle(registered(**case), view(autonomy, NOW + later,
+                                                           dispatch=dispatch), grant=grant)
+    assert len(rules) <= 2
+    if approve and record.status == "pending" and record.decision.verdict == "defer" \
+            and record.decision.cause in ("awaiting_operator", "no_grant"):
+        record = approved(record)
+        step = step_of(record, view(autonomy, NOW + later, dispatch=dispatch))
+    if isinstance(step, planner.SendApply):
+        assert dispatch and not autonomy.crisis
+        assert record.decision.verdict == "accept"
+        assert step.authority == (record.approved_by or PRINCIPAL)
+        assert record.approved_by is not None or view(autonomy, NOW + later).held(record) is None
+        record = applied(record, step, ok=ok)
+        assert step_of(record, view(autonomy, NOW + later, dispatch=dispatch)) == planner.DONE
+    else:
+        assert isinstance(step, planner.Done | planner.Halt)
+        assert not isinstance(step, planner.Halt) or (autonomy.crisis and dispatch)
+    assert not lkg.needs_check(record)

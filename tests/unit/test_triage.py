@@ -1,0 +1,406 @@
+"""Triage (DESIGN §2, §5.1): every cause, the fixed order of the checks, the class gate, and
+when a proposal needs (re-)triage."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from improved.core import gradient, guards, learnback, propose, triage
+from improved.core.gradient import CLASSES
+from improved.core.guards import DEFAULT_FORBIDDEN, Evidence
+from improved.core.policy import Policy
+from improved.core.record import ProposalRecord
+from improved.protocol.model import Proposal, Signal
+from tests.builders import NOW, ORIGIN_ACTOR, TRIAGER, make_proposal
+
+POLICY = Policy(doc_allowlist=("**",))
+def make_record(policy: Policy = POLICY, now: int = NOW, **overrides) -> ProposalRecord:
+    proposal = make_proposal(**overrides)
+    pid, dedup = propose.identify(proposal)
+    record, draft = propose.register(proposal, pid, dedup, policy, now)
+    assert record.status == "pending" and draft.to_stage == "propose"
+    return record
+
+
+def signal(actor: str, positive: bool = True, kind: str = "check", service: str = "svc",
+           at: int = NOW - 1_000) -> Signal:
+    return Signal(kind=kind, actor=actor, service=service, positive=positive, at=at)
+
+
+def decide(record: ProposalRecord, grant: bool = False, policy: Policy = POLICY,
+           now: int = NOW):
+    return triage.decide(record, policy, now, grant, TRIAGER)
+
+
+# -- each cause, in the fixed order ------------------------------------------------------------
+
+
+def test_forbidden_wins_over_class_scope_and_expiry():
+    record = make_record(target_ref="code:src/lib.rs", change_class="L0", scope="knowledge",
+                         target_files=["x/../_spec/2026-04-20-00-constitution.md"],
+                         valid_to=NOW - 1, signals=[signal("mcp:aaa:7")])
+    d = decide(record)
+    assert (d.verdict, d.cause) == ("reject", "forbidden_target")
+    assert "_spec/2026-04-20-00-constitution.md" in d.rationale
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_forbidden_target_whatever_the_class(cls):
+    record = make_record(target_ref="doc:$COSMIX/_spec/CHANGELOG.md", change_class=cls,
+                         scope="charter")
+    assert decide(record, grant=True).cause == "forbidden_target"
+
+
+def test_forbidden_via_the_target_ref_alone():
+    record = make_record(target_ref="doc:a/../_doc/2026-04-20-declaration.md",
+                         scope="charter", change_class="L4")
+    assert decide(record).cause == "forbidden_target"
+
+
+def test_escaping_target_file_is_forbidden():
+    record = make_record(target_ref="cache:x", change_class="L0", target_files=["../../x"])
+    assert decide(record).cause == "forbidden_target"
+
+
+def test_class_mismatch_before_scope_mismatch():
+    record = make_record(target_ref="code:src/lib.rs", change_class="L2", scope="knowledge")
+    d = decide(record)
+    assert (d.verdict, d.cause) == ("reject", "class_mismatch")
+    assert "L4" in d.rationale
+
+
+def test_l3_on_a_non_skill_target_is_class_mismatch():
+    d = decide(make_record(target_ref="config:a.b", change_class="L3", scope="operation"),
+               grant=True)
+    assert (d.verdict, d.cause) == ("reject", "class_mismatch")
+
+
+def test_class_mismatch_is_never_downgraded():
+    d = decide(make_record(target_ref="binary:cosmix-foo", change_class="L2", scope="operation"))
+    assert d.cause == "class_mismatch"
+    assert d.gate_class == "L2"
+
+
+@pytest.mark.parametrize(
+    ("target_ref", "scope"),
+    [("config:a.b", "knowledge"), ("skill:greet", "operation"), ("skill:greet", "charter"),
+     ("grain:x", "code"), ("code:src/lib.rs", "operation")],
+)
+def test_scope_mismatch(target_ref, scope):
+    cls = "L4" if target_ref.startswith("code:") else "L2"
+    d = decide(make_record(target_ref=target_ref, scope=scope, change_class=cls,
+                           valid_to=NOW - 1))
+    assert (d.verdict, d.cause) == ("reject", "scope_mismatch")
+
+
+def test_doc_targets_must_be_on_the_allowlist():
+    narrow = Policy(doc_allowlist=("docs/**",))
+    listed = make_record(target_ref="doc:docs/guide.md", change_class="L2", policy=narrow)
+    assert decide(listed, policy=narrow).cause == "awaiting_operator"
+    other = make_record(target_ref="doc:notes/guide.md", change_class="L2", policy=narrow)
+    d = decide(other, policy=narrow)
+    assert (d.verdict, d.cause) == ("reject", "invalid") and "allowlist" in d.rationale
+    sneaky = make_record(target_ref="doc:docs/../notes/guide.md", change_class="L2",
+                         policy=narrow)
+    assert decide(sneaky, policy=narrow).cause == "invalid"
+    assert decide(listed, policy=Policy()).cause == "invalid"  # the default lists nothing
+
+
+def test_a_charter_proposal_below_l4_is_refused_as_malformed():
+    d = decide(make_record(target_ref="doc:_doc/charter.md", scope="charter", change_class="L2"))
+    assert (d.verdict, d.cause) == ("reject", "invalid") and "L4" in d.rationale
+
+
+@pytest.mark.parametrize("valid_to", [NOW, NOW - 1, 0])
+def test_expired(valid_to):
+    record = make_record(valid_to=valid_to, signals=[signal("mcp:aaa:7")])
+    d = decide(record)
+    assert (d.verdict, d.cause) == ("reject", "expired")
+
+
+def test_not_yet_expired():
+    assert decide(make_record(valid_to=NOW + 1)).cause == "awaiting_operator"
+
+
+def test_feedback_collapse_defers():
+    record = make_record(signals=[signal("mcp:aaa:7")])
+    assert record.positives == 1 and record.independent_positives == 0
+    d = decide(record)
+    assert (d.verdict, d.cause) == ("defer", "feedback_collapse")
+
+
+def test_feedback_collapse_before_gate_even_with_a_grant():
+    record = make_record(change_class="L3", signals=[signal(ORIGIN_ACTOR, kind="refine")])
+    assert decide(record, grant=True).cause == "feedback_collapse"
+
+
+def test_independent_negative_does_not_lift_feedback_collapse():
+    record = make_record(signals=[signal("mcp:aaa:7"), signal("mcp:bbb:1", positive=False)])
+    assert decide(record).cause == "feedback_collapse"
+
+
+def test_no_positive_evidence_is_not_collapse():
+    record = make_record(signals=[signal("mcp:aaa:7", positive=False)])
+    assert decide(record).cause == "awaiting_operator"
+
+
+def test_self_claimed_world_signal_from_another_session_before_apply_is_not_independent():
+    # a world signal counts only after apply, so before apply it cannot confirm anything
+    record = make_record(signals=[signal("mcp:zzz:1", kind="world", service="other")])
+    assert decide(record).cause == "feedback_collapse"
+
+
+def test_independent_positive_passes_the_guard():
+    record = make_record(signals=[signal("mcp:aaa:7"), signal("mcp:bbb:2")])
+    assert decide(record).cause == "awaiting_operator"
+
+
+# -- the class gate ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cls", "target_ref", "scope", "grant", "verdict", "cause", "gate_class"),
+    [
+        ("L0", "cache:search", "knowledge", False, "accept", None, "L0"),
+        ("L0", "rank:search/top", "knowledge", False, "accept", None, "L0"),
+        ("L1", "code:src/lib.rs", "code", False, "accept", None, "L1"),
+        ("L1", "skill:greet", "knowledge", True, "accept", None, "L1"),
+        ("L2", "skill:greet", "knowledge", False, "defer", "awaiting_operator", "L2"),
+        ("L2", "grain:x", "knowledge", False, "defer", "awaiting_operator", "L2"),
+        ("L4", "code:src/lib.rs", "code", False, "defer", "awaiting_operator", "L4"),
+        ("L4", "skill:greet", "knowledge", True, "defer", "awaiting_operator", "L4"),
+        ("L3", "skill:greet", "knowledge", True, "accept", None, "L3"),
+        ("L3", "skill:greet", "knowledge", False, "defer", "no_grant", "L2"),
+    ],
+)
+def test_gate(cls, target_ref, scope, grant, verdict, cause, gate_class):
+    record = make_record(change_class=cls, target_ref=target_ref, scope=scope)
+    d = decide(record, grant=grant)
+    assert (d.verdict, d.cause, d.gate_class) == (verdict, cause, gate_class)
+    assert (d.proposal_id, d.service, d.actor, d.at) == (record.proposal_id, "svc", TRIAGER, NOW)
+
+
+def test_l4_rationale_says_per_occurrence():
+    d = decide(make_record(change_class="L4", target_ref="code:src/lib.rs", scope="code"))
+    assert "per occurrence" in d.rationale
+
+
+def test_policy_overrides_min_class_and_forbidden_list():
+    loose = Policy(min_class={"grain": "L0"}, forbidden_targets=(), doc_allowlist=("**",))
+    record = make_record(policy=loose, change_class="L0", target_ref="grain:x")
+    assert decide(record, policy=loose).verdict == "accept"
+    assert decide(record).cause == "class_mismatch"
+    record = make_record(target_ref="doc:_spec/CHANGELOG.md", scope="knowledge")
+    assert decide(record, policy=loose).cause == "awaiting_operator"
+    assert decide(record).cause == "forbidden_target"
+
+
+def test_transition_records_decision_and_gate_class():
+    record = make_record(change_class="L3")
+    d = decide(record, grant=False)
+    new, draft = triage.transition(record, d)
+    assert new.decision == d
+    assert new.gate_class == "L2"
+    assert new.updated_at == NOW
+    assert (draft.to_stage, draft.verdict, draft.cause) == ("triage", "defer", "no_grant")
+    assert draft.from_stage == record.stage
+    assert record.decision is None  # the input record is untouched
+
+
+# -- needs_triage ------------------------------------------------------------------------------
+
+
+def test_needs_triage_new_then_decided():
+    record = make_record()
+    assert triage.needs_triage(record)
+    record, _ = triage.transition(record, decide(record))
+    assert record.decision.cause == "awaiting_operator"
+    assert not triage.needs_triage(record)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(change_class="L0", target_ref="cache:x"),
+    dict(change_class="L2", target_ref="code:x.rs"),
+    dict(change_class="L3"),
+])
+def test_no_retriage_after_other_decisions(kwargs):
+    record = make_record(**kwargs)
+    record, _ = triage.transition(record, decide(record))
+    assert not triage.needs_triage(record)
+
+
+def test_feedback_collapse_retriaged_once_independently_confirmed():
+    record = make_record(signals=[signal("mcp:aaa:7")])
+    record, _ = triage.transition(record, decide(record))
+    assert record.decision.cause == "feedback_collapse"
+    assert not triage.needs_triage(record)
+
+    # more self-confirmation changes nothing
+    record, draft, counted = learnback.observe_signal(record, signal("mcp:aaa:9", at=NOW + 1),
+                                                      POLICY, NOW + 1)
+    assert not counted.independent and draft.to_stage == "learn-back"
+    assert not triage.needs_triage(record)
+
+    # an independent negative is not a confirmation
+    record, _, counted = learnback.observe_signal(
+        record, signal("mcp:bbb:1", positive=False, at=NOW + 2), POLICY, NOW + 2)
+    assert counted.independent
+    assert not triage.needs_triage(record)
+
+    # a redelivered signal is not counted twice
+    again = signal("mcp:aaa:9", at=NOW + 1)
+    assert learnback.observe_signal(record, again, POLICY, NOW + 3) is None
+
+    # an independent positive re-opens triage, which now reaches the gate
+    record, _, counted = learnback.observe_signal(
+        record, signal("mcp:bbb:1", at=NOW + 4), POLICY, NOW + 4)
+    assert counted.independent
+    assert triage.needs_triage(record)
+    d = decide(record, now=NOW + 5)
+    assert (d.verdict, d.cause) == ("defer", "awaiting_operator")
+    record, _ = triage.transition(record, d)
+    assert not triage.needs_triage(record)
+
+
+# -- the order, as a property ------------------------------------------------------------------
+
+SCHEMES = ("cache", "rank", "skill", "doc", "config", "code", "binary", "grain", "query")
+RESTS = ("notes/a.md", "_spec/CHANGELOG.md", "x/../_spec/2026-04-20-00-constitution.md",
+         "src/crates/cosmix-mcp/lib.rs", "../escape", "greet")
+FILES = ("_doc/notes.md", "src/lib.rs", "~/.config/cosmix/harness.toml", "a/../../b",
+         "/etc/systemd/system/cosmix-x.timer")
+SIGNAL_SPEC = st.tuples(
+    st.booleans(),                                           # from the origin's session?
+    st.booleans(),                                           # positive?
+    st.sampled_from(("refine", "check", "world", "metric")),
+)
+
+
+def expected_cause(p: Proposal, grant: bool, now: int) -> tuple[str, str | None]:
+    scheme = gradient.scheme_of(p.target_ref)
+    paths = guards.target_paths(p.target_ref, p.target_files)
+    if guards.forbidden_match(paths, DEFAULT_FORBIDDEN) is not None:
+        return "reject", "forbidden_target"
+    if not gradient.class_fits(p.change_class, scheme):
+        return "reject", "class_mismatch"
+    if not gradient.scope_fits(p.scope, scheme):
+        return "reject", "scope_mismatch"
+    if p.scope == "charter":  # a constitution edit needs L4, `amends`, a CHANGELOG entry
+        return "reject", "invalid"
+    if p.valid_to is not None and p.valid_to <= now:
+        return "reject", "expired"
+    evidence = [Evidence(s.kind, s.actor, s.service, s.positive, s.at) for s in p.signals or ()]
+    positives = [e for e in evidence if e.positive]
+    if positives and not any(
+            guards.is_independent(e, p.origin.actor, p.origin.service, None,
+                                  POLICY.effect_window_ms) for e in positives):
+        return "defer", "feedback_collapse"
+    if p.change_class in ("L0", "L1"):
+        return "accept", None
+    if p.change_class == "L3":
+        return ("accept", None) if grant else ("defer", "no_grant")
+    return "defer", "awaiting_operator"
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    cls=st.sampled_from(CLASSES),
+    scheme=st.sampled_from(SCHEMES),
+    rest=st.sampled_from(RESTS),
+    files=st.none() | st.lists(st.sampled_from(FILES), max_size=2),
+    scope=st.sampled_from(("knowledge", "code", "operation", "charter")),
+    valid_to=st.none() | st.integers(min_value=-2, max_value=2).map(lambda d: NOW + d),
+    signals=st.lists(SIGNAL_SPEC, max_size=4),
+    grant=st.booleans(),
+)
+def test_cause_is_the_first_failing_check(cls, scheme, rest, files, scope, valid_to, signals,
+                                          grant):
+    sigs = [signal(f"mcp:aaa:{i + 2}" if own else f"mcp:s{i}:1", positive=pos, kind=kind,
+                   service="svc" if own else "other")
+            for i, (own, pos, kind) in enumerate(signals)]
+    record = make_record(change_class=cls, target_ref=f"{scheme}:{rest}", scope=scope,
+                         target_files=files, valid_to=valid_to, signals=sigs or None)
+    d = decide(record, grant=grant)
+    assert (d.verdict, d.cause) == expected_cause(record.proposal, grant, NOW)
+    expected_gate = "L2" if d.cause == "no_grant" else cls
+    assert d.gate_class == expected_gate
+
+
+def test_the_regression_analyzer_needs_distinct_sessions_within_its_window():
+    from improved.core.observe import Observer, RegressionAnalyzer
+    from improved.protocol.model import Signal
+
+    observer = Observer([RegressionAnalyzer(threshold=3, window_ms=1000)])
+
+    def neg(actor, at):
+        return Signal(kind="metric", actor=actor, service="watch", positive=False, at=at,
+                      target_ref="rank:a", name="ctr")
+
+    # one session three times: not a regression
+    assert observer.observe("svc", neg("mcp:a:1", 10)) == []
+    assert observer.observe("svc", neg("mcp:a:2", 20)) == []
+    assert observer.observe("svc", neg("mcp:a:3", 30)) == []
+    # a second session, then a third one outside the window of the first: still not enough
+    assert observer.observe("svc", neg("mcp:b:1", 40)) == []
+    assert observer.observe("svc", neg("mcp:c:1", 5000)) == []
+    # a third session inside the window of the other two
+    assert observer.observe("svc", neg("mcp:d:1", 5100)) == []
+    proposals = observer.observe("svc", neg("mcp:e:1", 5200))
+    assert len(proposals) == 1
+    p = proposals[0]
+    assert (p.change_class, p.target_ref, p.service) == ("L1", "rank:a", "svc")
+    # deterministic: the same signals give the same proposal (same id on every replica)
+    again = Observer([RegressionAnalyzer(threshold=3, window_ms=1000)])
+    for s in (neg("mcp:c:1", 5000), neg("mcp:d:1", 5100)):
+        again.observe("svc", s)
+    assert again.observe("svc", neg("mcp:e:1", 5200)) == proposals
+    # positive signals and signals without a target are ignored
+    assert observer.observe("svc", Signal(kind="metric", actor="mcp:z:1", service="w",
+                                          positive=True, at=1, target_ref="rank:a")) == []
+
+
+def test_stale_skills_are_proposed_for_archival_and_a_success_resets_them():
+    from improved.core.observe import Observer, StaleSkillAnalyzer
+    from improved.protocol.model import Signal
+
+    def outcome(actor, positive, at):
+        return Signal(kind="refine", actor=actor, service="agents", positive=positive, at=at,
+                      target_ref="skill:summarize")
+
+    observer = Observer([StaleSkillAnalyzer(threshold=3)])
+    assert observer.observe("skills", outcome("mcp:a:1", False, 1)) == []
+    assert observer.observe("skills", outcome("mcp:b:1", False, 2)) == []
+    assert observer.observe("skills", outcome("mcp:c:1", True, 3)) == []  # success: not stale
+    assert observer.observe("skills", outcome("mcp:d:1", False, 4)) == []
+    assert observer.observe("skills", outcome("mcp:e:1", False, 5)) == []
+    [p] = observer.observe("skills", outcome("mcp:f:1", False, 6))
+    assert (p.change_class, p.target_ref, p.proposal_data) == (
+        "L2", "skill:summarize", {"archive": "summarize"})
+    assert propose.render_summary(p.summary.template_id, p.summary.args) == \
+        "archive skill summarize after 3 negative outcomes"
+
+
+def test_observe_ranks_by_what_operators_accepted_before():
+    from improved.core.observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
+    from improved.protocol.model import Signal
+
+    regress, stale = RegressionAnalyzer(threshold=3), StaleSkillAnalyzer(threshold=3)
+    observer = Observer([regress, stale])
+    assert observer.weight(regress.id) == observer.weight(stale.id) == 0.5
+    for _ in range(3):
+        observer.learn(regress.id, False)  # operators kept rejecting its proposals
+    observer.learn(stale.id, True)
+    assert observer.weight(regress.id) == 0.2 and observer.weight(stale.id) == 2 / 3
+    observer.learn("someone.else/1", True)  # not one of ours: ignored
+    assert "someone.else/1" not in observer.history
+
+    def neg(actor, at, ref):
+        return Signal(kind="metric", actor=actor, service="w", positive=False, at=at,
+                      target_ref=ref, name="ctr")
+
+    for i, actor in enumerate(("mcp:a:1", "mcp:b:1")):
+        observer.observe("svc", neg(actor, i, "rank:a"))
+    # three sessions would make a candidate, but 3 x 0.2 falls below the threshold of 1.0
+    assert observer.observe("svc", neg("mcp:c:1", 2, "rank:a")) == []
