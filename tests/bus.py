@@ -12,12 +12,14 @@ import uuid
 from pathlib import Path
 
 import msgspec
+from prometheus_client.parser import text_string_to_metric_families
 
 from improved.client.sdk import MeshClient
 from improved.core import signing
 from improved.protocol import canonical, subjects
 from improved.protocol.model import ApplyOrder, ApplyResult, to_json
 from improved.runtime.config import ApplySettings, Config, Trust
+from improved.runtime.metrics import Metrics
 from improved_reference.artefact_store import ArtefactStore
 from tests.factories import review, swap
 from tests.keys import ALICE
@@ -134,3 +136,18 @@ async def quorum_case(nc, daemon, svc):
     decision = await eventually(lambda: client.decision(pid))
     assert (decision.verdict, decision.cause) == ("defer", "awaiting_quorum")
     return store, client, pid
+
+
+# -- reading the daemon's metrics --------------------------------------------------------------
+
+
+def samples(m: Metrics) -> dict[tuple[str, frozenset], float]:
+    out = {}
+    for family in text_string_to_metric_families(m.render().decode()):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(m: Metrics, name: str, **labels: str) -> float | None:
+    return samples(m).get((name, frozenset(labels.items())))

@@ -17,10 +17,11 @@ from improved.protocol.model import (
     Review,
     Signal,
     Summary,
+    Vote,
     to_json,
 )
 from improved.testing import rank_proposal, skill_proposal, unique_ms  # noqa: F401
-from tests.keys import ALICE
+from tests.keys import ALICE, VOTERS
 
 
 def now_ms() -> int:
@@ -65,3 +66,11 @@ def swap(svc: str, new: dict[str, str], smoke: dict[str, str] | None = None,
              for name, text in new.items()],
         created_at=now_ms(),
     )
+
+
+def vote(pid: str, voter: str, session: str, verdict: str = "approve"):
+    """A quorum vote signed by one of the test voters, having read everything it must."""
+    body = Vote(proposal_id=pid, vote=verdict, voter=voter, session=session,
+                read=[f"proposal:{pid}", f"diff:{pid[:8]}", f"triage:{pid[:8]}", "spec:09§7"],
+                at=now_ms())
+    return sign(PAYLOAD_TYPES["vote"], to_json(body), VOTERS[voter])

@@ -34,8 +34,10 @@ from typing import Any
 
 import msgspec
 import structlog
+from nats.js.errors import BucketNotFoundError, NotFoundError
 
-from improved.core import audit, signing
+from improved.core import audit, authority, signing
+from improved.core.policy import Policy
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import Actor, CrisisAct, GrantCommand, Review, Trailer, Vote, to_json
@@ -559,23 +561,27 @@ def cmd_skill_hash(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _review_queue(url: str) -> list[dict[str, Any]]:
-    async with deployment(url) as store:
+async def _review_queue(url: str, policy: Policy | None = None) -> list[dict[str, Any]]:
+    """What `improved review` lists: every proposal waiting for an operator or a quorum
+    (`authority.is_waiting`) and every surfaced L1 proposal, oldest first."""
+    queue, _ = await _review(url, policy or Policy())
+    return queue
+
+
+async def _review(url: str, policy: Policy) -> tuple[list[dict[str, Any]], str]:
+    """The review queue, and where it was read: `cache` or `chains`."""
+    async with deployment(url, bind=False) as store:
+        records, source = await _current_records(store, policy)
         queue = []
-        for key in await store.keys():
-            svc, _, pid = key.partition(".")
-            record, _ = await store.load(svc, pid)
-            d = record.decision if record else None
-            if record is None or record.status != "pending" or d is None \
-                    or record.superseded_by is not None:
+        for record in records:
+            d, p = record.decision, record.proposal
+            surfaced = (record.status == "pending" and record.superseded_by is None
+                        and d is not None and d.verdict == "accept" and record.gate_class == "L1")
+            if not (surfaced or authority.is_waiting(record)):
                 continue
-            surfaced = d.verdict == "accept" and record.gate_class == "L1"
-            if not surfaced and (d.verdict != "defer" or d.cause not in (
-                    "awaiting_operator", "no_grant", "awaiting_quorum", "quorum_dissent")):
-                continue
-            p = record.proposal
             queue.append({
-                "proposal_id": pid, "service": svc, "summary": record.summary_text,
+                "proposal_id": record.proposal_id, "service": record.service,
+                "summary": record.summary_text,
                 "votes": [f"{b.vote} by {b.voter} ({b.session})" for b in record.ballots],
                 "constitution_edit": p.amends,
                 "class": p.change_class, "gate": record.gate_class, "target": p.target_ref,
@@ -591,11 +597,41 @@ async def _review_queue(url: str) -> list[dict[str, Any]]:
                 "target_files": p.target_files or [], "valid_to": p.valid_to,
                 "waiting_since": d.at,
             })
-        return sorted(queue, key=lambda q: q["waiting_since"])
+        return sorted(queue, key=lambda q: q["waiting_since"]), source
+
+
+async def _current_records(store: Store, policy: Policy) -> tuple[list, str]:
+    """Every proposal's current record: from the state cache when a complete refill marked it
+    whole (`Store.filled`), else rebuilt from the audit chains — after a broker restart the
+    cache starts empty, and the first records to land in it are not all there is."""
+    try:
+        await store.bind()
+        whole = await store.filled()
+    except (BucketNotFoundError, NotFoundError):
+        whole = False
+    if whole:
+        return await store.cached_records(), "cache"
+    from improved.core.propose import rebuild_record
+
+    decoder = msgspec.json.Decoder(audit.Trailer)
+    records = []
+    for (svc, _), entries in (await store.sequenced_chains()).items():
+        if svc in S.MESH_CHAINS:
+            continue
+        try:
+            trailers = [decoder.decode(msgspec.json.encode(body)) for _, body in entries]
+            records.append(rebuild_record(trailers, [seq for seq, _ in entries], policy))
+        except (ValueError, KeyError, msgspec.MsgspecError):
+            continue  # not replayable: `improved audit verify` names it
+    return records, "chains"
 
 
 def cmd_review(args: argparse.Namespace) -> int:
-    queue = asyncio.run(_review_queue(_url(args, _config(args))))
+    config = _config(args)
+    queue, source = asyncio.run(_review(_url(args, config), config.policy))
+    if source == "chains":
+        print("improved review: the daemon's state cache is being refilled (a broker restart "
+              "empties it); this list was read from the audit chains", file=sys.stderr)
     if args.json:
         out(queue)
         return 0

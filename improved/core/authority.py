@@ -25,6 +25,17 @@ REVIEWABLE_CAUSES = frozenset({"awaiting_operator", "no_grant", "awaiting_quorum
                                "quorum_dissent"})  # an operator may always decide instead
 
 
+def is_waiting(record: ProposalRecord | None) -> bool:
+    """Waiting for an operator (or a quorum): pending, not superseded, its last decision a
+    defer with a reviewable cause. The one definition of it: what an approval needs, what
+    `improved review` lists (beside surfaced L1 proposals) and what the pending-reviews metric
+    counts."""
+    if record is None or record.status != "pending" or record.superseded_by is not None:
+        return False
+    d = record.decision
+    return d is not None and d.verdict == "defer" and d.cause in REVIEWABLE_CAUSES
+
+
 @dataclass(frozen=True)
 class Act:
     """A signed act as received: its digest and where the stream put it."""
@@ -133,9 +144,7 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
         return refusal(record, act, "superseded", "the proposal was superseded by new content; "
                        "an approval never carries over", actor, verified.keyid)
     d = record.decision
-    waiting = (record.status == "pending" and d is not None and d.verdict == "defer"
-               and d.cause in REVIEWABLE_CAUSES)
-    if rv.verdict == "approve" and not waiting:
+    if rv.verdict == "approve" and not is_waiting(record):
         why = (f"status {record.status}" if record.status != "pending"
                else f"triage said {d.verdict}/{d.cause}" if d else "not triaged yet")
         return refusal(record, act, "not_awaiting_review", f"nothing to approve ({why})",

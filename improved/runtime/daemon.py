@@ -18,6 +18,7 @@ import hashlib
 import os
 import re
 import signal as signals
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from improved.runtime.store import Store
 log = structlog.get_logger("improved.daemon")
 
 FETCH_BATCH = 256
+CACHE_CHECK_S = 5.0  # how often the state cache is checked for a loss no reconnect announced
 MAX_IN_FLIGHT = 1024
 NOT_FOUND_RETRIES = 5
 
@@ -91,13 +93,17 @@ class Daemon:
         self._subs: list = []
         self._tasks: list[asyncio.Task] = []
         self.ready = asyncio.Event()
+        self._refill = asyncio.Lock()  # one refill of the state cache at a time
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
     async def start(self) -> None:
         await self.store.ensure()
         await self.engine.sync_switch()
-        await self.republish_if_lost()
+        if not await self.republish_if_lost():
+            # the cache is whole: what waits for an operator is in it (a refill counts as it goes)
+            for record in await self.store.cached_records():
+                self.engine.note_waiting(record)
         self._checkpoint_key = keys.load_or_create_key(
             self.config.checkpoint_key or self.config.data_dir / "checkpoint.pem")
         await self.engine.checkpoint(self._checkpoint_key)  # verifies the log as it was left
@@ -115,6 +121,7 @@ class Daemon:
         self._tasks.append(asyncio.create_task(self._consume(), name="improved-consume"))
         if self.config.checkpoint_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._checkpoints(), name="improved-ckpt"))
+        self._tasks.append(asyncio.create_task(self._watch_cache(), name="improved-cache"))
         self.ready.set()
         self.engine.metrics.set_ready(True)
         self.engine.metrics.set_connected(True)
@@ -138,21 +145,66 @@ class Daemon:
         """The consumer task is alive (what the systemd watchdog checks)."""
         return self.ready.is_set() and all(not t.done() for t in self._tasks)
 
-    async def republish_if_lost(self) -> None:
-        """After a broker restart (records in memory) or a purge, rebuild the retained records
-        from the chains before serving, so late joiners read the truth again."""
-        if await self.store.records_lost():
-            log.warning("retained records are gone; republishing them from the audit chains")
-            count = await self.engine.republish_all()
-            log.info("retained records republished", chains=count)
+    async def republish_if_lost(self) -> bool:
+        """After a broker restart (the state cache is in memory, the records may be) or a purge,
+        refill the cache and republish the retained records from the chains, so `review` and
+        late joiners read the truth again; True when it did.
+
+        A loss is told by the marker a complete refill leaves (`Store.filled`), never by an
+        empty bucket: a proposal that arrives during the reconnect lands in the new bucket
+        first, and one record must not pass for a full cache. The marker names the streams as
+        they were when the refill began, so a refill cut short by another restart, or outrun
+        by one, leaves no valid marker behind and the next check refills again."""
+        async with self._refill:
+            seen = await self.store.incarnation()
+            if await self.store.filled(seen):
+                return False
+            if await self.store.has_chains():
+                log.warning("state cache or retained records incomplete; refilling them from "
+                            "the audit chains")
+                started = time.perf_counter()
+                count = await self.engine.republish_all()
+                log.info("state cache refilled and records republished", chains=count,
+                         seconds=round(time.perf_counter() - started, 2))
+            await self.store.mark_filled(seen)
+            return True
 
     async def _reconnected(self) -> None:
         self.engine.metrics.set_connected(True)
-        try:
-            await self.store.ensure()
-            await self.republish_if_lost()
-        except Exception as exc:  # never die in a callback; the next reconnect tries again
-            log.error("could not restore streams after reconnecting", error=str(exc))
+        await self._restore(ensure=True)
+
+    async def _restore(self, ensure: bool) -> None:
+        """Bring the streams and buckets back and refill what the broker lost, retried until it
+        holds: a single failed attempt (JetStream still recovering, a second restart) must not
+        leave the cache half-filled until some later reconnect. Never raises."""
+        delay = 0.2
+        while not self._stopping.is_set():
+            try:
+                if ensure:
+                    await self.store.ensure()
+                await self.republish_if_lost()
+                return
+            except Exception as exc:
+                log.warning("could not restore the state cache yet; trying again",
+                            error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
+            ensure = True  # the bucket may be gone without a reconnect having told us
+            try:
+                await asyncio.wait_for(self._stopping.wait(), timeout=delay)
+            except TimeoutError:
+                pass
+            delay = min(delay * 2, 5.0)
+
+    async def _watch_cache(self) -> None:
+        """Check the cache's marker every few seconds: a loss no reconnect announced (a purge,
+        the replicas of a memory bucket all restarted) is refilled too."""
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._stopping.wait(), timeout=CACHE_CHECK_S)
+            except TimeoutError:
+                pass
+            if self._stopping.is_set() or not self.nc.is_connected:
+                continue
+            await self._restore(ensure=False)
 
     async def stop(self) -> None:
         """Stop taking work, finish what is in flight, unsubscribe."""

@@ -417,14 +417,9 @@ class Engine:
                 self.learn(record.proposal.analyzer.id, True)
             elif trailer.verdict == "reject" and trailer.observer_type == "human":
                 self.learn(record.proposal.analyzer.id, False)
-        waiting = (trailer.to_stage == "triage" and trailer.verdict == "defer"
-                   and trailer.cause in ("awaiting_operator", "no_grant"))
-        if waiting:
-            self._awaiting.add(record.proposal_id)
-        elif trailer.to_stage in ("triage", "apply"):
-            self._awaiting.discard(record.proposal_id)
-        self.metrics.set_pending_reviews(len(self._awaiting))
-        return with_trailer(record, trailer, seq)
+        record = with_trailer(record, trailer, seq)
+        self.note_waiting(record)
+        return record
 
     async def _advance(self, record: ProposalRecord, dispatch: bool,
                        rejected: dict | None = None) -> ProposalRecord:
@@ -715,49 +710,71 @@ class Engine:
         trailers = [decode_trailer(body) for _, body in chain]
         return propose.rebuild_record(trailers, [seq for seq, _ in chain], self.policy)
 
-    async def republish_all(self) -> int:
-        """Rebuild every record and grant from its chain and publish it again: what the
-        retained records would say had they never been lost. Returns the chains replayed."""
-        chains = await self.store.all_chains()
-        decoder = msgspec.json.Decoder(Trailer)
+    async def republish_all(self, concurrency: int = 32) -> int:
+        """Rebuild every record and grant from its chain, refill the state cache where it lacks
+        a record or holds an older one, and publish the retained records again: what they would
+        say had they never been lost. One read of the log (with its stream sequences), then
+        `concurrency` chains at a time. Returns the chains replayed."""
+        chains = iter((await self.store.sequenced_chains()).items())
         count = 0
-        for (svc, cid), bodies in chains.items():
-            seqs = list(range(1, len(bodies) + 1))  # positions; the cache re-reads real ones
-            trailers = [decoder.decode(to_json(body)) for body in bodies]
-            try:
-                if svc == S.GRANT_CHAINS:
-                    state = authority.grant_state(trailers)
-                    if state is not None:
-                        await self.store.publish(S.grant_record(*state.skill.split(":", 1)),
-                                                 state)
-                elif svc not in S.MESH_CHAINS:
-                    await self._republish(svc, cid, trailers, seqs)
-            except (ValueError, KeyError, msgspec.MsgspecError) as exc:
-                log.error("chain not replayable; left for audit verify", chain=cid,
-                          service=svc, error=str(exc))
-                continue
-            count += 1
+
+        async def worker() -> None:
+            nonlocal count
+            for (svc, cid), entries in chains:  # one shared iterator: each chain once
+                trailers = [decode_trailer(body) for _, body in entries]
+                try:
+                    if svc == S.GRANT_CHAINS:
+                        state = authority.grant_state(trailers)
+                        if state is not None:
+                            await self.store.publish(S.grant_record(*state.skill.split(":", 1)),
+                                                     state)
+                    elif svc not in S.MESH_CHAINS:
+                        await self._republish(svc, cid, trailers, [seq for seq, _ in entries])
+                except (ValueError, KeyError, msgspec.MsgspecError) as exc:
+                    log.error("chain not replayable; left for audit verify", chain=cid,
+                              service=svc, error=str(exc))
+                    continue
+                count += 1
+
+        try:
+            async with asyncio.TaskGroup() as workers:  # the first failure stops them all
+                for _ in range(concurrency):
+                    workers.create_task(worker())
+        except ExceptionGroup as failed:  # a broker outage, once: the caller retries
+            raise failed.exceptions[0] from None
         return count
 
     async def _republish(self, svc: str, pid: str, trailers: list[Trailer],
                          seqs: list[int]) -> None:
         """Republish one proposal's records from its chain snapshot, under its lock, unless the
-        proposal moved on since the snapshot (then what the cache holds is newer)."""
+        proposal moved on since the snapshot (then what the cache holds is newer); refill its
+        cached record when that is missing or older than the chain."""
         lock = await self._acquire(pid)
         try:
             cached, rev = await self.store.load(svc, pid)
             if cached is not None and cached.chain.length > len(trailers):
                 await self.publish(cached)
+                self.note_waiting(cached)
                 return
             record = propose.rebuild_record(trailers, seqs, self.policy)
-            if cached is None:  # the cache is gone too: refill it (real sequences)
-                real = [seq for seq, _ in await self.store.read_chain(svc, pid)]
-                record = propose.rebuild_record(trailers, real, self.policy)
-                if len(real) == len(trailers):
-                    await self._save(record, rev)
+            if cached is None or cached.chain.length < len(trailers):
+                head, _ = await self.store.chain_head(S.audit(svc, pid))
+                if head != seqs[-1]:  # the chain moved on since the snapshot: read it again
+                    record = await self.rebuild(svc, pid)
+                await self._save(record, rev)
             await self.publish(record)
+            self.note_waiting(record)
         finally:
             self._release(pid, lock)
+
+    def note_waiting(self, record: ProposalRecord) -> None:
+        """Count `record` in the pending-reviews metric while it waits for an operator or a
+        quorum (`authority.is_waiting`, the definition `improved review` lists by)."""
+        if authority.is_waiting(record):
+            self._awaiting.add(record.proposal_id)
+        else:
+            self._awaiting.discard(record.proposal_id)
+        self.metrics.set_pending_reviews(len(self._awaiting))
 
     # -- retained records ----------------------------------------------------------------------------
 

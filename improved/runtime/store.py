@@ -5,7 +5,10 @@ Three streams and one bucket, created idempotently:
   daemon runs; one durable pull consumer shared by every replica.
 - IMPROVE_RECORDS: retained records, one message per subject (the current state).
 - IMPROVE_AUDIT: the trailers, append-only (deny delete, deny purge, no limits).
-- KV `improved_state`: a cache of each proposal's record, rebuildable from the chain.
+- KV `improved_state`: a cache of each proposal's record, rebuildable from the chain. It is in
+  memory, so a broker restart loses it; a marker key (`_filled`), written only after a complete
+  refill and naming the incarnation (creation time) of the bucket and of IMPROVE_RECORDS, tells
+  a complete cache from a new one that a few records have landed in since.
 
 The chain append is the commit point of every transition. It carries
 `Nats-Expected-Last-Subject-Sequence`, so a trailer joins the chain only if nothing joined since
@@ -41,6 +44,7 @@ from improved.protocol.model import Grant, Trailer, to_json
 
 WRONG_LAST_SEQUENCE = 10071
 PUBLISH_ACK_TIMEOUT_S = 10.0
+FILLED_KEY = "_filled"  # in the state bucket; no proposal's key (`<svc>.<id>`) can be this
 INBOUND_MAX_AGE_S = 30 * 24 * 3600
 REFUSED_MAX_AGE_S = 30 * 24 * 3600
 
@@ -230,10 +234,55 @@ class Store:
             raise
 
     async def keys(self) -> list[str]:
+        """The keys of every cached record (the marker left out)."""
         try:
-            return await self.kv.keys()
+            keys = await self.kv.keys()
         except Exception:  # nats-py raises NoKeysError on an empty bucket
             return []
+        return [k for k in keys if k != FILLED_KEY]
+
+    async def cached_records(self) -> list[ProposalRecord]:
+        """Every cached record, read in one pass over the bucket (the last value per key)."""
+        watcher = await self.kv.watchall(ignore_deletes=True)
+        out: list[ProposalRecord] = []
+        try:
+            while (entry := await watcher.updates(timeout=10)) is not None:
+                if entry.key != FILLED_KEY and entry.value:
+                    out.append(record_decoder.decode(entry.value))
+        finally:
+            await watcher.stop()
+        return out
+
+    # -- is the cache whole? -----------------------------------------------------------------------
+
+    async def incarnation(self) -> dict[str, str]:
+        """When the state bucket and the records stream were created: a broker restart that
+        loses them (memory storage) makes new ones, with new creation times."""
+        cache = await self.js.stream_info(f"KV_{S.BUCKET_STATE}")
+        records = await self.js.stream_info(S.STREAM_RECORDS)
+        return {"cache": str(cache.created), "records": str(records.created)}
+
+    async def filled(self, seen: dict[str, str] | None = None) -> bool:
+        """True when the state cache and the retained records are complete: a refill of these
+        very streams finished (the marker names their incarnation, so neither a re-created
+        bucket nor a record that landed in it first can pass for a full cache) and neither
+        was purged since. False when the bucket is not there at all."""
+        try:
+            seen = seen or await self.incarnation()
+            entry = await self.kv.get(FILLED_KEY)
+        except (KeyNotFoundError, NotFoundError, BucketNotFoundError):
+            return False
+        if not entry.value or msgspec.json.decode(entry.value) != seen:
+            return False
+        records = await self.js.stream_info(S.STREAM_RECORDS)
+        return records.state.messages > 0 or not await self.has_chains()
+
+    async def mark_filled(self, seen: dict[str, str]) -> None:
+        """Record that the cache and the records of incarnation `seen` are complete."""
+        await self.kv.put(FILLED_KEY, to_json(seen))
+
+    async def has_chains(self) -> bool:
+        return (await self.js.stream_info(S.STREAM_AUDIT)).state.messages > 0
 
     # -- the chain -------------------------------------------------------------------------------
 
@@ -338,15 +387,12 @@ class Store:
             chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append(body)
         return chains
 
-    async def records_lost(self) -> bool:
-        """True when the retained records or the state cache are gone (memory storage after a
-        broker restart, or a purge) while chains exist: rebuild them from the chains."""
-        chains = await self.js.stream_info(S.STREAM_AUDIT)
-        if chains.state.messages == 0:
-            return False
-        records = await self.js.stream_info(S.STREAM_RECORDS)
-        cache = await self.js.stream_info(f"KV_{S.BUCKET_STATE}")
-        return records.state.messages == 0 or cache.state.messages == 0
+    async def sequenced_chains(self) -> dict[tuple[str, str], list[tuple[int, dict]]]:
+        """Every chain as (stream sequence, body) pairs, keyed like `all_chains`."""
+        chains: dict[tuple[str, str], list[tuple[int, dict]]] = {}
+        for seq, subject, body in await self.audit_log():
+            chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append((seq, body))
+        return chains
 
     # -- retained records ------------------------------------------------------------------------
 

@@ -26,8 +26,8 @@ from improved.protocol.model import (
 )
 from tests.builders import CHANGELOG_DIFF, CONSTITUTION
 from tests.bus import approve, eventually, outcome, publish, quorum_case, started, trailers
-from tests.factories import now_ms, review, sha, swap
-from tests.keys import ALICE, VOTERS
+from tests.factories import now_ms, review, sha, swap, vote
+from tests.keys import ALICE
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -160,13 +160,6 @@ async def test_a_constitution_edit_is_prepared_and_never_applied(daemon, nc, svc
 
 
 # -- the quorum (policy.quorum on; a daemon of its own) -----------------------------------------
-
-def vote(pid: str, voter: str, session: str, verdict: str = "approve"):
-    body = Vote(proposal_id=pid, vote=verdict, voter=voter, session=session,
-                read=[f"proposal:{pid}", f"diff:{pid[:8]}", f"triage:{pid[:8]}", "spec:09§7"],
-                at=now_ms())
-    return signing.sign(signing.PAYLOAD_TYPES["vote"], to_json(body), VOTERS[voter])
-
 
 async def votes_counted(daemon, svc, pid, n):
     async def enough():

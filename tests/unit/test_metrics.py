@@ -8,18 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from improved.runtime.metrics import AUTONOMY_STATES, CONTENT_TYPE, Metrics, serve
-
-
-def samples(m: Metrics) -> dict[tuple[str, frozenset], float]:
-    out = {}
-    for family in text_string_to_metric_families(m.render().decode()):
-        for s in family.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
-
-
-def value(m: Metrics, name: str, **labels: str) -> float | None:
-    return samples(m).get((name, frozenset(labels.items())))
+from tests.bus import value
 
 
 def test_transitions_count_per_label_set_with_none_as_empty():

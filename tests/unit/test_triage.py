@@ -8,11 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from improved.core import gradient, guards, learnback, propose, triage
+from improved.core.authority import REVIEWABLE_CAUSES, is_waiting
 from improved.core.gradient import CLASSES
 from improved.core.guards import DEFAULT_FORBIDDEN, Evidence
 from improved.core.policy import Policy
 from improved.core.record import ProposalRecord
-from improved.protocol.model import Proposal, Signal
+from improved.protocol.model import Proposal, Signal, TriageDecision
 from tests.builders import NOW, ORIGIN_ACTOR, TRIAGER, make_proposal
 
 POLICY = Policy(doc_allowlist=("**",))
@@ -404,3 +405,29 @@ def test_observe_ranks_by_what_operators_accepted_before():
         observer.observe("svc", neg(actor, i, "rank:a"))
     # three sessions would make a candidate, but 3 x 0.2 falls below the threshold of 1.0
     assert observer.observe("svc", neg("mcp:c:1", 2, "rank:a")) == []
+
+
+# -- waiting for an operator: one definition (the review queue, the approval check, the gauge)
+
+
+@pytest.mark.parametrize(("status", "verdict", "cause", "superseded", "waits"), [
+    ("pending", "defer", "awaiting_operator", False, True),
+    ("pending", "defer", "no_grant", False, True),
+    ("pending", "defer", "awaiting_quorum", False, True),
+    ("pending", "defer", "quorum_dissent", False, True),
+    ("pending", "defer", "feedback_collapse", False, False),  # released by a signal, not a review
+    ("pending", "defer", "circuit_open", False, False),
+    ("pending", "accept", None, False, False),  # surfaced L1 or approved: nothing to decide
+    ("pending", "defer", "awaiting_operator", True, False),  # superseded by new content
+    ("rejected", "defer", "awaiting_operator", False, False),
+])
+def test_is_waiting_is_the_one_definition(status, verdict, cause, superseded, waits):
+    record = make_record()
+    d = TriageDecision(proposal_id=record.proposal_id, service=record.service, verdict=verdict,
+                       cause=cause, gate_class="L2", rationale="", actor="t", at=1)
+    record = record.replace(status=status, decision=d,
+                            superseded_by="f" * 64 if superseded else None)
+    assert is_waiting(record) is waits
+    assert (cause in REVIEWABLE_CAUSES and status == "pending" and verdict == "defer"
+            and not superseded) is waits
+    assert is_waiting(None) is False
