@@ -1,6 +1,6 @@
 """improved: the self-improve daemon of a service mesh, and the client its services use.
 
-Layers, each importing only the ones listed before it (tests/test_architecture.py holds it):
+Layers, each importing only the ones listed before it (tests/unit/test_architecture.py holds it):
 
 - ``improved.protocol`` — the wire contract: messages, subjects, error replies, the canonical
   OMS encoding, CAL. No I/O.

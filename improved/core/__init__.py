@@ -4,4 +4,4 @@
 checks and the L0–L4 classes; `record` rebuilds a proposal from its chain and `audit` seals and
 verifies the chain; `authority`, `signing`, `quorum` decide who may move a proposal;
 `breaker`, `lkg`, `tools`, `checkpoint` the safety rules; `planner` picks the next step. No
-module here imports I/O, a clock or randomness (tests/test_architecture.py)."""
+module here imports I/O, a clock or randomness (tests/unit/test_architecture.py)."""

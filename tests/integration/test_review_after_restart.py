@@ -22,7 +22,7 @@ import time
 import msgspec
 import pytest
 
-from improved.cli import _review, _review_queue
+from improved.cli.queries import review_queue, review_view
 from improved.client.sdk import MeshClient
 from improved.core import signing
 from improved.protocol import subjects as S
@@ -41,7 +41,7 @@ BACK_S = 5.0  # the queue is whole again this soon after the broker is back
 
 async def _queue(url: str) -> list[dict] | None:
     try:
-        return await _review_queue(url)
+        return await review_queue(url)
     except Exception:  # the broker still starting, the buckets not yet there
         return None
 
@@ -145,7 +145,7 @@ async def _decided(client: MeshClient, pid: str, svc: str, cause: str):
 
 async def _cached(url: str, waiting: dict[str, str]) -> bool:
     try:
-        queue, source = await _review(url, Policy())
+        queue, source = await review_view(url, Policy())
     except Exception:
         return False
     return source == "cache" and {q["proposal_id"] for q in queue} == set(waiting)

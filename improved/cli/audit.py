@@ -1,0 +1,129 @@
+"""`improved audit verify|rebuild`: re-derive every chain, and rebuild records from them."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import msgspec
+
+from improved.cli.common import add_connection_args, config_of, deployment, url_of
+from improved.cli.queries import same_state
+from improved.core import audit
+from improved.protocol import subjects as S
+from improved.protocol.model import Trailer
+from improved.runtime.config import Config
+
+
+async def _verify(url: str, pid: str | None) -> int:
+    from improved.core import checkpoint
+
+    async with deployment(url, bind=False) as store:
+        log_ = await store.audit_log(pid)
+        chains: dict[tuple[str | None, str | None], list[dict]] = {}
+        for _, subject, body in log_:
+            chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append(body)
+        broken = 0
+        for (_, cpid), bodies in sorted(chains.items(), key=lambda kv: str(kv[0])):
+            brk = audit.verify_chain(cpid or "", bodies)
+            if brk is not None:
+                broken += 1
+                print(f"BROKEN {brk}")
+        if pid is not None and not chains:
+            print(f"improved audit verify: no chain for {pid}", file=sys.stderr)
+            return 1
+        print(f"{len(chains) - broken}/{len(chains)} chains verified, {len(log_)} trailers"
+              + (f", {broken} broken" if broken else ""))
+        if pid is None:  # whole chains can only go missing against a checkpoint
+            cp_subject = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
+            cps = [body for _, subject, body in log_ if subject == cp_subject]
+            if cps:
+                cp = checkpoint.from_trailer(cps[-1])
+                hashes = [b.get("hash", "") for _, subject, b in log_ if subject != cp_subject]
+                problem = checkpoint.check(hashes, cp)
+                if problem is not None:
+                    broken += 1
+                    print(f"BROKEN {problem}")
+                else:
+                    print(f"checkpoint of {cp.count} trailers (signed by {cp.keyid[:20]}…) "
+                          "holds: nothing it covered was removed, altered or reordered")
+        return 1 if broken else 0
+
+
+def cmd_audit_verify(args: argparse.Namespace) -> int:
+    return asyncio.run(_verify(url_of(args, config_of(args)), args.id))
+
+
+async def _rebuild(url: str, config: Config, write: bool) -> int:
+    from improved.core.propose import rebuild_record
+
+    async with deployment(url) as store:
+        chains = await store.all_chains()
+        decoder = msgspec.json.Decoder(Trailer)
+        equal = differ = uncached = broken = foreign = 0
+        for (svc, pid), bodies in sorted(chains.items()):
+            if svc in S.MESH_CHAINS:
+                continue
+            if audit.verify_chain(pid, bodies) is not None:
+                broken += 1
+                print(f"BROKEN {pid}: not rebuilt (run `improved audit verify {pid}`)")
+                continue
+            trailers = [decoder.decode(msgspec.json.encode(b)) for b in bodies]
+            cached, rev = await store.load(svc, pid)
+            seqs = [cached.chain.stream_seq if cached else 0] * len(trailers)
+            try:
+                rebuilt = rebuild_record(trailers, seqs, config.policy)
+            except (ValueError, KeyError, msgspec.MsgspecError) as exc:
+                foreign += 1  # it verifies, but no registration of this daemon's starts it
+                print(f"NOT REBUILDABLE {pid}: {exc}")
+                continue
+            if cached is None:
+                uncached += 1
+            elif same_state(rebuilt, cached):
+                equal += 1
+                continue
+            else:
+                differ += 1
+                print(f"DIFFERS {pid}: cache says {cached.status}/{cached.stage}, "
+                      f"the chain says {rebuilt.status}/{rebuilt.stage}")
+            if write:
+                real = [seq for seq, _ in await store.read_chain(svc, pid)]
+                await store.save(rebuild_record(trailers, real, config.policy), rev)
+        print(f"{equal + differ + uncached} proposals rebuilt from their chains alone: "
+              f"{equal} equal to the cached state, {differ} differ, {uncached} not cached"
+              + (f", {broken} chains broken" if broken else "")
+              + (f", {foreign} chains not rebuildable" if foreign else "")
+              + ("; cache rewritten" if write and (differ or uncached) else ""))
+        return 1 if broken or foreign or (differ and not write) else 0
+
+
+def cmd_audit_rebuild(args: argparse.Namespace) -> int:
+    config = config_of(args)
+    return asyncio.run(_rebuild(url_of(args, config), config, args.write))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `audit` commands to the `improved` parser."""
+    aud = sub.add_parser("audit", help="verify the audit chains",
+                         description="Audit chain tools.")
+    aud_sub = aud.add_subparsers(dest="audit_command", required=True, metavar="ACTION")
+    verify = aud_sub.add_parser(
+        "verify", help="re-derive every hash and link; name the first break",
+        description="Read every audit chain (or one proposal's) from the broker, re-derive "
+                    "each trailer's hash and its link to the previous one, and print the first "
+                    "break of each broken chain. Exits 1 if any chain is broken.")
+    add_connection_args(verify)
+    verify.add_argument("id", metavar="ID", nargs="?", help="only this proposal's chain")
+    verify.set_defaults(func=cmd_audit_verify)
+    rebuild = aud_sub.add_parser(
+        "rebuild", help="rebuild every proposal's state from the chains alone",
+        description="Replay every proposal's audit chain (its first trailer carries the "
+                    "proposal) into a record and compare it with the cached state. Status is "
+                    "derived from the chain only, so the two must be equal; differences are "
+                    "listed. With --write the cache is replaced by what the chains say. Exits 1 "
+                    "on a broken chain, or on a difference without --write.")
+    add_connection_args(rebuild)
+    rebuild.add_argument("--write", action="store_true",
+                         help="replace cached records that differ (or are missing)")
+    rebuild.set_defaults(func=cmd_audit_rebuild)

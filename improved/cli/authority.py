@@ -1,0 +1,251 @@
+"""Operator authority from the terminal: keys, signed reviews, grants, crisis resolutions,
+quorum votes, and publishing an L4 apply's recorded reversal."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from improved.cli.common import (
+    add_connection_args,
+    add_signer_args,
+    config_of,
+    deployment,
+    locate,
+    publish_act,
+    signer_of,
+    url_of,
+)
+from improved.core import signing
+from improved.protocol import subjects as S
+from improved.protocol.model import Actor, CrisisAct, GrantCommand, Review, Vote, to_json
+from improved.runtime import keys
+
+
+def cmd_keys_new(args: argparse.Namespace) -> int:
+    """An operator key ([trust.operators]) or a quorum voter key ([trust.quorum])."""
+    if args.voter:
+        who, table = args.voter, "trust.quorum"
+        try:
+            msgspec.convert(who, type=Actor)
+        except msgspec.ValidationError:
+            print("improved keys new: a voter is an actor id, e.g. agent-review-a",
+                  file=sys.stderr)
+            return 2
+        filename = "voter:" + who
+    else:
+        who, table = args.principal, "trust.operators"
+        if not who or not who.startswith("operator:") or len(who) <= len("operator:"):
+            print("improved keys new: the principal is operator:NAME (or --voter NAME)",
+                  file=sys.stderr)
+            return 2
+        filename = who
+    try:
+        path, public = keys.new_key(filename, Path(args.dir) if args.dir else None)
+    except FileExistsError as exc:
+        print(f"improved keys new: {exc}", file=sys.stderr)
+        return 1
+    b64 = base64.b64encode(public).decode()
+    print(f"private key: {path} (keep it; mode 0600)")
+    print(f"keyid:       {signing.keyid_of(public)}")
+    print("add to the daemon's config to trust it:\n")
+    print(f'[{table}]\n"{who}" = "{b64}"')
+    return 0
+
+
+def cmd_review_act(args: argparse.Namespace) -> int:
+    """approve / reject: sign a Review and publish it on improve.triage.<svc>."""
+    config = config_of(args)
+    url = url_of(args, config)
+    found = asyncio.run(locate(url, args.id))
+    if found is None:
+        print(f"improved {args.verdict}: no proposal {args.id}", file=sys.stderr)
+        return 1
+    svc, _ = found
+    principal, key = signer_of(args)
+    review = Review(proposal_id=args.id, verdict=args.verdict, principal=principal,
+                    reason=args.reason, at=int(time.time() * 1000))
+    env = signing.sign(signing.PAYLOAD_TYPES["review"], to_json(review), key)
+    asyncio.run(publish_act(url, S.inbound_review(svc), env))
+    print(f"{args.verdict} of {args.id} signed by {principal} and published; "
+          f"`improved show {args.id}` follows it")
+    return 0
+
+
+def cmd_grant_act(args: argparse.Namespace) -> int:
+    config = config_of(args)
+    principal, key = signer_of(args)
+    expires = int((time.time() + args.expires_in) * 1000) if args.expires_in else None
+    try:
+        cmd = GrantCommand(op=args.op, skill=args.skill, principal=principal, reason=args.reason,
+                           at=int(time.time() * 1000), expires_at=expires)
+        msgspec.json.decode(to_json(cmd), type=GrantCommand)  # the daemon's own checks
+    except msgspec.ValidationError as exc:
+        print(f"improved {args.op}: {exc}; the skill is NAME:SHA256 "
+              "(see `improved skill hash FILE`)", file=sys.stderr)
+        return 2
+    env = signing.sign(signing.PAYLOAD_TYPES["grant"], to_json(cmd), key)
+    asyncio.run(publish_act(url_of(args, config), S.GRANTS, env))
+    print(f"{args.op} of {args.skill} signed by {principal} and published")
+    return 0
+
+
+def cmd_crisis_resolve(args: argparse.Namespace) -> int:
+    config = config_of(args)
+    principal, key = signer_of(args)
+    act = CrisisAct(op="resolve", crisis=args.crisis, principal=principal, reason=args.reason,
+                    at=int(time.time() * 1000))
+    env = signing.sign(signing.PAYLOAD_TYPES["crisis"], to_json(act), key)
+    asyncio.run(publish_act(url_of(args, config), S.GRANTS, env))
+    print(f"resolution of {args.crisis} signed by {principal} and published; "
+          "`improved status` shows whether the daemon accepted it")
+    return 0
+
+
+def cmd_revert(args: argparse.Namespace) -> int:
+    """Publish the reversal an L4 apply recorded before it ran (SPEC 09 §7.3)."""
+    url = url_of(args, config_of(args))
+    found = asyncio.run(locate(url, args.id))
+    if found is None:
+        print(f"improved revert: no proposal {args.id}", file=sys.stderr)
+        return 1
+    svc, record = found
+    if record.revert is None:
+        print(f"improved revert: {args.id} has no recorded reversal (only an L4 apply that "
+              "passed its last-known-good check has one)", file=sys.stderr)
+        return 1
+    if record.status != "applied":
+        print(f"improved revert: {args.id} is {record.status}, not applied", file=sys.stderr)
+        return 1
+
+    async def publish() -> None:
+        async with deployment(url, bind=False) as store:
+            await store.js.publish(S.inbound_proposal(svc), to_json(record.revert),
+                                   headers={"Nats-Msg-Id": record.revert_id},
+                                   stream=S.STREAM_INBOUND)
+
+    asyncio.run(publish())
+    print(f"reversal {record.revert_id} of {args.id} published; it runs under the original's "
+          f"approval by {record.approved_by}. `improved show {record.revert_id}` follows it")
+    return 0
+
+
+def cmd_vote(args: argparse.Namespace) -> int:
+    """Sign a quorum vote with a voter key and publish it on improve.quorum."""
+    config = config_of(args)
+    key = keys.load_key(Path(args.key))
+    try:
+        vote = Vote(proposal_id=args.id, vote=args.vote, voter=args.voter, session=args.session,
+                    read=args.read, at=int(time.time() * 1000))
+        msgspec.json.decode(to_json(vote), type=Vote)  # the daemon's own checks
+    except msgspec.ValidationError as exc:
+        print(f"improved vote: {exc}", file=sys.stderr)
+        return 2
+    env = signing.sign(signing.PAYLOAD_TYPES["vote"], to_json(vote), key)
+    asyncio.run(publish_act(url_of(args, config), S.QUORUM, env))
+    print(f"{args.vote} on {args.id} signed by {args.voter} (session {args.session}) and "
+          f"published; `improved show {args.id}` shows whether it counted")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `authority` commands to the `improved` parser."""
+    _register_keys_and_reviews(sub)
+    _register_l4(sub)
+
+
+def _register_keys_and_reviews(sub: argparse._SubParsersAction) -> None:
+    """keys new; approve, reject, rollback; grant, revoke."""
+    keys = sub.add_parser("keys", help="operator signing keys",
+                          description="Operator signing keys (Ed25519).")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    knew = keys_sub.add_parser(
+        "new", help="create an operator key and print its trust-store entry",
+        description="Create an Ed25519 key for operator:NAME (or a quorum voter NAME) in the "
+                    "key directory ($IMPROVED_KEYS, default ~/.config/improved/keys) and print "
+                    "the [trust.operators] (or [trust.quorum]) entry the daemon's config needs "
+                    "to trust it.")
+    who = knew.add_mutually_exclusive_group(required=True)
+    who.add_argument("--principal", metavar="operator:NAME", help="an operator's key")
+    who.add_argument("--voter", metavar="NAME",
+                     help="a quorum voter's key (its [trust.quorum] entry; see `improved vote`)")
+    knew.add_argument("--dir", metavar="DIR", help="where to write the key")
+    knew.set_defaults(func=cmd_keys_new)
+
+    for verdict, what in (("approve", "approve a proposal waiting for an operator"),
+                          ("reject", "reject a proposal (it enters the rejection ledger)"),
+                          ("rollback", "undo an applied proposal with its recorded inverse")):
+        act = sub.add_parser(
+            verdict, help=f"sign and publish: {what}",
+            description=f"Sign a Review ({verdict}: {what}) with your operator key (DSSE, "
+                        f"Ed25519) and publish it on improve.triage.<svc>. The daemon verifies "
+                        f"the signature against its trust store before anything moves.")
+        add_connection_args(act)
+        act.add_argument("id", metavar="ID", help="the proposal id")
+        add_signer_args(act)
+        act.set_defaults(func=cmd_review_act, verdict=verdict)
+
+    for op in ("grant", "revoke"):
+        act = sub.add_parser(
+            op, help=f"sign and publish an L3 {op} for NAME:SHA256",
+            description=f"Sign a GrantCommand ({op}) for exactly one skill content hash and "
+                        f"publish it on improve.grants. A grant never covers another hash of "
+                        f"the same name.")
+        add_connection_args(act)
+        act.add_argument("skill", metavar="NAME:SHA256")
+        add_signer_args(act)
+        if op == "grant":
+            act.add_argument("--expires-in", type=float, metavar="SECONDS",
+                             help="the grant lapses after this long")
+        act.set_defaults(func=cmd_grant_act, op=op, expires_in=None)
+
+
+def _register_l4(sub: argparse._SubParsersAction) -> None:
+    """revert, vote (the quorum), crisis resolve."""
+    revert = sub.add_parser(
+        "revert", help="run the recorded reversal of an applied L4 proposal",
+        description="An L4 apply records a reversal before it runs (every artefact back to "
+                    "its last-known-good) and names it in the outcome's revert_proposal_id. "
+                    "This publishes that reversal as a proposal; it inherits the original's "
+                    "approval, so it runs without a second one (SPEC 09 §7).")
+    add_connection_args(revert)
+    revert.add_argument("id", metavar="ID", help="the applied L4 proposal's id")
+    revert.set_defaults(func=cmd_revert)
+
+    vote = sub.add_parser(
+        "vote", help="sign and publish a quorum vote on an L4 proposal",
+        description="Sign a QuorumVote with a voter key listed in [trust.quorum] and publish it "
+                    "on improve.quorum (policy.quorum must be on). Three approvals from "
+                    "distinct keys of non-correlated sessions approve; one dissent defers to an "
+                    "operator. A vote says what its voter read: the proposal, its diff, its "
+                    "triage record and the spec chapter.")
+    add_connection_args(vote)
+    vote.add_argument("id", metavar="ID", help="the proposal id")
+    vote.add_argument("vote", choices=("approve", "dissent"))
+    vote.add_argument("--voter", required=True, help="the voter identity its key is bound to")
+    vote.add_argument("--key", required=True, metavar="FILE", help="the voter's private key")
+    vote.add_argument("--session", required=True,
+                      help="the voter's session (model version or operator origin)")
+    vote.add_argument("--read", action="append", required=True, metavar="WHAT",
+                      help="what was read, repeated: proposal:ID, diff:…, triage:…, spec:…")
+    vote.set_defaults(func=cmd_vote)
+
+    crisis = sub.add_parser("crisis", help="resolve a crisis (a broken audit log)",
+                            description="Crisis tools (constitution V.4).")
+    crisis_sub = crisis.add_subparsers(dest="crisis_command", required=True, metavar="ACTION")
+    cres = crisis_sub.add_parser(
+        "resolve", help="sign the resolution of an open crisis",
+        description="When the daemon finds the audit log broken (a chain that does not verify, "
+                    "or trailers missing against a signed checkpoint) it refuses every apply "
+                    "until an operator resolves the crisis with a signed act. Investigate first "
+                    "(`improved audit verify`); the crisis id is in `improved status`.")
+    add_connection_args(cres)
+    cres.add_argument("crisis", metavar="CRISIS_ID")
+    add_signer_args(cres)
+    cres.set_defaults(func=cmd_crisis_resolve)

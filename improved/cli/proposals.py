@@ -1,0 +1,182 @@
+"""Commands about one proposal or the queue: propose, show, review, status, skill hash."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from improved.cli.common import (
+    add_connection_args,
+    config_of,
+    deployment,
+    find_proposal,
+    out,
+    request,
+    url_of,
+)
+from improved.cli.queries import review_view, status_view
+from improved.core import audit
+from improved.protocol import canonical
+from improved.protocol import subjects as S
+
+
+def cmd_propose(args: argparse.Namespace) -> int:
+    config = config_of(args)
+    data = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+    try:
+        svc = msgspec.json.decode(data).get("service")
+    except (msgspec.DecodeError, AttributeError):
+        print("improved propose: the file is not a JSON object", file=sys.stderr)
+        return 2
+    if not isinstance(svc, str) or not S.SERVICE_RE.match(svc):
+        print("improved propose: the proposal needs a valid `service`", file=sys.stderr)
+        return 2
+    reply = asyncio.run(request(url_of(args, config), S.propose_request(svc), data, args.timeout))
+    out(reply)
+    return 1 if "error" in reply else 0
+
+
+async def _show(url: str, pid: str) -> int:
+    async with deployment(url) as store:
+        found = await find_proposal(store, pid)
+        if found is None:
+            print(f"improved show: no proposal {pid}", file=sys.stderr)
+            return 1
+        svc, pid = found
+        view: dict[str, Any] = {}
+        for name, subject in (("state", S.proposal_state(svc, pid)),
+                              ("decision", S.triage_decision(svc, pid)),
+                              ("outcome", S.apply_outcome(svc, pid)),
+                              ("learn_back", S.learn_back(svc, pid)),
+                              ("quorum", S.quorum_record(pid))):
+            data = await store.last(subject)
+            view[name] = msgspec.json.decode(data) if data else None
+        chain = [body for _, body in await store.read_chain(svc, pid)]
+        view["trailers"] = chain
+        brk = audit.verify_chain(pid, chain)
+        view["chain"] = "verified" if brk is None else f"BROKEN: {brk}"
+        out(view)
+        return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    return asyncio.run(_show(url_of(args, config_of(args)), args.id))
+
+
+def cmd_review(args: argparse.Namespace) -> int:
+    config = config_of(args)
+    queue, source = asyncio.run(review_view(url_of(args, config), config.policy))
+    if source == "chains":
+        print("improved review: the daemon's state cache is being refilled (a broker restart "
+              "empties it); this list was read from the audit chains", file=sys.stderr)
+    if args.json:
+        out(queue)
+        return 0
+    if not queue:
+        print("nothing waits for an operator")
+        return 0
+    for q in queue:
+        s = q["signals"]
+        print(f"{q['proposal_id']}  {q['service']}  {q['class']} gated {q['gate']} "
+              f"({q['cause']})")
+        print(f"  {q['summary']}")
+        print(f"  target {q['target']}  scope {q['scope']}"
+              + (f"  skill {q['skill']}" if q["skill"] else ""))
+        print(f"  from {q['origin']} via {q['analyzer']}")
+        print(f"  signals: {s['counted']} counted, {s['positive']} positive, "
+              f"{s['independent_positive']} independent positive")
+        ev = q["evidence"]
+        if ev["derived_from"] or ev["evidence_query"] or ev["metric"]:
+            print(f"  evidence: {ev['derived_from']} grains"
+                  + (f", query {ev['evidence_query']}" if ev["evidence_query"] else "")
+                  + (f", metric {ev['metric']}" if ev["metric"] else ""))
+        if q["target_files"]:
+            print(f"  files: {', '.join(q['target_files'])}")
+        if q["votes"]:
+            print(f"  quorum votes: {'; '.join(q['votes'])}")
+        if q["constitution_edit"]:
+            print(f"  constitution edit amending {q['constitution_edit']}: approving it marks "
+                  "it ready; you commit the diff by hand")
+        print(f"  why waiting: {q['rationale']}")
+        if q["cause"] == "surfaced":
+            print(f"  surfaced only (L1 is never applied): improved reject {q['proposal_id']} "
+                  "--reason '…' teaches its analyzer; re-propose at L2 to act on it\n")
+        else:
+            print(f"  decide: improved approve {q['proposal_id']} --reason '…'   "
+                  f"| improved reject {q['proposal_id']} --reason '…'\n")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    out(asyncio.run(status_view(url_of(args, config_of(args)))))
+    return 0
+
+
+def cmd_skill_hash(args: argparse.Namespace) -> int:
+    data = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+    try:
+        doc = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        print(f"improved skill hash: not JSON: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(doc, dict) and isinstance(doc.get("proposal_data"), dict):
+        doc = doc["proposal_data"].get("skill", doc)  # a whole proposal: hash its skill
+    if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
+        print("improved skill hash: expected a skill definition with a name", file=sys.stderr)
+        return 2
+    print(canonical.skill_identity(doc))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `proposals` commands to the `improved` parser."""
+    prop = sub.add_parser(
+        "propose", help="submit a proposal (JSON) and print its id and status",
+        description="Send a Proposal (DESIGN §3.2) to <service>.improve.propose and print the "
+                    "reply: {proposal_id, status}, or the error naming the bad field. Exits 1 "
+                    "on an error reply.")
+    add_connection_args(prop)
+    prop.add_argument("file", metavar="FILE|-", help="the proposal JSON, or - for stdin")
+    prop.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (10)")
+    prop.set_defaults(func=cmd_propose)
+
+    show = sub.add_parser(
+        "show", help="show a proposal: state, decision, outcome, trailers",
+        description="Print a proposal's retained records (state, triage decision, apply "
+                    "outcome, learn-back) and its audit trailers, and whether the chain "
+                    "verifies.")
+    add_connection_args(show)
+    show.add_argument("id", metavar="ID", help="the 64-hex proposal id")
+    show.set_defaults(func=cmd_show)
+
+    status = sub.add_parser(
+        "status", help="autonomy switch, circuit breaker and store size",
+        description="Print the autonomy switch and the circuit breaker as the autonomy chain "
+                    "records them (constitution IV.5/IV.6: autonomous applies pause after "
+                    "repeated rollbacks), and how many trailers and retained records there are.")
+    add_connection_args(status)
+    status.set_defaults(func=cmd_status)
+
+    review = sub.add_parser(
+        "review", help="the queue of proposals waiting for an operator",
+        description="List every proposal waiting for an operator (L2/L4 awaiting_operator, L3 "
+                    "without a grant) with its rendered summary, class, target, cause, "
+                    "evidence and independent-signal counts, oldest first.")
+    add_connection_args(review)
+    review.add_argument("--json", action="store_true", help="print the queue as JSON")
+    review.set_defaults(func=cmd_review)
+
+    skill = sub.add_parser("skill", help="skill tools", description="Skill tools.")
+    skill_sub = skill.add_subparsers(dest="skill_command", required=True, metavar="ACTION")
+    shash = skill_sub.add_parser(
+        "hash", help="print a skill's NAME:SHA256 identity",
+        description="Print NAME:SHA256, the content identity an L3 grant binds: SHA-256 of "
+                    "the canonical MessagePack of the skill's definition fields only. FILE is "
+                    "a skill definition, or a proposal carrying one in proposal_data.skill.")
+    shash.add_argument("file", metavar="FILE|-")
+    shash.set_defaults(func=cmd_skill_hash)

@@ -1,0 +1,70 @@
+"""`demo` and `bench` run the reference services, which live in improved_reference; they
+are found through the `improved.commands` entry points, so nothing in `improved` imports them."""
+
+from __future__ import annotations
+
+import argparse
+from importlib.metadata import entry_points
+
+
+def reference_command(name: str):
+    """`demo` and `bench` live with the reference services they run (improved_reference);
+    they are found through the `improved.commands` entry points, so nothing in `improved`
+    imports them."""
+    for ep in entry_points(group="improved.commands"):
+        if ep.name == name:
+            return ep.load()
+    raise SystemExit(f"improved {name}: the reference package is not installed "
+                     "(pip install improved)")
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    argv = ["--pace", str(args.pace)] + (["--data-dir", args.data_dir] if args.data_dir else [])
+    return reference_command("demo")(argv)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `reference` commands to the `improved` parser."""
+    bench = sub.add_parser(
+        "bench", help="measure the loop against the broker's own limit",
+        description="Start (or connect to) NATS, daemon process(es) and a reference applier; "
+                    "drive N proposals at concurrency C through the whole loop (a mix of L0, "
+                    "L3 with a grant, L2 approved by a signing bench operator, and proposals "
+                    "rejected at triage); report end-to-end proposals/s, audited transitions/s, "
+                    "p50/p99 per stage, the raw pipelined JetStream publish rate measured in "
+                    "the same run, audit verify and rebuild rates, and the daemons' peak RSS.")
+    bench.add_argument("--nats", metavar="URL", help="use this server instead of an embedded one")
+    bench.add_argument("-n", type=int, default=2000, help="proposals (2000)")
+    bench.add_argument("-c", "--concurrency", type=int, default=200,
+                       help="proposals in flight at once (200)")
+    bench.add_argument("--mix", default="l3=0.7,l0=0.1,l2=0.1,reject=0.1",
+                       help="weights of l0, l3 (with grant), l2 (approved), reject "
+                            "(default l3=0.7,l0=0.1,l2=0.1,reject=0.1)")
+    bench.add_argument("--replicas", type=int, default=1, help="daemon processes (1)")
+    bench.add_argument("--sync", default="always",
+                       help="embedded server fsync: always (durable, default) or e.g. 2m")
+    bench.add_argument("--records", choices=("file", "memory"), default="file",
+                       help="the daemons' records_storage (file)")
+    bench.add_argument("--verify-acceptance", action="store_true",
+                       help="the applier checks every order's acceptance on the audit chain "
+                            "first, as an L2+ conformant service does")
+    bench.add_argument("--paced", action="store_true",
+                       help="also measure publish→decision latency at half the peak rate")
+    bench.add_argument("--timeout", type=float, default=300.0, help="give up after (300 s)")
+    bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    bench.set_defaults(func=lambda args: reference_command("bench")(args))
+
+    demo = sub.add_parser(
+        "demo", help="walk through the whole loop in about a minute",
+        description="Start everything embedded (a nats-server, the daemon, a skills store, a "
+                    "ranking store and an artefact store) and walk through the loop: a skill "
+                    "proposed at L1, its first execution approved by a demo operator, a grant, a "
+                    "trusted re-execution, a refinement sent back to L2, a self-confirmed change "
+                    "deferred, a forbidden target rejected, a rollback, an L4 binary swap "
+                    "refused whole, then applied and reverted without a second approval — "
+                    "printing a timeline and ending with every audit chain verified.")
+    demo.add_argument("--pace", type=float, default=0.4, metavar="SECONDS",
+                      help="pause between steps (0.4)")
+    demo.add_argument("--data-dir", metavar="DIR",
+                      help="keep the demo's store here (a new or empty directory)")
+    demo.set_defaults(func=cmd_demo)
