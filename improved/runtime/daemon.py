@@ -21,9 +21,11 @@ import signal as signals
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 import msgspec
 import structlog
 from nats.aio.client import Client
@@ -57,6 +59,7 @@ log = structlog.get_logger("improved.daemon")
 FETCH_BATCH = 256
 CACHE_CHECK_S = 5.0  # how often the state cache is checked for a loss no reconnect announced
 MAX_IN_FLIGHT = 1024
+DRAIN_S = 30.0  # how long `stop` waits for in-flight work before cancelling it
 NOT_FOUND_RETRIES = 5
 
 
@@ -88,12 +91,13 @@ class Daemon:
         self.engine = Engine(nc, self.store, config, self.actor)
         self.observer = Observer([RegressionAnalyzer(), StaleSkillAnalyzer()])
         self.engine.learn = self.observer.learn
-        self._stopping = asyncio.Event()
+        self._stopping = anyio.Event()
         self._in_flight = 0
         self._subs: list = []
-        self._tasks: list[asyncio.Task] = []
-        self.ready = asyncio.Event()
-        self._refill = asyncio.Lock()  # one refill of the state cache at a time
+        self._service: asyncio.Task | None = None  # runs serve(): every background task
+        self._scope: anyio.CancelScope | None = None  # serve()'s task group, to halt it
+        self.ready = anyio.Event()
+        self._refill = anyio.Lock()  # one refill of the state cache at a time
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -118,24 +122,39 @@ class Daemon:
                                                       cb=self._guarded(handler)))
         self._psub = await self.store.js.pull_subscribe_bind(
             durable=S.CONSUMER_INBOUND, stream=S.STREAM_INBOUND)
-        self._tasks.append(asyncio.create_task(self._consume(), name="improved-consume"))
-        if self.config.checkpoint_interval_s > 0:
-            self._tasks.append(asyncio.create_task(self._checkpoints(), name="improved-ckpt"))
-        self._tasks.append(asyncio.create_task(self._watch_cache(), name="improved-cache"))
+        self._service = asyncio.get_running_loop().create_task(self.serve(),
+                                                               name="improved-serve")
         self.ready.set()
         self.engine.metrics.set_ready(True)
         self.engine.metrics.set_connected(True)
         log.info("daemon ready", actor=self.actor, streams=[S.STREAM_INBOUND, S.STREAM_RECORDS,
                                                            S.STREAM_AUDIT])
 
+    async def serve(self) -> None:
+        """Every background task of a started daemon, in one task group: the inbound consumer
+        (and the jobs it runs), the checkpoints, the cache watch. It ends when all of them
+        have drained after `stop`, or at once on `halt`; an unexpected error in one cancels
+        the others and ends it, so `healthy` turns false and the watchdog restarts us."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._scope = tg.cancel_scope
+                tg.start_soon(self._consume, name="improved-consume")
+                if self.config.checkpoint_interval_s > 0:
+                    tg.start_soon(self._checkpoints, name="improved-checkpoints")
+                tg.start_soon(self._watch_cache, name="improved-cache-watch")
+        except Exception:
+            log.exception("a background task of the daemon failed; it stops serving")
+            raise
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep `seconds`, or less when the daemon is stopping."""
+        with anyio.move_on_after(seconds):
+            await self._stopping.wait()
+
     async def _checkpoints(self) -> None:
         """Sign a checkpoint every interval (verifying the log first) until stopped."""
         while not self._stopping.is_set():
-            try:
-                await asyncio.wait_for(self._stopping.wait(),
-                                       timeout=self.config.checkpoint_interval_s)
-            except TimeoutError:
-                pass
+            await self._pause(self.config.checkpoint_interval_s)
             try:
                 await self.engine.checkpoint(self._checkpoint_key)
             except Exception as exc:  # a broker outage: the next interval tries again
@@ -143,7 +162,7 @@ class Daemon:
 
     def healthy(self) -> bool:
         """The consumer task is alive (what the systemd watchdog checks)."""
-        return self.ready.is_set() and all(not t.done() for t in self._tasks)
+        return self.ready.is_set() and self._service is not None and not self._service.done()
 
     async def republish_if_lost(self) -> bool:
         """After a broker restart (the state cache is in memory, the records may be) or a purge,
@@ -188,20 +207,14 @@ class Daemon:
                 log.warning("could not restore the state cache yet; trying again",
                             error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
             ensure = True  # the bucket may be gone without a reconnect having told us
-            try:
-                await asyncio.wait_for(self._stopping.wait(), timeout=delay)
-            except TimeoutError:
-                pass
+            await self._pause(delay)
             delay = min(delay * 2, 5.0)
 
     async def _watch_cache(self) -> None:
         """Check the cache's marker every few seconds: a loss no reconnect announced (a purge,
         the replicas of a memory bucket all restarted) is refilled too."""
         while not self._stopping.is_set():
-            try:
-                await asyncio.wait_for(self._stopping.wait(), timeout=CACHE_CHECK_S)
-            except TimeoutError:
-                pass
+            await self._pause(CACHE_CHECK_S)
             if self._stopping.is_set() or not self.nc.is_connected:
                 continue
             await self._restore(ensure=False)
@@ -211,61 +224,84 @@ class Daemon:
         self._stopping.set()
         for sub in self._subs:
             await sub.unsubscribe()
-        for task in self._tasks:
-            try:
-                await asyncio.wait_for(task, timeout=30)
-            except TimeoutError:
-                task.cancel()
+        if self._service is not None:
+            with anyio.move_on_after(DRAIN_S):  # a wedged job must not hold the stop forever
+                await asyncio.wait([self._service])
+            if not self._service.done():
+                log.warning("in-flight work did not drain; cancelling it", seconds=DRAIN_S)
+                self.halt()
+            with suppress(Exception, asyncio.CancelledError):
+                await self._service
         with_psub = getattr(self, "_psub", None)
         if with_psub is not None:
             await with_psub.unsubscribe()
         log.info("daemon stopped", actor=self.actor)
 
+    def halt(self) -> None:
+        """Stop at once, without draining: every background task is cancelled (what is not
+        acknowledged is redelivered to the next daemon)."""
+        self._stopping.set()
+        if self._scope is not None:
+            self._scope.cancel()
+
     # -- the inbound consumer ------------------------------------------------------------------------
 
     async def _consume(self) -> None:
-        slots = asyncio.Semaphore(MAX_IN_FLIGHT)
-        tails: dict[str, asyncio.Task] = {}  # the last job of each proposal id
-        while not self._stopping.is_set():
+        """Fetch inbound messages and run each as a job: at most MAX_IN_FLIGHT at once, and
+        the jobs of one proposal (one key) one after the other, in arrival order. On stop,
+        fetching ends and the task group drains what was taken."""
+        slots = anyio.CapacityLimiter(MAX_IN_FLIGHT)
+        tails: dict[str, anyio.Event] = {}  # set when the last job of each key is done
+        async with anyio.create_task_group() as jobs:
+            while not self._stopping.is_set():
+                for job in await self._fetch():
+                    done = anyio.Event()  # also the job's claim on a slot
+                    await slots.acquire_on_behalf_of(done)
+                    jobs.start_soon(self._run_after, tails.get(job.key), done, job, slots)
+                    tails[job.key] = done
+                    self._in_flight += 1
+                    self.engine.metrics.set_in_flight(self._in_flight)
+                tails = {key: done for key, done in tails.items() if not done.is_set()}
+
+    async def _fetch(self) -> list[Job]:
+        """The next batch of inbound messages as jobs; none on a timeout or a broker outage
+        (never raises: the consumer must outlive both)."""
+        try:
+            msgs = await self._psub.fetch(FETCH_BATCH, timeout=0.5)
+        except (TimeoutError, FetchTimeoutError, NatsTimeout):
+            return []
+        except Exception as exc:  # broker outage: wait and try again, never die
+            log.warning("fetch failed", error=str(exc))
+            await anyio.sleep(0.5)
+            return []
+        out = []
+        for msg in msgs:
             try:
-                msgs = await self._psub.fetch(FETCH_BATCH, timeout=0.5)
-            except (TimeoutError, FetchTimeoutError, NatsTimeout):
+                job = await self._decode(msg)
+            except Exception:  # a bug in decoding must not end the consumer
+                log.exception("could not decode an inbound message; terminated",
+                              subject=msg.subject)
+                await msg.term()
                 continue
-            except Exception as exc:  # broker outage: wait and try again, never die
-                log.warning("fetch failed", error=str(exc))
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                try:
-                    job = await self._decode(msg)
-                except Exception:  # a bug in decoding must not end the consumer
-                    log.exception("could not decode an inbound message; terminated",
-                                  subject=msg.subject)
-                    await msg.term()
-                    continue
-                if job is None:
-                    continue
-                await slots.acquire()
-                task = asyncio.create_task(self._run_after(tails.get(job.key), job))
-                tails[job.key] = task
-                self._in_flight += 1
-                self.engine.metrics.set_in_flight(self._in_flight)
-                task.add_done_callback(lambda t, key=job.key: self._finished(t, key, slots, tails))
-        if tails:  # drain: finish what was taken
-            await asyncio.wait(list(tails.values()))
+            if job is not None:
+                out.append(job)
+        return out
 
-    def _finished(self, task: asyncio.Task, key: str, slots: asyncio.Semaphore,
-                  tails: dict[str, asyncio.Task]) -> None:
-        slots.release()
-        if tails.get(key) is task:
-            del tails[key]
-        self._in_flight -= 1
-        self.engine.metrics.set_in_flight(self._in_flight)
-
-    async def _run_after(self, previous: asyncio.Task | None, job: Job) -> None:
-        if previous is not None:
-            await asyncio.wait([previous])
-        await self._run(job)
+    async def _run_after(self, previous: anyio.Event | None, done: anyio.Event, job: Job,
+                         slots: anyio.CapacityLimiter) -> None:
+        """Run `job` once the previous job of its proposal is done; free its slot after."""
+        try:
+            if previous is not None:
+                await previous.wait()
+            await self._run(job)
+        except Exception as exc:  # an ack lost to a broker outage: the message comes again
+            log.warning("could not settle an inbound message; it is redelivered",
+                        key=job.key, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            done.set()
+            slots.release_on_behalf_of(done)
+            self._in_flight -= 1
+            self.engine.metrics.set_in_flight(self._in_flight)
 
     async def _decode(self, msg: Msg) -> Job | None:
         """Turn one inbound message into a Job, or refuse it (term + refusal record)."""
@@ -566,18 +602,19 @@ async def run_until_stopped(nc: Client, config: Config,
     notify.status(f"serving as {daemon.actor}")
     # The watchdog is fed while the consumer runs: a wedged loop gets restarted. A broker
     # outage is not fed back: a restart would not cure it.
-    watchdog = asyncio.create_task(notify.watchdog_loop(daemon.healthy))
-    http = None
-    if config.metrics_port is not None:
-        http = await metrics.serve(daemon.engine.metrics, config.metrics_host,
-                                   config.metrics_port, ready=lambda: daemon.ready.is_set(),
-                                   healthy=daemon.healthy)
-        log.info("metrics and health served", host=config.metrics_host,
-                 port=http.sockets[0].getsockname()[1])
-    await stop.wait()
-    log.info("stopping: draining in-flight work", pid=os.getpid())
-    notify.stopping()
-    watchdog.cancel()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(notify.watchdog_loop, daemon.healthy, name="improved-watchdog")
+        http = None
+        if config.metrics_port is not None:
+            http = await metrics.serve(daemon.engine.metrics, config.metrics_host,
+                                       config.metrics_port, ready=lambda: daemon.ready.is_set(),
+                                       healthy=daemon.healthy)
+            log.info("metrics and health served", host=config.metrics_host,
+                     port=http.sockets[0].getsockname()[1])
+        await stop.wait()
+        log.info("stopping: draining in-flight work", pid=os.getpid())
+        notify.stopping()
+        tg.cancel_scope.cancel()  # the watchdog
     daemon.engine.metrics.set_ready(False)
     if http is not None:
         http.close()

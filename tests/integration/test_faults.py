@@ -355,9 +355,7 @@ async def chain_length(store: Store, svc: str, pid: str) -> int:
 def halt(daemon: Daemon) -> None:
     """Stop an in-process daemon without waiting for a wedged job (Daemon.stop would wait 30 s
     for it)."""
-    daemon._stopping.set()
-    for task in daemon._tasks:
-        task.cancel()
+    daemon.halt()
 
 
 @pytest.mark.timeout(120)

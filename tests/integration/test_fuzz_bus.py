@@ -450,8 +450,7 @@ async def private_daemon(tmp_path):
         try:  # a daemon whose consumer died cannot drain: cancel what is left
             await asyncio.wait_for(d.stop(), 10)
         except Exception:
-            for task in d._tasks:
-                task.cancel()
+            d.halt()
         await client.close()
         await conn.close()
         server.stop()
