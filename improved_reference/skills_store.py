@@ -60,6 +60,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 
+from improved.core import authority
 from improved.protocol import canonical, wire
 from improved.protocol import subjects as S
 from improved.protocol.model import (
@@ -402,9 +403,7 @@ class SkillsStore(KVService):
             grant = msgspec.json.decode(msg.data or b"", type=Grant)
         except msgspec.MsgspecError:
             return False
-        at = now_ms() if now is None else now
-        return (grant.active and grant.skill == identity
-                and (grant.expires_at is None or grant.expires_at > at))
+        return authority.grant_covers(grant, identity, now_ms() if now is None else now)
 
     async def get_granted(self, name: str, sha: str) -> dict[str, Any]:
         """Like `get`, and only while an active grant record covers `<name>:<sha>`."""

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 from nats.js.errors import NotFoundError
 
-from improved.core import propose
+from improved.core import authority, propose
 from improved.core.apply import rolls_back
 from improved.core.audit import verify_chain
 from improved.protocol import canonical, wire
@@ -106,10 +106,8 @@ async def _granted(js: Any, skill: Any) -> str | None:
         grant = msgspec.json.decode(msg.data or b"", type=Grant)
     except (NotFoundError, msgspec.MsgspecError):
         return _no(f"no grant for {identity}")
-    if not grant.active or grant.skill != identity:
-        return _no(f"the grant for {identity} is not active")
-    if grant.expires_at is not None and grant.expires_at <= int(time.time() * 1000):
-        return _no(f"the grant for {identity} expired")
+    if not authority.grant_covers(grant, identity, int(time.time() * 1000)):
+        return _no(f"the grant for {identity} is not active or has expired")
     return None
 
 

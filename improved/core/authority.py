@@ -209,3 +209,10 @@ def grant_state(trailers: list[Trailer]) -> Grant | None:
                          reason=t.reason, at=t.at,
                          expires_at=int(refs["expires_at"]) if "expires_at" in refs else None)
     return None
+
+
+def grant_covers(grant: Grant, identity: str, now: int) -> bool:
+    """The one rule of an L3 grant: active, for exactly `<name>:<sha256>` (never by name), and
+    not expired at `now`."""
+    return (grant.active and grant.skill == identity
+            and (grant.expires_at is None or grant.expires_at > now))

@@ -36,7 +36,7 @@ from nats.js.errors import (
     NotFoundError,
 )
 
-from improved.core import audit
+from improved.core import audit, authority
 from improved.core.audit import Draft
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
@@ -439,8 +439,7 @@ class Store:
             grant = msgspec.json.decode(data, type=Grant)
         except msgspec.MsgspecError:
             return False
-        return (grant.active and grant.skill == identity
-                and (grant.expires_at is None or grant.expires_at > now_ms))
+        return authority.grant_covers(grant, identity, now_ms)
 
     # -- refusals --------------------------------------------------------------------------------
 
