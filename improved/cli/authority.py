@@ -22,6 +22,7 @@ from improved.cli.common import (
     signer_of,
     url_of,
 )
+from improved.client.sdk import enqueue
 from improved.core import signing
 from improved.protocol import subjects as S
 from improved.protocol.model import Actor, CrisisAct, GrantCommand, Review, Vote, to_json
@@ -126,9 +127,7 @@ def cmd_revert(args: argparse.Namespace) -> int:
 
     async def publish() -> None:
         async with deployment(url, bind=False) as store:
-            await store.js.publish(S.inbound_proposal(svc), to_json(record.revert),
-                                   headers={"Nats-Msg-Id": record.revert_id},
-                                   stream=S.STREAM_INBOUND)
+            await enqueue(store.js, svc, to_json(record.revert), record.revert_id)
 
     asyncio.run(publish())
     print(f"reversal {record.revert_id} of {args.id} published; it runs under the original's "

@@ -17,6 +17,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
+from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from improved.core import propose as propose_stage
@@ -108,6 +109,13 @@ def failed(error: str) -> ApplyResult:
     return ApplyResult(ok=False, error=error[:ERROR_LIMIT])
 
 
+async def enqueue(js: JetStreamContext, service: str, data: bytes, pid: str) -> None:
+    """Put a proposal into the inbound stream, durably (acknowledged by JetStream) and
+    deduplicated by its id (`Nats-Msg-Id`): enqueueing the same proposal twice is one message."""
+    await js.publish(S.inbound_proposal(service), data, headers={"Nats-Msg-Id": pid},
+                     stream=S.STREAM_INBOUND)
+
+
 class MeshClient:
     """One mesh service's view of the loop: propose, follow, refine, and serve its applies."""
 
@@ -171,8 +179,7 @@ class MeshClient:
             pid, _ = propose_stage.identify(parsed)
         except wire.WireError as err:
             raise ImproveError.from_wire(err) from None
-        await self.js.publish(S.inbound_proposal(parsed.service), data,
-                              headers={"Nats-Msg-Id": pid}, stream=S.STREAM_INBOUND)
+        await enqueue(self.js, parsed.service, data, pid)
         return pid
 
     async def signal(self, signal: SignalLike, service: str | None = None) -> str:

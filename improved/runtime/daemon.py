@@ -33,6 +33,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import FetchTimeoutError
 
+from improved.client.sdk import enqueue
 from improved.core import propose
 from improved.core.authority import Act
 from improved.core.observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
@@ -428,9 +429,7 @@ class Daemon:
     async def _observe(self, svc: str, sig: Signal) -> None:
         for proposal in self.observer.observe(svc, sig):
             pid, _ = propose.identify(proposal)
-            await self.store.js.publish(S.inbound_proposal(proposal.service), to_json(proposal),
-                                        headers={"Nats-Msg-Id": pid},
-                                        stream=S.STREAM_INBOUND)
+            await enqueue(self.store.js, proposal.service, to_json(proposal), pid)
             log.info("observed a candidate", proposal_id=pid, stage="observe",
                      analyzer=proposal.analyzer.id)
 
@@ -476,8 +475,7 @@ class Daemon:
         proposal = propose.validate(msg.data, svc, self.config.max_message_bytes)
         pid, dedup = propose.identify(proposal)
         # Durable first: once the stream has it, a crash cannot lose it.
-        await self.store.js.publish(S.inbound_proposal(svc), msg.data,
-                                    headers={"Nats-Msg-Id": pid}, stream=S.STREAM_INBOUND)
+        await enqueue(self.store.js, svc, msg.data, pid)
         # Register and triage now, so the reply carries the status; the inbound consumer,
         # which has the message too, carries the apply with its retries.
         handled = await self.engine.submit(proposal, pid, dedup, dispatch=False, fresh=True)

@@ -22,6 +22,7 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from improved.client.sdk import enqueue
 from improved.core import apply as apply_stage
 from improved.core import (
     audit,
@@ -565,8 +566,7 @@ class Engine:
         """Propose the recorded inverse of a regressed change, through the bus like any
         proposal (durable, deduplicated by its id, and gated by its class)."""
         pid, _ = propose.identify(proposal)
-        await self.store.js.publish(S.inbound_proposal(proposal.service), to_json(proposal),
-                                    headers={"Nats-Msg-Id": pid}, stream=S.STREAM_INBOUND)
+        await enqueue(self.store.js, proposal.service, to_json(proposal), pid)
         log.warning("regression: rollback proposed", proposal_id=record.proposal_id,
                     rollback=pid, stage="learn-back")
         return pid
