@@ -62,6 +62,7 @@ CACHE_CHECK_S = 5.0  # how often the state cache is checked for a loss no reconn
 MAX_IN_FLIGHT = 1024
 DRAIN_S = 30.0  # how long `stop` waits for in-flight work before cancelling it
 NOT_FOUND_RETRIES = 5
+ACK_PROGRESS_S = 1.5  # a third of the inbound consumer's ack wait (store.INBOUND_ACK_WAIT_S)
 
 
 def backoff_s(delivered: int) -> float:
@@ -99,6 +100,7 @@ class Daemon:
         self._scope: anyio.CancelScope | None = None  # serve()'s task group, to halt it
         self.ready = anyio.Event()
         self._refill = anyio.Lock()  # one refill of the state cache at a time
+        self._held: dict[int, Msg] = {}  # the inbound messages taken and not yet settled
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -250,19 +252,35 @@ class Daemon:
     async def _consume(self) -> None:
         """Fetch inbound messages and run each as a job: at most MAX_IN_FLIGHT at once, and
         the jobs of one proposal (one key) one after the other, in arrival order. On stop,
-        fetching ends and the task group drains what was taken."""
+        fetching ends and the task group drains what was taken. Every message held meanwhile
+        (queued or running) is kept from redelivery by `_keep_alive`."""
         slots = anyio.CapacityLimiter(MAX_IN_FLIGHT)
         tails: dict[str, anyio.Event] = {}  # set when the last job of each key is done
-        async with anyio.create_task_group() as jobs:
-            while not self._stopping.is_set():
-                for job in await self._fetch():
-                    done = anyio.Event()  # also the job's claim on a slot
-                    await slots.acquire_on_behalf_of(done)
-                    jobs.start_soon(self._run_after, tails.get(job.key), done, job, slots)
-                    tails[job.key] = done
-                    self._in_flight += 1
-                    self.engine.metrics.set_in_flight(self._in_flight)
-                tails = {key: done for key, done in tails.items() if not done.is_set()}
+        async with anyio.create_task_group() as keeper:
+            keeper.start_soon(self._keep_alive, name="improved-ack-progress")
+            async with anyio.create_task_group() as jobs:
+                while not self._stopping.is_set():
+                    batch = await self._fetch()
+                    self._held.update((id(job), job.msg) for job in batch)
+                    for job in batch:
+                        done = anyio.Event()  # also the job's claim on a slot
+                        await slots.acquire_on_behalf_of(done)
+                        jobs.start_soon(self._run_after, tails.get(job.key), done, job, slots)
+                        tails[job.key] = done
+                        self._in_flight += 1
+                        self.engine.metrics.set_in_flight(self._in_flight)
+                    tails = {key: done for key, done in tails.items() if not done.is_set()}
+            keeper.cancel_scope.cancel()  # every job is done: nothing left to keep
+
+    async def _keep_alive(self) -> None:
+        """Tell the broker, every ACK_PROGRESS_S, that each held message is still being worked
+        on, so the inbound consumer's short ack wait (`store.INBOUND_ACK_WAIT_S`, what brings
+        back a delivery lost with a dying connection) never redelivers a message in hand."""
+        while True:
+            await anyio.sleep(ACK_PROGRESS_S)
+            for msg in list(self._held.values()):
+                with suppress(Exception):  # an outage: the message is redelivered, as it must
+                    await msg.in_progress()
 
     async def _fetch(self) -> list[Job]:
         """The next batch of inbound messages as jobs; none on a timeout or a broker outage
@@ -299,6 +317,7 @@ class Daemon:
             log.warning("could not settle an inbound message; it is redelivered",
                         key=job.key, error=f"{type(exc).__name__}: {exc}")
         finally:
+            self._held.pop(id(job), None)
             done.set()
             slots.release_on_behalf_of(done)
             self._in_flight -= 1

@@ -44,6 +44,11 @@ from improved.protocol.model import Grant, Trailer, to_json
 
 WRONG_LAST_SEQUENCE = 10071
 PUBLISH_ACK_TIMEOUT_S = 10.0
+# How long the inbound consumer waits for an ack before it delivers a message again. Short: a
+# delivery the broker hands to a pull request of a connection that is dying never arrives, and
+# only this wait brings it back. The daemon extends it for every message it holds
+# (`Daemon._keep_alive`), however long the job takes.
+INBOUND_ACK_WAIT_S = 5.0
 FILLED_KEY = "_filled"  # in the state bucket; no proposal's key (`<svc>.<id>`) can be this
 INBOUND_MAX_AGE_S = 30 * 24 * 3600
 REFUSED_MAX_AGE_S = 30 * 24 * 3600
@@ -109,7 +114,7 @@ def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsa
     ]
 
 
-def inbound_consumer(ack_wait_s: float = 30.0) -> jsapi.ConsumerConfig:
+def inbound_consumer(ack_wait_s: float = INBOUND_ACK_WAIT_S) -> jsapi.ConsumerConfig:
     return jsapi.ConsumerConfig(
         durable_name=S.CONSUMER_INBOUND, ack_policy=jsapi.AckPolicy.EXPLICIT,
         deliver_policy=jsapi.DeliverPolicy.ALL, ack_wait=ack_wait_s, max_ack_pending=1024,
@@ -139,7 +144,7 @@ class Store:
                     raise StoreError(f"stream {cfg.name} exists with a configuration that "
                                      f"cannot become this one ({upd.description}); keep its "
                                      f"storage and replicas, or remove it first") from upd
-        try:
+        try:  # an existing consumer is brought to this config (its ack wait, say) too
             await self.js.add_consumer(S.STREAM_INBOUND, inbound_consumer())
         except BadRequestError as exc:
             if exc.err_code not in (10148, 10013):  # exists with another config / name in use

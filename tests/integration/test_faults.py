@@ -415,6 +415,47 @@ async def test_a_record_ack_lost_in_a_broker_restart_does_not_wedge_the_proposal
         server.stop()
 
 
+@pytest.mark.timeout(120)
+async def test_a_delivery_lost_with_the_old_connection_is_served_soon_after_the_reconnect(
+        tmp_path):
+    """The broker hands an inbound message to a pull request of the daemon's connection just
+    as that connection dies (a waiting pull request outlives its client by up to its expiry):
+    the message never arrives. Only the consumer's ack wait brings it back, so the daemon keeps
+    that wait short (and extends it for the messages it holds) and serves the proposal within
+    seconds of the reconnect, not after the 30 s a long ack wait would cost."""
+    server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="2m")
+    server.start()
+    proxy = LossyProxy(server.port)
+    await proxy.start()
+    dnc = await bus.connect(proxy.url, "lost-delivery-daemon")
+    daemon = Daemon(dnc, daemon_config(data_dir=tmp_path / "data"))
+    await daemon.start()
+    nc = await bus.connect(server.url, "lost-delivery-client")
+    js = nc.jetstream()
+    try:
+        # the consumer's deliveries (a pull's replies carry the message's own subject)
+        proxy.drop = lambda subject: subject == S.inbound_proposal("lost").encode()
+        client = MeshClient(nc, "lost")
+        pid = await client.publish(skill_proposal("lost"))
+
+        async def delivered_and_lost():
+            info = await js.consumer_info(S.STREAM_INBOUND, S.CONSUMER_INBOUND)
+            return info.num_ack_pending == 1 and info.delivered.stream_seq == 1
+
+        await eventually(delivered_and_lost, timeout=10)
+        proxy.drop = None
+        proxy.cut()
+        await eventually(lambda: client.decision(pid), timeout=10)
+        assert daemon.healthy()
+    finally:
+        halt(daemon)
+        await bus.close(nc)
+        with suppress(Exception):
+            await dnc.close()
+        await proxy.close()
+        server.stop()
+
+
 class AfterRestart:
     """A daemon with 1,500 chains, the last of them an L0 proposal accepted while its service
     was down (left retryable, its record in the daemon's memory); its service then comes up
