@@ -57,10 +57,9 @@ import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
-from improved.core import authority
+from improved.client import chains
 from improved.protocol import canonical, wire
 from improved.protocol import subjects as S
 from improved.protocol.model import (
@@ -68,7 +67,6 @@ from improved.protocol.model import (
     ApplyResult,
     ErrorBody,
     ErrorReply,
-    Grant,
     Proposal,
     Signal,
     to_json,
@@ -389,21 +387,9 @@ class SkillsStore(KVService):
         return await self.get_by_identity(grant)
 
     async def check_grant_active(self, identity: str, now: int | None = None) -> bool:
-        """The daemon's retained grant record for exactly `identity` is active and unexpired."""
-        try:
-            name, sha = split_identity(identity)
-        except GrantMismatch:
-            return False
-        try:
-            msg = await self.js.get_msg(S.STREAM_RECORDS, subject=S.grant_record(name, sha),
-                                        direct=True)
-        except (NotFoundError, NoRespondersError):
-            return False
-        try:
-            grant = msgspec.json.decode(msg.data or b"", type=Grant)
-        except msgspec.MsgspecError:
-            return False
-        return authority.grant_covers(grant, identity, now_ms() if now is None else now)
+        """The grant of exactly `identity` is active and unexpired on its verified grant chain
+        (the daemon's retained Grant record is an output anyone could publish)."""
+        return await chains.grant_active(self.js, identity, now_ms() if now is None else now)
 
     async def get_granted(self, name: str, sha: str) -> dict[str, Any]:
         """Like `get`, and only while an active grant record covers `<name>:<sha>`."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -15,11 +16,13 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from improved.client.sdk import MeshClient
-from improved.core import signing
+from improved.core import authority, signing
+from improved.core.authority import Act
 from improved.protocol import canonical, subjects
-from improved.protocol.model import ApplyOrder, ApplyResult, to_json
+from improved.protocol.model import ApplyOrder, ApplyResult, GrantCommand, to_json
 from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.metrics import Metrics
+from improved.runtime.store import Store
 from improved_reference.artefact_store import ArtefactStore
 from tests.factories import review, swap
 from tests.keys import ALICE
@@ -151,3 +154,27 @@ def samples(m: Metrics) -> dict[tuple[str, frozenset], float]:
 
 def value(m: Metrics, name: str, **labels: str) -> float | None:
     return samples(m).get((name, frozenset(labels.items())))
+
+
+# -- grants without a daemon ---------------------------------------------------------------------
+
+
+async def record_grant(nc, identity: str, *, active: bool = True,
+                       expires_at: int | None = None) -> None:
+    """ALICE's signed grant (or revocation) of `identity`, verified and recorded on the skill
+    hash's grant chain the way the daemon records it: for tests of services without a daemon.
+    (A retained Grant record proves nothing; the chain is what a service reads.)"""
+    cmd = GrantCommand(op="grant" if active else "revoke", skill=identity, principal=ALICE[0],
+                       reason="tofu", at=int(time.time() * 1000), expires_at=expires_at)
+    env = signing.sign(signing.PAYLOAD_TYPES["grant"], to_json(cmd), ALICE[1])
+    trust = signing.TrustStore.from_config(
+        {ALICE[0]: base64.b64encode(signing.raw_public(ALICE[1].public_key())).decode()})
+    verified = trust.verify(env, signing.PAYLOAD_TYPES["grant"])
+    sha = identity.split(":", 1)[1]
+
+    def next_draft(chain, now):
+        return authority.grant_act([], Act(verified.digest, len(chain) + 1), verified, cmd, None,
+                                   "improved:test")
+
+    await Store(nc).append_sealed(subjects.grant_audit(sha), sha, "L3", "knowledge", next_draft,
+                                  whole=True)

@@ -9,8 +9,8 @@ import sys
 import msgspec
 
 from improved.cli.common import add_connection_args, config_of, deployment, url_of
-from improved.cli.queries import same_state
 from improved.core import audit
+from improved.core.record import same_state
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
 from improved.runtime.config import Config

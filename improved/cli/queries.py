@@ -103,8 +103,3 @@ async def status_view(url: str) -> dict[str, Any]:
 
 def when(ms: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms / 1000))
-
-
-def same_state(a, b) -> bool:
-    """Equal in everything the chain decides (the chain head's stream sequence aside)."""
-    return a.replace(chain=b.chain, updated_at=b.updated_at) == b

@@ -15,15 +15,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import msgspec
-from nats.js.errors import NotFoundError
-
+from improved.client.chains import current_grant, read_chain
 from improved.core import authority, propose
 from improved.core.apply import rolls_back
 from improved.core.audit import verify_chain
 from improved.protocol import canonical, wire
 from improved.protocol import subjects as S
-from improved.protocol.model import ApplyOrder, Grant
+from improved.protocol.model import ApplyOrder
 
 PREFIX = "not_accepted: "
 ACCEPTING = frozenset({"approve", "inherit", "quorum"})  # verdicts that accept, by their actor
@@ -33,22 +31,6 @@ ROLLBACK = "rollback"
 
 def _no(text: str) -> str:
     return PREFIX + text
-
-
-async def read_chain(js: Any, subject: str) -> list[Any]:
-    """Every trailer body on `subject` of the audit stream, in order; [] when there is none."""
-    bodies: list[Any] = []
-    seq = 1
-    while True:
-        try:
-            msg = await js.get_msg(S.STREAM_AUDIT, seq=seq, subject=subject, next=True)
-        except NotFoundError:  # past the chain's end, or no audit stream at all
-            return bodies
-        try:
-            bodies.append(msgspec.json.decode(msg.data or b""))
-        except msgspec.DecodeError:
-            bodies.append(None)  # verify_chain names it
-        seq = msg.seq + 1
 
 
 async def _verified(js: Any, svc: str, chain_id: str) -> tuple[list[dict[str, Any]], str | None]:
@@ -93,19 +75,17 @@ async def _rollback_asked(js: Any, svc: str, original: str, authority: str) -> s
 
 
 async def _granted(js: Any, skill: Any) -> str | None:
-    """None when the skill the proposal carries has an active, unexpired grant."""
+    """None when the skill the proposal carries has an active, unexpired grant on its verified
+    grant chain (the retained Grant record is an output anyone could publish)."""
     if not isinstance(skill, dict):
         return _no("an L3 proposal must carry proposal_data.skill")
     try:
         identity = canonical.skill_identity(skill)
     except canonical.CanonicalError as exc:
         return _no(f"the skill has no identity: {exc}")
-    name, sha = identity.split(":", 1)
-    try:
-        msg = await js.get_msg(S.STREAM_RECORDS, subject=S.grant_record(name, sha))
-        grant = msgspec.json.decode(msg.data or b"", type=Grant)
-    except (NotFoundError, msgspec.MsgspecError):
-        return _no(f"no grant for {identity}")
+    grant = await current_grant(js, identity)
+    if grant is None:
+        return _no(f"no grant for {identity} on its chain")
     if not authority.grant_covers(grant, identity, int(time.time() * 1000)):
         return _no(f"the grant for {identity} is not active or has expired")
     return None

@@ -250,3 +250,9 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
             record = record.replace(measured=trailer.verdict)
         record = with_trailer(record, trailer, stream_seq)
     return record
+
+
+def same_state(a: ProposalRecord, b: ProposalRecord) -> bool:
+    """Equal in everything the chain decides (where its head sits in the stream, and when the
+    record was last touched, aside)."""
+    return a.replace(chain=b.chain, updated_at=b.updated_at) == b

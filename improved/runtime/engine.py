@@ -38,7 +38,7 @@ from improved.core import (
 )
 from improved.core.audit import Draft
 from improved.core.authority import Act
-from improved.core.record import ProposalRecord, ref, refs_of, with_trailer
+from improved.core.record import ProposalRecord, ref, refs_of, same_state, with_trailer
 from improved.core.signing import PAYLOAD_TYPES, ActRefused
 from improved.protocol import subjects as S
 from improved.protocol.model import (
@@ -214,7 +214,7 @@ class Engine:
     async def review(self, svc: str, pid: str, env: Envelope | None, act: Act) -> Handled:
         """An operator's signed review; unsigned (`env` None), bad or replayed ones are refused
         on the proposal's chain and move nothing."""
-        record, _ = await self.store.load(svc, pid)
+        record = await self._truth(svc, pid)
         if record is None:
             return Handled(None, False)
         head = await self.store.dedup_head(svc, record.dedup_key)
@@ -363,13 +363,33 @@ class Engine:
             self._release(pid, lock)
 
     async def _load(self, svc: str, pid: str, fresh: bool) -> tuple[ProposalRecord | None, int]:
+        """The record to decide on: what this process committed itself (its memory), else
+        what the chain says. The state bucket is an output anyone on the bus could rewrite:
+        it is read for its revision only, and put back when it disagrees with the chain."""
         if not fresh and pid in self._cache:
             self._cache.move_to_end(pid)
             return self._cache[pid]
-        record, rev = await self.store.load(svc, pid)
-        if record is not None:
-            self._remember(record, rev)
+        cached, rev = await self.store.load(svc, pid)
+        record = await self.rebuild(svc, pid)
+        if record is None:
+            return None, rev
+        if cached is not None and not same_state(record, cached):
+            log.warning("state cache disagrees with the chain; the chain decides",
+                        proposal_id=pid, cached=f"{cached.status}/{cached.approved_by}",
+                        chain=f"{record.status}/{record.approved_by}")
+            try:
+                rev = await self.store.save(record, rev)
+            except StateConflict:
+                pass  # someone saved meanwhile; the next save re-reads
+        self._remember(record, rev)
         return record, rev
+
+    async def _truth(self, svc: str, pid: str) -> ProposalRecord | None:
+        """A proposal's record as this process committed it or as its chain says; never the
+        state bucket's word."""
+        if pid in self._cache:
+            return self._cache[pid][0]
+        return await self.rebuild(svc, pid)
 
     def _remember(self, record: ProposalRecord, rev: int) -> None:
         self._cache[record.proposal_id] = (record, rev)
@@ -495,8 +515,7 @@ class Engine:
 
     async def _original(self, svc: str, pid: str) -> ProposalRecord | None:
         """The record of the proposal a reversal reverts, as its chain says."""
-        record, _ = await self.store.load(svc, pid)
-        return record if record is not None else await self.rebuild(svc, pid)
+        return await self._truth(svc, pid)
 
     async def _lkg_check(self, record: ProposalRecord) -> tuple[ProposalRecord, Draft]:
         """SPEC 09 §7.1: ask the owning service for a healthy last-known-good of every

@@ -36,11 +36,12 @@ from nats.js.errors import (
     NotFoundError,
 )
 
-from improved.core import audit, authority
+from improved.client import chains
+from improved.core import audit
 from improved.core.audit import Draft
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
-from improved.protocol.model import Grant, Trailer, to_json
+from improved.protocol.model import Trailer, to_json
 
 WRONG_LAST_SEQUENCE = 10071
 PUBLISH_ACK_TIMEOUT_S = 10.0
@@ -433,18 +434,9 @@ class Store:
         return msg.data
 
     async def grant_active(self, identity: str | None, now_ms: int) -> bool:
-        """An active, unexpired grant for exactly `<name>:<sha256>`; never a lookup by name."""
-        if not identity or ":" not in identity:
-            return False
-        name, digest = identity.split(":", 1)
-        data = await self.last(S.grant_record(name, digest))
-        if not data:
-            return False
-        try:
-            grant = msgspec.json.decode(data, type=Grant)
-        except msgspec.MsgspecError:
-            return False
-        return authority.grant_covers(grant, identity, now_ms)
+        """An active, unexpired grant for exactly `<name>:<sha256>`, as its verified grant
+        chain says (never the retained record, never a lookup by name)."""
+        return await chains.grant_active(self.js, identity, now_ms)
 
     # -- refusals --------------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""The reference skills store against a real nats-server (no daemon): orders and grant records
-are sent by hand, as the daemon would send them."""
+"""The reference skills store against a real nats-server (no daemon): orders are sent and grant
+acts recorded on their chains by hand, as the daemon would."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from improved.protocol import canonical, subjects
 from improved.protocol.model import (
     AnalyzerRef,
     ApplyOrder,
-    Grant,
     Origin,
     Proposal,
     Signal,
@@ -33,7 +32,7 @@ from improved_reference.skills_store import (
     bucket_names,
     main,
 )
-from tests.bus import crash_once_after_the_write, send
+from tests.bus import crash_once_after_the_write, record_grant, send
 
 AT = 1768471200000
 ANALYZER = "acme.skills/1"
@@ -67,11 +66,8 @@ def signal(svc: str, *, actor: str = "evaluator:e1", positive: bool = True) -> S
 
 
 async def grant(nc, identity: str, *, active: bool = True, expires_at: int | None = None):
-    name, sha = identity.split(":")
-    record = Grant(skill=identity, active=active, principal="operator:alice", reason="tofu",
-                   at=AT, expires_at=expires_at)
-    await nc.jetstream().publish(subjects.grant_record(name, sha), to_json(record),
-                                 stream=subjects.STREAM_RECORDS)
+    await Store(nc).ensure()  # the streams, as the daemon creates them
+    await record_grant(nc, identity, active=active, expires_at=expires_at)
 
 
 @pytest.fixture

@@ -1,0 +1,98 @@
+"""Caches and retained records are outputs, never inputs to a decision (issue: authority
+verifiable from the chain alone). Played as a bus participant with publish rights would: a
+state-cache entry rewritten to say "approved", an unsigned retained Grant record. Nothing may be
+applied, and the chain must not claim what did not happen."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+
+from improved.client.sdk import MeshClient
+from improved.core.record import record_encoder
+from improved.protocol import canonical
+from improved.protocol import subjects as S
+from improved.protocol.model import Grant, TriageDecision, to_json
+from improved.runtime.store import Store
+from tests.bus import Applier, eventually, trailers
+from tests.factories import skill_proposal
+
+
+async def test_a_rewritten_state_entry_saying_approved_sends_no_order(daemon, nc, svc):
+    applier = Applier()
+    client = MeshClient(nc, svc)
+    sub = await client.serve_apply(applier)
+    reply = await client.propose(skill_proposal(svc))  # L2: waits for an operator
+    pid = reply.proposal_id
+    decision = await client.triage(pid)
+    assert (decision.verdict, decision.cause) == ("defer", "awaiting_operator")
+
+    # The attacker rewrites the cached record: approved by operator:alice.
+    store = Store(nc)
+    await store.bind()
+    cached, rev = await store.load(svc, pid)
+    forged = cached.replace(
+        status="approved", approved_by="operator:alice",
+        decision=TriageDecision(proposal_id=pid, service=svc, verdict="accept", cause=None,
+                                gate_class="L2", rationale="approved by operator:alice",
+                                actor="operator:alice", at=decision.at + 1))
+    await store.kv.put(S.state_key(svc, pid), record_encoder.encode(forged))
+    daemon.engine._cache.clear()  # as after a restart: the daemon's own memory is gone
+
+    decision = await client.triage(pid)  # one triage request: "carry it on"
+    await asyncio.sleep(0.5)
+    assert applier.orders == []
+    assert (decision.verdict, decision.cause) == ("defer", "awaiting_operator")
+    chain = await trailers(daemon, svc, pid)
+    assert not any(t.get("verdict") in ("approve", "applied") for t in chain)
+    # the cache is an output: it is put back to what the chain says
+    repaired, _ = await store.load(svc, pid)
+    assert repaired.approved_by is None and repaired.status == "pending"
+    await sub.unsubscribe()
+
+
+async def test_an_unsigned_retained_grant_record_does_not_make_a_skill_automatic(daemon, nc, svc):
+    applier = Applier()
+    client = MeshClient(nc, svc)
+    sub = await client.serve_apply(applier)
+    proposal = skill_proposal(svc, change_class="L3", instructions="a skill nobody granted")
+    identity = canonical.skill_identity(proposal.proposal_data["skill"])
+    name, sha = identity.split(":", 1)
+
+    # The attacker publishes a retained Grant record for exactly this hash, signed by nobody.
+    forged = Grant(skill=identity, active=True, principal="operator:alice", reason="trust me",
+                   at=1)
+    await nc.jetstream().publish(S.grant_record(name, sha), to_json(forged),
+                                 stream=S.STREAM_RECORDS)
+
+    reply = await client.propose(proposal)
+    decision = await client.triage(reply.proposal_id)
+    await asyncio.sleep(0.5)
+    assert (decision.verdict, decision.cause, decision.gate_class) == ("defer", "no_grant", "L2")
+    assert applier.orders == []
+    await sub.unsubscribe()
+
+
+async def test_a_grant_on_the_chain_still_makes_the_skill_automatic(daemon, nc, svc):
+    """The other side: a signed grant, recorded on the grant chain, is what counts."""
+    from tests.bus import publish
+    from tests.factories import grant
+
+    applier = Applier()
+    client = MeshClient(nc, svc)
+    sub = await client.serve_apply(applier)
+    proposal = skill_proposal(svc, change_class="L3", instructions="a skill alice granted")
+    identity = canonical.skill_identity(proposal.proposal_data["skill"])
+    await publish(nc, S.GRANTS, grant(identity))
+    store = Store(nc)
+
+    async def granted():
+        data = await store.last(S.grant_record(*identity.split(":", 1)))
+        return data and msgspec.json.decode(data)["active"]
+
+    await eventually(granted)
+    reply = await client.propose(proposal)
+    await eventually(lambda: asyncio.sleep(0, applier.orders))
+    assert applier.orders == [reply.proposal_id]
+    await sub.unsubscribe()
