@@ -16,7 +16,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from improved.core.audit import REASON_LIMIT, Draft
-from improved.core.guards import EscapingPath, normalize_path
+from improved.core.guards import EscapingPath, UncanonicalPath, canonical_path
 from improved.core.record import APPLY_FAILED, INHERIT, LKG_VERIFIED, ProposalRecord, ref
 from improved.protocol.model import (
     AnalyzerRef,
@@ -143,11 +143,12 @@ def charter_paths(paths: list[str]) -> list[str]:
     out = []
     for p in paths:
         try:
-            norm = normalize_path(p)
-        except EscapingPath:
+            norm = canonical_path(p)
+        except (EscapingPath, UncanonicalPath):
             out.append(p)
             continue
-        if not any(norm == f or norm.endswith("/" + f) for f in CHARTER_FILES):
+        if not any(norm == f.casefold() or norm.endswith("/" + f.casefold())
+                   for f in CHARTER_FILES):
             out.append(p)
     return out
 

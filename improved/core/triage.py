@@ -13,7 +13,13 @@ import msgspec
 
 from improved.core import gradient, lkg
 from improved.core.audit import REASON_LIMIT, Draft
-from improved.core.guards import forbidden_match, on_allowlist, self_confirmed, target_paths
+from improved.core.guards import (
+    forbidden_match,
+    on_allowlist,
+    self_confirmed,
+    touched_paths,
+    uncanonical,
+)
 from improved.core.policy import Policy
 from improved.core.record import ProposalRecord
 from improved.protocol import canonical
@@ -34,7 +40,11 @@ def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
                               verdict=verdict, cause=cause, gate_class=gate_class,
                               rationale=rationale[:REASON_LIMIT], actor=actor, at=now)
 
-    paths = target_paths(p.target_ref, p.target_files)
+    paths = touched_paths(p)
+    bad_path = uncanonical(paths)
+    if bad_path is not None:
+        return decision("reject", "invalid", f"a path this change touches has no canonical "
+                        f"form ({bad_path}); it cannot be checked, so it is refused")
     charter = lkg.is_charter(p) and lkg.charter_problem(p) is None
     if charter:  # prepared for an operator to commit, never applied: it may name the charter
         paths = lkg.charter_paths(paths)

@@ -12,19 +12,22 @@ from improved.core.guards import (
     DEFAULT_FORBIDDEN,
     EscapingPath,
     Evidence,
+    UncanonicalPath,
+    canonical_path,
+    diff_paths,
     forbidden_match,
     is_independent,
-    normalize_path,
     self_confirmed,
     session_of,
-    target_paths,
+    touched_paths,
+    uncanonical,
 )
 from improved.protocol.model import Origin
 
 UUID = "3f0c2a4e-9b1d-4c57-8a2e-5d6f7a8b9c0d"
 WINDOW = 3_600_000
 
-# -- normalize_path ----------------------------------------------------------------------------
+# -- canonical_path ----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -39,14 +42,14 @@ WINDOW = 3_600_000
         ("  _doc/x.md  ", "_doc/x.md"),
     ],
 )
-def test_normalize_path(raw, norm):
-    assert normalize_path(raw) == norm
+def test_canonical_path(raw, norm):
+    assert canonical_path(raw) == norm.casefold()
 
 
 @pytest.mark.parametrize("raw", ["../x", "..", "a/../../x", "$COSMIX/../x"])
-def test_normalize_path_refuses_escaping_paths(raw):
+def test_canonical_path_refuses_escaping_paths(raw):
     with pytest.raises(EscapingPath):
-        normalize_path(raw)
+        canonical_path(raw)
 
 
 # -- forbidden_match ---------------------------------------------------------------------------
@@ -125,17 +128,21 @@ def test_double_star_crosses_any_character():
     assert forbidden_match(["src/crates/cosmix-mcp/a\nb.rs"], DEFAULT_FORBIDDEN) is not None
 
 
-def test_target_paths():
-    assert target_paths("doc:_doc/x.md", ["a.md"]) == ["a.md", "_doc/x.md"]
-    assert target_paths("rank:search/top", ["a.md"]) == ["a.md"]
-    assert target_paths("rank:search/top", None) == []
-    assert target_paths("code:src/lib.rs", None) == ["src/lib.rs"]
-    # so a doc: target on the constitution is caught even with no target_files
-    paths = target_paths("doc:x/../_spec/2026-04-20-00-constitution.md", None)
-    assert forbidden_match(paths, DEFAULT_FORBIDDEN) is not None
-    # while a rank: target whose rest looks like the path is not a path
-    assert forbidden_match(target_paths("rank:_spec/CHANGELOG.md", None),
-                           DEFAULT_FORBIDDEN) is None
+def test_touched_paths_are_every_path_a_change_names():
+    from improved.protocol.model import ProposalEdit
+    from tests.builders import make_proposal
+
+    edit = ProposalEdit(format="unified", base_digest="sha256:" + "0" * 64,
+                        diff="--- a/_doc/x.md\n+++ b/_doc/y.md\n@@ -1 +1 @@\n-a\n+b\n")
+    p = make_proposal(target_ref="doc:_doc/x.md", target_files=["a.md"], proposal_data=None,
+                      proposal_edit=edit)
+    assert touched_paths(p) == ["a.md", "_doc/x.md", "_doc/x.md", "_doc/y.md"]
+    # whatever the scheme, the target's rest is checked too
+    assert touched_paths(make_proposal(target_ref="rank:search/top")) == ["search/top"]
+    for ref in ("doc:x/../_spec/2026-04-20-00-constitution.md", "rank:_spec/CHANGELOG.md",
+                "grain:_spec/2026-04-20-00-constitution.md"):
+        assert forbidden_match(touched_paths(make_proposal(target_ref=ref)),
+                               DEFAULT_FORBIDDEN) is not None, ref
 
 
 # -- sessions ----------------------------------------------------------------------------------
@@ -247,3 +254,52 @@ def test_self_confirmed():
     assert self_confirmed(positives=2, independent_positives=0)
     assert not self_confirmed(positives=2, independent_positives=1)
     assert not self_confirmed(positives=0, independent_positives=0)
+
+
+# -- the canonical form: disguises of a forbidden path -------------------------------------------
+
+CONSTITUTION = "_spec/2026-04-20-00-constitution.md"
+DISGUISES = [
+    "%5Fspec/2026-04-20-00-constitution.md",            # percent-encoded
+    "_spec%2F2026-04-20-00-constitution.md",            # an encoded slash
+    "%255Fspec/2026-04-20-00-constitution.md",          # encoded twice
+    "_SPEC/2026-04-20-00-Constitution.MD",              # case
+    "＿spec/２０２６-04-20-00-constitution.md",          # full-width forms (NFKC)
+    "_spec/./2026-04-20-00-constitution.md",
+    "notes/../_spec/2026-04-20-00-constitution.md",
+    "_spec\\2026-04-20-00-constitution.md",
+    "$COSMIX/_spec/2026-04-20-00-constitution.md",
+    "file:///srv/cosmix/_spec/2026-04-20-00-constitution.md",
+    "node-1:/srv/cosmix/_spec/2026-04-20-00-constitution.md",
+    "$HOME/.config/cosmix/harness.toml",
+    "~alice/.config/cosmix/harness.toml",
+    "/home/alice/.config/cosmix/harness.toml",
+]
+
+
+@pytest.mark.parametrize("path", DISGUISES)
+def test_every_disguise_of_a_forbidden_path_is_matched(path):
+    assert forbidden_match([path], DEFAULT_FORBIDDEN) is not None
+
+
+@pytest.mark.parametrize("path", [
+    "_spec/2026-04-20-00-constitution.md\x00.txt",     # NUL
+    "_spec/2026-04-20-00-constitution.md%00",           # an encoded NUL
+    "_spec/2026-04-20-00-\u200dconstitution.md",       # a zero-width joiner
+    "_spec/2026-04-20-00-constitution.md\n",           # a newline
+    "%C3%28.md",                                        # an encoding that is not UTF-8
+    "%2525252525",                                       # an encoding that does not settle
+])
+def test_a_path_without_a_canonical_form_is_refused(path):
+    with pytest.raises(UncanonicalPath):
+        canonical_path(path)
+    assert uncanonical([path]) is not None
+    assert forbidden_match([path], ()) == path  # and the guard fails closed on its own
+
+
+def test_diff_paths_name_old_new_renamed_and_copied_files():
+    diff = ("diff --git a/x.md b/y.md\nrename from x.md\nrename to y.md\n"
+            "--- a/old.md\t2026-01-01\n+++ b/new.md\n--- /dev/null\n+++ b/added.md\n"
+            "copy from c.md\ncopy to d.md\n")
+    assert set(diff_paths(diff)) == {"x.md", "y.md", "old.md", "new.md", "added.md", "c.md",
+                                     "d.md"}

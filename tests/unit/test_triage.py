@@ -281,7 +281,9 @@ SIGNAL_SPEC = st.tuples(
 
 def expected_cause(p: Proposal, grant: bool, now: int) -> tuple[str, str | None]:
     scheme = gradient.scheme_of(p.target_ref)
-    paths = guards.target_paths(p.target_ref, p.target_files)
+    paths = guards.touched_paths(p)
+    if guards.uncanonical(paths) is not None:
+        return "reject", "invalid"
     if guards.forbidden_match(paths, DEFAULT_FORBIDDEN) is not None:
         return "reject", "forbidden_target"
     if not gradient.class_fits(p.change_class, scheme):
