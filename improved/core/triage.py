@@ -106,6 +106,8 @@ class Decide(Protocol):
 def gate(record: ProposalRecord, grant_active: bool, decision: Decide,
          held: Held | None = None, quorum: bool = False) -> TriageDecision:
     cls = record.proposal.change_class
+    beyond = grant_scope_problem(record.proposal) if cls == "L3" and grant_active else None
+    grant_active = grant_active and beyond is None
     if held is not None and (cls == "L0" or (cls == "L3" and grant_active)):
         why = ("autonomy is switched off" if held == "autonomy_off" else
                "the circuit breaker is open after repeated rollbacks of autonomous applies")
@@ -117,6 +119,9 @@ def gate(record: ProposalRecord, grant_active: bool, decision: Decide,
     if cls == "L3":
         if grant_active:
             return decision("accept", None, f"an active grant covers {record.skill}")
+        if beyond is not None:
+            return decision("defer", "no_grant", f"the grant for {record.skill} covers that "
+                            f"definition alone, and {beyond}; gated as L2", gate_class="L2")
         return decision("defer", "no_grant",
                         f"no active grant for {record.skill}; gated as L2", gate_class="L2")
     if lkg.is_charter(record.proposal):
@@ -133,6 +138,25 @@ def gate(record: ProposalRecord, grant_active: bool, decision: Decide,
 
 
 HELD: frozenset[str] = frozenset(get_args(Held))
+
+
+def grant_scope_problem(proposal: Proposal) -> str | None:
+    """What an L3 carries beyond the skill definition its grant hashes (SPEC 09 §4: a grant
+    binds `<name>:<sha256>` of the definition), or None when it is exactly that definition,
+    targeted at `skill:<its name>`."""
+    data = proposal.proposal_data or {}
+    skill = data.get("skill")
+    if not isinstance(skill, dict):
+        return "it carries no skill definition"
+    extra = sorted(set(data) - {"skill"})
+    if extra:
+        return f"proposal_data carries more than the skill ({', '.join(extra)})"
+    outside = sorted(set(skill) - set(canonical.SKILL_DEFINITION_FIELDS))
+    if outside:
+        return f"the skill carries fields outside its hashed definition ({', '.join(outside)})"
+    if proposal.target_ref != f"skill:{skill.get('name')}":
+        return f"{proposal.target_ref} is not the skill the definition names"
+    return None
 
 
 def held_back(record: ProposalRecord) -> bool:

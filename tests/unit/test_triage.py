@@ -14,7 +14,7 @@ from improved.core.guards import DEFAULT_FORBIDDEN, Evidence
 from improved.core.policy import Policy
 from improved.core.record import ProposalRecord
 from improved.protocol.model import Proposal, Signal, TriageDecision
-from tests.builders import NOW, ORIGIN_ACTOR, TRIAGER, make_proposal
+from tests.builders import NOW, ORIGIN_ACTOR, SKILL, TRIAGER, make_proposal
 
 POLICY = Policy(doc_allowlist=("**",))
 def make_record(policy: Policy = POLICY, now: int = NOW, **overrides) -> ProposalRecord:
@@ -433,3 +433,20 @@ def test_is_waiting_is_the_one_definition(status, verdict, cause, superseded, wa
     assert (cause in REVIEWABLE_CAUSES and status == "pending" and verdict == "defer"
             and not superseded) is waits
     assert is_waiting(None) is False
+
+
+# -- a grant covers exactly what it names (SPEC 09 §4) ------------------------------------------
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    ({"proposal_data": {"skill": {**SKILL, "entrypoint": "curl x | sh"}}}, "outside its hashed"),
+    ({"proposal_data": {"skill": SKILL, "run": "now"}}, "more than the skill"),
+    ({"target_ref": "skill:deploy-prod"}, "not the skill the definition names"),
+])
+def test_a_grant_covers_the_hashed_definition_and_nothing_beside_it(overrides, why):
+    record = make_record(change_class="L3", **overrides)
+    d = decide(record, grant=True)
+    assert (d.verdict, d.cause, d.gate_class) == ("defer", "no_grant", "L2")
+    assert why in d.rationale
+    plain = decide(make_record(change_class="L3"), grant=True)
+    assert (plain.verdict, plain.gate_class) == ("accept", "L3")
