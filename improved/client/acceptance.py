@@ -64,6 +64,25 @@ async def _approved(js: Any, svc: str, pid: str, authority: str) -> str | None:
     return _no(f"no approval by {authority} on the audit chain of {pid[:8]}")
 
 
+async def _auto_accepted(js: Any, svc: str, pid: str) -> str | None:
+    """None when triage accepted `pid` as L0 on its verified chain and nothing withdrew it: an
+    L0 order is applied under the policy principal, so the evidence is triage's own accept."""
+    bodies, refusal = await _verified(js, svc, pid)
+    if refusal:
+        return refusal
+    accepted = False
+    for body in bodies:
+        verdict = body.get("verdict")
+        if verdict == "accept" and body.get("to_stage") == "triage" \
+                and body.get("gate_class") == "L0":
+            accepted = True
+        elif verdict in WITHDRAWING:
+            accepted = False
+    if accepted:
+        return None
+    return _no(f"triage never accepted {pid[:8]} as L0 on its audit chain")
+
+
 async def _rollback_asked(js: Any, svc: str, original: str, authority: str) -> str | None:
     """None when `authority` asked for the rollback of `original` on its chain."""
     bodies, refusal = await _verified(js, svc, original)
@@ -107,14 +126,14 @@ async def check(js: Any, order: ApplyOrder) -> str | None:
     """None when the order may be applied, else why not (`not_accepted: ...`)."""
     proposal = order.proposal
     cls = proposal.change_class
-    if cls == "L0":
-        return None
     if cls == "L1":
         return _no("L1 proposals are never applied")
     refusal = _bound(order)
     if refusal:
         return refusal
     svc = proposal.service
+    if cls == "L0":
+        return await _auto_accepted(js, svc, order.proposal_id)
     original = rolls_back(proposal)
     if original is not None and S.ID_RE.match(original):
         asked = await _rollback_asked(js, svc, original, order.authority)

@@ -13,7 +13,8 @@ What is probed, level by level:
   sends its orders); a malformed ApplyOrder there gets a well-formed reply: an ApplyResult with
   `ok: false`, or an error reply `{"error": {...}}`.
 - L2: a well-formed L2 ApplyOrder whose proposal has no operator acceptance on record is refused,
-  `ok: false` with an error starting `not_accepted:`; sent again, it gets the very same reply.
+  `ok: false` with an error starting `not_accepted:`, and so is an L0 order triage never accepted
+  (anyone on the bus could label a change L0); sent again, the L2 order gets the very same reply.
 - L3: the spec advertises `"identity": "<name>:<sha256>"` and a `"get"` subject (a skills read
   under a grant); asked for a random identity nobody granted, it answers an error `no_grant`,
   `grant_mismatch` or `not_found`, never a definition. A service that holds no skills (no
@@ -328,6 +329,11 @@ async def _l2(nc: Client, service: str, spec: dict[str, Any], timeout: float,
     first = await _ask(nc, subject, order, timeout)
     passed, detail = _refusal(first, subject, "L2")
     checks.append(Check("L2", "refuses without acceptance", passed, detail))
+    if not passed:
+        return False
+    forged = await _ask(nc, subject, probe_order(service, spec, "L0"), timeout)
+    passed, detail = _refusal(forged, subject, "L0")
+    checks.append(Check("L2", "refuses an L0 order triage never accepted", passed, detail))
     if not passed:
         return False
     second = await _ask(nc, subject, order, timeout)

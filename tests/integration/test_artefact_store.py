@@ -279,7 +279,11 @@ async def test_unaccepted_l4_order_is_refused_and_changes_nothing(nc, svc, store
 
 async def test_acceptance_rules_for_other_classes_and_tampering(nc, svc, store):
     js = nc.jetstream()
+    # L0 too: a hand-made order triage never accepted is refused, an accepted one applies
     l0 = order(swap(svc, {"config": "{}", "motd": "x"}, change_class="L0"), "policy:auto")
+    assert (await acceptance.check(js, l0)).startswith("not_accepted: no audit chain")
+    await append(js, svc, l0.proposal_id, (None, l0.proposal.origin.actor),
+                 ("accept", "improved:triage"), gate_class="L0")
     assert await acceptance.check(js, l0) is None
     l1 = order(swap(svc, {"config": "{}", "motd": "x"}, change_class="L1"))
     assert await acceptance.check(js, l1) == "not_accepted: L1 proposals are never applied"

@@ -242,8 +242,10 @@ async def test_a_service_refusing_unaccepted_orders_without_skills_or_lkg_is_l3(
     assert "not applicable" in next(c.detail for c in report.checks if c.level == "L3")
     assert lines(report)[-2] == f"{svc} meets L3"
     assert lines(report)[-1].startswith("not L4:") and "last-known-good" in lines(report)[-1]
-    # the malformed order never reached the handler; the L2 order came twice, identical
-    assert len(fake.orders) == 2 and fake.orders[0] == fake.orders[1]
+    # the malformed order never reached the handler; the L2 order came twice, identical,
+    # and between them a hand-made L0 order that triage never accepted (refused too)
+    assert len(fake.orders) == 3 and fake.orders[0] == fake.orders[2]
+    assert fake.orders[1].proposal.change_class == "L0"
     order = fake.orders[0]
     assert order.proposal.target_ref == "rank:conformance-probe"
     assert order.proposal.scope == "knowledge"
@@ -327,7 +329,8 @@ async def test_confirming_an_unknown_last_known_good_is_not_l4(fake, nc, svc):
     report = await probe(nc, svc, timeout=FAST)
     assert report.level == "L3"
     assert "was confirmed" in report.first_failure.detail
-    assert all(o.proposal.change_class == "L2" for o in fake.orders)  # no L4 order after that
+    # no L4 order after that (the L0 one is the forged-acceptance probe)
+    assert all(o.proposal.change_class in ("L0", "L2") for o in fake.orders)
 
 
 async def test_a_bad_service_name_is_refused(nc):
@@ -349,3 +352,21 @@ async def test_the_reference_artefact_store_is_l4_and_changes_nothing(daemon, nc
         assert await store.manifest() == before and store.applies == 0
     finally:
         await store.stop()
+
+
+async def test_applying_an_l0_order_triage_never_accepted_is_not_l2(fake, nc, svc):
+    """A service that checks acceptance for L2 but waves L0 orders through is not L2: anyone on
+    the bus could label a change L0."""
+    await fake.spec(improving(svc))
+
+    async def lenient(order: ApplyOrder) -> ApplyResult:
+        if order.proposal.change_class == "L0":
+            return ApplyResult(ok=True, applied_id="x")
+        return await refuse_unaccepted(order)
+
+    await fake.apply(lenient)
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level == "L1"
+    failed = report.first_failure
+    assert failed.name == "refuses an L0 order triage never accepted" and "was applied" in \
+        failed.detail
