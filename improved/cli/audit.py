@@ -13,7 +13,7 @@ import msgspec
 from improved.cli.common import add_connection_args, config_of, deployment, url_of
 from improved.cli.queries import same_state
 from improved.core import audit
-from improved.core.checkpoint import StreamView
+from improved.core.checkpoint import Anchor, StreamView
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
 from improved.runtime.config import Config
@@ -21,6 +21,14 @@ from improved.runtime.config import Config
 
 async def _verify(url: str, pid: str | None, anchor_path: Path | None,
                   trusted: set[str]) -> int:
+    from improved.runtime import anchor
+
+    kept: Anchor | str | None = None
+    if anchor_path is not None and pid is None:
+        try:  # before the stream: a daemon may sign a newer one while we read
+            kept = anchor.read(anchor_path) or f"no checkpoint file at {anchor_path}"
+        except ValueError as exc:
+            kept = f"the checkpoint file cannot be read: {exc}"
     async with deployment(url, bind=False) as store:
         log_, view = await store.read_audit(pid)
         chains: dict[tuple[str | None, str | None], list[dict]] = {}
@@ -40,27 +48,22 @@ async def _verify(url: str, pid: str | None, anchor_path: Path | None,
         print(f"{len(chains) - broken}/{len(chains)} chains verified, {len(log_)} trailers"
               + (f", {broken} broken" if broken else ""))
         if pid is None:  # whole chains can only go missing against a checkpoint
-            broken += _whole_log(log_, view, anchor_path, trusted)
+            broken += _whole_log(log_, view, kept, anchor_path, trusted)
         return 1 if broken or view.created is None else 0
 
 
-def _whole_log(log_: list, view: StreamView, anchor_path: Path | None, trusted: set[str]) -> int:
+def _whole_log(log_: list, view: StreamView, kept: Anchor | str | None,
+               anchor_path: Path | None, trusted: set[str]) -> int:
     """Check the log as a whole against the checkpoints (the last one on the stream and the
-    one kept in the daemon's data directory); print what holds and what does not."""
+    one kept in a daemon's data directory, or why that could not be read); print what holds
+    and what does not."""
     from improved.core import checkpoint
-    from improved.runtime import anchor
 
-    kept = None
-    problems = []
-    if anchor_path is not None:
-        try:
-            kept = anchor.read(anchor_path)
-        except ValueError as exc:
-            problems.append(f"the checkpoint file cannot be read: {exc}")
-        if kept is None and not problems:
-            problems.append(f"no checkpoint file at {anchor_path}")
-        elif kept is not None:
-            trusted = trusted | {kept.keyid}
+    problems = [kept] if isinstance(kept, str) else []
+    if isinstance(kept, str):
+        kept = None
+    if kept is not None:
+        trusted = trusted | {kept.keyid}
     problems += checkpoint.log_problems(log_, view, kept, trusted)
     for problem in problems:
         print(f"BROKEN {problem}")

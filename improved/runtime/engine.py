@@ -638,17 +638,16 @@ class Engine:
         it holds — then sign a new checkpoint and keep it in the data directory too. On a
         break, enter crisis instead (recorded on the autonomy chain and in the data
         directory, so a lost stream cannot take the crisis with it); return the break."""
-        log_, view = await self.store.read_audit()
-        if view.created is None:  # deleted under a running daemon: bring it back to say so
-            await self.store.ensure()
-            view = checkpoint.StreamView(None, 0, ())
         path = anchor_file.path_in(self.config.data_dir)
         problems: list[str] = []
-        try:
+        try:  # before the stream: whatever it covered was on the stream before it was written
             kept = anchor_file.read(path)
         except ValueError as exc:
             kept, problems = None, [f"the checkpoint kept in the data directory cannot be "
                                     f"read: {exc}"]
+        log_, view = await self.store.read_audit()
+        if view.created is None:  # deleted under a running daemon: bring it back to say so
+            await self.store.ensure()
         crisis = kept.crisis if kept else ""
         autonomy_chain = [body for _, subject, body in log_
                           if subject == S.autonomy_audit(breaker.AUTONOMY_ID)]
