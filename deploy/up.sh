@@ -105,6 +105,7 @@ for i in 1 2; do
 nats_url = "nats://$DAEMON_AUTH@127.0.0.1:$((4221 + i))"
 data_dir = "$RUN_DIR/daemon-$i"
 replicas = 3          # R3: every stream and bucket on all three nodes
+checkpoint_key = "$RUN_DIR/checkpoint.pem"   # one key: each replica trusts the other's checkpoints
 EOF
   # One after the other: the first creates the streams and buckets; two replicas creating
   # them at once on a fresh cluster can time out on a stream whose leader is still elected.

@@ -52,17 +52,21 @@ def nats_server(data_dir: Path | None = None, sync: str = "2m") -> Iterator[str]
 @asynccontextmanager
 async def running_daemon(url: str, config: Config | None = None,
                          name: str = "improved-testing") -> AsyncIterator[Daemon]:
-    """An improved daemon in this process, on the server at `url`, drained on exit."""
-    nc = await bus.connect(url, name)
-    daemon = Daemon(nc, config or Config())
-    try:
-        await daemon.start()
-        yield daemon
-    finally:
+    """An improved daemon in this process, on the server at `url`, drained on exit (without a
+    `config`, with a temporary data directory)."""
+    with tempfile.TemporaryDirectory(prefix="improved-daemon-") as tmp:
+        # without a config, a data directory of its own: one left behind would hold the last
+        # checkpoint of a server that is gone, which the next run's daemon calls a loss
+        nc = await bus.connect(url, name)
+        daemon = Daemon(nc, config or Config(data_dir=Path(tmp)))
         try:
-            await daemon.stop()
+            await daemon.start()
+            yield daemon
         finally:
-            await nc.drain()
+            try:
+                await daemon.stop()
+            finally:
+                await nc.drain()
 
 
 def rank_proposal(svc: str, key: str = "search.title_boost", value: Any = 1.5,

@@ -194,7 +194,8 @@ class Bench:
             log = open(self.tmp / f"daemon-{i}.log", "ab")  # noqa: SIM115
             self.daemons.append(subprocess.Popen(
                 [sys.executable, "-m", "improved.cli", "--log-level", "warning", "run",
-                 "--nats", url], stdout=log, stderr=log, env=env, stdin=subprocess.DEVNULL))
+                 "--nats", url, "--data-dir", str(self.tmp / "daemon")],
+                stdout=log, stderr=log, env=env, stdin=subprocess.DEVNULL))
 
     async def wait_ready(self, nc) -> None:
         deadline = time.monotonic() + 30

@@ -31,12 +31,16 @@ _KEYS = Path(tempfile.mkdtemp(prefix="improved-test-keys-"))
 
 
 def daemon_config(**overrides) -> Config:
-    """Short apply timeouts, ALICE trusted as an operator, a checkpoint key of its own."""
+    """Short apply timeouts, ALICE trusted as an operator, a data directory of its own (where
+    it keeps its last checkpoint) and the test daemons' one checkpoint key, so that each trusts
+    the checkpoints the others signed on a shared server."""
     apply = overrides.pop("apply", ApplySettings(timeout_s=1.0, attempts=2, max_deliveries=3))
     public = base64.b64encode(signing.raw_public(ALICE[1].public_key())).decode()
     trust = overrides.pop("trust", Trust(operators={ALICE[0]: public}))
-    # each daemon signs checkpoints with a key of its own, kept out of the work tree
-    overrides.setdefault("checkpoint_key", _KEYS / f"checkpoint-{uuid.uuid4().hex[:8]}.pem")
+    # kept out of the work tree: a data directory left behind would hold the last checkpoint
+    # of a server that is gone, and the next run's daemon would rightly call that a loss
+    overrides.setdefault("data_dir", _KEYS / f"data-{uuid.uuid4().hex[:8]}")
+    overrides.setdefault("checkpoint_key", _KEYS / "checkpoint.pem")
     return Config(apply=apply, trust=trust, **overrides)
 
 

@@ -5,22 +5,32 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from contextlib import suppress
+from pathlib import Path
 
 import msgspec
 
 from improved.cli.common import add_connection_args, config_of, deployment, url_of
 from improved.core import audit
+from improved.core.checkpoint import Anchor, StreamView
 from improved.core.record import same_state
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
 from improved.runtime.config import Config
 
 
-async def _verify(url: str, pid: str | None) -> int:
-    from improved.core import checkpoint
+async def _verify(url: str, pid: str | None, anchor_path: Path | None,
+                  trusted: set[str]) -> int:
+    from improved.runtime import anchor
 
+    kept: Anchor | str | None = None
+    if anchor_path is not None and pid is None:
+        try:  # before the stream: a daemon may sign a newer one while we read
+            kept = anchor.read(anchor_path) or f"no checkpoint file at {anchor_path}"
+        except ValueError as exc:
+            kept = f"the checkpoint file cannot be read: {exc}"
     async with deployment(url, bind=False) as store:
-        log_ = await store.audit_log(pid)
+        log_, view = await store.read_audit(pid)
         chains: dict[tuple[str | None, str | None], list[dict]] = {}
         for _, subject, body in log_:
             chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append(body)
@@ -33,26 +43,67 @@ async def _verify(url: str, pid: str | None) -> int:
         if pid is not None and not chains:
             print(f"improved audit verify: no chain for {pid}", file=sys.stderr)
             return 1
+        if view.created is None:
+            print(f"BROKEN the audit stream {S.STREAM_AUDIT} does not exist")
         print(f"{len(chains) - broken}/{len(chains)} chains verified, {len(log_)} trailers"
               + (f", {broken} broken" if broken else ""))
         if pid is None:  # whole chains can only go missing against a checkpoint
-            cp_subject = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
-            cps = [body for _, subject, body in log_ if subject == cp_subject]
-            if cps:
-                cp = checkpoint.from_trailer(cps[-1])
-                hashes = [b.get("hash", "") for _, subject, b in log_ if subject != cp_subject]
-                problem = checkpoint.check(hashes, cp)
-                if problem is not None:
-                    broken += 1
-                    print(f"BROKEN {problem}")
-                else:
-                    print(f"checkpoint of {cp.count} trailers (signed by {cp.keyid[:20]}…) "
-                          "holds: nothing it covered was removed, altered or reordered")
-        return 1 if broken else 0
+            broken += _whole_log(log_, view, kept, anchor_path, trusted)
+        return 1 if broken or view.created is None else 0
+
+
+def _whole_log(log_: list, view: StreamView, kept: Anchor | str | None,
+               anchor_path: Path | None, trusted: set[str]) -> int:
+    """Check the log as a whole against the checkpoints (the last one on the stream and the
+    one kept in a daemon's data directory, or why that could not be read); print what holds
+    and what does not."""
+    from improved.core import checkpoint
+
+    problems = [kept] if isinstance(kept, str) else []
+    if isinstance(kept, str):
+        kept = None
+    if kept is not None:
+        trusted = trusted | {kept.keyid}
+    problems += checkpoint.log_problems(log_, view, kept, trusted)
+    for problem in problems:
+        print(f"BROKEN {problem}")
+    if problems:
+        return len(problems)
+    cp_subject = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
+    cps = [body for _, subject, body in log_ if subject == cp_subject]
+    if cps:
+        cp = checkpoint.from_trailer(cps[-1])
+        print(f"checkpoint of {cp.count} trailers (signed by {cp.keyid[:20]}…, a trusted "
+              "daemon key) holds: nothing it covered was removed, altered or reordered")
+    if kept is not None:
+        print(f"checkpoint file {anchor_path} ({kept.count} trailers up to stream sequence "
+              f"{kept.last_seq}) holds: the stream is the one it was signed over")
+    return 0
+
+
+def _trusted_daemons(config: Config) -> set[str]:
+    """Daemon keys this verifier trusts: `[trust] daemons`, and the checkpoint key of the
+    daemon whose data directory (or `checkpoint_key`) the configuration names, if present."""
+    from improved.core import signing
+    from improved.runtime import keys
+
+    trusted = config.trust.daemon_keyids()
+    own = config.checkpoint_key or config.data_dir / "checkpoint.pem"
+    if own.exists():
+        with suppress(OSError, ValueError):
+            trusted.add(signing.keyid_of(signing.raw_public(keys.load_key(own).public_key())))
+    return trusted
 
 
 def cmd_audit_verify(args: argparse.Namespace) -> int:
-    return asyncio.run(_verify(url_of(args, config_of(args)), args.id))
+    from improved.runtime import anchor
+
+    config = config_of(args)
+    path: Path | None = (Path(args.checkpoint) if args.checkpoint
+                         else anchor.path_in(config.data_dir))
+    if not args.checkpoint and path is not None and not path.exists():
+        path = None
+    return asyncio.run(_verify(url_of(args, config), args.id, path, _trusted_daemons(config)))
 
 
 async def _rebuild(url: str, config: Config, write: bool) -> int:
@@ -112,9 +163,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "verify", help="re-derive every hash and link; name the first break",
         description="Read every audit chain (or one proposal's) from the broker, re-derive "
                     "each trailer's hash and its link to the previous one, and print the first "
-                    "break of each broken chain. Exits 1 if any chain is broken.")
+                    "break of each broken chain. The whole log is checked against the last "
+                    "checkpoint on the stream (signed by a trusted daemon key: [trust] "
+                    "daemons, or the checkpoint key in the configured data directory) and "
+                    "against the checkpoint file a daemon keeps in its data directory: a "
+                    "missing, re-created, shorter, rewritten or unreadable stream is named. "
+                    "Exits 1 if anything is broken.")
     add_connection_args(verify)
     verify.add_argument("id", metavar="ID", nargs="?", help="only this proposal's chain")
+    verify.add_argument("--checkpoint", metavar="FILE",
+                        help="the last checkpoint a daemon kept outside the stream, to verify "
+                             "against (default: <data_dir>/last-checkpoint.json when present)")
     verify.set_defaults(func=cmd_audit_verify)
     rebuild = aud_sub.add_parser(
         "rebuild", help="rebuild every proposal's state from the chains alone",

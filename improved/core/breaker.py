@@ -60,6 +60,13 @@ def in_crisis(state: Autonomy, crisis: str) -> Autonomy:
     return dataclasses.replace(state, crisis=crisis)
 
 
+def resolved(chain: list[dict[str, Any]], crisis: str) -> bool:
+    """Whether the autonomy chain (trailer bodies, in order) records `crisis` as resolved."""
+    mark = ref("resolved", crisis)
+    return any(body.get("verdict") == "crisis_resolved" and mark in body.get("refs", ())
+               for body in chain)
+
+
 def draft(state: Autonomy, verdict: TrailerVerdict, actor: str, observer: ObserverType, reason: str,
           extra: tuple[str, ...] = ()) -> Draft:
     refs = (ref("rollbacks", list(state.rollbacks)), ref("paused_until", state.paused_until),

@@ -23,6 +23,7 @@ from improved.core import signing
 from improved.core.audit import Draft
 from improved.core.record import ref, refs_of
 from improved.protocol import canonical
+from improved.protocol import subjects as S
 
 CHECKPOINT_ID = hashlib.sha256(b"improved checkpoints").hexdigest()
 
@@ -103,8 +104,8 @@ def check(log_hashes: Sequence[str], cp: Checkpoint, trusted: set[str] | None = 
     everything `cp` committed to; else the first problem found."""
     if not signature_ok(cp):
         return f"checkpoint at {cp.at}: the signature does not verify"
-    if trusted is not None and cp.keyid not in trusted:
-        return f"checkpoint at {cp.at}: signed by {cp.keyid}, which is not trusted"
+    if trusted is not None and (untrusted := trust_problem(cp, trusted)):
+        return untrusted
     if len(log_hashes) < cp.count:
         return (f"checkpoint at {cp.at} covered {cp.count} trailers; only {len(log_hashes)} "
                 "remain: trailers or whole chains were removed")
@@ -112,3 +113,115 @@ def check(log_hashes: Sequence[str], cp: Checkpoint, trusted: set[str] | None = 
         return (f"checkpoint at {cp.at}: the first {cp.count} trailers no longer hash to its "
                 "root: trailers were removed, altered or reordered")
     return None
+
+
+# -- the last checkpoint kept outside the audit stream (issue 13, item 4) -----------------------
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """The last checkpoint as the daemon keeps it in its data directory too, with the identity
+    of the stream it was signed over: the stream's creation time, its last sequence then, and
+    an open crisis this daemon recorded (kept until the autonomy chain shows it resolved)."""
+
+    stream_created: str
+    last_seq: int
+    count: int
+    root: str
+    keyid: str
+    at: int
+    crisis: str = ""
+
+
+ANCHOR_FIELDS = ("stream_created", "last_seq", "count", "root", "keyid", "at", "crisis")
+
+
+def anchor_of(cp: Checkpoint, stream_created: str, crisis: str = "") -> Anchor:
+    return Anchor(stream_created, cp.last_seq, cp.count, cp.root, cp.keyid, cp.at, crisis)
+
+
+def anchor_dict(anchor: Anchor) -> dict[str, Any]:
+    return {name: getattr(anchor, name) for name in ANCHOR_FIELDS}
+
+
+def anchor_from(doc: Any) -> Anchor:
+    """An Anchor from its decoded JSON; ValueError naming what is wrong with it."""
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    try:
+        anchor = Anchor(**{name: doc[name] for name in ANCHOR_FIELDS})
+    except KeyError as missing:
+        raise ValueError(f"no {missing.args[0]!r}") from None
+    for name, typ in (("stream_created", str), ("last_seq", int), ("count", int),
+                      ("root", str), ("keyid", str), ("at", int), ("crisis", str)):
+        if not isinstance(getattr(anchor, name), typ):
+            raise ValueError(f"{name!r} is not a {typ.__name__}")
+    return anchor
+
+
+@dataclass(frozen=True)
+class StreamView:
+    """What a reader found of the audit stream: its creation time (None: the stream does not
+    exist), its last sequence, and the sequences it holds that could not be read."""
+
+    created: str | None
+    last_seq: int = 0
+    unreadable: tuple[int, ...] = ()
+
+
+def unreadable_problem(view: StreamView) -> str | None:
+    if not view.unreadable:
+        return None
+    shown = ", ".join(str(s) for s in view.unreadable[:10])
+    more = f" and {len(view.unreadable) - 10} more" if len(view.unreadable) > 10 else ""
+    return (f"the audit stream holds {len(view.unreadable)} trailer(s) that could not be read "
+            f"(stream sequence {shown}{more}): its storage is damaged")
+
+
+def against_anchor(anchor: Anchor, view: StreamView, log_hashes: Sequence[str]) -> str | None:
+    """None when the stream still holds everything the checkpoint kept outside it committed
+    to; else what is missing. `log_hashes`: trailer hashes in stream order, checkpoints out."""
+    what = (f"the last checkpoint kept in the data directory (at {anchor.at}, "
+            f"{anchor.count} trailers up to stream sequence {anchor.last_seq})")
+    if view.created is None:
+        return f"the audit stream does not exist: {what} are all missing"
+    found = []
+    if view.created != anchor.stream_created:
+        found.append(f"the audit stream was re-created (created {view.created}, not "
+                     f"{anchor.stream_created} as when {what} was signed)")
+    if view.last_seq < anchor.last_seq or len(log_hashes) < anchor.count:
+        found.append(f"only {len(log_hashes)} trailers up to stream sequence {view.last_seq} "
+                     f"remain of {what}: trailers or whole chains are missing")
+    elif merkle_root(log_hashes[:anchor.count]) != anchor.root:
+        found.append(f"the first {anchor.count} trailers no longer hash to the root of {what}: "
+                     "trailers were removed, altered or reordered")
+    return "; ".join(found) or None
+
+
+def trust_problem(cp: Checkpoint, trusted: set[str]) -> str | None:
+    """A checkpoint counts only when signed by a trusted daemon key."""
+    if cp.keyid in trusted:
+        return None
+    return (f"checkpoint at {cp.at} is signed by {cp.keyid}, which is not a trusted daemon key "
+            "([trust] daemons, or the daemon's own checkpoint key)")
+
+
+def log_problems(log: Sequence[tuple[int, str, dict[str, Any]]], view: StreamView,
+                 anchor: Anchor | None, trusted: set[str]) -> list[str]:
+    """Everything wrong with the audit log as a whole (each chain is verified on its own):
+    trailers the stream holds but could not give back, what the checkpoint kept outside the
+    stream (`anchor`) says is missing, and whether the last checkpoint on the stream is signed
+    by a trusted daemon key and still holds. `log`: (stream sequence, subject, body) in order."""
+    cp_subject = S.checkpoint_audit(CHECKPOINT_ID)
+    hashes = [body.get("hash", "") for _, subject, body in log if subject != cp_subject]
+    found = [p for p in (unreadable_problem(view),
+                         against_anchor(anchor, view, hashes) if anchor else None) if p]
+    last = next((body for _, subject, body in reversed(log) if subject == cp_subject), None)
+    if last is not None:
+        try:
+            problem = check(hashes, from_trailer(last), trusted)
+        except (KeyError, ValueError) as exc:
+            problem = f"the last checkpoint cannot be read: {exc}"
+        if problem:
+            found.append(problem)
+    return found

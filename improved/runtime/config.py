@@ -38,6 +38,10 @@ quorum = false                       # L4 may pass on 3 signed votes of non-corr
 operators = { "operator:alice" = "<base64 of the raw 32-byte Ed25519 public key>" }
 act_max_age_s = 86400                # a signed act older than this (by its `at`) is refused
 quorum = { "agent-a" = "<base64 public key>" }   # voters whose signed votes count (policy.quorum)
+daemons = { "improved:b" = "<base64 public key>" }  # daemon checkpoint keys trusted besides
+                                     # this daemon's own (its replicas'; an old key after a
+                                     # rotation); a checkpoint signed by any other key is a
+                                     # break; shared keys need no entry
 
 [apply]
 timeout_s = 5.0                      # one ApplyOrder request
@@ -94,6 +98,7 @@ class Trust(_Section, kw_only=True):
     operators: dict[str, str] = field(default_factory=dict)
     act_max_age_s: Annotated[float, Meta(gt=0.0, le=float(_YEARS_10_S))] = 24 * 3600.0
     quorum: dict[str, str] = field(default_factory=dict)  # voter principal → public key
+    daemons: dict[str, str] = field(default_factory=dict)  # daemon → checkpoint public key
 
     def store(self) -> TrustStore:
         return TrustStore.from_config(self.operators)
@@ -101,6 +106,10 @@ class Trust(_Section, kw_only=True):
     def voters(self) -> TrustStore:
         """The keys whose quorum votes count; each bound to one voter identity."""
         return TrustStore.from_config(self.quorum)
+
+    def daemon_keyids(self) -> set[str]:
+        """The key ids of the daemon checkpoint keys trusted besides a daemon's own."""
+        return set(TrustStore.from_config(self.daemons).keys)
 
 
 class Config(_Section, kw_only=True):
@@ -139,7 +148,7 @@ def parse(doc: object) -> Config:
         except (LookupError, StopIteration, TypeError, AttributeError):  # not from TOML
             why = " ".join(str(exc).split())
         raise ConfigError(f"config error: {why}") from None
-    for name in ("operators", "quorum"):
+    for name in ("operators", "quorum", "daemons"):
         for principal, key in getattr(config.trust, name).items():
             _check_key(("trust", name, principal), key)
     return config

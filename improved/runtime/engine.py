@@ -11,6 +11,7 @@ transition already made and does nothing.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from improved.core import (
     planner,
     propose,
     quorum,
+    signing,
     triage,
 )
 from improved.core.audit import Draft
@@ -57,6 +59,7 @@ from improved.protocol.model import (
     Vote,
     to_json,
 )
+from improved.runtime import anchor as anchor_file
 from improved.runtime.config import Config
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import ChainConflict, StateConflict, Store, decode_trailer
@@ -649,43 +652,79 @@ class Engine:
     # -- checkpoints and crisis (constitution V.4) -------------------------------------------------
 
     async def checkpoint(self, key) -> str | None:
-        """Verify the whole log — every chain, and everything the last checkpoint committed
-        to — then sign a new checkpoint. On a break, enter crisis instead; return the break."""
-        log_ = await self.store.audit_log()
+        """Verify the whole log — every chain, what the last checkpoint on the stream and the
+        one kept in the data directory committed to, that the stream gave back every trailer
+        it holds — then sign a new checkpoint and keep it in the data directory too. On a
+        break, enter crisis instead (recorded on the autonomy chain and in the data
+        directory, so a lost stream cannot take the crisis with it); return the break."""
+        path = anchor_file.path_in(self.config.data_dir)
+        problems: list[str] = []
+        try:  # before the stream: whatever it covered was on the stream before it was written
+            kept = anchor_file.read(path)
+        except ValueError as exc:
+            kept, problems = None, [f"the checkpoint kept in the data directory cannot be "
+                                    f"read: {exc}"]
+        log_, view = await self.store.read_audit()
+        if view.created is None:  # deleted under a running daemon: bring it back to say so
+            await self.store.ensure()
+        crisis = kept.crisis if kept else ""
+        autonomy_chain = [body for _, subject, body in log_
+                          if subject == S.autonomy_audit(breaker.AUTONOMY_ID)]
+        if crisis and breaker.resolved(autonomy_chain, crisis):
+            crisis, kept = "", None  # an operator accepted the log as it is: the new baseline
+        problems += checkpoint.log_problems(log_, view, kept, self._trusted_daemons(key))
+        problems += self._chain_breaks(log_)
+        if crisis and not problems:
+            problems = [f"{crisis} is still open (kept in {path}) until an operator resolves it"]
+        now = now_ms()
+        if problems:
+            await self._crisis(problems, crisis, kept, view, path, now)
+            return "; ".join(problems)
         cp_subject = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
         entries = [(seq, body) for seq, subject, body in log_ if subject != cp_subject]
-        checkpoints = [body for _, subject, body in log_ if subject == cp_subject]
-        problem = None
-        chains: dict[str, list[dict]] = {}
-        for _, subject, body in log_:
-            chains.setdefault(subject, []).append(body)
-        for subject, bodies in chains.items():
-            brk = audit.verify_chain(S.token(subject, 3), bodies)
-            if brk is not None:
-                problem = f"{subject}: {brk}"
-                break
         hashes = [body.get("hash", "") for _, body in entries]
-        if problem is None and checkpoints:
-            try:
-                problem = checkpoint.check(hashes, checkpoint.from_trailer(checkpoints[-1]))
-            except (KeyError, ValueError) as exc:
-                problem = f"the last checkpoint cannot be read: {exc}"
-        now = now_ms()
-        if problem is not None:
-            if not (await self.autonomy(now + AUTONOMY_TTL_MS + 1)).crisis:
-                crisis = f"crisis-{now}"
-                log.error("audit log broken: entering crisis, applies refused", crisis=crisis,
-                          problem=problem)
-                await self._append_autonomy(lambda s: breaker.in_crisis(s, crisis), "crisis",
-                                            self.actor, "rec:system",
-                                            f"{crisis}: {problem}"[:500])
-            return problem
         cp = checkpoint.make(hashes, entries[-1][0] if entries else 0, now, key)
         await self.store.append_sealed(
             cp_subject, checkpoint.CHECKPOINT_ID, "L0", "operation",
             lambda chain, at: checkpoint.draft(cp, self.actor), clock=lambda: now)
+        anchor_file.write(path, checkpoint.anchor_of(cp, view.created or ""))
         log.info("checkpoint signed", trailers=cp.count, root=cp.root)
         return None
+
+    def _trusted_daemons(self, key) -> set[str]:
+        """Whose checkpoints count: this daemon's own key and `[trust] daemons`."""
+        own = signing.keyid_of(signing.raw_public(key.public_key()))
+        return self.config.trust.daemon_keyids() | {own}
+
+    @staticmethod
+    def _chain_breaks(log_: list[tuple[int, str, dict]]) -> list[str]:
+        """The first break of the first broken chain, if any."""
+        chains: dict[str, list[dict]] = {}
+        for _, subject, body in log_:
+            chains.setdefault(subject, []).append(body)
+        for subject, bodies in chains.items():
+            brk = audit.verify_chain(S.token(subject, 3) or "", bodies)
+            if brk is not None:
+                return [f"{subject}: {brk}"]
+        return []
+
+    async def _crisis(self, problems: list[str], crisis: str, kept: checkpoint.Anchor | None,
+                      view: checkpoint.StreamView, path, now: int) -> None:
+        """Open a crisis (or keep the open one) on the autonomy chain and in the data
+        directory: the file first, so a crisis survives even if the chain append fails."""
+        state = await self.autonomy(now + AUTONOMY_TTL_MS + 1)
+        crisis = crisis or state.crisis or f"crisis-{now}"
+        baseline = kept or checkpoint.Anchor(view.created or "", 0, 0, checkpoint.merkle_root([]),
+                                             "", now)
+        if baseline.crisis != crisis:
+            anchor_file.write(path, dataclasses.replace(baseline, crisis=crisis))
+        if state.crisis == crisis:
+            return
+        problem = "; ".join(problems)
+        log.error("audit log broken: entering crisis, applies refused", crisis=crisis,
+                  problem=problem)
+        await self._append_autonomy(lambda s: breaker.in_crisis(s, crisis), "crisis",
+                                    self.actor, "rec:system", f"{crisis}: {problem}"[:500])
 
     async def resolve_crisis(self, env: Envelope, act: Act) -> bool:
         """An operator's signed act clears the crisis it names; anything else is refused."""
@@ -702,7 +741,8 @@ class Engine:
         await self._append_autonomy(lambda s: breaker.in_crisis(s, ""), "crisis_resolved",
                                     cmd.principal, "human",
                                     f"{cmd.crisis} resolved by {cmd.principal}: {cmd.reason}",
-                                    (ref("act", act.digest), ref("keyid", verified.keyid)))
+                                    (ref("act", act.digest), ref("keyid", verified.keyid),
+                                     ref("resolved", cmd.crisis)))
         log.warning("crisis resolved; applies resume", crisis=cmd.crisis,
                     principal=cmd.principal)
         return True

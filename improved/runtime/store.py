@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import (
@@ -37,7 +38,7 @@ from nats.js.errors import (
 )
 
 from improved.client import chains
-from improved.core import audit
+from improved.core import audit, checkpoint
 from improved.core.audit import Draft
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
@@ -50,6 +51,7 @@ PUBLISH_ACK_TIMEOUT_S = 10.0
 # only this wait brings it back. The daemon extends it for every message it holds
 # (`Daemon._keep_alive`), however long the job takes.
 INBOUND_ACK_WAIT_S = 5.0
+READ_IDLE_S = 5.0  # a read of the audit log that receives nothing this long has ended
 FILLED_KEY = "_filled"  # in the state bucket; no proposal's key (`<svc>.<id>`) can be this
 INBOUND_MAX_AGE_S = 30 * 24 * 3600
 REFUSED_MAX_AGE_S = 30 * 24 * 3600
@@ -365,23 +367,53 @@ class Store:
 
     async def audit_log(self, pid: str | None = None) -> list[tuple[int, str, dict]]:
         """Every trailer (or one proposal's) as (stream sequence, subject, body), in stream
-        order, read once through an ordered consumer."""
-        info = await self.js.stream_info(S.STREAM_AUDIT)
-        log: list[tuple[int, str, dict]] = []
-        if info.state.messages == 0:
-            return log
+        order, read once through an ordered consumer (what could not be read is left out:
+        `read_audit` names it)."""
+        return (await self.read_audit(pid))[0]
+
+    async def read_audit(self, pid: str | None = None,
+                         ) -> tuple[list[tuple[int, str, dict]], checkpoint.StreamView]:
+        """The trailers as `audit_log` gives them, and what was found of the stream: its
+        creation time (None when it does not exist), its last sequence, and — over the whole
+        log — the sequences it holds but could not give back (a damaged block: the server
+        skips the message, so an ordered consumer would wait for it forever). Bounded: a
+        read that stalls ends after READ_IDLE_S."""
+        try:
+            info = await self.js.stream_info(S.STREAM_AUDIT)
+        except NotFoundError:
+            return [], checkpoint.StreamView(None)
+        state = info.state
         subject = S.audit("*", pid) if pid else S.AUDIT_FILTER
-        if pid:
-            filtered = await self.js.stream_info(S.STREAM_AUDIT, subjects_filter=subject)
-            if not filtered.state.subjects:
-                return log
+        log: list[tuple[int, str, dict]] = []
+        if state.messages and (not pid or await self._holds(subject)):
+            log = await self._read_ordered(subject, state.last_seq)
+        unreadable: tuple[int, ...] = ()
+        if not pid and len(log) < state.messages:
+            seen = {seq for seq, _, _ in log}
+            unreadable = tuple(s for s in range(state.first_seq, state.last_seq + 1)
+                               if s not in seen)
+        return log, checkpoint.StreamView(str(info.created), state.last_seq, unreadable)
+
+    async def _holds(self, subject: str) -> bool:
+        filtered = await self.js.stream_info(S.STREAM_AUDIT, subjects_filter=subject)
+        return bool(filtered.state.subjects)
+
+    async def _read_ordered(self, subject: str, last_seq: int) -> list[tuple[int, str, dict]]:
+        """Read `subject` up to stream sequence `last_seq` (or until nothing is pending)."""
+        log: list[tuple[int, str, dict]] = []
         sub = await self.js.subscribe(subject, ordered_consumer=True, stream=S.STREAM_AUDIT)
         try:
             while True:
-                msg = await sub.next_msg(timeout=5)
-                log.append((msg.metadata.sequence.stream, msg.subject,
-                            msgspec.json.decode(msg.data)))
-                if msg.metadata.num_pending == 0:
+                try:
+                    msg = await sub.next_msg(timeout=READ_IDLE_S)
+                except NatsTimeoutError:  # a message the server holds but cannot read
+                    return log
+                seq = msg.metadata.sequence.stream
+                try:
+                    log.append((seq, msg.subject, msgspec.json.decode(msg.data)))
+                except msgspec.DecodeError:
+                    pass  # not JSON: counted as unreadable by the caller
+                if msg.metadata.num_pending == 0 or seq >= last_seq:
                     return log
         finally:
             await sub.unsubscribe()

@@ -112,10 +112,14 @@ def test_run_propose_show_verify_and_stop(tmp_path):
         assert view["decision"]["cause"] == "awaiting_operator"
         assert [t["to_stage"] for t in view["trailers"]] == ["propose", "triage"]
 
-        verified = improved("audit", "verify", "--nats", url)
-        assert verified.returncode == 0, verified.stderr
+        # the daemon's checkpoint file names the key its checkpoints are signed with
+        verified = improved("audit", "verify", "--nats", url, "--checkpoint",
+                            str(data_dir / "last-checkpoint.json"))
+        assert verified.returncode == 0, verified.stdout + verified.stderr
         assert "3/3 chains verified" in verified.stdout  # two proposals and the checkpoints
         assert "checkpoint of 0 trailers" in verified.stdout  # signed when the daemon started
+        untrusted = improved("audit", "verify", "--nats", url)  # no daemon key to trust
+        assert untrusted.returncode == 1 and "not a trusted daemon key" in untrusted.stdout
         one = improved("audit", "verify", "--nats", url, reply["proposal_id"])
         assert "1/1 chains verified" in one.stdout
         missing = improved("show", "--nats", url, "f" * 64)

@@ -370,7 +370,8 @@ async def test_operator_cli_reads_show_review_and_verify(mesh):
     assert '"chain": "verified"' in out
     rc, out = await cli("review", "--json", "--nats", url)
     assert rc == 0, out
-    rc, out = await cli("audit", "verify", "--nats", url)
+    anchor = mesh["daemon"].config.data_dir / "last-checkpoint.json"  # names the daemon's key
+    rc, out = await cli("audit", "verify", "--nats", url, "--checkpoint", str(anchor))
     assert rc == 0, out
     assert re.search(r"(\d+)/\1 chains verified", out), out
 
@@ -584,7 +585,8 @@ def test_up_and_down_scripts_run_the_cluster_and_two_daemons(tmp_path):
         assert check.returncode == 0 and "1/1 chains verified, 3 trailers" in check.stdout, (
             check.stdout + check.stderr)
         # and the whole log, with the replicas' signed checkpoints, verifies too
-        whole = subprocess.run([improved, "audit", "verify", "--nats", url],
+        whole = subprocess.run([improved, "audit", "verify", "--nats", url, "--checkpoint",
+                                str(run_dir / "daemon-1" / "last-checkpoint.json")],
                                capture_output=True, text=True, timeout=60)
         assert whole.returncode == 0 and "holds" in whole.stdout, whole.stdout + whole.stderr
     finally:

@@ -26,7 +26,7 @@ def b64_key() -> str:
     return base64.b64encode(raw_public(Ed25519PrivateKey.generate().public_key())).decode()
 
 
-KEY_A, KEY_B = b64_key(), b64_key()
+KEY_A, KEY_B, KEY_C = b64_key(), b64_key(), b64_key()
 
 
 def error_of(doc: dict) -> str:
@@ -155,7 +155,7 @@ def _toml_block(text: str) -> str:
 
 
 def _with_keys(block: str) -> str:
-    keys = iter([KEY_A, KEY_B])
+    keys = iter([KEY_A, KEY_B, KEY_C])
     return re.sub(r'"<base64[^">]*>"', lambda _: f'"{next(keys)}"', block)
 
 
@@ -174,7 +174,7 @@ def test_the_docstring_example_loads_to_its_values(tmp_path):
                       metric_direction={"error_rate": "lower"}, breaker_threshold=3,
                       breaker_window_days=14.0, breaker_pause_hours=48.0, quorum=False),
         trust=Trust(operators={"operator:alice": KEY_A}, act_max_age_s=86400.0,
-                    quorum={"agent-a": KEY_B}),
+                    quorum={"agent-a": KEY_B}, daemons={"improved:b": KEY_C}),
         apply=ApplySettings(timeout_s=5.0, attempts=3, max_deliveries=8))
 
 
@@ -193,9 +193,11 @@ def test_the_readme_example_loads_to_its_values(tmp_path):
                       breaker_threshold=3, breaker_pause_hours=48.0, doc_allowlist=("docs/**",),
                       regression_tolerance=0.05, metric_direction={"error_rate": "lower"},
                       quorum=False),
-        trust=Trust(operators={"operator:alice": KEY_A}, quorum={"agent-a": KEY_B}),
+        trust=Trust(operators={"operator:alice": KEY_A}, quorum={"agent-a": KEY_B},
+                    daemons={"improved:b": KEY_C}),
         apply=ApplySettings(timeout_s=5.0, attempts=3, max_deliveries=8))
     assert len(config.trust.store().keys) == 1 and len(config.trust.voters().keys) == 1
+    assert len(config.trust.daemon_keyids()) == 1
 
 
 def test_the_deploy_example_loads():
