@@ -74,10 +74,6 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-class GrantRevoked(Exception):
-    """The grant an L3 auto-apply relies on is no longer active."""
-
-
 class ServiceUnreachable(Exception):
     """The owning service did not answer the ApplyOrder; the proposal stays retryable."""
 
@@ -426,15 +422,15 @@ class Engine:
                        rejected: dict | None = None) -> ProposalRecord:
         """Carry the proposal on, one planner step at a time, until the planner has nothing
         more to do now. Each step is one effect; the decision is the planner's."""
-        grant_read = False  # the grant was read by this very pass, an instant ago
+        grant = planner.UNREAD  # an L3's grant, once read by this very pass, an instant ago
         for _ in range(MAX_STEPS):
             now = now_ms()
             view = planner.View(now=now, autonomy=await self.autonomy(now), dispatch=dispatch,
-                                rejected=rejected)
+                                rejected=rejected, grant=grant)
             step = planner.next_step(record, view, self.policy, self.actor)
             while isinstance(step, planner.ReadGrant | planner.ReadOriginal):
                 view = planner.with_read(view, step, await self._read(record, step, now))
-                grant_read = grant_read or isinstance(step, planner.ReadGrant)
+                grant = view.grant
                 step = planner.next_step(record, view, self.policy, self.actor)
             try:
                 match step:
@@ -445,7 +441,7 @@ class Engine:
                     case planner.CheckLkg():
                         record = await self._commit(*await self._lkg_check(record), now_ms())
                     case planner.SendApply():
-                        record = await self._apply(record, step, grant_read)
+                        record = await self._apply(record, step)
                     case planner.Measure(commit=commit, rollback=rollback):
                         if rollback is not None:
                             await self.propose_rollback(record, rollback)
@@ -481,14 +477,11 @@ class Engine:
             await self.count_autonomous_rollback(record, at)
         return record
 
-    async def _apply(self, record: ProposalRecord, step: planner.SendApply,
-                     grant_read: bool) -> ProposalRecord:
-        """Send the ApplyOrder and commit its result; a grant revoked since triage stops it."""
-        try:
-            result = await self._dispatch(record, step, grant_read)
-        except GrantRevoked:
-            commit = planner.revoked(record, self.policy, now_ms(), self.actor)
-            return await self._commit(commit.record, commit.draft, commit.record.updated_at)
+    async def _apply(self, record: ProposalRecord, step: planner.SendApply) -> ProposalRecord:
+        """Send the ApplyOrder whose dispatch the chain records, and commit its result (the
+        service is idempotent on the proposal id, so an order sent again applies nothing
+        twice)."""
+        result = await self._send(record, step.order)
         at = now_ms()
         return await self._commit(*apply_stage.transition(record, result, step.authority, at),
                                   at)
@@ -511,38 +504,20 @@ class Engine:
                         reason=commit.draft.reason)
         return commit.record, commit.draft
 
-    async def _dispatch(self, record: ProposalRecord, step: planner.SendApply,
-                        grant_read: bool) -> ApplyResult:
-        """Send the ApplyOrder with a timeout and bounded retries; the service is idempotent on
-        the proposal id, so a retry after a lost reply applies nothing twice. An L3 auto-apply
-        re-reads its grant before every attempt (but a first one right after triage read it),
-        so an order sent after a revocation was recorded is never sent."""
-
-        async def allowed(attempt: int) -> None:
-            if step.grant_bound and not (attempt == 1 and grant_read) \
-                    and not await self.store.grant_active(record.skill, now_ms()):
-                raise GrantRevoked(record.skill)
-
-        return await self._send(record, step.order, allowed)
-
-    async def _send(self, record: ProposalRecord, order: ApplyOrder,
-                    allowed=None) -> ApplyResult:
+    async def _send(self, record: ProposalRecord, order: ApplyOrder) -> ApplyResult:
         """One order to the owning service: timeout, bounded retries, then ServiceUnreachable."""
         return await self._ask(
             record, S.apply_request(record.service),
             lambda attempt: to_json(msgspec.structs.replace(order, attempt=attempt)),
-            parse_apply_reply, allowed)
+            parse_apply_reply)
 
-    async def _ask(self, record: ProposalRecord, subject: str, body, parse,
-                   allowed=None):
+    async def _ask(self, record: ProposalRecord, subject: str, body, parse):
         """A request to the owning service with a timeout and bounded retries: `parse` turns
         a reply into a result, or None for an error reply ("not now", retried). All attempts
         unanswered or not now: ServiceUnreachable (the proposal stays retryable)."""
         settings = self.config.apply
         last_error = "no attempt"
         for attempt in range(1, settings.attempts + 1):
-            if allowed is not None:
-                await allowed(attempt)
             try:
                 reply = await self.nc.request(subject, body(attempt),
                                               timeout=settings.timeout_s)
