@@ -434,7 +434,8 @@ def chain_problems(pid: str, bodies: list[dict], exp: Expected | None) -> list[s
     if repeated:
         out.append(f"repeated trailers: {repeated}")
     if exp is not None:
-        want = {"applied": ["propose", "triage", "apply"]}.get(exp.status, ["propose", "triage"])
+        want = {"applied": ["propose", "triage", "apply", "apply"]}.get(  # dispatched, applied
+            exp.status, ["propose", "triage"])
         if [b["to_stage"] for b in bodies] != want:
             out.append(f"stages {[b['to_stage'] for b in bodies]}, expected {want}")
         try:

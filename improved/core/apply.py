@@ -14,6 +14,7 @@ from improved.core.record import (
     DISPATCHED,
     ROLLBACK_FAILED,
     ROLLED_BACK,
+    UNDELIVERED,
     ProposalRecord,
     ref,
 )
@@ -78,6 +79,18 @@ def dispatch(record: ProposalRecord, policy: Policy, actor: str,
                   refs=(ref("dispatch", "apply"), ref("order", record.proposal_id),
                         ref("authority", by)))
     return record.replace(dispatched_by=by, dispatched_at=now, updated_at=now), draft
+
+
+def undelivered(record: ProposalRecord, error: str, actor: str,
+                now: int) -> tuple[ProposalRecord, Draft]:
+    """The dispatch just recorded reached no service (no responder, or a "not now" error
+    reply, on every attempt; never a timeout): nothing was applied, so the dispatch is void
+    and the proposal is open to a decision again (a review, expiry, new content)."""
+    draft = Draft(from_stage=record.stage, to_stage="apply", actor=actor,
+                  observer_type="rec:system", verdict=UNDELIVERED,
+                  reason=f"the ApplyOrder reached no service: {error}"[:300],
+                  refs=(ref("order", record.proposal_id), ref("error", error)))
+    return record.replace(dispatched_by=None, dispatched_at=None, updated_at=now), draft
 
 
 def dispatch_rollback(record: ProposalRecord, actor: str,

@@ -268,9 +268,34 @@ def after_lkg(record: ProposalRecord, report: lkg.LkgReport, policy: Policy, act
     return Commit(*lkg.refused(record, why, by, now), why="lkg_refused")
 
 
+def withdrawable(record: ProposalRecord, intended_here: bool, maybe_delivered: bool) -> bool:
+    """May the recorded dispatch still be withdrawn? Only when this very pass recorded it and
+    no attempt may have reached a service (no timeout): an earlier pass, or a timed-out
+    attempt, may have delivered it, so then it stays in flight and is sent again until its
+    outcome is recorded."""
+    return intended_here and not maybe_delivered and record.in_flight
+
+
+def recheck_grant(record: ProposalRecord, intended_here: bool, maybe_delivered: bool) -> bool:
+    """Before a retry of an L3 auto-apply's order: re-read its grant while the dispatch may
+    still be withdrawn, so an order retried after a revocation was recorded is never sent."""
+    return apply_stage.grant_bound(record) and withdrawable(record, intended_here,
+                                                            maybe_delivered)
+
+
+def unreachable(record: ProposalRecord, intended_here: bool, maybe_delivered: bool, error: str,
+                actor: str, now: int) -> Commit | None:
+    """The order found no service: its dispatch is withdrawn on the chain when it still may
+    be (see `withdrawable`), else it stays in flight."""
+    if not withdrawable(record, intended_here, maybe_delivered):
+        return None
+    return Commit(*apply_stage.undelivered(record, error, actor, now), why="undelivered")
+
+
 def revoked(record: ProposalRecord, policy: Policy, now: int, actor: str) -> Commit:
-    """The grant an L3 auto-apply relied on was revoked before its dispatch was recorded: the
-    apply is stopped and the proposal gated as L2 again."""
+    """The grant an L3 auto-apply relied on was revoked before its dispatch was recorded (or
+    before a retry of an order that reached no service): the apply is stopped, a dispatch on
+    the chain is void, and the proposal is gated as L2 again."""
     decision = triage.decide(record, policy, now, False, actor)
     return Commit(*triage.transition(record, decision), why="revoked")
 

@@ -113,6 +113,7 @@ APPLIED: Final = "applied"
 APPLY_FAILED: Final = "failed"
 SIGNAL: Final = "signal"
 DISPATCHED: Final = "dispatched"  # the intent: an ApplyOrder (or rollback order) is about to leave
+UNDELIVERED: Final = "undelivered"  # that ApplyOrder provably reached no service: dispatch void
 APPROVE: Final = "approve"
 REFUSED: Final = "refused"  # a signed act that did not count; the status does not move
 SUPERSEDED: Final = "superseded"  # newer content arrived under the same dedup_key
@@ -239,6 +240,8 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
             record = (record.replace(rollback_dispatched_at=trailer.at)
                       if refs.get("dispatch") == "rollback" else
                       record.replace(dispatched_by=refs["authority"], dispatched_at=trailer.at))
+        elif trailer.to_stage == "apply" and trailer.verdict == UNDELIVERED:
+            record = record.replace(dispatched_by=None, dispatched_at=None)
         elif trailer.to_stage == "apply" and trailer.verdict == ROLLBACK:
             record = record.replace(rollback_by=trailer.actor)
         elif trailer.to_stage == "apply" and trailer.verdict in (ROLLED_BACK, ROLLBACK_FAILED):

@@ -74,10 +74,19 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+class GrantRevoked(Exception):
+    """The grant an L3 auto-apply relies on was revoked before a retry of its order."""
+
+
 class ServiceUnreachable(Exception):
-    """The owning service did not answer the ApplyOrder; the proposal stays retryable."""
+    """The owning service did not answer the ApplyOrder; the proposal stays retryable.
+    `maybe_delivered`: an attempt timed out, so the service may have received the order."""
 
     record: ProposalRecord | None = None
+
+    def __init__(self, error: str, maybe_delivered: bool = True):
+        super().__init__(error)
+        self.maybe_delivered = maybe_delivered
 
 
 # An ingest step: (record or None) → (new record, draft) or None when there is nothing to do.
@@ -423,6 +432,7 @@ class Engine:
         """Carry the proposal on, one planner step at a time, until the planner has nothing
         more to do now. Each step is one effect; the decision is the planner's."""
         grant = planner.UNREAD  # an L3's grant, once read by this very pass, an instant ago
+        intended = False  # this pass recorded the order's dispatch
         for _ in range(MAX_STEPS):
             now = now_ms()
             view = planner.View(now=now, autonomy=await self.autonomy(now), dispatch=dispatch,
@@ -434,14 +444,15 @@ class Engine:
                 step = planner.next_step(record, view, self.policy, self.actor)
             try:
                 match step:
-                    case planner.Commit(record=after, draft=draft):
+                    case planner.Commit(record=after, draft=draft, why=why):
                         record = await self._commit(after, draft, now)
+                        intended = intended or why == "dispatched"
                     case planner.SendRollback():
                         record = await self._rollback(record, step)
                     case planner.CheckLkg():
                         record = await self._commit(*await self._lkg_check(record), now_ms())
                     case planner.SendApply():
-                        record = await self._apply(record, step)
+                        record = await self._apply(record, step, intended)
                     case planner.Measure(commit=commit, rollback=rollback):
                         if rollback is not None:
                             await self.propose_rollback(record, rollback)
@@ -456,7 +467,7 @@ class Engine:
                     case _:
                         break
             except ServiceUnreachable as exc:
-                exc.record = record  # what was decided stands; the send waits
+                exc.record = exc.record or record  # what was decided stands; the send waits
                 raise
         return record
 
@@ -477,11 +488,30 @@ class Engine:
             await self.count_autonomous_rollback(record, at)
         return record
 
-    async def _apply(self, record: ProposalRecord, step: planner.SendApply) -> ProposalRecord:
+    async def _apply(self, record: ProposalRecord, step: planner.SendApply,
+                     intended: bool) -> ProposalRecord:
         """Send the ApplyOrder whose dispatch the chain records, and commit its result (the
         service is idempotent on the proposal id, so an order sent again applies nothing
-        twice)."""
-        result = await self._send(record, step.order)
+        twice). Unreachable, or the grant revoked before a retry: the planner says whether the
+        dispatch is withdrawn."""
+
+        async def allowed(attempt: int, maybe_delivered: bool) -> None:
+            if attempt > 1 and planner.recheck_grant(record, intended, maybe_delivered) \
+                    and not await self.store.grant_active(record.skill, now_ms()):
+                raise GrantRevoked(record.skill)
+
+        try:
+            result = await self._send(record, step.order, allowed)
+        except GrantRevoked:
+            commit = planner.revoked(record, self.policy, now_ms(), self.actor)
+            return await self._commit(commit.record, commit.draft, commit.record.updated_at)
+        except ServiceUnreachable as exc:
+            at = now_ms()
+            void = planner.unreachable(record, intended, exc.maybe_delivered, str(exc),
+                                       self.actor, at)
+            if void is not None:
+                exc.record = await self._commit(void.record, void.draft, at)
+            raise
         at = now_ms()
         return await self._commit(*apply_stage.transition(record, result, step.authority, at),
                                   at)
@@ -504,20 +534,24 @@ class Engine:
                         reason=commit.draft.reason)
         return commit.record, commit.draft
 
-    async def _send(self, record: ProposalRecord, order: ApplyOrder) -> ApplyResult:
+    async def _send(self, record: ProposalRecord, order: ApplyOrder,
+                    allowed=None) -> ApplyResult:
         """One order to the owning service: timeout, bounded retries, then ServiceUnreachable."""
         return await self._ask(
             record, S.apply_request(record.service),
             lambda attempt: to_json(msgspec.structs.replace(order, attempt=attempt)),
-            parse_apply_reply)
+            parse_apply_reply, allowed)
 
-    async def _ask(self, record: ProposalRecord, subject: str, body, parse):
+    async def _ask(self, record: ProposalRecord, subject: str, body, parse, allowed=None):
         """A request to the owning service with a timeout and bounded retries: `parse` turns
         a reply into a result, or None for an error reply ("not now", retried). All attempts
         unanswered or not now: ServiceUnreachable (the proposal stays retryable)."""
         settings = self.config.apply
         last_error = "no attempt"
+        maybe_delivered = False
         for attempt in range(1, settings.attempts + 1):
+            if allowed is not None:
+                await allowed(attempt, maybe_delivered)
             try:
                 reply = await self.nc.request(subject, body(attempt),
                                               timeout=settings.timeout_s)
@@ -525,6 +559,7 @@ class Engine:
                 last_error = f"no service answers {subject}"
             except NatsTimeout:
                 last_error = f"{subject} timed out"
+                maybe_delivered = True
             else:
                 result = parse(reply.data)
                 if result is not None:
@@ -533,7 +568,7 @@ class Engine:
             log.warning("request to the owning service failed", proposal_id=record.proposal_id,
                         subject=subject, attempt=attempt, error=last_error)
             await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
-        raise ServiceUnreachable(last_error)
+        raise ServiceUnreachable(last_error, maybe_delivered)
 
     # -- learn-back rollbacks ------------------------------------------------------------------------
 

@@ -235,6 +235,34 @@ def test_after_the_intent_neither_expiry_nor_a_hold_nor_new_content_stops_the_ou
     assert propose.supersede(record, "f" * 64, TRIAGER) is None
 
 
+def test_an_order_that_provably_reached_no_service_withdraws_its_dispatch():
+    sent, _, send = settle(approved(registered()))
+    # an earlier pass recorded it, or an attempt timed out: it may have been delivered
+    assert planner.unreachable(sent, False, False, "no service", TRIAGER, NOW) is None
+    assert planner.unreachable(sent, True, True, "timed out", TRIAGER, NOW) is None
+    void = planner.unreachable(sent, True, False, "no service answers svc.improve.apply",
+                               TRIAGER, NOW)
+    assert void is not None and (void.draft.to_stage, void.draft.verdict) == ("apply",
+                                                                              "undelivered")
+    back = commit(void.record, void.draft)
+    assert not back.in_flight and back.status == "approved"
+    assert commit(*review_of(back, "reject")).status == "rejected"  # open to a decision again
+    _, rules, step = settle(back)
+    assert rules == ["dispatched"] and step == send  # or recorded and sent again
+
+
+def test_a_retried_l3_order_rechecks_its_grant_only_while_its_dispatch_may_be_withdrawn():
+    sent, rules, _ = settle(registered(change_class="L3"), grant=True)
+    assert rules == ["triage", "dispatched"]
+    assert planner.recheck_grant(sent, True, False)
+    assert not planner.recheck_grant(sent, True, True)  # a timed-out attempt may have landed
+    assert not planner.recheck_grant(sent, False, False)  # recorded by an earlier pass
+    c = planner.revoked(sent, POLICY, NOW, TRIAGER)
+    back = commit(c.record, c.draft)
+    assert not back.in_flight and back.decision.cause == "no_grant"
+    assert step_of(back) == planner.DONE
+
+
 # -- the autonomy chain: holds, re-holds, releases, crisis -------------------------------------
 
 
