@@ -311,7 +311,10 @@ class Bench:
                 return
             transitions += 1
             now = time.perf_counter()
-            stage = t["to_stage"] if t.get("verdict") != "approve" else "approve"
+            # an approval and an order's dispatch (the intent before it) are kept apart, so
+            # `apply` is the outcome and gate→apply spans the service's answer
+            verdict = t.get("verdict")
+            stage = verdict if verdict in ("approve", "dispatched") else t["to_stage"]
             track.stages.setdefault(stage, t["at"])
             if t["to_stage"] == "triage" and track.decided is None:
                 track.decided = now

@@ -507,7 +507,9 @@ class Demo:
         except StepFailed as exc:
             raise await self.why_not(S.audit("search", pid), exc) from None
         chain = await self.chain("search", pid)
-        tail = ", ".join(f"{t.get('verdict')} by {t.get('actor')}" for t in chain[-2:])
+        # the rollback asked, its order's dispatch recorded (by the daemon), the outcome
+        tail = ", ".join("dispatched" if t.get("verdict") == "dispatched"
+                         else f"{t.get('verdict')} by {t.get('actor')}" for t in chain[-3:])
         self.event("rollback", f"{short(pid)}: {tail}")
         value = await self.search.value(RANK_KEY)
         self.event("value", f"{RANK_KEY} is {value} again (it was {NEW})")

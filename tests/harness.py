@@ -408,6 +408,36 @@ async def read_stream(js, stream: str, subject: str) -> list:
     return out
 
 
+def _open_dispatch(bodies: list[dict]) -> dict | None:
+    """The last `dispatched` trailer unless an `undelivered` withdrew it."""
+    last = None
+    for b in bodies:
+        if b.get("verdict") == "dispatched":
+            last = b
+        elif b.get("verdict") == "undelivered":
+            last = None
+    return last
+
+
+def dispatch_problems(bodies: list[dict]) -> list[str]:
+    """Every order's dispatch on the chain before its outcome, withdrawn only while open, and
+    never a second one while one is open."""
+    out, open_ = [], False
+    for b in bodies:
+        verdict = b.get("verdict")
+        if b["to_stage"] != "apply" or "dispatch:rollback" in (b.get("refs") or ()):
+            continue
+        if verdict == "dispatched":
+            if open_:
+                out.append(f"a second dispatch at seq {b.get('seq')} while one is open")
+            open_ = True
+        elif verdict in ("undelivered", "applied") or (verdict == "failed" and open_):
+            if not open_:
+                out.append(f"{verdict} at seq {b.get('seq')} without an open dispatch")
+            open_ = False
+    return out
+
+
 def chain_problems(pid: str, bodies: list[dict], exp: Expected | None) -> list[str]:
     """What is wrong with one proposal's chain: verification, contiguity, duplicates, and the
     status folded from the chain alone."""
@@ -428,15 +458,20 @@ def chain_problems(pid: str, bodies: list[dict], exp: Expected | None) -> list[s
     applied = sum(1 for b in bodies if b["to_stage"] == "apply" and b.get("verdict") == "applied")
     if applied > 1:
         out.append(f"{applied} applied trailers")
+    out += dispatch_problems(bodies)
+    # a dispatch withdrawn because no service was there is recorded again on the next try
+    settled = [b for b in bodies if b.get("verdict") not in ("dispatched", "undelivered")
+               or b is _open_dispatch(bodies)]
     seen = Counter((b["from_stage"], b["to_stage"], b.get("verdict"), b.get("cause"),
-                    b.get("reason"), tuple(b.get("refs") or ())) for b in bodies)
+                    b.get("reason"), tuple(b.get("refs") or ())) for b in settled)
     repeated = [k for k, c in seen.items() if c > 1]
     if repeated:
         out.append(f"repeated trailers: {repeated}")
     if exp is not None:
-        want = {"applied": ["propose", "triage", "apply"]}.get(exp.status, ["propose", "triage"])
-        if [b["to_stage"] for b in bodies] != want:
-            out.append(f"stages {[b['to_stage'] for b in bodies]}, expected {want}")
+        want = {"applied": ["propose", "triage", "apply", "apply"]}.get(  # dispatched, applied
+            exp.status, ["propose", "triage"])
+        if [b["to_stage"] for b in settled] != want:
+            out.append(f"stages {[b['to_stage'] for b in settled]}, expected {want}")
         try:
             trailers = [trailer_decoder.decode(to_json(b)) for b in bodies]
             folded = rebuild_record(trailers, list(range(1, len(bodies) + 1)), Policy())

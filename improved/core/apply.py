@@ -11,8 +11,10 @@ from improved.core.policy import Policy
 from improved.core.record import (
     APPLIED,
     APPLY_FAILED,
+    DISPATCHED,
     ROLLBACK_FAILED,
     ROLLED_BACK,
+    UNDELIVERED,
     ProposalRecord,
     ref,
 )
@@ -40,13 +42,68 @@ def auto_applies(record: ProposalRecord) -> bool:
 
 
 def needs_apply(record: ProposalRecord) -> bool:
-    """Gate satisfied and no outcome yet (a failed outcome is final until re-triaged)."""
-    if record.outcome is not None or record.superseded_by is not None:
+    """Gate satisfied and no outcome yet (a failed outcome is final until re-triaged), or the
+    dispatch recorded and its outcome not: whatever came in since, that outcome is owed."""
+    if record.outcome is not None:
+        return False
+    if record.in_flight:
+        return True
+    if record.superseded_by is not None:
         return False
     if lkg.is_charter(record.proposal):
         return False  # a constitution edit is prepared; an operator commits it (SPEC 09 §8)
     return auto_applies(record) or (record.status == "approved"
                                     and record.proposal.change_class in APPROVABLE)
+
+
+def awaiting_dispatch(record: ProposalRecord) -> bool:
+    """May be applied and no order is recorded as sent yet: still open to a new decision
+    (expiry, a hold, a review). Once the dispatch is on the chain, only its outcome follows."""
+    return needs_apply(record) and not record.in_flight
+
+
+def grant_bound(record: ProposalRecord) -> bool:
+    """An L3 auto-apply: its skill's grant is re-checked right before the dispatch is
+    recorded, so a revocation on the chain by then stops it."""
+    return record.gate_class == "L3" and record.approved_by is None and record.skill is not None
+
+
+def dispatch(record: ProposalRecord, policy: Policy, actor: str,
+             now: int) -> tuple[ProposalRecord, Draft]:
+    """The intent: the ApplyOrder is recorded on the chain before it leaves. Whichever lands
+    first on the chain, this or an operator's review, wins; a review after it is refused."""
+    by = authority(record, policy)
+    draft = Draft(from_stage=record.stage, to_stage="apply", actor=actor,
+                  observer_type="rec:system", verdict=DISPATCHED,
+                  reason=f"ApplyOrder dispatched to {record.service} under {by}",
+                  refs=(ref("dispatch", "apply"), ref("order", record.proposal_id),
+                        ref("authority", by)))
+    return record.replace(dispatched_by=by, dispatched_at=now, updated_at=now), draft
+
+
+def undelivered(record: ProposalRecord, error: str, actor: str,
+                now: int) -> tuple[ProposalRecord, Draft]:
+    """The dispatch just recorded reached no service (no responder, or a "not now" error
+    reply, on every attempt; never a timeout): nothing was applied, so the dispatch is void
+    and the proposal is open to a decision again (a review, expiry, new content)."""
+    draft = Draft(from_stage=record.stage, to_stage="apply", actor=actor,
+                  observer_type="rec:system", verdict=UNDELIVERED,
+                  reason=f"the ApplyOrder reached no service: {error}"[:300],
+                  refs=(ref("order", record.proposal_id), ref("error", error)))
+    return record.replace(dispatched_by=None, dispatched_at=None, updated_at=now), draft
+
+
+def dispatch_rollback(record: ProposalRecord, actor: str,
+                      now: int) -> tuple[ProposalRecord, Draft]:
+    """The intent of an operator's rollback: its order is recorded before it leaves."""
+    inverse_id, order_ = rollback_order(record, 1)
+    draft = Draft(from_stage=record.stage, to_stage="apply", actor=actor,
+                  observer_type="rec:system", verdict=DISPATCHED,
+                  reason=f"rollback order {inverse_id} dispatched to {record.service} under "
+                         f"{order_.authority}",
+                  refs=(ref("dispatch", "rollback"), ref("order", inverse_id),
+                        ref("authority", order_.authority)))
+    return record.replace(rollback_dispatched_at=now, updated_at=now), draft
 
 
 def needs_rollback(record: ProposalRecord) -> bool:
@@ -163,9 +220,10 @@ def expired(record: ProposalRecord, now: int) -> bool:
 
 
 def authority(record: ProposalRecord, policy: Policy) -> str:
-    """The approving principal's authority; auto-applies run under the configured policy
-    principal. Never the analyzer's."""
-    return record.approved_by or policy.policy_principal
+    """The authority recorded with the dispatch, once there is one (the order sent again is
+    the same order); before it, the approving principal's; auto-applies run under the
+    configured policy principal. Never the analyzer's."""
+    return record.dispatched_by or record.approved_by or policy.policy_principal
 
 
 def order(record: ProposalRecord, policy: Policy, attempt: int) -> ApplyOrder:

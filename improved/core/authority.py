@@ -140,6 +140,10 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
                              acts=(*record.acts, (act.digest, act.stream_seq)), updated_at=now)
         return new, Draft(from_stage=record.stage, to_stage="apply", actor=rv.principal,
                           observer_type="human", verdict=ROLLBACK, reason=reason, refs=refs)
+    if record.in_flight:
+        return refusal(record, act, "apply_in_flight", f"the ApplyOrder under "
+                       f"{record.dispatched_by} was dispatched at {record.dispatched_at}; its "
+                       "outcome will be recorded", actor, verified.keyid)
     if superseded or record.superseded_by is not None:
         return refusal(record, act, "superseded", "the proposal was superseded by new content; "
                        "an approval never carries over", actor, verified.keyid)

@@ -18,9 +18,10 @@ The priority order, first match wins:
   2. re-hold — an autonomous proposal accepted before the breaker opened or autonomy went off;
   3. the quorum's decision, once its votes add up;
   4. halt — a crisis refuses every dispatch;
-  5. an operator's rollback of an applied change;
+  5. an operator's rollback of an applied change (its dispatch recorded first);
   6. the L4 last-known-good check (and the reversal recorded before any order);
-  7. the apply;
+  7. the apply: its dispatch recorded on the chain first (the intent, after an L3's grant is
+     re-read), then the order — sent again, the same, until its outcome is recorded;
   8. learn-back's measurement at `review_after` (a regression proposes the recorded rollback);
   9. finishing the original once its rollback (or reversal) applied;
   10. done.
@@ -115,9 +116,10 @@ class CheckLkg:
 
 @dataclass(frozen=True)
 class SendApply:
+    """Send the order whose dispatch is on the chain, and commit its outcome."""
+
     order: ApplyOrder
     authority: str
-    grant_bound: bool  # an L3 auto-apply: its grant is re-checked before every attempt
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,8 @@ def next_step(record: ProposalRecord, view: View, policy: Policy, actor: str) ->
     held = view.held(record)
     if _wants_triage(record, view.now, held):
         return _triage(record, view, policy, actor, held)
-    if held is not None and apply_stage.auto_applies(record) and apply_stage.needs_apply(record):
+    if (held is not None and apply_stage.auto_applies(record)
+            and apply_stage.awaiting_dispatch(record)):
         # accepted before the breaker opened (or autonomy went off): hold it back now; it was
         # accepted as autonomous, so the gate sees its grant as it was then
         decision = triage.decide(record, policy, view.now, True, actor, None, held)
@@ -162,12 +165,12 @@ def next_step(record: ProposalRecord, view: View, policy: Policy, actor: str) ->
     decided = quorum.decided(record, actor, view.now)
     if decided is not None:
         return Commit(*decided, why="quorum")
-    return _dispatch(record, view, policy) or _after_apply(record, view, policy, actor)
+    return _dispatch(record, view, policy, actor) or _after_apply(record, view, policy, actor)
 
 
 def _wants_triage(record: ProposalRecord, now: int, held: Held | None) -> bool:
     return (triage.needs_triage(record)
-            or (apply_stage.needs_apply(record) and apply_stage.expired(record, now))
+            or (apply_stage.awaiting_dispatch(record) and apply_stage.expired(record, now))
             or (triage.held_back(record) and held is None))
 
 
@@ -190,8 +193,9 @@ def _triage(record: ProposalRecord, view: View, policy: Policy, actor: str,
     return Commit(*triage.transition(record, decision), why="triage")
 
 
-def _dispatch(record: ProposalRecord, view: View, policy: Policy) -> Step | None:
-    """The steps that send something to the owning service, when this pass may."""
+def _dispatch(record: ProposalRecord, view: View, policy: Policy, actor: str) -> Step | None:
+    """The steps that send something to the owning service, when this pass may: each order's
+    dispatch is committed to the chain (the intent) before the order is sent."""
     rollback = apply_stage.needs_rollback(record)
     if not view.dispatch or not (rollback or apply_stage.needs_apply(record)):
         return None
@@ -199,11 +203,26 @@ def _dispatch(record: ProposalRecord, view: View, policy: Policy) -> Step | None
         return Halt(f"crisis {view.autonomy.crisis}: applies are refused until an operator "
                     "resolves it")
     if rollback:
+        if record.rollback_dispatched_at is None:
+            return Commit(*apply_stage.dispatch_rollback(record, actor, view.now),
+                          why="dispatched")
         return SendRollback(*apply_stage.rollback_order(record, 1))
     if lkg.needs_check(record):
         return CheckLkg()
-    return SendApply(apply_stage.order(record, policy, 1), apply_stage.authority(record, policy),
-                     grant_bound=record.gate_class == "L3" and record.approved_by is None)
+    if not record.in_flight:
+        return _intent(record, view, policy, actor)
+    return SendApply(apply_stage.order(record, policy, 1), apply_stage.authority(record, policy))
+
+
+def _intent(record: ProposalRecord, view: View, policy: Policy, actor: str) -> Step:
+    """Record the dispatch; an L3 auto-apply re-reads its grant first, and a revoked one
+    stops it here, before anything is recorded as sent."""
+    if apply_stage.grant_bound(record):
+        if isinstance(view.grant, _Unread):
+            return ReadGrant(record.skill or "")
+        if not view.grant:
+            return revoked(record, policy, view.now, actor)
+    return Commit(*apply_stage.dispatch(record, policy, actor, view.now), why="dispatched")
 
 
 def _after_apply(record: ProposalRecord, view: View, policy: Policy, actor: str) -> Step:
@@ -249,9 +268,34 @@ def after_lkg(record: ProposalRecord, report: lkg.LkgReport, policy: Policy, act
     return Commit(*lkg.refused(record, why, by, now), why="lkg_refused")
 
 
+def withdrawable(record: ProposalRecord, intended_here: bool, maybe_delivered: bool) -> bool:
+    """May the recorded dispatch still be withdrawn? Only when this very pass recorded it and
+    no attempt may have reached a service (no timeout): an earlier pass, or a timed-out
+    attempt, may have delivered it, so then it stays in flight and is sent again until its
+    outcome is recorded."""
+    return intended_here and not maybe_delivered and record.in_flight
+
+
+def recheck_grant(record: ProposalRecord, intended_here: bool, maybe_delivered: bool) -> bool:
+    """Before a retry of an L3 auto-apply's order: re-read its grant while the dispatch may
+    still be withdrawn, so an order retried after a revocation was recorded is never sent."""
+    return apply_stage.grant_bound(record) and withdrawable(record, intended_here,
+                                                            maybe_delivered)
+
+
+def unreachable(record: ProposalRecord, intended_here: bool, maybe_delivered: bool, error: str,
+                actor: str, now: int) -> Commit | None:
+    """The order found no service: its dispatch is withdrawn on the chain when it still may
+    be (see `withdrawable`), else it stays in flight."""
+    if not withdrawable(record, intended_here, maybe_delivered):
+        return None
+    return Commit(*apply_stage.undelivered(record, error, actor, now), why="undelivered")
+
+
 def revoked(record: ProposalRecord, policy: Policy, now: int, actor: str) -> Commit:
-    """The grant an L3 auto-apply relied on was revoked before its order went out: the apply
-    is stopped and the proposal gated as L2 again."""
+    """The grant an L3 auto-apply relied on was revoked before its dispatch was recorded (or
+    before a retry of an order that reached no service): the apply is stopped, a dispatch on
+    the chain is void, and the proposal is gated as L2 again."""
     decision = triage.decide(record, policy, now, False, actor)
     return Commit(*triage.transition(record, decision), why="revoked")
 

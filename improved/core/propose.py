@@ -174,8 +174,10 @@ def register(proposal: Proposal, pid: str, dedup: str, policy: Policy,
 
 def supersede(record: ProposalRecord, by: str, actor: str) -> tuple[ProposalRecord, Draft] | None:
     """Newer content under the same dedup_key: this proposal will never be applied, and an
-    approval it had is withdrawn. None when it is already settled or superseded."""
-    if record.superseded_by is not None or record.status not in ("pending", "approved"):
+    approval it had is withdrawn. None when it is already settled or superseded, or its order
+    is recorded as dispatched (its outcome decides it)."""
+    if (record.superseded_by is not None or record.status not in ("pending", "approved")
+            or record.in_flight):
         return None
     draft = Draft(from_stage=record.stage, to_stage="triage", actor=actor,
                   observer_type="rec:system", verdict=SUPERSEDED, refs=(ref("superseded_by", by),),

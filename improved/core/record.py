@@ -72,7 +72,10 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
     outcome: ApplyOutcome | None = None
     approved_by: str | None = None  # the principal whose signed approval the apply runs under
     superseded_by: str | None = None  # newer content under the same dedup_key
+    dispatched_by: str | None = None  # the authority of the ApplyOrder recorded as dispatched
+    dispatched_at: int | None = None  # when that dispatch was recorded (the intent trailer)
     rollback_by: str | None = None  # the principal who asked for the inverse
+    rollback_dispatched_at: int | None = None  # when the rollback order was recorded as sent
     rollback_outcome: ApplyOutcome | None = None
     measured: str | None = None  # `held` or `regressed`, once review_after was measured
     revert: Proposal | None = None  # L4: the reversal generated and validated before apply
@@ -91,6 +94,12 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
         return self.outcome.at if self.outcome is not None and self.outcome.ok else None
 
     @property
+    def in_flight(self) -> bool:
+        """The ApplyOrder's dispatch is on the chain and its outcome is not (yet): no review
+        may decide otherwise now, and the order is sent again until its outcome is recorded."""
+        return self.dispatched_at is not None and self.outcome is None
+
+    @property
     def positives(self) -> int:
         return sum(1 for s in self.signals if s.positive)
 
@@ -103,6 +112,8 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
 APPLIED: Final = "applied"
 APPLY_FAILED: Final = "failed"
 SIGNAL: Final = "signal"
+DISPATCHED: Final = "dispatched"  # the intent: an ApplyOrder (or rollback order) is about to leave
+UNDELIVERED: Final = "undelivered"  # that ApplyOrder provably reached no service: dispatch void
 APPROVE: Final = "approve"
 REFUSED: Final = "refused"  # a signed act that did not count; the status does not move
 SUPERSEDED: Final = "superseded"  # newer content arrived under the same dedup_key
@@ -133,6 +144,8 @@ def status_after(status: Status, trailer: Trailer) -> Status:
         return "applied"
     if trailer.to_stage == "apply" and trailer.verdict == ROLLED_BACK:
         return "rolled_back"
+    # `dispatched` (the intent before an order) moves nothing: the status stays `approved` (or
+    # pending-accepted) until the outcome is recorded
     return status
 
 
@@ -203,7 +216,7 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
                 actor=trailer.actor, at=trailer.at))
         elif trailer.to_stage == "triage" and trailer.verdict in ("accept", "defer", "reject"):
             record = record.replace(
-                gate_class=trailer.gate_class,
+                gate_class=trailer.gate_class, dispatched_by=None, dispatched_at=None,
                 decision=TriageDecision(
                     proposal_id=record.proposal_id, service=record.service,
                     verdict=trailer.verdict, cause=trailer.cause,
@@ -223,6 +236,12 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
             record = record.replace(
                 revert=msgspec.json.decode(refs["revert"], type=Proposal),
                 revert_id=refs["revert_proposal_id"])
+        elif trailer.to_stage == "apply" and trailer.verdict == DISPATCHED:
+            record = (record.replace(rollback_dispatched_at=trailer.at)
+                      if refs.get("dispatch") == "rollback" else
+                      record.replace(dispatched_by=refs["authority"], dispatched_at=trailer.at))
+        elif trailer.to_stage == "apply" and trailer.verdict == UNDELIVERED:
+            record = record.replace(dispatched_by=None, dispatched_at=None)
         elif trailer.to_stage == "apply" and trailer.verdict == ROLLBACK:
             record = record.replace(rollback_by=trailer.actor)
         elif trailer.to_stage == "apply" and trailer.verdict in (ROLLED_BACK, ROLLBACK_FAILED):

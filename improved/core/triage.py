@@ -182,4 +182,6 @@ def transition(record: ProposalRecord, d: TriageDecision) -> tuple[ProposalRecor
     draft = Draft(from_stage=record.stage, to_stage="triage", actor=d.actor,
                   observer_type="rec:system", reason=d.rationale, verdict=d.verdict,
                   cause=d.cause)
-    return record.replace(decision=d, gate_class=d.gate_class, updated_at=d.at), draft
+    # a new decision voids a dispatch that was recorded but never sent (a revoked grant)
+    return record.replace(decision=d, gate_class=d.gate_class, updated_at=d.at,
+                          dispatched_by=None, dispatched_at=None), draft

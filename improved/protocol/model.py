@@ -23,7 +23,7 @@ Verdict = Literal["accept", "defer", "reject"]  # a triage decision's
 TrailerVerdict = Literal[
     "accept", "defer", "reject",  # triage
     "approve", "refused", "superseded", "inherit", "vote", "quorum",  # authority
-    "lkg_verified", "applied", "failed", "rollback", "rolled_back", "rollback_failed",  # apply
+    "lkg_verified", "dispatched", "undelivered", "applied", "failed", "rollback", "rolled_back", "rollback_failed",  # apply
     "signal", "held", "regressed",  # learn-back
     "grant", "revoke",  # the grant chain of a skill hash
     "autonomy_on", "autonomy_off", "crisis", "crisis_resolved",  # the autonomy chain

@@ -78,13 +78,18 @@ def now_ms() -> int:
 
 
 class GrantRevoked(Exception):
-    """The grant an L3 auto-apply relies on is no longer active."""
+    """The grant an L3 auto-apply relies on was revoked before a retry of its order."""
 
 
 class ServiceUnreachable(Exception):
-    """The owning service did not answer the ApplyOrder; the proposal stays retryable."""
+    """The owning service did not answer the ApplyOrder; the proposal stays retryable.
+    `maybe_delivered`: an attempt timed out, so the service may have received the order."""
 
     record: ProposalRecord | None = None
+
+    def __init__(self, error: str, maybe_delivered: bool = True):
+        super().__init__(error)
+        self.maybe_delivered = maybe_delivered
 
 
 # An ingest step: (record or None) → (new record, draft) or None when there is nothing to do.
@@ -449,26 +454,28 @@ class Engine:
                        rejected: dict | None = None) -> ProposalRecord:
         """Carry the proposal on, one planner step at a time, until the planner has nothing
         more to do now. Each step is one effect; the decision is the planner's."""
-        grant_read = False  # the grant was read by this very pass, an instant ago
+        grant = planner.UNREAD  # an L3's grant, once read by this very pass, an instant ago
+        intended = False  # this pass recorded the order's dispatch
         for _ in range(MAX_STEPS):
             now = now_ms()
             view = planner.View(now=now, autonomy=await self.autonomy(now), dispatch=dispatch,
-                                rejected=rejected)
+                                rejected=rejected, grant=grant)
             step = planner.next_step(record, view, self.policy, self.actor)
             while isinstance(step, planner.ReadGrant | planner.ReadOriginal):
                 view = planner.with_read(view, step, await self._read(record, step, now))
-                grant_read = grant_read or isinstance(step, planner.ReadGrant)
+                grant = view.grant
                 step = planner.next_step(record, view, self.policy, self.actor)
             try:
                 match step:
-                    case planner.Commit(record=after, draft=draft):
+                    case planner.Commit(record=after, draft=draft, why=why):
                         record = await self._commit(after, draft, now)
+                        intended = intended or why == "dispatched"
                     case planner.SendRollback():
                         record = await self._rollback(record, step)
                     case planner.CheckLkg():
                         record = await self._commit(*await self._lkg_check(record), now_ms())
                     case planner.SendApply():
-                        record = await self._apply(record, step, grant_read)
+                        record = await self._apply(record, step, intended)
                     case planner.Measure(commit=commit, rollback=rollback):
                         if rollback is not None:
                             await self.propose_rollback(record, rollback)
@@ -483,7 +490,7 @@ class Engine:
                     case _:
                         break
             except ServiceUnreachable as exc:
-                exc.record = record  # what was decided stands; the send waits
+                exc.record = exc.record or record  # what was decided stands; the send waits
                 raise
         return record
 
@@ -505,13 +512,29 @@ class Engine:
         return record
 
     async def _apply(self, record: ProposalRecord, step: planner.SendApply,
-                     grant_read: bool) -> ProposalRecord:
-        """Send the ApplyOrder and commit its result; a grant revoked since triage stops it."""
+                     intended: bool) -> ProposalRecord:
+        """Send the ApplyOrder whose dispatch the chain records, and commit its result (the
+        service is idempotent on the proposal id, so an order sent again applies nothing
+        twice). Unreachable, or the grant revoked before a retry: the planner says whether the
+        dispatch is withdrawn."""
+
+        async def allowed(attempt: int, maybe_delivered: bool) -> None:
+            if attempt > 1 and planner.recheck_grant(record, intended, maybe_delivered) \
+                    and not await self.store.grant_active(record.skill, now_ms()):
+                raise GrantRevoked(record.skill)
+
         try:
-            result = await self._dispatch(record, step, grant_read)
+            result = await self._send(record, step.order, allowed)
         except GrantRevoked:
             commit = planner.revoked(record, self.policy, now_ms(), self.actor)
             return await self._commit(commit.record, commit.draft, commit.record.updated_at)
+        except ServiceUnreachable as exc:
+            at = now_ms()
+            void = planner.unreachable(record, intended, exc.maybe_delivered, str(exc),
+                                       self.actor, at)
+            if void is not None:
+                exc.record = await self._commit(void.record, void.draft, at)
+            raise
         at = now_ms()
         return await self._commit(*apply_stage.transition(record, result, step.authority, at),
                                   at)
@@ -533,20 +556,6 @@ class Engine:
                         reason=commit.draft.reason)
         return commit.record, commit.draft
 
-    async def _dispatch(self, record: ProposalRecord, step: planner.SendApply,
-                        grant_read: bool) -> ApplyResult:
-        """Send the ApplyOrder with a timeout and bounded retries; the service is idempotent on
-        the proposal id, so a retry after a lost reply applies nothing twice. An L3 auto-apply
-        re-reads its grant before every attempt (but a first one right after triage read it),
-        so an order sent after a revocation was recorded is never sent."""
-
-        async def allowed(attempt: int) -> None:
-            if step.grant_bound and not (attempt == 1 and grant_read) \
-                    and not await self.store.grant_active(record.skill, now_ms()):
-                raise GrantRevoked(record.skill)
-
-        return await self._send(record, step.order, allowed)
-
     async def _send(self, record: ProposalRecord, order: ApplyOrder,
                     allowed=None) -> ApplyResult:
         """One order to the owning service: timeout, bounded retries, then ServiceUnreachable."""
@@ -555,16 +564,16 @@ class Engine:
             lambda attempt: to_json(msgspec.structs.replace(order, attempt=attempt)),
             parse_apply_reply, allowed)
 
-    async def _ask(self, record: ProposalRecord, subject: str, body, parse,
-                   allowed=None):
+    async def _ask(self, record: ProposalRecord, subject: str, body, parse, allowed=None):
         """A request to the owning service with a timeout and bounded retries: `parse` turns
         a reply into a result, or None for an error reply ("not now", retried). All attempts
         unanswered or not now: ServiceUnreachable (the proposal stays retryable)."""
         settings = self.config.apply
         last_error = "no attempt"
+        maybe_delivered = False
         for attempt in range(1, settings.attempts + 1):
             if allowed is not None:
-                await allowed(attempt)
+                await allowed(attempt, maybe_delivered)
             try:
                 reply = await self.nc.request(subject, body(attempt),
                                               timeout=settings.timeout_s)
@@ -572,6 +581,7 @@ class Engine:
                 last_error = f"no service answers {subject}"
             except NatsTimeout:
                 last_error = f"{subject} timed out"
+                maybe_delivered = True
             else:
                 result = parse(reply.data)
                 if result is not None:
@@ -580,7 +590,7 @@ class Engine:
             log.warning("request to the owning service failed", proposal_id=record.proposal_id,
                         subject=subject, attempt=attempt, error=last_error)
             await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
-        raise ServiceUnreachable(last_error)
+        raise ServiceUnreachable(last_error, maybe_delivered)
 
     # -- learn-back rollbacks ------------------------------------------------------------------------
 

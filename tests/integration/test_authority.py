@@ -50,7 +50,8 @@ async def test_approval_then_grant_then_drift_then_revoke(daemon, nc, svc):
     assert state.status == "applied"
     chain = await trailers(daemon, svc, pid)
     assert [(t["to_stage"], t.get("verdict")) for t in chain] == [
-        ("propose", None), ("triage", "defer"), ("triage", "approve"), ("apply", "applied")]
+        ("propose", None), ("triage", "defer"), ("triage", "approve"), ("apply", "dispatched"),
+        ("apply", "applied")]
     assert chain[2]["observer_type"] == "human" and chain[2]["actor"] == "operator:alice"
 
     # A grant for exactly this content makes the next L3 proposal of it auto-apply.

@@ -56,7 +56,7 @@ async def test_the_walk_shows_every_outcome_and_verifies_the_chains():
         "reject/L0 forbidden_target",
         "reject/L4 forbidden_target",
         # 8. rollback restores the prior value
-        "rollback by operator:demo, rolled_back by operator:demo",
+        "rollback by operator:demo, dispatched, rolled_back by operator:demo",
         "search.title_boost is 1.0 again",
         # 9. L4: all or none, then reverted without a second approval
         "smoke test json failed (rc 1); nothing swapped",

@@ -51,7 +51,7 @@ async def test_the_same_proposal_published_twice_is_one_proposal(daemon, nc, svc
     await asyncio.sleep(0.5)
     trailers = [b for _, b in await daemon.store.read_chain(svc, pid)]
     assert_clean_chain(pid, trailers)
-    assert [t["to_stage"] for t in trailers] == ["propose", "triage", "apply"]
+    assert [t.get("verdict") for t in trailers] == [None, "accept", "dispatched", "applied"]
     assert store.applies == 1
     await store.stop()
 

@@ -100,7 +100,8 @@ async def test_an_operator_rolls_back_an_applied_change(daemon, nc, svc):
     await eventually(lambda: status_of(client, second, "rolled_back"))
     assert await store.value("search.title_boost") == 1  # the prior content reinstated
     chain = await trailers(daemon, svc, second)
-    assert [t.get("verdict") for t in chain[-2:]] == ["rollback", "rolled_back"]
+    assert [t.get("verdict") for t in chain[-3:]] == ["rollback", "dispatched", "rolled_back"]
+    assert "dispatch:rollback" in chain[-2]["refs"]
     assert chain[-1]["actor"] == "operator:alice"
 
     # a second rollback of the same proposal is refused; nothing moves

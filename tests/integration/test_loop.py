@@ -42,7 +42,10 @@ async def test_l0_is_applied_exactly_once_and_its_chain_verifies(daemon, nc, svc
     await asyncio.sleep(0.3)  # the inbound consumer also sees the message: still one apply
     assert store.applies == 1 and await store.apply_count(pid) == 1
     trailers = await chain(daemon, svc, pid)
-    assert [t["to_stage"] for t in trailers] == ["propose", "triage", "apply"]
+    assert [(t["to_stage"], t.get("verdict")) for t in trailers] == [
+        ("propose", None), ("triage", "accept"), ("apply", "dispatched"), ("apply", "applied")]
+    # the dispatch is on the chain before the order leaves, under the authority it names
+    assert "authority:policy:auto" in trailers[2]["refs"]
     assert trailers[-1]["observer_type"] == "rec:policy"
     assert audit.verify_chain(pid, trailers) is None
     await store.stop()
@@ -169,7 +172,7 @@ async def test_self_confirmed_proposal_waits_for_an_independent_signal(daemon, n
     assert learn.verdict == "confirmed"
     trailers = await chain(daemon, svc, pid)
     assert [t["to_stage"] for t in trailers] == [
-        "propose", "triage", "learn-back", "learn-back", "triage", "apply"]
+        "propose", "triage", "learn-back", "learn-back", "triage", "apply", "apply"]
     assert audit.verify_chain(pid, trailers) is None
     await store.stop()
 
@@ -207,7 +210,11 @@ async def test_an_unreachable_service_leaves_the_proposal_retryable(daemon, nc, 
     assert not outcome.ok and "unreachable" in outcome.error
     state = await client.state(pid)
     assert state.status == "pending"
-    assert [t["to_stage"] for t in await chain(daemon, svc, pid)] == ["propose", "triage"]
+    # each delivery recorded its dispatch and, since no service was there to receive the
+    # order, withdrew it: nothing was applied, and the proposal is open to a decision
+    verdicts = [t.get("verdict") for t in await chain(daemon, svc, pid)]
+    assert verdicts[:2] == [None, "accept"] and len(verdicts) > 2
+    assert verdicts[2:] == ["dispatched", "undelivered"] * ((len(verdicts) - 2) // 2)
 
     # The service comes up; a triage request carries the proposal on to its apply.
     store = await started_store(nc, svc)

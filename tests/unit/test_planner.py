@@ -106,9 +106,10 @@ def approved(record: ProposalRecord) -> ProposalRecord:
 def test_an_l0_is_triaged_then_sent_under_the_policy_principal():
     record, rules, step = settle(registered(target_ref="rank:x", change_class="L0",
                                             proposal_data={"set": {"key": "x", "value": 1}}))
-    assert rules == ["triage"] and record.decision.verdict == "accept"
+    assert rules == ["triage", "dispatched"] and record.decision.verdict == "accept"
+    assert record.in_flight and record.status == "pending"
     assert isinstance(step, planner.SendApply)
-    assert step.authority == PRINCIPAL and not step.grant_bound
+    assert step.authority == PRINCIPAL == record.dispatched_by
     assert step.order.proposal_id == record.proposal_id
 
 
@@ -123,7 +124,8 @@ def test_an_l2_waits_for_an_operator_and_then_runs_under_the_operators_authority
     record, rules, step = settle(registered())
     assert rules == ["triage"] and step == planner.DONE
     assert (record.decision.verdict, record.decision.cause) == ("defer", "awaiting_operator")
-    step = step_of(approved(record))
+    _, rules, step = settle(approved(record))
+    assert rules == ["dispatched"]
     assert isinstance(step, planner.SendApply) and step.authority == "operator:alice"
 
 
@@ -131,18 +133,134 @@ def test_an_l3_reads_its_grant_before_triage_and_stays_bound_to_it():
     record = registered(change_class="L3")
     assert step_of(record) == planner.ReadGrant(record.skill)
     granted, rules, step = settle(record, grant=True)
-    assert rules == ["triage"] and granted.decision.verdict == "accept"
-    assert isinstance(step, planner.SendApply) and step.grant_bound
+    assert rules == ["triage", "dispatched"] and granted.decision.verdict == "accept"
+    assert isinstance(step, planner.SendApply) and step.authority == PRINCIPAL
     waiting, _, step = settle(record, grant=False)
     assert (waiting.decision.cause, waiting.gate_class) == ("no_grant", "L2")
     assert step == planner.DONE
 
 
-def test_a_grant_revoked_before_the_order_regates_the_l3_as_l2():
-    record, _, _ = settle(registered(change_class="L3"), grant=True)
-    c = planner.revoked(record, POLICY, NOW, TRIAGER)
-    assert (c.record.decision.cause, c.record.gate_class) == ("no_grant", "L2")
-    assert step_of(commit(c.record, c.draft)) == planner.DONE
+def test_a_grant_revoked_before_the_dispatch_regates_the_l3_as_l2():
+    record, rules, _ = settle(registered(change_class="L3"), view(dispatch=False), grant=True)
+    assert rules == ["triage"] and not record.in_flight
+    # the grant is read again right before the dispatch would be recorded
+    assert step_of(record) == planner.ReadGrant(record.skill)
+    record, rules, step = settle(record, grant=False)
+    assert rules == ["revoked"] and step == planner.DONE and not record.in_flight
+    assert (record.decision.cause, record.gate_class) == ("no_grant", "L2")
+
+
+# -- the dispatch on the chain: an intent before every order (issue 13.5) -----------------------
+
+
+def review_of(record: ProposalRecord, verdict: str):
+    """(record, draft) of an operator's signed review, as the review ingest makes it."""
+    rv = Review(proposal_id=record.proposal_id, verdict=verdict, principal="operator:alice",
+                reason="changed my mind", at=NOW)
+    env = signing.sign(signing.PAYLOAD_TYPES["review"], msgspec.json.encode(rv), ALICE)
+    verified = OPERATORS.verify(env, signing.PAYLOAD_TYPES["review"])
+    return authority.review(record, Act(verified.digest, next(_SEQ)), verified, rv, False,
+                            TRIAGER, NOW)
+
+
+def test_an_accepted_proposal_commits_its_dispatch_before_the_order_is_sent():
+    record = approved(registered())
+    intent = step_of(record)
+    assert isinstance(intent, planner.Commit) and intent.why == "dispatched"
+    d = intent.draft
+    assert (d.to_stage, d.verdict, d.actor, d.observer_type) == ("apply", "dispatched", TRIAGER,
+                                                                 "rec:system")
+    assert d.refs == ("dispatch:apply", f"order:{record.proposal_id}",
+                      "authority:operator:alice")
+    sent = commit(intent.record, intent.draft)
+    assert sent.in_flight and sent.status == "approved" and sent.stage == "apply"
+    assert (sent.dispatched_by, sent.dispatched_at) == ("operator:alice", NOW)
+    step = step_of(sent)
+    assert isinstance(step, planner.SendApply)
+    assert step.order == apply.order(record, POLICY, 1)  # the order the intent names
+    done = applied(sent, step)
+    assert done.status == "applied" and not done.in_flight and step_of(done) == planner.DONE
+
+
+def test_a_pending_intent_after_a_restart_sends_the_same_order_and_records_its_outcome():
+    trailers: list = []
+
+    def on_chain(record: ProposalRecord, draft) -> ProposalRecord:
+        trailers.append(audit.seal(draft, record, NOW))
+        return with_trailer(record, trailers[-1], len(trailers))
+
+    proposal = make_proposal()
+    pid, dedup = propose.identify(proposal)
+    record = on_chain(*propose.register(proposal, pid, dedup, POLICY, NOW - 1))
+    triaged = step_of(record)
+    record = on_chain(triaged.record, triaged.draft)
+    record = on_chain(*review_of(record, "approve"))
+    intent = step_of(record)
+    record = on_chain(intent.record, intent.draft)
+    before = step_of(record)
+    # the replica dies here, the order maybe sent; another rebuilds the record from the chain
+    rebuilt = propose.rebuild_record(trailers, list(range(1, len(trailers) + 1)), POLICY)
+    assert rebuilt == record
+    assert rebuilt.in_flight and rebuilt.dispatched_by == "operator:alice"
+    again = step_of(rebuilt)
+    assert isinstance(again, planner.SendApply) and again == before  # no second intent
+    done = applied(rebuilt, again)
+    assert done.status == "applied" and step_of(done) == planner.DONE
+
+
+@pytest.mark.parametrize("verdict", ["reject", "approve"])
+def test_a_review_after_the_intent_is_refused_and_changes_nothing(verdict):
+    sent, _, send = settle(approved(registered()))
+    after, draft = review_of(sent, verdict)
+    assert (draft.to_stage, draft.verdict) == ("triage", "refused")
+    assert "code:apply_in_flight" in draft.refs and "apply_in_flight" in draft.reason
+    refused = commit(after, draft)
+    assert (refused.status, refused.decision, refused.approved_by) == (
+        sent.status, sent.decision, sent.approved_by)
+    assert step_of(refused) == send  # the same order, and its outcome is still recorded
+    assert applied(refused, send).status == "applied"
+
+
+def test_a_reject_before_the_intent_wins_and_no_order_is_sent():
+    record = approved(registered())
+    rejected = commit(*review_of(record, "reject"))
+    assert rejected.status == "rejected" and step_of(rejected) == planner.DONE
+
+
+def test_after_the_intent_neither_expiry_nor_a_hold_nor_new_content_stops_the_outcome():
+    record, rules, send = settle(registered(valid_to=NOW + 10, **L0))
+    assert rules == ["triage", "dispatched"] and isinstance(send, planner.SendApply)
+    for late in (view(now=NOW + 10), view(BREAKER), view(SWITCHED_OFF)):
+        assert step_of(record, late) == send
+    assert propose.supersede(record, "f" * 64, TRIAGER) is None
+
+
+def test_an_order_that_provably_reached_no_service_withdraws_its_dispatch():
+    sent, _, send = settle(approved(registered()))
+    # an earlier pass recorded it, or an attempt timed out: it may have been delivered
+    assert planner.unreachable(sent, False, False, "no service", TRIAGER, NOW) is None
+    assert planner.unreachable(sent, True, True, "timed out", TRIAGER, NOW) is None
+    void = planner.unreachable(sent, True, False, "no service answers svc.improve.apply",
+                               TRIAGER, NOW)
+    assert void is not None and (void.draft.to_stage, void.draft.verdict) == ("apply",
+                                                                              "undelivered")
+    back = commit(void.record, void.draft)
+    assert not back.in_flight and back.status == "approved"
+    assert commit(*review_of(back, "reject")).status == "rejected"  # open to a decision again
+    _, rules, step = settle(back)
+    assert rules == ["dispatched"] and step == send  # or recorded and sent again
+
+
+def test_a_retried_l3_order_rechecks_its_grant_only_while_its_dispatch_may_be_withdrawn():
+    sent, rules, _ = settle(registered(change_class="L3"), grant=True)
+    assert rules == ["triage", "dispatched"]
+    assert planner.recheck_grant(sent, True, False)
+    assert not planner.recheck_grant(sent, True, True)  # a timed-out attempt may have landed
+    assert not planner.recheck_grant(sent, False, False)  # recorded by an earlier pass
+    c = planner.revoked(sent, POLICY, NOW, TRIAGER)
+    back = commit(c.record, c.draft)
+    assert not back.in_flight and back.decision.cause == "no_grant"
+    assert step_of(back) == planner.DONE
 
 
 # -- the autonomy chain: holds, re-holds, releases, crisis -------------------------------------
@@ -157,7 +275,7 @@ def test_a_held_back_l0_is_deferred_and_released_once_autonomy_is_back(state, ca
     record, rules, step = settle(registered(**L0), view(state))
     assert (record.decision.cause, step) == (cause, planner.DONE)
     record, rules, step = settle(record, view(OPEN))
-    assert rules == ["triage"] and record.decision.verdict == "accept"
+    assert rules == ["triage", "dispatched"] and record.decision.verdict == "accept"
     assert isinstance(step, planner.SendApply)
 
 
@@ -170,7 +288,8 @@ def test_an_l0_accepted_before_the_breaker_opened_is_held_back_before_its_order(
 
 def test_an_operator_approved_l2_is_not_held_by_the_breaker():
     record, _, _ = settle(registered())
-    assert isinstance(step_of(approved(record), view(BREAKER)), planner.SendApply)
+    _, _, step = settle(approved(record), view(BREAKER))
+    assert isinstance(step, planner.SendApply)
 
 
 def test_a_crisis_halts_every_dispatch_but_not_triage():
@@ -242,7 +361,8 @@ def test_a_healthy_lkg_records_the_reversal_before_the_order():
     record = approved(registered(**_l4_fields()))
     c = planner.after_lkg(record, report(), POLICY, TRIAGER, 1 << 20, NOW)
     assert c.why == "lkg_verified" and c.record.revert_id is not None
-    step = step_of(commit(c.record, c.draft))
+    _, rules, step = settle(commit(c.record, c.draft))
+    assert rules == ["dispatched"]
     assert isinstance(step, planner.SendApply) and step.authority == "operator:alice"
 
 
@@ -274,10 +394,16 @@ def test_an_operators_rollback_goes_before_anything_else_and_is_halted_by_a_cris
     record, _, step = settle(registered(**L0))
     record = applied(record, step, inverse={"set": {"key": "x", "value": 0}}, rollbackable=True)
     asked = signed_review(record, "rollback")
-    step = step_of(asked)
-    assert isinstance(step, planner.SendRollback) and step.order.authority == "operator:alice"
     assert isinstance(step_of(asked, view(CRISIS)), planner.Halt)
     assert step_of(asked, view(dispatch=False)) == planner.DONE
+    intent = step_of(asked)
+    assert isinstance(intent, planner.Commit) and intent.why == "dispatched"
+    assert "dispatch:rollback" in intent.draft.refs
+    assert "authority:operator:alice" in intent.draft.refs
+    sent, rules, step = settle(asked)
+    assert rules == ["dispatched"] and sent.rollback_dispatched_at == NOW
+    assert isinstance(step, planner.SendRollback) and step.order.authority == "operator:alice"
+    assert f"order:{step.inverse_id}" in intent.draft.refs
 
 
 def test_a_regression_at_review_after_proposes_the_recorded_rollback_then_commits():
@@ -346,11 +472,11 @@ def test_the_planner_always_settles_and_never_sends_what_its_gate_forbids(
     assert len(rules) <= 2
     if approve and record.status == "pending" and record.decision.verdict == "defer" \
             and record.decision.cause in ("awaiting_operator", "no_grant"):
-        record = approved(record)
-        step = step_of(record, view(autonomy, NOW + later, dispatch=dispatch))
+        record, _, step = settle(approved(record), view(autonomy, NOW + later,
+                                                         dispatch=dispatch))
     if isinstance(step, planner.SendApply):
         assert dispatch and not autonomy.crisis
-        assert record.decision.verdict == "accept"
+        assert record.decision.verdict == "accept" and record.in_flight
         assert step.authority == (record.approved_by or PRINCIPAL)
         assert record.approved_by is not None or view(autonomy, NOW + later).held(record) is None
         record = applied(record, step, ok=ok)
