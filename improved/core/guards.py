@@ -187,7 +187,7 @@ def touched_paths(proposal: Proposal) -> list[str]:
 
 # -- feedback collapse (SPEC 09 §5, DESIGN §3.3) ------------------------------------------------
 
-_SEQ = re.compile(r"^[0-9]+$")
+_SEQ = re.compile(r"^[0-9]+\Z")
 
 
 def session_of(actor: str) -> str:

@@ -28,7 +28,7 @@ from improved.protocol.model import (
 )
 
 REVERT_ANALYZER = "improved.revert/1"
-Digest = Annotated[str, Meta(pattern=r"^sha256:[0-9a-f]{64}$")]
+Digest = Annotated[str, Meta(pattern=r"^sha256:[0-9a-f]{64}\Z")]
 
 
 class LkgEntry(Struct, forbid_unknown_fields=True, kw_only=True):

@@ -44,13 +44,13 @@ Mode = Literal["interactive", "autonomous"]
 AUTHORITIES: tuple[str, ...] = ("L0", "L2", "L4")
 DEFAULT_CEILINGS: dict[str, str] = {"interactive": "L4", "autonomous": "L2"}
 MAX_CEILING: dict[str, str] = {"interactive": "L4", "autonomous": "L2"}
-NAME_RE = re.compile(r"^[a-z][a-z0-9_.-]{0,127}$")
+NAME_RE = re.compile(r"^[a-z][a-z0-9_.-]{0,127}\Z")
 CLOCK_SKEW_MS = 5 * 60 * 1000  # how far a grant's `at` may lie ahead; its default lifetime too
 ERROR_LIMIT = 500  # characters of a failed tool's error text
 
 ToolName = Annotated[str, Meta(pattern=NAME_RE.pattern)]
-GrantToken = Annotated[str, Meta(pattern=r"^gt:[0-9a-f]{64}$")]
-Sha256Hex = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+GrantToken = Annotated[str, Meta(pattern=r"^gt:[0-9a-f]{64}\Z")]
+Sha256Hex = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}\Z")]
 
 
 def _rank(authority: str) -> int:

@@ -49,11 +49,11 @@ Cause = Literal[
 Held = Literal["circuit_open", "autonomy_off"]  # the causes that hold autonomous applies back
 
 Millis = Annotated[int, Meta(ge=0, le=2**53)]
-ServiceName = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_-]{0,62}$")]
-ProposalId = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
-TargetRef = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9+.-]*:.+$", max_length=1024)]
+ServiceName = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_-]{0,62}\Z")]
+ProposalId = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}\Z")]
+TargetRef = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9+.-]*:.+\Z", max_length=1024)]
 # SPEC 07 §3.5.7: `<svc>[:<uuid>]`, `<runtime>:<uuid>[:<seq>]` or `operator:<principal>`.
-Actor = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_-]{0,62}(:[A-Za-z0-9._@+-]{1,128}){0,2}$")]
+Actor = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_-]{0,62}(:[A-Za-z0-9._@+-]{1,128}){0,2}\Z")]
 ShortText = Annotated[str, Meta(max_length=500)]
 
 
@@ -74,7 +74,7 @@ class Origin(_In):
 
 
 class AnalyzerRef(_In):
-    id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]+(/[0-9]+)?$", max_length=128)]
+    id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]+(/[0-9]+)?\Z", max_length=128)]
     params: dict[str, Any] | None = None
 
 
@@ -314,7 +314,7 @@ class Review(_In):
 
 class GrantCommand(_In):
     op: Literal["grant", "revoke"]
-    skill: Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_-]{0,62}:[0-9a-f]{64}$")]
+    skill: Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_-]{0,62}:[0-9a-f]{64}\Z")]
     principal: Actor
     reason: ShortText
     at: Millis

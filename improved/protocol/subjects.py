@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-SERVICE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
-ID_RE = re.compile(r"^[0-9a-f]{64}$")
+SERVICE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}\Z")
+ID_RE = re.compile(r"^[0-9a-f]{64}\Z")
 SKILL_NAME_RE = SERVICE_RE
 
 # -- inbound: captured by the IMPROVE_IN stream so nothing is lost while no daemon runs ----------

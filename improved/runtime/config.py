@@ -79,7 +79,7 @@ RecordsStorage = Literal["file", "memory"]
 Replicas = Literal[1, 3, 5]
 Port = Annotated[int, Meta(ge=1, le=65535)]
 # nats-server's jetstream sync_interval: "always", or a Go duration such as "2m" or "1h30m"
-Sync = Annotated[str, Meta(pattern=r"^(always|0|([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+)$",
+Sync = Annotated[str, Meta(pattern=r"^(always|0|([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+)\Z",
                            description='"always" or a duration such as "2m"')]
 
 
@@ -187,7 +187,7 @@ def _check_key(path: tuple[str, ...], key: str) -> None:
                       f"Ed25519 public key, got {_got(key)}")
 
 
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")  # fullmatch: `$` would let a final newline in
 _SEGMENT = re.compile(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]")
 
 
@@ -198,7 +198,7 @@ def _dotted(path: tuple[str | int, ...]) -> str:
         if isinstance(part, int):
             out += f"[{part}]"
         else:
-            name = part if _BARE_KEY.match(part) else json.dumps(part)
+            name = part if _BARE_KEY.fullmatch(part) else json.dumps(part)
             out += f".{name}" if out else name
     return out or "(top level)"
 

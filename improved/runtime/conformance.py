@@ -82,8 +82,8 @@ NOT_ACCEPTED = "not_accepted:"
 GET_REFUSALS = ("no_grant", "grant_mismatch", "not_found")
 IDENTITY = "<name>:<sha256>"
 MALFORMED_ORDER = {"proposal_id": "x"}
-_SCHEME_RE = re.compile(r"^[a-z][a-z0-9+.-]*$")
-_SUBJECT_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")  # no wildcards, no spaces
+_SCHEME_RE = re.compile(r"^[a-z][a-z0-9+.-]*\Z")
+_SUBJECT_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\Z")  # no wildcards, no spaces
 _SHOWN = 200  # characters of a reply quoted in a detail
 
 

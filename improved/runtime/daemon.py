@@ -539,7 +539,7 @@ class _ProposalUnknown(Exception):
     pass
 
 
-GRANT_SKILL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}:[0-9a-f]{64}$")
+GRANT_SKILL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}:[0-9a-f]{64}\Z")
 
 
 def signed_act(data: bytes, limit: int, field: str) -> tuple[Envelope, object]:

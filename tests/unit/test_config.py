@@ -281,3 +281,9 @@ def test_one_bad_value_in_a_good_file_is_named(place, value):
         message = str(exc)
         assert _one_line(message)
         assert re.match(rf"config error: {re.escape(dotted)}[.:\[]", message), message
+
+
+def test_a_key_ending_in_a_newline_is_quoted_on_its_one_line():
+    with pytest.raises(ConfigError) as err:
+        parse({"0\n": 1})
+    assert str(err.value) == 'config error: "0\\n": unknown key'

@@ -338,3 +338,14 @@ def test_fuzz_mutated_proposal(changes, data_extra, args):
     if isinstance(obj.get("summary"), dict):
         obj["summary"]["args"] = args
     _never_crashes(json.dumps(obj).encode())
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("service", "svc\n"),
+    ("target_ref", "skill:greet\n"),
+    ("origin", {"actor": "mcp:aaa:1\n", "service": "svc"}),
+])
+def test_a_trailing_newline_never_passes_a_pattern(field, value):
+    """`$` matches before a final newline in Python's re: every wire pattern ends in `\\Z`."""
+    err = refused(enc(body(**{field: value})), svc=None)
+    assert err.field is not None and err.field.startswith(field)
