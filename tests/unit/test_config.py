@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from improved.core.guards import DEFAULT_FORBIDDEN
+from improved.core.policy import loosening
 from improved.core.signing import raw_public
 from improved.runtime import config as config_module
 from improved.runtime.config import ApplySettings, Config, ConfigError, Policy, Trust, load, parse
@@ -229,9 +230,8 @@ def test_the_readme_example_loads_to_its_values(tmp_path):
     assert config == Config(
         nats_url="nats://127.0.0.1:4222", data_dir=Path(".improved"), port=4222, sync="always",
         max_message_bytes=262144, metrics_port=9464, replicas=1, records_storage="file",
-        policy=Policy(forbidden_targets=("_spec/2026-04-20-00-constitution.md",
-                                         "src/crates/cosmix-mcp/**"),
-                      min_class={"grain": "L2"}, fallback_min_class="L2",
+        policy=Policy(forbidden_targets=("deploy/secrets/**",),
+                      min_class={"config": "L4"}, fallback_min_class="L2",
                       policy_principal="policy:auto", effect_window_ms=86400000, autonomy="on",
                       breaker_threshold=3, breaker_pause_hours=48.0, doc_allowlist=("docs/**",),
                       regression_tolerance=0.05, metric_direction={"error_rate": "lower"},
@@ -239,6 +239,9 @@ def test_the_readme_example_loads_to_its_values(tmp_path):
         trust=Trust(operators={"operator:alice": KEY_A}, quorum={"agent-a": KEY_B}),
         apply=ApplySettings(timeout_s=5.0, attempts=3, max_deliveries=8))
     assert len(config.trust.store().keys) == 1 and len(config.trust.voters().keys) == 1
+    # copied as is, it weakens no invariant
+    assert config.policy.forbidden[:len(DEFAULT_FORBIDDEN)] == DEFAULT_FORBIDDEN
+    assert loosening(config.policy) is None and not config.policy.quorum
 
 
 def test_the_deploy_example_loads():
