@@ -106,7 +106,8 @@ class Daemon:
 
     async def start(self) -> None:
         """Bind the streams, check and record the policy, restore, verify the log, subscribe.
-        ConfigError (nothing subscribed) when `policy.quorum` names no approved amendment."""
+        ConfigError (nothing subscribed) when the policy loosens a floor or `policy.quorum`
+        names no approved amendment."""
         await self.store.ensure()
         await self._policy_in_force()
         await self.engine.sync_switch()
@@ -137,8 +138,8 @@ class Daemon:
                                                            S.STREAM_AUDIT])
 
     async def _policy_in_force(self) -> None:
-        """Refuse a quorum no approved constitution edit permits; log the effective policy and
-        record it on the `_policy` chain when it changed."""
+        """Refuse a loosened floor and a quorum no approved constitution edit permits; log the
+        effective policy and record it on the `_policy` chain when it changed."""
         p = self.config.policy
         loose = policy.loosening(p)  # config.parse refuses it too; a Config built in code here
         if loose is not None:

@@ -129,7 +129,8 @@ def test_run_propose_show_verify_and_stop(tmp_path):
         verified = improved("audit", "verify", "--nats", url)
         assert verified.returncode == 0, verified.stderr
         assert "4/4 chains verified" in verified.stdout  # 2 proposals, checkpoints, policy
-        assert "checkpoint of 0 trailers" in verified.stdout  # signed when the daemon started
+        # signed when the daemon started, over the policy it had just recorded
+        assert "checkpoint of 1 trailers" in verified.stdout
         one = improved("audit", "verify", "--nats", url, reply["proposal_id"])
         assert "1/1 chains verified" in one.stdout
         missing = improved("show", "--nats", url, "f" * 64)
