@@ -578,17 +578,19 @@ class Demo:
     async def step_audit(self) -> None:
         chains = await self.reader.all_chains()
         trailers = sum(len(bodies) for bodies in chains.values())
-        kinds = {"proposal": 0, "grant": 0, "autonomy": 0}
+        kinds = {"proposal": 0, "grant": 0, "autonomy": 0, "other": 0}
         first_break = None
         for (svc, cid), bodies in sorted(chains.items()):
             kind = ("grant" if svc == S.GRANT_CHAINS else
-                    "autonomy" if svc == S.AUTONOMY_CHAIN else "proposal")
+                    "autonomy" if svc == S.AUTONOMY_CHAIN else
+                    "other" if svc in S.MESH_CHAINS else "proposal")
             kinds[kind] += 1
             brk = audit.verify_chain(cid, bodies)
             if brk is not None and first_break is None:
                 first_break = brk
         self.event("read", f"{len(chains)} chains from IMPROVE_AUDIT: {kinds['proposal']} "
-                   f"proposals, {kinds['grant']} grant, {kinds['autonomy']} autonomy")
+                   f"proposals, {kinds['grant']} grant, {kinds['autonomy']} autonomy, "
+                   f"{kinds['other']} checkpoint and policy")
         self.expect(first_break is None, f"first break: {first_break}")
         self.expect(len(chains) > 0, "no chains at all")
         self.ok(f"{len(chains)} chains, {trailers} trailers: all verified")

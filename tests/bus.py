@@ -19,13 +19,25 @@ from improved.client.sdk import MeshClient
 from improved.core import authority, signing
 from improved.core.authority import Act
 from improved.protocol import canonical, subjects
-from improved.protocol.model import ApplyOrder, ApplyResult, GrantCommand, to_json
+from improved.protocol.model import (
+    AnalyzerRef,
+    ApplyOrder,
+    ApplyResult,
+    GrantCommand,
+    Origin,
+    Proposal,
+    ProposalEdit,
+    Summary,
+    to_json,
+)
+from improved.runtime import bus
 from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import Store
 from improved_reference.artefact_store import ArtefactStore
-from tests.factories import review, swap
-from tests.keys import ALICE
+from tests.builders import CHANGELOG_DIFF, CONSTITUTION
+from tests.factories import now_ms, review, sha, swap
+from tests.keys import ALICE, VOTERS
 
 _KEYS = Path(tempfile.mkdtemp(prefix="improved-test-keys-"))
 
@@ -42,6 +54,59 @@ def daemon_config(**overrides) -> Config:
     overrides.setdefault("data_dir", _KEYS / f"data-{uuid.uuid4().hex[:8]}")
     overrides.setdefault("checkpoint_key", _KEYS / "checkpoint.pem")
     return Config(apply=apply, trust=trust, **overrides)
+
+
+def quorum_config(amendment: str | None, **overrides) -> Config:
+    """`daemon_config` with `policy.quorum` on under the constitution edit `amendment`, and
+    VOTERS' keys trusted as quorum voters."""
+    base = daemon_config(**overrides)
+    voters = {n: base64.b64encode(signing.raw_public(k.public_key())).decode()
+              for n, k in VOTERS.items()}
+    return msgspec.structs.replace(
+        base, policy=msgspec.structs.replace(base.policy, quorum=True,
+                                             quorum_amendment=amendment),
+        trust=Trust(operators=base.trust.operators, quorum=voters))
+
+
+QUORUM_AMENDS = "VII: IV.2 an L4 change may pass on a signed quorum (SPEC 09 §6)"
+
+
+def charter(svc: str, amends: str = QUORUM_AMENDS) -> Proposal:
+    """A constitution edit (scope charter, L4, `amends`, a CHANGELOG entry in its diff)."""
+    return Proposal(
+        service=svc, target_ref=f"doc:{CONSTITUTION}", change_class="L4", scope="charter",
+        origin=Origin(actor="operator:alice", service=svc),
+        analyzer=AnalyzerRef(id="ops.amend/1"), summary=Summary(template_id="amend", args={}),
+        amends=amends, created_at=now_ms(),
+        proposal_edit=ProposalEdit(format="unified", base_digest=sha("v5"),
+                                   diff=CHANGELOG_DIFF))
+
+
+async def amendment(url: str, svc: str = "charter", *, approved: bool = True,
+                    amends: str = QUORUM_AMENDS) -> str:
+    """The id of a constitution edit permitting the L4 quorum, proposed through a daemon with
+    the quorum off and (with `approved`) approved by ALICE's signed review, as an operator
+    would before switching the quorum on. That daemon is stopped again."""
+    nc = await bus.connect(url, "amendment")
+    from improved.runtime.daemon import Daemon
+
+    daemon = Daemon(nc, daemon_config())
+    await daemon.start()
+    try:
+        client = MeshClient(nc, svc)
+        pid = (await client.propose(charter(svc, amends))).proposal_id
+        if approved:
+            await approve(nc, client, svc, pid)
+
+            async def is_approved():
+                state = await client.state(pid)
+                return state is not None and state.status == "approved"
+
+            await eventually(is_approved)
+    finally:
+        await daemon.stop()
+        await bus.close(nc)
+    return pid
 
 
 async def eventually(check, timeout: float = 10.0, interval: float = 0.05):

@@ -6,19 +6,15 @@ builders (pure core data), keys, factories (wire messages), bus, cli, harness, t
 
 from __future__ import annotations
 
-import base64
 import itertools
 import uuid
 
 import pytest
 import pytest_asyncio
 
-from improved.core import signing
 from improved.runtime import bus
-from improved.runtime.config import Trust
 from improved.runtime.daemon import Daemon
-from tests.bus import daemon_config
-from tests.keys import VOTERS
+from tests.bus import amendment, daemon_config, quorum_config
 
 
 @pytest.fixture(scope="session")
@@ -74,17 +70,12 @@ def svc() -> str:
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def quorum_daemon(own_server):
-    """A daemon of its own with `policy.quorum` on, trusting VOTERS' keys as quorum voters."""
-    from msgspec.structs import replace
-
+    """A daemon of its own with `policy.quorum` on, trusting VOTERS' keys as quorum voters.
+    The quorum is permitted as in production: by a constitution edit ALICE approved (proposed
+    and approved through a daemon with the quorum off first)."""
+    pid = await amendment(own_server.url)
     nc = await bus.connect(own_server.url, "quorum")
-    base = daemon_config()
-    voters = {n: base64.b64encode(signing.raw_public(k.public_key())).decode()
-              for n, k in VOTERS.items()}
-    config = replace(
-        base, policy=replace(base.policy, quorum=True),
-        trust=Trust(operators=base.trust.operators, quorum=voters))
-    daemon = Daemon(nc, config)
+    daemon = Daemon(nc, quorum_config(pid))
     await daemon.start()
     yield nc, daemon
     await daemon.stop()

@@ -45,11 +45,26 @@ def rest_of(target_ref: str) -> str:
     return target_ref.split(":", 1)[1] if ":" in target_ref else ""
 
 
+def floor(scheme: str) -> str:
+    """SPEC 09's minimum class of a scheme: the table, else the built-in fallback. Built in:
+    a configuration may raise it, never lower it (DESIGN §9, "invariants are floors")."""
+    return DEFAULT_MIN_CLASS.get(scheme, FALLBACK_MIN_CLASS)
+
+
+def higher(a: str, b: str) -> str:
+    """The higher of two classes."""
+    return a if RANK[a] >= RANK[b] else b
+
+
 def min_class(scheme: str, overrides: Mapping[str, str] | None = None,
               fallback: str = FALLBACK_MIN_CLASS) -> str:
+    """The configured minimum (an override, else the table, else `fallback`), never below the
+    scheme's built-in floor: a lower value in a policy raises nothing and lowers nothing."""
     if overrides and scheme in overrides:
-        return overrides[scheme]
-    return DEFAULT_MIN_CLASS.get(scheme, fallback)
+        configured = overrides[scheme]
+    else:
+        configured = DEFAULT_MIN_CLASS.get(scheme, fallback)
+    return higher(configured, floor(scheme))
 
 
 def class_fits(change_class: str, scheme: str, overrides: Mapping[str, str] | None = None,

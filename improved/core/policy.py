@@ -2,18 +2,32 @@
 
 Decoded strictly from TOML by improved.runtime.config (unknown keys and wrong types are refused
 there, one line naming the key); the core only reads it. Immutable.
+
+Invariants are floors (DESIGN §9). The constitution's Art. VI list and SPEC 09's scheme minimum
+classes are built in: `forbidden_targets` only *adds* patterns (`Policy.forbidden` is the
+built-in list and them), and a minimum class is never below its built-in floor
+(`gradient.min_class`), whatever a Policy holds. A configuration that tries to lower one, or
+turns `quorum` on without naming the constitution edit that permits it, is refused at start:
+`loosening` says where and why. `amendment_problem` judges the named edit, replayed from its
+chain by the shell. `effective`, `digest` and `differences` describe the policy in force for
+the `_policy` chain, on which the daemon records every change of it (`draft`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import typing
-from typing import Annotated, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 from msgspec import Meta, field
 
+from improved.core import gradient
+from improved.core.audit import REASON_LIMIT, Draft
 from improved.core.gradient import CLASSES, FALLBACK_MIN_CLASS
 from improved.core.guards import DEFAULT_FORBIDDEN
+from improved.core.record import ProposalRecord, ref, refs_of
+from improved.protocol import canonical
 
 ChangeClass = Literal["L0", "L1", "L2", "L3", "L4"]
 assert typing.get_args(ChangeClass) == CLASSES
@@ -21,14 +35,18 @@ Autonomy = Literal["on", "off"]
 Direction = Literal["higher", "lower"]
 Positive = Annotated[int, Meta(ge=1)]
 Text = Annotated[str, Meta(min_length=1)]
+ProposalId = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$",
+                                 description="a proposal id (64 lowercase hex)")]
 # Every float has a lower and an upper bound, which also refuses TOML's nan and inf.
 YEARS_10_S = 10 * 365 * 86400  # upper bound of every span: far beyond use, well inside int64
 
 
 class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    forbidden_targets: tuple[str, ...] = DEFAULT_FORBIDDEN
-    min_class: dict[str, ChangeClass] = field(default_factory=dict)
-    fallback_min_class: ChangeClass = FALLBACK_MIN_CLASS
+    # globs forbidden *in addition to* the constitution's Art. VI list (DEFAULT_FORBIDDEN),
+    # which is always in force: see `forbidden`
+    forbidden_targets: tuple[str, ...] = ()
+    min_class: dict[str, ChangeClass] = field(default_factory=dict)  # raised, never lowered
+    fallback_min_class: ChangeClass = FALLBACK_MIN_CLASS  # likewise
     policy_principal: Text = "policy:auto"
     effect_window_ms: Annotated[int, Meta(ge=1, le=YEARS_10_S * 1000)] = 24 * 3600 * 1000
     autonomy: Autonomy = "on"  # "off" holds every autonomous apply back (constitution IV.6)
@@ -40,3 +58,124 @@ class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     breaker_window_days: Annotated[float, Meta(gt=0.0, le=YEARS_10_S / 86400)] = 14.0
     breaker_pause_hours: Annotated[float, Meta(gt=0.0, le=YEARS_10_S / 3600)] = 48.0
     quorum: bool = False  # L4 may also pass on signed votes of non-correlated sessions (§5.4)
+    # the approved constitution edit (charter proposal) that permits the quorum (SPEC 09 §6)
+    quorum_amendment: ProposalId | None = None
+
+    @property
+    def forbidden(self) -> tuple[str, ...]:
+        """The forbidden list in force: the constitution's, then the configured additions."""
+        return forbidden(self.forbidden_targets)
+
+
+def forbidden(additional: typing.Iterable[str]) -> tuple[str, ...]:
+    """DEFAULT_FORBIDDEN followed by every other pattern of `additional`, each once."""
+    out = list(DEFAULT_FORBIDDEN)
+    for pattern in additional:
+        if pattern not in out:
+            out.append(pattern)
+    return tuple(out)
+
+
+# -- the floors, as a configuration is checked against them --------------------------------------
+
+QUORUM_WORD: Final = "quorum"  # what an amendment's `amends` clause must name to permit it
+
+
+def loosening(policy: Policy) -> tuple[tuple[str, ...], str] | None:
+    """The first place `policy` would weaken an invariant: (its key under `[policy]`, why), or
+    None. Minimum classes by scheme, then the fallback, then the quorum."""
+    for scheme, cls in sorted(policy.min_class.items()):
+        least = gradient.floor(scheme)
+        if gradient.RANK[cls] < gradient.RANK[least]:
+            return (("min_class", scheme),
+                    f"{cls} is below the minimum {least} for {scheme}: targets; a "
+                    "configuration may only raise it")
+    if gradient.RANK[policy.fallback_min_class] < gradient.RANK[FALLBACK_MIN_CLASS]:
+        return (("fallback_min_class",),
+                f"{policy.fallback_min_class} is below the built-in fallback "
+                f"{FALLBACK_MIN_CLASS} for schemes not listed; a configuration may only raise it")
+    if policy.quorum and policy.quorum_amendment is None:
+        return (("quorum",),
+                "true needs policy.quorum_amendment, the id of an approved constitution edit "
+                "(a charter proposal) that permits the L4 quorum (SPEC 09 §6)")
+    return None
+
+
+def amendment_problem(pid: str, record: ProposalRecord | None) -> str | None:
+    """Why the proposal `pid` (replayed from its chain; None when it has none) does not permit
+    the L4 quorum, or None: it must be a constitution edit — scope charter, L4, an `amends`
+    clause that names the quorum — and approved by an operator's signed review."""
+    if record is None:
+        return f"{pid} has no audit chain: no such proposal"
+    p = record.proposal
+    if p.scope != "charter" or p.change_class != "L4" or not (p.amends or "").strip():
+        return (f"{pid} is not a constitution edit (a charter proposal: scope charter, L4, with "
+                "an amends clause)")
+    if QUORUM_WORD not in (p.amends or "").lower():
+        return f"{pid} amends {p.amends!r}, which does not name the {QUORUM_WORD}"
+    if record.status != "approved" or record.approved_by is None:
+        return f"{pid} is {record.status}, not approved"
+    return None
+
+
+# -- the policy in force, on the `_policy` chain -------------------------------------------------
+
+
+def effective(policy: Policy) -> Policy:
+    """The policy as the core applies it, in one normal form: `forbidden_targets` only the
+    patterns the built-in list lacks (each once), every minimum at least its floor and only
+    the ones that change something. Two policies the core treats alike are equal here (one
+    that lists part of the built-in list, or a scheme at its own minimum, is the default)."""
+    fallback = _class(gradient.higher(policy.fallback_min_class, FALLBACK_MIN_CLASS))
+    raised = {scheme: _class(gradient.min_class(scheme, policy.min_class, fallback))
+              for scheme in sorted(policy.min_class)}
+    return msgspec.structs.replace(
+        policy, forbidden_targets=policy.forbidden[len(DEFAULT_FORBIDDEN):],
+        min_class={s: c for s, c in raised.items() if c != gradient.min_class(s, None, fallback)},
+        fallback_min_class=fallback)
+
+
+def _class(name: str) -> ChangeClass:
+    assert name in CLASSES
+    return typing.cast(ChangeClass, name)
+
+
+def digest(policy: Policy) -> str:
+    """SHA-256 of the canonical MessagePack of the effective policy."""
+    return canonical.digest(msgspec.to_builtins(effective(policy)))
+
+
+def differences(policy: Policy) -> dict[str, Any]:
+    """Each key whose effective value differs from the default's, with that value."""
+    mine = msgspec.to_builtins(effective(policy))
+    default = msgspec.to_builtins(effective(Policy()))
+    return {name: value for name, value in mine.items() if default.get(name) != value}
+
+
+POLICY_ID: Final = hashlib.sha256(b"improved policy").hexdigest()  # the one `_policy` chain
+DIGEST_REF: Final = "digest"
+
+
+def recorded_digest(body: dict[str, Any] | None) -> str | None:
+    """The policy digest a trailer of the `_policy` chain records (None for an empty chain)."""
+    if not body:
+        return None
+    return refs_of(msgspec.convert(body, type=_Refs)).get(DIGEST_REF)
+
+
+class _Refs(msgspec.Struct):
+    refs: list[str] = []
+
+
+def draft(policy: Policy, actor: str) -> Draft:
+    """The trailer recording `policy` as in force: refs `digest:` and `<key>:<JSON value>` for
+    each key that differs from the default."""
+    changed = differences(policy)
+    refs = (ref(DIGEST_REF, digest(policy)),
+            *(ref(name, value, as_json=True) for name, value in changed.items()))
+    what = ("differs from the defaults in " + ", ".join(changed)) if changed else \
+        "the defaults"
+    return Draft(from_stage="learn-back", to_stage="learn-back", actor=actor,
+                 observer_type="rec:system", verdict="policy",
+                 reason=f"effective policy {digest(policy)[:12]}: {what}"[:REASON_LIMIT],
+                 refs=refs)

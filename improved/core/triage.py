@@ -48,7 +48,7 @@ def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
     charter = lkg.is_charter(p) and lkg.charter_problem(p) is None
     if charter:  # prepared for an operator to commit, never applied: it may name the charter
         paths = lkg.charter_paths(paths)
-    hit = forbidden_match(paths, policy.forbidden_targets)
+    hit = forbidden_match(paths, policy.forbidden)
     if hit is not None:
         return decision("reject", "forbidden_target",
                         f"{hit} is a forbidden target (constitution VI); no class may change it")

@@ -28,6 +28,7 @@ TrailerVerdict = Literal[
     "grant", "revoke",  # the grant chain of a skill hash
     "autonomy_on", "autonomy_off", "crisis", "crisis_resolved",  # the autonomy chain
     "checkpoint",  # the checkpoint chain
+    "policy",  # the policy chain: the effective policy a daemon started with
 ]
 ObserverType = Literal["human", "rec:agent", "rec:policy", "rec:system"]
 Cause = Literal[

@@ -55,7 +55,8 @@ BUCKET_LEDGER = "improved_ledger"  # dedup_key → the operator's rejection (the
 GRANT_CHAINS = "_grants"
 AUTONOMY_CHAIN = "_autonomy"  # the breaker and the autonomy switch (improved/breaker.py)
 CHECKPOINT_CHAIN = "_checkpoints"  # signed checkpoints over the whole log (checkpoint.py)
-MESH_CHAINS = frozenset({GRANT_CHAINS, AUTONOMY_CHAIN, CHECKPOINT_CHAIN})  # not proposals
+POLICY_CHAIN = "_policy"  # the effective policy, recorded when it changes (core/policy.py)
+MESH_CHAINS = frozenset({GRANT_CHAINS, AUTONOMY_CHAIN, CHECKPOINT_CHAIN, POLICY_CHAIN})
 
 # Refusals (bad input) are logged here: what was refused and why, never the payload itself.
 REFUSED = "improved.refused"
@@ -116,6 +117,10 @@ def autonomy_audit(chain_id: str) -> str:
 
 def checkpoint_audit(chain_id: str) -> str:
     return f"{AUDIT}.{CHECKPOINT_CHAIN}.{chain_id}"
+
+
+def policy_audit(chain_id: str) -> str:
+    return f"{AUDIT}.{POLICY_CHAIN}.{chain_id}"
 
 
 def dedup_key_of(svc: str, dedup: str) -> str:

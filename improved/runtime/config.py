@@ -5,6 +5,17 @@ value of the wrong type (no coercion: `"5"` is not a number, a string is not a l
 range is refused with a ConfigError of one line naming the key, e.g.
 `config error: policy.forbidden_targets: expected array, got str`.
 
+Invariants are floors (DESIGN §9; improved.core.policy): the configuration can tighten them,
+never loosen them. `forbidden_targets` lists patterns forbidden *in addition to* the
+constitution's Art. VI list, which is built in (listing some of its patterns, or none, removes
+nothing). `min_class` and `fallback_min_class` may raise SPEC 09's minimum classes; a lower
+value is refused, e.g. `config error: policy.min_class.binary: L0 is below the minimum L4 for
+binary: targets; a configuration may only raise it`. `quorum = true` needs `quorum_amendment`,
+the id of an approved constitution edit (a charter proposal whose `amends` names the quorum);
+the daemon checks it on the proposal's audit chain when it starts and refuses to start
+otherwise. The daemon records the effective policy on the `_policy` audit chain whenever it
+starts with a policy that differs from the last one recorded.
+
 ```toml
 nats_url = "nats://127.0.0.1:4222"   # omit to start an embedded nats-server
 data_dir = ".improved"
@@ -20,9 +31,10 @@ checkpoint_interval_s = 300          # sign a checkpoint over the whole audit lo
 checkpoint_key = "/etc/improved/checkpoint.pem"   # default: <data_dir>/checkpoint.pem
 
 [policy]
-forbidden_targets = ["..."]          # globs; default: the constitution's Art. VI list
-min_class = { grain = "L2" }         # per-scheme minimum class overrides
-fallback_min_class = "L2"            # for schemes not listed anywhere
+forbidden_targets = ["deploy/secrets/**"]   # globs forbidden besides the constitution's Art. VI
+                                     # list, which always applies (default: none added)
+min_class = { config = "L4" }        # per-scheme minimum classes, raised above SPEC 09's
+fallback_min_class = "L2"            # for schemes not listed anywhere (at least L2)
 policy_principal = "policy:auto"     # authority of auto-applies (L0, L3 with grant)
 effect_window_ms = 86400000          # a world signal counts if it lands this soon after apply
 autonomy = "on"                      # "off": no autonomous apply (constitution IV.6)
@@ -32,7 +44,8 @@ metric_direction = { error_rate = "lower" }  # ... regressed (default: higher is
 breaker_threshold = 3                # autonomous rollbacks within the window that trip ...
 breaker_window_days = 14             # ... the circuit breaker (constitution IV.5), which
 breaker_pause_hours = 48             # pauses autonomous applies this long
-quorum = false                       # L4 may pass on 3 signed votes of non-correlated sessions
+quorum = false                       # L4 may pass on 3 signed votes of non-correlated sessions;
+# quorum_amendment = "<64 hex>"      # true needs this: an approved charter proposal's id
 
 [trust]                              # keys whose signed acts count, bound to their principal
 operators = { "operator:alice" = "<base64 of the raw 32-byte Ed25519 public key>" }
@@ -66,7 +79,7 @@ import msgspec
 from msgspec import Meta, field
 
 from improved.core.policy import YEARS_10_S as _YEARS_10_S
-from improved.core.policy import Policy, Positive, Text
+from improved.core.policy import Policy, Positive, Text, loosening
 from improved.core.signing import TrustStore
 
 
@@ -151,6 +164,10 @@ def parse(doc: object) -> Config:
     for name in ("operators", "quorum", "daemons"):
         for principal, key in getattr(config.trust, name).items():
             _check_key(("trust", name, principal), key)
+    loose = loosening(config.policy)
+    if loose is not None:
+        where, why = loose
+        raise ConfigError(f"config error: {_dotted(('policy', *where))}: {why}")
     return config
 
 

@@ -34,7 +34,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import FetchTimeoutError
 
 from improved.client.sdk import enqueue
-from improved.core import propose
+from improved.core import policy, propose
 from improved.core.authority import Act
 from improved.core.observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
 from improved.core.signing import PAYLOAD_TYPES, envelope_digest
@@ -51,7 +51,7 @@ from improved.protocol.model import (
     to_json,
 )
 from improved.runtime import bus, keys, metrics, notify
-from improved.runtime.config import Config
+from improved.runtime.config import Config, ConfigError
 from improved.runtime.engine import Engine, ServiceUnreachable
 from improved.runtime.store import Store
 
@@ -105,7 +105,11 @@ class Daemon:
     # -- lifecycle -----------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Bind the streams, check and record the policy, restore, verify the log, subscribe.
+        ConfigError (nothing subscribed) when the policy loosens a floor or `policy.quorum`
+        names no approved amendment."""
         await self.store.ensure()
+        await self._policy_in_force()
         await self.engine.sync_switch()
         if not await self.republish_if_lost():
             # the cache is whole: what waits for an operator is in it (a refill counts as it goes)
@@ -132,6 +136,21 @@ class Daemon:
         self.engine.metrics.set_connected(True)
         log.info("daemon ready", actor=self.actor, streams=[S.STREAM_INBOUND, S.STREAM_RECORDS,
                                                            S.STREAM_AUDIT])
+
+    async def _policy_in_force(self) -> None:
+        """Refuse a loosened floor and a quorum no approved constitution edit permits; log the
+        effective policy and record it on the `_policy` chain when it changed."""
+        p = self.config.policy
+        loose = policy.loosening(p)  # config.parse refuses it too; a Config built in code here
+        if loose is not None:
+            raise ConfigError(f"config error: policy.{'.'.join(loose[0])}: {loose[1]}")
+        problem = await self.engine.amendment_problem()
+        if problem is not None:
+            raise ConfigError(f"config error: policy.quorum_amendment: {problem}")
+        log.info("effective policy", digest=policy.digest(p), forbidden_targets=list(p.forbidden),
+                 min_class=policy.effective(p).min_class, fallback_min_class=p.fallback_min_class,
+                 quorum=p.quorum, quorum_amendment=p.quorum_amendment)
+        await self.engine.record_policy()
 
     async def serve(self) -> None:
         """Every background task of a started daemon, in one task group: the inbound consumer
@@ -612,7 +631,11 @@ async def run_until_stopped(nc: Client, config: Config,
     """Run a daemon until SIGTERM or SIGINT, then drain and return 0."""
     daemon = Daemon(nc, config)
     stop = stop or stop_on_signals()
-    await daemon.start()
+    try:
+        await daemon.start()
+    except BaseException:  # e.g. a ConfigError: the connection is not left behind
+        await bus.close(nc)
+        raise
     if on_ready:
         on_ready(daemon)
     notify.ready()  # systemd Type=notify: streams and consumers are bound

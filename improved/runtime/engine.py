@@ -33,6 +33,7 @@ from improved.core import (
     learnback,
     lkg,
     planner,
+    policy,
     propose,
     quorum,
     signing,
@@ -658,6 +659,48 @@ class Engine:
         return await self._append_autonomy(
             lambda s: breaker.switched(s, wanted), f"autonomy_{wanted}", self.actor,
             "rec:system", f"autonomy switched {wanted} in the configuration")
+
+    # -- the policy in force (DESIGN §9: invariants are floors) ------------------------------------
+
+    async def amendment_problem(self) -> str | None:
+        """With `quorum` on: why the named constitution edit does not permit it, judged on the
+        record replayed from its verified chain (never the state cache); else None."""
+        pid = self.policy.quorum_amendment
+        if not self.policy.quorum or pid is None:
+            return None
+        svc = await self.store.service_of(pid)
+        chain = await self.store.read_chain(svc, pid) if svc else []
+        record = None
+        if chain:
+            broken = audit.verify_chain(pid, [body for _, body in chain])
+            if broken is not None:
+                return f"the chain of {pid} does not verify: {broken}"
+            try:
+                record = propose.rebuild_record([decode_trailer(b) for _, b in chain],
+                                                [seq for seq, _ in chain], self.policy)
+            except (ValueError, KeyError, msgspec.MsgspecError) as exc:
+                return f"the chain of {pid} cannot be replayed: {exc}"
+            if record.service != svc:
+                return f"the chain of {pid} is filed under {svc}, not {record.service}"
+        return policy.amendment_problem(pid, record)
+
+    async def record_policy(self) -> Trailer | None:
+        """Append the effective policy to the `_policy` chain when its digest differs from the
+        last one recorded; the appended trailer, or None when it was already in force."""
+        digest = policy.digest(self.policy)
+
+        def next_draft(chain: list[tuple[int, dict]], now: int) -> Draft | None:
+            if policy.recorded_digest(chain[-1][1] if chain else None) == digest:
+                return None
+            return policy.draft(self.policy, self.actor)
+
+        trailer = await self.store.append_sealed(
+            S.policy_audit(policy.POLICY_ID), policy.POLICY_ID, "L0", "operation", next_draft,
+            clock=now_ms)
+        if trailer is not None:
+            log.warning("policy changed: recorded on the policy chain", digest=digest,
+                        differs=sorted(policy.differences(self.policy)))
+        return trailer
 
     # -- checkpoints and crisis (constitution V.4) -------------------------------------------------
 

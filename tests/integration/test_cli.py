@@ -45,6 +45,20 @@ def test_a_missing_config_file_is_a_clear_error():
     ('[policy]\nmin_class = { grain = "L9" }\n',
      "improved: config error: policy.min_class.grain: expected one of L0, L1, L2, L3, L4, "
      "got 'L9'"),
+    # invariants are floors: each loosening is refused before anything starts
+    ('[policy]\nmin_class = { binary = "L0" }\n',
+     "improved: config error: policy.min_class.binary: L0 is below the minimum L4 for binary: "
+     "targets; a configuration may only raise it"),
+    ('[policy]\nmin_class = { code = "L0", rank = "L0" }\n',
+     "improved: config error: policy.min_class.code: L0 is below the minimum L4 for code: "
+     "targets; a configuration may only raise it"),
+    ('[policy]\nfallback_min_class = "L0"\n',
+     "improved: config error: policy.fallback_min_class: L0 is below the built-in fallback L2 "
+     "for schemes not listed; a configuration may only raise it"),
+    ('[policy]\nquorum = true\n',
+     "improved: config error: policy.quorum: true needs policy.quorum_amendment, the id of an "
+     "approved constitution edit (a charter proposal) that permits the L4 quorum "
+     "(SPEC 09 §6)"),
 ])
 def test_improved_run_with_a_bad_config_says_one_line_and_exits(tmp_path, text, line):
     bad = tmp_path / "bad.toml"
@@ -116,8 +130,9 @@ def test_run_propose_show_verify_and_stop(tmp_path):
         verified = improved("audit", "verify", "--nats", url, "--checkpoint",
                             str(data_dir / "last-checkpoint.json"))
         assert verified.returncode == 0, verified.stdout + verified.stderr
-        assert "3/3 chains verified" in verified.stdout  # two proposals and the checkpoints
-        assert "checkpoint of 0 trailers" in verified.stdout  # signed when the daemon started
+        assert "4/4 chains verified" in verified.stdout  # 2 proposals, checkpoints, policy
+        # signed when the daemon started, over the policy it had just recorded
+        assert "checkpoint of 1 trailers" in verified.stdout
         untrusted = improved("audit", "verify", "--nats", url)  # no daemon key to trust
         assert untrusted.returncode == 1 and "not a trusted daemon key" in untrusted.stdout
         one = improved("audit", "verify", "--nats", url, reply["proposal_id"])

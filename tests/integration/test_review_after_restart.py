@@ -15,24 +15,20 @@ proposals vanished from the queue for good."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import random
 import time
 
-import msgspec
 import pytest
 
 from improved.cli.queries import review_queue, review_view
 from improved.client.sdk import MeshClient
-from improved.core import signing
 from improved.protocol import subjects as S
 from improved.runtime import bus
-from improved.runtime.config import Policy, Trust
+from improved.runtime.config import Policy
 from improved.runtime.daemon import Daemon
-from tests.bus import daemon_config, eventually, publish, value
+from tests.bus import amendment, eventually, publish, quorum_config, value
 from tests.factories import skill_proposal, swap, vote
 from tests.harness import Publisher, mix, wait_records
-from tests.keys import VOTERS
 
 HISTORY = 300  # settled proposals (rejected at triage) around the waiting ones
 ROUNDS = 10
@@ -63,12 +59,7 @@ async def _propose_during_reconnect(client: MeshClient, svc: str, n: int) -> str
 @pytest.mark.timeout(150)
 @pytest.mark.asyncio(loop_scope="session")
 async def test_review_lists_every_waiting_proposal_after_each_broker_restart(own_server):
-    base = daemon_config()
-    voters = {n: base64.b64encode(signing.raw_public(k.public_key())).decode()
-              for n, k in VOTERS.items()}
-    config = msgspec.structs.replace(
-        base, policy=msgspec.structs.replace(base.policy, quorum=True),
-        trust=Trust(operators=base.trust.operators, quorum=voters))
+    config = quorum_config(await amendment(own_server.url))
     dnc = await bus.connect(own_server.url, "review-restart-daemon")
     daemon = Daemon(dnc, config)
     await daemon.start()

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from improved.core.guards import DEFAULT_FORBIDDEN
+from improved.core.policy import loosening
 from improved.core.signing import raw_public
 from improved.runtime import config as config_module
 from improved.runtime.config import ApplySettings, Config, ConfigError, Policy, Trust, load, parse
@@ -96,9 +97,51 @@ def test_a_bad_value_is_one_line_naming_the_key(doc, line):
 def test_a_string_of_forbidden_targets_does_not_unguard_the_constitution():
     # it used to become one-character globs; now it is refused, and omitting it keeps Art. VI
     assert "policy.forbidden_targets" in error_of({"policy": {"forbidden_targets": "abc"}})
-    assert parse({"policy": {}}).policy.forbidden_targets == DEFAULT_FORBIDDEN
-    assert parse({"policy": {"forbidden_targets": ["a/**"]}}).policy.forbidden_targets == (
-        "a/**",)
+    assert parse({"policy": {}}).policy.forbidden == DEFAULT_FORBIDDEN
+    added = parse({"policy": {"forbidden_targets": ["a/**"]}}).policy
+    assert added.forbidden_targets == ("a/**",)
+    assert added.forbidden == (*DEFAULT_FORBIDDEN, "a/**")
+
+
+# -- invariants are floors (DESIGN §9) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("policy", "line"), [
+    ({"min_class": {"binary": "L0"}},
+     "config error: policy.min_class.binary: L0 is below the minimum L4 for binary: targets; "
+     "a configuration may only raise it"),
+    ({"min_class": {"code": "L0", "binary": "L2"}},
+     "config error: policy.min_class.binary: L2 is below the minimum L4 for binary: targets; "
+     "a configuration may only raise it"),
+    ({"min_class": {"grain": "L0"}},
+     "config error: policy.min_class.grain: L0 is below the minimum L2 for grain: targets; "
+     "a configuration may only raise it"),
+    ({"min_class": {"code": "L3"}},
+     "config error: policy.min_class.code: L3 is below the minimum L4 for code: targets; "
+     "a configuration may only raise it"),
+    ({"fallback_min_class": "L0"},
+     "config error: policy.fallback_min_class: L0 is below the built-in fallback L2 for "
+     "schemes not listed; a configuration may only raise it"),
+    ({"quorum": True},
+     "config error: policy.quorum: true needs policy.quorum_amendment, the id of an approved "
+     "constitution edit (a charter proposal) that permits the L4 quorum (SPEC 09 §6)"),
+    ({"quorum": True, "quorum_amendment": "P-17"},
+     "config error: policy.quorum_amendment: expected a proposal id (64 lowercase hex), "
+     "got 'P-17'"),
+])
+def test_a_loosening_is_one_line_naming_the_key(policy, line):
+    assert error_of({"policy": policy}) == line
+
+
+def test_what_only_tightens_or_repeats_the_floors_is_accepted():
+    p = parse({"policy": {"min_class": {"binary": "L4", "rank": "L2", "grain": "L2"},
+                          "fallback_min_class": "L4",
+                          "forbidden_targets": ["_spec/CHANGELOG.md", "deploy/**"],
+                          "quorum_amendment": "a" * 64}}).policy
+    assert p.min_class == {"binary": "L4", "rank": "L2", "grain": "L2"}
+    assert p.forbidden == (*DEFAULT_FORBIDDEN, "deploy/**")
+    assert p.quorum is False and p.quorum_amendment == "a" * 64  # named, not switched on
+    assert parse({"policy": {"quorum": True, "quorum_amendment": "b" * 64}}).policy.quorum
 
 
 def test_numbers_widen_to_float_but_nothing_else_is_coerced():
@@ -122,8 +165,9 @@ def test_defaults_are_unchanged(monkeypatch):
             p.effect_window_ms, p.autonomy, p.doc_allowlist, p.regression_tolerance,
             p.metric_direction, p.breaker_threshold, p.breaker_window_days,
             p.breaker_pause_hours, p.quorum) == (
-        DEFAULT_FORBIDDEN, {}, "L2", "policy:auto", 86400000, "on", (), 0.05, {}, 3, 14.0, 48.0,
+        (), {}, "L2", "policy:auto", 86400000, "on", (), 0.05, {}, 3, 14.0, 48.0,
         False)
+    assert p.forbidden == DEFAULT_FORBIDDEN and p.quorum_amendment is None
     assert (c.apply.timeout_s, c.apply.attempts, c.apply.max_deliveries) == (5.0, 3, 8)
     assert (c.trust.operators, c.trust.act_max_age_s, c.trust.quorum) == ({}, 86400.0, {})
 
@@ -167,7 +211,7 @@ def test_the_docstring_example_loads_to_its_values(tmp_path):
         max_message_bytes=262144, replicas=1, records_storage="file", metrics_port=9464,
         metrics_host="127.0.0.1", checkpoint_interval_s=300.0,
         checkpoint_key=Path("/etc/improved/checkpoint.pem"),
-        policy=Policy(forbidden_targets=("...",), min_class={"grain": "L2"},
+        policy=Policy(forbidden_targets=("deploy/secrets/**",), min_class={"config": "L4"},
                       fallback_min_class="L2", policy_principal="policy:auto",
                       effect_window_ms=86400000, autonomy="on",
                       doc_allowlist=("docs/**", "*.md"), regression_tolerance=0.05,
@@ -186,9 +230,8 @@ def test_the_readme_example_loads_to_its_values(tmp_path):
     assert config == Config(
         nats_url="nats://127.0.0.1:4222", data_dir=Path(".improved"), port=4222, sync="always",
         max_message_bytes=262144, metrics_port=9464, replicas=1, records_storage="file",
-        policy=Policy(forbidden_targets=("_spec/2026-04-20-00-constitution.md",
-                                         "src/crates/cosmix-mcp/**"),
-                      min_class={"grain": "L2"}, fallback_min_class="L2",
+        policy=Policy(forbidden_targets=("deploy/secrets/**",),
+                      min_class={"config": "L4"}, fallback_min_class="L2",
                       policy_principal="policy:auto", effect_window_ms=86400000, autonomy="on",
                       breaker_threshold=3, breaker_pause_hours=48.0, doc_allowlist=("docs/**",),
                       regression_tolerance=0.05, metric_direction={"error_rate": "lower"},
@@ -198,6 +241,9 @@ def test_the_readme_example_loads_to_its_values(tmp_path):
         apply=ApplySettings(timeout_s=5.0, attempts=3, max_deliveries=8))
     assert len(config.trust.store().keys) == 1 and len(config.trust.voters().keys) == 1
     assert len(config.trust.daemon_keyids()) == 1
+    # copied as is, it weakens no invariant
+    assert config.policy.forbidden[:len(DEFAULT_FORBIDDEN)] == DEFAULT_FORBIDDEN
+    assert loosening(config.policy) is None and not config.policy.quorum
 
 
 def test_the_deploy_example_loads():

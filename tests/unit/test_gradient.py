@@ -32,22 +32,28 @@ def test_scheme_minimum_class(schemes, least):
         assert min_class(scheme) == least, scheme
 
 
-def test_unlisted_scheme_minimum_is_configurable():
-    assert min_class("grain", overrides={"grain": "L0"}) == "L0"
+def test_minimum_classes_can_be_raised_never_lowered():
+    assert min_class("grain", overrides={"grain": "L4"}) == "L4"
     assert min_class("grain", fallback="L4") == "L4"
-    # an override wins over the built-in table and over the fallback
-    assert min_class("code", overrides={"code": "L2"}, fallback="L0") == "L2"
-    # the fallback only applies to schemes nobody listed
+    # the floors: SPEC 09's table, and the built-in fallback for schemes it does not list
+    assert min_class("grain", overrides={"grain": "L0"}) == "L2"
+    assert min_class("code", overrides={"code": "L2"}, fallback="L0") == "L4"
+    assert min_class("query", fallback="L0") == "L2"
+    # an override raises above the table; the fallback only applies to schemes nobody listed
+    assert min_class("rank", overrides={"rank": "L2"}) == "L2"
     assert min_class("cache", fallback="L4") == "L0"
     assert min_class("grain", overrides={"query": "L4"}) == "L2"
+    assert gradient.floor("binary") == "L4" and gradient.floor("grain") == "L2"
 
 
-def test_overrides_and_fallback_change_what_fits():
+def test_overrides_and_fallback_change_what_fits_only_upwards():
     assert not class_fits("L0", "grain")
-    assert class_fits("L0", "grain", overrides={"grain": "L0"})
+    assert not class_fits("L0", "grain", overrides={"grain": "L0"})
     assert not class_fits("L2", "grain", fallback="L4")
     assert class_fits("L4", "grain", fallback="L4")
-    assert class_fits("L2", "code", overrides={"code": "L2"})
+    assert not class_fits("L2", "code", overrides={"code": "L2"})
+    assert not class_fits("L0", "binary", overrides={"binary": "L0"})
+    assert not class_fits("L0", "rank", overrides={"rank": "L2"})
 
 
 @pytest.mark.parametrize("scheme", ALL_SCHEMES)
@@ -132,6 +138,10 @@ def test_class_fits_is_monotone(scheme, overrides, fallback):
             assert all(fits[low:]), (scheme, overrides, fallback, fits)
     # the top of the ordering always fits: nothing is unreachable except by L3's own rule
     assert fits[-1]
+    # no policy lets in what the built-in minimums keep out
+    for c in ORDERED:
+        if class_fits(c, scheme, overrides, fallback):
+            assert class_fits(c, scheme)
     # L1 fits whatever the policy, L3 only on skill: targets
     assert class_fits("L1", scheme, overrides, fallback)
     assert class_fits("L3", scheme, overrides, fallback) == (scheme == "skill")

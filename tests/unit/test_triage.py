@@ -188,14 +188,28 @@ def test_l4_rationale_says_per_occurrence():
     assert "per occurrence" in d.rationale
 
 
-def test_policy_overrides_min_class_and_forbidden_list():
-    loose = Policy(min_class={"grain": "L0"}, forbidden_targets=(), doc_allowlist=("**",))
-    record = make_record(policy=loose, change_class="L0", target_ref="grain:x")
-    assert decide(record, policy=loose).verdict == "accept"
-    assert decide(record).cause == "class_mismatch"
+def test_a_policy_adds_to_the_floors_and_never_removes_from_them():
+    loose = Policy(min_class={"grain": "L0", "binary": "L0"}, fallback_min_class="L0",
+                   forbidden_targets=("src/crates/cosmix-mcp/**",), doc_allowlist=("**",))
+    # a lower minimum in a Policy built in code lowers nothing
+    for ref_, cls in (("grain:x", "L0"), ("binary:art", "L0"), ("query:q", "L0")):
+        record = make_record(policy=loose, change_class=cls, target_ref=ref_,
+                             scope=gradient.implied_scope(gradient.scheme_of(ref_)))
+        assert decide(record, policy=loose).cause == "class_mismatch", ref_
+    # a forbidden list naming one pattern still forbids the constitution's other paths
     record = make_record(target_ref="doc:_spec/CHANGELOG.md", scope="knowledge")
-    assert decide(record, policy=loose).cause == "awaiting_operator"
-    assert decide(record).cause == "forbidden_target"
+    assert decide(record, policy=loose).cause == "forbidden_target"
+    assert decide(record, policy=Policy(forbidden_targets=(), doc_allowlist=("**",))).cause \
+        == "forbidden_target"
+    # what a policy adds is forbidden too, and a raised minimum holds
+    strict = Policy(forbidden_targets=("docs/private/**",), min_class={"rank": "L2"},
+                    doc_allowlist=("**",))
+    record = make_record(target_ref="doc:docs/private/a.md", scope="knowledge")
+    assert decide(record, policy=strict).cause == "forbidden_target"
+    assert decide(record).cause == "awaiting_operator"
+    record = make_record(change_class="L0", target_ref="rank:x", scope="knowledge")
+    assert decide(record, policy=strict).cause == "class_mismatch"
+    assert decide(record).verdict == "accept"
 
 
 def test_transition_records_decision_and_gate_class():
