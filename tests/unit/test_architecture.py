@@ -5,6 +5,7 @@ reference services. Read from the source (imports, not runtime behaviour)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -97,4 +98,18 @@ def test_no_function_in_improved_is_longer_than_the_limit():
                 if length > MAX_FUNCTION_LINES:
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: "
                                  f"{length} lines")
+    assert not found, "\n".join(found)
+
+
+LINE_PATTERNS = ("_DIFF_PATH", "_GIT_HEADER", "_CHANGELOG_HEADER")  # matched line by line
+
+
+def test_no_full_match_pattern_ends_in_a_dollar():
+    """Python's `$` also matches before a final newline: 'svc\\n' would pass `^[a-z]+$`. A
+    pattern that validates a whole value ends in `\\Z` (line-by-line parsers aside)."""
+    anchored = re.compile(r'(?:pattern=|re\.compile\()r"\^[^"]*\$"')
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for path in sorted(PACKAGE.rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if anchored.search(line) and not any(k in line for k in LINE_PATTERNS)]
     assert not found, "\n".join(found)
