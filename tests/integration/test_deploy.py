@@ -11,6 +11,7 @@ import re
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -48,8 +49,10 @@ FAKE_ID = "ab" * 32
 
 
 def daemon_config() -> Config:
-    """Short apply timeouts; no trusted operators (these tests apply L0 changes only)."""
-    return Config(apply=ApplySettings(timeout_s=1.0, attempts=2, max_deliveries=3))
+    """Short apply timeouts; no trusted operators (these tests apply L0 changes only); a data
+    directory of its own (the daemon keeps its last checkpoint there)."""
+    return Config(apply=ApplySettings(timeout_s=1.0, attempts=2, max_deliveries=3),
+                  data_dir=Path(tempfile.mkdtemp(prefix="improved-deploy-")))
 
 
 async def eventually(check, timeout: float = 10.0, interval: float = 0.05):

@@ -194,9 +194,12 @@ async def test_the_policy_chain_gets_a_trailer_for_each_change_and_none_for_a_re
     async with running(url, daemon_config(policy=same)):
         pass
     assert len(await policy_chain(url)) == 2
-    async with running(url, daemon_config()):
+    last = daemon_config()
+    async with running(url, last):
         pass
     chain = await policy_chain(url)
     assert len(chain) == 3 and refs_of(chain[-1]) == {"digest": P.digest(Policy())}
-    verified = await asyncio.to_thread(improved, "audit", "verify", "--nats", url)
+    verified = await asyncio.to_thread(improved, "audit", "verify", "--nats", url,
+                                       "--checkpoint",
+                                       str(last.data_dir / "last-checkpoint.json"))
     assert verified.returncode == 0, verified.stdout + verified.stderr
