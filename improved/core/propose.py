@@ -203,3 +203,19 @@ def rebuild_record(trailers: list[Trailer], seqs: list[int], policy: Policy) -> 
                          f"content of {pid}")
     start, _ = register(proposal, pid, dedup, policy, 0)
     return replay(start, trailers, seqs)
+
+
+FUTURE_SKEW_MS = 5 * 60 * 1000  # how far a proposal's created_at may lie ahead of our clock
+
+
+def future_dated(proposal: Proposal, now: int) -> bool:
+    """Dated beyond the clock skew into the future: it may not claim its dedup_key (a
+    proposal dated 2096 would otherwise supersede every honest one after it) and is rejected."""
+    return proposal.created_at > now + FUTURE_SKEW_MS
+
+
+def supersedes(head: ProposalRecord | None) -> bool:
+    """Whether the newest content under a dedup_key still supersedes older content arriving
+    after it: not when it is gone (no record), was rejected, expired, or is itself superseded."""
+    return (head is not None and head.superseded_by is None
+            and head.status not in ("rejected", "expired"))

@@ -11,7 +11,7 @@ from typing import Any, Protocol, get_args
 
 import msgspec
 
-from improved.core import gradient, lkg
+from improved.core import gradient, lkg, propose
 from improved.core.audit import REASON_LIMIT, Draft
 from improved.core.guards import (
     forbidden_match,
@@ -71,6 +71,9 @@ def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
     if scheme == "doc" and not charter and not on_allowlist(gradient.rest_of(p.target_ref), policy.doc_allowlist):
         return decision("reject", "invalid", f"{p.target_ref} is not on the doc allowlist "
                         "(policy.doc_allowlist); doc: targets must be listed to be edited")
+    if propose.future_dated(p, now):
+        return decision("reject", "invalid", f"created_at {p.created_at} lies more than "
+                        f"{propose.FUTURE_SKEW_MS // 1000} s in the future")
     if p.valid_to is not None and p.valid_to <= now:
         return decision("reject", "expired", f"valid_to {p.valid_to} has passed")
     if (rejected is not None and rejected.get("proposal_id") != record.proposal_id

@@ -153,11 +153,18 @@ class Engine:
 
         svc = proposal.service
         claim: dict = {}
+        future = propose.future_dated(proposal, now_ms())  # claims nothing; triage rejects it
+        # Newer content that still stands under the key supersedes this one: then nothing of
+        # this one is sent (decided below, before anything else carries it on).
+        standing = None if future else await self._standing_head(svc, dedup, pid, proposal)
+        dispatch_now = dispatch and standing is None
 
         async def prepare() -> dict | None:
             """Under the proposal's lock, by whoever registers it: claim the dedup_key (a crash
             before the registration leaves the message unacknowledged, so it is claimed again
             on redelivery) and read the rejection ledger when the key was seen before."""
+            if future:
+                return None
             head = await self.store.set_dedup_head(svc, dedup, pid, proposal.created_at)
             if head and head["proposal_id"] != pid:
                 claim["head"] = head
@@ -166,16 +173,28 @@ class Engine:
 
         # A first delivery not in this process's cache is taken for new without a read: if
         # the chain exists after all, the append conflicts and the record is rebuilt.
-        handled = await self.handle(svc, pid, ingest, proposal, republish, dispatch,
+        handled = await self.handle(svc, pid, ingest, proposal, republish, dispatch_now,
                                     fresh, optimistic=not (fresh or republish), prepare=prepare)
         head = claim.get("head")
         other = head["proposal_id"] if head else None
-        if other is not None:
-            if (head["created_at"], other) < (proposal.created_at, pid):
-                await self.supersede(svc, other, pid)
-            else:  # this content arrived after newer content under the same key
-                handled = await self.supersede(svc, pid, other)
+        if other is not None and (head["created_at"], other) < (proposal.created_at, pid):
+            await self.supersede(svc, other, pid)
+        elif other is not None and propose.supersedes(await self._truth(svc, other)):
+            # this content arrived after newer content under the same key that still stands
+            return await self.supersede(svc, pid, other)
+        if dispatch and not dispatch_now:  # held back for nothing: carry it on now
+            handled = await self.advance(svc, pid)
         return handled
+
+    async def _standing_head(self, svc: str, dedup: str, pid: str,
+                             proposal: Proposal) -> str | None:
+        """The newer content under `dedup` that still supersedes `proposal`, if any."""
+        head = await self.store.dedup_head(svc, dedup)
+        if head is None or head["proposal_id"] == pid \
+                or (head["created_at"], head["proposal_id"]) < (proposal.created_at, pid):
+            return None
+        other = head["proposal_id"]
+        return other if propose.supersedes(await self._truth(svc, other)) else None
 
     async def supersede(self, svc: str, old: str, new: str) -> Handled:
         """Mark `old` superseded by `new` (same dedup_key, new content)."""

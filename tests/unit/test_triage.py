@@ -464,3 +464,23 @@ def test_a_grant_covers_the_hashed_definition_and_nothing_beside_it(overrides, w
     assert why in d.rationale
     plain = decide(make_record(change_class="L3"), grant=True)
     assert (plain.verdict, plain.gate_class) == ("accept", "L3")
+
+
+# -- supersession that cannot be squatted or back-dated ------------------------------------------
+
+
+def test_a_proposal_dated_beyond_the_clock_skew_is_rejected_invalid():
+    record = make_record(created_at=NOW + propose.FUTURE_SKEW_MS + 1)
+    d = decide(record)
+    assert (d.verdict, d.cause) == ("reject", "invalid") and "in the future" in d.rationale
+    assert decide(make_record(created_at=NOW + propose.FUTURE_SKEW_MS)).cause != "invalid"
+
+
+@pytest.mark.parametrize(("status", "superseded_by", "stands"), [
+    ("pending", None, True), ("approved", None, True), ("applied", None, True),
+    ("rejected", None, False), ("expired", None, False), ("pending", "f" * 64, False),
+])
+def test_only_standing_content_supersedes(status, superseded_by, stands):
+    head = make_record().replace(status=status, superseded_by=superseded_by)
+    assert propose.supersedes(head) is stands
+    assert propose.supersedes(None) is False
