@@ -133,6 +133,8 @@ async def test_a_grant_covers_its_definition_and_nothing_the_proposal_adds(daemo
         decision = await client.triage(reply.proposal_id)
         assert (decision.verdict, decision.cause, decision.gate_class) == \
             ("defer", "no_grant", "L2"), decision.rationale
+    # the honest proposal, made now: newer content under the same key, it supersedes those
+    honest = skill_proposal(svc, change_class="L3", instructions=skill["instructions"])
     reply = await client.propose(honest)
     await eventually(lambda: asyncio.sleep(0, applier.orders))
     assert applier.orders == [reply.proposal_id]
