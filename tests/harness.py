@@ -26,6 +26,7 @@ import signal as signals
 import subprocess
 import sys
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -63,8 +64,11 @@ STALLED_S = 90.0
 
 def write_config(path: Path, replicas: int = 1, timeout_s: float = 2.0, attempts: int = 3,
                  max_deliveries: int = 8) -> Path:
-    path.write_text(f"replicas = {replicas}\n\n[apply]\ntimeout_s = {timeout_s}\n"
-                    f"attempts = {attempts}\nmax_deliveries = {max_deliveries}\n")
+    # the replicas sharing this config sign checkpoints with one key, so each trusts the others'
+    key = path.with_suffix(".checkpoint.pem")
+    path.write_text(f"replicas = {replicas}\ncheckpoint_key = \"{key}\"\n\n[apply]\n"
+                    f"timeout_s = {timeout_s}\nattempts = {attempts}\n"
+                    f"max_deliveries = {max_deliveries}\n")
     return path
 
 
@@ -81,13 +85,16 @@ class DaemonProcess:
         self.starts = 0
         self.kills = 0
         self._offset = 0
+        # its own data directory, kept across its restarts: the last checkpoint it signed is
+        # there, and another daemon (or this one on another server) would read it as a loss
+        self.data_dir = log.parent / f"{log.stem}-{uuid.uuid4().hex[:8]}.data"
 
     def start(self) -> None:
         self._offset = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "improved.cli", "--log-level", "warning", "run",
-                 "--nats", self.url],
+                 "--nats", self.url, "--data-dir", str(self.data_dir)],
                 # in the test's directory: whatever the daemon keeps under its data_dir
                 # (`.improved/` by default) stays out of the repository
                 stdout=out, stderr=out, stdin=subprocess.DEVNULL, cwd=self.log.parent,

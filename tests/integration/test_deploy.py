@@ -579,13 +579,13 @@ def test_up_and_down_scripts_run_the_cluster_and_two_daemons(tmp_path):
         assert done.returncode == 0, done.stdout + done.stderr
         pid = msgspec.json.decode(done.stdout)["proposal_id"]
         deadline = time.monotonic() + 20
-        while True:  # the proposal's chain: registered, triaged, applied
+        while True:  # the proposal's chain: registered, triaged, dispatched, applied
             check = subprocess.run([improved, "audit", "verify", pid, "--nats", url],
                                    capture_output=True, text=True, timeout=60)
-            if "3 trailers" in check.stdout or time.monotonic() > deadline:
+            if "4 trailers" in check.stdout or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
-        assert check.returncode == 0 and "1/1 chains verified, 3 trailers" in check.stdout, (
+        assert check.returncode == 0 and "1/1 chains verified, 4 trailers" in check.stdout, (
             check.stdout + check.stderr)
         # and the whole log, with the replicas' signed checkpoints, verifies too
         whole = subprocess.run([improved, "audit", "verify", "--nats", url, "--checkpoint",
