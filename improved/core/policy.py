@@ -28,15 +28,13 @@ from improved.core.gradient import CLASSES, FALLBACK_MIN_CLASS
 from improved.core.guards import DEFAULT_FORBIDDEN
 from improved.core.record import ProposalRecord, ref, refs_of
 from improved.protocol import canonical
+from improved.protocol.model import ChangeClass, ProposalId
 
-ChangeClass = Literal["L0", "L1", "L2", "L3", "L4"]
 assert typing.get_args(ChangeClass) == CLASSES
 Autonomy = Literal["on", "off"]
 Direction = Literal["higher", "lower"]
 Positive = Annotated[int, Meta(ge=1)]
 Text = Annotated[str, Meta(min_length=1)]
-ProposalId = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}\Z",
-                                 description="a proposal id (64 lowercase hex)")]
 # Every float has a lower and an upper bound, which also refuses TOML's nan and inf.
 YEARS_10_S = 10 * 365 * 86400  # upper bound of every span: far beyond use, well inside int64
 

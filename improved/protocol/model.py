@@ -51,7 +51,8 @@ Held = Literal["circuit_open", "autonomy_off"]  # the causes that hold autonomou
 
 Millis = Annotated[int, Meta(ge=0, le=2**53)]
 ServiceName = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_-]{0,62}\Z")]
-ProposalId = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}\Z")]
+ProposalId = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}\Z",
+                                 description="a proposal id (64 lowercase hex)")]
 TargetRef = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9+.-]*:.+\Z", max_length=1024)]
 # SPEC 07 §3.5.7: `<svc>[:<uuid>]`, `<runtime>:<uuid>[:<seq>]` or `operator:<principal>`.
 Actor = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_-]{0,62}(:[A-Za-z0-9._@+-]{1,128}){0,2}\Z")]
