@@ -156,7 +156,8 @@ class Engine:
         future = propose.future_dated(proposal, now_ms())  # claims nothing; triage rejects it
         # Newer content that still stands under the key supersedes this one: then nothing of
         # this one is sent (decided below, before anything else carries it on).
-        standing = None if future else await self._standing_head(svc, dedup, pid, proposal)
+        standing = (None if future or not dispatch  # without dispatch nothing is sent anyway
+                    else await self._standing_head(svc, dedup, pid, proposal))
         dispatch_now = dispatch and standing is None
 
         async def prepare() -> dict | None:
