@@ -1,16 +1,18 @@
 """The hash-chained audit trail (DESIGN §6): sealing trailers and verifying chains.
 
 `prev` of seq 0 is the proposal id; `hash` is SHA-256 over the canonical MessagePack of the
-trailer without `hash`. Verification works on the JSON a reader got from the broker, re-deriving
-every hash and link, so it needs no trust in the broker or in this daemon.
+trailer without `hash` and `sig`. Verification works on the JSON a reader got from the broker,
+re-deriving every hash and link, so it needs no trust in the broker. Given the trust a reader
+holds (`evidence.ChainTrust`: the daemon keys, the trust history), it also checks who wrote each
+trailer and the signed act every authority trailer carries.
 """
 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -19,6 +21,7 @@ from improved.protocol import canonical
 from improved.protocol.model import (
     Cause,
     ChangeClass,
+    Envelope,
     ObserverType,
     Scope,
     Stage,
@@ -27,6 +30,17 @@ from improved.protocol.model import (
 )
 
 REASON_LIMIT = 500
+
+
+class Authenticity(Protocol):
+    """What a reader trusts beyond hashes (`evidence.ChainTrust`): `start()` opens one chain's
+    pass, `problem` names why a trailer was not written by a trusted daemon or does not rest
+    on a valid signed act, or None."""
+
+    def start(self) -> object: ...
+
+    def problem(self, body: dict[str, Any], chain_id: str, stream_seq: int,
+                state: object) -> str | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +55,13 @@ class Draft:
     verdict: TrailerVerdict | None = None
     cause: Cause | None = None
     refs: tuple[str, ...] = field(default_factory=tuple)
+    envelope: Envelope | None = None  # the signed act an authority trailer rests on
 
 
 def trailer_hash(body: dict[str, Any]) -> str:
-    """SHA-256 hex of the canonical MessagePack of a trailer without its `hash`."""
-    if "hash" in body:
-        body = dict(body)
-        del body["hash"]
+    """SHA-256 hex of the canonical MessagePack of a trailer without its `hash` and `sig`."""
+    if "hash" in body or "sig" in body:
+        body = {k: v for k, v in body.items() if k not in ("hash", "sig")}
     return canonical.digest(body)
 
 
@@ -74,6 +88,7 @@ def seal_next(draft: Draft, chain_id: str, head: ChainHead, gate_class: ChangeCl
         refs=list(draft.refs),
         at=at,
         prev=head.last_hash or chain_id,
+        envelope=draft.envelope,
     )
     return msgspec.structs.replace(t, hash=trailer_hash(msgspec.to_builtins(t)))
 
@@ -95,18 +110,28 @@ def _same(claimed: object, derived: str) -> bool:
     return isinstance(claimed, str) and hmac.compare_digest(claimed.encode(), derived.encode())
 
 
-def verify_chain(proposal_id: str, bodies: Iterable[dict[str, Any]]) -> Break | None:
-    """Re-derive every hash and link of one proposal's chain; None when it verifies."""
+def verify_chain(proposal_id: str, bodies: Iterable[dict[str, Any]],
+                 trust: Authenticity | None = None,
+                 seqs: Sequence[int] | None = None) -> Break | None:
+    """Re-derive every hash and link of one chain; None when it verifies. With `trust`, also
+    `verify_writers`."""
+    bodies = list(bodies)
+    brk = verify_links(proposal_id, bodies)
+    if brk is None and trust is not None:
+        brk = verify_writers(proposal_id, bodies, trust, seqs)
+    return brk
+
+
+def verify_links(proposal_id: str, bodies: Sequence[Any]) -> Break | None:
+    """Every hash re-derived, every link followed: nothing altered, removed or reordered."""
     prev = proposal_id
-    expected_seq = 0
-    for body in bodies:
-        at = expected_seq  # a break is named by its position in the chain
+    for at, body in enumerate(bodies):  # a break is named by its position in the chain
         if not isinstance(body, dict):
             return Break(proposal_id, at, "not a trailer object")
         if body.get("proposal_id") != proposal_id:
             return Break(proposal_id, at, f"belongs to proposal {body.get('proposal_id')!r}")
         seq = body.get("seq")
-        if seq != expected_seq:
+        if seq != at:
             return Break(proposal_id, at, f"sequence jumps to {seq!r}")
         if not _same(body.get("prev"), prev):
             return Break(proposal_id, at, "prev does not link to the previous trailer")
@@ -117,7 +142,20 @@ def verify_chain(proposal_id: str, bodies: Iterable[dict[str, Any]]) -> Break | 
         if not _same(body.get("hash"), derived):
             return Break(proposal_id, at, "hash does not match the trailer's content")
         prev = derived
-        expected_seq += 1
-    if expected_seq == 0:
+    if not bodies:
         return Break(proposal_id, 0, "no trailers")
+    return None
+
+
+def verify_writers(proposal_id: str, bodies: Sequence[dict[str, Any]], trust: Authenticity,
+                   seqs: Sequence[int] | None = None) -> Break | None:
+    """The writing daemon's signature on every trailer and the signed act on every authority
+    trailer, against the keys trusted at its stream sequence (from `seqs`); trailers a
+    trusted checkpoint already vouches for (`trust.covered_to`) are not checked again.
+    Run on a chain whose links verify."""
+    state = trust.start()
+    for at, body in enumerate(bodies):
+        problem = trust.problem(body, proposal_id, seqs[at] if seqs is not None else 0, state)
+        if problem is not None:
+            return Break(proposal_id, at, problem)
     return None

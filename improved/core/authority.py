@@ -139,7 +139,8 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
         new = record.replace(rollback_by=rv.principal,
                              acts=(*record.acts, (act.digest, act.stream_seq)), updated_at=now)
         return new, Draft(from_stage=record.stage, to_stage="apply", actor=rv.principal,
-                          observer_type="human", verdict=ROLLBACK, reason=reason, refs=refs)
+                          observer_type="human", verdict=ROLLBACK, reason=reason, refs=refs,
+                          envelope=verified.envelope)
     if record.in_flight:
         return refusal(record, act, "apply_in_flight", f"the ApplyOrder under "
                        f"{record.dispatched_by} was dispatched at {record.dispatched_at}; its "
@@ -166,13 +167,15 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
         new = record.replace(decision=decision, approved_by=rv.principal, acts=acts,
                              updated_at=now)
         return new, Draft(from_stage=record.stage, to_stage="triage", actor=rv.principal,
-                          observer_type="human", verdict=APPROVE, reason=reason, refs=refs)
+                          observer_type="human", verdict=APPROVE, reason=reason, refs=refs,
+                          envelope=verified.envelope)
     decision = TriageDecision(proposal_id=record.proposal_id, service=record.service,
                               verdict="reject", cause=None, gate_class=record.gate_class,
                               rationale=reason, actor=rv.principal, at=now)
     new = record.replace(decision=decision, approved_by=None, acts=acts, updated_at=now)
     return new, Draft(from_stage=record.stage, to_stage="triage", actor=rv.principal,
-                      observer_type="human", verdict="reject", reason=reason, refs=refs)
+                      observer_type="human", verdict="reject", reason=reason, refs=refs,
+                      envelope=verified.envelope)
 
 
 # -- grants (DESIGN §5.3): chained per skill hash on `improve.audit._grants.<sha256>` ---------
@@ -201,6 +204,7 @@ def grant_act(acts: list[tuple[str, int]], act: Act, verified: Verified | None,
         refs.append(ref("expires_at", cmd.expires_at))
     return Draft(from_stage="triage", to_stage="triage", actor=cmd.principal,
                  observer_type="human", verdict=cmd.op, refs=tuple(refs),
+                 envelope=verified.envelope,
                  reason=f"{cmd.op} {cmd.skill} by {cmd.principal}: {cmd.reason}"[:REASON_LIMIT])
 
 

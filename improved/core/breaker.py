@@ -18,7 +18,7 @@ import msgspec
 
 from improved.core.audit import Draft
 from improved.core.record import ref, refs_of
-from improved.protocol.model import Held, ObserverType, TrailerVerdict
+from improved.protocol.model import Envelope, Held, ObserverType, TrailerVerdict
 
 AUTONOMY_ID = hashlib.sha256(b"improved autonomy").hexdigest()
 DAY_MS = 24 * 3600 * 1000
@@ -68,11 +68,12 @@ def resolved(chain: list[dict[str, Any]], crisis: str) -> bool:
 
 
 def draft(state: Autonomy, verdict: TrailerVerdict, actor: str, observer: ObserverType, reason: str,
-          extra: tuple[str, ...] = ()) -> Draft:
+          extra: tuple[str, ...] = (), envelope: Envelope | None = None) -> Draft:
     refs = (ref("rollbacks", list(state.rollbacks)), ref("paused_until", state.paused_until),
             ref("autonomy", state.switch), ref("crisis", state.crisis), *extra)
     return Draft(from_stage="learn-back", to_stage="learn-back", actor=actor,
-                 observer_type=observer, verdict=verdict, reason=reason, refs=refs)
+                 observer_type=observer, verdict=verdict, reason=reason, refs=refs,
+                 envelope=envelope)
 
 
 def from_trailer(body: dict[str, Any] | None) -> Autonomy:

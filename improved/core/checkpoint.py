@@ -206,6 +206,16 @@ def trust_problem(cp: Checkpoint, trusted: set[str]) -> str | None:
             "([trust] daemons, or the daemon's own checkpoint key)")
 
 
+def covered_to(log: Sequence[tuple[int, str, dict[str, Any]]], anchor: Anchor | None) -> int:
+    """The stream sequence up to which a checkpoint vouches for every trailer: the later of
+    the kept one and the last one on the stream. Only meaningful once `log_problems` found
+    nothing (then both hold, and each was signed only after its whole log verified)."""
+    cp_subject = S.checkpoint_audit(CHECKPOINT_ID)
+    last = next((body for _, subject, body in reversed(log) if subject == cp_subject), None)
+    on_stream = from_trailer(last).last_seq if last is not None else 0
+    return max(on_stream, anchor.last_seq if anchor is not None else 0)
+
+
 def log_problems(log: Sequence[tuple[int, str, dict[str, Any]]], view: StreamView,
                  anchor: Anchor | None, trusted: set[str]) -> list[str]:
     """Everything wrong with the audit log as a whole (each chain is verified on its own):

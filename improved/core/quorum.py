@@ -69,7 +69,8 @@ def count(record: ProposalRecord, act: Act, verified: Verified, vote: Vote, sig:
             ref("session", session), ref("vote", vote.vote), ref("voted_at", vote.at),
             ref("sig", sig), ref("read", list(vote.read), as_json=True))
     draft = Draft(from_stage=record.stage, to_stage="triage", actor=vote.voter,
-                  observer_type="rec:agent", verdict=VOTE, reason=reason, refs=refs)
+                  observer_type="rec:agent", verdict=VOTE, reason=reason, refs=refs,
+                  envelope=verified.envelope)
     return record.replace(ballots=ballots, acts=(*record.acts, (act.digest, act.stream_seq)),
                           updated_at=max(record.updated_at, vote.at)), draft
 

@@ -85,6 +85,7 @@ class Verified:
     keyid: str
     principal: str
     digest: str
+    envelope: Envelope  # kept on the trailer the act leads to, so the chain proves it
 
 
 class TrustStore:
@@ -125,5 +126,5 @@ class TrustStore:
             except InvalidSignature:
                 raise ActRefused("bad_signature", f"the signature of {s.keyid} does not match "
                                  "the payload") from None
-            return Verified(payload, key.keyid, key.principal, envelope_digest(env))
+            return Verified(payload, key.keyid, key.principal, envelope_digest(env), env)
         raise ActRefused("unknown_key", f"no trusted key among {', '.join(unknown)}")

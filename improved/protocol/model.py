@@ -29,6 +29,7 @@ TrailerVerdict = Literal[
     "autonomy_on", "autonomy_off", "crisis", "crisis_resolved",  # the autonomy chain
     "checkpoint",  # the checkpoint chain
     "policy",  # the policy chain: the effective policy a daemon started with
+    "trust",  # the trust chain: the operator and voter keys a daemon started with
 ]
 ObserverType = Literal["human", "rec:agent", "rec:policy", "rec:system"]
 Cause = Literal[
@@ -289,7 +290,9 @@ class Trailer(Struct, omit_defaults=True, kw_only=True):
     prev: str
     verdict: TrailerVerdict | None = None
     cause: Cause | None = None
+    envelope: Envelope | None = None  # the signed act an authority trailer rests on
     hash: str = ""
+    sig: str = ""  # the writing daemon's signature over `hash`: `<b64 public key>.<b64 sig>`
 
 
 # -- signed operator acts (DESIGN §5.2), payloads of DSSE envelopes ------------------------------

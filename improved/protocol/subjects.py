@@ -56,7 +56,9 @@ GRANT_CHAINS = "_grants"
 AUTONOMY_CHAIN = "_autonomy"  # the breaker and the autonomy switch (improved/breaker.py)
 CHECKPOINT_CHAIN = "_checkpoints"  # signed checkpoints over the whole log (checkpoint.py)
 POLICY_CHAIN = "_policy"  # the effective policy, recorded when it changes (core/policy.py)
-MESH_CHAINS = frozenset({GRANT_CHAINS, AUTONOMY_CHAIN, CHECKPOINT_CHAIN, POLICY_CHAIN})
+TRUST_CHAIN = "_trust"  # the operator and voter keys, recorded when they change (core/evidence.py)
+MESH_CHAINS = frozenset({GRANT_CHAINS, AUTONOMY_CHAIN, CHECKPOINT_CHAIN, POLICY_CHAIN,
+                         TRUST_CHAIN})
 
 # Refusals (bad input) are logged here: what was refused and why, never the payload itself.
 REFUSED = "improved.refused"
@@ -121,6 +123,10 @@ def checkpoint_audit(chain_id: str) -> str:
 
 def policy_audit(chain_id: str) -> str:
     return f"{AUDIT}.{POLICY_CHAIN}.{chain_id}"
+
+
+def trust_audit(chain_id: str) -> str:
+    return f"{AUDIT}.{TRUST_CHAIN}.{chain_id}"
 
 
 def dedup_key_of(svc: str, dedup: str) -> str:

@@ -27,6 +27,7 @@ TOO_DEEP = "too_deep"
 BODY_COUNT = "body_count"
 SUBJECT_MISMATCH = "subject_mismatch"
 NOT_FOUND = "not_found"
+CHAIN_BROKEN = "chain_broken"  # the proposal's chain does not verify: a crisis is open
 INTERNAL = "internal"
 
 DERIVED_FIELDS = frozenset({"status", "rec_status"})

@@ -1,0 +1,282 @@
+"""Who wrote a trailer, and the signed act an authority trailer rests on.
+
+A hash proves a trailer was not altered, not who wrote it: anyone who may publish on the audit
+subjects can append a correctly hashed one. Two signatures close that. The daemon that writes a
+trailer signs its hash (`sig`), so without a daemon key nobody adds a trailer that verifies. A
+trailer that carries an operator's or a voter's authority — an approval, an operator's
+rejection or rollback request, a grant or a revoke, a quorum vote, a crisis resolution —
+carries the DSSE envelope of the act itself, checked against the keys that were trusted when it
+was written, so the chain alone proves who authorised what, for as long as the chain exists.
+Those keys are on the trust chain (`improve.audit._trust.<TRUST_ID>`), where a daemon records
+the operator and voter keys whenever it starts with a different trust store. A quorum decision
+is backed by the verified approving votes before it on its chain. Pure.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import functools
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgspec
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from improved.core import signing
+from improved.core.audit import REASON_LIMIT, Draft
+from improved.core.quorum import SIZE as QUORUM_SIZE
+from improved.core.record import ref, refs_of
+from improved.core.signing import PAYLOAD_TYPES, ActRefused, TrustStore
+from improved.protocol.model import CrisisAct, GrantCommand, Review, Trailer, Vote
+
+TRUST_ID: Final = hashlib.sha256(b"improved trust").hexdigest()  # the one `_trust` chain
+_DOMAIN: Final = b"improved trailer v1\n"  # what a daemon signs: this, then the hash's bytes
+
+
+# -- the writing daemon's signature -------------------------------------------------------------
+
+
+def sign(trailer: Trailer, key: Ed25519PrivateKey) -> Trailer:
+    """The trailer with `sig`: the daemon's public key and its signature over the hash."""
+    public = base64.b64encode(signing.raw_public(key.public_key())).decode()
+    sig = base64.b64encode(key.sign(_DOMAIN + bytes.fromhex(trailer.hash))).decode()
+    return msgspec.structs.replace(trailer, sig=f"{public}.{sig}")
+
+
+@functools.lru_cache(maxsize=64)
+def _public(b64: str) -> tuple[str, Ed25519PublicKey]:
+    raw = base64.b64decode(b64, validate=True)
+    return signing.keyid_of(raw), Ed25519PublicKey.from_public_bytes(raw)
+
+
+def writer_problem(body: dict[str, Any], daemons: frozenset[str]) -> str | None:
+    """Why the trailer was not written by a trusted daemon key, or None."""
+    sig = body.get("sig")
+    if not isinstance(sig, str) or not sig:
+        return "not signed by a daemon: a trailer anyone on the bus could have written"
+    public, _, signature = sig.partition(".")
+    try:
+        keyid, key = _public(public)
+    except (ValueError, binascii.Error):
+        return "the daemon signature names no valid key"
+    if keyid not in daemons:
+        return f"signed by {keyid[:24]}…, which is not a trusted daemon key"
+    try:
+        key.verify(base64.b64decode(signature, validate=True),
+                   _DOMAIN + bytes.fromhex(str(body.get("hash"))))
+    except (ValueError, binascii.Error, InvalidSignature):
+        return "the daemon signature does not match the trailer"
+    return None
+
+
+# -- the trust history --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeySet:
+    """The operator and voter keys trusted from one point of the log on."""
+
+    operators: TrustStore = field(default_factory=TrustStore)
+    voters: TrustStore = field(default_factory=TrustStore)
+
+    @classmethod
+    def from_config(cls, operators: dict[str, str], voters: dict[str, str]) -> KeySet:
+        return cls(TrustStore.from_config(operators), TrustStore.from_config(voters))
+
+
+@dataclass(frozen=True)
+class History:
+    """The trust chain read back: (stream sequence of a trust trailer, the keys from then on).
+    Before the first snapshot (acts older than trust recording) the first one counts; without
+    any, `fallback` (the reader's own trust store)."""
+
+    snapshots: tuple[tuple[int, KeySet], ...] = ()
+    fallback: KeySet = field(default_factory=KeySet)
+
+    def at(self, stream_seq: int) -> KeySet:
+        """The keys trusted for a trailer at `stream_seq` (0: not known, the newest)."""
+        if not self.snapshots:
+            return self.fallback
+        if stream_seq <= 0:
+            return self.snapshots[-1][1]
+        chosen = self.snapshots[0][1]
+        for seq, keys in self.snapshots:
+            if seq >= stream_seq:
+                break
+            chosen = keys
+        return chosen
+
+
+def recorded(body: dict[str, Any] | None) -> tuple[dict[str, str], dict[str, str]] | None:
+    """(operators, voters) a trust trailer records, as `principal → base64 public key`."""
+    if not body:
+        return None
+    refs = refs_of(msgspec.convert(body, type=_Refs))
+    return (msgspec.json.decode(refs.get("operators", "{}"), type=dict[str, str]),
+            msgspec.json.decode(refs.get("voters", "{}"), type=dict[str, str]))
+
+
+class _Refs(msgspec.Struct):
+    refs: list[str] = []
+
+
+def history_of(chain: list[tuple[int, dict[str, Any]]], fallback: KeySet) -> History:
+    """The history a verified trust chain records."""
+    snapshots = []
+    for seq, body in chain:
+        keys = recorded(body)
+        if keys is not None:
+            snapshots.append((seq, KeySet.from_config(*keys)))
+    return History(tuple(snapshots), fallback)
+
+
+def trust_draft(operators: dict[str, str], voters: dict[str, str],
+                last: dict[str, Any] | None, actor: str) -> Draft | None:
+    """The trust trailer recording these keys, or None when the chain's last one already does.
+    Refs: `operators:` and `voters:` (the whole store), `added:`/`removed:` (what changed)."""
+    before = recorded(last) or ({}, {})
+    if before == (operators, voters):
+        return None
+    changes: dict[str, list[str]] = {"added": [], "removed": []}
+    for role, now, then in (("operator", operators, before[0]), ("voter", voters, before[1])):
+        for principal, key in sorted(now.items()):
+            if then.get(principal) != key:
+                changes["added"].append(f"{role} {principal} {_keyid(key)}")
+        for principal, key in sorted(then.items()):
+            if now.get(principal) != key:
+                changes["removed"].append(f"{role} {principal} {_keyid(key)}")
+    reason = (f"trust store: {len(operators)} operator and {len(voters)} voter keys; added "
+              f"{', '.join(changes['added']) or 'none'}; removed "
+              f"{', '.join(changes['removed']) or 'none'}")[:REASON_LIMIT]
+    return Draft(from_stage="learn-back", to_stage="learn-back", actor=actor,
+                 observer_type="rec:system", verdict="trust", reason=reason,
+                 refs=(ref("operators", operators, as_json=True),
+                       ref("voters", voters, as_json=True),
+                       ref("added", changes["added"], as_json=True),
+                       ref("removed", changes["removed"], as_json=True)))
+
+
+def _keyid(b64: str) -> str:
+    try:
+        return signing.keyid_of(base64.b64decode(b64, validate=True))
+    except (ValueError, binascii.Error):
+        return "invalid-key"
+
+
+# -- the signed act of an authority trailer -----------------------------------------------------
+
+
+@dataclass
+class ChainActs:
+    """What one pass over a chain has seen so far: the keys of its verified approving votes."""
+
+    approvals: set[str] = field(default_factory=set)
+
+
+def act_kind(t: Trailer) -> str | None:
+    """Which signed act the trailer's authority rests on (a PAYLOAD_TYPES key), or None."""
+    v = t.verdict
+    if v == "approve" or (v in ("reject", "rollback") and t.observer_type == "human"):
+        return "review"
+    if v in ("grant", "revoke"):
+        return "grant"
+    if v == "vote":
+        return "vote"
+    if v == "crisis_resolved":
+        return "crisis"
+    return None
+
+
+_PAYLOADS: Final[dict[str, type]] = {"review": Review, "grant": GrantCommand, "vote": Vote,
+                                     "crisis": CrisisAct}
+
+
+def act_problem(t: Trailer, chain_id: str, keys: KeySet, acts: ChainActs,
+                check: bool = True) -> str | None:
+    """Why the authority `t` claims is not backed by a valid signed act, or None. `check`
+    False (a trailer a trusted checkpoint vouches for) only notes what the pass needs."""
+    refs = refs_of(t)
+    if t.verdict == "quorum":
+        counted = [r.partition(":")[2] for r in t.refs if r.startswith("keyid:")]
+        if check and (len(set(counted)) < QUORUM_SIZE or not set(counted) <= acts.approvals):
+            return ("the quorum decision is not backed by "
+                    f"{QUORUM_SIZE} verified approving votes before it")
+        return None
+    kind = act_kind(t)
+    if kind is None:
+        return None
+    if not check:
+        if kind == "vote" and refs.get("vote") == "approve":
+            acts.approvals.add(refs.get("keyid", ""))
+        return None
+    if t.envelope is None:
+        return f"the {t.verdict} carries no signed act"
+    try:
+        verified = (keys.voters if kind == "vote" else keys.operators).verify(
+            t.envelope, PAYLOAD_TYPES[kind])
+        body: Any = msgspec.json.decode(verified.payload, type=_PAYLOADS[kind])
+    except ActRefused as exc:
+        return f"the signed act of the {t.verdict} does not verify ({exc.code}): {exc.reason}"
+    except msgspec.MsgspecError as exc:
+        return f"the signed act of the {t.verdict} is not a valid act: {exc}"
+    if refs.get("act") != verified.digest:
+        return "the signed act is not the one the trailer names"
+    problem = _mismatch(kind, body, t, refs, chain_id, verified.principal)
+    if problem is None and kind == "vote" and refs.get("vote") == "approve":
+        acts.approvals.add(verified.keyid)
+    return problem
+
+
+def _mismatch(kind: str, body: Any, t: Trailer, refs: dict[str, str], chain_id: str,
+              principal: str) -> str | None:
+    """Where the signed act says something other than the trailer built on it."""
+    if kind == "review":
+        claims = [("proposal", body.proposal_id, chain_id), ("verdict", body.verdict, t.verdict),
+                  ("principal", body.principal, t.actor)]
+    elif kind == "grant":
+        claims = [("op", body.op, t.verdict), ("principal", body.principal, t.actor),
+                  ("skill", body.skill, refs.get("skill")),
+                  ("skill hash", body.skill.partition(":")[2], chain_id)]
+    elif kind == "vote":
+        claims = [("proposal", body.proposal_id, chain_id), ("voter", body.voter, t.actor),
+                  ("vote", body.vote, refs.get("vote"))]
+    else:
+        claims = [("crisis", body.crisis, refs.get("resolved")),
+                  ("principal", body.principal, t.actor)]
+    claims.append(("signer", principal, t.actor))
+    for what, signed, written in claims:
+        if signed != written:
+            return f"the signed act says {what} {signed!r}, the trailer {written!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class ChainTrust:
+    """What a reader trusts beyond hashes: the daemon keys (out of band: configuration, a
+    daemon's own key, a kept checkpoint), the trust history, and the stream sequence up to
+    which a checkpoint from a trusted key vouches for every trailer (not checked again)."""
+
+    daemons: frozenset[str]
+    history: History = field(default_factory=History)
+    covered_to: int = 0
+
+    def start(self) -> ChainActs:
+        return ChainActs()
+
+    def problem(self, body: dict[str, Any], chain_id: str, stream_seq: int,
+                state: object) -> str | None:
+        if not isinstance(state, ChainActs):
+            raise TypeError("ChainTrust.problem: state comes from ChainTrust.start")
+        check = not 0 < stream_seq <= self.covered_to
+        if check:
+            problem = writer_problem(body, self.daemons)
+            if problem is not None:
+                return problem
+        try:
+            t = msgspec.convert(body, type=Trailer)
+        except msgspec.ValidationError as exc:
+            return f"not a valid trailer: {exc}"
+        return act_problem(t, chain_id, self.history.at(stream_seq), state, check)
