@@ -30,7 +30,7 @@ from improved.protocol.model import (
     Summary,
     to_json,
 )
-from improved.runtime import bus
+from improved.runtime import bus, keys
 from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import Store
@@ -245,5 +245,12 @@ async def record_grant(nc, identity: str, *, active: bool = True,
         return authority.grant_act([], Act(verified.digest, len(chain) + 1), verified, cmd, None,
                                    "improved:test")
 
-    await Store(nc).append_sealed(subjects.grant_audit(sha), sha, "L3", "knowledge", next_draft,
-                                  whole=True)
+    store = Store(nc)
+    store.signer = daemon_key()  # as a test daemon writes it: its checkpoint verifies the log
+    await store.append_sealed(subjects.grant_audit(sha), sha, "L3", "knowledge", next_draft,
+                              whole=True)
+
+
+def daemon_key():
+    """The test daemons' one key (`daemon_config`'s checkpoint key), created on first use."""
+    return keys.load_or_create_key(_KEYS / "checkpoint.pem")

@@ -23,6 +23,7 @@ from improved.cli.queries import review_view, status_view
 from improved.core import audit
 from improved.protocol import canonical
 from improved.protocol import subjects as S
+from improved.runtime.config import Config
 
 
 def cmd_propose(args: argparse.Namespace) -> int:
@@ -41,7 +42,10 @@ def cmd_propose(args: argparse.Namespace) -> int:
     return 1 if "error" in reply else 0
 
 
-async def _show(url: str, pid: str) -> int:
+async def _show(url: str, pid: str, config: Config) -> int:
+    from improved.cli.audit import chain_trust, trusted_daemons
+    from improved.core import evidence
+
     async with deployment(url) as store:
         found = await find_proposal(store, pid)
         if found is None:
@@ -56,16 +60,24 @@ async def _show(url: str, pid: str) -> int:
                               ("quorum", S.quorum_record(pid))):
             data = await store.last(subject)
             view[name] = msgspec.json.decode(data) if data else None
-        chain = [body for _, body in await store.read_chain(svc, pid)]
+        sequenced = await store.read_chain(svc, pid)
+        chain = [body for _, body in sequenced]
         view["trailers"] = chain
-        brk = audit.verify_chain(pid, chain)
-        view["chain"] = "verified" if brk is None else f"BROKEN: {brk}"
+        daemons = trusted_daemons(config)
+        trust = chain_trust((await store.read_audit(evidence.TRUST_ID))[0], daemons, config)
+        brk = audit.verify_links(pid, chain) or (audit.verify_writers(
+            pid, chain, trust, [seq for seq, _ in sequenced]) if daemons else None)
+        view["chain"] = ("verified" if brk is None and daemons else
+                         "hashes and links verified; who wrote them is not checked without a "
+                         "trusted daemon key ([trust] daemons)" if brk is None else
+                         f"BROKEN: {brk}")
         out(view)
         return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    return asyncio.run(_show(url_of(args, config_of(args)), args.id))
+    config = config_of(args)
+    return asyncio.run(_show(url_of(args, config), args.id, config))
 
 
 def cmd_review(args: argparse.Namespace) -> int:

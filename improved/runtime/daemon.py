@@ -52,7 +52,7 @@ from improved.protocol.model import (
 )
 from improved.runtime import bus, keys, metrics, notify
 from improved.runtime.config import Config, ConfigError
-from improved.runtime.engine import Engine, ServiceUnreachable
+from improved.runtime.engine import ChainBroken, Engine, ServiceUnreachable
 from improved.runtime.store import Store
 
 log = structlog.get_logger("improved.daemon")
@@ -105,18 +105,22 @@ class Daemon:
     # -- lifecycle -----------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Bind the streams, check and record the policy, restore, verify the log, subscribe.
+        """Load the daemon key, bind the streams, record the trust store and the policy, restore,
+        verify the log, subscribe.
         ConfigError (nothing subscribed) when the policy loosens a floor or `policy.quorum`
         names no approved amendment."""
+        # the daemon key signs every trailer this replica writes and every checkpoint
+        self._checkpoint_key = keys.load_or_create_key(
+            self.config.checkpoint_key or self.config.data_dir / "checkpoint.pem")
+        self.engine.use_key(self._checkpoint_key)
         await self.store.ensure()
+        await self.engine.record_trust()
         await self._policy_in_force()
         await self.engine.sync_switch()
         if not await self.republish_if_lost():
             # the cache is whole: what waits for an operator is in it (a refill counts as it goes)
             for record in await self.store.cached_records():
                 self.engine.note_waiting(record)
-        self._checkpoint_key = keys.load_or_create_key(
-            self.config.checkpoint_key or self.config.data_dir / "checkpoint.pem")
         await self.engine.checkpoint(self._checkpoint_key)  # verifies the log as it was left
         bus.on_reconnect(self.nc, self._reconnected)
         for subject, handler in (
@@ -429,6 +433,11 @@ class Daemon:
             await self._refuse(S.token(msg.subject, 2) or "_", msg.subject, err, len(msg.data))
             await msg.term()
             return
+        except ChainBroken as exc:  # the crisis is open; nothing is decided on this chain
+            log.error("message dropped: its chain does not verify", subject=msg.subject,
+                      key=job.key, problem=str(exc))
+            await msg.term()
+            return
         except Exception:
             log.exception("handler failed; will retry", subject=msg.subject, key=job.key)
             await msg.nak(delay=backoff_s(delivered))
@@ -498,6 +507,9 @@ class Daemon:
                 reply = err.reply()
             except _ProposalUnknown as exc:
                 reply = wire.WireError(wire.NOT_FOUND, str(exc), "proposal_id").reply()
+            except ChainBroken as exc:
+                reply = wire.WireError(wire.CHAIN_BROKEN, f"the chain does not verify, nothing "
+                                       f"is decided on it: {exc}", "proposal_id").reply()
             except Exception:
                 log.exception("request failed", subject=msg.subject)
                 reply = wire.WireError(wire.INTERNAL, "internal error; see the daemon log").reply()

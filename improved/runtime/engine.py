@@ -30,6 +30,7 @@ from improved.core import (
     authority,
     breaker,
     checkpoint,
+    evidence,
     learnback,
     lkg,
     planner,
@@ -78,6 +79,11 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+class ChainBroken(ValueError):
+    """A chain the daemon was about to decide on does not verify: a trailer no trusted daemon
+    wrote, or authority no valid signed act backs. A crisis is open; nothing is decided on it."""
+
+
 class GrantRevoked(Exception):
     """The grant an L3 auto-apply relies on was revoked before a retry of its order."""
 
@@ -114,8 +120,14 @@ class Engine:
         self.trust = config.trust.store()
         self.voters = config.trust.voters()
         self.max_act_age_ms = int(config.trust.act_max_age_s * 1000)
+        # who may have written a trailer and signed an act; `use_key` adds this daemon's key,
+        # `record_trust` the trust history, each checkpoint what it vouches for
+        self.chain_trust = evidence.ChainTrust(
+            frozenset(config.trust.daemon_keyids()),
+            evidence.History(fallback=evidence.KeySet(self.trust, self.voters)))
         self._cache: OrderedDict[str, tuple[ProposalRecord, int]] = OrderedDict()
         self._autonomy: tuple[breaker.Autonomy, int] | None = None
+        self._autonomy_verified = True  # whether that state's trailer verified
         self.metrics = Metrics()
         self.learn = None  # observe's learn-back: (analyzer id, accepted) → None
         self._awaiting: set[str] = set()  # proposals this replica saw deferred to an operator
@@ -518,7 +530,7 @@ class Engine:
     async def _read(self, record: ProposalRecord, step, now: int):
         """Carry out a planner read: the grant of an L3 skill, the original of a reversal."""
         if isinstance(step, planner.ReadGrant):
-            return await self.store.grant_active(step.skill, now)
+            return await self.store.grant_active(step.skill, now, self.chain_trust)
         return await self._original(record.service, step.proposal_id)
 
     async def _rollback(self, record: ProposalRecord,
@@ -541,7 +553,8 @@ class Engine:
 
         async def allowed(attempt: int, maybe_delivered: bool) -> None:
             if attempt > 1 and planner.recheck_grant(record, intended, maybe_delivered) \
-                    and not await self.store.grant_active(record.skill, now_ms()):
+                    and not await self.store.grant_active(record.skill, now_ms(),
+                                                          self.chain_trust):
                 raise GrantRevoked(record.skill)
 
         try:
@@ -634,21 +647,32 @@ class Engine:
     # -- the breaker and the autonomy switch (constitution IV.5, IV.6) ---------------------------
 
     async def autonomy(self, now: int) -> breaker.Autonomy:
-        """The autonomy chain's current state, read at most once a second."""
+        """The autonomy chain's current state, read at most once a second. A head no trusted
+        daemon wrote (or a resolution no operator signed) is not believed: it reads as a
+        crisis, which the next checkpoint records."""
         if self._autonomy is None or now - self._autonomy[1] > AUTONOMY_TTL_MS:
-            _, body = await self.store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
-            self._autonomy = (breaker.from_trailer(body), now)
+            seq, body = await self.store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
+            state = breaker.from_trailer(body)
+            problem = body and self.chain_trust.problem(body, breaker.AUTONOMY_ID, seq,
+                                                        self.chain_trust.start())
+            if problem:
+                log.error("the autonomy chain's head does not verify; applies refused",
+                          stream_seq=seq, problem=problem)
+                state = breaker.in_crisis(state, state.crisis or f"unverified-autonomy-{seq}")
+            self._autonomy = (state, now)
+            self._autonomy_verified = not problem
             self.metrics.set_autonomy(self._autonomy[0].blocks(now) or "on")
         return self._autonomy[0]
 
     async def _append_autonomy(self, change, verdict: str, actor: str, observer: str,
-                               reason: str, extra: tuple[str, ...] = ()) -> breaker.Autonomy:
+                               reason: str, extra: tuple[str, ...] = (),
+                               envelope: Envelope | None = None) -> breaker.Autonomy:
         """Append the next state (`change(state)`) to the autonomy chain, retrying on a race."""
         states: list[breaker.Autonomy] = []
 
         def next_draft(chain: list[tuple[int, dict]], now: int) -> Draft:
             states.append(change(breaker.from_trailer(chain[-1][1] if chain else None)))
-            return breaker.draft(states[-1], verdict, actor, observer, reason, extra)
+            return breaker.draft(states[-1], verdict, actor, observer, reason, extra, envelope)
 
         trailer = await self.store.append_sealed(
             S.autonomy_audit(breaker.AUTONOMY_ID), breaker.AUTONOMY_ID, "L0", "operation",
@@ -692,7 +716,8 @@ class Engine:
         chain = await self.store.read_chain(svc, pid) if svc else []
         record = None
         if chain:
-            broken = audit.verify_chain(pid, [body for _, body in chain])
+            broken = audit.verify_chain(pid, [body for _, body in chain], self.chain_trust,
+                                        [seq for seq, _ in chain])
             if broken is not None:
                 return f"the chain of {pid} does not verify: {broken}"
             try:
@@ -741,12 +766,16 @@ class Engine:
         if view.created is None:  # deleted under a running daemon: bring it back to say so
             await self.store.ensure()
         crisis = kept.crisis if kept else ""
-        autonomy_chain = [body for _, subject, body in log_
-                          if subject == S.autonomy_audit(breaker.AUTONOMY_ID)]
-        if crisis and breaker.resolved(autonomy_chain, crisis):
+        autonomy = [entry for entry in log_ if entry[1] == S.autonomy_audit(breaker.AUTONOMY_ID)]
+        if crisis and breaker.resolved([body for _, _, body in autonomy], crisis) \
+                and not self._chain_breaks(autonomy, self.chain_trust):
             crisis, kept = "", None  # an operator accepted the log as it is: the new baseline
-        problems += checkpoint.log_problems(log_, view, kept, self._trusted_daemons(key))
-        problems += self._chain_breaks(log_)
+        whole = checkpoint.log_problems(log_, view, kept, self._trusted_daemons(key))
+        # what a verified checkpoint covers was fully verified before it was signed
+        covered = 0 if whole else checkpoint.covered_to(log_, kept)
+        problems += whole
+        problems += self._chain_breaks(log_, dataclasses.replace(self.chain_trust,
+                                                                 covered_to=covered))
         if crisis and not problems:
             problems = [f"{crisis} is still open (kept in {path}) until an operator resolves it"]
         now = now_ms()
@@ -761,8 +790,55 @@ class Engine:
             cp_subject, checkpoint.CHECKPOINT_ID, "L0", "operation",
             lambda chain, at: checkpoint.draft(cp, self.actor), clock=lambda: now)
         anchor_file.write(path, checkpoint.anchor_of(cp, view.created or ""))
+        self.chain_trust = dataclasses.replace(self.chain_trust, covered_to=cp.last_seq)
         log.info("checkpoint signed", trailers=cp.count, root=cp.root)
         return None
+
+    # -- who writes and who authorises: the daemon key and the trust history ---------------------
+
+    def use_key(self, key) -> None:
+        """Sign every trailer with `key` and trust what it signed."""
+        self.store.signer = key
+        own = signing.keyid_of(signing.raw_public(key.public_key()))
+        self.chain_trust = dataclasses.replace(self.chain_trust,
+                                               daemons=self.chain_trust.daemons | {own})
+
+    async def record_trust(self) -> Trailer | None:
+        """Read the trust chain (verified) into the trust history, and append this daemon's
+        operator and voter keys when they differ from the last recorded: an old act keeps
+        verifying against the key trusted when it was accepted. The appended trailer, or None."""
+        subject = S.trust_audit(evidence.TRUST_ID)
+        operators, voters = dict(self.config.trust.operators), dict(self.config.trust.quorum)
+
+        def next_draft(chain: list[tuple[int, dict]], now: int) -> Draft | None:
+            return evidence.trust_draft(operators, voters, chain[-1][1] if chain else None,
+                                        self.actor)
+
+        trailer = await self.store.append_sealed(subject, evidence.TRUST_ID, "L0", "operation",
+                                                 next_draft, clock=now_ms)
+        chain = await self.store.read_chain_at(subject)
+        brk = audit.verify_chain(evidence.TRUST_ID, [body for _, body in chain],
+                                 evidence.ChainTrust(self.chain_trust.daemons),
+                                 [seq for seq, _ in chain])
+        if brk is not None:  # not believed; the checkpoint at start opens the crisis
+            log.error("the trust chain does not verify; only this daemon's keys count",
+                      problem=str(brk))
+            return trailer
+        history = evidence.history_of(chain, self.chain_trust.history.fallback)
+        self.chain_trust = dataclasses.replace(self.chain_trust, history=history)
+        if trailer is not None:
+            log.warning("trust store changed: recorded on the trust chain", reason=trailer.reason)
+        return trailer
+
+    async def chain_broken(self, problem: str) -> None:
+        """A chain about to be decided on does not verify: open a crisis (applies refused)."""
+        path = anchor_file.path_in(self.config.data_dir)
+        try:
+            kept = anchor_file.read(path)
+        except ValueError:
+            kept = None
+        view = checkpoint.StreamView(kept.stream_created if kept else None)
+        await self._crisis([problem], kept.crisis if kept else "", kept, view, path, now_ms())
 
     def _trusted_daemons(self, key) -> set[str]:
         """Whose checkpoints count: this daemon's own key and `[trust] daemons`."""
@@ -770,13 +846,16 @@ class Engine:
         return self.config.trust.daemon_keyids() | {own}
 
     @staticmethod
-    def _chain_breaks(log_: list[tuple[int, str, dict]]) -> list[str]:
-        """The first break of the first broken chain, if any."""
-        chains: dict[str, list[dict]] = {}
-        for _, subject, body in log_:
-            chains.setdefault(subject, []).append(body)
-        for subject, bodies in chains.items():
-            brk = audit.verify_chain(S.token(subject, 3) or "", bodies)
+    def _chain_breaks(log_: list[tuple[int, str, dict]], trust: evidence.ChainTrust
+                      ) -> list[str]:
+        """The first break of the first broken chain in `log_` (stream sequence, subject,
+        body), if any."""
+        chains: dict[str, list[tuple[int, dict]]] = {}
+        for seq, subject, body in log_:
+            chains.setdefault(subject, []).append((seq, body))
+        for subject, chain in chains.items():
+            brk = audit.verify_chain(S.token(subject, 3) or "", [body for _, body in chain],
+                                     trust, [seq for seq, _ in chain])
             if brk is not None:
                 return [f"{subject}: {brk}"]
         return []
@@ -791,7 +870,7 @@ class Engine:
                                              "", now)
         if baseline.crisis != crisis:
             anchor_file.write(path, dataclasses.replace(baseline, crisis=crisis))
-        if state.crisis == crisis:
+        if state.crisis == crisis and self._autonomy_verified:
             return
         problem = "; ".join(problems)
         log.error("audit log broken: entering crisis, applies refused", crisis=crisis,
@@ -815,7 +894,7 @@ class Engine:
                                     cmd.principal, "human",
                                     f"{cmd.crisis} resolved by {cmd.principal}: {cmd.reason}",
                                     (ref("act", act.digest), ref("keyid", verified.keyid),
-                                     ref("resolved", cmd.crisis)))
+                                     ref("resolved", cmd.crisis)), verified.envelope)
         log.warning("crisis resolved; applies resume", crisis=cmd.crisis,
                     principal=cmd.principal)
         return True
@@ -839,8 +918,19 @@ class Engine:
         chain = await self.store.read_chain(svc, pid)
         if not chain:
             return None
+        await self.verified(svc, pid, chain)
         trailers = [decode_trailer(body) for _, body in chain]
         return propose.rebuild_record(trailers, [seq for seq, _ in chain], self.policy)
+
+    async def verified(self, svc: str, chain_id: str, chain: list[tuple[int, dict]]) -> None:
+        """Believe a chain only when it verifies — hashes, links, a trusted daemon's signature
+        on every trailer, a valid signed act under every authority — else open a crisis and
+        raise ChainBroken."""
+        brk = audit.verify_chain(chain_id, [body for _, body in chain], self.chain_trust,
+                                 [seq for seq, _ in chain])
+        if brk is not None:
+            await self.chain_broken(f"{svc}/{brk}")
+            raise ChainBroken(f"{svc}/{brk}")
 
     async def republish_all(self, concurrency: int = 32) -> int:
         """Rebuild every record and grant from its chain, refill the state cache where it lacks

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -38,7 +39,7 @@ from nats.js.errors import (
 )
 
 from improved.client import chains
-from improved.core import audit, checkpoint
+from improved.core import audit, checkpoint, evidence
 from improved.core.audit import Draft
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
@@ -132,6 +133,7 @@ class Store:
         self.replicas = replicas
         self.records_storage = records_storage
         self.kv = None
+        self.signer: Ed25519PrivateKey | None = None  # the daemon key every trailer is signed with
 
     async def ensure(self) -> None:
         """Create or update every stream, the consumer and the bucket; safe to run twice."""
@@ -300,7 +302,10 @@ class Store:
                                     record.chain.stream_seq)
 
     async def append_to(self, subject: str, trailer: Trailer, expected_seq: int) -> int:
-        """Append to the chain on `subject` only if its last trailer is at `expected_seq`."""
+        """Append to the chain on `subject` only if its last trailer is at `expected_seq`,
+        signed with the daemon's key (a reader trusts a trailer no other key signed)."""
+        if self.signer is not None:
+            trailer = evidence.sign(trailer, self.signer)
         headers = {"Nats-Expected-Last-Subject-Sequence": str(expected_seq)}
         try:
             ack = await self.js.publish(subject, to_json(trailer), headers=headers,
@@ -465,10 +470,11 @@ class Store:
             return None
         return msg.data
 
-    async def grant_active(self, identity: str | None, now_ms: int) -> bool:
+    async def grant_active(self, identity: str | None, now_ms: int,
+                           trust: audit.Authenticity | None = None) -> bool:
         """An active, unexpired grant for exactly `<name>:<sha256>`, as its verified grant
         chain says (never the retained record, never a lookup by name)."""
-        return await chains.grant_active(self.js, identity, now_ms)
+        return await chains.grant_active(self.js, identity, now_ms, trust)
 
     # -- refusals --------------------------------------------------------------------------------
 

@@ -118,7 +118,10 @@ async def test_quorum_under_a_pending_amendment_does_not_start(own_server, tmp_p
     assert await refused(own_server.url, quorum_config(pid)) == line
     # the same from the command line: one line, exit 2, nothing served
     toml = tmp_path / "improved.toml"
-    toml.write_text(f'[policy]\nquorum = true\nquorum_amendment = "{pid}"\n')
+    # the test daemons' key: the chain it names was written by them
+    key = daemon_config().checkpoint_key
+    toml.write_text(f'checkpoint_key = "{key}"\n[policy]\nquorum = true\n'
+                    f'quorum_amendment = "{pid}"\n')
     done = await asyncio.to_thread(improved, "run", "--config", str(toml), "--nats",
                                    own_server.url)
     assert done.returncode == 2

@@ -1,0 +1,232 @@
+"""Forged authority on the chain (issue 13, items 1 and 2), played as a bus participant with
+publish rights on the audit subjects would: a correctly hashed but unsigned `approve` trailer
+appended to a waiting L2's chain — with the daemon running and with it stopped — and a hand-made
+`crisis_resolved` on the autonomy chain. A trailer no trusted daemon key signed, or authority no
+signed act backs, is a break: nothing is applied, the daemon opens a crisis, and
+`improved audit verify` names the trailer. A compromised daemon key still cannot make up an
+operator's approval: the approval must carry the operator's signed act."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from improved.client.sdk import MeshClient
+from improved.core import audit, breaker, evidence
+from improved.core.audit import Draft
+from improved.core.record import ChainHead, ref
+from improved.protocol import subjects as S
+from improved.runtime import bus
+from improved.runtime.daemon import Daemon
+from improved.runtime.store import Store
+from tests.bus import Applier, approve, daemon_config, daemon_key, eventually
+from tests.cli import improved
+from tests.factories import rank_proposal, skill_proposal
+
+SVC = "forge"
+
+
+def _config(tmp_path: Path):
+    return msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
+                                   data_dir=tmp_path / "data")
+
+
+async def _forge(nc, subject: str, chain_id: str, draft: Draft, *,
+                 key: Ed25519PrivateKey | None = None) -> None:
+    """Append `draft` to the chain on `subject` exactly as a daemon would — sealed, linked,
+    with the expected last sequence — signed with `key` (None: unsigned)."""
+    store = Store(nc)
+    store.signer = key
+    chain = await store.read_chain_at(subject)
+    last_seq, last = chain[-1]
+    head = ChainHead(length=last["seq"] + 1, last_hash=last["hash"], stream_seq=last_seq)
+    t = audit.seal_next(draft, chain_id, head, last["gate_class"], last["scope"], last["at"] + 1)
+    await store.append_to(subject, t, last_seq)
+
+
+def _approval(pid: str, actor: str = "operator:alice") -> Draft:
+    """What an approval trailer says, without the signed act behind it."""
+    return Draft(from_stage="triage", to_stage="triage", actor=actor, observer_type="human",
+                 verdict="approve", reason=f"approved by {actor}: looks fine",
+                 refs=(ref("act", "0" * 64), ref("act_seq", 999)))
+
+
+async def _waiting_l2(client: MeshClient) -> str:
+    pid = (await client.propose(skill_proposal(SVC))).proposal_id
+    decision = await client.triage(pid)
+    assert (decision.verdict, decision.cause) == ("defer", "awaiting_operator")
+    return pid
+
+
+async def _verify(url: str, config, *extra: str):
+    return await asyncio.to_thread(
+        improved, "audit", "verify", "--nats", url, "--checkpoint",
+        str(config.data_dir / "last-checkpoint.json"), *extra)
+
+
+async def _in_crisis(daemon) -> str:
+    return (await daemon.engine.autonomy(2**62)).crisis
+
+
+async def test_an_unsigned_approval_on_a_running_daemon_applies_nothing(own_server, tmp_path):
+    config = _config(tmp_path)
+    nc = await bus.connect(own_server.url, "forge")
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    client = MeshClient(nc, SVC)
+    applier = Applier()
+    sub = await client.serve_apply(applier)
+    try:
+        pid = await _waiting_l2(client)
+        await _forge(nc, S.audit(SVC, pid), pid, _approval(pid))
+        daemon.engine._cache.clear()  # as after a restart: the chain is read again
+        reply = await nc.request(S.triage_request(SVC), msgspec.json.encode(
+            {"proposal_id": pid}), timeout=5)
+        await asyncio.sleep(0.5)
+        assert applier.orders == []
+        assert msgspec.json.decode(reply.data)["error"]["code"] == "chain_broken"
+        assert await _in_crisis(daemon)
+        # the honest path stays shut too: a crisis refuses every apply
+        other = (await client.propose(rank_proposal(SVC, key="after"))).proposal_id
+        assert (await client.triage(other)).verdict == "accept"
+        await asyncio.sleep(0.5)
+        assert applier.orders == []
+        verify = await _verify(own_server.url, config)
+        assert verify.returncode == 1
+        assert f"BROKEN {pid} trailer 2: not signed by a daemon" in verify.stdout, verify.stdout
+    finally:
+        await sub.unsubscribe()
+        await daemon.stop()
+        await bus.close(nc)
+
+
+async def test_an_unsigned_approval_while_the_daemon_was_stopped_is_a_crisis_at_start(
+        own_server, tmp_path):
+    config = _config(tmp_path)
+    nc = await bus.connect(own_server.url, "forge")
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    client = MeshClient(nc, SVC)
+    pid = await _waiting_l2(client)
+    await daemon.stop()
+    await _forge(nc, S.audit(SVC, pid), pid, _approval(pid))
+
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    applier = Applier()
+    sub = await client.serve_apply(applier)
+    try:
+        assert await _in_crisis(daemon)
+        await nc.request(S.triage_request(SVC), msgspec.json.encode({"proposal_id": pid}),
+                         timeout=5)
+        await asyncio.sleep(0.5)
+        assert applier.orders == []
+        verify = await _verify(own_server.url, config, pid)
+        assert verify.returncode == 1 and "not signed by a daemon" in verify.stdout
+    finally:
+        await sub.unsubscribe()
+        await daemon.stop()
+        await bus.close(nc)
+
+
+async def test_a_daemon_key_alone_cannot_make_up_an_operators_approval(own_server, tmp_path):
+    """The attacker holds a trusted daemon key: the trailer is signed, but the approval carries
+    no signed act of alice's, so it is still a break and nothing is applied."""
+    config = _config(tmp_path)
+    nc = await bus.connect(own_server.url, "forge")
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    client = MeshClient(nc, SVC)
+    applier = Applier()
+    sub = await client.serve_apply(applier)
+    try:
+        pid = await _waiting_l2(client)
+        await _forge(nc, S.audit(SVC, pid), pid, _approval(pid), key=daemon_key())
+        daemon.engine._cache.clear()
+        await nc.request(S.triage_request(SVC), msgspec.json.encode({"proposal_id": pid}),
+                         timeout=5)
+        await asyncio.sleep(0.5)
+        assert applier.orders == []
+        assert await _in_crisis(daemon)
+        verify = await _verify(own_server.url, config, pid)
+        assert "the approve carries no signed act" in verify.stdout, verify.stdout
+    finally:
+        await sub.unsubscribe()
+        await daemon.stop()
+        await bus.close(nc)
+
+
+async def test_a_forged_crisis_resolution_keeps_the_crisis(own_server, tmp_path):
+    config = _config(tmp_path)
+    nc = await bus.connect(own_server.url, "forge")
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    client = MeshClient(nc, SVC)
+    applier = Applier()
+    sub = await client.serve_apply(applier)
+    try:
+        await daemon.engine.chain_broken("a test opens a crisis")
+        crisis = await _in_crisis(daemon)
+        assert crisis
+        subject = S.autonomy_audit(breaker.AUTONOMY_ID)
+        resolved = breaker.draft(breaker.in_crisis(await daemon.engine.autonomy(2**62), ""),
+                                 "crisis_resolved", "operator:alice", "human",
+                                 f"{crisis} resolved by operator:alice: fine",
+                                 (ref("resolved", crisis),))
+        await _forge(nc, subject, breaker.AUTONOMY_ID, resolved)
+        assert await _in_crisis(daemon)  # the head is not believed
+        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is not None
+        pid = (await client.propose(rank_proposal(SVC, key="after"))).proposal_id
+        assert (await client.triage(pid)).verdict == "accept"
+        await asyncio.sleep(0.5)
+        assert applier.orders == []
+        verify = await _verify(own_server.url, config)
+        assert "not signed by a daemon" in verify.stdout, verify.stdout
+    finally:
+        await sub.unsubscribe()
+        await daemon.stop()
+        await bus.close(nc)
+
+
+async def test_signed_approvals_verify_from_the_chain_and_an_old_act_after_key_rotation(
+        own_server, tmp_path):
+    """The honest path: alice approves, the order goes out, the chain verifies with the signed
+    act on it. Alice's key is then removed from the trust store: the trust chain records it,
+    and her earlier approval still verifies against the key trusted when it was accepted."""
+    config = _config(tmp_path)
+    nc = await bus.connect(own_server.url, "forge")
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    client = MeshClient(nc, SVC)
+    applier = Applier()
+    sub = await client.serve_apply(applier)
+    try:
+        pid = await _waiting_l2(client)
+        await approve(nc, client, SVC, pid)
+        async def ordered():
+            return applier.orders
+
+        await eventually(ordered)
+        assert applier.authorities == ["operator:alice"]
+        chain = await Store(nc).read_chain(SVC, pid)
+        approval = next(body for _, body in chain if body.get("verdict") == "approve")
+        assert approval["envelope"]["payloadType"] == "application/vnd.improved.review+json"
+        await daemon.stop()
+        rotated = msgspec.structs.replace(config, trust=msgspec.structs.replace(
+            config.trust, operators={}))
+        daemon = Daemon(nc, rotated)
+        await daemon.start()
+        trust = await Store(nc).read_chain_at(S.trust_audit(evidence.TRUST_ID))
+        assert len(trust) == 2 and "removed" in trust[-1][1]["reason"]
+        assert "operator:alice" in trust[-1][1]["reason"]
+        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+        verify = await _verify(own_server.url, config)
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+        assert "daemon signatures and signed acts" in verify.stdout
+    finally:
+        await sub.unsubscribe()
+        await daemon.stop()
+        await bus.close(nc)
