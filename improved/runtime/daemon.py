@@ -108,7 +108,9 @@ class Daemon:
         """Bind the streams, check and record the policy, restore, verify the log, subscribe.
         ConfigError (nothing subscribed) when the policy loosens a floor or `policy.quorum`
         names no approved amendment."""
-        await self.store.ensure()
+        changed = await self.store.ensure()
+        if changed:
+            log.info("streams and buckets brought to this configuration", changes=changed)
         await self._policy_in_force()
         await self.engine.sync_switch()
         if not await self.republish_if_lost():

@@ -67,6 +67,31 @@ async def eventually(check, timeout: float = 10.0, interval: float = 0.05):
     raise AssertionError(f"condition not met within {timeout}s (last: {last!r})")
 
 
+# -- a) provisioning: look first, change only what is missing or differs --------------------
+
+
+async def test_ensure_changes_only_what_is_missing_or_differs(own_server):
+    """Without accounts the daemon still makes everything itself; once it is there, a start
+    changes nothing (a daemon user under accounts.conf could not), and a weakened audit
+    stream or a lost bucket is put back."""
+    nc = await bus.connect(own_server.url, "provision-test")
+    try:
+        store = Store(nc)
+        made = await store.ensure()
+        assert {c.split(" ", 1)[0] for c in made} == {"created"} and len(made) == 8, made
+        assert await Store(nc).ensure() == []  # nothing missing, nothing differs
+        js = nc.jetstream()
+        audit = (await js.stream_info(S.STREAM_AUDIT)).config
+        await js.update_stream(audit.evolve(max_msgs_per_subject=1))  # what accounts forbid
+        await js.delete_key_value(S.BUCKET_STATE)  # a broker restart loses this one anyway
+        assert await Store(nc).ensure() == [
+            f"updated stream {S.STREAM_AUDIT} (max_msgs_per_subject)",
+            f"created bucket {S.BUCKET_STATE}"]
+        assert (await js.stream_info(S.STREAM_AUDIT)).config.max_msgs_per_subject == -1
+    finally:
+        await nc.drain()
+
+
 # -- b) accounts and permissions on a real server -------------------------------------------
 
 
