@@ -73,9 +73,11 @@ def test_improved_run_with_a_bad_config_says_one_line_and_exits(tmp_path, text, 
 def test_an_unreachable_server_is_a_clear_error(tmp_path):
     p = tmp_path / "p.json"
     p.write_text(json.dumps(_builtins(rank_proposal("cli"))))
-    result = improved("propose", "--nats", f"nats://127.0.0.1:{bus.free_port()}", str(p))
+    result = improved("propose", "--nats", f"nats://u:secret@127.0.0.1:{bus.free_port()}",
+                      str(p))
     assert result.returncode == 2
-    assert "cannot reach NATS" in result.stderr
+    assert "cannot reach NATS at nats://127.0.0.1:" in result.stderr
+    assert "secret" not in result.stderr  # the password is not repeated
 
 
 def test_provision_makes_what_is_missing_then_nothing(own_server):
