@@ -534,6 +534,13 @@ async def test_operator_cli_reads_show_review_and_verify(mesh):
     assert re.search(r"(\d+)/\1 chains verified", out), out
 
 
+async def test_audit_rebuild_runs_as_the_daemon_user(mesh):
+    """`improved audit rebuild --write` rewrites the state bucket; accounts.conf says to run
+    it as `improved`, whose narrowed grants still cover it."""
+    rc, out = await cli("audit", "rebuild", "--write", "--nats", as_user(mesh["url"], "improved"))
+    assert rc == 0 and "proposals rebuilt from their chains alone" in out, out
+
+
 async def test_other_service_users_start_their_reference_store(mesh):
     """svc-skills's grants fit the reference skills store's start-up (its three buckets)."""
     from improved_reference.skills_store import SkillsStore
