@@ -2,6 +2,8 @@
 # Bring up, on this machine, for a try:
 #   - the 3-node NATS cluster of deploy/nats-cluster (client ports 4222-4224, JetStream,
 #     users and permissions from deploy/accounts.conf);
+#   - the loop's streams, buckets and inbound consumer (R3), made by `improved provision` as
+#     the provisioning user improved-admin: the daemon's user may not create or change them;
 #   - two improved daemon replicas sharing the inbound durable consumer, one seeded on n1 and
 #     one on n2 (each learns the other nodes from the cluster);
 #   - the reference ranking store serving `ranking.improve.apply` as user svc-ranking.
@@ -22,6 +24,7 @@ RUN_DIR=${IMPROVED_RUN_DIR:-$ROOT/.improved/cluster}
 WITH_RANKING=${WITH_RANKING:-1}
 
 # Reference credentials from deploy/accounts.conf (change both places together).
+ADMIN_AUTH="improved-admin:dev-admin-pw"
 DAEMON_AUTH="improved:dev-improved-pw"
 OPERATOR_AUTH="operator:dev-operator-pw"
 RANKING_AUTH="svc-ranking:dev-ranking-pw"
@@ -96,9 +99,8 @@ for port in 8222 8223 8224; do
 done
 echo "up.sh: cluster up: nats://127.0.0.1:4222, :4223, :4224 (monitoring :8222-:8224)"
 
-# -- the daemons ------------------------------------------------------------------------------
+# -- the daemons' configuration ---------------------------------------------------------------
 # One config per replica, each seeded on a different node. No embedded server: nats_url is set.
-# `replicas = 3` makes the first daemon create R3 streams and buckets.
 for i in 1 2; do
   cat >"$RUN_DIR/improved-$i.toml" <<EOF
 # written by deploy/up.sh: daemon replica $i of the try-it cluster
@@ -107,9 +109,25 @@ data_dir = "$RUN_DIR/daemon-$i"
 replicas = 3          # R3: every stream and bucket on all three nodes
 checkpoint_key = "$RUN_DIR/checkpoint.pem"   # one key: each replica trusts the other's checkpoints
 EOF
-  # One after the other: the first creates the streams and buckets; two replicas creating
-  # them at once on a fresh cluster can time out on a stream whose leader is still elected.
+done
+
+# -- provisioning -----------------------------------------------------------------------------
+# The streams, buckets and inbound consumer, as the daemons' config asks (R3), made with the
+# provisioning credential. Retried: on a fresh cluster a stream whose leader is still being
+# elected can time out.
+provision() {
+  "$IMPROVED" provision --config "$RUN_DIR/improved-1.toml" \
+    --nats "nats://$ADMIN_AUTH@127.0.0.1:4222" >>"$RUN_DIR/logs/provision.log" 2>&1
+}
+wait_for 60 "provisioning (see $RUN_DIR/logs/provision.log)" provision
+echo "up.sh: $(tail -n 1 "$RUN_DIR/logs/provision.log") (as improved-admin)"
+
+# -- the daemons ------------------------------------------------------------------------------
+# They find everything provisioned and change nothing (as user improved they could not).
+for i in 1 2; do
   start "improved-$i" "$IMPROVED" run --config "$RUN_DIR/improved-$i.toml"
+done
+for i in 1 2; do
   wait_for 60 "daemon replica $i" grep -q "improved: ready" "$RUN_DIR/logs/improved-$i.log"
 done
 echo "up.sh: two daemon replicas ready (logs: $RUN_DIR/logs/improved-1.log, improved-2.log)"

@@ -1,6 +1,7 @@
 """`improved`: the daemon and the operator's terminal.
 
     improved run [--nats URL] [--config FILE] [--data-dir DIR] [--port N]
+    improved provision [--nats URL] [--config FILE] [--replicas N]
     improved propose FILE|-
     improved show ID
     improved audit verify [ID]
@@ -20,13 +21,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from improved.cli import audit, authority, proposals, reference, run, tools
+from improved.cli import audit, authority, proposals, provision, reference, run, tools
 from improved.cli.common import configure_logging
 from improved.runtime import bus
 from improved.runtime.config import ConfigError
 from improved.runtime.store import StoreError
 
-GROUPS = (run, proposals, audit, authority, tools, reference)
+GROUPS = (run, provision, proposals, audit, authority, tools, reference)
 
 
 def parser() -> argparse.ArgumentParser:

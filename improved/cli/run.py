@@ -55,7 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "(and no nats_url in the config) it starts an embedded nats-server with "
                     "JetStream under --data-dir and prints where it listens. Streams, the "
                     "consumer and the state bucket are created if missing, so starting twice "
-                    "against the same server is safe.")
+                    "against the same server is safe; with deploy/accounts.conf the daemon's "
+                    "user may not create or change them, so run `improved provision` with the "
+                    "provisioning credential first.")
     add_connection_args(run)
     run.add_argument("--data-dir", metavar="DIR",
                      help="where the embedded server keeps JetStream (default: .improved)")

@@ -192,7 +192,8 @@ async def connect(url: str, name: str, *, connect_timeout: float = 5.0,
             reconnected_cb=on_reconnected, allow_reconnect=True,
         )
     except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
-        raise BusError(f"cannot reach NATS at {url}: {exc}") from exc
+        # the servers without their credentials: this line ends up in logs and terminals
+        raise BusError(f"cannot reach NATS at {','.join(servers)}: {exc}") from exc
     held["nc"] = nc
     if persistent:
         nc.options["max_reconnect_attempts"] = -1  # once connected, reconnect forever

@@ -113,7 +113,9 @@ class Daemon:
         self._checkpoint_key = keys.load_or_create_key(
             self.config.checkpoint_key or self.config.data_dir / "checkpoint.pem")
         self.engine.use_key(self._checkpoint_key)
-        await self.store.ensure()
+        changed = await self.store.ensure()
+        if changed:
+            log.info("streams and buckets brought to this configuration", changes=changed)
         await self.engine.record_trust()
         await self._policy_in_force()
         await self.engine.sync_switch()

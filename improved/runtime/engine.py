@@ -64,7 +64,13 @@ from improved.protocol.model import (
 from improved.runtime import anchor as anchor_file
 from improved.runtime.config import Config
 from improved.runtime.metrics import Metrics
-from improved.runtime.store import ChainConflict, StateConflict, Store, decode_trailer
+from improved.runtime.store import (
+    ChainConflict,
+    NeedsProvision,
+    StateConflict,
+    Store,
+    decode_trailer,
+)
 
 log = structlog.get_logger("improved.engine")
 
@@ -764,7 +770,11 @@ class Engine:
                                     f"read: {exc}"]
         log_, view = await self.store.read_audit()
         if view.created is None:  # deleted under a running daemon: bring it back to say so
-            await self.store.ensure()
+            try:
+                await self.store.ensure()
+            except NeedsProvision as exc:  # the crisis is kept in the data directory anyway
+                log.error("the audit stream is gone and this user may not re-create it",
+                          error=str(exc))
         crisis = kept.crisis if kept else ""
         autonomy = [entry for entry in log_ if entry[1] == S.autonomy_audit(breaker.AUTONOMY_ID)]
         if crisis and breaker.resolved([body for _, _, body in autonomy], crisis) \

@@ -1,6 +1,9 @@
 """JetStream streams, the state bucket, and the chain append (DESIGN §7 "store").
 
-Three streams and one bucket, created idempotently:
+Four streams, three buckets and the inbound consumer, made to match this configuration by
+`Store.ensure`, which looks before it changes anything: under deploy/accounts.conf only the
+provisioning user (`improved provision`) may create or change most of them, and the daemon
+finds them as they should be.
 - IMPROVE_IN: inbound requests (`improve.proposals.<svc>`, …), kept so nothing is lost while no
   daemon runs; one durable pull consumer shared by every replica.
 - IMPROVE_RECORDS: retained records, one message per subject (the current state).
@@ -19,8 +22,9 @@ duplicate trailer, re-reads the chain, and finds its transition already made.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -60,6 +64,21 @@ REFUSED_MAX_AGE_S = 30 * 24 * 3600
 
 class StoreError(RuntimeError):
     """The deployment's streams cannot be brought to the configuration asked for."""
+
+
+PROVISION_HINT = ("run `improved provision --nats nats://improved-admin:PASSWORD@HOST:4222` "
+                  "(the deployment's provisioning credential) first")
+
+
+class NeedsProvision(StoreError):
+    """Something the loop needs is missing or differs, and this connection's change got no
+    answer: the server drops a request the user may not make (deploy/accounts.conf gives
+    stream changes to the provisioning user only), so a timeout is all the daemon sees."""
+
+    def __init__(self, what: str):
+        self.what = what
+        super().__init__(f"{what}, and this user may not change it (JetStream did not answer): "
+                         f"{PROVISION_HINT}")
 
 
 class ChainConflict(Exception):
@@ -108,6 +127,8 @@ def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsa
             description="improved: hash-chained audit trailers, append-only",
             retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType.FILE,
             deny_delete=True, deny_purge=True, allow_direct=True, num_replicas=replicas,
+            # no limits, said out loud so that a limit set since is seen as a difference
+            max_msgs=-1, max_bytes=-1, max_age=0, max_msgs_per_subject=-1,
         ),
         jsapi.StreamConfig(
             name=S.STREAM_REFUSED, subjects=[S.REFUSED_FILTER],
@@ -116,6 +137,23 @@ def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsa
             max_age=REFUSED_MAX_AGE_S, max_msgs=100_000, num_replicas=replicas,
         ),
     ]
+
+
+# Left at 0 in a config, the server fills these in (the 2-minute deduplication window).
+SERVER_DEFAULTED = frozenset({"duplicate_window"})
+
+
+def differences(want: Any, have: Any) -> list[str]:
+    """The settings `want` (a stream or consumer config) asks for that `have` does not hold;
+    what `want` leaves unset is the server's to fill in, and is not compared."""
+    asked = {f.name for f in dataclasses.fields(want) if getattr(want, f.name) is not None
+             and not (f.name in SERVER_DEFAULTED and not getattr(want, f.name))}
+    mine, theirs = want.as_dict(), have.as_dict()
+
+    def norm(value: Any) -> Any:
+        return sorted(value) if isinstance(value, list) else value
+
+    return sorted(k for k in asked & mine.keys() if norm(mine[k]) != norm(theirs.get(k)))
 
 
 def inbound_consumer(ack_wait_s: float = INBOUND_ACK_WAIT_S) -> jsapi.ConsumerConfig:
@@ -135,39 +173,106 @@ class Store:
         self.kv = None
         self.signer: Ed25519PrivateKey | None = None  # the daemon key every trailer is signed with
 
-    async def ensure(self) -> None:
-        """Create or update every stream, the consumer and the bucket; safe to run twice."""
+    async def ensure(self) -> list[str]:
+        """Bring every stream, the inbound consumer and the buckets to this configuration and
+        say what was changed. It looks first and changes only what is missing or differs, so a
+        provisioned deployment starts without a single create or update (which its daemon user
+        may not make: NeedsProvision). Safe to run twice, and by two replicas at once."""
+        done: list[str] = []
         for cfg in stream_configs(self.replicas, self.records_storage):
-            try:
-                await self.js.add_stream(cfg)
-            except BadRequestError as exc:
-                if exc.err_code != 10058:  # stream name already in use: bring it up to date
-                    raise
-                try:
-                    await self.js.update_stream(cfg)
-                except BadRequestError as upd:
-                    raise StoreError(f"stream {cfg.name} exists with a configuration that "
-                                     f"cannot become this one ({upd.description}); keep its "
-                                     f"storage and replicas, or remove it first") from upd
-        try:  # an existing consumer is brought to this config (its ack wait, say) too
-            await self.js.add_consumer(S.STREAM_INBOUND, inbound_consumer())
-        except BadRequestError as exc:
-            if exc.err_code not in (10148, 10013):  # exists with another config / name in use
-                raise
+            done += await self._ensure_stream(cfg)
+        done += await self._ensure_consumer()
         # A cache: in memory, since every record can be rebuilt from its chain.
         self.kv = await self._bucket(S.BUCKET_STATE, "cached proposal records (rebuildable "
-                                     "from the chain)", jsapi.StorageType.MEMORY)
-        self.dedup = await self._bucket(S.BUCKET_DEDUP, "newest proposal per dedup_key")
-        self.ledger = await self._bucket(S.BUCKET_LEDGER, "the rejection ledger by dedup_key")
+                                     "from the chain)", done, jsapi.StorageType.MEMORY)
+        self.dedup = await self._bucket(S.BUCKET_DEDUP, "newest proposal per dedup_key", done)
+        self.ledger = await self._bucket(S.BUCKET_LEDGER, "the rejection ledger by dedup_key",
+                                         done)
+        return done
 
-    async def _bucket(self, name: str, what: str,
-                      storage: jsapi.StorageType = jsapi.StorageType.FILE):
+    async def _ensure_stream(self, cfg: jsapi.StreamConfig) -> list[str]:
+        name = cfg.name
+        have = await self._stream_config(name)
+        if have is None:
+            if await self._change(f"stream {name} is missing", lambda: self.js.add_stream(cfg),
+                                  raced=(10058,)) is not None:
+                return [f"created stream {name}"]
+            have = await self._stream_config(name)  # another replica created it meanwhile
+            if have is None:
+                raise StoreError(f"stream {name} is missing and could not be created")
+        diff = differences(cfg, have)
+        if not diff:
+            return []
+        what = f"stream {name} differs from this configuration ({', '.join(diff)})"
+        await self._change(what, lambda: self.js.update_stream(cfg),
+                           refused="keep its storage and replicas, or remove it first")
+        return [f"updated stream {name} ({', '.join(diff)})"]
+
+    async def _ensure_consumer(self) -> list[str]:
+        want = inbound_consumer()
+        what = f"consumer {S.CONSUMER_INBOUND} of {S.STREAM_INBOUND}"
         try:
-            return await self.js.key_value(name)
+            have = await self._look(what, lambda: self.js.consumer_info(S.STREAM_INBOUND,
+                                                                        S.CONSUMER_INBOUND))
+        except NotFoundError:
+            have = None
+        diff = differences(want, have.config) if have is not None else []
+        if have is not None and not diff:
+            return []
+        missing = f"{what} is missing" if have is None else (
+            f"{what} differs from this configuration ({', '.join(diff)})")
+        # creating a consumer that exists brings it to this config (its ack wait, say)
+        made = await self._change(missing, lambda: self.js.add_consumer(S.STREAM_INBOUND, want),
+                                  raced=(10148, 10013))  # another config / name in use
+        if made is None:
+            return []
+        return [f"created {what}" if have is None else f"updated {what} ({', '.join(diff)})"]
+
+    async def _bucket(self, name: str, what: str, done: list[str],
+                      storage: jsapi.StorageType = jsapi.StorageType.FILE):
+        """Open a bucket as it is (one created R1 stays R1), or create it when missing."""
+        try:
+            return await self._look(f"bucket {name}", lambda: self.js.key_value(name))
         except BucketNotFoundError:
-            return await self.js.create_key_value(bucket=name, history=1, storage=storage,
-                                                  replicas=self.replicas,
-                                                  description=f"improved: {what}")
+            pass
+        kv = await self._change(f"bucket {name} is missing", lambda: self.js.create_key_value(
+            bucket=name, history=1, storage=storage, replicas=self.replicas,
+            description=f"improved: {what}"), raced=(10058,))
+        if kv is None:  # another replica created it meanwhile
+            return await self._look(f"bucket {name}", lambda: self.js.key_value(name))
+        done.append(f"created bucket {name}")
+        return kv
+
+    async def _stream_config(self, name: str) -> jsapi.StreamConfig | None:
+        try:
+            return (await self._look(f"stream {name}", lambda: self.js.stream_info(name))).config
+        except NotFoundError:
+            return None
+
+    @staticmethod
+    async def _look(what: str, call: Callable[[], Awaitable[Any]]) -> Any:
+        """A read of the deployment's shape; a silent server is an error of one line."""
+        try:
+            return await call()
+        except (TimeoutError, NatsTimeoutError) as exc:
+            raise StoreError(f"cannot read {what}: JetStream did not answer (is it enabled, "
+                             "and may this user read the loop's streams?)") from exc
+
+    @staticmethod
+    async def _change(what: str, call: Callable[[], Awaitable[Any]], *,
+                      raced: tuple[int, ...] = (), refused: str = "") -> Any:
+        """Make one change: its result, or None when JetStream answers one of the `raced`
+        codes (someone made it meanwhile). No answer means this user may not (NeedsProvision);
+        any other refusal is a StoreError naming it."""
+        try:
+            return await call()
+        except (TimeoutError, NatsTimeoutError) as exc:
+            raise NeedsProvision(what) from exc
+        except APIError as exc:
+            if exc.err_code in raced:
+                return None
+            raise StoreError(f"{what}, and JetStream refused the change ({exc.description})"
+                             + (f": {refused}" if refused else "")) from exc
 
     async def bind(self) -> None:
         """Attach to an existing deployment without creating anything (read-only commands)."""

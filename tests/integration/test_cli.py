@@ -73,9 +73,29 @@ def test_improved_run_with_a_bad_config_says_one_line_and_exits(tmp_path, text, 
 def test_an_unreachable_server_is_a_clear_error(tmp_path):
     p = tmp_path / "p.json"
     p.write_text(json.dumps(_builtins(rank_proposal("cli"))))
-    result = improved("propose", "--nats", f"nats://127.0.0.1:{bus.free_port()}", str(p))
+    result = improved("propose", "--nats", f"nats://u:secret@127.0.0.1:{bus.free_port()}",
+                      str(p))
     assert result.returncode == 2
-    assert "cannot reach NATS" in result.stderr
+    assert "cannot reach NATS at nats://127.0.0.1:" in result.stderr
+    assert "secret" not in result.stderr  # the password is not repeated
+
+
+def test_provision_makes_what_is_missing_then_nothing(own_server):
+    first = improved("provision", "--nats", own_server.url)
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.splitlines()
+    assert "created stream IMPROVE_AUDIT" in lines and "created bucket improved_state" in lines
+    assert lines[-1].endswith("8 changed")
+    again = improved("provision", "--nats", own_server.url)
+    assert again.returncode == 0 and again.stdout.splitlines() == [
+        f"provisioned {own_server.url}: the loop's streams, buckets and inbound consumer are in "
+        "place (R1, records on file); nothing changed"]
+    # a change the server refuses is one line, never a traceback
+    refused = improved("provision", "--nats", own_server.url, "--replicas", "3")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.startswith("improved provision: stream IMPROVE_IN differs from this "
+                                     "configuration (num_replicas)"), refused.stderr
+    assert len(refused.stderr.splitlines()) == 1
 
 
 def _builtins(proposal) -> dict:

@@ -1,7 +1,7 @@
 """deploy/: the bus permissions, the NATS configs, the scripts and the unit (the systemd
 notifications are in tests/unit/test_notify.py). The permission tests run a real nats-server
-with deploy/accounts.conf included, the real daemon as user `improved` and the reference
-ranking store as user `svc-ranking`."""
+with deploy/accounts.conf included, `improved provision` as user `improved-admin`, the real
+daemon as user `improved` and the reference ranking store as user `svc-ranking`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import nats
 import pytest
 import pytest_asyncio
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import BadRequestError, NotFoundError
 
 from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
@@ -39,6 +40,7 @@ SERVER_CONFIGS = [DEPLOY / "nats-single.conf", *CLUSTER]
 
 # The reference passwords of deploy/accounts.conf.
 PASSWORDS = {
+    "improved-admin": "dev-admin-pw",
     "improved": "dev-improved-pw",
     "operator": "dev-operator-pw",
     "svc-ranking": "dev-ranking-pw",
@@ -65,6 +67,31 @@ async def eventually(check, timeout: float = 10.0, interval: float = 0.05):
             return last
         await asyncio.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s (last: {last!r})")
+
+
+# -- a) provisioning: look first, change only what is missing or differs --------------------
+
+
+async def test_ensure_changes_only_what_is_missing_or_differs(own_server):
+    """Without accounts the daemon still makes everything itself; once it is there, a start
+    changes nothing (a daemon user under accounts.conf could not), and a weakened audit
+    stream or a lost bucket is put back."""
+    nc = await bus.connect(own_server.url, "provision-test")
+    try:
+        store = Store(nc)
+        made = await store.ensure()
+        assert {c.split(" ", 1)[0] for c in made} == {"created"} and len(made) == 8, made
+        assert await Store(nc).ensure() == []  # nothing missing, nothing differs
+        js = nc.jetstream()
+        audit = (await js.stream_info(S.STREAM_AUDIT)).config
+        await js.update_stream(audit.evolve(max_msgs_per_subject=1))  # what accounts forbid
+        await js.delete_key_value(S.BUCKET_STATE)  # a broker restart loses this one anyway
+        assert await Store(nc).ensure() == [
+            f"updated stream {S.STREAM_AUDIT} (max_msgs_per_subject)",
+            f"created bucket {S.BUCKET_STATE}"]
+        assert (await js.stream_info(S.STREAM_AUDIT)).config.max_msgs_per_subject == -1
+    finally:
+        await nc.drain()
 
 
 # -- b) accounts and permissions on a real server -------------------------------------------
@@ -103,22 +130,52 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+class SecuredServer:
+    """A nats-server with JetStream whose users and permissions are deploy/accounts.conf;
+    stopped and started again on the same port and store."""
+
+    def __init__(self, base: Path):
+        self.base = base
+        self.port = bus.free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self.conf = base / "server.conf"
+        self.conf.write_text(
+            f'listen: "127.0.0.1:{self.port}"\n'
+            "max_payload: 1MB\n"
+            f'jetstream {{\n  store_dir: "{base / "js"}"\n}}\n'
+            # include paths are relative to the including file: reach the real one from here
+            f'include "{os.path.relpath(ACCOUNTS, base)}"\n'
+        )
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> str:
+        self.proc = start_server(self.conf, self.port, self.base / "server.log")
+        return self.url
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_server(self.proc)
+
+
 @pytest.fixture(scope="module")
 def secured_url(tmp_path_factory):
-    """A nats-server with JetStream whose users and permissions are deploy/accounts.conf."""
-    base = tmp_path_factory.mktemp("secured")
-    port = bus.free_port()
-    conf = base / "server.conf"
-    conf.write_text(
-        f'listen: "127.0.0.1:{port}"\n'
-        "max_payload: 1MB\n"
-        f'jetstream {{\n  store_dir: "{base / "js"}"\n}}\n'
-        # include paths are relative to the including file: reach the real one from here
-        f'include "{os.path.relpath(ACCOUNTS, base)}"\n'
-    )
-    proc = start_server(conf, port, base / "server.log")
-    yield f"nats://127.0.0.1:{port}"
-    stop_server(proc)
+    server = SecuredServer(tmp_path_factory.mktemp("secured"))
+    yield server.start()
+    server.stop()
+
+
+@pytest.fixture
+def secured_server(tmp_path):
+    """A secured server of a test's own, with nothing provisioned yet."""
+    server = SecuredServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+def as_user(url: str, user: str) -> str:
+    """`url` with the reference credentials of `user` in it."""
+    return url.replace("nats://", f"nats://{user}:{PASSWORDS[user]}@")
 
 
 class Conn:
@@ -147,8 +204,7 @@ async def connect_as(url: str, user: str) -> Conn:
     async def on_error(exc: Exception) -> None:
         errors.append(str(exc))
 
-    auth = url.replace("nats://", f"nats://{user}:{PASSWORDS[user]}@")
-    nc = await nats.connect(auth, name=f"test-{user}", error_cb=on_error,
+    nc = await nats.connect(as_user(url, user), name=f"test-{user}", error_cb=on_error,
                             max_reconnect_attempts=1, connect_timeout=2)
     return Conn(nc, errors)
 
@@ -161,10 +217,13 @@ async def count(js, stream: str, subject: str) -> int:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def mesh(secured_url):
-    """The daemon running as `improved` and the ranking store as `svc-ranking`."""
+    """The deployment provisioned by `improved provision` as `improved-admin`, then the
+    daemon running as `improved` and the ranking store as `svc-ranking`."""
+    rc, out = await cli("provision", "--nats", as_user(secured_url, "improved-admin"))
+    assert rc == 0, out
     daemon_conn = await connect_as(secured_url, "improved")
     daemon = Daemon(daemon_conn.nc, daemon_config())
-    await daemon.start()  # Store.ensure(): every stream, consumer and bucket
+    await daemon.start()  # Store.ensure() finds everything as it should be
     ranking_conn = await connect_as(secured_url, "svc-ranking")
     store = RankingStore(ranking_conn.nc, "ranking")
     await store.start()
@@ -180,12 +239,16 @@ async def mesh(secured_url):
     assert ranking_conn.violations() == []
 
 
-async def test_daemon_user_creates_everything_and_the_loop_runs(mesh):
+LOOP_STREAMS = (S.STREAM_INBOUND, S.STREAM_RECORDS, S.STREAM_AUDIT, S.STREAM_REFUSED,
+                f"KV_{S.BUCKET_STATE}", f"KV_{S.BUCKET_DEDUP}", f"KV_{S.BUCKET_LEDGER}")
+
+
+async def test_provisioned_daemon_runs_the_loop_and_changes_nothing(mesh):
     js = mesh["daemon_conn"].nc.jetstream()
-    for name in (S.STREAM_INBOUND, S.STREAM_RECORDS, S.STREAM_AUDIT, S.STREAM_REFUSED,
-                 f"KV_{S.BUCKET_STATE}", f"KV_{S.BUCKET_DEDUP}", f"KV_{S.BUCKET_LEDGER}"):
+    for name in LOOP_STREAMS:
         assert (await js.stream_info(name)).config.name == name
-    await Store(mesh["daemon_conn"].nc).ensure()  # and again: idempotent under permissions
+    # a provisioned deployment is looked at, never changed (it could not be: no violation)
+    assert await Store(mesh["daemon_conn"].nc).ensure() == []
 
     # A service proposes (request/reply to the daemon), the daemon orders the apply from the
     # service (request/reply back), and the service reads its retained records.
@@ -205,16 +268,103 @@ async def test_daemon_user_creates_everything_and_the_loop_runs(mesh):
     assert mesh["ranking"].violations() == []
 
 
-async def test_daemon_cannot_drop_the_audit_stream(mesh):
+async def test_daemon_cannot_change_or_drop_the_audit_stream(mesh):
+    """A compromised daemon cannot lose the chain: as user `improved`, an update of the audit
+    stream's limits (one trailer per chain would drop all the others), its deletion, a purge
+    and a message delete are all refused by the server, and the stream is as it was."""
     conn = await connect_as(mesh["url"], "improved")
     try:
-        for api in ("DELETE", "PURGE"):
-            subject = f"$JS.API.STREAM.{api}.{S.STREAM_AUDIT}"
+        js = conn.nc.jetstream(timeout=1.0)
+        before = await js.stream_info(S.STREAM_AUDIT)
+        assert before.state.messages > 0  # the daemon's start wrote its policy trailers
+        cfg = before.config.evolve(max_msgs_per_subject=1)
+        attacks = [
+            (f"$JS.API.STREAM.UPDATE.{S.STREAM_AUDIT}", lambda: js.update_stream(cfg)),
+            (f"$JS.API.STREAM.DELETE.{S.STREAM_AUDIT}", lambda: js.delete_stream(S.STREAM_AUDIT)),
+            (f"$JS.API.STREAM.PURGE.{S.STREAM_AUDIT}", lambda: js.purge_stream(S.STREAM_AUDIT)),
+            (f"$JS.API.STREAM.MSG.DELETE.{S.STREAM_AUDIT}",
+             lambda: js.delete_msg(S.STREAM_AUDIT, before.state.first_seq)),
+        ]
+        for subject, attack in attacks:
+            with pytest.raises(NatsTimeout):  # the server drops it: nothing answers
+                await attack()
+            assert "permissions violation" in (await conn.violation(subject)).lower()
+        after = await js.stream_info(S.STREAM_AUDIT)
+        assert after.config.as_dict() == before.config.as_dict()
+        assert after.config.max_msgs_per_subject != 1
+        # every trailer is still there (the daemon may have appended more meanwhile)
+        assert after.state.first_seq == before.state.first_seq
+        assert after.state.last_seq >= before.state.last_seq
+        assert after.state.messages == after.state.last_seq - after.state.first_seq + 1
+    finally:
+        await conn.nc.close()
+
+
+async def test_daemon_cannot_change_or_drop_the_other_loop_streams(mesh):
+    """Nor update, delete or purge the other streams and buckets, delete their messages, or
+    delete the shared inbound consumer; a create of a stream that exists changes nothing."""
+    conn = await connect_as(mesh["url"], "improved")
+    try:
+        js = conn.nc.jetstream(timeout=1.0)
+        before = {name: (await js.stream_info(name)).config.as_dict() for name in LOOP_STREAMS}
+        forbidden = [f"$JS.API.STREAM.{api}.{name}" for name in LOOP_STREAMS
+                     for api in ("UPDATE", "DELETE", "PURGE", "MSG.DELETE")]
+        forbidden += [f"$JS.API.STREAM.CREATE.{name}"
+                      for name in (S.STREAM_INBOUND, S.STREAM_AUDIT, S.STREAM_REFUSED)]
+        forbidden += [f"$JS.API.CONSUMER.DELETE.{S.STREAM_INBOUND}.{S.CONSUMER_INBOUND}",
+                      f"$JS.API.CONSUMER.DURABLE.CREATE.{S.STREAM_INBOUND}.{S.CONSUMER_INBOUND}"]
+        for subject in forbidden:
             await conn.nc.publish(subject, b"{}")
-            await conn.nc.flush()
+        await conn.nc.flush()
+        for subject in forbidden:
             await conn.violation(subject)
-        js = conn.nc.jetstream()
-        assert (await js.stream_info(S.STREAM_AUDIT)).config.name == S.STREAM_AUDIT
+        # the caches it may re-create: a create cannot change the one that is there
+        state = (await js.stream_info(f"KV_{S.BUCKET_STATE}")).config
+        with pytest.raises(BadRequestError, match="different configuration"):
+            await js.add_stream(state.evolve(max_msgs_per_subject=100))
+        after = {name: (await js.stream_info(name)).config.as_dict() for name in LOOP_STREAMS}
+        assert after == before
+        assert (await js.consumer_info(S.STREAM_INBOUND, S.CONSUMER_INBOUND)).config
+    finally:
+        await conn.nc.close()
+
+
+async def test_only_the_provisioning_user_provisions_and_the_daemon_says_so(secured_server,
+                                                                            tmp_path):
+    """On a fresh server the daemon's user and the operator cannot make the loop's streams
+    (one line: run `improved provision`); `improved-admin` can, and may run it again. After
+    a broker restart (the state bucket is in memory) the daemon re-creates that cache itself."""
+    url = secured_server.url
+    rc, out = await cli("run", "--nats", as_user(url, "improved"),
+                        "--data-dir", str(tmp_path / "daemon"))
+    assert rc == 2 and "Traceback" not in out, out
+    assert out.splitlines()[-1].startswith(
+        f"improved: stream {S.STREAM_INBOUND} is missing, and this user may not change it "
+        "(JetStream did not answer): run `improved provision"), out
+    rc, out = await cli("provision", "--nats", as_user(url, "operator"))
+    assert rc == 2 and out.splitlines() == [
+        f"improved provision: stream {S.STREAM_INBOUND} is missing, and these credentials may "
+        "not change it (JetStream did not answer): connect as the provisioning user, e.g. "
+        "--nats nats://improved-admin:PASSWORD@HOST:4222"], out
+
+    rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
+    assert rc == 0 and out.splitlines()[-1].endswith("8 changed"), out
+    rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
+    assert rc == 0 and out.splitlines()[-1].endswith("nothing changed"), out
+
+    secured_server.stop()  # a memory stream does not survive a restart of a single server
+    secured_server.start()
+    conn = await connect_as(url, "improved")
+    try:
+        with pytest.raises(NotFoundError):
+            await conn.nc.jetstream().stream_info(f"KV_{S.BUCKET_STATE}")
+        daemon = Daemon(conn.nc, daemon_config())
+        await daemon.start()  # re-creates the state bucket, and nothing else
+        assert (await daemon.store.js.stream_info(f"KV_{S.BUCKET_STATE}")).config
+        assert await daemon.store.ensure() == []
+        await daemon.stop()
+        await conn.nc.flush()
+        assert conn.violations() == []
     finally:
         await conn.nc.close()
 
@@ -271,7 +421,12 @@ async def test_service_cannot_publish_outside_its_own_subjects(mesh):
     after = [await count(dj, stream, subject) for stream, subject in watched]
     assert after == before
     assert await count(dj, S.STREAM_AUDIT, S.audit("ranking", FAKE_ID)) == 0
-    assert "SNOOP" not in [info.config.name for info in await dj.streams_info()]
+    op = await connect_as(mesh["url"], "operator")  # the daemon may not list streams
+    try:
+        names = await op.nc.request("$JS.API.STREAM.NAMES", b"{}", timeout=2)
+        assert "SNOOP" not in msgspec.json.decode(names.data)["streams"]
+    finally:
+        await op.nc.close()
 
 
 async def test_service_cannot_serve_or_read_what_is_not_its_own(mesh):
@@ -377,6 +532,13 @@ async def test_operator_cli_reads_show_review_and_verify(mesh):
     rc, out = await cli("audit", "verify", "--nats", url, "--checkpoint", str(anchor))
     assert rc == 0, out
     assert re.search(r"(\d+)/\1 chains verified", out), out
+
+
+async def test_audit_rebuild_runs_as_the_daemon_user(mesh):
+    """`improved audit rebuild --write` rewrites the state bucket; accounts.conf says to run
+    it as `improved`, whose narrowed grants still cover it."""
+    rc, out = await cli("audit", "rebuild", "--write", "--nats", as_user(mesh["url"], "improved"))
+    assert rc == 0 and "proposals rebuilt from their chains alone" in out, out
 
 
 async def test_other_service_users_start_their_reference_store(mesh):
@@ -521,7 +683,7 @@ async def test_cluster_configs_form_a_cluster_that_takes_r3_streams(tmp_path):
                                              f"listen: 127.0.0.1:{route_ports[6221 + n]}")
             local.write_text(text)
             procs.append(start_server(local, client[n], tmp_path / f"n{n}.log"))
-        conn = await connect_as(f"nats://127.0.0.1:{client[1]}", "improved")
+        conn = await connect_as(f"nats://127.0.0.1:{client[1]}", "improved-admin")
         try:
             store = Store(conn.nc, replicas=3)
 
@@ -557,8 +719,9 @@ def test_scripts_parse_and_are_strict():
 
 @pytest.mark.slow
 def test_up_and_down_scripts_run_the_cluster_and_two_daemons(tmp_path):
-    """deploy/up.sh on the fixed ports of the cluster configs, a proposal through it as the
-    operator, then deploy/down.sh --purge. Skipped when any of those ports is taken."""
+    """deploy/up.sh on the fixed ports of the cluster configs (provisioning as improved-admin,
+    then the daemons as improved), a proposal through it as the operator, then
+    deploy/down.sh --purge. Skipped when any of those ports is taken."""
     busy = [p for base in (4222, 6222, 8222) for p in range(base, base + 3) if _listening(p)]
     if busy:
         pytest.skip(f"ports {busy} are in use; up.sh needs 4222-4224, 6222-6224, 8222-8224")
@@ -569,6 +732,7 @@ def test_up_and_down_scripts_run_the_cluster_and_two_daemons(tmp_path):
                             timeout=180)
         assert up.returncode == 0, up.stdout + up.stderr
         assert "two daemon replicas ready" in up.stdout
+        assert "provisioned nats://127.0.0.1:4222" in up.stdout, up.stdout
         assert "stream IMPROVE_AUDIT: R3" in up.stdout, up.stdout
         proposal = (ROOT / "examples" / "rank-l0.json").read_text().replace('"demo"',
                                                                             '"ranking"')
@@ -592,6 +756,9 @@ def test_up_and_down_scripts_run_the_cluster_and_two_daemons(tmp_path):
                                 str(run_dir / "daemon-1" / "last-checkpoint.json")],
                                capture_output=True, text=True, timeout=60)
         assert whole.returncode == 0 and "holds" in whole.stdout, whole.stdout + whole.stderr
+        for i in (1, 2):  # as user improved, the replicas were refused nothing they tried
+            log = (run_dir / "logs" / f"improved-{i}.log").read_text()
+            assert "permissions violation" not in log.lower(), log
     finally:
         down = subprocess.run([str(DEPLOY / "down.sh"), "--purge"], capture_output=True,
                               text=True, env=env, timeout=180)

@@ -1,0 +1,84 @@
+"""`improved provision`: create or update the loop's streams, buckets and inbound consumer with
+the deployment's provisioning credential.
+
+Under deploy/accounts.conf the daemon's user may not create, update, delete or purge the audit
+stream (nor update or delete the other streams), so that a compromised daemon cannot weaken or
+drop the chain. This is the step that may, run by an administrator before the first start and
+again after an upgrade or a change of `replicas`. Without accounts it is optional: the daemon
+creates what is missing itself."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import nats
+from nats.js.errors import ServiceUnavailableError
+
+from improved.cli.common import add_connection_args, config_of, url_of
+from improved.runtime import bus
+from improved.runtime.store import NeedsProvision, Store, StoreError
+
+ADMIN_URL = "nats://improved-admin:PASSWORD@HOST:4222"
+
+
+async def _provision(url: str, replicas: int, records_storage: str) -> list[str]:
+    nc = await bus.connect(url, "improved-provision", persistent=False)
+    try:
+        return await Store(nc, replicas, records_storage).ensure()
+    finally:
+        await bus.close(nc)
+
+
+def cmd_provision(args: argparse.Namespace) -> int:
+    config = config_of(args)
+    replicas = args.replicas or config.replicas
+    url = url_of(args, config)
+    where = ",".join(bus.split_credentials(url)[0])  # never print a password
+    try:
+        changes = asyncio.run(_provision(url, replicas, config.records_storage))
+    except NeedsProvision as exc:
+        print(f"improved provision: {exc.what}, and these credentials may not change it "
+              f"(JetStream did not answer): connect as the provisioning user, e.g. --nats "
+              f"{ADMIN_URL}", file=sys.stderr)
+        return 2
+    except StoreError as exc:
+        print(f"improved provision: {exc}", file=sys.stderr)
+        return 2
+    except ServiceUnavailableError:
+        print(f"improved provision: {where}: JetStream is not available there (not enabled, "
+              "or not ready yet)", file=sys.stderr)
+        return 2
+    except nats.errors.Error as exc:
+        print(f"improved provision: {where}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    for change in changes:
+        print(change)
+    print(f"provisioned {where}: the loop's streams, buckets and inbound consumer are in place "
+          f"(R{replicas}, records on {config.records_storage}); "
+          + (f"{len(changes)} changed" if changes else "nothing changed"))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the `provision` command to the `improved` parser."""
+    p = sub.add_parser(
+        "provision", help="create or update the streams and buckets (admin credential)",
+        description="Create what the loop needs on the NATS server and bring it to this "
+                    "configuration: the streams IMPROVE_IN, IMPROVE_RECORDS, IMPROVE_AUDIT and "
+                    "IMPROVED_REFUSED, the KV buckets improved_state, improved_dedup and "
+                    "improved_ledger, and the inbound durable consumer. It looks first and "
+                    "changes only what is missing or differs, so running it again is safe; "
+                    "it prints each change. With deploy/accounts.conf the daemon's user may "
+                    "not do this (it cannot create, update, delete or purge the audit stream, "
+                    "nor update or delete the other streams): run it as the provisioning user "
+                    f"(--nats {ADMIN_URL}) before the daemon's first start and after an "
+                    "upgrade or a change of `replicas`. Replicas and records storage come "
+                    "from the daemon's configuration file (--config). Exits 2, with one line "
+                    "saying why, when a change is not allowed or refused.")
+    add_connection_args(p)
+    p.add_argument("--replicas", type=int, choices=(1, 3, 5), metavar="N",
+                   help="JetStream replicas of every stream and new bucket: 1, 3 or 5 "
+                        "(default: config replicas, else 1)")
+    p.set_defaults(func=cmd_provision)
