@@ -744,7 +744,9 @@ def test_up_and_down_scripts_run_the_cluster_and_two_daemons(tmp_path):
         pid = msgspec.json.decode(done.stdout)["proposal_id"]
         deadline = time.monotonic() + 20
         while True:  # the proposal's chain: registered, triaged, dispatched, applied
-            check = subprocess.run([improved, "audit", "verify", pid, "--nats", url],
+            check = subprocess.run([improved, "audit", "verify", pid, "--nats", url,
+                                    "--checkpoint",  # names the daemons' key, to trust
+                                    str(run_dir / "daemon-1" / "last-checkpoint.json")],
                                    capture_output=True, text=True, timeout=60)
             if "4 trailers" in check.stdout or time.monotonic() > deadline:
                 break
