@@ -76,7 +76,7 @@ OPERATOR = "operator:demo"
 AGENT = "mcp:agent-7f3a:1"  # proposes the skill (an MCP runtime session, call 1)
 TUNER = "mcp:tuner-51c0:1"  # proposes the ranking change
 TUNER_AGAIN = "mcp:tuner-51c0:2"  # the same session, a later call: not independent
-EVALUATOR = "evaluator:run-0042"  # another session, another service: independent
+EVALUATOR = "agent:evaluator:run-0042"  # an agent of another service, by its key: independent
 SKILL = {
     "name": "summarize",
     "description": "Summarise a text in three bullet points",
@@ -186,10 +186,12 @@ class Demo:
 
         key = Ed25519PrivateKey.generate()
         self.operator_key = key
+        self.evaluator_key = Ed25519PrivateKey.generate()
         public = raw_public(key.public_key())
         self.config = Config(
             data_dir=root, port=port, sync=SYNC,
-            trust=Trust(operators={OPERATOR: b64(public)}),
+            trust=Trust(operators={OPERATOR: b64(public)},
+                        signers={EVALUATOR: b64(raw_public(self.evaluator_key.public_key()))}),
             apply=ApplySettings(timeout_s=2.0, attempts=2, max_deliveries=3),
         )
         self.conns: list[Client] = []
@@ -466,11 +468,20 @@ class Demo:
         self.expect((d.verdict, d.cause) == ("defer", "feedback_collapse"),
                     f"expected defer feedback_collapse, got {d.verdict} {d.cause}")
         await self.no_orders(self.search, before, "the ranking store")
+        claim = await self.evaluator.refine(Signal(
+            kind="check", actor="operator:alice", service="billing", positive=True,
+            at=int(time.time() * 1000), proposal_id=pid), service="search")
+        self.event("signal", "an unsigned positive check claiming operator:alice of billing: "
+                   f"counted={claim.counted}, independent={claim.independent} (no verified "
+                   "identity: a string anyone can write)")
+        self.expect(claim.counted and not claim.independent,
+                    "an unsigned claim was counted as independent")
+        await self.no_orders(self.search, before, "the ranking store")
         reply = await self.evaluator.refine(Signal(
             kind="check", actor=EVALUATOR, service="evaluator", positive=True,
-            at=int(time.time() * 1000), proposal_id=pid), service="search")
-        self.event("signal", f"{EVALUATOR} (another session, another service) reports a "
-                   f"positive check: counted={reply.counted}, independent={reply.independent}")
+            at=int(time.time() * 1000), proposal_id=pid), key=self.evaluator_key)
+        self.event("signal", f"{EVALUATOR} signs a positive check with the key the trust store "
+                   f"binds to it: counted={reply.counted}, independent={reply.independent}")
         self.expect(reply.counted and reply.independent,
                     "the evaluator's signal was not counted as independent")
         await self.status(self.search_client, pid, "applied")
@@ -480,7 +491,7 @@ class Demo:
         self.event("apply", f"search set {RANK_KEY} {PRIOR} -> {value}, authority "
                    f"{outcome.authority}, inverse {to_json(outcome.inverse).decode()}")
         self.expect(value == NEW, f"expected {RANK_KEY} = {NEW}, found {value!r}")
-        self.ok("feedback_collapse held it until an independent signal; then applied")
+        self.ok("feedback_collapse held it until a verified independent signal; then applied")
 
     async def step_forbidden(self) -> None:
         before = self.search.orders

@@ -37,7 +37,7 @@ from improved.runtime.store import Store
 from improved_reference.artefact_store import ArtefactStore
 from tests.builders import CHANGELOG_DIFF, CONSTITUTION
 from tests.factories import now_ms, review, sha, swap
-from tests.keys import ALICE, VOTERS
+from tests.keys import ALICE, CHECK, EVALUATOR, VOTERS
 
 _KEYS = Path(tempfile.mkdtemp(prefix="improved-test-keys-"))
 
@@ -48,7 +48,9 @@ def daemon_config(**overrides) -> Config:
     the checkpoints the others signed on a shared server."""
     apply = overrides.pop("apply", ApplySettings(timeout_s=1.0, attempts=2, max_deliveries=3))
     public = base64.b64encode(signing.raw_public(ALICE[1].public_key())).decode()
-    trust = overrides.pop("trust", Trust(operators={ALICE[0]: public}))
+    signers = {name: base64.b64encode(signing.raw_public(key.public_key())).decode()
+               for name, key in (CHECK, EVALUATOR)}
+    trust = overrides.pop("trust", Trust(operators={ALICE[0]: public}, signers=signers))
     # kept out of the work tree: a data directory left behind would hold the last checkpoint
     # of a server that is gone, and the next run's daemon would rightly call that a loss
     overrides.setdefault("data_dir", _KEYS / f"data-{uuid.uuid4().hex[:8]}")

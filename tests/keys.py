@@ -2,6 +2,8 @@
 
 - ``ALICE``: an operator (name, private key) that every test daemon trusts.
 - ``MALLORY``: an operator whose key no test daemon trusts.
+- ``CHECK``, ``EVALUATOR``: identities (a CI check, an agent of another service) whose signed
+  signals every test daemon verifies (`[trust.signers]`);
 - ``VOTERS``: quorum voters' keys by name; ``quorum_daemon`` trusts them as voters, and
   ``TRUST`` is the same trust store for the pure quorum tests.
 """
@@ -17,6 +19,8 @@ from improved.core.signing import TrustStore
 
 ALICE = ("operator:alice", Ed25519PrivateKey.generate())
 MALLORY = ("operator:mallory", Ed25519PrivateKey.generate())
+CHECK = ("check:ci", Ed25519PrivateKey.generate())
+EVALUATOR = ("agent:evaluators:e7", Ed25519PrivateKey.generate())
 VOTERS = {name: Ed25519PrivateKey.generate() for name in ("agent-a", "agent-b", "agent-c",
                                                           "agent-d")}
 TRUST = TrustStore.from_config({

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import msgspec
 import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -21,6 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from improved.core import propose as propose_stage
+from improved.core import signing
 from improved.protocol import subjects as S
 from improved.protocol import wire
 from improved.protocol.model import (
@@ -93,6 +95,14 @@ def checked(reply: dict[str, Any], type_: type[T]) -> T:
 _order_decoder = msgspec.json.Decoder(ApplyOrder)
 
 
+def signed_signal(signal: SignalLike, key: Ed25519PrivateKey | None) -> bytes:
+    """The signal's bytes, or with `key` a DSSE envelope signing them."""
+    data = encode(signal)
+    if key is None:
+        return data
+    return encode(signing.sign(signing.PAYLOAD_TYPES["signal"], data, key))
+
+
 def decode_order(data: bytes) -> ApplyOrder:
     """An ApplyOrder, or a WireError naming what is wrong with it. Lenient on the order's own
     fields (ApplyOrder is an outbound record), strict on the embedded Proposal."""
@@ -160,10 +170,14 @@ class MeshClient:
         return checked(await self._request(S.triage_request(service or self.service), body),
                        TriageDecision)
 
-    async def refine(self, signal: SignalLike, service: str | None = None) -> RefineReply:
-        """Send a signal about a proposal of `service` (default: ours) and learn if it counted.
-        The subject names the proposal's service; the signal's `service` names the sender."""
-        reply = await self._request(S.refine_request(service or self.service), encode(signal))
+    async def refine(self, signal: SignalLike, service: str | None = None,
+                     key: Ed25519PrivateKey | None = None) -> RefineReply:
+        """Send a signal about a proposal (the daemon finds its service by the id) and learn
+        if it counted, and as independent. It goes on our own subject unless `service` names
+        another; with `key` it is signed (a DSSE envelope), and the principal that key is bound
+        to in the daemon's trust store — the signal's `actor` — is who verifiably sent it."""
+        reply = await self._request(S.refine_request(service or self.service),
+                                    signed_signal(signal, key))
         return checked(reply, RefineReply)
 
     # -- durable, fire-and-forget (JetStream) ------------------------------------------------------
@@ -182,16 +196,18 @@ class MeshClient:
         await enqueue(self.js, parsed.service, data, pid)
         return pid
 
-    async def signal(self, signal: SignalLike, service: str | None = None) -> str:
-        """Publish learn-back evidence about a proposal of `service` (default: ours); returns
-        the signal's digest, also its `Nats-Msg-Id`, so a retried publish counts once."""
-        data = encode(signal)
+    async def signal(self, signal: SignalLike, service: str | None = None,
+                     key: Ed25519PrivateKey | None = None) -> str:
+        """Publish learn-back evidence about a proposal, on our own subject unless `service`
+        names another, signed with `key` if given (see `refine`); returns the signal's digest,
+        also its `Nats-Msg-Id`, so a retried publish counts once."""
         try:
-            parsed = wire.decode(data, Signal, MAX_MESSAGE_BYTES)
+            parsed = wire.decode(encode(signal), Signal, MAX_MESSAGE_BYTES)
         except wire.WireError as err:
             raise ImproveError.from_wire(err) from None
         digest = propose_stage.signal_digest(parsed)
-        await self.js.publish(S.inbound_outcome(service or self.service), data,
+        await self.js.publish(S.inbound_outcome(service or self.service),
+                              signed_signal(signal, key),
                               headers={"Nats-Msg-Id": digest}, stream=S.STREAM_INBOUND)
         return digest
 

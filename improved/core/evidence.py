@@ -30,7 +30,7 @@ from improved.core.audit import REASON_LIMIT, Draft
 from improved.core.quorum import SIZE as QUORUM_SIZE
 from improved.core.record import ref, refs_of
 from improved.core.signing import PAYLOAD_TYPES, ActRefused, TrustStore
-from improved.protocol.model import CrisisAct, GrantCommand, Review, Trailer, Vote
+from improved.protocol.model import CrisisAct, GrantCommand, Review, Signal, Trailer, Vote
 
 TRUST_ID: Final = hashlib.sha256(b"improved trust").hexdigest()  # the one `_trust` chain
 _DOMAIN: Final = b"improved trailer v1\n"  # what a daemon signs: this, then the hash's bytes
@@ -81,10 +81,17 @@ class KeySet:
 
     operators: TrustStore = field(default_factory=TrustStore)
     voters: TrustStore = field(default_factory=TrustStore)
+    signers: TrustStore = field(default_factory=TrustStore)  # agents, checks, services
 
     @classmethod
-    def from_config(cls, operators: dict[str, str], voters: dict[str, str]) -> KeySet:
-        return cls(TrustStore.from_config(operators), TrustStore.from_config(voters))
+    def from_config(cls, operators: dict[str, str], voters: dict[str, str],
+                    signers: dict[str, str] | None = None) -> KeySet:
+        return cls(TrustStore.from_config(operators), TrustStore.from_config(voters),
+                   TrustStore.from_config(signers or {}))
+
+    def emitters(self) -> TrustStore:
+        """Whose signed signals name a verified identity: signers and operators."""
+        return TrustStore({**self.operators.keys, **self.signers.keys})
 
 
 @dataclass(frozen=True)
@@ -110,13 +117,19 @@ class History:
         return chosen
 
 
-def recorded(body: dict[str, Any] | None) -> tuple[dict[str, str], dict[str, str]] | None:
-    """(operators, voters) a trust trailer records, as `principal → base64 public key`."""
+Keys = tuple[dict[str, str], dict[str, str], dict[str, str]]  # operators, voters, signers
+
+
+def recorded(body: dict[str, Any] | None) -> Keys | None:
+    """(operators, voters, signers) a trust trailer records, `principal → base64 key`."""
     if not body:
         return None
     refs = refs_of(msgspec.convert(body, type=_Refs))
-    return (msgspec.json.decode(refs.get("operators", "{}"), type=dict[str, str]),
-            msgspec.json.decode(refs.get("voters", "{}"), type=dict[str, str]))
+
+    def keys(role: str) -> dict[str, str]:
+        return msgspec.json.decode(refs.get(role, "{}"), type=dict[str, str])
+
+    return keys("operators"), keys("voters"), keys("signers")
 
 
 class _Refs(msgspec.Struct):
@@ -133,28 +146,32 @@ def history_of(chain: list[tuple[int, dict[str, Any]]], fallback: KeySet) -> His
     return History(tuple(snapshots), fallback)
 
 
-def trust_draft(operators: dict[str, str], voters: dict[str, str],
-                last: dict[str, Any] | None, actor: str) -> Draft | None:
-    """The trust trailer recording these keys, or None when the chain's last one already does.
-    Refs: `operators:` and `voters:` (the whole store), `added:`/`removed:` (what changed)."""
-    before = recorded(last) or ({}, {})
-    if before == (operators, voters):
+def trust_draft(keys: Keys, last: dict[str, Any] | None, actor: str) -> Draft | None:
+    """The trust trailer recording `keys` (operators, voters, signers), or None when the
+    chain's last one already does. Refs: `operators:`, `voters:`, `signers:` (the whole
+    store), `added:`/`removed:` (what changed)."""
+    operators, voters, signers = keys
+    before = recorded(last) or ({}, {}, {})
+    if before == keys:
         return None
     changes: dict[str, list[str]] = {"added": [], "removed": []}
-    for role, now, then in (("operator", operators, before[0]), ("voter", voters, before[1])):
+    for role, now, then in (("operator", operators, before[0]), ("voter", voters, before[1]),
+                            ("signer", signers, before[2])):
         for principal, key in sorted(now.items()):
             if then.get(principal) != key:
                 changes["added"].append(f"{role} {principal} {_keyid(key)}")
         for principal, key in sorted(then.items()):
             if now.get(principal) != key:
                 changes["removed"].append(f"{role} {principal} {_keyid(key)}")
-    reason = (f"trust store: {len(operators)} operator and {len(voters)} voter keys; added "
+    reason = (f"trust store: {len(operators)} operator, {len(voters)} voter and {len(signers)} "
+              f"signer keys; added "
               f"{', '.join(changes['added']) or 'none'}; removed "
               f"{', '.join(changes['removed']) or 'none'}")[:REASON_LIMIT]
     return Draft(from_stage="learn-back", to_stage="learn-back", actor=actor,
                  observer_type="rec:system", verdict="trust", reason=reason,
                  refs=(ref("operators", operators, as_json=True),
                        ref("voters", voters, as_json=True),
+                       ref("signers", signers, as_json=True),
                        ref("added", changes["added"], as_json=True),
                        ref("removed", changes["removed"], as_json=True)))
 
@@ -187,11 +204,14 @@ def act_kind(t: Trailer) -> str | None:
         return "vote"
     if v == "crisis_resolved":
         return "crisis"
+    if v == "signal" and t.envelope is not None:  # a signed signal: its emitter is proven
+        return "signal"
     return None
 
 
 _PAYLOADS: Final[dict[str, type]] = {"review": Review, "grant": GrantCommand, "vote": Vote,
-                                     "crisis": CrisisAct}
+                                     "crisis": CrisisAct, "signal": Signal}
+_STORES: Final = {"vote": lambda k: k.voters, "signal": lambda k: k.emitters()}
 
 
 def act_problem(t: Trailer, chain_id: str, keys: KeySet, acts: ChainActs,
@@ -215,8 +235,8 @@ def act_problem(t: Trailer, chain_id: str, keys: KeySet, acts: ChainActs,
     if t.envelope is None:
         return f"the {t.verdict} carries no signed act"
     try:
-        verified = (keys.voters if kind == "vote" else keys.operators).verify(
-            t.envelope, PAYLOAD_TYPES[kind])
+        store = _STORES.get(kind, lambda k: k.operators)(keys)
+        verified = store.verify(t.envelope, PAYLOAD_TYPES[kind])
         body: Any = msgspec.json.decode(verified.payload, type=_PAYLOADS[kind])
     except ActRefused as exc:
         return f"the signed act of the {t.verdict} does not verify ({exc.code}): {exc.reason}"
@@ -243,9 +263,13 @@ def _mismatch(kind: str, body: Any, t: Trailer, refs: dict[str, str], chain_id: 
     elif kind == "vote":
         claims = [("proposal", body.proposal_id, chain_id), ("voter", body.voter, t.actor),
                   ("vote", body.vote, refs.get("vote"))]
-    else:
+    elif kind == "crisis":
         claims = [("crisis", body.crisis, refs.get("resolved")),
                   ("principal", body.principal, t.actor)]
+    else:  # a signed signal: the signer is the emitter the trailer names
+        return (None if (body.actor, principal) == (t.actor, refs.get("emitter"))
+                else f"the signed signal is {body.actor!r} by {principal!r}, the trailer says "
+                     f"{t.actor!r} verified as {refs.get('emitter')!r}")
     claims.append(("signer", principal, t.actor))
     for what, signed, written in claims:
         if signed != written:

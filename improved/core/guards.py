@@ -8,7 +8,6 @@ import posixpath
 import re
 import unicodedata
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 
 from improved.core.gradient import rest_of
@@ -196,35 +195,6 @@ def session_of(actor: str) -> str:
     if len(parts) >= 3 and _SEQ.match(parts[-1]):
         return ":".join(parts[:-1])
     return actor
-
-
-@dataclass(frozen=True, slots=True)
-class Evidence:
-    """What the guard needs of one signal."""
-
-    kind: str
-    actor: str
-    service: str
-    positive: bool
-    at: int
-
-
-def is_independent(
-    signal: Evidence,
-    origin_actor: str,
-    origin_service: str,
-    applied_at: int | None,
-    effect_window_ms: int,
-) -> bool:
-    """Independent of the proposer: another session; a `world` signal must also come from
-    another service and fall inside the effect window after apply."""
-    if session_of(signal.actor) == session_of(origin_actor):
-        return False
-    if signal.kind == "world":
-        if signal.service == origin_service or applied_at is None:
-            return False
-        return applied_at <= signal.at <= applied_at + effect_window_ms
-    return True
 
 
 def self_confirmed(positives: int, independent_positives: int) -> bool:

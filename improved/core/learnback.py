@@ -8,32 +8,38 @@ from __future__ import annotations
 
 from typing import Literal
 
+from improved.core import identity
 from improved.core.audit import Draft
 from improved.core.policy import Policy
 from improved.core.propose import count, signal_digest
 from improved.core.record import HELD, REGRESSED, SIGNAL, CountedSignal, ProposalRecord, ref
-from improved.protocol.model import LearnBack, ObserverType, Signal
+from improved.protocol.model import Envelope, LearnBack, ObserverType, Signal
 
 Measured = Literal["held", "regressed"]  # what learn-back found at review_after
 
 
-def observe_signal(record: ProposalRecord, signal: Signal, policy: Policy,
-                   now: int) -> tuple[ProposalRecord, Draft, CountedSignal] | None:
-    """Count `signal` for `record`; None when it was counted before (a redelivery)."""
+def observe_signal(record: ProposalRecord, signal: Signal, policy: Policy, now: int,
+                   emitter: str = identity.UNVERIFIED, envelope: Envelope | None = None,
+                   ) -> tuple[ProposalRecord, Draft, CountedSignal] | None:
+    """Count `signal` for `record`; None when it was counted before (a redelivery).
+    `emitter` is who verifiably sent it (a signature, or a bound subject); a signed signal's
+    envelope goes on the trailer so the chain proves it."""
     digest = signal_digest(signal)
     if any(s.digest == digest for s in record.signals):
         return None
-    counted = count(signal, digest, record.proposal, record.applied_at, policy)
-    observer: ObserverType = "human" if signal.actor.startswith("operator:") else "rec:agent"
+    counted = count(signal, digest, record.proposal, record.applied_at, policy, emitter)
+    observer: ObserverType = ("human" if envelope is not None and emitter.startswith("operator:")
+                              else "rec:agent")
     sign = "positive" if signal.positive else "negative"
     independence = "independent" if counted.independent else "not independent"
+    source = f"verified as {emitter}" if emitter else "unverified"
     draft = Draft(
         from_stage=record.stage, to_stage="learn-back", actor=signal.actor,
-        observer_type=observer, verdict=SIGNAL,
-        reason=f"{sign} {signal.kind} signal from {signal.service}, {independence}",
+        observer_type=observer, verdict=SIGNAL, envelope=envelope,
+        reason=f"{sign} {signal.kind} signal from {signal.service} ({source}), {independence}",
         refs=(ref("signal", digest), ref("kind", signal.kind), ref("service", signal.service),
               ref("positive", signal.positive), ref("independent", counted.independent),
-              ref("at", signal.at))
+              ref("at", signal.at), ref("emitter", emitter))
         + ((ref("name", signal.name),) if signal.name is not None else ())
         + ((ref("value", signal.value),) if signal.value is not None else ()),
     )
@@ -70,7 +76,8 @@ def summary(record: ProposalRecord, now: int) -> LearnBack:
 def measurement(record: ProposalRecord, policy: Policy,
                 now: int) -> tuple[Measured, float] | None:
     """Once `metric_snapshot.review_after` has passed on an applied proposal: compare the latest
-    independent reading of the metric (a `metric` signal named like it, after the apply) with
+    verified reading of the metric (a `metric` signal named like it, after the apply, from the
+    owning service or a signed check: `identity.measures`) with
     the baseline. (`regressed` | `held`, value), or None while there is nothing to measure."""
     snap = record.proposal.metric_snapshot
     applied_at = record.applied_at
@@ -78,7 +85,8 @@ def measurement(record: ProposalRecord, policy: Policy,
             or record.status != "applied" or record.measured is not None
             or now < snap.review_after):
         return None
-    readings = [(s.at, s.value) for s in record.signals if s.kind == "metric" and s.independent
+    readings = [(s.at, s.value) for s in record.signals if s.kind == "metric"
+                and identity.measures(s.emitter, record.service)
                 and s.name == snap.metric and s.value is not None and s.at >= applied_at]
     if not readings:
         return None

@@ -9,8 +9,8 @@ from typing import Any
 
 import msgspec
 
+from improved.core import identity
 from improved.core.audit import Draft
-from improved.core.guards import Evidence, is_independent
 from improved.core.policy import Policy
 from improved.core.record import SUPERSEDED, CountedSignal, ProposalRecord, ref, replay
 from improved.protocol import cal, canonical, wire
@@ -129,13 +129,15 @@ def wire_field(path: str) -> str | None:
 
 
 def count(signal: Signal, digest: str, proposal: Proposal, applied_at: int | None,
-          policy: Policy) -> CountedSignal:
-    evidence = Evidence(signal.kind, signal.actor, signal.service, signal.positive, signal.at)
+          policy: Policy, emitter: str = identity.UNVERIFIED) -> CountedSignal:
+    """A signal as counted for `proposal`, its independence decided by `emitter` — the
+    verified identity that sent it — alone; a signal inside the proposal is the proposer's."""
     return CountedSignal(
         digest=digest, kind=signal.kind, actor=signal.actor, service=signal.service,
         positive=signal.positive, at=signal.at, name=signal.name, value=signal.value,
-        independent=is_independent(evidence, proposal.origin.actor, proposal.origin.service,
-                                   applied_at, policy.effect_window_ms),
+        emitter=emitter,
+        independent=identity.independent(signal.kind, emitter, proposal.service, None,
+                                         signal.at, applied_at, policy.effect_window_ms),
     )
 
 
@@ -161,8 +163,7 @@ def register(proposal: Proposal, pid: str, dedup: str, policy: Policy,
         signals=signals,
         updated_at=now,
     )
-    observer: ObserverType = ("human" if proposal.origin.actor.startswith("operator:")
-                              else "rec:agent")
+    observer: ObserverType = "rec:agent"  # an unsigned origin proves no operator
     draft = Draft(
         from_stage="observe", to_stage="propose", actor=proposal.origin.actor,
         observer_type=observer, reason=f"proposed: {summary}",

@@ -35,6 +35,7 @@ class CountedSignal(Struct, kw_only=True, frozen=True):
     independent: bool
     name: str | None = None
     value: float | None = None
+    emitter: str = ""  # the verified identity that sent it (core/identity.py); "" unverified
 
 
 class ChainHead(Struct, kw_only=True, frozen=True):
@@ -264,7 +265,8 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
                 service=refs.get("service", ""), positive=refs.get("positive") == "true",
                 at=int(refs.get("at", trailer.at)),
                 independent=refs.get("independent") == "true", name=refs.get("name"),
-                value=float(refs["value"]) if "value" in refs else None)))
+                value=float(refs["value"]) if "value" in refs else None,
+                emitter=refs.get("emitter", ""))))
         elif trailer.to_stage == "learn-back" and trailer.verdict in (HELD, REGRESSED):
             record = record.replace(measured=trailer.verdict)
         record = with_trailer(record, trailer, stream_seq)

@@ -24,6 +24,7 @@ PAYLOAD_TYPES = {
     "vote": "application/vnd.improved.vote+json",
     "crisis": "application/vnd.improved.crisis+json",
     "tool_grant": "application/vnd.improved.tool-grant+json",  # one call of a gated tool
+    "signal": "application/vnd.improved.signal+json",  # learn-back evidence from a verified emitter
 }
 
 

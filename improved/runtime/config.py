@@ -78,6 +78,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, field
 
+from improved.core.identity import IDENTITY_RE
 from improved.core.policy import YEARS_10_S as _YEARS_10_S
 from improved.core.policy import Policy, Positive, Text, loosening
 from improved.core.signing import TrustStore
@@ -112,6 +113,12 @@ class Trust(_Section, kw_only=True):
     act_max_age_s: Annotated[float, Meta(gt=0.0, le=float(_YEARS_10_S))] = 24 * 3600.0
     quorum: dict[str, str] = field(default_factory=dict)  # voter principal → public key
     daemons: dict[str, str] = field(default_factory=dict)  # daemon → checkpoint public key
+    # identities whose signed signals count (core/identity.py): `agent:<svc>:<name>`,
+    # `check:<name>`, `service:<svc>` → public key
+    signers: dict[str, str] = field(default_factory=dict)
+    # the deployment's NATS permissions bind each service to its own subjects (as
+    # deploy/accounts.conf does): then a subject `<svc>` proves the identity `service:<svc>`
+    subjects_bound: bool = False
 
     def store(self) -> TrustStore:
         return TrustStore.from_config(self.operators)
@@ -119,6 +126,9 @@ class Trust(_Section, kw_only=True):
     def voters(self) -> TrustStore:
         """The keys whose quorum votes count; each bound to one voter identity."""
         return TrustStore.from_config(self.quorum)
+
+    def signer_store(self) -> TrustStore:
+        return TrustStore.from_config(self.signers)
 
     def daemon_keyids(self) -> set[str]:
         """The key ids of the daemon checkpoint keys trusted besides a daemon's own."""
@@ -161,9 +171,13 @@ def parse(doc: object) -> Config:
         except (LookupError, StopIteration, TypeError, AttributeError):  # not from TOML
             why = " ".join(str(exc).split())
         raise ConfigError(f"config error: {why}") from None
-    for name in ("operators", "quorum", "daemons"):
+    for name in ("operators", "quorum", "daemons", "signers"):
         for principal, key in getattr(config.trust, name).items():
             _check_key(("trust", name, principal), key)
+    for principal in config.trust.signers:
+        if not IDENTITY_RE.match(principal):
+            raise ConfigError(f"config error: trust.signers.{principal}: not an identity "
+                              "(`agent:<svc>:<name>`, `check:<name>` or `service:<svc>`)")
     loose = loosening(config.policy)
     if loose is not None:
         where, why = loose

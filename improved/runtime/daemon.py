@@ -379,10 +379,10 @@ class Daemon:
                 return Job(pid, lambda: self.engine.submit(proposal, pid, dedup, redelivered),
                            msg)
             if kind == "outcomes":
-                sig = wire.decode(msg.data, Signal, limit)
+                sig, env = signal_of(msg.data, limit)
                 if sig.proposal_id is None:
                     return Job(f"observe:{svc}", lambda: self._observe(svc, sig), msg)
-                return Job(sig.proposal_id, lambda: self._signal(svc, sig, msg), msg)
+                return Job(sig.proposal_id, lambda: self._signal(svc, sig, env, msg), msg)
             if kind == "applied":
                 report = wire.decode(msg.data, ApplyReport, limit)
                 if report.service != svc:
@@ -446,10 +446,17 @@ class Daemon:
             return
         await msg.ack()
 
-    async def _signal(self, svc: str, sig: Signal, msg: Msg) -> None:
-        handled = await self.engine.signal(svc, sig, msg.metadata.num_delivered > 1)
+    async def _signal(self, svc: str, sig: Signal, env: Envelope | None, msg: Msg) -> None:
+        handled = await self._count(svc, sig, env, republish=msg.metadata.num_delivered > 1)
         if handled.record is None:
             raise _ProposalUnknown(f"no proposal {sig.proposal_id} for service {svc}")
+
+    async def _count(self, svc: str, sig: Signal, env: Envelope | None, **kw: Any):
+        """Count a signal that arrived on `svc`'s subject for the proposal it names, whichever
+        service that proposal is of (a world signal comes on its emitter's own subject)."""
+        owner = await self.store.service_of(sig.proposal_id or "") or svc
+        emitter, verified = self.engine.emitter_of(svc, sig, env)
+        return await self.engine.signal(owner, sig, emitter=emitter, envelope=verified, **kw)
 
     async def _review(self, svc: str, pid: str, env: Envelope | None, act: Act,
                       msg: Msg) -> None:
@@ -549,7 +556,7 @@ class Daemon:
         return to_json(record.decision)
 
     async def on_refine(self, svc: str, msg: Msg) -> bytes:
-        sig = wire.decode(msg.data, Signal, self.config.max_message_bytes)
+        sig, env = signal_of(msg.data, self.config.max_message_bytes)
         if sig.proposal_id is None:
             raise wire.WireError(wire.MISSING_FIELD, "a refine signal names its proposal_id",
                                  "proposal_id")
@@ -557,7 +564,7 @@ class Daemon:
         await self.store.js.publish(S.inbound_outcome(svc), msg.data,
                                     headers={"Nats-Msg-Id": propose.signal_digest(sig)},
                                     stream=S.STREAM_INBOUND)
-        handled = await self.engine.signal(svc, sig, fresh=True, dispatch=False)
+        handled = await self._count(svc, sig, env, fresh=True, dispatch=False)
         counted = handled.counted
         if handled is not None and handled.record is None:
             raise _ProposalUnknown(f"no proposal {sig.proposal_id} for service {svc}")
@@ -586,6 +593,28 @@ def signed_act(data: bytes, limit: int, field: str) -> tuple[Envelope, object]:
     if not isinstance(payload, dict):
         raise wire.WireError(wire.INVALID_TYPE, "the signed payload is not an object", "payload")
     return env, payload.get(field)
+
+
+class _Probe(msgspec.Struct):
+    payloadType: str | None = None  # noqa: N815 - DSSE field name
+
+
+def signal_of(data: bytes, limit: int) -> tuple[Signal, Envelope | None]:
+    """A bare Signal, or a signed one (a DSSE envelope): its Signal and the envelope, whose
+    signature the engine checks."""
+    try:
+        signed = msgspec.json.decode(data, type=_Probe).payloadType is not None
+    except msgspec.MsgspecError:
+        signed = False  # wire.decode names what is wrong with it
+    if not signed:
+        return wire.decode(data, Signal, limit), None
+    env = wire.decode(data, Envelope, limit)
+    try:
+        payload = base64.b64decode(env.payload, validate=True)
+    except ValueError:
+        raise wire.WireError(wire.INVALID_VALUE, "the envelope's payload is not base64",
+                             "payload") from None
+    return wire.decode(payload, Signal, limit), env
 
 
 def review_target(data: bytes, limit: int) -> tuple[Envelope | None, str]:

@@ -31,6 +31,7 @@ from improved.core import (
     breaker,
     checkpoint,
     evidence,
+    identity,
     learnback,
     lkg,
     planner,
@@ -130,7 +131,8 @@ class Engine:
         # `record_trust` the trust history, each checkpoint what it vouches for
         self.chain_trust = evidence.ChainTrust(
             frozenset(config.trust.daemon_keyids()),
-            evidence.History(fallback=evidence.KeySet(self.trust, self.voters)))
+            evidence.History(fallback=evidence.KeySet(self.trust, self.voters,
+                                                      config.trust.signer_store())))
         self._cache: OrderedDict[str, tuple[ProposalRecord, int]] = OrderedDict()
         self._autonomy: tuple[breaker.Autonomy, int] | None = None
         self._autonomy_verified = True  # whether that state's trailer verified
@@ -221,15 +223,36 @@ class Engine:
             svc, old, lambda record, now: propose.supersede(record, new, self.actor)
             if record is not None else None, None, False)
 
+    def emitter_of(self, svc: str, signal: Signal, env: Envelope | None
+                   ) -> tuple[str, Envelope | None]:
+        """Who verifiably sent a signal that arrived on `svc`'s subject (core/identity.py):
+        the principal of the trusted key that signed it (then the envelope, for the trailer);
+        else, where services are bound to their subjects, `service:<svc>`; else unverified."""
+        if env is not None:
+            try:
+                verified, _ = authority.check_signed(
+                    self.chain_trust.history.fallback.emitters(), env, PAYLOAD_TYPES["signal"],
+                    Signal, now_ms(), self.max_act_age_ms, lambda s: s.actor)
+                return verified.principal, env
+            except ActRefused as refused:
+                log.warning("signed signal not verified: counted as unverified evidence",
+                            code=refused.code, reason=refused.reason)
+        if self.config.trust.subjects_bound:
+            return identity.of_subject(svc), None
+        return identity.UNVERIFIED, None
+
     async def signal(self, svc: str, signal: Signal, republish: bool = False,
-                     fresh: bool = False, dispatch: bool = True) -> Handled:
-        """Count a learn-back signal for its proposal, then re-triage if it now may proceed."""
+                     fresh: bool = False, dispatch: bool = True,
+                     emitter: str = identity.UNVERIFIED,
+                     envelope: Envelope | None = None) -> Handled:
+        """Count a learn-back signal for its proposal, then re-triage if it now may proceed.
+        `emitter`: who verifiably sent it (`emitter_of`)."""
         box: dict[str, object] = {}
 
         def ingest(record: ProposalRecord | None, now: int):
             if record is None:
                 return None
-            step = learnback.observe_signal(record, signal, self.policy, now)
+            step = learnback.observe_signal(record, signal, self.policy, now, emitter, envelope)
             if step is None:
                 digest = propose.signal_digest(signal)
                 box["counted"] = next(s for s in record.signals if s.digest == digest)
@@ -818,11 +841,11 @@ class Engine:
         operator and voter keys when they differ from the last recorded: an old act keeps
         verifying against the key trusted when it was accepted. The appended trailer, or None."""
         subject = S.trust_audit(evidence.TRUST_ID)
-        operators, voters = dict(self.config.trust.operators), dict(self.config.trust.quorum)
+        t = self.config.trust
+        keys = (dict(t.operators), dict(t.quorum), dict(t.signers))
 
         def next_draft(chain: list[tuple[int, dict]], now: int) -> Draft | None:
-            return evidence.trust_draft(operators, voters, chain[-1][1] if chain else None,
-                                        self.actor)
+            return evidence.trust_draft(keys, chain[-1][1] if chain else None, self.actor)
 
         trailer = await self.store.append_sealed(subject, evidence.TRUST_ID, "L0", "operation",
                                                  next_draft, clock=now_ms)

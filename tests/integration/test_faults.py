@@ -40,6 +40,7 @@ from tests.harness import (
     wait_records,
     write_config,
 )
+from tests.keys import EVALUATOR
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
@@ -524,7 +525,8 @@ async def test_republishing_after_a_broker_restart_never_rolls_a_record_back(tmp
         await scene.start()
         # An independent signal for the proposal: the consumer (its record in the daemon's
         # memory) counts it and carries the apply on, now that the service is up.
-        await scene.client.signal(signal("late", "mcp:reviewer:2", proposal_id=scene.pid))
+        await scene.client.signal(signal("late", EVALUATOR[0], proposal_id=scene.pid),
+                                  key=EVALUATOR[1])
         await eventually(lambda: _applied(scene.client, scene.pid), timeout=10)
         assert scene.ranking.applies == 1
         await asyncio.sleep(8)  # the republish walk reaches the last chain meanwhile

@@ -27,7 +27,7 @@ from improved.protocol.model import (
 from tests.builders import CHANGELOG_DIFF, CONSTITUTION
 from tests.bus import approve, eventually, outcome, publish, quorum_case, started, trailers
 from tests.factories import now_ms, review, sha, swap, vote
-from tests.keys import ALICE
+from tests.keys import ALICE, CHECK
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -302,8 +302,8 @@ async def test_an_l4_regression_proposes_the_recorded_reversal_which_runs_unappr
     out = await outcome(client, pid)
     assert out.ok
     await asyncio.sleep(0.4)
-    await client.refine(signal(svc, "mcp:analytics-2:1", kind="metric", name="throughput_rps",
-                               value=40.0, positive=False, proposal_id=pid))
+    await client.refine(signal(svc, CHECK[0], kind="metric", name="throughput_rps",
+                               value=40.0, positive=False, proposal_id=pid), key=CHECK[1])
     await eventually(lambda: _status(client, pid, "rolled_back"), timeout=15)
     assert await store.manifest() == before
     chain = await trailers(daemon, svc, pid)

@@ -12,6 +12,7 @@ from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
 from tests.bus import Applier, eventually, publish, trailers
 from tests.factories import review, skill_proposal
+from tests.keys import CHECK
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -157,12 +158,14 @@ async def test_a_regression_at_review_after_rolls_the_change_back(daemon, nc, sv
     assert await store.value("search.title_boost") == 5
     await asyncio.sleep(0.4)
 
-    # the proposer's own reading does not count; an independent one does
-    await client.refine(signal(svc, f"mcp:{svc}-agent:9", kind="metric", name="ctr",
-                               value=0.1, positive=False, proposal_id=pid))
+    # made-up readings from nobody verified measure nothing; a signed check's reading does
+    for i in range(3):
+        await client.refine(signal(svc, f"mcp:fake-{i}:1", kind="metric", name="ctr",
+                                   value=0.01, positive=False, proposal_id=pid))
+    await asyncio.sleep(0.3)
     assert (await client.state(pid)).status == "applied"
-    await client.refine(signal(svc, "mcp:analytics-1:1", kind="metric", name="ctr",
-                               value=0.3, positive=False, proposal_id=pid))
+    await client.refine(signal(svc, CHECK[0], kind="metric", name="ctr", value=0.3,
+                               positive=False, proposal_id=pid), key=CHECK[1])
     await eventually(lambda: status_of(client, pid, "rolled_back"), timeout=15)
     assert await store.value("search.title_boost") == 1  # the prior content is back
     chain = await trailers(daemon, svc, pid)
@@ -184,8 +187,8 @@ async def test_a_metric_that_holds_leaves_the_change_applied(daemon, nc, svc):
         metric="ctr", baseline=0.5, review_after=int(time.time() * 1000)))
     pid = (await client.propose(change)).proposal_id
     await eventually(lambda: status_of(client, pid, "applied"))
-    await client.refine(signal(svc, "mcp:analytics-1:1", kind="metric", name="ctr",
-                               value=0.49, proposal_id=pid))
+    await client.refine(signal(svc, CHECK[0], kind="metric", name="ctr", value=0.49,
+                               proposal_id=pid), key=CHECK[1])
 
     async def held():
         chain = await trailers(daemon, svc, pid)

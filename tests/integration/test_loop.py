@@ -12,6 +12,7 @@ from improved.core import audit
 from improved_reference.ranking_store import RankingStore
 from tests.bus import eventually
 from tests.factories import rank_proposal, signal, skill_proposal
+from tests.keys import CHECK, EVALUATOR
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -153,26 +154,35 @@ async def test_self_confirmed_proposal_waits_for_an_independent_signal(daemon, n
     decision = await client.triage(pid)
     assert (decision.verdict, decision.cause) == ("defer", "feedback_collapse")
 
-    # More self-confirmation changes nothing.
-    same = await client.refine(signal(svc, f"{origin}:9", proposal_id=pid))
-    assert same.counted and not same.independent
+    # More self-confirmation changes nothing, whatever actor it claims: unsigned, on the
+    # proposer's own subject, it proves no other identity.
+    for actor in (f"{origin}:9", f"mcp:{svc.upper()}-AGENT:9", "mcp:made-up-uuid:1", svc,
+                  "operator:alice"):
+        same = await client.refine(signal(svc, actor, proposal_id=pid))
+        assert same.counted and not same.independent, actor
+    world = await client.refine(signal(svc, "mcp:x:1", proposal_id=pid, kind="world",
+                                       service="billing"))
+    assert world.counted and not world.independent
     assert (await client.triage(pid)).cause == "feedback_collapse"
     await asyncio.sleep(0.3)
     assert store.orders == 0
 
-    # An independent evaluator's positive signal lets it through, and it is applied once.
-    other = await client.refine(signal(svc, "mcp:evaluator-7:1", proposal_id=pid))
+    # An evaluator of another service, signing with its key, lets it through; applied once.
+    other = await client.refine(signal(svc, EVALUATOR[0], proposal_id=pid), key=EVALUATOR[1])
     assert other.counted and other.independent
     outcome = await eventually(lambda: client.outcome(pid))
     assert outcome.ok
     assert await store.value("search.title_boost") == 7
     assert store.applies == 1
     learn = await client.learn_back(pid)
-    assert learn.signals_counted == 4 and learn.independent == 1
+    assert learn.signals_counted == 9 and learn.independent == 1
     assert learn.verdict == "confirmed"
     trailers = await chain(daemon, svc, pid)
     assert [t["to_stage"] for t in trailers] == [
-        "propose", "triage", "learn-back", "learn-back", "triage", "apply", "apply"]
+        "propose", "triage", *["learn-back"] * 7, "triage", "apply", "apply"]
+    signed = trailers[-4]
+    assert signed["envelope"]["payloadType"] == "application/vnd.improved.signal+json"
+    assert f"emitter:{EVALUATOR[0]}" in signed["refs"]
     assert audit.verify_chain(pid, trailers) is None
     await store.stop()
 
@@ -183,7 +193,7 @@ async def test_an_independent_signal_on_the_outcomes_stream_also_releases_it(dae
     proposal = rank_proposal(svc, value=3, signals=[signal(svc, f"mcp:{svc}-agent:5")])
     pid = (await client.propose(proposal)).proposal_id
     assert (await client.triage(pid)).cause == "feedback_collapse"
-    await client.signal(signal(svc, "operator:alice", proposal_id=pid, kind="check"))
+    await client.signal(signal(svc, CHECK[0], proposal_id=pid, kind="check"), key=CHECK[1])
     outcome = await eventually(lambda: client.outcome(pid))
     assert outcome.ok and store.applies == 1
     await store.stop()

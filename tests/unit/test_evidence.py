@@ -165,11 +165,11 @@ def test_trailers_a_checkpoint_vouches_for_are_not_checked_again():
 def test_an_old_act_verifies_against_the_key_trusted_when_it_was_written():
     """Alice's key is removed at stream sequence 10: her approval at 5 still verifies, one
     written at 12 no longer does."""
-    first = evidence.trust_draft({ALICE[0]: b64(ALICE[1])}, {}, None, "improved:a")
+    first = evidence.trust_draft(({ALICE[0]: b64(ALICE[1])}, {}, {}), None, "improved:a")
     assert first is not None
     before = msgspec.to_builtins(audit.seal_next(first, evidence.TRUST_ID, ChainHead(), "L0",
                                                  "operation", 1))
-    second = evidence.trust_draft({}, {}, before, "improved:a")
+    second = evidence.trust_draft(({}, {}, {}), before, "improved:a")
     assert second is not None and any("operator operator:alice" in r for r in second.refs)
     after = msgspec.to_builtins(audit.seal_next(second, evidence.TRUST_ID, ChainHead(length=1),
                                                 "L0", "operation", 2))
@@ -182,11 +182,11 @@ def test_an_old_act_verifies_against_the_key_trusted_when_it_was_written():
 
 
 def test_the_same_trust_store_is_not_recorded_twice():
-    first = evidence.trust_draft({ALICE[0]: b64(ALICE[1])}, {}, None, "improved:a")
+    first = evidence.trust_draft(({ALICE[0]: b64(ALICE[1])}, {}, {}), None, "improved:a")
     assert first is not None
     body = msgspec.to_builtins(audit.seal_next(first, evidence.TRUST_ID, ChainHead(), "L0",
                                                "operation", 1))
-    assert evidence.trust_draft({ALICE[0]: b64(ALICE[1])}, {}, body, "improved:b") is None
+    assert evidence.trust_draft(({ALICE[0]: b64(ALICE[1])}, {}, {}), body, "improved:b") is None
 
 
 @given(st.binary(min_size=1, max_size=64), st.integers(min_value=0, max_value=200))

@@ -11,12 +11,10 @@ from hypothesis import strategies as st
 from improved.core.guards import (
     DEFAULT_FORBIDDEN,
     EscapingPath,
-    Evidence,
     UncanonicalPath,
     canonical_path,
     diff_paths,
     forbidden_match,
-    is_independent,
     self_confirmed,
     session_of,
     touched_paths,
@@ -204,50 +202,7 @@ def test_session_of_is_idempotent_on_every_actor_the_wire_accepts(actor):
     assert session_of(once) == once
 
 
-# -- independence ------------------------------------------------------------------------------
-
-ORIGIN = f"mcp:{UUID}:1"
-
-
-def ev(kind="check", actor="mcp:other:3", service="other", positive=True, at=1_000):
-    return Evidence(kind=kind, actor=actor, service=service, positive=positive, at=at)
-
-
-def test_same_session_is_not_independent():
-    assert not is_independent(ev(actor=ORIGIN, service="svc"), ORIGIN, "svc", None, WINDOW)
-    # another call of the same session is still the proposer
-    assert not is_independent(ev(actor=f"mcp:{UUID}:7"), ORIGIN, "svc", None, WINDOW)
-    assert not is_independent(ev(actor=f"mcp:{UUID}"), ORIGIN, "svc", None, WINDOW)
-    # a different service does not make the proposer's own session independent
-    assert not is_independent(ev(actor=f"mcp:{UUID}:9", service="elsewhere"), ORIGIN, "svc",
-                              500, WINDOW)
-
-
-@pytest.mark.parametrize("kind", ["refine", "check", "metric"])
-def test_another_session_is_independent(kind):
-    assert is_independent(ev(kind=kind, actor="mcp:other-uuid:1", service="svc"), ORIGIN, "svc",
-                          None, WINDOW)
-    assert is_independent(ev(kind=kind, actor="operator:alice"), ORIGIN, "svc", None, WINDOW)
-
-
-def test_world_signal_needs_other_service_applied_and_window():
-    applied = 10_000
-    world = ev(kind="world", actor="mcp:other:1", service="downstream", at=applied + 5)
-    assert is_independent(world, ORIGIN, "svc", applied, WINDOW)
-    # same service as the origin
-    assert not is_independent(ev(kind="world", actor="mcp:other:1", service="svc",
-                                 at=applied + 5), ORIGIN, "svc", applied, WINDOW)
-    # not applied yet
-    assert not is_independent(world, ORIGIN, "svc", None, WINDOW)
-    # before the apply, or after the window
-    assert not is_independent(ev(kind="world", actor="mcp:other:1", service="downstream",
-                                 at=applied - 1), ORIGIN, "svc", applied, WINDOW)
-    assert not is_independent(ev(kind="world", actor="mcp:other:1", service="downstream",
-                                 at=applied + WINDOW + 1), ORIGIN, "svc", applied, WINDOW)
-    # the window's edges are inside
-    for at in (applied, applied + WINDOW):
-        assert is_independent(ev(kind="world", actor="mcp:other:1", service="downstream",
-                                 at=at), ORIGIN, "svc", applied, WINDOW)
+# -- feedback collapse (independence itself: tests/unit/test_identity.py) ------------------
 
 
 def test_self_confirmed():

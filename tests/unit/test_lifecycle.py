@@ -139,8 +139,8 @@ class Chain:
         assert not apply.needs_apply(self.t.record), "an outcome is final"
         return True
 
-    def signal(self, sig: Signal) -> bool:
-        step = learnback.observe_signal(self.t.record, sig, POLICY, self.now)
+    def signal(self, sig: Signal, emitter: str = "") -> bool:
+        step = learnback.observe_signal(self.t.record, sig, POLICY, self.now, emitter)
         if step is None:
             digest = propose.signal_digest(sig)
             assert any(s.digest == digest for s in self.t.record.signals)
@@ -243,7 +243,10 @@ class Lifecycle(RuleBasedStateMachine):
         actor = f"mcp:aaa:{call}" if own else f"mcp:s{call}:1"
         sig = Signal(kind=kind, actor=actor, service="other" if other_service else "svc",
                      positive=positive, at=self.now, proposal_id=pid)
-        self._chain(pid).signal(sig)
+        # who verifiably sent it: the proposing service, nobody, another service or a check
+        emitter = (("service:svc" if call % 2 else "") if own
+                   else "service:other" if other_service else f"check:c{call}")
+        self._chain(pid).signal(sig, emitter)
 
     @rule(ms=st.integers(1, 4_000))
     def tick(self, ms):
@@ -327,12 +330,13 @@ def test_accepted_but_expired_before_apply_is_retriaged_to_expired():
 def test_world_signal_counts_only_after_apply():
     c = Chain(make_proposal(change_class="L0", target_ref="cache:x"))
     c.triage(grant=False)
-    c.signal(Signal(kind="world", actor="mcp:zzz:1", service="other", positive=True, at=START))
+    c.signal(Signal(kind="world", actor="mcp:zzz:1", service="other", positive=True, at=START),
+             "service:other")
     assert not c.t.record.signals[-1].independent
     c.apply(ApplyResult(ok=True, applied_id="a1"))
     c.now += 1
     c.signal(Signal(kind="world", actor="mcp:zzz:1", service="other", positive=True,
-                    at=c.now))
+                    at=c.now), "service:other")
     assert c.t.record.signals[-1].independent
     assert learnback.verdict(c.t.record) == "confirmed"
     c.check()
@@ -375,7 +379,8 @@ def chain() -> Chain:
     c = Chain(make_proposal(change_class="L0", target_ref="cache:x",
                             signals=[Signal(kind="check", actor="mcp:aaa:2", service="svc",
                                             positive=True, at=START)]))
-    c.signal(Signal(kind="check", actor="mcp:bbb:1", service="svc", positive=True, at=START))
+    c.signal(Signal(kind="check", actor="mcp:bbb:1", service="svc", positive=True, at=START),
+             "check:ci")
     c.triage(grant=False)
     c.apply(ApplyResult(ok=True, applied_id="a1", inverse={"op": "retract"}, rollbackable=True))
     assert [t.to_stage for t in c.t.trailers] == ["propose", "learn-back", "triage", "apply"]

@@ -314,7 +314,7 @@ def test_a_self_confirmed_proposal_waits_and_an_independent_signal_releases_it()
     assert record.decision.cause == "feedback_collapse" and step == planner.DONE
     other = Signal(kind="check", actor="mcp:other:1", service="other", positive=True,
                    at=NOW - 4)
-    new, draft, _ = learnback.observe_signal(record, other, POLICY, NOW)
+    new, draft, _ = learnback.observe_signal(record, other, POLICY, NOW, "check:ci")
     record, rules, _ = settle(commit(new, draft))
     assert rules == ["triage"] and record.decision.cause == "awaiting_operator"
 
@@ -413,7 +413,8 @@ def test_a_regression_at_review_after_proposes_the_recorded_rollback_then_commit
     assert step_of(record, view(now=NOW + 200)) == planner.DONE  # nothing measured yet
     reading = Signal(kind="metric", actor="mcp:meter:1", service="metrics", positive=False,
                      at=NOW + 150, name="ctr", value=0.1)
-    new, draft, counted = learnback.observe_signal(record, reading, POLICY, NOW + 150)
+    new, draft, counted = learnback.observe_signal(record, reading, POLICY, NOW + 150,
+                                                   "check:meter")
     assert counted.independent
     record = commit(new, draft)
     assert step_of(record, view(now=NOW + 99)) == planner.DONE  # before review_after
@@ -423,6 +424,23 @@ def test_a_regression_at_review_after_proposes_the_recorded_rollback_then_commit
     assert f"rollback_proposal:{rollback_id}" in step.commit.draft.refs
     assert step_of(commit(step.commit.record, step.commit.draft), view(now=NOW + 200)) \
         == planner.DONE
+
+
+@pytest.mark.parametrize("emitter", ["", "agent:metrics:x", "service:metrics"])
+def test_readings_from_no_verified_measurer_roll_nothing_back(emitter):
+    """Made-up metric readings — unverified, or from anyone but the owning service or a
+    signed check — are kept as evidence and measure nothing."""
+    snap = MetricSnapshot(metric="ctr", baseline=0.2, review_after=NOW + 100)
+    record, _, step = settle(registered(metric_snapshot=snap, **L0))
+    record = applied(record, step, inverse={"set": {"key": "x", "value": 0}}, rollbackable=True)
+    for i in range(3):
+        reading = Signal(kind="metric", actor=f"mcp:fake-{i}:1", service="metrics",
+                         positive=False, at=NOW + 150 + i, name="ctr", value=0.01)
+        new, draft, _ = learnback.observe_signal(record, reading, POLICY, NOW + 150 + i,
+                                                 emitter)
+        record = commit(new, draft)
+    assert len(record.signals) == 3
+    assert step_of(record, view(now=NOW + 200)) == planner.DONE
 
 
 def test_an_applied_rollback_finishes_its_original():

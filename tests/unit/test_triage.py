@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from improved.core import gradient, guards, learnback, propose, triage
 from improved.core.authority import REVIEWABLE_CAUSES, is_waiting
 from improved.core.gradient import CLASSES
-from improved.core.guards import DEFAULT_FORBIDDEN, Evidence
+from improved.core.guards import DEFAULT_FORBIDDEN
 from improved.core.policy import Policy
 from improved.core.record import ProposalRecord
 from improved.protocol.model import Proposal, Signal, TriageDecision
@@ -153,9 +153,11 @@ def test_self_claimed_world_signal_from_another_session_before_apply_is_not_inde
     assert decide(record).cause == "feedback_collapse"
 
 
-def test_independent_positive_passes_the_guard():
-    record = make_record(signals=[signal("mcp:aaa:7"), signal("mcp:bbb:2")])
-    assert decide(record).cause == "awaiting_operator"
+def test_signals_inside_a_proposal_are_its_proposers_own():
+    """Whatever actor the proposer writes into its own signals, they never confirm it."""
+    record = make_record(signals=[signal("mcp:aaa:7"), signal("mcp:bbb:2"),
+                                  signal("operator:alice"), signal("check:ci")])
+    assert decide(record).cause == "feedback_collapse"
 
 
 # -- the class gate ----------------------------------------------------------------------------
@@ -253,24 +255,24 @@ def test_feedback_collapse_retriaged_once_independently_confirmed():
     assert not triage.needs_triage(record)
 
     # more self-confirmation changes nothing
-    record, draft, counted = learnback.observe_signal(record, signal("mcp:aaa:9", at=NOW + 1),
-                                                      POLICY, NOW + 1)
+    record, draft, counted = learnback.observe_signal(record, signal("mcp:bbb:9", at=NOW + 1),
+                                                      POLICY, NOW + 1, "service:svc")
     assert not counted.independent and draft.to_stage == "learn-back"
     assert not triage.needs_triage(record)
 
     # an independent negative is not a confirmation
     record, _, counted = learnback.observe_signal(
-        record, signal("mcp:bbb:1", positive=False, at=NOW + 2), POLICY, NOW + 2)
+        record, signal("mcp:bbb:1", positive=False, at=NOW + 2), POLICY, NOW + 2, "check:ci")
     assert counted.independent
     assert not triage.needs_triage(record)
 
     # a redelivered signal is not counted twice
-    again = signal("mcp:aaa:9", at=NOW + 1)
+    again = signal("mcp:bbb:9", at=NOW + 1)
     assert learnback.observe_signal(record, again, POLICY, NOW + 3) is None
 
     # an independent positive re-opens triage, which now reaches the gate
     record, _, counted = learnback.observe_signal(
-        record, signal("mcp:bbb:1", at=NOW + 4), POLICY, NOW + 4)
+        record, signal("mcp:bbb:1", at=NOW + 4), POLICY, NOW + 4, "agent:other:b")
     assert counted.independent
     assert triage.needs_triage(record)
     d = decide(record, now=NOW + 5)
@@ -308,11 +310,8 @@ def expected_cause(p: Proposal, grant: bool, now: int) -> tuple[str, str | None]
         return "reject", "invalid"
     if p.valid_to is not None and p.valid_to <= now:
         return "reject", "expired"
-    evidence = [Evidence(s.kind, s.actor, s.service, s.positive, s.at) for s in p.signals or ()]
-    positives = [e for e in evidence if e.positive]
-    if positives and not any(
-            guards.is_independent(e, p.origin.actor, p.origin.service, None,
-                                  POLICY.effect_window_ms) for e in positives):
+    # signals inside a proposal are its proposer's own: never independent
+    if any(s.positive for s in p.signals or ()):
         return "defer", "feedback_collapse"
     if p.change_class in ("L0", "L1"):
         return "accept", None

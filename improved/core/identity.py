@@ -1,0 +1,66 @@
+"""Who an emitter verifiably is, and whether it is the proposer (SPEC 09 §5).
+
+Independence rests only on a verified identity, never on a string a sender writes itself: an
+actor or session string is recorded but proves nothing. An identity is one of
+
+- `service:<svc>` — the service whose subject carried the message, when the deployment's NATS
+  permissions bind each service to its own subjects (`[trust] subjects_bound`), or the
+  principal of a key bound to that service;
+- `agent:<svc>:<name>` — an agent of service `<svc>`, by the key bound to it;
+- `check:<name>` — an out-of-band check (CI, a probe), by its key;
+- `operator:<name>` — an operator, by their key;
+
+compared exactly in this form. An unsigned proposal is the whole proposing service's: every
+identity of that service (its subject, its agents) is the proposer. Pure.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+IDENTITY_RE: Final = re.compile(
+    r"^(service:[a-z][a-z0-9_-]{0,62}|agent:[a-z][a-z0-9_-]{0,62}:[a-z0-9][a-z0-9._-]{0,62}"
+    r"|check:[a-z0-9][a-z0-9._-]{0,62}|operator:[A-Za-z0-9._@+-]{1,128})\Z")
+UNVERIFIED: Final = ""  # no identity could be verified: recorded, never independent
+
+
+def of_subject(svc: str) -> str:
+    """The identity a subject `<svc>` proves when services are bound to their subjects."""
+    return f"service:{svc}"
+
+
+def service_of(identity: str) -> str | None:
+    """The service an identity belongs to (`service:` and `agent:`), else None."""
+    kind, _, rest = identity.partition(":")
+    if kind in ("service", "agent"):
+        return rest.split(":", 1)[0]
+    return None
+
+
+def same_party(emitter: str, proposer_service: str, proposer: str | None = None) -> bool:
+    """Whether `emitter` may be the proposer: the proposing service itself always; for an
+    unsigned proposal (`proposer` None) every identity of that service; for a signed one also
+    the very principal that signed it."""
+    if emitter == of_subject(proposer_service) or (proposer is not None and emitter == proposer):
+        return True
+    return proposer is None and service_of(emitter) == proposer_service
+
+
+def independent(kind: str, emitter: str, proposer_service: str, proposer: str | None,
+                at: int, applied_at: int | None, effect_window_ms: int) -> bool:
+    """Independent evidence: a verified emitter that is not the proposer; a `world` signal
+    must also come from another service and fall inside the effect window after apply."""
+    if emitter == UNVERIFIED or same_party(emitter, proposer_service, proposer):
+        return False
+    if kind == "world":
+        if service_of(emitter) in (None, proposer_service) or applied_at is None:
+            return False
+        return applied_at <= at <= applied_at + effect_window_ms
+    return True
+
+
+def measures(emitter: str, owner: str) -> bool:
+    """Whose metric readings may act (roll back, count toward the breaker): the owning service
+    itself, by its subject or key, or a signed out-of-band check. Others are evidence only."""
+    return emitter == of_subject(owner) or emitter.startswith("check:")
