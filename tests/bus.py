@@ -16,7 +16,7 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from improved.client.sdk import MeshClient
-from improved.core import authority, signing
+from improved.core import authority, quorum, signing
 from improved.core.authority import Act
 from improved.protocol import canonical, subjects
 from improved.protocol.model import (
@@ -210,6 +210,42 @@ async def quorum_case(nc, daemon, svc):
     decision = await eventually(lambda: client.decision(pid))
     assert (decision.verdict, decision.cause) == ("defer", "awaiting_quorum")
     return store, client, pid
+
+
+async def whole_log_breaks(url: str) -> list[str]:
+    """Every chain on the server verified as an auditor would, trusting the test daemons'
+    key and the test identities' keys: the breaks found (the first of each broken chain)."""
+    from improved.core import audit, evidence
+
+    def b64(key) -> str:
+        return base64.b64encode(signing.raw_public(key.public_key())).decode()
+
+    daemon = signing.keyid_of(signing.raw_public(daemon_key().public_key()))
+    keyset = evidence.KeySet.from_config(
+        {ALICE[0]: b64(ALICE[1])}, {name: b64(k) for name, k in VOTERS.items()},
+        {name: b64(k) for name, k in (CHECK, EVALUATOR)})
+    trust = evidence.ChainTrust(frozenset({daemon}), evidence.History(fallback=keyset))
+    nc = await bus.connect(url, "improved-test-audit")
+    try:
+        log, _ = await Store(nc).read_audit()
+    finally:
+        await bus.close(nc)
+    chains: dict[str, list[tuple[int, dict]]] = {}
+    for seq, subject, body in log:
+        chains.setdefault(subject, []).append((seq, body))
+    breaks = []
+    for subject, entries in chains.items():
+        brk = audit.verify_chain(subjects.token(subject, 3) or "", [b for _, b in entries],
+                                 trust, [seq for seq, _ in entries])
+        if brk is not None:
+            breaks.append(f"{subject}: {brk}")
+    return breaks
+
+
+async def quorum_reads(daemon, svc: str, pid: str) -> list[str]:
+    """What a voter reads of `pid`: the digests of the proposal, its body and its triage
+    record as its chain has them, and the SPEC version."""
+    return quorum.expected_reads(await daemon.engine.rebuild(svc, pid))
 
 
 # -- reading the daemon's metrics --------------------------------------------------------------

@@ -6,6 +6,7 @@ builders (pure core data), keys, factories (wire messages), bus, cli, harness, t
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import uuid
 
@@ -14,17 +15,23 @@ import pytest_asyncio
 
 from improved.runtime import bus
 from improved.runtime.daemon import Daemon
-from tests.bus import amendment, daemon_config, quorum_config
+from tests.bus import amendment, daemon_config, quorum_config, whole_log_breaks
 
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory):
     """One nats-server for the session; `sync` left at the server default for speed (the
-    embedded daemon server's `always` is exercised by the CLI tests)."""
+    embedded daemon server's `always` is exercised by the CLI tests). Every trailer the
+    session's honest tests wrote must verify at the end — hashes, links, the test daemons'
+    signature, every signed act — or the session fails: nothing honest may look forged."""
     server = bus.EmbeddedServer(tmp_path_factory.mktemp("nats"), bus.free_port(), sync="2m")
-    server.start()
+    url = server.start()
     yield server
-    server.stop()
+    try:
+        broken = asyncio.run(whole_log_breaks(url))
+    finally:
+        server.stop()
+    assert not broken, f"the session's audit log does not verify: {broken[:3]}"
 
 
 @pytest.fixture

@@ -68,9 +68,10 @@ def swap(svc: str, new: dict[str, str], smoke: dict[str, str] | None = None,
     )
 
 
-def vote(pid: str, voter: str, session: str, verdict: str = "approve"):
-    """A quorum vote signed by one of the test voters, having read everything it must."""
-    body = Vote(proposal_id=pid, vote=verdict, voter=voter, session=session,
-                read=[f"proposal:{pid}", f"diff:{pid[:8]}", f"triage:{pid[:8]}", "spec:09§7"],
+def vote(reads: list[str], voter: str, session: str, verdict: str = "approve"):
+    """A quorum vote signed by one of the test voters, having read `reads` (what
+    `quorum.expected_reads` says is on the chain: `tests.bus.quorum_reads`)."""
+    pid = reads[0].removeprefix("proposal:")
+    body = Vote(proposal_id=pid, vote=verdict, voter=voter, session=session, read=reads,
                 at=now_ms())
     return sign(PAYLOAD_TYPES["vote"], to_json(body), VOTERS[voter])

@@ -23,7 +23,7 @@ from improved.cli.common import (
     url_of,
 )
 from improved.client.sdk import enqueue
-from improved.core import signing
+from improved.core import quorum, signing
 from improved.protocol import subjects as S
 from improved.protocol.model import Actor, CrisisAct, GrantCommand, Review, Vote, to_json
 from improved.runtime import keys
@@ -139,9 +139,18 @@ def cmd_vote(args: argparse.Namespace) -> int:
     """Sign a quorum vote with a voter key and publish it on improve.quorum."""
     config = config_of(args)
     key = keys.load_key(Path(args.key))
+    read = args.read
+    if read is None:  # what this proposal's verified chain holds, shown before it is signed
+        found = asyncio.run(locate(url_of(args, config), args.id))
+        if found is None:
+            print(f"improved vote: no proposal {args.id}", file=sys.stderr)
+            return 1
+        read = quorum.expected_reads(found[1])
+        print("read (the digests a vote names; `improved show` renders what they cover): "
+              + ", ".join(read))
     try:
         vote = Vote(proposal_id=args.id, vote=args.vote, voter=args.voter, session=args.session,
-                    read=args.read, at=int(time.time() * 1000))
+                    read=read, at=int(time.time() * 1000))
         msgspec.json.decode(to_json(vote), type=Vote)  # the daemon's own checks
     except msgspec.ValidationError as exc:
         print(f"improved vote: {exc}", file=sys.stderr)
@@ -222,8 +231,11 @@ def _register_l4(sub: argparse._SubParsersAction) -> None:
         description="Sign a QuorumVote with a voter key listed in [trust.quorum] and publish it "
                     "on improve.quorum (policy.quorum must be on). Three approvals from "
                     "distinct keys of non-correlated sessions approve; one dissent defers to an "
-                    "operator. A vote says what its voter read: the proposal, its diff, its "
-                    "triage record and the spec chapter.")
+                    "operator. A vote names, by digest, what its voter read: the proposal, its "
+                    "body (with its last-known-good list and reversal), its triage record and "
+                    "the SPEC version; a digest that does not match the chain is refused "
+                    "`unread`. Without --read they are taken from the proposal's verified chain "
+                    "and printed.")
     add_connection_args(vote)
     vote.add_argument("id", metavar="ID", help="the proposal id")
     vote.add_argument("vote", choices=("approve", "dissent"))
@@ -231,8 +243,9 @@ def _register_l4(sub: argparse._SubParsersAction) -> None:
     vote.add_argument("--key", required=True, metavar="FILE", help="the voter's private key")
     vote.add_argument("--session", required=True,
                       help="the voter's session (model version or operator origin)")
-    vote.add_argument("--read", action="append", required=True, metavar="WHAT",
-                      help="what was read, repeated: proposal:ID, diff:…, triage:…, spec:…")
+    vote.add_argument("--read", action="append", metavar="WHAT",
+                      help="what was read, repeated: proposal:ID, diff:<body digest>, "
+                           "triage:<decision digest>, spec:09 (default: from the chain)")
     vote.set_defaults(func=cmd_vote)
 
     crisis = sub.add_parser("crisis", help="resolve a crisis (a broken audit log)",

@@ -30,6 +30,7 @@ from improved.core.audit import REASON_LIMIT, Draft
 from improved.core.quorum import SIZE as QUORUM_SIZE
 from improved.core.record import ref, refs_of
 from improved.core.signing import PAYLOAD_TYPES, ActRefused, TrustStore
+from improved.protocol import canonical
 from improved.protocol.model import CrisisAct, GrantCommand, Review, Signal, Trailer, Vote
 
 TRUST_ID: Final = hashlib.sha256(b"improved trust").hexdigest()  # the one `_trust` chain
@@ -242,7 +243,9 @@ def act_problem(t: Trailer, chain_id: str, keys: KeySet, acts: ChainActs,
         return f"the signed act of the {t.verdict} does not verify ({exc.code}): {exc.reason}"
     except msgspec.MsgspecError as exc:
         return f"the signed act of the {t.verdict} is not a valid act: {exc}"
-    if refs.get("act") != verified.digest:
+    named = (refs.get("signal"), canonical.digest(msgspec.to_builtins(body))) \
+        if kind == "signal" else (refs.get("act"), verified.digest)
+    if named[0] != named[1]:
         return "the signed act is not the one the trailer names"
     problem = _mismatch(kind, body, t, refs, chain_id, verified.principal)
     if problem is None and kind == "vote" and refs.get("vote") == "approve":

@@ -11,12 +11,15 @@ actor or session string is recorded but proves nothing. An identity is one of
 - `operator:<name>` — an operator, by their key;
 
 compared exactly in this form. An unsigned proposal is the whole proposing service's: every
-identity of that service (its subject, its agents) is the proposer. Pure.
+identity of that service (its subject, its agents) is the proposer, and so is every identity
+of the service its origin declares (a declared string may only ever make evidence *less*
+independent). Pure.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Final
 
 IDENTITY_RE: Final = re.compile(
@@ -38,23 +41,38 @@ def service_of(identity: str) -> str | None:
     return None
 
 
-def same_party(emitter: str, proposer_service: str, proposer: str | None = None) -> bool:
+@dataclass(frozen=True)
+class Proposer:
+    """Who made a proposal, as far as it can be told: the service whose subject carried it,
+    the service its origin declares, and the principal whose key signed it (None: unsigned)."""
+
+    service: str
+    declared: str = ""
+    principal: str | None = None
+
+    @property
+    def services(self) -> frozenset[str]:
+        return frozenset(s for s in (self.service, self.declared) if s)
+
+
+def same_party(emitter: str, proposer: Proposer) -> bool:
     """Whether `emitter` may be the proposer: the proposing service itself always; for an
-    unsigned proposal (`proposer` None) every identity of that service; for a signed one also
-    the very principal that signed it."""
-    if emitter == of_subject(proposer_service) or (proposer is not None and emitter == proposer):
+    unsigned proposal every identity of that service; for a signed one also the very
+    principal that signed it."""
+    if emitter in {of_subject(s) for s in proposer.services} or emitter == proposer.principal:
         return True
-    return proposer is None and service_of(emitter) == proposer_service
+    return proposer.principal is None and service_of(emitter) in proposer.services
 
 
-def independent(kind: str, emitter: str, proposer_service: str, proposer: str | None,
-                at: int, applied_at: int | None, effect_window_ms: int) -> bool:
+def independent(kind: str, emitter: str, proposer: Proposer, at: int, applied_at: int | None,
+                effect_window_ms: int) -> bool:
     """Independent evidence: a verified emitter that is not the proposer; a `world` signal
     must also come from another service and fall inside the effect window after apply."""
-    if emitter == UNVERIFIED or same_party(emitter, proposer_service, proposer):
+    if emitter == UNVERIFIED or same_party(emitter, proposer):
         return False
     if kind == "world":
-        if service_of(emitter) in (None, proposer_service) or applied_at is None:
+        home = service_of(emitter)
+        if home is None or home in proposer.services or applied_at is None:
             return False
         return applied_at <= at <= applied_at + effect_window_ms
     return True

@@ -136,9 +136,14 @@ def count(signal: Signal, digest: str, proposal: Proposal, applied_at: int | Non
         digest=digest, kind=signal.kind, actor=signal.actor, service=signal.service,
         positive=signal.positive, at=signal.at, name=signal.name, value=signal.value,
         emitter=emitter,
-        independent=identity.independent(signal.kind, emitter, proposal.service, None,
+        independent=identity.independent(signal.kind, emitter, proposer_of(proposal),
                                          signal.at, applied_at, policy.effect_window_ms),
     )
+
+
+def proposer_of(proposal: Proposal) -> identity.Proposer:
+    """Who made `proposal`, as far as it can be told (core/identity.py)."""
+    return identity.Proposer(proposal.service, proposal.origin.service)
 
 
 def signal_digest(signal: Signal) -> str:

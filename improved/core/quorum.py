@@ -2,22 +2,49 @@
 
 Pure. Three approvals from distinct keys of non-correlated sessions approve; one dissent defers
 to an operator (quorum is not majority rule). What never adds up: the same key twice, two keys
-of one session, the proposer's own session, a vote that does not say it read the proposal, its
-diff, its triage record and the spec. Every vote leaves a trailer — counted, or refused with
+of one session, the proposer (its service, its agents, the name its origin declares, its
+session), a vote whose reads do not name the digests of what is on the chain — the proposal,
+its body, its triage record — and the SPEC version. Every vote leaves a trailer — counted, or refused with
 its reason — and the decision is a trailer of its own; the QuorumRecord is then retained, once.
 """
 
 from __future__ import annotations
 
+import msgspec
+
+from improved.core import identity
 from improved.core.audit import REASON_LIMIT, Draft
 from improved.core.authority import Act, refusal
 from improved.core.guards import session_of
 from improved.core.record import QUORUM, VOTE, Ballot, ProposalRecord, ref
 from improved.core.signing import Verified
-from improved.protocol.model import QuorumBallot, QuorumRecord, TriageDecision, Vote
+from improved.protocol import canonical
+from improved.protocol.model import Proposal, QuorumBallot, QuorumRecord, TriageDecision, Vote
 
 SIZE = 3
 REQUIRED_READS = ("proposal", "diff", "triage", "spec")
+SPEC_VERSION = "09"  # the SPEC a voter reads the rules in (`spec:09`)
+
+
+def body_digest(p: Proposal) -> str:
+    """What will run, as a voter or an operator reads it: the body (CAL, edit or data) with
+    the last-known-good artefacts and the reversal an L4 carries."""
+    return canonical.digest({"cal": p.proposal_cal, "edit": msgspec.to_builtins(p.proposal_edit),
+                             "data": p.proposal_data, "lkg": p.lkg, "revert": p.revert})
+
+
+def decision_digest(d: TriageDecision) -> str:
+    """The triage record a voter reads, in the part a rebuild from the chain gives back."""
+    return canonical.digest({"proposal_id": d.proposal_id, "verdict": d.verdict,
+                             "cause": d.cause, "gate_class": d.gate_class,
+                             "rationale": d.rationale[:REASON_LIMIT]})
+
+
+def expected_reads(record: ProposalRecord) -> list[str]:
+    """The `read` a vote on `record` must carry: one entry per REQUIRED_READS kind."""
+    d = record.decision
+    return [f"proposal:{record.proposal_id}", f"diff:{body_digest(record.proposal)}",
+            f"triage:{decision_digest(d) if d is not None else ''}", f"spec:{SPEC_VERSION}"]
 
 
 def is_open(record: ProposalRecord) -> bool:
@@ -26,13 +53,27 @@ def is_open(record: ProposalRecord) -> bool:
             and d.verdict == "defer" and d.cause == "awaiting_quorum")
 
 
-def unread(vote: Vote, pid: str) -> list[str]:
-    """What the vote does not say it read (SPEC 09 §6: proposal, diff, triage record, spec)."""
-    kinds = {r.split(":", 1)[0] for r in vote.read}
-    missing = [k for k in REQUIRED_READS if k not in kinds]
-    if "proposal" in kinds and f"proposal:{pid}" not in vote.read:
-        missing.append(f"proposal:{pid} (it names another proposal)")
-    return missing
+def unread(vote: Vote, record: ProposalRecord) -> list[str]:
+    """What the vote does not show it read (SPEC 09 §6): each REQUIRED_READS kind, named by the
+    digest of what is on the chain; a digest of anything else is not a read of this."""
+    said = {r.split(":", 1)[0]: r for r in vote.read}
+    problems = []
+    for expected in expected_reads(record):
+        kind = expected.split(":", 1)[0]
+        if kind not in said:
+            problems.append(kind)
+        elif said[kind] != expected:
+            problems.append(f"{expected} (it read {said[kind]!r})")
+    return problems
+
+
+def proposer_votes(vote: Vote, record: ProposalRecord) -> bool:
+    """The proposer never votes: its service or one of its agents, or the name its origin
+    declares, whatever session it writes."""
+    origin = record.proposal.origin.actor
+    proposer = identity.Proposer(record.service, record.proposal.origin.service)
+    return (identity.same_party(vote.voter, proposer)
+            or vote.voter == origin.split(":", 1)[0] or vote.voter == origin)
 
 
 def count(record: ProposalRecord, act: Act, verified: Verified, vote: Vote, sig: str,
@@ -48,9 +89,13 @@ def count(record: ProposalRecord, act: Act, verified: Verified, vote: Vote, sig:
         d = record.decision
         return refuse("closed", f"no quorum is open (status {record.status}"
                       + (f", triage {d.verdict}/{d.cause}" if d else "") + ")")
-    missing = unread(vote, record.proposal_id)
+    if proposer_votes(vote, record):
+        return refuse("proposer", f"{vote.voter} is the proposer ({record.service}, "
+                      f"{record.proposal.origin.actor}): it never votes on its own proposal")
+    missing = unread(vote, record)
     if missing:
-        return refuse("unread", "a voter must have read " + ", ".join(missing))
+        return refuse("unread", "a voter must have read what is on the chain: "
+                      + ", ".join(missing))
     session = session_of(vote.session)
     if session == session_of(record.proposal.origin.actor):
         return refuse("proposer_session", "the proposer's own session never counts")

@@ -604,7 +604,7 @@ def signal_of(data: bytes, limit: int) -> tuple[Signal, Envelope | None]:
     signature the engine checks."""
     try:
         signed = msgspec.json.decode(data, type=_Probe).payloadType is not None
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):
         signed = False  # wire.decode names what is wrong with it
     if not signed:
         return wire.decode(data, Signal, limit), None

@@ -1,6 +1,9 @@
 """The reference L4 artefact store and the service-side acceptance check, against a real
 nats-server (no daemon): orders are sent by hand, and the audit trailers the acceptance check
-reads are sealed and appended here as the daemon would."""
+reads are sealed and appended here, hashed and linked as the daemon would but neither
+daemon-signed nor carrying signed acts (the service checks hashes and links; who wrote them is
+the deployment's permissions). So they live on a server of this module's own: the session's
+log must verify in full."""
 
 from __future__ import annotations
 
@@ -77,9 +80,28 @@ async def manifest_rev(store: ArtefactStore) -> int:
     return (await store._current("manifest"))[1]
 
 
+@pytest.fixture(scope="module")
+def module_server(tmp_path_factory):
+    server = bus.EmbeddedServer(tmp_path_factory.mktemp("artefacts"), bus.free_port(),
+                                sync="2m")
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest_asyncio.fixture(loop_scope="session")
-async def store(daemon, nc, svc):
-    """The session daemon made the audit and records streams the acceptance check reads."""
+async def nc(module_server):
+    """A connection to this module's server, where the loop's streams exist (as a daemon
+    makes them); no daemon runs there."""
+    conn = await bus.connect(module_server.url, "improved-test-artefacts")
+    await Store(conn).ensure()
+    yield conn
+    await conn.drain()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def store(nc, svc):
+    """The reference artefact store of `svc`, seeded."""
     s = ArtefactStore(nc, svc)
     await s.start()
     await s.seed(SEED)

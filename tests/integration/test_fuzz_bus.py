@@ -39,13 +39,12 @@ from improved.protocol.model import (
     ApplyReport,
     ProposeReply,
     RefineReply,
-    Signal,
     TriageDecision,
     TriageRequest,
     to_json,
 )
 from improved.runtime import bus
-from improved.runtime.daemon import Daemon
+from improved.runtime.daemon import Daemon, signal_of
 from tests.bus import daemon_config, eventually
 from tests.factories import rank_proposal, signal, skill_proposal
 
@@ -186,7 +185,7 @@ def local_verdict(kind: str, svc: str, data: bytes) -> str | None:
         elif kind == "triage":
             wire.decode(data, TriageRequest, LIMIT)
         elif kind == "refine":
-            sig = wire.decode(data, Signal, LIMIT)
+            sig, _ = signal_of(data, LIMIT)  # a bare Signal, or a signed one
             if sig.proposal_id is None:
                 return "missing_field"
     except wire.WireError as err:
@@ -241,7 +240,7 @@ def valid_inbound(kind: str, token: str, data: bytes) -> tuple[str | None, bool]
         if kind == "proposals":
             return propose.identify(propose.validate(data, token, LIMIT))[0], False
         if kind == "outcomes":
-            return None, wire.decode(data, Signal, LIMIT).proposal_id is None
+            return None, signal_of(data, LIMIT)[0].proposal_id is None
         if kind == "applied":
             wire.decode(data, ApplyReport, LIMIT)
     except wire.WireError:

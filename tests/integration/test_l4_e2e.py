@@ -25,7 +25,16 @@ from improved.protocol.model import (
     to_json,
 )
 from tests.builders import CHANGELOG_DIFF, CONSTITUTION
-from tests.bus import approve, eventually, outcome, publish, quorum_case, started, trailers
+from tests.bus import (
+    approve,
+    eventually,
+    outcome,
+    publish,
+    quorum_case,
+    quorum_reads,
+    started,
+    trailers,
+)
 from tests.factories import now_ms, review, sha, swap, vote
 from tests.keys import ALICE, CHECK
 
@@ -180,11 +189,12 @@ async def test_two_votes_do_not_apply_three_non_correlated_do(quorum_daemon):
     nc, daemon = quorum_daemon
     svc = "q3"
     store, client, pid = await quorum_case(nc, daemon, svc)
-    await publish(nc, S.QUORUM, vote(pid, "agent-a", "model-x"))
-    await publish(nc, S.QUORUM, vote(pid, "agent-b", "model-y"))
+    reads = await quorum_reads(daemon, svc, pid)
+    await publish(nc, S.QUORUM, vote(reads, "agent-a", "model-x"))
+    await publish(nc, S.QUORUM, vote(reads, "agent-b", "model-y"))
     await votes_counted(daemon, svc, pid, 2)
     await nothing_applied(client, store, pid)
-    await publish(nc, S.QUORUM, vote(pid, "agent-c", "operator-origin-z"))
+    await publish(nc, S.QUORUM, vote(reads, "agent-c", "operator-origin-z"))
     out = await outcome(client, pid)
     assert out.ok, out.error
     assert out.authority.startswith("quorum:")
@@ -204,8 +214,9 @@ async def test_the_same_key_voting_three_times_does_not_apply(quorum_daemon):
     nc, daemon = quorum_daemon
     svc = "qk"
     store, client, pid = await quorum_case(nc, daemon, svc)
+    reads = await quorum_reads(daemon, svc, pid)
     for session in ("s1", "s2", "s3"):
-        await publish(nc, S.QUORUM, vote(pid, "agent-a", session))
+        await publish(nc, S.QUORUM, vote(reads, "agent-a", session))
     chain = await votes_counted(daemon, svc, pid, 3)
     assert [t.get("verdict") for t in chain if t.get("verdict") in ("vote", "refused")] == \
         ["vote", "refused", "refused"]
@@ -218,9 +229,10 @@ async def test_the_proposers_session_and_correlated_sessions_never_add_up(quorum
     nc, daemon = quorum_daemon
     svc = "qs"
     store, client, pid = await quorum_case(nc, daemon, svc)
-    await publish(nc, S.QUORUM, vote(pid, "agent-a", "agentd:run-7"))  # the proposer's
-    await publish(nc, S.QUORUM, vote(pid, "agent-b", "model-x"))
-    await publish(nc, S.QUORUM, vote(pid, "agent-c", "model-x"))  # same session, other key
+    reads = await quorum_reads(daemon, svc, pid)
+    await publish(nc, S.QUORUM, vote(reads, "agent-a", "agentd:run-7"))  # the proposer's
+    await publish(nc, S.QUORUM, vote(reads, "agent-b", "model-x"))
+    await publish(nc, S.QUORUM, vote(reads, "agent-c", "model-x"))  # same session, other key
     chain = await votes_counted(daemon, svc, pid, 3)
     reasons = [t["reason"] for t in chain if t.get("verdict") == "refused"]
     assert any("proposer_session" in r for r in reasons)
@@ -233,10 +245,11 @@ async def test_one_dissent_among_four_defers_to_the_operator(quorum_daemon):
     nc, daemon = quorum_daemon
     svc = "qd"
     store, client, pid = await quorum_case(nc, daemon, svc)
-    await publish(nc, S.QUORUM, vote(pid, "agent-a", "s1"))
-    await publish(nc, S.QUORUM, vote(pid, "agent-b", "s2", "dissent"))
-    await publish(nc, S.QUORUM, vote(pid, "agent-c", "s3"))
-    await publish(nc, S.QUORUM, vote(pid, "agent-d", "s4"))
+    reads = await quorum_reads(daemon, svc, pid)
+    await publish(nc, S.QUORUM, vote(reads, "agent-a", "s1"))
+    await publish(nc, S.QUORUM, vote(reads, "agent-b", "s2", "dissent"))
+    await publish(nc, S.QUORUM, vote(reads, "agent-c", "s3"))
+    await publish(nc, S.QUORUM, vote(reads, "agent-d", "s4"))
     await votes_counted(daemon, svc, pid, 4)
     decision = await client.decision(pid)
     assert (decision.verdict, decision.cause) == ("defer", "quorum_dissent")
@@ -257,7 +270,7 @@ async def test_a_vote_from_an_unknown_key_is_refused(quorum_daemon):
     svc = "qu"
     store, client, pid = await quorum_case(nc, daemon, svc)
     body = Vote(proposal_id=pid, vote="approve", voter="agent-a", session="s1",
-                read=[f"proposal:{pid}", "diff:x", "triage:x", "spec:09"], at=now_ms())
+                read=await quorum_reads(daemon, svc, pid), at=now_ms())
     env = signing.sign(signing.PAYLOAD_TYPES["vote"], to_json(body), Ed25519PrivateKey.generate())
     await publish(nc, S.QUORUM, env)
     chain = await votes_counted(daemon, svc, pid, 1)

@@ -26,7 +26,7 @@ from improved.protocol import subjects as S
 from improved.runtime import bus
 from improved.runtime.config import Policy
 from improved.runtime.daemon import Daemon
-from tests.bus import amendment, eventually, publish, quorum_config, value
+from tests.bus import amendment, eventually, publish, quorum_config, quorum_reads, value
 from tests.factories import skill_proposal, swap, vote
 from tests.harness import Publisher, mix, wait_records
 
@@ -86,7 +86,8 @@ async def test_review_lists_every_waiting_proposal_after_each_broker_restart(own
         await waits(swap("waitq", {"a": '{"v": 2}'}), "awaiting_quorum")
         await filler.run(history[third:2 * third], rate=None)
         dissented = await waits(swap("dissentq", {"b": '{"v": 2}'}), "awaiting_quorum")
-        await publish(nc, S.QUORUM, vote(dissented, "agent-a", "model-x", "dissent"))
+        reads = await quorum_reads(daemon, "dissentq", dissented)
+        await publish(nc, S.QUORUM, vote(reads, "agent-a", "model-x", "dissent"))
         await eventually(lambda: _decided(client, dissented, "dissentq", "quorum_dissent"))
         waiting[dissented] = "quorum_dissent"
         await filler.run(history[2 * third:], rate=None)

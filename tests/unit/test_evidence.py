@@ -129,8 +129,32 @@ def test_a_grant_and_a_crisis_resolution_rest_on_their_acts():
     assert brk is not None and "carries no signed act" in brk.problem
 
 
+def test_a_signed_signal_proves_its_emitter_and_only_its_own_content():
+    from improved.core import learnback, propose
+    from improved.core.policy import Policy
+    from improved.protocol.model import Signal
+    from tests.builders import make_proposal
+    from tests.keys import CHECK
+
+    p = make_proposal()
+    pid, dedup = propose.identify(p)
+    record, reg = propose.register(p, pid, dedup, Policy(), 1_000)
+    sig = Signal(kind="check", actor=CHECK[0], service="ci", positive=True, at=1_000,
+                 proposal_id=pid)
+    env = signing.sign(signing.PAYLOAD_TYPES["signal"], msgspec.json.encode(sig), CHECK[1])
+    _, draft, _ = learnback.observe_signal(record, sig, Policy(), 1_001, CHECK[0], env)
+    trust = dataclasses.replace(TRUST, history=evidence.History(
+        fallback=evidence.KeySet.from_config({}, {}, {CHECK[0]: b64(CHECK[1])})))
+    assert audit.verify_chain(pid, chain(reg, draft, chain_id=pid), trust) is None
+    lying = dataclasses.replace(draft, refs=tuple(r.replace(f"emitter:{CHECK[0]}",
+                                                           "emitter:check:other")
+                                                  for r in draft.refs))
+    brk = audit.verify_chain(pid, chain(reg, lying, chain_id=pid), trust)
+    assert brk is not None and "signed signal" in brk.problem
+
+
 def _vote_draft(voter: str, session: str) -> Draft:
-    env = vote(PID, voter, session)
+    env = vote([f"proposal:{PID}"], voter, session)
     return Draft(from_stage="triage", to_stage="triage", actor=voter, observer_type="rec:agent",
                  verdict="vote", reason="v", envelope=env,
                  refs=(ref("act", signing.envelope_digest(env)), ref("keyid", keyid(VOTERS[voter])),

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from improved.core import identity
-from improved.core.identity import independent, measures, same_party
+from improved.core.identity import Proposer, independent, measures, same_party
 
 WINDOW = 3_600_000
 APPLIED = 10_000
@@ -18,7 +18,8 @@ APPLIED = 10_000
 
 def indep(emitter: str, kind: str = "check", proposer: str | None = None,
           at: int = APPLIED + 5, applied: int | None = APPLIED) -> bool:
-    return independent(kind, emitter, "ranking", proposer, at, applied, WINDOW)
+    return independent(kind, emitter, Proposer("ranking", "ranking", proposer), at, applied,
+                       WINDOW)
 
 
 def test_an_unverified_emitter_is_never_independent():
@@ -71,4 +72,11 @@ def test_no_identity_string_outside_the_forms_is_the_proposer_or_counts(text):
     """Whatever an emitter is called, it is the proposer exactly when it belongs to the
     proposing service (or is the signing principal), never by accident of spelling."""
     belongs = text == "service:ranking" or identity.service_of(text) == "ranking"
-    assert same_party(text, "ranking") == belongs
+    assert same_party(text, Proposer("ranking")) == belongs
+
+
+def test_the_service_an_origin_declares_is_the_proposer_too():
+    """A declared string can only make evidence less independent, never more."""
+    proposer = Proposer("ranking", "agentd")
+    assert same_party("agent:agentd:x", proposer) and same_party("service:agentd", proposer)
+    assert not independent("check", "service:agentd", proposer, 5, None, WINDOW)

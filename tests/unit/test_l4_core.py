@@ -208,8 +208,7 @@ _SEQ = iter(range(1, 10**6))
 
 def cast(record, voter: str, session: str, vote: str = "approve", read=None):
     v = Vote(proposal_id=record.proposal_id, vote=vote, voter=voter, session=session,
-             read=read if read is not None else [f"proposal:{record.proposal_id}", "diff:d",
-                                                 "triage:t", "spec:09§7"], at=NOW)
+             read=read if read is not None else quorum.expected_reads(record), at=NOW)
     env = signing.sign(signing.PAYLOAD_TYPES["vote"], msgspec.json.encode(v), VOTERS[voter])
     verified = TRUST.verify(env, signing.PAYLOAD_TYPES["vote"])
     new, draft = quorum.count(record, Act(verified.digest, next(_SEQ)), verified, v,
@@ -257,8 +256,35 @@ def test_correlated_votes_are_refused(second_session, code):
 
 def test_a_vote_that_did_not_read_everything_is_refused():
     r = open_record()
-    r, draft = cast(r, "agent-a", "s1", read=[f"proposal:{r.proposal_id}", "diff:d"])
+    r, draft = cast(r, "agent-a", "s1", read=quorum.expected_reads(r)[:2])
     assert draft.verdict == "refused" and "triage" in draft.reason and "spec" in draft.reason
+
+
+@pytest.mark.parametrize("kind", ["diff", "triage", "spec", "proposal"])
+def test_a_vote_naming_a_digest_of_something_else_is_refused_unread(kind):
+    """`read` claims are digests of what is on the chain; free text, or a digest of another
+    body or triage record, is not a read of this one."""
+    r = open_record()
+    reads = [f"{kind}:{'0' * 64}" if x.startswith(f"{kind}:") else x
+             for x in quorum.expected_reads(r)]
+    r, draft = cast(r, "agent-a", "s1", read=reads)
+    assert draft.verdict == "refused" and "(unread)" in draft.reason and kind in draft.reason
+    assert not r.ballots
+
+
+@pytest.mark.parametrize("voter", ["agentd", "agent:deploy:x", "agent:agentd:y"])
+def test_the_proposer_never_votes_whatever_its_session(voter):
+    """The origin declares `agentd:run-1`: a voter of that name, or an agent of the proposing
+    service, is the proposer, under any session spelling."""
+    r = open_record()
+    v = Vote(proposal_id=r.proposal_id, vote="approve", voter=voter, session="S-OTHER",
+             read=quorum.expected_reads(r), at=NOW)
+    key = VOTERS["agent-a"]
+    env = signing.sign(signing.PAYLOAD_TYPES["vote"], msgspec.json.encode(v), key)
+    verified = signing.Verified(b"", "ed25519:x", voter, signing.envelope_digest(env), env)
+    r2, draft = quorum.count(r, Act(verified.digest, next(_SEQ)), verified, v, "sig", TRIAGER)
+    assert draft.verdict == "refused" and "(proposer)" in draft.reason
+    assert not r2.ballots
 
 
 def test_one_dissent_among_four_defers_to_the_operator():

@@ -326,7 +326,7 @@ def vote(record: ProposalRecord, voter: str, session: str, verdict: str = "appro
     """A signed vote counted on the chain (the ingest); what the quorum decides is the
     planner's."""
     v = Vote(proposal_id=record.proposal_id, vote=verdict, voter=voter, session=session,
-             read=[f"proposal:{record.proposal_id}", "diff:d", "triage:t", "spec:09§7"], at=NOW)
+             read=quorum.expected_reads(record), at=NOW)
     env = signing.sign(signing.PAYLOAD_TYPES["vote"], msgspec.json.encode(v), VOTERS[voter])
     verified = TRUST.verify(env, signing.PAYLOAD_TYPES["vote"])
     return commit(*quorum.count(record, Act(verified.digest, next(_SEQ)), verified, v,
