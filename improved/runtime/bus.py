@@ -25,6 +25,8 @@ from nats.aio.client import Client
 
 log = structlog.get_logger("improved.bus")
 
+DEFAULT_INBOX = "_INBOX"  # nats-py's own
+
 
 class BusError(RuntimeError):
     pass
@@ -156,9 +158,10 @@ async def close(nc: Client) -> None:
 
 
 async def connect(url: str, name: str, *, connect_timeout: float = 5.0,
-                  persistent: bool = True) -> Client:
+                  persistent: bool = True, inbox_prefix: str | None = None) -> Client:
     """Connect. A persistent connection (the daemon's) reconnects forever: a broker restart is
-    an outage, not a crash. A command-line connection tries once and fails with a clear error."""
+    an outage, not a crash. A command-line connection tries once and fails with a clear error.
+    Replies come to inboxes under `inbox_prefix` (nats-py's `_INBOX` when None)."""
 
     held: dict[str, Client] = {}
 
@@ -184,6 +187,7 @@ async def connect(url: str, name: str, *, connect_timeout: float = 5.0,
     try:
         nc = await nats.connect(
             servers, name=name, connect_timeout=connect_timeout, **credentials,
+            inbox_prefix=inbox_prefix or DEFAULT_INBOX,
             # the first connection gets a few tries either way: a wrong URL is an error
             # nats-py gives up on a first connection only when reconnects are allowed and
             # bounded (> 0); a one-shot connection then drops reconnects once it is up

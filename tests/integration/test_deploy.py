@@ -23,7 +23,8 @@ import pytest_asyncio
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import BadRequestError, NotFoundError
 
-from improved.client.sdk import MeshClient
+from improved.client import chains
+from improved.client.sdk import MeshClient, inbox_prefix
 from improved.protocol import subjects as S
 from improved.runtime import bus
 from improved.runtime.config import ApplySettings, Config
@@ -92,6 +93,64 @@ async def test_ensure_changes_only_what_is_missing_or_differs(own_server):
         assert (await js.stream_info(S.STREAM_AUDIT)).config.max_msgs_per_subject == -1
     finally:
         await nc.drain()
+
+
+def test_a_users_inbox_prefix_is_one_token_of_its_own():
+    """`_INBOX_<user>`: outside `_INBOX.>`, and no user's prefix falls under another's grant."""
+    assert inbox_prefix("svc-ranking") == "_INBOX_svc-ranking"
+    assert inbox_prefix("improved-admin") == "_INBOX_improved-admin"
+    for bad in ("svc.ranking", "svc*", ">", "", "a b", "x" * 129):
+        with pytest.raises(ValueError, match="cannot name an inbox"):
+            inbox_prefix(bad)
+
+
+async def test_every_reply_comes_under_the_connections_own_inbox_prefix(own_server):
+    """nats-py puts every inbox of a connection under the prefix it was made with: request
+    replies, JetStream acks and API replies, pull fetches, ordered consumers (a KV watch, an
+    object store read) and the chain reads of a service; nothing comes to `_INBOX.`, which no
+    user of deploy/accounts.conf may hear."""
+    prefix = inbox_prefix("svc-x")
+    heard: list[str] = []
+
+    async def note(msg):
+        heard.append(msg.subject)
+
+    async def echo(msg):
+        await msg.respond(msg.data)
+
+    watcher = await bus.connect(own_server.url, "watcher")
+    await watcher.subscribe(">", cb=note)
+    await watcher.subscribe("inboxes.echo", cb=echo)
+    await watcher.flush()
+    nc = await bus.connect(own_server.url, "prefixed", inbox_prefix=prefix)
+    try:
+        assert (await nc.request("inboxes.echo", b"hi", timeout=2)).data == b"hi"
+        js = nc.jetstream(timeout=2.0)
+        await js.add_stream(name="INBOXES", subjects=["inboxes.js.>"])
+        await js.publish("inboxes.js.a", b"1")
+        pull = await js.pull_subscribe("inboxes.js.a", stream="INBOXES")
+        assert [m.data for m in await pull.fetch(1, timeout=2)] == [b"1"]
+        ordered = await js.subscribe("inboxes.js.a", stream="INBOXES", ordered_consumer=True)
+        assert (await ordered.next_msg(timeout=2)).data == b"1"
+        kv = await js.create_key_value(bucket="inboxes")
+        await kv.put("k", b"v")
+        assert (await kv.get("k")).value == b"v"
+        watch = await kv.watchall()
+        assert (await watch.updates(timeout=2)).value == b"v"
+        objects = await js.create_object_store("inboxes")
+        await objects.put("o", b"blob")
+        assert (await objects.get("o")).data == b"blob"
+        await Store(nc).ensure()
+        chain = f"improve.audit._test.{FAKE_ID}"
+        await js.publish(chain, b"{}", stream=S.STREAM_AUDIT)
+        assert await chains.read_chain(js, chain) == [{}]
+        await nc.flush()
+        await watcher.flush()
+    finally:
+        await nc.close()
+        await watcher.close()
+    assert [s for s in heard if s.startswith("_INBOX.")] == []
+    assert sum(s.startswith(f"{prefix}.") for s in heard) > 10, heard
 
 
 # -- b) accounts and permissions on a real server -------------------------------------------
