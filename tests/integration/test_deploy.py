@@ -6,6 +6,7 @@ daemon as user `improved` and the reference ranking store as user `svc-ranking`.
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import re
 import shutil
@@ -25,13 +26,16 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from improved.client import chains
 from improved.client.sdk import MeshClient, inbox_prefix
+from improved.core import signing
 from improved.protocol import subjects as S
+from improved.protocol.model import to_json
 from improved.runtime import bus
-from improved.runtime.config import ApplySettings, Config
+from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore
-from tests.factories import rank_proposal
+from tests.factories import rank_proposal, review, swap
+from tests.keys import ALICE
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -52,9 +56,12 @@ FAKE_ID = "ab" * 32
 
 
 def daemon_config() -> Config:
-    """Short apply timeouts; no trusted operators (these tests apply L0 changes only); a data
-    directory of its own (the daemon keeps its last checkpoint there)."""
+    """Short apply timeouts; ALICE trusted as an operator (her signed reviews and grants are
+    what the operator user publishes here); a data directory of its own (the daemon keeps its
+    last checkpoint there)."""
+    alice = base64.b64encode(signing.raw_public(ALICE[1].public_key())).decode()
     return Config(apply=ApplySettings(timeout_s=1.0, attempts=2, max_deliveries=3),
+                  trust=Trust(operators={ALICE[0]: alice}),
                   data_dir=Path(tempfile.mkdtemp(prefix="improved-deploy-")))
 
 
@@ -253,6 +260,16 @@ class Conn:
 
         async def seen():
             return [v for v in self.violations() if f'"{subject.lower()}"' in v.lower()]
+
+        return (await eventually(seen, timeout=timeout))[0]
+
+    async def violation_like(self, pattern: str, timeout: float = 3.0) -> str:
+        """The server's permissions violation whose quoted subject matches `pattern` (for a
+        subject with a random token in it, such as a consumer's name)."""
+
+        async def seen():
+            return [v for v in self.violations()
+                    if re.search(f'"{pattern}"', v, flags=re.IGNORECASE)]
 
         return (await eventually(seen, timeout=timeout))[0]
 
@@ -649,6 +666,86 @@ async def test_the_l4_artefact_store_runs_under_its_own_user(mesh):
         assert conn.violations() == []
     finally:
         await conn.nc.close()
+
+
+# -- records and chains: a service's own only -----------------------------------------------
+
+
+async def test_a_service_reads_its_own_chains_and_the_grant_chains_only(mesh):
+    """svc-deploy and svc-skills cannot get the ranking service's record or chain by message
+    get or direct get, nor walk its chain with a consumer (one whose API subject names their
+    own chain but whose configuration filters another's is refused by the server); they read
+    their own chains and the grant chains."""
+    ranking = MeshClient(mesh["ranking"].nc, "ranking", timeout=5.0)
+    pid = (await ranking.propose(rank_proposal("ranking", key="private.read", value=5))
+           ).proposal_id
+    assert (await eventually(lambda: ranking.outcome(pid))).ok
+    record, chain = S.proposal_state("ranking", pid), S.audit("ranking", pid)
+    for user, own in (("svc-deploy", "deploy"), ("svc-skills", "skills")):
+        conn = await connect_as(mesh["url"], user)
+        try:
+            js = conn.nc.jetstream(timeout=0.5)
+            attempts = [
+                (re.escape(f"$JS.API.STREAM.MSG.GET.{S.STREAM_RECORDS}"),
+                 lambda js=js: js.get_msg(S.STREAM_RECORDS, subject=record)),
+                (re.escape(f"$JS.API.STREAM.MSG.GET.{S.STREAM_AUDIT}"),
+                 lambda js=js: js.get_msg(S.STREAM_AUDIT, seq=1, subject=chain, next=True)),
+                (re.escape(f"$JS.API.DIRECT.GET.{S.STREAM_RECORDS}.{record}"),
+                 lambda js=js: js.get_msg(S.STREAM_RECORDS, subject=record, direct=True)),
+                (re.escape(f"$JS.API.DIRECT.GET.{S.STREAM_AUDIT}"),
+                 lambda js=js: js.get_msg(S.STREAM_AUDIT, seq=1, subject=chain, next=True,
+                                          direct=True)),
+                (re.escape(f"$JS.API.DIRECT.GET.{S.STREAM_AUDIT}.{chain}"),
+                 lambda js=js: js.get_msg(S.STREAM_AUDIT, subject=chain, direct=True)),
+                (re.escape(f"$JS.API.CONSUMER.CREATE.{S.STREAM_AUDIT}.") + r"[^.]+\."
+                 + re.escape(chain), lambda js=js: chains.read_chain(js, chain)),
+            ]
+            for pattern, attempt in attempts:
+                with pytest.raises(NatsTimeout):
+                    await attempt()
+                await conn.violation_like(pattern)
+            for config in ({"filter_subject": chain}, {"filter_subjects": [chain]}):
+                reply = await conn.nc.request(
+                    f"$JS.API.CONSUMER.CREATE.{S.STREAM_AUDIT}.spy.{S.audit(own, FAKE_ID)}",
+                    msgspec.json.encode({"stream_name": S.STREAM_AUDIT, "config": {
+                        "name": "spy", "deliver_subject": conn.nc.new_inbox(),
+                        "ack_policy": "none", **config}}), timeout=2)
+                assert "error" in msgspec.json.decode(reply.data), reply.data
+
+            before = len(conn.violations())
+            assert await chains.read_chain(js, S.audit(own, FAKE_ID)) == []
+            assert await chains.current_grant(js, f"summarize:{FAKE_ID}") is None
+            await conn.nc.flush()
+            assert conn.violations()[before:] == []
+        finally:
+            await conn.nc.close()
+
+
+async def test_the_artefact_store_applies_an_order_it_verified_on_its_own_chain(mesh):
+    """An L4 swap approved by the operator: svc-deploy's artefact store reads the proposal's
+    chain (its own) to verify the approval, and applies."""
+    from improved_reference.artefact_store import ArtefactStore
+
+    deploy, op = [await connect_as(mesh["url"], user) for user in ("svc-deploy", "operator")]
+    store = ArtefactStore(deploy.nc, "deploy")
+    try:
+        await store.start()
+        await store.seed({"web": '{"v": 1}'})
+        client = MeshClient(deploy.nc, "deploy", timeout=5.0)
+        pid = await client.publish(swap("deploy", {"web": '{"v": 2}'}))
+        await eventually(lambda: client.decision(pid))
+        await op.nc.jetstream(timeout=5.0).publish(S.inbound_review("deploy"),
+                                                   to_json(review(pid)),
+                                                   stream=S.STREAM_INBOUND)
+        outcome = await eventually(lambda: client.outcome(pid), timeout=15)
+        assert outcome.ok, outcome.error
+        assert await store.content("web") == b'{"v": 2}'
+        await deploy.nc.flush()
+        assert deploy.violations() == [] and op.violations() == []
+    finally:
+        await store.stop()
+        for conn in (deploy, op):
+            await conn.nc.close()
 
 
 async def test_unknown_users_and_wrong_passwords_are_refused(secured_url):
