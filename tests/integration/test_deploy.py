@@ -27,6 +27,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 from improved.client import chains
 from improved.client.sdk import MeshClient, inbox_prefix
 from improved.core import signing
+from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import to_json
 from improved.runtime import bus
@@ -34,7 +35,7 @@ from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore
-from tests.factories import rank_proposal, review, swap
+from tests.factories import grant, rank_proposal, review, skill_proposal, swap
 from tests.keys import ALICE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -274,14 +275,16 @@ class Conn:
         return (await eventually(seen, timeout=timeout))[0]
 
 
-async def connect_as(url: str, user: str) -> Conn:
+async def connect_as(url: str, user: str, prefix: str | None = None) -> Conn:
+    """A connection as `user`, hearing replies on its own inboxes (or under `prefix`)."""
     errors: list[str] = []
 
     async def on_error(exc: Exception) -> None:
         errors.append(str(exc))
 
     nc = await nats.connect(as_user(url, user), name=f"test-{user}", error_cb=on_error,
-                            max_reconnect_attempts=1, connect_timeout=2)
+                            max_reconnect_attempts=1, connect_timeout=2,
+                            inbox_prefix=prefix or inbox_prefix(user))
     return Conn(nc, errors)
 
 
@@ -666,6 +669,87 @@ async def test_the_l4_artefact_store_runs_under_its_own_user(mesh):
         assert conn.violations() == []
     finally:
         await conn.nc.close()
+
+
+# -- replies: each user hears its own only --------------------------------------------------
+
+
+# nats-py's default inbox namespace, and every other party's own prefix
+OTHERS_INBOXES = ["_INBOX.>", "_INBOX_improved.>", "_INBOX_operator.>", "_INBOX_svc-skills.>",
+                  "_INBOX_svc-deploy.>", "_INBOX_improved-admin.>"]
+
+
+async def test_a_service_hears_no_reply_meant_for_another_party(mesh):
+    """svc-ranking asks to hear nats-py's default inboxes and every other party's, and is
+    refused each, hearing nothing, while the skills service proposes (its reply), the operator
+    approves (the daemon fetches the signed review into its inbox), the daemon orders the apply
+    (the skills store answers into the daemon's inbox, after reading its own chain), a grant is
+    recorded and the skills store serves the skill under it (reading the grant chain)."""
+    from improved_reference.skills_store import SkillsStore
+
+    spy, skills, op = [await connect_as(mesh["url"], user)
+                       for user in ("svc-ranking", "svc-skills", "operator")]
+    heard: list[str] = []
+
+    async def overheard(msg):
+        heard.append(msg.subject)
+
+    store = SkillsStore(skills.nc, "skills", verify_acceptance=True)
+    try:
+        for subject in OTHERS_INBOXES:
+            await spy.nc.subscribe(subject, cb=overheard)
+        await spy.nc.flush()
+        await store.start()
+        client = MeshClient(skills.nc, "skills", timeout=5.0)
+        proposal = skill_proposal("skills", name=f"private-{time.time_ns()}")
+        pid = (await client.propose(proposal)).proposal_id
+        await eventually(lambda: client.decision(pid))
+        operator = op.nc.jetstream(timeout=5.0)
+        await operator.publish(S.inbound_review("skills"), to_json(review(pid)),
+                               stream=S.STREAM_INBOUND)
+        outcome = await eventually(lambda: client.outcome(pid), timeout=15)
+        assert outcome.ok, outcome.error
+        skill = proposal.proposal_data["skill"]
+        identity = canonical.skill_identity(skill)
+        await operator.publish(S.GRANTS, to_json(grant(identity)), stream=S.STREAM_INBOUND)
+        await eventually(lambda: store.check_grant_active(identity))
+        name, sha = identity.split(":", 1)
+        assert await store.get_granted(name, sha) == skill
+
+        for subject in OTHERS_INBOXES:
+            await spy.violation(subject)
+        assert heard == []
+        await skills.nc.flush()
+        await op.nc.flush()
+        assert skills.violations() == [] and op.violations() == []
+    finally:
+        await store.stop()
+        for conn in (spy, skills, op):
+            await conn.nc.close()
+
+
+async def test_a_client_on_anothers_inbox_prefix_or_the_default_one_hears_nothing(mesh):
+    """svc-ranking connected with nats-py's default prefix, or with another party's, may not
+    subscribe to its own reply inboxes: its requests go unanswered, refused by the server."""
+    for prefix in ("_INBOX", "_INBOX_improved", "_INBOX_operator", "_INBOX_svc-skills"):
+        conn = await connect_as(mesh["url"], "svc-ranking", prefix)
+        try:
+            with pytest.raises(NatsTimeout):
+                await conn.nc.request(S.SPEC_GET, b"{}", timeout=1)
+            await conn.violation_like(re.escape(f"{prefix}.") + r"[^.]+\.\*")
+        finally:
+            await conn.nc.close()
+
+
+def test_a_connection_hears_replies_on_its_urls_users_inboxes():
+    """bus.connect names the inbox prefix after the URL's user (what accounts.conf grants); no
+    user, no accounts: nats-py's default."""
+    _, creds = bus.split_credentials("nats://svc-ranking:pw@127.0.0.1:4222")
+    assert bus.inbox_of(creds) == "_INBOX_svc-ranking"
+    assert bus.inbox_of(creds, "_INBOX_mine") == "_INBOX_mine"
+    assert bus.inbox_of({}) == "_INBOX" and bus.inbox_of({"token": "s3cret"}) == "_INBOX"
+    with pytest.raises(bus.BusError, match="cannot name an inbox"):
+        bus.inbox_of({"user": "svc.ranking", "password": "pw"})
 
 
 # -- records and chains: a service's own only -----------------------------------------------
