@@ -107,6 +107,8 @@ async def current_grant(js: JetStreamContext, identity: str | None,
     if not identity or ":" not in identity:
         return None
     sha = identity.split(":", 1)[1]
+    if not S.ID_RE.match(sha):  # a wildcard here would read several chains as one
+        return None
     chain = await read(js, S.grant_audit(sha))
     bodies = [body for _, body in chain]
     if not bodies or verify_chain(sha, bodies, trust, [seq for seq, _ in chain]) is not None:
