@@ -150,7 +150,9 @@ import nats
 
 
 async def main() -> None:
-    nc = await nats.connect(sys.argv[1], connect_timeout=2, max_reconnect_attempts=1)
+    # the operator hears its replies on its own inboxes only (deploy/accounts.conf)
+    nc = await nats.connect(sys.argv[1], connect_timeout=2, max_reconnect_attempts=1,
+                            inbox_prefix="_INBOX_operator")
     js = nc.jetstream()
     for name in ("IMPROVE_IN", "IMPROVE_RECORDS", "IMPROVE_AUDIT"):
         info = await js.stream_info(name)

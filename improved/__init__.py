@@ -22,7 +22,14 @@ package, which depends on this one and never the other way round.
 This module re-exports what a mesh-service author writes against.
 """
 
-from improved.client.sdk import ImproveError, MeshClient, decode_order, failed, serve_spec
+from improved.client.sdk import (
+    ImproveError,
+    MeshClient,
+    decode_order,
+    failed,
+    inbox_prefix,
+    serve_spec,
+)
 from improved.protocol.model import (
     AnalyzerRef,
     ApplyOrder,
@@ -68,5 +75,6 @@ __all__ = [
     "__version__",
     "decode_order",
     "failed",
+    "inbox_prefix",
     "serve_spec",
 ]

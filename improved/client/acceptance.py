@@ -6,8 +6,9 @@ an L3 auto-apply rests on a retained grant record, and an operator-requested rol
 `rollback` trailer on the original's chain. `check` reads that evidence itself and answers None
 (apply) or a refusal starting `not_accepted: `.
 
-Chains are read from the stream leader (no direct get, which may answer from a lagging replica)
-and verified with `improved.core.audit.verify_chain`, so the broker is not trusted either.
+Chains are read whole through a consumer filtered on the one chain (`chains.read_sequenced`, a
+read a deployment can limit to the service's own chains and the grant chains) and verified with
+`improved.core.audit.verify_chain`, so the broker is not trusted either.
 """
 
 from __future__ import annotations

@@ -1,23 +1,48 @@
 """Reading audit chains as a party that must decide on them: the owning service checking that
 an order was accepted, a skills store serving a skill under a grant, the daemon's own gate.
 
-Reads go to the stream leader (a direct get may answer from a lagging replica and miss a
-revocation) and every chain is verified before it is believed. The retained Grant record on
-`improve.grants.<name>.<sha256>` is an output for watchers: anyone who can publish there can
-write one, so no decision reads it (`current_grant` reads the grant chain instead)."""
+A service reads a chain through a consumer filtered on that chain alone (`read_sequenced`):
+the request that creates it names the chain's subject, so a deployment can let a service read
+its own chains and the grant chains and no other (deploy/accounts.conf); a message get or a
+direct get from a sequence names only the stream. The daemon, allowed the whole stream, reads
+from the stream leader (`read_from_leader`). Every chain is verified before it is believed.
+The retained Grant record on `improve.grants.<name>.<sha256>` is an output for watchers: anyone
+who can publish there can write one, so no decision reads it (`current_grant` reads the grant
+chain instead)."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from improved.core.audit import Authenticity, verify_chain
 from improved.core.authority import grant_covers, grant_state
 from improved.protocol import subjects as S
 from improved.protocol.model import Grant, Trailer
+
+Sequenced = list[tuple[int, Any]]
+ChainReader = Callable[[JetStreamContext, str], Awaitable[Sequenced]]
+READ_TIMEOUT_S = 5.0  # for each trailer of a chain being read
+CONSUMER_IDLE_S = 5.0  # the server drops a chain's consumer this long after nobody listens
+
+
+class ChainUnread(Exception):
+    """A chain could not be read whole (a delivery went missing): nothing may be decided on
+    the part that arrived, since a chain's prefix verifies too."""
+
+
+def _body(data: bytes | None) -> Any:
+    """A trailer's JSON body, or None for one that is not JSON (verify_chain names it)."""
+    try:
+        return msgspec.json.decode(data or b"")
+    except msgspec.DecodeError:
+        return None
 
 
 async def read_chain(js: JetStreamContext, subject: str) -> list[Any]:
@@ -26,9 +51,41 @@ async def read_chain(js: JetStreamContext, subject: str) -> list[Any]:
     return [body for _, body in await read_sequenced(js, subject)]
 
 
-async def read_sequenced(js: JetStreamContext, subject: str) -> list[tuple[int, Any]]:
-    """`read_chain` with each trailer's stream sequence."""
-    bodies: list[tuple[int, Any]] = []
+async def read_sequenced(js: JetStreamContext, subject: str) -> Sequenced:
+    """`read_chain` with each trailer's stream sequence, through a consumer of the audit stream
+    filtered on `subject`, made with `$JS.API.CONSUMER.CREATE.IMPROVE_AUDIT.<name>.<subject>`
+    (the server refuses a configuration that filters anything else), which subject permissions
+    can scope. The server may place the consumer on any replica of the stream; a replica is
+    told of each commit at once, so it follows the leader within a round trip."""
+    nc = js._nc  # the JetStream context's own connection: replies come to its inboxes
+    inbox = await nc.subscribe(nc.new_inbox())
+    try:
+        try:
+            info = await js.add_consumer(S.STREAM_AUDIT, ConsumerConfig(
+                name=uuid.uuid4().hex, filter_subject=subject, deliver_subject=inbox.subject,
+                deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, num_replicas=1,
+                mem_storage=True, inactive_threshold=CONSUMER_IDLE_S))
+        except NotFoundError:  # no audit stream at all
+            return []
+        bodies: Sequenced = []
+        left = info.num_pending or 0
+        while left:
+            msg = await inbox.next_msg(READ_TIMEOUT_S)
+            meta = msg.metadata
+            if meta.sequence.consumer != len(bodies) + 1:
+                raise ChainUnread(f"{subject}: delivery {meta.sequence.consumer} arrived after "
+                                  f"{len(bodies)}")
+            bodies.append((meta.sequence.stream, _body(msg.data)))
+            left = meta.num_pending
+        return bodies
+    finally:
+        await inbox.unsubscribe()
+
+
+async def read_from_leader(js: JetStreamContext, subject: str) -> Sequenced:
+    """`read_sequenced` by message gets from the stream leader, each the next trailer on
+    `subject` from a sequence: for the daemon, whose user may read the whole stream."""
+    bodies: Sequenced = []
     seq = 1
     while True:
         try:
@@ -36,15 +93,13 @@ async def read_sequenced(js: JetStreamContext, subject: str) -> list[tuple[int, 
         except NotFoundError:  # past the chain's end, or no audit stream at all
             return bodies
         seq = msg.seq or seq
-        try:
-            bodies.append((seq, msgspec.json.decode(msg.data or b"")))
-        except msgspec.DecodeError:
-            bodies.append((seq, None))
+        bodies.append((seq, _body(msg.data)))
         seq += 1
 
 
 async def current_grant(js: JetStreamContext, identity: str | None,
-                        trust: Authenticity | None = None) -> Grant | None:
+                        trust: Authenticity | None = None,
+                        read: ChainReader = read_sequenced) -> Grant | None:
     """The grant of exactly `<name>:<sha256>` as its chain says (its last grant or revoke
     act); None without a chain, for a chain that does not verify, or for a bad identity.
     With `trust` (the daemon's), every trailer must be a trusted daemon's and every act
@@ -52,7 +107,9 @@ async def current_grant(js: JetStreamContext, identity: str | None,
     if not identity or ":" not in identity:
         return None
     sha = identity.split(":", 1)[1]
-    chain = await read_sequenced(js, S.grant_audit(sha))
+    if not S.ID_RE.match(sha):  # a wildcard here would read several chains as one
+        return None
+    chain = await read(js, S.grant_audit(sha))
     bodies = [body for _, body in chain]
     if not bodies or verify_chain(sha, bodies, trust, [seq for seq, _ in chain]) is not None:
         return None
@@ -65,7 +122,8 @@ async def current_grant(js: JetStreamContext, identity: str | None,
 
 
 async def grant_active(js: JetStreamContext, identity: str | None, now_ms: int,
-                       trust: Authenticity | None = None) -> bool:
+                       trust: Authenticity | None = None,
+                       read: ChainReader = read_sequenced) -> bool:
     """An active, unexpired grant for exactly `identity`, on its verified chain."""
-    grant = await current_grant(js, identity, trust)
+    grant = await current_grant(js, identity, trust, read)
     return grant is not None and identity is not None and grant_covers(grant, identity, now_ms)

@@ -8,6 +8,7 @@ are nats-py's own exceptions: they mean "nobody answered", not "the daemon said 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -51,6 +52,22 @@ ApplyHandler = Callable[[ApplyOrder], Awaitable[ApplyResult]]
 # The daemon's default message limit: checking it here fails fast instead of after a round trip.
 MAX_MESSAGE_BYTES = 256 * 1024
 ERROR_LIMIT = 500  # characters of an error text in an ApplyResult
+
+# A NATS user name that can name an inbox: one subject token, no wildcard. A dot would make one
+# user's inboxes fall under another's grant (`_INBOX_svc.>` covers `_INBOX_svc.x.<id>`).
+INBOX_USER_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}\Z")
+
+
+def inbox_prefix(user: str) -> str:
+    """`_INBOX_<user>`, the inbox prefix the NATS user `user` connects with (nats-py
+    `nats.connect(..., inbox_prefix=inbox_prefix(user))`): every reply it waits for, JetStream's
+    included, comes to `_INBOX_<user>.<id>`, so a deployment lets each user hear its own
+    replies only (deploy/accounts.conf grants `_INBOX_<user>.>`). Outside nats-py's default
+    `_INBOX.` namespace on purpose: no `_INBOX.>` grant reaches it."""
+    if not INBOX_USER_RE.match(user):
+        raise ValueError(f"NATS user {user!r} cannot name an inbox: use letters, digits, "
+                         "'_' and '-' only, or pass an inbox prefix of its own")
+    return f"_INBOX_{user}"
 
 
 class ImproveError(Exception):

@@ -23,7 +23,11 @@ import nats
 import structlog
 from nats.aio.client import Client
 
+from improved.client import sdk
+
 log = structlog.get_logger("improved.bus")
+
+DEFAULT_INBOX = "_INBOX"  # nats-py's own, for a connection that names no user
 
 
 class BusError(RuntimeError):
@@ -155,10 +159,27 @@ async def close(nc: Client) -> None:
             await nc.close()
 
 
+def inbox_of(credentials: dict[str, str], inbox_prefix: str | None = None) -> str:
+    """The inbox prefix to connect with: `inbox_prefix` when given; else, for a user named in
+    the URL, its own (`_INBOX_<user>`, the one deploy/accounts.conf lets it hear); else nats-py's
+    default `_INBOX` (no user, no accounts: an embedded server, the tests)."""
+    if inbox_prefix:
+        return inbox_prefix
+    user = credentials.get("user")
+    if not user:
+        return DEFAULT_INBOX
+    try:
+        return sdk.inbox_prefix(user)
+    except ValueError as exc:
+        raise BusError(str(exc)) from None
+
+
 async def connect(url: str, name: str, *, connect_timeout: float = 5.0,
-                  persistent: bool = True) -> Client:
+                  persistent: bool = True, inbox_prefix: str | None = None) -> Client:
     """Connect. A persistent connection (the daemon's) reconnects forever: a broker restart is
-    an outage, not a crash. A command-line connection tries once and fails with a clear error."""
+    an outage, not a crash. A command-line connection tries once and fails with a clear error.
+    Replies come under `inbox_of(...)`: for a user named in the URL, its own inboxes, which
+    deploy/accounts.conf lets no other user hear."""
 
     held: dict[str, Client] = {}
 
@@ -181,9 +202,11 @@ async def connect(url: str, name: str, *, connect_timeout: float = 5.0,
             asyncio.ensure_future(callback())
 
     servers, credentials = split_credentials(url)
+    prefix = inbox_of(credentials, inbox_prefix)
     try:
         nc = await nats.connect(
             servers, name=name, connect_timeout=connect_timeout, **credentials,
+            inbox_prefix=prefix,
             # the first connection gets a few tries either way: a wrong URL is an error
             # nats-py gives up on a first connection only when reconnects are allowed and
             # bounded (> 0); a one-shot connection then drops reconnects once it is up

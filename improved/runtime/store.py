@@ -578,8 +578,10 @@ class Store:
     async def grant_active(self, identity: str | None, now_ms: int,
                            trust: audit.Authenticity | None = None) -> bool:
         """An active, unexpired grant for exactly `<name>:<sha256>`, as its verified grant
-        chain says (never the retained record, never a lookup by name)."""
-        return await chains.grant_active(self.js, identity, now_ms, trust)
+        chain says (never the retained record, never a lookup by name), read from the stream
+        leader: a grant revoked a moment ago is never read as active here."""
+        return await chains.grant_active(self.js, identity, now_ms, trust,
+                                         chains.read_from_leader)
 
     # -- refusals --------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ daemon as user `improved` and the reference ranking store as user `svc-ranking`.
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import re
 import shutil
@@ -23,14 +24,19 @@ import pytest_asyncio
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import BadRequestError, NotFoundError
 
-from improved.client.sdk import MeshClient
+from improved.client import chains
+from improved.client.sdk import MeshClient, inbox_prefix
+from improved.core import signing
+from improved.protocol import canonical
 from improved.protocol import subjects as S
+from improved.protocol.model import to_json
 from improved.runtime import bus
-from improved.runtime.config import ApplySettings, Config
+from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore
-from tests.factories import rank_proposal
+from tests.factories import grant, rank_proposal, review, skill_proposal, swap
+from tests.keys import ALICE
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -51,9 +57,12 @@ FAKE_ID = "ab" * 32
 
 
 def daemon_config() -> Config:
-    """Short apply timeouts; no trusted operators (these tests apply L0 changes only); a data
-    directory of its own (the daemon keeps its last checkpoint there)."""
+    """Short apply timeouts; ALICE trusted as an operator (her signed reviews and grants are
+    what the operator user publishes here); a data directory of its own (the daemon keeps its
+    last checkpoint there)."""
+    alice = base64.b64encode(signing.raw_public(ALICE[1].public_key())).decode()
     return Config(apply=ApplySettings(timeout_s=1.0, attempts=2, max_deliveries=3),
+                  trust=Trust(operators={ALICE[0]: alice}),
                   data_dir=Path(tempfile.mkdtemp(prefix="improved-deploy-")))
 
 
@@ -92,6 +101,64 @@ async def test_ensure_changes_only_what_is_missing_or_differs(own_server):
         assert (await js.stream_info(S.STREAM_AUDIT)).config.max_msgs_per_subject == -1
     finally:
         await nc.drain()
+
+
+def test_a_users_inbox_prefix_is_one_token_of_its_own():
+    """`_INBOX_<user>`: outside `_INBOX.>`, and no user's prefix falls under another's grant."""
+    assert inbox_prefix("svc-ranking") == "_INBOX_svc-ranking"
+    assert inbox_prefix("improved-admin") == "_INBOX_improved-admin"
+    for bad in ("svc.ranking", "svc*", ">", "", "a b", "x" * 129):
+        with pytest.raises(ValueError, match="cannot name an inbox"):
+            inbox_prefix(bad)
+
+
+async def test_every_reply_comes_under_the_connections_own_inbox_prefix(own_server):
+    """nats-py puts every inbox of a connection under the prefix it was made with: request
+    replies, JetStream acks and API replies, pull fetches, ordered consumers (a KV watch, an
+    object store read) and the chain reads of a service; nothing comes to `_INBOX.`, which no
+    user of deploy/accounts.conf may hear."""
+    prefix = inbox_prefix("svc-x")
+    heard: list[str] = []
+
+    async def note(msg):
+        heard.append(msg.subject)
+
+    async def echo(msg):
+        await msg.respond(msg.data)
+
+    watcher = await bus.connect(own_server.url, "watcher")
+    await watcher.subscribe(">", cb=note)
+    await watcher.subscribe("inboxes.echo", cb=echo)
+    await watcher.flush()
+    nc = await bus.connect(own_server.url, "prefixed", inbox_prefix=prefix)
+    try:
+        assert (await nc.request("inboxes.echo", b"hi", timeout=2)).data == b"hi"
+        js = nc.jetstream(timeout=2.0)
+        await js.add_stream(name="INBOXES", subjects=["inboxes.js.>"])
+        await js.publish("inboxes.js.a", b"1")
+        pull = await js.pull_subscribe("inboxes.js.a", stream="INBOXES")
+        assert [m.data for m in await pull.fetch(1, timeout=2)] == [b"1"]
+        ordered = await js.subscribe("inboxes.js.a", stream="INBOXES", ordered_consumer=True)
+        assert (await ordered.next_msg(timeout=2)).data == b"1"
+        kv = await js.create_key_value(bucket="inboxes")
+        await kv.put("k", b"v")
+        assert (await kv.get("k")).value == b"v"
+        watch = await kv.watchall()
+        assert (await watch.updates(timeout=2)).value == b"v"
+        objects = await js.create_object_store("inboxes")
+        await objects.put("o", b"blob")
+        assert (await objects.get("o")).data == b"blob"
+        await Store(nc).ensure()
+        chain = f"improve.audit._test.{FAKE_ID}"
+        await js.publish(chain, b"{}", stream=S.STREAM_AUDIT)
+        assert await chains.read_chain(js, chain) == [{}]
+        await nc.flush()
+        await watcher.flush()
+    finally:
+        await nc.close()
+        await watcher.close()
+    assert [s for s in heard if s.startswith("_INBOX.")] == []
+    assert sum(s.startswith(f"{prefix}.") for s in heard) > 10, heard
 
 
 # -- b) accounts and permissions on a real server -------------------------------------------
@@ -197,15 +264,27 @@ class Conn:
 
         return (await eventually(seen, timeout=timeout))[0]
 
+    async def violation_like(self, pattern: str, timeout: float = 3.0) -> str:
+        """The server's permissions violation whose quoted subject matches `pattern` (for a
+        subject with a random token in it, such as a consumer's name)."""
 
-async def connect_as(url: str, user: str) -> Conn:
+        async def seen():
+            return [v for v in self.violations()
+                    if re.search(f'"{pattern}"', v, flags=re.IGNORECASE)]
+
+        return (await eventually(seen, timeout=timeout))[0]
+
+
+async def connect_as(url: str, user: str, prefix: str | None = None) -> Conn:
+    """A connection as `user`, hearing replies on its own inboxes (or under `prefix`)."""
     errors: list[str] = []
 
     async def on_error(exc: Exception) -> None:
         errors.append(str(exc))
 
     nc = await nats.connect(as_user(url, user), name=f"test-{user}", error_cb=on_error,
-                            max_reconnect_attempts=1, connect_timeout=2)
+                            max_reconnect_attempts=1, connect_timeout=2,
+                            inbox_prefix=prefix or inbox_prefix(user))
     return Conn(nc, errors)
 
 
@@ -590,6 +669,167 @@ async def test_the_l4_artefact_store_runs_under_its_own_user(mesh):
         assert conn.violations() == []
     finally:
         await conn.nc.close()
+
+
+# -- replies: each user hears its own only --------------------------------------------------
+
+
+# nats-py's default inbox namespace, and every other party's own prefix
+OTHERS_INBOXES = ["_INBOX.>", "_INBOX_improved.>", "_INBOX_operator.>", "_INBOX_svc-skills.>",
+                  "_INBOX_svc-deploy.>", "_INBOX_improved-admin.>"]
+
+
+async def test_a_service_hears_no_reply_meant_for_another_party(mesh):
+    """svc-ranking asks to hear nats-py's default inboxes and every other party's, and is
+    refused each, hearing nothing, while the skills service proposes (its reply), the operator
+    approves (the daemon fetches the signed review into its inbox), the daemon orders the apply
+    (the skills store answers into the daemon's inbox, after reading its own chain), a grant is
+    recorded and the skills store serves the skill under it (reading the grant chain)."""
+    from improved_reference.skills_store import SkillsStore
+
+    spy, skills, op = [await connect_as(mesh["url"], user)
+                       for user in ("svc-ranking", "svc-skills", "operator")]
+    heard: list[str] = []
+
+    async def overheard(msg):
+        heard.append(msg.subject)
+
+    store = SkillsStore(skills.nc, "skills", verify_acceptance=True)
+    try:
+        for subject in OTHERS_INBOXES:
+            await spy.nc.subscribe(subject, cb=overheard)
+        await spy.nc.flush()
+        await store.start()
+        client = MeshClient(skills.nc, "skills", timeout=5.0)
+        proposal = skill_proposal("skills", name=f"private-{time.time_ns()}")
+        pid = (await client.propose(proposal)).proposal_id
+        await eventually(lambda: client.decision(pid))
+        operator = op.nc.jetstream(timeout=5.0)
+        await operator.publish(S.inbound_review("skills"), to_json(review(pid)),
+                               stream=S.STREAM_INBOUND)
+        outcome = await eventually(lambda: client.outcome(pid), timeout=15)
+        assert outcome.ok, outcome.error
+        skill = proposal.proposal_data["skill"]
+        identity = canonical.skill_identity(skill)
+        await operator.publish(S.GRANTS, to_json(grant(identity)), stream=S.STREAM_INBOUND)
+        await eventually(lambda: store.check_grant_active(identity))
+        name, sha = identity.split(":", 1)
+        assert await store.get_granted(name, sha) == skill
+
+        for subject in OTHERS_INBOXES:
+            await spy.violation(subject)
+        assert heard == []
+        await skills.nc.flush()
+        await op.nc.flush()
+        assert skills.violations() == [] and op.violations() == []
+    finally:
+        await store.stop()
+        for conn in (spy, skills, op):
+            await conn.nc.close()
+
+
+async def test_a_client_on_anothers_inbox_prefix_or_the_default_one_hears_nothing(mesh):
+    """svc-ranking connected with nats-py's default prefix, or with another party's, may not
+    subscribe to its own reply inboxes: its requests go unanswered, refused by the server."""
+    for prefix in ("_INBOX", "_INBOX_improved", "_INBOX_operator", "_INBOX_svc-skills"):
+        conn = await connect_as(mesh["url"], "svc-ranking", prefix)
+        try:
+            with pytest.raises(NatsTimeout):
+                await conn.nc.request(S.SPEC_GET, b"{}", timeout=1)
+            await conn.violation_like(re.escape(f"{prefix}.") + r"[^.]+\.\*")
+        finally:
+            await conn.nc.close()
+
+
+def test_a_connection_hears_replies_on_its_urls_users_inboxes():
+    """bus.connect names the inbox prefix after the URL's user (what accounts.conf grants); no
+    user, no accounts: nats-py's default."""
+    _, creds = bus.split_credentials("nats://svc-ranking:pw@127.0.0.1:4222")
+    assert bus.inbox_of(creds) == "_INBOX_svc-ranking"
+    assert bus.inbox_of(creds, "_INBOX_mine") == "_INBOX_mine"
+    assert bus.inbox_of({}) == "_INBOX" and bus.inbox_of({"token": "s3cret"}) == "_INBOX"
+    with pytest.raises(bus.BusError, match="cannot name an inbox"):
+        bus.inbox_of({"user": "svc.ranking", "password": "pw"})
+
+
+# -- records and chains: a service's own only -----------------------------------------------
+
+
+async def test_a_service_reads_its_own_chains_and_the_grant_chains_only(mesh):
+    """svc-deploy and svc-skills cannot get the ranking service's record or chain by message
+    get or direct get, nor walk its chain with a consumer (one whose API subject names their
+    own chain but whose configuration filters another's is refused by the server); they read
+    their own chains and the grant chains."""
+    ranking = MeshClient(mesh["ranking"].nc, "ranking", timeout=5.0)
+    pid = (await ranking.propose(rank_proposal("ranking", key="private.read", value=5))
+           ).proposal_id
+    assert (await eventually(lambda: ranking.outcome(pid))).ok
+    record, chain = S.proposal_state("ranking", pid), S.audit("ranking", pid)
+    for user, own in (("svc-deploy", "deploy"), ("svc-skills", "skills")):
+        conn = await connect_as(mesh["url"], user)
+        try:
+            js = conn.nc.jetstream(timeout=0.5)
+            attempts = [
+                (re.escape(f"$JS.API.STREAM.MSG.GET.{S.STREAM_RECORDS}"),
+                 lambda js=js: js.get_msg(S.STREAM_RECORDS, subject=record)),
+                (re.escape(f"$JS.API.STREAM.MSG.GET.{S.STREAM_AUDIT}"),
+                 lambda js=js: js.get_msg(S.STREAM_AUDIT, seq=1, subject=chain, next=True)),
+                (re.escape(f"$JS.API.DIRECT.GET.{S.STREAM_RECORDS}.{record}"),
+                 lambda js=js: js.get_msg(S.STREAM_RECORDS, subject=record, direct=True)),
+                (re.escape(f"$JS.API.DIRECT.GET.{S.STREAM_AUDIT}"),
+                 lambda js=js: js.get_msg(S.STREAM_AUDIT, seq=1, subject=chain, next=True,
+                                          direct=True)),
+                (re.escape(f"$JS.API.DIRECT.GET.{S.STREAM_AUDIT}.{chain}"),
+                 lambda js=js: js.get_msg(S.STREAM_AUDIT, subject=chain, direct=True)),
+                (re.escape(f"$JS.API.CONSUMER.CREATE.{S.STREAM_AUDIT}.") + r"[^.]+\."
+                 + re.escape(chain), lambda js=js: chains.read_chain(js, chain)),
+            ]
+            for pattern, attempt in attempts:
+                with pytest.raises(NatsTimeout):
+                    await attempt()
+                await conn.violation_like(pattern)
+            for config in ({"filter_subject": chain}, {"filter_subjects": [chain]}):
+                reply = await conn.nc.request(
+                    f"$JS.API.CONSUMER.CREATE.{S.STREAM_AUDIT}.spy.{S.audit(own, FAKE_ID)}",
+                    msgspec.json.encode({"stream_name": S.STREAM_AUDIT, "config": {
+                        "name": "spy", "deliver_subject": conn.nc.new_inbox(),
+                        "ack_policy": "none", **config}}), timeout=2)
+                assert "error" in msgspec.json.decode(reply.data), reply.data
+
+            before = len(conn.violations())
+            assert await chains.read_chain(js, S.audit(own, FAKE_ID)) == []
+            assert await chains.current_grant(js, f"summarize:{FAKE_ID}") is None
+            await conn.nc.flush()
+            assert conn.violations()[before:] == []
+        finally:
+            await conn.nc.close()
+
+
+async def test_the_artefact_store_applies_an_order_it_verified_on_its_own_chain(mesh):
+    """An L4 swap approved by the operator: svc-deploy's artefact store reads the proposal's
+    chain (its own) to verify the approval, and applies."""
+    from improved_reference.artefact_store import ArtefactStore
+
+    deploy, op = [await connect_as(mesh["url"], user) for user in ("svc-deploy", "operator")]
+    store = ArtefactStore(deploy.nc, "deploy")
+    try:
+        await store.start()
+        await store.seed({"web": '{"v": 1}'})
+        client = MeshClient(deploy.nc, "deploy", timeout=5.0)
+        pid = await client.publish(swap("deploy", {"web": '{"v": 2}'}))
+        await eventually(lambda: client.decision(pid))
+        await op.nc.jetstream(timeout=5.0).publish(S.inbound_review("deploy"),
+                                                   to_json(review(pid)),
+                                                   stream=S.STREAM_INBOUND)
+        outcome = await eventually(lambda: client.outcome(pid), timeout=15)
+        assert outcome.ok, outcome.error
+        assert await store.content("web") == b'{"v": 2}'
+        await deploy.nc.flush()
+        assert deploy.violations() == [] and op.violations() == []
+    finally:
+        await store.stop()
+        for conn in (deploy, op):
+            await conn.nc.close()
 
 
 async def test_unknown_users_and_wrong_passwords_are_refused(secured_url):
