@@ -24,14 +24,22 @@ from improved.cli.common import (
 )
 from improved.client.sdk import enqueue
 from improved.core import quorum, signing
+from improved.core.identity import IDENTITY_RE
 from improved.protocol import subjects as S
 from improved.protocol.model import Actor, CrisisAct, GrantCommand, Review, Vote, to_json
 from improved.runtime import keys
 
 
 def cmd_keys_new(args: argparse.Namespace) -> int:
-    """An operator key ([trust.operators]) or a quorum voter key ([trust.quorum])."""
-    if args.voter:
+    """An operator key ([trust.operators]), a quorum voter key ([trust.quorum]) or a signer
+    key ([trust.signers]: an agent, a check or a service whose signed signals count)."""
+    if args.signer:
+        who, table, filename = args.signer, "trust.signers", args.signer
+        if not IDENTITY_RE.match(who) or who.startswith("operator:"):
+            print("improved keys new: a signer is agent:<svc>:<name>, check:<name> or "
+                  "service:<svc>", file=sys.stderr)
+            return 2
+    elif args.voter:
         who, table = args.voter, "trust.quorum"
         try:
             msgspec.convert(who, type=Actor)
@@ -174,7 +182,7 @@ def _register_keys_and_reviews(sub: argparse._SubParsersAction) -> None:
                           description="Operator signing keys (Ed25519).")
     keys_sub = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     knew = keys_sub.add_parser(
-        "new", help="create an operator key and print its trust-store entry",
+        "new", help="create an operator, voter or signer key and print its trust-store entry",
         description="Create an Ed25519 key for operator:NAME (or a quorum voter NAME) in the "
                     "key directory ($IMPROVED_KEYS, default ~/.config/improved/keys) and print "
                     "the [trust.operators] (or [trust.quorum]) entry the daemon's config needs "
@@ -183,6 +191,9 @@ def _register_keys_and_reviews(sub: argparse._SubParsersAction) -> None:
     who.add_argument("--principal", metavar="operator:NAME", help="an operator's key")
     who.add_argument("--voter", metavar="NAME",
                      help="a quorum voter's key (its [trust.quorum] entry; see `improved vote`)")
+    who.add_argument("--signer", metavar="IDENTITY",
+                     help="a mesh identity whose signed signals count: agent:<svc>:<name>, "
+                          "check:<name> or service:<svc> (its [trust.signers] entry)")
     knew.add_argument("--dir", metavar="DIR", help="where to write the key")
     knew.set_defaults(func=cmd_keys_new)
 

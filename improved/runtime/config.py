@@ -175,7 +175,7 @@ def parse(doc: object) -> Config:
         for principal, key in getattr(config.trust, name).items():
             _check_key(("trust", name, principal), key)
     for principal in config.trust.signers:
-        if not IDENTITY_RE.match(principal):
+        if not IDENTITY_RE.match(principal) or principal.startswith("operator:"):
             raise ConfigError(f"config error: trust.signers.{principal}: not an identity "
                               "(`agent:<svc>:<name>`, `check:<name>` or `service:<svc>`)")
     loose = loosening(config.policy)

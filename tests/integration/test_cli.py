@@ -170,6 +170,17 @@ def test_run_propose_show_verify_and_stop(tmp_path):
     assert code == 0
 
 
+def test_a_signer_key_for_a_mesh_identity(tmp_path):
+    """`keys new --signer` makes the key a check or an agent signs its signals with, and prints
+    the [trust.signers] entry; anything but an identity is one line and exit 2."""
+    made = improved("keys", "new", "--signer", "check:ci", "--dir", str(tmp_path))
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.split("[trust.signers]\n", 1)[1].startswith('"check:ci" = "')
+    for bad in ("ci", "operator:alice", "agent:x"):
+        refused = improved("keys", "new", "--signer", bad, "--dir", str(tmp_path))
+        assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+
+
 def test_an_operator_signs_from_the_terminal(tmp_path):
     """keys new → trust it in the config → review shows the queue → approve moves it."""
     keys = tmp_path / "keys"

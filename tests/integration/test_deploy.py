@@ -35,7 +35,7 @@ from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore
-from tests.factories import grant, rank_proposal, review, skill_proposal, swap
+from tests.factories import grant, rank_proposal, review, signal, skill_proposal, swap
 from tests.keys import ALICE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -301,7 +301,10 @@ async def mesh(secured_url):
     rc, out = await cli("provision", "--nats", as_user(secured_url, "improved-admin"))
     assert rc == 0, out
     daemon_conn = await connect_as(secured_url, "improved")
-    daemon = Daemon(daemon_conn.nc, daemon_config())
+    # deploy/accounts.conf binds each service to its own subjects: a subject proves who sent
+    daemon = Daemon(daemon_conn.nc, msgspec.structs.replace(
+        daemon_config(), trust=msgspec.structs.replace(daemon_config().trust,
+                                                       subjects_bound=True)))
     await daemon.start()  # Store.ensure() finds everything as it should be
     ranking_conn = await connect_as(secured_url, "svc-ranking")
     store = RankingStore(ranking_conn.nc, "ranking")
@@ -830,6 +833,42 @@ async def test_the_artefact_store_applies_an_order_it_verified_on_its_own_chain(
         await store.stop()
         for conn in (deploy, op):
             await conn.nc.close()
+
+
+async def test_a_signal_is_independent_only_from_another_services_own_subject(mesh):
+    """With the services bound to their subjects, the subject a signal arrives on is who sent
+    it. The ranking service confirming its own proposal — under any actor, claiming any
+    service — stays the proposer; it cannot speak on the skills service's subjects; the skills
+    service, on its own subject, releases the proposal."""
+    ranking = MeshClient(mesh["ranking"].nc, "ranking", timeout=5.0)
+    own = signal("ranking", "mcp:ranking-agent:1")
+    pid = (await ranking.propose(rank_proposal("ranking", key="deploy.collapse", value=4,
+                                               signals=[own]))).proposal_id
+    assert (await ranking.triage(pid)).cause == "feedback_collapse"
+    for actor, service in (("mcp:made-up:1", "ranking"), ("operator:alice", "billing"),
+                           ("skills", "skills")):
+        reply = await ranking.refine(signal(service, actor, proposal_id=pid))
+        assert reply.counted and not reply.independent, actor
+    intruder = await connect_as(mesh["url"], "svc-ranking")
+    try:
+        with pytest.raises(NatsTimeout):  # not its subject: the server drops it
+            await intruder.nc.request(S.refine_request("skills"), msgspec.json.encode(
+                signal("skills", "skills", proposal_id=pid)), timeout=1)
+        assert await intruder.violation(S.refine_request("skills"))
+    finally:
+        await intruder.nc.drain()
+    skills_conn = await connect_as(mesh["url"], "svc-skills")
+    try:
+        skills = MeshClient(skills_conn.nc, "skills", timeout=5.0)
+        reply = await skills.refine(signal("skills", "mcp:skills-evaluator:1", kind="check",
+                                           proposal_id=pid))
+        assert reply.counted and reply.independent
+        assert (await eventually(lambda: ranking.outcome(pid))).ok
+        chain = await Store(mesh["daemon_conn"].nc).read_chain("ranking", pid)
+        assert any("emitter:service:skills" in body.get("refs", []) for _, body in chain)
+        assert skills_conn.violations() == []
+    finally:
+        await skills_conn.nc.drain()
 
 
 async def test_unknown_users_and_wrong_passwords_are_refused(secured_url):

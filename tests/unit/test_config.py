@@ -27,7 +27,7 @@ def b64_key() -> str:
     return base64.b64encode(raw_public(Ed25519PrivateKey.generate().public_key())).decode()
 
 
-KEY_A, KEY_B, KEY_C = b64_key(), b64_key(), b64_key()
+KEY_A, KEY_B, KEY_C, KEY_D = b64_key(), b64_key(), b64_key(), b64_key()
 
 
 def error_of(doc: dict) -> str:
@@ -198,8 +198,8 @@ def _toml_block(text: str) -> str:
     return text.split("```toml\n", 1)[1].split("\n```", 1)[0]
 
 
-def _with_keys(block: str) -> str:
-    keys = iter([KEY_A, KEY_B, KEY_C])
+def _with_keys(block: str, order: tuple[str, ...] | None = None) -> str:
+    keys = iter(order or (KEY_A, KEY_B, KEY_C))
     return re.sub(r'"<base64[^">]*>"', lambda _: f'"{next(keys)}"', block)
 
 
@@ -225,7 +225,8 @@ def test_the_docstring_example_loads_to_its_values(tmp_path):
 def test_the_readme_example_loads_to_its_values(tmp_path):
     readme = (ROOT / "README.md").read_text()
     path = tmp_path / "improved.toml"
-    path.write_text(_with_keys(_toml_block(readme.split("## Configuration", 1)[1])))
+    path.write_text(_with_keys(_toml_block(readme.split("## Configuration", 1)[1]),
+                               (KEY_A, KEY_B, KEY_D, KEY_C)))
     config = load(path)
     assert config == Config(
         nats_url="nats://127.0.0.1:4222", data_dir=Path(".improved"), port=4222, sync="always",
@@ -237,10 +238,10 @@ def test_the_readme_example_loads_to_its_values(tmp_path):
                       regression_tolerance=0.05, metric_direction={"error_rate": "lower"},
                       quorum=False),
         trust=Trust(operators={"operator:alice": KEY_A}, quorum={"agent-a": KEY_B},
-                    daemons={"improved:b": KEY_C}),
+                    signers={"check:ci": KEY_D}, daemons={"improved:b": KEY_C}),
         apply=ApplySettings(timeout_s=5.0, attempts=3, max_deliveries=8))
     assert len(config.trust.store().keys) == 1 and len(config.trust.voters().keys) == 1
-    assert len(config.trust.daemon_keyids()) == 1
+    assert len(config.trust.daemon_keyids()) == 1 and len(config.trust.signer_store().keys) == 1
     # copied as is, it weakens no invariant
     assert config.policy.forbidden[:len(DEFAULT_FORBIDDEN)] == DEFAULT_FORBIDDEN
     assert loosening(config.policy) is None and not config.policy.quorum
@@ -333,3 +334,11 @@ def test_a_key_ending_in_a_newline_is_quoted_on_its_one_line():
     with pytest.raises(ConfigError) as err:
         parse({"0\n": 1})
     assert str(err.value) == 'config error: "0\\n": unknown key'
+
+
+@pytest.mark.parametrize("name", ["ci", "operator:alice", "agent:ranking", "Check:CI"])
+def test_a_signer_must_be_an_identity(name):
+    """[trust.signers] names identities in their one canonical form (core/identity.py): an
+    operator signs with an operator key, never as a signer."""
+    assert error_of({"trust": {"signers": {name: KEY_A}}}).startswith(
+        f"config error: trust.signers.{name}: not an identity")
