@@ -23,7 +23,7 @@ from improved.cli.common import (
     url_of,
 )
 from improved.client.sdk import enqueue
-from improved.core import quorum, signing
+from improved.core import authority, quorum, signing
 from improved.core.identity import IDENTITY_RE
 from improved.protocol import subjects as S
 from improved.protocol.model import Actor, CrisisAct, GrantCommand, Review, Vote, to_json
@@ -76,10 +76,13 @@ def cmd_review_act(args: argparse.Namespace) -> int:
     if found is None:
         print(f"improved {args.verdict}: no proposal {args.id}", file=sys.stderr)
         return 1
-    svc, _ = found
+    svc, record = found
     principal, key = signer_of(args)
+    digest = authority.will_run_digest(record.proposal) if args.verdict == "approve" else None
     review = Review(proposal_id=args.id, verdict=args.verdict, principal=principal,
-                    reason=args.reason, at=int(time.time() * 1000))
+                    reason=args.reason, at=int(time.time() * 1000), body_digest=digest)
+    if digest is not None:
+        print(f"approving what will run (`improved show {args.id}`: will_run), digest {digest}")
     env = signing.sign(signing.PAYLOAD_TYPES["review"], to_json(review), key)
     asyncio.run(publish_act(url, S.inbound_review(svc), env))
     print(f"{args.verdict} of {args.id} signed by {principal} and published; "

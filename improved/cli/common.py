@@ -87,11 +87,22 @@ async def find_proposal(store: Store, pid: str) -> tuple[str, str] | None:
 
 
 async def locate(url: str, pid: str) -> tuple[str, Any] | None:
+    """(service, record) of a proposal as its chain says — never the state cache, since what
+    an operator or a voter signs names it: None without a chain whose links verify."""
+    from improved.core import audit
+    from improved.core.policy import Policy
+    from improved.core.propose import rebuild_record
+    from improved.runtime.store import decode_trailer
+
     async with deployment(url) as store:
         found = await find_proposal(store, pid)
         if found is None:
             return None
-        record, _ = await store.load(*found)
+        chain = await store.read_chain(*found)
+        if not chain or audit.verify_links(pid, [body for _, body in chain]) is not None:
+            return None
+        record = rebuild_record([decode_trailer(body) for _, body in chain],
+                                [seq for seq, _ in chain], Policy())
         return found[0], record
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from improved.cli.common import (
     url_of,
 )
 from improved.cli.queries import review_view, status_view
-from improved.core import audit
+from improved.core import audit, authority
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.runtime.config import Config
@@ -45,6 +46,9 @@ def cmd_propose(args: argparse.Namespace) -> int:
 async def _show(url: str, pid: str, config: Config) -> int:
     from improved.cli.audit import chain_trust, trusted_daemons
     from improved.core import evidence
+    from improved.core.policy import Policy
+    from improved.core.propose import rebuild_record
+    from improved.runtime.store import decode_trailer
 
     async with deployment(url) as store:
         found = await find_proposal(store, pid)
@@ -62,6 +66,13 @@ async def _show(url: str, pid: str, config: Config) -> int:
             view[name] = msgspec.json.decode(data) if data else None
         sequenced = await store.read_chain(svc, pid)
         chain = [body for _, body in sequenced]
+        try:
+            p = rebuild_record([decode_trailer(b) for b in chain],
+                               [seq for seq, _ in sequenced], Policy()).proposal
+            view["will_run"] = authority.will_run(p)
+            view["will_run_digest"] = authority.will_run_digest(p)
+        except (ValueError, KeyError, msgspec.MsgspecError) as exc:
+            view["will_run"] = f"the chain cannot be replayed: {exc}"
         view["trailers"] = chain
         daemons = trusted_daemons(config)
         trust = chain_trust((await store.read_audit(evidence.TRUST_ID))[0], daemons, config)
@@ -78,6 +89,27 @@ async def _show(url: str, pid: str, config: Config) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     config = config_of(args)
     return asyncio.run(_show(url_of(args, config), args.id, config))
+
+
+def will_run_lines(run: dict[str, Any], digest: str) -> list[str]:
+    """What an approval lets run, in full: the body, every last-known-good artefact with its
+    digest and smoke test, and the reversal an L4 runs later under the same approval."""
+    lines = [f"will run (digest {digest}):"]
+    for name in ("cal", "edit", "data"):
+        if run.get(name) is not None:
+            body = run[name] if isinstance(run[name], str) else json.dumps(run[name], indent=2,
+                                                                           sort_keys=True)
+            lines += [f"  {name}:", *(f"    {ln}" for ln in body.splitlines())]
+    for entry in run.get("lkg") or ():
+        lines.append(f"  last-known-good {entry.get('artefact')}: digest {entry.get('digest')}, "
+                     f"smoke test {entry.get('smoke_test')}")
+    if run.get("lkg") is not None:
+        revert = run.get("revert")
+        lines.append("  reversal, run later under this approval: "
+                     + (json.dumps(revert, sort_keys=True) + " (the proposer's own)"
+                        if revert is not None else
+                        "restore every artefact to the last-known-good above"))
+    return lines
 
 
 def cmd_review(args: argparse.Namespace) -> int:
@@ -109,6 +141,8 @@ def cmd_review(args: argparse.Namespace) -> int:
                   + (f", metric {ev['metric']}" if ev["metric"] else ""))
         if q["target_files"]:
             print(f"  files: {', '.join(q['target_files'])}")
+        for line in will_run_lines(q["will_run"], q["will_run_digest"]):
+            print(f"  {line}")
         if q["votes"]:
             print(f"  quorum votes: {'; '.join(q['votes'])}")
         if q["constitution_edit"]:

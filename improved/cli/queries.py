@@ -51,6 +51,8 @@ async def review_view(url: str, policy: Policy) -> tuple[list[dict[str, Any]], s
                              if p.metric_snapshot else None},
                 "target_files": p.target_files or [], "valid_to": p.valid_to,
                 "waiting_since": d.at,
+                "will_run": authority.will_run(p),
+                "will_run_digest": authority.will_run_digest(p),
             })
         return sorted(queue, key=lambda q: q["waiting_since"]), source
 

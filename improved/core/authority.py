@@ -11,14 +11,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar, overload
+from typing import Any, Protocol, TypeVar, overload
 
 import msgspec
 
 from improved.core.audit import REASON_LIMIT, Draft
 from improved.core.record import APPROVE, REFUSED, ROLLBACK, ProposalRecord, ref, refs_of
 from improved.core.signing import ActRefused, TrustStore, Verified
-from improved.protocol.model import Envelope, Grant, GrantCommand, Review, Trailer, TriageDecision
+from improved.protocol import canonical
+from improved.protocol.model import (
+    Envelope,
+    Grant,
+    GrantCommand,
+    Proposal,
+    Review,
+    Trailer,
+    TriageDecision,
+)
 
 CLOCK_SKEW_MS = 5 * 60 * 1000
 REVIEWABLE_CAUSES = frozenset({"awaiting_operator", "no_grant", "awaiting_quorum",
@@ -34,6 +43,19 @@ def is_waiting(record: ProposalRecord | None) -> bool:
         return False
     d = record.decision
     return d is not None and d.verdict == "defer" and d.cause in REVIEWABLE_CAUSES
+
+
+def will_run(p: Proposal) -> dict[str, Any]:
+    """What an approval lets run, as the operator (or a voter) must see it: the body (CAL,
+    edit or data), the last-known-good artefacts, and the reversal an L4 will run later under
+    the same approval — the proposer's own, or (None) one derived from the last-known-good."""
+    return {"cal": p.proposal_cal, "edit": msgspec.to_builtins(p.proposal_edit),
+            "data": p.proposal_data, "lkg": p.lkg, "revert": p.revert}
+
+
+def will_run_digest(p: Proposal) -> str:
+    """The digest an approval (`Review.body_digest`) and a vote (`diff:`) name."""
+    return canonical.digest(will_run(p))
 
 
 @dataclass(frozen=True)
@@ -149,6 +171,9 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
         return refusal(record, act, "superseded", "the proposal was superseded by new content; "
                        "an approval never carries over", actor, verified.keyid)
     d = record.decision
+    unseen = _unseen(record, rv)
+    if unseen is not None:
+        return refusal(record, act, "unseen_body", unseen, actor, verified.keyid)
     if rv.verdict == "approve" and not is_waiting(record):
         why = (f"status {record.status}" if record.status != "pending"
                else f"triage said {d.verdict}/{d.cause}" if d else "not triaged yet")
@@ -176,6 +201,21 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
     return new, Draft(from_stage=record.stage, to_stage="triage", actor=rv.principal,
                       observer_type="human", verdict="reject", reason=reason, refs=refs,
                       envelope=verified.envelope)
+
+
+def _unseen(record: ProposalRecord, rv: Review) -> str | None:
+    """Why an approval does not show its signer saw what will run: a digest of something else,
+    or none where the proposer chose the reversal an L4 runs later under this approval."""
+    if rv.verdict != "approve":
+        return None
+    digest = will_run_digest(record.proposal)
+    if rv.body_digest is not None and rv.body_digest != digest:
+        return (f"the approval signs body digest {rv.body_digest[:16]}…, but what will run "
+                f"(body, last-known-good, reversal) digests to {digest[:16]}…")
+    if rv.body_digest is None and record.proposal.revert is not None:
+        return ("this L4 carries its own reversal body, which runs later under this approval: "
+                "the approval must sign the digest of what it saw (`improved approve` does)")
+    return None
 
 
 # -- grants (DESIGN §5.3): chained per skill hash on `improve.audit._grants.<sha256>` ---------

@@ -10,27 +10,18 @@ its reason — and the decision is a trailer of its own; the QuorumRecord is the
 
 from __future__ import annotations
 
-import msgspec
-
 from improved.core import identity
 from improved.core.audit import REASON_LIMIT, Draft
-from improved.core.authority import Act, refusal
+from improved.core.authority import Act, refusal, will_run_digest
 from improved.core.guards import session_of
 from improved.core.record import QUORUM, VOTE, Ballot, ProposalRecord, ref
 from improved.core.signing import Verified
 from improved.protocol import canonical
-from improved.protocol.model import Proposal, QuorumBallot, QuorumRecord, TriageDecision, Vote
+from improved.protocol.model import QuorumBallot, QuorumRecord, TriageDecision, Vote
 
 SIZE = 3
 REQUIRED_READS = ("proposal", "diff", "triage", "spec")
 SPEC_VERSION = "09"  # the SPEC a voter reads the rules in (`spec:09`)
-
-
-def body_digest(p: Proposal) -> str:
-    """What will run, as a voter or an operator reads it: the body (CAL, edit or data) with
-    the last-known-good artefacts and the reversal an L4 carries."""
-    return canonical.digest({"cal": p.proposal_cal, "edit": msgspec.to_builtins(p.proposal_edit),
-                             "data": p.proposal_data, "lkg": p.lkg, "revert": p.revert})
 
 
 def decision_digest(d: TriageDecision) -> str:
@@ -43,7 +34,7 @@ def decision_digest(d: TriageDecision) -> str:
 def expected_reads(record: ProposalRecord) -> list[str]:
     """The `read` a vote on `record` must carry: one entry per REQUIRED_READS kind."""
     d = record.decision
-    return [f"proposal:{record.proposal_id}", f"diff:{body_digest(record.proposal)}",
+    return [f"proposal:{record.proposal_id}", f"diff:{will_run_digest(record.proposal)}",
             f"triage:{decision_digest(d) if d is not None else ''}", f"spec:{SPEC_VERSION}"]
 
 

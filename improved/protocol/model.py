@@ -315,6 +315,9 @@ class Review(_In):
     principal: Actor
     reason: ShortText
     at: Millis
+    # what the operator saw: `authority.will_run_digest` of the proposal (body, last-known-good,
+    # reversal); required to approve an L4 that carries its own reversal body
+    body_digest: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}\Z")] | None = None
 
 
 class GrantCommand(_In):

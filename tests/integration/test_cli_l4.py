@@ -7,17 +7,20 @@ from __future__ import annotations
 import asyncio
 import json
 
+import msgspec
 import pytest
 from cryptography.hazmat.primitives import serialization
 
 from improved.client.sdk import MeshClient
 from improved.core import signing
 from improved.core.tools import Provider, Runtime
+from improved.protocol import subjects as S
+from improved.runtime.store import Store
 from improved_reference.artefact_store import ArtefactStore
 from improved_reference.tool_runtime import ToolRuntimeService
-from tests.bus import approve, eventually, outcome
+from tests.bus import approve, eventually, outcome, publish
 from tests.cli import improved
-from tests.factories import swap
+from tests.factories import review, swap
 from tests.keys import ALICE
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -119,3 +122,39 @@ async def test_three_voters_approve_an_l4_from_the_terminal(quorum_daemon, own_s
     view = json.loads(shown.stdout)
     assert view["quorum"]["outcome"] == "approved" and len(view["quorum"]["votes"]) == 3
     await store.stop()
+
+
+async def test_the_operator_sees_what_will_run_and_approves_exactly_that(daemon, nc, svc,
+                                                                         nats_url, alice_key):
+    """`improved review` renders an L4's body, every last-known-good artefact and the reversal
+    it carries; a bare approval of a proposer-chosen reversal is refused (`unseen_body`);
+    `improved approve` signs the digest of what it showed, and that approval counts."""
+    client = MeshClient(nc, svc)
+    proposal = msgspec.structs.replace(swap(svc, {"app": '{"v": 2}'}),
+                                       revert={"restore": {"app": "sha256:" + "e" * 64}})
+    pid = await client.publish(proposal)
+    await eventually(lambda: client.decision(pid))
+    shown = await cli("review", "--nats", nats_url)
+    assert shown.returncode == 0, shown.stderr
+    mine = shown.stdout.split(pid, 1)[1].split("decide:", 1)[0]
+    assert "will run (digest " in mine and '"artefacts"' in mine
+    assert "last-known-good app: digest sha256:" in mine and "smoke test" in mine
+    assert "reversal, run later under this approval" in mine and "e" * 64 in mine
+    await publish(nc, S.inbound_review(svc), review(pid))  # signed, but names no digest
+    chain = await eventually(lambda: _refused(nc, svc, pid))
+    assert "(unseen_body)" in chain
+    done = await cli("approve", pid, "--reason", "saw the body and the reversal", "--key",
+                     alice_key, "--principal", ALICE[0], "--nats", nats_url)
+    assert done.returncode == 0, done.stderr
+    assert "approving what will run" in done.stdout
+
+    async def approved():
+        state = await client.state(pid)
+        return state if state is not None and state.status != "pending" else None
+
+    assert (await eventually(approved)).status in ("approved", "applied")
+
+
+async def _refused(nc, svc: str, pid: str) -> str | None:
+    bodies = [body for _, body in await Store(nc).read_chain(svc, pid)]
+    return next((b["reason"] for b in bodies if b.get("verdict") == "refused"), None)

@@ -312,3 +312,51 @@ def test_quorum_ballots_survive_a_rebuild_from_the_chain():
     assert len(replay(start, trailers[:1], [1]).ballots) == 1
     rebuilt = replay(start, trailers, [1, 2, 3])
     assert [b.voter for b in rebuilt.ballots] == ["agent-a", "agent-b", "agent-c"]
+
+
+# -- the operator approves what they saw ----------------------------------------------------------
+
+
+def _approve(record, body_digest):
+    from improved.core import authority
+    from improved.protocol.model import Review
+    from tests.keys import ALICE
+
+    rv = Review(proposal_id=record.proposal_id, verdict="approve", principal=ALICE[0],
+                reason="seen", at=NOW, body_digest=body_digest)
+    env = signing.sign(signing.PAYLOAD_TYPES["review"], msgspec.json.encode(rv), ALICE[1])
+    verified = signing.Verified(b"", "ed25519:alice", ALICE[0], signing.envelope_digest(env),
+                                env)
+    return authority.review(record, Act(verified.digest, 1), verified, rv, False, TRIAGER, NOW)
+
+
+def _waiting(p: Proposal):
+    record = registered(p)
+    d = decide(record)
+    assert d.cause == "awaiting_operator"
+    return record.replace(decision=d, gate_class=d.gate_class)
+
+
+def test_a_proposer_chosen_reversal_never_runs_under_an_approval_that_did_not_sign_it():
+    """The L4 names its own reversal body ("MALICIOUS build"): an approval without the digest
+    of what will run, or with the digest of something else, is refused; one that signs it
+    approves — the reversal the operator saw is the one that runs later."""
+    from improved.core.authority import will_run_digest
+
+    p = l4(revert={"restore": {"a": "MALICIOUS build, not the last-known-good"}})
+    record = _waiting(p)
+    for digest in (None, will_run_digest(l4())):
+        _, draft = _approve(record, digest)
+        assert draft.verdict == "refused" and "(unseen_body)" in draft.reason
+    approved, draft = _approve(record, will_run_digest(p))
+    assert draft.verdict == "approve" and approved.approved_by == "operator:alice"
+
+
+def test_an_lkg_derived_reversal_needs_no_digest_but_a_wrong_one_is_refused():
+    from improved.core.authority import will_run_digest
+
+    record = _waiting(l4())
+    assert _approve(record, None)[1].verdict == "approve"
+    assert _approve(record, will_run_digest(l4())) [1].verdict == "approve"
+    wrong = will_run_digest(l4(proposal_data={"artefacts": {"a": "other", "b": "x"}}))
+    assert "(unseen_body)" in _approve(record, wrong)[1].reason
