@@ -80,3 +80,17 @@ def test_the_service_an_origin_declares_is_the_proposer_too():
     proposer = Proposer("ranking", "agentd")
     assert same_party("agent:agentd:x", proposer) and same_party("service:agentd", proposer)
     assert not independent("check", "service:agentd", proposer, 5, None, WINDOW)
+
+
+def test_an_origin_claiming_an_operator_is_recorded_as_what_it_verifiably_is():
+    """An unsigned proposal whose origin says `operator:alice` is a service's proposal: its
+    registration is `rec:agent`, never `human`."""
+    from improved.core import propose
+    from improved.core.policy import Policy
+    from improved.protocol.model import Origin
+    from tests.builders import make_proposal
+
+    p = make_proposal(origin=Origin(actor="operator:alice", service="ranking"))
+    pid, dedup = propose.identify(p)
+    _, draft = propose.register(p, pid, dedup, Policy(), 1_000)
+    assert draft.observer_type == "rec:agent" and draft.actor == "operator:alice"
