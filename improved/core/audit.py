@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from improved.core.record import ChainHead, ProposalRecord
+from improved.core.record import ChainHead, ProposalRecord, lifecycle_problem
 from improved.protocol import canonical
 from improved.protocol.model import (
     Cause,
@@ -113,10 +113,14 @@ def _same(claimed: object, derived: str) -> bool:
 def verify_chain(proposal_id: str, bodies: Iterable[dict[str, Any]],
                  trust: Authenticity | None = None,
                  seqs: Sequence[int] | None = None) -> Break | None:
-    """Re-derive every hash and link of one chain; None when it verifies. With `trust`, also
-    `verify_writers`."""
+    """Re-derive every hash and link of one chain and check that its transitions are ones the
+    OMS lifecycle allows; None when it verifies. With `trust`, also `verify_writers`."""
     bodies = list(bodies)
     brk = verify_links(proposal_id, bodies)
+    if brk is None:
+        forbidden = lifecycle_problem(bodies)
+        if forbidden is not None:
+            brk = Break(proposal_id, *forbidden)
     if brk is None and trust is not None:
         brk = verify_writers(proposal_id, bodies, trust, seqs)
     return brk

@@ -129,7 +129,20 @@ HELD: Final = "held"  # measured at review_after: the metric held
 REGRESSED: Final = "regressed"  # measured at review_after: beyond the tolerance; a rollback is proposed
 
 
-def status_after(status: Status, trailer: Trailer) -> Status:
+class Transition(Protocol):
+    """What of a trailer moves the status: a Trailer, or a trailer read only as far."""
+
+    @property
+    def to_stage(self) -> str: ...
+
+    @property
+    def verdict(self) -> str | None: ...
+
+    @property
+    def cause(self) -> str | None: ...
+
+
+def status_after(status: Status, trailer: Transition) -> Status:
     """The lifecycle status after one trailer: the whole of how status is derived."""
     if trailer.to_stage == "propose":
         return "pending"
@@ -148,6 +161,43 @@ def status_after(status: Status, trailer: Trailer) -> Status:
     # `dispatched` (the intent before an order) moves nothing: the status stays `approved` (or
     # pending-accepted) until the outcome is recorded
     return status
+
+
+# The OMS lifecycle (DESIGN §4): every status change a chain may make. Anything else — a
+# rejected proposal approved, an expired one applied, a rolled-back one applied again, a second
+# registration resetting a decision — is a broken chain, whatever its hashes say.
+LIFECYCLE: Final = frozenset({
+    ("pending", "approved"), ("pending", "rejected"), ("pending", "expired"),
+    ("pending", "applied"),  # accepted L0/L3: applied from pending
+    ("approved", "pending"),  # superseded: an approval never carries to new content
+    ("approved", "rejected"), ("approved", "expired"), ("approved", "applied"),
+    ("applied", "rolled_back"),
+})
+
+
+class _Step(Struct, kw_only=True):
+    seq: int = 0
+    to_stage: str = ""
+    verdict: str | None = None
+    cause: str | None = None
+
+
+def lifecycle_problem(bodies: Sequence[object]) -> tuple[int, str] | None:
+    """(position, why) of the first transition the OMS lifecycle forbids, or None. Only a
+    chain's first trailer may register (`to_stage: propose`)."""
+    status: Status = "pending"
+    for at, body in enumerate(bodies):
+        try:
+            step = msgspec.convert(body, type=_Step)
+        except msgspec.ValidationError as exc:
+            return at, f"not a trailer: {exc}"
+        if step.to_stage == "propose" and at > 0:
+            return at, "a second registration: only the first trailer registers a proposal"
+        after = status_after(status, step)
+        if after != status and (status, after) not in LIFECYCLE:
+            return at, f"the lifecycle forbids {status} → {after}"
+        status = after
+    return None
 
 
 def fold_status(trailers: list[Trailer]) -> tuple[Status, Stage]:

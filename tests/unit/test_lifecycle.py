@@ -481,3 +481,55 @@ def test_non_ascii_tampering_is_named(chain, key):
     b[1][key] = "é" * 64
     seq, _ = _break(chain.pid, b)
     assert seq == 1
+
+
+# -- the lifecycle is part of verifying a chain --------------------------------------------------
+
+
+def _sealed(pid: str, *drafts: audit.Draft) -> list[dict]:
+    head, out = record.ChainHead(), []
+    for i, d in enumerate(drafts):
+        t = audit.seal_next(d, pid, head, "L2", "knowledge", START + i)
+        out.append(msgspec.to_builtins(t))
+        head = record.ChainHead(length=i + 1, last_hash=t.hash, stream_seq=i + 1)
+    return out
+
+
+def _d(to_stage: str, verdict: str | None = None, cause: str | None = None) -> audit.Draft:
+    return audit.Draft(from_stage="triage", to_stage=to_stage, actor="improved:x",
+                       observer_type="rec:system", reason="r", verdict=verdict, cause=cause)
+
+
+REG = _d("propose")
+
+
+@pytest.mark.parametrize(("steps", "named"), [
+    ((_d("triage", "reject"), _d("triage", "approve")), "rejected → approved"),
+    ((_d("triage", "reject", "expired"), _d("apply", "applied")), "expired → applied"),
+    ((_d("triage", "accept"), _d("apply", "applied"), _d("apply", "rolled_back"),
+      _d("apply", "applied")), "rolled_back → applied"),
+    ((_d("triage", "reject"), REG), "a second registration"),
+    ((_d("triage", "accept"), _d("apply", "applied"), _d("triage", "reject")),
+     "applied → rejected"),
+])
+def test_a_chain_the_lifecycle_forbids_does_not_verify(steps, named):
+    """Correctly hashed and linked, but a transition OMS never makes: a broken chain."""
+    pid = "cd" * 32
+    bodies = _sealed(pid, REG, *steps)
+    assert audit.verify_links(pid, bodies) is None
+    brk = audit.verify_chain(pid, bodies)
+    assert brk is not None and named in brk.problem and brk.seq == len(steps)
+
+
+def test_every_lifecycle_the_loop_walks_verifies():
+    pid = "ce" * 32
+    walks = [
+        (_d("triage", "defer", "awaiting_operator"), _d("triage", "approve"),
+         _d("apply", "dispatched"), _d("apply", "applied"), _d("apply", "rollback"),
+         _d("apply", "rolled_back")),
+        (_d("triage", "accept"), _d("triage", "superseded")),
+        (_d("triage", "approve"), _d("triage", "superseded"), _d("triage", "reject")),
+        (_d("triage", "defer", "awaiting_operator"), _d("triage", "reject", "expired")),
+    ]
+    for steps in walks:
+        assert audit.verify_chain(pid, _sealed(pid, REG, *steps)) is None
