@@ -4,8 +4,10 @@ transition its result makes (DESIGN §3.4, §4). Pure; the engine does the reque
 
 from __future__ import annotations
 
+import msgspec
+
 from improved.core import lkg
-from improved.core.audit import Draft
+from improved.core.audit import REASON_LIMIT, Draft
 from improved.core.gradient import AUTO_APPLY_CLASSES
 from improved.core.policy import Policy
 from improved.core.record import (
@@ -18,7 +20,7 @@ from improved.core.record import (
     ProposalRecord,
     ref,
 )
-from improved.protocol import cal
+from improved.protocol import cal, canonical
 from improved.protocol.model import (
     AnalyzerRef,
     ApplyOrder,
@@ -242,6 +244,18 @@ def derived_inverse(record: ProposalRecord, result: ApplyResult) -> tuple[object
         if cal.rollbackable(batch):
             return {"cal_inverse": cal.inverse(batch)}, True
     return None, result.rollbackable
+
+
+def recordable(result: ApplyResult) -> ApplyResult:
+    """The result as the loop can record it: one it cannot encode canonically (an integer
+    beyond 64 bits, say, in its inverse) breaks the contract and is a failed apply, recorded
+    once, never an outcome that retries forever."""
+    try:
+        canonical.encode(msgspec.to_builtins(result))
+    except (canonical.CanonicalError, OverflowError, TypeError) as exc:
+        return ApplyResult(ok=False, error=f"the service's ApplyResult cannot be recorded: "
+                                           f"{exc}"[:REASON_LIMIT])
+    return result
 
 
 def transition(record: ProposalRecord, result: ApplyResult, by: str,

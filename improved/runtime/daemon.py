@@ -34,6 +34,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import FetchTimeoutError
 
 from improved.client.sdk import enqueue
+from improved.core import apply as apply_stage
 from improved.core import policy, propose
 from improved.core.authority import Act
 from improved.core.observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
@@ -472,8 +473,9 @@ class Daemon:
 
     async def _report(self, report: ApplyReport) -> None:
         """An asynchronous apply result: accepted only while the proposal awaits its apply."""
-        result = ApplyResult(ok=report.ok, applied_id=report.applied_id, inverse=report.inverse,
-                             rollbackable=report.rollbackable, error=report.error)
+        result = apply_stage.recordable(ApplyResult(
+            ok=report.ok, applied_id=report.applied_id, inverse=report.inverse,
+            rollbackable=report.rollbackable, error=report.error))
         handled, taken = await self.engine.report(report.service, report.proposal_id, result)
         if handled.record is None:
             raise _ProposalUnknown(f"no proposal {report.proposal_id} for {report.service}")

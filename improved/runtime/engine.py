@@ -1061,7 +1061,7 @@ def parse_apply_reply(data: bytes) -> ApplyResult | None:
     error reply (DESIGN §3.1: the service could not process it now), which is retried; and
     anything else a failed result."""
     try:
-        return apply_result_decoder.decode(data)
+        return apply_stage.recordable(apply_result_decoder.decode(data))
     except msgspec.MsgspecError:
         pass
     try:

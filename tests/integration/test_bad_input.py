@@ -3,6 +3,7 @@ keeps serving."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import msgspec
@@ -10,8 +11,8 @@ import pytest
 
 from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
-from improved.protocol.model import to_json
-from tests.bus import eventually
+from improved.protocol.model import ApplyOrder, to_json
+from tests.bus import eventually, trailers
 from tests.factories import rank_proposal, signal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -97,3 +98,33 @@ async def test_a_signal_for_an_unknown_proposal_is_answered_not_found(daemon, nc
     err = msgspec.json.decode(reply.data)["error"]
     assert (err["code"], err["field"]) == ("invalid_value", "proposal_id")
     assert (await client.propose(rank_proposal(svc))).status == "pending"
+
+
+async def test_an_apply_result_the_loop_cannot_record_is_one_failed_apply(daemon, nc, svc):
+    """A service answers with an inverse holding an integer beyond 64 bits: the result cannot
+    be encoded canonically, so it is a failed apply, recorded once — not an outcome that
+    fails to save and is retried forever — and the daemon goes on serving."""
+    client = MeshClient(nc, svc)
+    answered = []
+
+    async def poison(order):
+        answered.append(order.proposal_id)
+        return {"ok": True, "applied_id": "x", "inverse": {"n": 2**70}, "rollbackable": True}
+
+    async def on_order(msg):
+        await msg.respond(json.dumps(await poison(msgspec.json.decode(msg.data,
+                                                                      type=ApplyOrder))).encode())
+
+    sub = await nc.subscribe(S.apply_request(svc), cb=on_order)
+    try:
+        pid = (await client.propose(rank_proposal(svc, key="poison"))).proposal_id
+        out = await eventually(lambda: client.outcome(pid))
+        assert not out.ok and "cannot be recorded" in (out.error or "")
+        await asyncio.sleep(0.5)
+        chain = await trailers(daemon, svc, pid)
+        assert [t.get("verdict") for t in chain].count("failed") == 1
+        assert chain[-1]["verdict"] == "failed"
+        again = (await client.propose(rank_proposal(svc, key="after-poison"))).proposal_id
+        assert (await client.triage(again)).verdict == "accept"
+    finally:
+        await sub.unsubscribe()
