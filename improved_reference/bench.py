@@ -335,8 +335,9 @@ class Bench:
             for pid, p in zip(ids, proposals, strict=True):
                 await slots.acquire()
                 tracks[pid] = Track(kind_of[pid], time.perf_counter())
-                await js.publish_async(S.inbound_proposal(SVC), to_json(p),
-                                       headers={"Nats-Msg-Id": pid})
+                data = to_json(p)
+                await js.publish_async(S.inbound_proposal(SVC), data,
+                                       headers={"Nats-Msg-Id": S.message_id(pid, data)})
 
         sub = await nc.subscribe(f"{S.AUDIT}.{SVC}.*", cb=on_trailer)
         feeder = asyncio.create_task(feed())
@@ -401,8 +402,9 @@ class Bench:
             if delay > 0:
                 await asyncio.sleep(delay)
             sent[pid] = time.perf_counter()
-            await js.publish_async(S.inbound_proposal(SVC), to_json(p),
-                                   headers={"Nats-Msg-Id": pid})
+            data = to_json(p)
+            await js.publish_async(S.inbound_proposal(SVC), data,
+                                   headers={"Nats-Msg-Id": S.message_id(pid, data)})
         try:
             await asyncio.wait_for(done.wait(), timeout=self.args.timeout)
         except TimeoutError:

@@ -233,7 +233,7 @@ class Publisher:
         while True:
             try:
                 ack = await self.js.publish(S.inbound_proposal(proposal.service), data,
-                                            headers={"Nats-Msg-Id": pid},
+                                            headers={"Nats-Msg-Id": S.message_id(pid, data)},
                                             stream=S.STREAM_INBOUND, timeout=self.timeout)
             except Exception as exc:  # outage, leader election, reconnect: try again
                 self.errors[type(exc).__name__] += 1

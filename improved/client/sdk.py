@@ -138,9 +138,10 @@ def failed(error: str) -> ApplyResult:
 
 async def enqueue(js: JetStreamContext, service: str, data: bytes, pid: str) -> None:
     """Put a proposal into the inbound stream, durably (acknowledged by JetStream) and
-    deduplicated by its id (`Nats-Msg-Id`): enqueueing the same proposal twice is one message."""
-    await js.publish(S.inbound_proposal(service), data, headers={"Nats-Msg-Id": pid},
-                     stream=S.STREAM_INBOUND)
+    deduplicated (`Nats-Msg-Id`, `subjects.message_id`): enqueueing the same message twice is
+    one message, and no other message can take its place."""
+    await js.publish(S.inbound_proposal(service), data,
+                     headers={"Nats-Msg-Id": S.message_id(pid, data)}, stream=S.STREAM_INBOUND)
 
 
 class MeshClient:
@@ -217,15 +218,16 @@ class MeshClient:
                      key: Ed25519PrivateKey | None = None) -> str:
         """Publish learn-back evidence about a proposal, on our own subject unless `service`
         names another, signed with `key` if given (see `refine`); returns the signal's digest,
-        also its `Nats-Msg-Id`, so a retried publish counts once."""
+        also in its `Nats-Msg-Id` (`subjects.message_id`), so a retried publish counts once."""
         try:
             parsed = wire.decode(encode(signal), Signal, MAX_MESSAGE_BYTES)
         except wire.WireError as err:
             raise ImproveError.from_wire(err) from None
         digest = propose_stage.signal_digest(parsed)
-        await self.js.publish(S.inbound_outcome(service or self.service),
-                              signed_signal(signal, key),
-                              headers={"Nats-Msg-Id": digest}, stream=S.STREAM_INBOUND)
+        data = signed_signal(signal, key)
+        await self.js.publish(S.inbound_outcome(service or self.service), data,
+                              headers={"Nats-Msg-Id": S.message_id(digest, data)},
+                              stream=S.STREAM_INBOUND)
         return digest
 
     # -- retained records --------------------------------------------------------------------------

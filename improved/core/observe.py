@@ -8,13 +8,32 @@ instance id), so two replicas that see the same signals propose the same id.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 from improved.core import gradient
 from improved.core.guards import session_of
 from improved.protocol.model import AnalyzerRef, Origin, Proposal, Signal, Summary
+
+MAX_TRACKED: Final = 10_000  # targets an analyzer remembers; the least recently seen go first
+MAX_PER_TARGET: Final = 256  # signals kept per target (the newest)
+
+
+class Bounded(OrderedDict[tuple[str, str], list[Signal]]):
+    """Per-target signal lists whose memory stays flat however many distinct targets and
+    signals arrive (a bus participant can send a million): at most MAX_TRACKED targets, the
+    least recently seen dropped first, and at most MAX_PER_TARGET signals each."""
+
+    def take(self, key: tuple[str, str]) -> list[Signal]:
+        seen = self.pop(key, [])
+        self[key] = seen
+        while len(self) > MAX_TRACKED:
+            self.popitem(last=False)
+        return seen
+
+    def keep(self, key: tuple[str, str], signals: list[Signal]) -> None:
+        self[key] = signals[-MAX_PER_TARGET:]
 
 
 @dataclass(frozen=True)
@@ -37,16 +56,16 @@ class RegressionAnalyzer:
     id: str = "improved.metric_regression/1"
     threshold: int = 3
     window_ms: int = 3600 * 1000
-    _seen: dict[tuple[str, str], list[Signal]] = field(default_factory=lambda: defaultdict(list))
+    _seen: Bounded = field(default_factory=Bounded)
 
     def observe(self, svc: str, signal: Signal) -> list[Candidate]:
         if signal.positive or signal.kind not in ("metric", "world") or not signal.target_ref:
             return []
         key = (svc, signal.target_ref)
-        window = [s for s in self._seen[key] if s.at > signal.at - self.window_ms]
+        window = [s for s in self._seen.take(key) if s.at > signal.at - self.window_ms]
         if signal not in window:
             window.append(signal)
-        self._seen[key] = window
+        self._seen.keep(key, window)
         sessions = {session_of(s.actor) for s in window}
         if len(sessions) < self.threshold:
             return []
@@ -79,8 +98,7 @@ class StaleSkillAnalyzer:
 
     id: str = "improved.stale_skill/1"
     threshold: int = 3
-    _negatives: dict[tuple[str, str], list[Signal]] = field(
-        default_factory=lambda: defaultdict(list))
+    _negatives: Bounded = field(default_factory=Bounded)
 
     def observe(self, svc: str, signal: Signal) -> list[Candidate]:
         ref = signal.target_ref
@@ -90,9 +108,11 @@ class StaleSkillAnalyzer:
         if signal.positive:
             self._negatives.pop(key, None)  # a success: the skill is not stale
             return []
-        seen = self._negatives[key]
+        seen = self._negatives.take(key)
         if signal not in seen:
             seen.append(signal)
+        self._negatives.keep(key, seen)
+        seen = self._negatives[key]
         sessions = {session_of(s.actor) for s in seen}
         if len(sessions) < self.threshold:
             return []

@@ -7,6 +7,7 @@ stream's filter and `improve.proposals.*.*` the record stream's.
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 SERVICE_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}\Z")
@@ -67,6 +68,14 @@ REFUSED_FILTER = f"{REFUSED}.>"
 # -- request/reply (core NATS) -----------------------------------------------------------------
 SPEC_GET = "improved.spec.get"
 QUEUE_GROUP = "improved"
+
+
+def message_id(content_id: str, data: bytes) -> str:
+    """The `Nats-Msg-Id` of an inbound message: its content address and a digest of its exact
+    bytes. JetStream drops a second message under an id it has seen, so an id anyone can
+    compute (the proposal id alone) could be squatted with junk to make the real message
+    vanish; this one only the same bytes — the same message — can take."""
+    return f"{content_id}.{hashlib.sha256(data).hexdigest()[:32]}"
 
 
 def inbound_proposal(svc: str) -> str:

@@ -564,7 +564,8 @@ class Daemon:
                                  "proposal_id")
         # Durable first, like a proposal: the inbound consumer carries any apply it releases.
         await self.store.js.publish(S.inbound_outcome(svc), msg.data,
-                                    headers={"Nats-Msg-Id": propose.signal_digest(sig)},
+                                    headers={"Nats-Msg-Id": S.message_id(
+                                        propose.signal_digest(sig), msg.data)},
                                     stream=S.STREAM_INBOUND)
         handled = await self._count(svc, sig, env, fresh=True, dispatch=False)
         counted = handled.counted

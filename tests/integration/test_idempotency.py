@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from improved.client.sdk import MeshClient
-from improved.core import audit
+from improved.core import audit, propose
 from improved.protocol import subjects as S
 from improved.protocol.model import to_json
 from improved.runtime import bus
@@ -52,6 +52,24 @@ async def test_the_same_proposal_published_twice_is_one_proposal(daemon, nc, svc
     trailers = [b for _, b in await daemon.store.read_chain(svc, pid)]
     assert_clean_chain(pid, trailers)
     assert [t.get("verdict") for t in trailers] == [None, "accept", "dispatched", "applied"]
+    assert store.applies == 1
+    await store.stop()
+
+
+async def test_a_squatted_message_id_does_not_make_a_proposal_vanish(daemon, nc, svc):
+    """Someone publishes junk first under the ids a victim's proposal might use — its
+    proposal id, and its id with any suffix — : the victim's proposal, published after, is
+    still taken and applied (the id names the exact bytes; junk cannot take it)."""
+    store = RankingStore(nc, svc)
+    await store.start()
+    client = MeshClient(nc, svc)
+    proposal = rank_proposal(svc, key="squatted", value=9)
+    pid, _ = propose.identify(proposal)
+    for squat in (pid, f"{pid}.{'0' * 32}", S.message_id(pid, b"junk")):
+        await daemon.store.js.publish(S.inbound_proposal(svc), b"junk",
+                                      headers={"Nats-Msg-Id": squat})
+    assert await client.publish(proposal) == pid
+    assert (await eventually(lambda: client.outcome(pid))).ok
     assert store.applies == 1
     await store.stop()
 
