@@ -131,6 +131,21 @@ def seen(record: ProposalRecord, act: Act) -> str | None:
     return None
 
 
+MAX_REFUSED_ACTS = 32  # refusals of unverified acts one chain records; later ones are only logged
+
+
+def unrecorded(record: ProposalRecord, act: Act, verified: bool) -> str | None:
+    """Why a refusal of `act` is not worth a trailer (it is logged instead), or None. Anyone
+    can replay a captured envelope or publish junk naming a proposal: a replay is recorded
+    once per envelope, and a chain records at most MAX_REFUSED_ACTS unverified acts, so no
+    sender can grow a victim's chain without bound."""
+    if sum(1 for d, _ in record.acts if d == act.digest) >= 2:
+        return "this envelope's replay is already on the chain"
+    if not verified and len(record.acts) >= MAX_REFUSED_ACTS:
+        return f"the chain already records {MAX_REFUSED_ACTS} acts"
+    return None
+
+
 def refusal(record: ProposalRecord, act: Act, code: str, why: str, actor: str,
             keyid: str | None = None) -> tuple[ProposalRecord, Draft]:
     refs = [ref("act", act.digest), ref("act_seq", act.stream_seq), ref("code", code)]
@@ -231,6 +246,9 @@ def grant_act(acts: list[tuple[str, int]], act: Act, verified: Verified | None,
     if refused is None and any(d == act.digest for d, _ in acts):
         refused = ActRefused("replayed", "this signed act was already used")
     if refused is not None:
+        seen = sum(1 for d, _ in acts if d == act.digest)
+        if seen >= 2 or len(acts) >= MAX_REFUSED_ACTS:  # see `unrecorded`: only logged
+            return None
         refs.append(ref("code", refused.code))
         return Draft(from_stage="triage", to_stage="triage", actor=actor,
                      observer_type="rec:system", verdict=REFUSED, refs=tuple(refs),

@@ -330,17 +330,20 @@ class Engine:
             seen = authority.seen(record, act)
             if seen == "redelivery":
                 return None
-            if seen == "replay":
-                return authority.refusal(record, act, "replayed",
-                                         "this signed act was already used", self.actor)
-            if env is None:
-                return authority.refusal(record, act, "unsigned", f"a {kind} must be a signed "
-                                         "DSSE envelope", self.actor)
             try:
+                if seen == "replay":
+                    raise ActRefused("replayed", "this signed act was already used")
+                if env is None:
+                    raise ActRefused("unsigned", f"a {kind} must be a signed DSSE envelope")
                 verified, body = authority.check_signed(
                     trust, env, PAYLOAD_TYPES[kind], decode_as, now, self.max_act_age_ms,
                     principal_of)
             except ActRefused as refused:
+                skip = authority.unrecorded(record, act, False)
+                if skip is not None:
+                    log.warning("signed act refused, not recorded", proposal_id=record.proposal_id,
+                                code=refused.code, why=skip)
+                    return None
                 return authority.refusal(record, act, refused.code, refused.reason, self.actor)
             return step(record, verified, body, now)
 

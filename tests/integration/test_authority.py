@@ -302,3 +302,30 @@ async def test_a_store_verifying_acceptance_applies_only_what_the_loop_accepted(
         assert store.applies == 1  # the L3 re-execution of the same definition wrote nothing
     finally:
         await store.stop()
+
+
+async def test_replays_and_junk_do_not_grow_a_chain_without_bound(daemon, nc, svc):
+    """A captured approval replayed a hundred times is recorded as a replay once; a hundred
+    distinct unsigned reviews leave at most MAX_REFUSED_ACTS refusals. Nothing is applied
+    twice, and the chain stays short."""
+    from improved.core.authority import MAX_REFUSED_ACTS
+
+    client, applier, sub = await setup(nc, svc)
+    pid = (await client.propose(skill_proposal(svc, target_ref="skill:summarize"))).proposal_id
+    await client.triage(pid)
+    env = review(pid)
+    await publish(nc, S.inbound_review(svc), env)
+    await eventually(lambda: client.outcome(pid))
+    n = len(await trailers(daemon, svc, pid))
+    for _ in range(100):
+        await publish(nc, S.inbound_review(svc), env)
+    for i in range(100):
+        await publish(nc, S.inbound_review(svc),
+                      {"proposal_id": pid, "verdict": "reject", "reason": f"junk {i}"})
+    await asyncio.sleep(2.0)
+    chain = await trailers(daemon, svc, pid)
+    replays = [t for t in chain if "replayed" in t.get("reason", "")]
+    assert len(replays) == 1
+    assert n + 10 < len(chain) <= n + MAX_REFUSED_ACTS  # the junk was read, and capped
+    assert applier.orders == [pid]
+    await sub.unsubscribe()
