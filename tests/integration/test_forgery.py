@@ -9,6 +9,7 @@ operator's approval: the approval must carry the operator's signed act."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import msgspec
@@ -71,15 +72,26 @@ async def _in_crisis(daemon) -> str:
     return (await daemon.engine.autonomy(2**62)).crisis
 
 
-async def test_an_unsigned_approval_on_a_running_daemon_applies_nothing(own_server, tmp_path):
-    config = _config(tmp_path)
-    nc = await bus.connect(own_server.url, "forge")
+@asynccontextmanager
+async def _running(url: str, config):
+    """A daemon on `url` with `config`, and the service SVC's client and applier."""
+    nc = await bus.connect(url, "forge")
     daemon = Daemon(nc, config)
     await daemon.start()
     client = MeshClient(nc, SVC)
     applier = Applier()
     sub = await client.serve_apply(applier)
     try:
+        yield nc, daemon, client, applier
+    finally:
+        await sub.unsubscribe()
+        await daemon.stop()
+        await bus.close(nc)
+
+
+async def test_an_unsigned_approval_on_a_running_daemon_applies_nothing(own_server, tmp_path):
+    config = _config(tmp_path)
+    async with _running(own_server.url, config) as (nc, daemon, client, applier):
         pid = await _waiting_l2(client)
         await _forge(nc, S.audit(SVC, pid), pid, _approval(pid))
         daemon.engine._cache.clear()  # as after a restart: the chain is read again
@@ -97,10 +109,6 @@ async def test_an_unsigned_approval_on_a_running_daemon_applies_nothing(own_serv
         verify = await _verify(own_server.url, config)
         assert verify.returncode == 1
         assert f"BROKEN {pid} trailer 2: not signed by a daemon" in verify.stdout, verify.stdout
-    finally:
-        await sub.unsubscribe()
-        await daemon.stop()
-        await bus.close(nc)
 
 
 async def test_an_unsigned_approval_while_the_daemon_was_stopped_is_a_crisis_at_start(
@@ -136,13 +144,7 @@ async def test_a_daemon_key_alone_cannot_make_up_an_operators_approval(own_serve
     """The attacker holds a trusted daemon key: the trailer is signed, but the approval carries
     no signed act of alice's, so it is still a break and nothing is applied."""
     config = _config(tmp_path)
-    nc = await bus.connect(own_server.url, "forge")
-    daemon = Daemon(nc, config)
-    await daemon.start()
-    client = MeshClient(nc, SVC)
-    applier = Applier()
-    sub = await client.serve_apply(applier)
-    try:
+    async with _running(own_server.url, config) as (nc, daemon, client, applier):
         pid = await _waiting_l2(client)
         await _forge(nc, S.audit(SVC, pid), pid, _approval(pid), key=daemon_key())
         daemon.engine._cache.clear()
@@ -153,21 +155,11 @@ async def test_a_daemon_key_alone_cannot_make_up_an_operators_approval(own_serve
         assert await _in_crisis(daemon)
         verify = await _verify(own_server.url, config, pid)
         assert "the approve carries no signed act" in verify.stdout, verify.stdout
-    finally:
-        await sub.unsubscribe()
-        await daemon.stop()
-        await bus.close(nc)
 
 
 async def test_a_forged_crisis_resolution_keeps_the_crisis(own_server, tmp_path):
     config = _config(tmp_path)
-    nc = await bus.connect(own_server.url, "forge")
-    daemon = Daemon(nc, config)
-    await daemon.start()
-    client = MeshClient(nc, SVC)
-    applier = Applier()
-    sub = await client.serve_apply(applier)
-    try:
+    async with _running(own_server.url, config) as (nc, daemon, client, applier):
         await daemon.engine.chain_broken("a test opens a crisis")
         crisis = await _in_crisis(daemon)
         assert crisis
@@ -185,10 +177,6 @@ async def test_a_forged_crisis_resolution_keeps_the_crisis(own_server, tmp_path)
         assert applier.orders == []
         verify = await _verify(own_server.url, config)
         assert "not signed by a daemon" in verify.stdout, verify.stdout
-    finally:
-        await sub.unsubscribe()
-        await daemon.stop()
-        await bus.close(nc)
 
 
 async def test_signed_approvals_verify_from_the_chain_and_an_old_act_after_key_rotation(
@@ -197,15 +185,10 @@ async def test_signed_approvals_verify_from_the_chain_and_an_old_act_after_key_r
     act on it. Alice's key is then removed from the trust store: the trust chain records it,
     and her earlier approval still verifies against the key trusted when it was accepted."""
     config = _config(tmp_path)
-    nc = await bus.connect(own_server.url, "forge")
-    daemon = Daemon(nc, config)
-    await daemon.start()
-    client = MeshClient(nc, SVC)
-    applier = Applier()
-    sub = await client.serve_apply(applier)
-    try:
+    async with _running(own_server.url, config) as (nc, daemon, client, applier):
         pid = await _waiting_l2(client)
         await approve(nc, client, SVC, pid)
+
         async def ordered():
             return applier.orders
 
@@ -214,11 +197,9 @@ async def test_signed_approvals_verify_from_the_chain_and_an_old_act_after_key_r
         chain = await Store(nc).read_chain(SVC, pid)
         approval = next(body for _, body in chain if body.get("verdict") == "approve")
         assert approval["envelope"]["payloadType"] == "application/vnd.improved.review+json"
-        await daemon.stop()
-        rotated = msgspec.structs.replace(config, trust=msgspec.structs.replace(
-            config.trust, operators={}))
-        daemon = Daemon(nc, rotated)
-        await daemon.start()
+    rotated = msgspec.structs.replace(config, trust=msgspec.structs.replace(
+        config.trust, operators={}))
+    async with _running(own_server.url, rotated) as (nc, daemon, _, _):
         trust = await Store(nc).read_chain_at(S.trust_audit(evidence.TRUST_ID))
         assert len(trust) == 2 and "removed" in trust[-1][1]["reason"]
         assert "operator:alice" in trust[-1][1]["reason"]
@@ -226,7 +207,3 @@ async def test_signed_approvals_verify_from_the_chain_and_an_old_act_after_key_r
         verify = await _verify(own_server.url, config)
         assert verify.returncode == 0, verify.stdout + verify.stderr
         assert "daemon signatures and signed acts" in verify.stdout
-    finally:
-        await sub.unsubscribe()
-        await daemon.stop()
-        await bus.close(nc)
