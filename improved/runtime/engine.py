@@ -794,6 +794,7 @@ class Engine:
         except ValueError as exc:
             kept, problems = None, [f"the checkpoint kept in the data directory cannot be "
                                     f"read: {exc}"]
+        written = set(self.store.written)  # what this process appended, as the log is read
         log_, view = await self.store.read_audit()
         if view.created is None:  # deleted under a running daemon: bring it back to say so
             try:
@@ -827,6 +828,7 @@ class Engine:
             lambda chain, at: checkpoint.draft(cp, self.actor), clock=lambda: now)
         anchor_file.write(path, checkpoint.anchor_of(cp, view.created or ""))
         self.chain_trust = dataclasses.replace(self.chain_trust, covered_to=cp.last_seq)
+        self.store.written.difference_update(written)  # the checkpoint vouches for them now
         log.info("checkpoint signed", trailers=cp.count, root=cp.root)
         return None
 
@@ -837,7 +839,8 @@ class Engine:
         self.store.signer = key
         own = signing.keyid_of(signing.raw_public(key.public_key()))
         self.chain_trust = dataclasses.replace(self.chain_trust,
-                                               daemons=self.chain_trust.daemons | {own})
+                                               daemons=self.chain_trust.daemons | {own},
+                                               written=self.store.written)
 
     async def record_trust(self) -> Trailer | None:
         """Read the trust chain (verified) into the trust history, and append this daemon's

@@ -172,6 +172,7 @@ class Store:
         self.records_storage = records_storage
         self.kv = None
         self.signer: Ed25519PrivateKey | None = None  # the daemon key every trailer is signed with
+        self.written: set[str] = set()  # hashes this process appended since the last checkpoint
 
     async def ensure(self) -> list[str]:
         """Bring every stream, the inbound consumer and the buckets to this configuration and
@@ -419,6 +420,8 @@ class Store:
             if exc.err_code == WRONG_LAST_SEQUENCE:
                 raise ChainConflict(subject) from exc
             raise
+        if self.signer is not None:
+            self.written.add(trailer.hash)
         return ack.seq
 
     async def append_sealed(self, subject: str, chain_id: str, gate_class: str, scope: str,

@@ -231,3 +231,15 @@ def test_act_and_signature_are_kept_apart_from_the_hash():
     assert audit.trailer_hash({**body, "sig": "x"}) == body["hash"]
     changed = dict(body, envelope=dict(body["envelope"], payloadType="x"))
     assert audit.trailer_hash(changed) != body["hash"]
+
+
+def test_a_trailer_this_process_wrote_needs_no_second_signature_check_and_no_other_does():
+    """Until a checkpoint covers them, the daemon's own appends (known by hash) skip the
+    Ed25519 check; a trailer with any other content is checked as ever."""
+    mine = chain(REGISTER, approval(review(PID)), key=None)
+    trust = dataclasses.replace(TRUST, written={body["hash"] for body in mine})
+    assert audit.verify_chain(PID, mine, trust, [1, 2]) is None
+    other = chain(REGISTER, dataclasses.replace(approval(review(PID)), reason="another"),
+                  key=None)
+    brk = audit.verify_chain(PID, other, trust, [1, 2])
+    assert brk is not None and brk.seq == 1 and "not signed by a daemon" in brk.problem
