@@ -880,9 +880,10 @@ class Engine:
         await self._crisis([problem], kept.crisis if kept else "", kept, view, path, now_ms())
 
     def _trusted_daemons(self, key) -> set[str]:
-        """Whose checkpoints count: this daemon's own key and `[trust] daemons`."""
-        own = signing.keyid_of(signing.raw_public(key.public_key()))
-        return self.config.trust.daemon_keyids() | {own}
+        """Whose checkpoints count: the daemon keys whose trailers count (`[trust] daemons` and
+        this daemon's own, `use_key`), and the key this checkpoint is signed with."""
+        return set(self.chain_trust.daemons) | {signing.keyid_of(signing.raw_public(
+            key.public_key()))}
 
     @staticmethod
     def _chain_breaks(log_: list[tuple[int, str, dict]], trust: evidence.ChainTrust
