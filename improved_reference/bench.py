@@ -94,6 +94,10 @@ def make_proposal(kind: str, i: int, t0: int) -> Proposal:
                     proposal_data={"skill": SKILL}, **common)
 
 
+async def _is(read, value) -> bool:
+    return await read() == value
+
+
 class Applier:
     """The reference applier of the bench: answers every ApplyOrder, counts them per id. With
     `js`, it first verifies on the audit chain that the order was accepted (what a conformant
@@ -251,7 +255,7 @@ class Bench:
             await self.wait_ready(nc)
             applier = Applier(nc.jetstream() if a.verify_acceptance else None)
             await nc.subscribe(S.apply_request(SVC), cb=applier.handle)
-            await self.grant(nc)
+            await self.grant(nc, t0)
             result = await self.drive(nc, proposals, kinds, a.concurrency)
             result["broker"] = {"raw_js_publish_per_s": round(raw), "message_bytes": size,
                                 "sync": a.sync if self.server else "external server",
@@ -273,18 +277,39 @@ class Bench:
             await bus.close(nc)
             self.stop()
 
-    async def grant(self, nc) -> None:
+    async def grant(self, nc, t0: int) -> None:
+        """Before the clock starts, as SPEC 09 §3 has it: the skill's first execution approved
+        and applied at L2, then a grant naming that proposal (the L3 share runs under it)."""
+        first = msgspec.structs.replace(make_proposal("l2", 0, t0 - 1), created_at=t0 - 1)
+        pid, _ = propose.identify(first)
+        js = nc.jetstream()
+        await js.publish(S.inbound_proposal(SVC), to_json(first))
+        store = Store(nc)
+        await store.bind()
+
+        async def until(what: str, done) -> None:
+            deadline = time.monotonic() + 10
+            while not await done():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"bench setup: {what} did not happen")
+                await asyncio.sleep(0.05)
+
+        async def status() -> str | None:
+            record, _ = await store.load(SVC, pid)
+            return record.status if record is not None and record.decision else None
+
+        await until("the first L2's triage", status)
+        review = Review(proposal_id=pid, verdict="approve", principal=OPERATOR,
+                        reason="bench: first execution", at=int(time.time() * 1000))
+        await js.publish(S.inbound_review(SVC), to_json(
+            signing.sign(signing.PAYLOAD_TYPES["review"], to_json(review), self.key)))
+        await until("the first L2's apply", lambda: _is(status, "applied"))
         identity = canonical.skill_identity(SKILL)
         cmd = GrantCommand(op="grant", skill=identity, principal=OPERATOR, reason="bench",
-                           at=int(time.time() * 1000))
+                           at=int(time.time() * 1000), proposal_id=pid)
         env = signing.sign(signing.PAYLOAD_TYPES["grant"], to_json(cmd), self.key)
-        await nc.jetstream().publish(S.GRANTS, to_json(env))
-        store = Store(nc)
-        deadline = time.monotonic() + 10
-        while not await store.grant_active(identity, int(time.time() * 1000)):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the bench grant was not recorded")
-            await asyncio.sleep(0.05)
+        await js.publish(S.GRANTS, to_json(env))
+        await until("the grant", lambda: store.grant_active(identity, int(time.time() * 1000)))
 
     async def drive(self, nc, proposals, kinds, concurrency: int) -> dict[str, Any]:
         js = nc.jetstream(publish_async_max_pending=max(concurrency * 2, 256))

@@ -400,9 +400,9 @@ class Demo:
         self.event("identity", f"canonical.skill_identity(definition) = {identity}")
         await self.signed(S.GRANTS, "grant", GrantCommand(
             op="grant", skill=identity, principal=OPERATOR, reason="trusted after review",
-            at=int(time.time() * 1000)))
-        self.event("operator", f"{OPERATOR} signs a grant for {short_identity(identity)} -> "
-                   f"{S.GRANTS}")
+            at=int(time.time() * 1000), proposal_id=self.ids["l2"]))
+        self.event("operator", f"{OPERATOR} signs a grant for {short_identity(identity)}, "
+                   f"naming {short(self.ids['l2'])} (its approved L2) -> {S.GRANTS}")
         try:
             await self.wait(f"an active grant for {short_identity(identity)}",
                             lambda: self.skills.check_grant_active(identity))

@@ -165,6 +165,21 @@ def crash_once_after_the_write(store) -> None:
     store.ledger.update = crash_once
 
 
+async def applied_at_l2(nc, proposal: Proposal) -> str:
+    """Propose `proposal` (a skill) at L2, approve it as ALICE and wait until it is applied:
+    the L2 proposal an L3 grant of its definition names (SPEC 09 §3). Something must be
+    serving `proposal.service`'s applies."""
+    client = MeshClient(nc, proposal.service)
+    # made before `proposal` (an L3 of the same definition it may be) so it supersedes nothing
+    l2 = msgspec.structs.replace(proposal, change_class="L2", created_at=proposal.created_at - 1)
+    pid = (await client.propose(l2)).proposal_id
+    await client.triage(pid)
+    await publish(nc, subjects.inbound_review(proposal.service), review(pid))
+    outcome = await eventually(lambda: client.outcome(pid))
+    assert outcome.ok, outcome.error
+    return pid
+
+
 class Applier:
     """A stand-in owning service: records every ApplyOrder, applies each id once."""
 

@@ -42,9 +42,11 @@ def review(pid: str, verdict: str = "approve", who=ALICE, principal: str | None 
     return sign(PAYLOAD_TYPES["review"], to_json(body), who[1])
 
 
-def grant(skill: str, op: str = "grant", who=ALICE):
-    """A signed L3 grant (or, with op="revoke", its revocation) of one skill identity."""
-    body = GrantCommand(op=op, skill=skill, principal=who[0], reason="trusted", at=now_ms())
+def grant(skill: str, op: str = "grant", who=ALICE, proposal: str | None = None):
+    """A signed L3 grant (or, with op="revoke", its revocation) of one skill identity; a grant
+    names `proposal`, the L2 proposal that applied the definition (`tests.bus.applied_at_l2`)."""
+    body = GrantCommand(op=op, skill=skill, principal=who[0], reason="trusted", at=now_ms(),
+                        proposal_id=proposal)
     return sign(PAYLOAD_TYPES["grant"], to_json(body), who[1])
 
 

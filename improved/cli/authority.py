@@ -96,11 +96,12 @@ def cmd_grant_act(args: argparse.Namespace) -> int:
     expires = int((time.time() + args.expires_in) * 1000) if args.expires_in else None
     try:
         cmd = GrantCommand(op=args.op, skill=args.skill, principal=principal, reason=args.reason,
-                           at=int(time.time() * 1000), expires_at=expires)
+                           at=int(time.time() * 1000), expires_at=expires,
+                           proposal_id=args.proposal)
         msgspec.json.decode(to_json(cmd), type=GrantCommand)  # the daemon's own checks
     except msgspec.ValidationError as exc:
         print(f"improved {args.op}: {exc}; the skill is NAME:SHA256 "
-              "(see `improved skill hash FILE`)", file=sys.stderr)
+              "(see `improved skill hash FILE`), --proposal a full 64-hex id", file=sys.stderr)
         return 2
     env = signing.sign(signing.PAYLOAD_TYPES["grant"], to_json(cmd), key)
     asyncio.run(publish_act(url_of(args, config), S.GRANTS, env))
@@ -218,14 +219,20 @@ def _register_keys_and_reviews(sub: argparse._SubParsersAction) -> None:
             op, help=f"sign and publish an L3 {op} for NAME:SHA256",
             description=f"Sign a GrantCommand ({op}) for exactly one skill content hash and "
                         f"publish it on improve.grants. A grant never covers another hash of "
-                        f"the same name.")
+                        f"the same name" + (", and holds only for a definition an operator "
+                        "approved and that was applied at L2: name that proposal with "
+                        "--proposal (SPEC 09 §3: L2 → L3 is where trust on first use is "
+                        "granted)." if op == "grant" else "."))
         add_connection_args(act)
         act.add_argument("skill", metavar="NAME:SHA256")
         add_signer_args(act)
         if op == "grant":
+            act.add_argument("--proposal", required=True, metavar="ID",
+                             help="the L2 proposal whose approved, applied definition this "
+                                  "grant trusts")
             act.add_argument("--expires-in", type=float, metavar="SECONDS",
                              help="the grant lapses after this long")
-        act.set_defaults(func=cmd_grant_act, op=op, expires_in=None)
+        act.set_defaults(func=cmd_grant_act, op=op, expires_in=None, proposal=None)
 
 
 def _register_l4(sub: argparse._SubParsersAction) -> None:

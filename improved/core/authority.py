@@ -236,6 +236,27 @@ def _unseen(record: ProposalRecord, rv: Review) -> str | None:
 # -- grants (DESIGN §5.3): chained per skill hash on `improve.audit._grants.<sha256>` ---------
 
 
+def tofu_problem(cmd: GrantCommand, l2: ProposalRecord | None) -> ActRefused | None:
+    """SPEC 09 §3: L2 → L3 is the only place trust on first use is granted. A grant holds only
+    for the definition of the L2 proposal it names (`l2`, rebuilt from its verified chain), and
+    only once an operator's approval of it was applied. A revocation needs nothing."""
+    if cmd.op == "revoke":
+        return None
+    if cmd.proposal_id is None:
+        return ActRefused("not_applied_at_l2", "a grant names the L2 proposal that approved and "
+                                               "applied this definition (proposal_id)")
+    if l2 is None:
+        return ActRefused("not_applied_at_l2", f"no proposal {cmd.proposal_id} on the chain")
+    if l2.skill != cmd.skill:
+        return ActRefused("not_applied_at_l2", f"proposal {cmd.proposal_id} is the skill "
+                                               f"{l2.skill}, not {cmd.skill}")
+    if l2.gate_class != "L2" or l2.status != "applied" or l2.approved_by is None:
+        return ActRefused("not_applied_at_l2", f"proposal {cmd.proposal_id} is {l2.status} at "
+                                               f"{l2.gate_class}; a grant needs it approved by an "
+                                               f"operator and applied at L2")
+    return None
+
+
 def grant_act(acts: list[tuple[str, int]], act: Act, verified: Verified | None,
               cmd: GrantCommand | None, refused: ActRefused | None, actor: str) -> Draft | None:
     """The trailer a grant or revoke act adds to its skill's grant chain; None on redelivery.
@@ -258,6 +279,8 @@ def grant_act(acts: list[tuple[str, int]], act: Act, verified: Verified | None,
         raise ValueError("grant_act: an act that was not refused needs its verification and "
                          "its command")
     refs += [ref("keyid", verified.keyid), ref("skill", cmd.skill)]
+    if cmd.proposal_id is not None:
+        refs.append(ref("l2", cmd.proposal_id))
     if cmd.expires_at is not None:
         refs.append(ref("expires_at", cmd.expires_at))
     return Draft(from_stage="triage", to_stage="triage", actor=cmd.principal,

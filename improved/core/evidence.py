@@ -263,7 +263,8 @@ def _mismatch(kind: str, body: Any, t: Trailer, refs: dict[str, str], chain_id: 
     elif kind == "grant":
         claims = [("op", body.op, t.verdict), ("principal", body.principal, t.actor),
                   ("skill", body.skill, refs.get("skill")),
-                  ("skill hash", body.skill.partition(":")[2], chain_id)]
+                  ("skill hash", body.skill.partition(":")[2], chain_id),
+                  ("L2 proposal", body.proposal_id, refs.get("l2"))]
     elif kind == "vote":
         claims = [("proposal", body.proposal_id, chain_id), ("voter", body.voter, t.actor),
                   ("vote", body.vote, refs.get("vote"))]

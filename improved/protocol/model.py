@@ -321,12 +321,17 @@ class Review(_In):
 
 
 class GrantCommand(_In):
+    """An L3 grant (trust on first use, SPEC 09 §3) or its revocation for one skill hash. A
+    grant names `proposal_id`: the L2 proposal whose approved, applied definition it trusts —
+    the only place TOFU is granted."""
+
     op: Literal["grant", "revoke"]
     skill: Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_-]{0,62}:[0-9a-f]{64}\Z")]
     principal: Actor
     reason: ShortText
     at: Millis
     expires_at: Millis | None = None
+    proposal_id: ProposalId | None = None
 
 
 class Vote(_In):

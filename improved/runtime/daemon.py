@@ -357,16 +357,20 @@ class Daemon:
         act = Act(hashlib.sha256(msg.data).hexdigest(), msg.metadata.sequence.stream)
         try:
             if msg.subject == S.GRANTS:
-                env, claimed = signed_act(msg.data, limit, "skill")
+                env, payload = signed_act(msg.data, limit)
+                claimed, l2 = payload.get("skill"), payload.get("proposal_id")
                 act = Act(envelope_digest(env), act.stream_seq)
                 if env.payloadType == PAYLOAD_TYPES["crisis"]:  # improve.grants carries both
                     return Job("crisis", lambda: self.engine.resolve_crisis(env, act), msg)
                 if not isinstance(claimed, str) or not GRANT_SKILL_RE.match(claimed):
                     raise wire.WireError(wire.INVALID_VALUE, "a grant names `<name>:<sha256>`",
                                          "skill")
-                return Job(f"grant:{claimed}", lambda: self.engine.grant(env, claimed, act), msg)
+                l2_id = l2 if isinstance(l2, str) and S.ID_RE.match(l2) else None
+                return Job(f"grant:{claimed}",
+                           lambda: self.engine.grant(env, claimed, act, l2_id), msg)
             if msg.subject == S.QUORUM:
-                env, pid = signed_act(msg.data, limit, "proposal_id")
+                env, payload = signed_act(msg.data, limit)
+                pid = payload.get("proposal_id")
                 if not isinstance(pid, str) or not S.ID_RE.match(pid):
                     raise wire.WireError(wire.INVALID_VALUE, "a vote names a 64-hex proposal_id",
                                          "proposal_id")
@@ -585,8 +589,8 @@ class _ProposalUnknown(Exception):
 GRANT_SKILL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}:[0-9a-f]{64}\Z")
 
 
-def signed_act(data: bytes, limit: int, field: str) -> tuple[Envelope, object]:
-    """A DSSE envelope and one field of its (not yet verified) payload, to route it."""
+def signed_act(data: bytes, limit: int) -> tuple[Envelope, dict[str, object]]:
+    """A DSSE envelope and its (not yet verified) payload, to route it."""
     env = wire.decode(data, Envelope, limit)
     try:
         payload = msgspec.json.decode(base64.b64decode(env.payload, validate=True))
@@ -595,7 +599,7 @@ def signed_act(data: bytes, limit: int, field: str) -> tuple[Envelope, object]:
                              "payload") from None
     if not isinstance(payload, dict):
         raise wire.WireError(wire.INVALID_TYPE, "the signed payload is not an object", "payload")
-    return env, payload.get(field)
+    return env, payload
 
 
 class _Probe(msgspec.Struct):
@@ -623,7 +627,8 @@ def signal_of(data: bytes, limit: int) -> tuple[Signal, Envelope | None]:
 def review_target(data: bytes, limit: int) -> tuple[Envelope | None, str]:
     """(envelope or None when unsigned, the proposal id the review names)."""
     try:
-        env, pid = signed_act(data, limit, "proposal_id")
+        env, payload = signed_act(data, limit)
+        pid = payload.get("proposal_id")
     except wire.WireError as err:
         try:  # a bare, unsigned review still names its proposal: refuse it on that chain
             bare = msgspec.json.decode(data)

@@ -349,9 +349,15 @@ class Engine:
 
         return ingest
 
-    async def grant(self, env: Envelope, skill: str, act: Act) -> Grant | None:
-        """A signed grant or revoke for `<name>:<sha256>`: chained per hash, then retained."""
+    async def grant(self, env: Envelope, skill: str, act: Act,
+                    l2_id: str | None = None) -> Grant | None:
+        """A signed grant or revoke for `<name>:<sha256>`: chained per hash, then retained. A
+        grant counts only for the definition of the L2 proposal it names (`l2_id`, read from
+        its verified chain) once that was approved and applied."""
         sha = skill.split(":", 1)[1]
+        l2 = None
+        if l2_id is not None and (owner := await self.store.service_of(l2_id)) is not None:
+            l2 = await self.rebuild(owner, l2_id)
         subject = S.grant_audit(sha)
         read: list[list[tuple[int, dict]]] = []
 
@@ -366,6 +372,8 @@ class Engine:
                     self.max_act_age_ms)
             except ActRefused as exc:
                 refused = exc
+            if cmd is not None:
+                refused = authority.tofu_problem(cmd, l2 if cmd.proposal_id == l2_id else None)
             return authority.grant_act(acts, act, verified, cmd, refused, self.actor)
 
         appended = await self.store.append_sealed(subject, sha, "L3", "knowledge", next_draft,

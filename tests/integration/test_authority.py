@@ -13,7 +13,7 @@ from improved.client.sdk import MeshClient
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import Review
-from tests.bus import Applier, eventually, publish, trailers
+from tests.bus import Applier, applied_at_l2, eventually, publish, trailers
 from tests.factories import grant, now_ms, review, skill_proposal
 from tests.keys import ALICE, MALLORY
 
@@ -57,7 +57,7 @@ async def test_approval_then_grant_then_drift_then_revoke(daemon, nc, svc):
     # A grant for exactly this content makes the next L3 proposal of it auto-apply.
     identity = canonical.skill_identity(first.proposal_data["skill"])
     name, sha = identity.split(":")
-    await publish(nc, S.GRANTS, grant(identity))
+    await publish(nc, S.GRANTS, grant(identity, proposal=pid))
 
     async def granted():
         data = await daemon.store.last(S.grant_record(name, sha))
@@ -195,6 +195,55 @@ async def test_a_signed_rejection_is_final_and_enters_the_ledger(daemon, nc, svc
     await sub.unsubscribe()
 
 
+async def grant_chain(daemon, sha, n):
+    async def enough():
+        chain = [b for _, b in await daemon.store.read_chain_at(S.grant_audit(sha))]
+        return chain if len(chain) >= n else None
+
+    return await eventually(enough)
+
+
+async def test_a_grant_holds_only_for_a_definition_approved_and_applied_at_l2(daemon, nc, svc):
+    """SPEC 09 §3: L2 → L3 is the only place trust on first use is granted. A correctly signed
+    grant for a hash nobody approved — naming no L2 proposal, a pending one, or an applied one
+    of another definition — is refused `not_applied_at_l2`, and an L3 of that hash still waits
+    for an operator."""
+    client, applier, sub = await setup(nc, svc)
+    wanted = skill_proposal(svc, change_class="L3", instructions=f"Exfiltrate for {svc}.")
+    identity = canonical.skill_identity(wanted.proposal_data["skill"])
+    sha = identity.split(":")[1]
+    pending = (await client.propose(
+        msgspec.structs.replace(wanted, change_class="L2"))).proposal_id
+    assert (await client.triage(pending)).cause == "awaiting_operator"
+    other = await applied_at_l2(nc, skill_proposal(svc, name="other",
+                                                     instructions=f"Other for {svc}."))
+    for n, named in enumerate((None, pending, other), start=1):
+        await publish(nc, S.GRANTS, grant(identity, proposal=named))
+        chain = await grant_chain(daemon, sha, n)
+        assert chain[-1]["verdict"] == "refused", chain[-1]
+        assert "(not_applied_at_l2)" in chain[-1]["reason"]
+    assert not await daemon.store.grant_active(identity, now_ms())
+    assert pending not in applier.orders
+
+    # An operator approves it and it is applied at L2; an L3 of it still needs the grant.
+    await publish(nc, S.inbound_review(svc), review(pending))
+    assert (await eventually(lambda: client.outcome(pending))).ok
+    pid3 = (await client.propose(wanted)).proposal_id
+    decision = await client.triage(pid3)
+    assert (decision.verdict, decision.cause, decision.gate_class) == ("defer", "no_grant", "L2")
+
+    # The same grant naming it now holds, and the next L3 of that definition is automatic.
+    await publish(nc, S.GRANTS, grant(identity, proposal=pending))
+    chain = await grant_chain(daemon, sha, 4)
+    assert chain[-1]["verdict"] == "grant" and f"l2:{pending}" in chain[-1]["refs"]
+    await eventually(lambda: daemon.store.grant_active(identity, now_ms()))
+    again = msgspec.structs.replace(wanted, created_at=now_ms() + 1)
+    pid4 = (await client.propose(again)).proposal_id
+    assert (await eventually(lambda: client.outcome(pid4))).authority == "policy:auto"
+    assert pid3 not in applier.orders
+    await sub.unsubscribe()
+
+
 async def test_grant_acts_are_verified_too(daemon, nc, svc):
     skill = skill_proposal(svc).proposal_data["skill"]
     identity = canonical.skill_identity({**skill, "description": f"for {svc}"})
@@ -223,7 +272,11 @@ async def test_a_revocation_stops_an_apply_that_was_already_accepted(daemon, nc,
         data = await daemon.store.last(S.grant_record(name, sha))
         return data is not None and msgspec.json.decode(data)["active"] is active
 
-    await publish(nc, S.GRANTS, grant(identity))
+    applier = Applier()
+    sub = await client.serve_apply(applier)
+    l2 = await applied_at_l2(nc, proposal)
+    await sub.unsubscribe()
+    await publish(nc, S.GRANTS, grant(identity, proposal=l2))
     await eventually(lambda: grant_is(True))
     pid = (await client.propose(proposal)).proposal_id
     assert (await client.triage(pid)).verdict == "accept"
@@ -289,7 +342,7 @@ async def test_a_store_verifying_acceptance_applies_only_what_the_loop_accepted(
         out = await eventually(lambda: client.outcome(pid))
         assert out.ok, out.error
         identity = canonical.skill_identity(first.proposal_data["skill"])
-        await publish(nc, S.GRANTS, grant(identity))
+        await publish(nc, S.GRANTS, grant(identity, proposal=pid))
         await eventually(lambda: daemon.store.grant_active(identity, now_ms()))
         again = skill_proposal(svc, change_class="L3", instructions=own)  # an L3 re-execution
         pid3 = (await client.propose(again)).proposal_id

@@ -18,7 +18,7 @@ from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult
 from improved.runtime import bus
 from improved.runtime.daemon import Daemon
-from tests.bus import daemon_config, eventually, publish
+from tests.bus import applied_at_l2, daemon_config, eventually, publish
 from tests.factories import grant, rank_proposal, review, skill_proposal
 
 
@@ -42,7 +42,8 @@ async def test_three_autonomous_rollbacks_hold_the_fourth_l3_back(own_server):
     try:
         skill = skill_proposal(svc, change_class="L3").proposal_data["skill"]
         identity = canonical.skill_identity(skill)
-        await publish(nc, S.GRANTS, grant(identity))
+        l2 = await applied_at_l2(nc, skill_proposal(svc))
+        await publish(nc, S.GRANTS, grant(identity, proposal=l2))
 
         async def granted():
             return await daemon.store.grant_active(identity, int(time.time() * 1000))

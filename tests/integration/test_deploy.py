@@ -714,7 +714,8 @@ async def test_a_service_hears_no_reply_meant_for_another_party(mesh):
         assert outcome.ok, outcome.error
         skill = proposal.proposal_data["skill"]
         identity = canonical.skill_identity(skill)
-        await operator.publish(S.GRANTS, to_json(grant(identity)), stream=S.STREAM_INBOUND)
+        await operator.publish(S.GRANTS, to_json(grant(identity, proposal=pid)),
+                               stream=S.STREAM_INBOUND)
         await eventually(lambda: store.check_grant_active(identity))
         name, sha = identity.split(":", 1)
         assert await store.get_granted(name, sha) == skill

@@ -1,12 +1,15 @@
-"""The one rule of an L3 grant (core.authority.grant_covers), used by the daemon's gate, the
-skills store's reads and a service's acceptance check alike."""
+"""The rules of an L3 grant: what it covers (core.authority.grant_covers, used by the daemon's
+gate, the skills store's reads and a service's acceptance check alike) and when one may be
+granted at all (core.authority.tofu_problem)."""
 
 from __future__ import annotations
 
 import pytest
 
-from improved.core.authority import grant_covers
-from improved.protocol.model import Grant
+from improved.core.authority import grant_covers, tofu_problem
+from improved.core.record import ProposalRecord
+from improved.protocol.model import Grant, GrantCommand
+from tests.builders import make_proposal
 
 SKILL = "greet:" + "a" * 64
 NOW = 1_700_000_000_000
@@ -28,3 +31,39 @@ def grant(**over) -> Grant:
 ], ids=["active", "not yet expired", "expired", "revoked", "other hash", "bare name"])
 def test_a_grant_covers_exactly_its_hash_while_active_and_unexpired(g, identity, covers):
     assert grant_covers(g, identity, NOW) is covers
+
+
+PID = "c" * 64
+
+
+def l2(**over) -> ProposalRecord:
+    """The L2 proposal a grant names, as rebuilt from its chain."""
+    fields = dict(proposal_id=PID, service="demo", dedup_key="d", summary_text="s",
+                  proposal=make_proposal(target_ref="skill:greet", change_class="L2"),
+                  skill=SKILL, gate_class="L2", status="applied", approved_by="operator:alice")
+    fields.update(over)
+    return ProposalRecord(**fields)
+
+
+def command(op="grant", proposal_id=PID) -> GrantCommand:
+    return GrantCommand(op=op, skill=SKILL, principal="operator:alice", reason="r", at=NOW,
+                        proposal_id=proposal_id)
+
+
+@pytest.mark.parametrize(("cmd", "record", "refused"), [
+    (command(), l2(), False),
+    (command(op="revoke", proposal_id=None), None, False),  # withdrawing trust needs nothing
+    (command(proposal_id=None), None, True),  # names no L2 proposal
+    (command(), None, True),  # names one that is not on the chain
+    (command(), l2(skill="greet:" + "b" * 64), True),  # another definition was approved
+    (command(), l2(status="approved", approved_by="operator:alice"), True),  # never applied
+    (command(), l2(status="rolled_back"), True),  # applied, then undone
+    (command(), l2(gate_class="L3"), True),  # applied under a grant, not by an operator
+    (command(), l2(approved_by=None), True),
+], ids=["applied at L2", "revoke", "no proposal", "unknown proposal", "other hash",
+        "not applied", "rolled back", "not L2", "no approval"])
+def test_trust_on_first_use_is_granted_only_after_an_approved_l2_apply(cmd, record, refused):
+    problem = tofu_problem(cmd, record)
+    assert (problem is not None) is refused
+    if problem is not None:
+        assert problem.code == "not_applied_at_l2"
