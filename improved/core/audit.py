@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from improved.core.record import ChainHead, ProposalRecord, lifecycle_problem
+from improved.core.record import ChainHead, ProposalRecord, lifecycle_problem, lifecycle_step
 from improved.protocol import canonical
 from improved.protocol.model import (
     Cause,
@@ -25,6 +25,7 @@ from improved.protocol.model import (
     ObserverType,
     Scope,
     Stage,
+    Status,
     Trailer,
     TrailerVerdict,
 )
@@ -130,24 +131,71 @@ def verify_links(proposal_id: str, bodies: Sequence[Any]) -> Break | None:
     """Every hash re-derived, every link followed: nothing altered, removed or reordered."""
     prev = proposal_id
     for at, body in enumerate(bodies):  # a break is named by its position in the chain
-        if not isinstance(body, dict):
-            return Break(proposal_id, at, "not a trailer object")
-        if body.get("proposal_id") != proposal_id:
-            return Break(proposal_id, at, f"belongs to proposal {body.get('proposal_id')!r}")
-        seq = body.get("seq")
-        if seq != at:
-            return Break(proposal_id, at, f"sequence jumps to {seq!r}")
-        if not _same(body.get("prev"), prev):
-            return Break(proposal_id, at, "prev does not link to the previous trailer")
-        try:
-            derived = trailer_hash(body)
-        except canonical.CanonicalError as exc:
-            return Break(proposal_id, at, f"not canonical: {exc}")
-        if not _same(body.get("hash"), derived):
-            return Break(proposal_id, at, "hash does not match the trailer's content")
-        prev = derived
+        problem, prev = _link(body, proposal_id, at, prev)
+        if problem is not None:
+            return Break(proposal_id, at, problem)
     if not bodies:
         return Break(proposal_id, 0, "no trailers")
+    return None
+
+
+def _link(body: Any, chain_id: str, at: int, prev: str) -> tuple[str | None, str]:
+    """(why the trailer at position `at` does not follow `prev`, or None; its derived hash)."""
+    if not isinstance(body, dict):
+        return "not a trailer object", prev
+    if body.get("proposal_id") != chain_id:
+        return f"belongs to proposal {body.get('proposal_id')!r}", prev
+    seq = body.get("seq")
+    if seq != at:
+        return f"sequence jumps to {seq!r}", prev
+    if not _same(body.get("prev"), prev):
+        return "prev does not link to the previous trailer", prev
+    try:
+        derived = trailer_hash(body)
+    except canonical.CanonicalError as exc:
+        return f"not canonical: {exc}", prev
+    if not _same(body.get("hash"), derived):
+        return "hash does not match the trailer's content", prev
+    return None, derived
+
+
+@dataclass(slots=True)
+class ChainRun:
+    """Where one chain's verification stands after the trailers fed to `verify_next` so far:
+    what a reader that sees the whole log once, trailer by trailer, keeps per chain instead of
+    the chain itself. `start` makes a run at a chain's first trailer; `after` continues one from
+    a trailer already verified (its position and hash)."""
+
+    chain_id: str
+    position: int
+    prev: str
+    status: Status
+    acts: object
+
+    @classmethod
+    def start(cls, chain_id: str, trust: Authenticity | None) -> ChainRun:
+        return cls(chain_id, 0, chain_id, "pending", trust.start() if trust else None)
+
+    @classmethod
+    def after(cls, chain_id: str, position: int, last_hash: str, status: Status,
+              trust: Authenticity | None) -> ChainRun:
+        return cls(chain_id, position + 1, last_hash, status, trust.start() if trust else None)
+
+
+def verify_next(run: ChainRun, body: Any, trust: Authenticity | None = None,
+                stream_seq: int = 0) -> Break | None:
+    """Check one more trailer of `run`'s chain — its hash and link, the lifecycle, and with
+    `trust` its writer and signed act — and advance the run; the break, if it is one."""
+    at = run.position
+    problem, derived = _link(body, run.chain_id, at, run.prev)
+    status = run.status
+    if problem is None:
+        status, problem = lifecycle_step(status, at, body)
+    if problem is None and trust is not None:
+        problem = trust.problem(body, run.chain_id, stream_seq, run.acts)
+    if problem is not None:
+        return Break(run.chain_id, at, problem)
+    run.position, run.prev, run.status = at + 1, derived, status
     return None
 
 

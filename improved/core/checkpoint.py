@@ -5,13 +5,17 @@ commits to every trailer there was: the count and an RFC 6962 Merkle root over t
 hashes in stream order, signed by the daemon's Ed25519 key. A later verifier recomputes the
 root over the first `count` trailers it finds: anything removed, altered or reordered before
 the checkpoint changes it. Checkpoints are trailers of the chain
-`improve.audit._checkpoints.<CHECKPOINT_ID>`. Pure.
+`improve.audit._checkpoints.<CHECKPOINT_ID>`. Each also carries its Merkle frontier and the
+hash of the last trailer it covers, so the next checkpoint continues from it: it verifies and
+hashes only what is new, and checks in O(1) that the stream still holds what it covered
+(`prefix_problem`). Pure.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,29 +23,14 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from improved.core import signing
+from improved.core import merkle, signing
 from improved.core.audit import Draft
+from improved.core.merkle import Frontier, merkle_root
 from improved.core.record import ref, refs_of
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 
 CHECKPOINT_ID = hashlib.sha256(b"improved checkpoints").hexdigest()
-
-
-def merkle_root(hashes: Sequence[str]) -> str:
-    """RFC 6962 Merkle tree hash over hex leaf hashes (empty tree: SHA-256 of nothing)."""
-    if not hashes:
-        return hashlib.sha256(b"").hexdigest()
-    return _mth([bytes.fromhex(h) for h in hashes]).hex()
-
-
-def _mth(leaves: list[bytes]) -> bytes:
-    if len(leaves) == 1:
-        return hashlib.sha256(b"\x00" + leaves[0]).digest()
-    k = 1
-    while k * 2 < len(leaves):
-        k *= 2
-    return hashlib.sha256(b"\x01" + _mth(leaves[:k]) + _mth(leaves[k:])).digest()
 
 
 @dataclass(frozen=True)
@@ -53,6 +42,10 @@ class Checkpoint:
     keyid: str = ""
     public: str = ""  # base64 of the raw Ed25519 key
     sig: str = ""
+    # not in the signed statement: implied by (count, root) and covered by the trailer's
+    # daemon signature; what the next checkpoint continues from
+    frontier: Frontier = ()
+    last_hash: str = ""  # the hash of the trailer at last_seq
 
     def statement(self) -> bytes:
         """The signed bytes: canonical MessagePack of what the checkpoint commits to."""
@@ -61,11 +54,26 @@ class Checkpoint:
 
 
 def make(hashes: Sequence[str], last_seq: int, at: int, key: Ed25519PrivateKey) -> Checkpoint:
-    cp = Checkpoint(count=len(hashes), root=merkle_root(hashes), last_seq=last_seq, at=at)
+    return make_from(merkle.extend((), 0, hashes), len(hashes), last_seq,
+                     hashes[-1] if hashes else "", at, key)
+
+
+def make_from(frontier: Frontier, count: int, last_seq: int, last_hash: str, at: int,
+              key: Ed25519PrivateKey) -> Checkpoint:
+    """The checkpoint over `count` trailers whose Merkle frontier is `frontier`."""
+    cp = Checkpoint(count=count, root=merkle.root(frontier), last_seq=last_seq, at=at)
     public = signing.raw_public(key.public_key())
     return Checkpoint(cp.count, cp.root, cp.last_seq, cp.at, signing.keyid_of(public),
                       base64.b64encode(public).decode(),
-                      base64.b64encode(key.sign(cp.statement())).decode())
+                      base64.b64encode(key.sign(cp.statement())).decode(),
+                      tuple(frontier), last_hash)
+
+
+def continues(cp: Checkpoint) -> bool:
+    """Whether a later checkpoint can continue from `cp`: it carries a frontier that is one
+    with its signed (count, root) and the hash of its last trailer."""
+    return (merkle.well_formed(cp.frontier, cp.count) and merkle.root(cp.frontier) == cp.root
+            and (cp.count == 0 or len(cp.last_hash) == 64))
 
 
 def signature_ok(cp: Checkpoint) -> bool:
@@ -84,14 +92,20 @@ def draft(cp: Checkpoint, actor: str) -> Draft:
                  reason=f"checkpoint over {cp.count} trailers",
                  refs=(ref("count", cp.count), ref("root", cp.root), ref("last_seq", cp.last_seq),
                        ref("checkpoint_at", cp.at), ref("keyid", cp.keyid),
-                       ref("public", cp.public), ref("sig", cp.sig)))
+                       ref("public", cp.public), ref("sig", cp.sig),
+                       ref("frontier", list(cp.frontier)), ref("last_hash", cp.last_hash)))
 
 
 def from_trailer(body: dict[str, Any]) -> Checkpoint:
     refs = refs_of(_Refs(body.get("refs", [])))
+    try:
+        frontier = tuple(json.loads(refs.get("frontier", "[]")))
+    except ValueError:
+        frontier = ()
     return Checkpoint(count=int(refs["count"]), root=refs["root"],
                       last_seq=int(refs["last_seq"]), at=int(refs["checkpoint_at"]),
-                      keyid=refs["keyid"], public=refs["public"], sig=refs["sig"])
+                      keyid=refs["keyid"], public=refs["public"], sig=refs["sig"],
+                      frontier=frontier, last_hash=refs.get("last_hash", ""))
 
 
 @dataclass(frozen=True)
@@ -131,17 +145,25 @@ class Anchor:
     keyid: str
     at: int
     crisis: str = ""
+    frontier: Frontier = ()  # empty in an anchor written before frontiers were kept
+    last_hash: str = ""
+    scrubbed_to: int = 0  # how far the current scrub pass has re-read the covered log
 
 
 ANCHOR_FIELDS = ("stream_created", "last_seq", "count", "root", "keyid", "at", "crisis")
 
 
-def anchor_of(cp: Checkpoint, stream_created: str, crisis: str = "") -> Anchor:
-    return Anchor(stream_created, cp.last_seq, cp.count, cp.root, cp.keyid, cp.at, crisis)
+def anchor_of(cp: Checkpoint, stream_created: str, crisis: str = "",
+              scrubbed_to: int = 0) -> Anchor:
+    return Anchor(stream_created, cp.last_seq, cp.count, cp.root, cp.keyid, cp.at, crisis,
+                  cp.frontier, cp.last_hash, scrubbed_to)
 
 
 def anchor_dict(anchor: Anchor) -> dict[str, Any]:
-    return {name: getattr(anchor, name) for name in ANCHOR_FIELDS}
+    doc = {name: getattr(anchor, name) for name in ANCHOR_FIELDS}
+    doc.update(frontier=list(anchor.frontier), last_hash=anchor.last_hash,
+               scrubbed_to=anchor.scrubbed_to)
+    return doc
 
 
 def anchor_from(doc: Any) -> Anchor:
@@ -149,14 +171,29 @@ def anchor_from(doc: Any) -> Anchor:
     if not isinstance(doc, dict):
         raise ValueError("not a JSON object")
     try:
-        anchor = Anchor(**{name: doc[name] for name in ANCHOR_FIELDS})
+        fields = {name: doc[name] for name in ANCHOR_FIELDS}
     except KeyError as missing:
         raise ValueError(f"no {missing.args[0]!r}") from None
     for name, typ in (("stream_created", str), ("last_seq", int), ("count", int),
                       ("root", str), ("keyid", str), ("at", int), ("crisis", str)):
-        if not isinstance(getattr(anchor, name), typ):
+        if not isinstance(fields[name], typ):
             raise ValueError(f"{name!r} is not a {typ.__name__}")
-    return anchor
+    frontier = doc.get("frontier", [])
+    if frontier and not merkle.well_formed(frontier, fields["count"]):
+        raise ValueError("'frontier' is not one subtree root per set bit of 'count'")
+    if not isinstance(doc.get("last_hash", ""), str):
+        raise ValueError("'last_hash' is not a str")
+    scrubbed = doc.get("scrubbed_to", 0)
+    if not isinstance(scrubbed, int) or isinstance(scrubbed, bool) or scrubbed < 0:
+        raise ValueError("'scrubbed_to' is not a sequence number")
+    return Anchor(**fields, frontier=tuple(frontier), last_hash=doc.get("last_hash", ""),
+                  scrubbed_to=scrubbed)
+
+
+def anchor_continues(anchor: Anchor) -> bool:
+    """Whether the next checkpoint can continue from a kept anchor (see `continues`)."""
+    return continues(Checkpoint(anchor.count, anchor.root, anchor.last_seq, anchor.at,
+                                frontier=anchor.frontier, last_hash=anchor.last_hash))
 
 
 @dataclass(frozen=True)
@@ -167,6 +204,8 @@ class StreamView:
     created: str | None
     last_seq: int = 0
     unreadable: tuple[int, ...] = ()
+    first_seq: int = 1
+    messages: int | None = None  # None: not known (then nothing is said about removals)
 
 
 def unreadable_problem(view: StreamView) -> str | None:
@@ -195,6 +234,34 @@ def against_anchor(anchor: Anchor, view: StreamView, log_hashes: Sequence[str]) 
     elif merkle_root(log_hashes[:anchor.count]) != anchor.root:
         found.append(f"the first {anchor.count} trailers no longer hash to the root of {what}: "
                      "trailers were removed, altered or reordered")
+    return "; ".join(found) or None
+
+
+def prefix_problem(base: Anchor, view: StreamView, found_hash: str | None,
+                   what: str = "the last checkpoint") -> str | None:
+    """In O(1), whether the stream still holds what the checkpoint `base` covered: the same
+    stream (its creation time), nothing removed from it (it starts at sequence 1 and holds a
+    message at every sequence up to its last), and the trailer at `base.last_seq` still has
+    the hash `base` names (`found_hash`; an anchor kept before it named one is checked by
+    its root while the log is read instead). JetStream never changes a stored message, so with
+    these the covered prefix is the one that was verified before `base` was signed; storage
+    altered beneath the server is what a full `improved audit verify` finds."""
+    what = (f"{what} (at {base.at}, {base.count} trailers up to stream sequence "
+            f"{base.last_seq})")
+    if view.created is None:
+        return f"the audit stream does not exist: {what} are all missing"
+    found = []
+    if base.stream_created and view.created != base.stream_created:
+        found.append(f"the audit stream was re-created (created {view.created}, not "
+                     f"{base.stream_created} as when {what} was signed)")
+    holes = view.messages is not None and view.messages < view.last_seq - view.first_seq + 1
+    if view.last_seq < base.last_seq or (base.count and view.first_seq > 1) or holes:
+        held = f"{view.messages} messages" if view.messages is not None else "messages"
+        found.append(f"the stream holds {held} at sequences {view.first_seq}..{view.last_seq} "
+                     f"of {what}: trailers or whole chains were removed or lost")
+    elif base.count and base.last_hash and found_hash != base.last_hash:
+        found.append(f"the trailer at stream sequence {base.last_seq} is not the one {what} "
+                     "covered last: trailers were removed, altered or reordered")
     return "; ".join(found) or None
 
 

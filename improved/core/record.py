@@ -187,17 +187,24 @@ def lifecycle_problem(bodies: Sequence[object]) -> tuple[int, str] | None:
     chain's first trailer may register (`to_stage: propose`)."""
     status: Status = "pending"
     for at, body in enumerate(bodies):
-        try:
-            step = msgspec.convert(body, type=_Step)
-        except msgspec.ValidationError as exc:
-            return at, f"not a trailer: {exc}"
-        if step.to_stage == "propose" and at > 0:
-            return at, "a second registration: only the first trailer registers a proposal"
-        after = status_after(status, step)
-        if after != status and (status, after) not in LIFECYCLE:
-            return at, f"the lifecycle forbids {status} → {after}"
-        status = after
+        status, problem = lifecycle_step(status, at, body)
+        if problem is not None:
+            return at, problem
     return None
+
+
+def lifecycle_step(status: Status, at: int, body: object) -> tuple[Status, str | None]:
+    """The status after the trailer at position `at`, or why the lifecycle forbids it."""
+    try:
+        step = msgspec.convert(body, type=_Step)
+    except msgspec.ValidationError as exc:
+        return status, f"not a trailer: {exc}"
+    if step.to_stage == "propose" and at > 0:
+        return status, "a second registration: only the first trailer registers a proposal"
+    after = status_after(status, step)
+    if after != status and (status, after) not in LIFECYCLE:
+        return status, f"the lifecycle forbids {status} → {after}"
+    return after, None
 
 
 def fold_status(trailers: list[Trailer]) -> tuple[Status, Stage]:

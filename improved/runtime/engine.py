@@ -63,6 +63,7 @@ from improved.protocol.model import (
     to_json,
 )
 from improved.runtime import anchor as anchor_file
+from improved.runtime import checkpointing
 from improved.runtime.config import Config
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import (
@@ -136,6 +137,7 @@ class Engine:
         self._cache: OrderedDict[str, tuple[ProposalRecord, int]] = OrderedDict()
         self._autonomy: tuple[breaker.Autonomy, int] | None = None
         self._autonomy_verified = True  # whether that state's trailer verified
+        self.checkpoint_read = 0  # trailers the last checkpoint read: what was new, not the log
         self.metrics = Metrics()
         self.learn = None  # observe's learn-back: (analyzer id, accepted) → None
         self._awaiting: set[str] = set()  # proposals this replica saw deferred to an operator
@@ -790,11 +792,14 @@ class Engine:
     # -- checkpoints and crisis (constitution V.4) -------------------------------------------------
 
     async def checkpoint(self, key) -> str | None:
-        """Verify the whole log — every chain, what the last checkpoint on the stream and the
-        one kept in the data directory committed to, that the stream gave back every trailer
-        it holds — then sign a new checkpoint and keep it in the data directory too. On a
-        break, enter crisis instead (recorded on the autonomy chain and in the data
-        directory, so a lost stream cannot take the crisis with it); return the break."""
+        """Verify what the log gained since the last checkpoint — every new trailer in its
+        chain, every checkpoint met on the way, and in O(1) that the stream still holds what
+        the last one (on the stream or kept in the data directory) covered — then sign a new
+        checkpoint that carries its Merkle frontier on, and keep it in the data directory too
+        (`runtime.checkpointing`). The cost follows what is new, not the history; only a first
+        checkpoint reads the whole log. On a break, enter crisis instead (recorded on the
+        autonomy chain and in the data directory, so a lost stream cannot take the crisis
+        with it); return the break."""
         path = anchor_file.path_in(self.config.data_dir)
         problems: list[str] = []
         try:  # before the stream: whatever it covered was on the stream before it was written
@@ -803,42 +808,62 @@ class Engine:
             kept, problems = None, [f"the checkpoint kept in the data directory cannot be "
                                     f"read: {exc}"]
         written = set(self.store.written)  # what this process appended, as the log is read
-        log_, view = await self.store.read_audit()
+        view = await self.store.audit_view()
         if view.created is None:  # deleted under a running daemon: bring it back to say so
             try:
                 await self.store.ensure()
+                view = await self.store.audit_view()  # new: no anchor's stream any more
             except NeedsProvision as exc:  # the crisis is kept in the data directory anyway
                 log.error("the audit stream is gone and this user may not re-create it",
                           error=str(exc))
         crisis = kept.crisis if kept else ""
-        autonomy = [entry for entry in log_ if entry[1] == S.autonomy_audit(breaker.AUTONOMY_ID)]
-        if crisis and breaker.resolved([body for _, _, body in autonomy], crisis) \
-                and not self._chain_breaks(autonomy, self.chain_trust):
+        if crisis and await self._resolved(crisis):
             crisis, kept = "", None  # an operator accepted the log as it is: the new baseline
-        whole = checkpoint.log_problems(log_, view, kept, self._trusted_daemons(key))
-        # what a verified checkpoint covers was fully verified before it was signed
-        covered = 0 if whole else checkpoint.covered_to(log_, kept)
-        problems += whole
-        problems += self._chain_breaks(log_, dataclasses.replace(self.chain_trust,
-                                                                 covered_to=covered))
+        trusted = self._trusted_daemons(key)
+        since, scrubbed = None, 0
+        if view.created is not None:
+            base, claims, found = await checkpointing.choose_base(
+                self.store, kept, view, self.chain_trust, trusted)
+            problems += found
+            if not problems:
+                # what the base covers was fully verified before it was signed
+                trust = dataclasses.replace(self.chain_trust, covered_to=base.last_seq)
+                since = await checkpointing.verify_since(self.store, base, view, trust,
+                                                         trusted, claims)
+                problems += since.problems
+                scrubbed, damaged = await checkpointing.scrub(
+                    self.store, kept.scrubbed_to if kept else 0, base.last_seq,
+                    max(checkpointing.SCRUB_SLICE, since.read))
+                problems += damaged
+        else:
+            problems.append(checkpoint.prefix_problem(kept or checkpointing.empty_base(view),
+                                                      view, None) or "")
         if crisis and not problems:
             problems = [f"{crisis} is still open (kept in {path}) until an operator resolves it"]
         now = now_ms()
-        if problems:
+        if problems or since is None:
             await self._crisis(problems, crisis, kept, view, path, now)
             return "; ".join(problems)
-        cp_subject = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
-        entries = [(seq, body) for seq, subject, body in log_ if subject != cp_subject]
-        hashes = [body.get("hash", "") for _, body in entries]
-        cp = checkpoint.make(hashes, entries[-1][0] if entries else 0, now, key)
+        cp = checkpoint.make_from(since.tree.frontier(), since.tree.count, since.last_seq,
+                                  since.last_hash, now, key)
         await self.store.append_sealed(
-            cp_subject, checkpoint.CHECKPOINT_ID, "L0", "operation",
+            checkpointing.CP_SUBJECT, checkpoint.CHECKPOINT_ID, "L0", "operation",
             lambda chain, at: checkpoint.draft(cp, self.actor), clock=lambda: now)
-        anchor_file.write(path, checkpoint.anchor_of(cp, view.created or ""))
+        anchor_file.write(path, checkpoint.anchor_of(cp, view.created or "",
+                                                      scrubbed_to=scrubbed))
         self.chain_trust = dataclasses.replace(self.chain_trust, covered_to=cp.last_seq)
         self.store.written.difference_update(written)  # the checkpoint vouches for them now
-        log.info("checkpoint signed", trailers=cp.count, root=cp.root)
+        self.checkpoint_read = since.read
+        log.info("checkpoint signed", trailers=cp.count, root=cp.root, read=since.read)
         return None
+
+    async def _resolved(self, crisis: str) -> bool:
+        """Whether the autonomy chain, verified, records `crisis` as resolved by an operator."""
+        chain = await self.store.read_chain_at(S.autonomy_audit(breaker.AUTONOMY_ID))
+        if audit.verify_chain(breaker.AUTONOMY_ID, [body for _, body in chain],
+                              self.chain_trust, [seq for seq, _ in chain]) is not None:
+            return False
+        return breaker.resolved([body for _, body in chain], crisis)
 
     # -- who writes and who authorises: the daemon key and the trust history ---------------------
 
@@ -892,21 +917,6 @@ class Engine:
         this daemon's own, `use_key`), and the key this checkpoint is signed with."""
         return set(self.chain_trust.daemons) | {signing.keyid_of(signing.raw_public(
             key.public_key()))}
-
-    @staticmethod
-    def _chain_breaks(log_: list[tuple[int, str, dict]], trust: evidence.ChainTrust
-                      ) -> list[str]:
-        """The first break of the first broken chain in `log_` (stream sequence, subject,
-        body), if any."""
-        chains: dict[str, list[tuple[int, dict]]] = {}
-        for seq, subject, body in log_:
-            chains.setdefault(subject, []).append((seq, body))
-        for subject, chain in chains.items():
-            brk = audit.verify_chain(S.token(subject, 3) or "", [body for _, body in chain],
-                                     trust, [seq for seq, _ in chain])
-            if brk is not None:
-                return [f"{subject}: {brk}"]
-        return []
 
     async def _crisis(self, problems: list[str], crisis: str, kept: checkpoint.Anchor | None,
                       view: checkpoint.StreamView, path, now: int) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -458,9 +458,12 @@ class Store:
         """Every trailer of one chain as (stream sequence, raw JSON body), in order."""
         return await self.read_chain_at(S.audit(svc, pid))
 
-    async def read_chain_at(self, subject: str) -> list[tuple[int, dict[str, Any]]]:
+    async def read_chain_at(self, subject: str, start: int = 1
+                            ) -> list[tuple[int, dict[str, Any]]]:
+        """The trailers on `subject` from stream sequence `start` on, one direct get each (for
+        a chain, or the few trailers of one since a sequence)."""
         out: list[tuple[int, dict[str, Any]]] = []
-        seq = 1
+        seq = start
         while True:
             try:
                 msg = await self.js.get_msg(S.STREAM_AUDIT, seq=seq, subject=subject,
@@ -513,23 +516,63 @@ class Store:
 
     async def _read_ordered(self, subject: str, last_seq: int) -> list[tuple[int, str, dict]]:
         """Read `subject` up to stream sequence `last_seq` (or until nothing is pending)."""
-        log: list[tuple[int, str, dict]] = []
-        sub = await self.js.subscribe(subject, ordered_consumer=True, stream=S.STREAM_AUDIT)
+        return [(seq, subj, body) async for seq, subj, body, _ in self.follow(subject, 1, last_seq)
+                if body is not None]
+
+    async def follow(self, subject: str, start: int, upto: int
+                     ) -> AsyncIterator[tuple[int, str, dict | None, dict[str, str]]]:
+        """(stream sequence, subject, body or None when it is not JSON, headers) of every
+        trailer on `subject` from stream sequence `start` to `upto`, one at a time through an
+        ordered consumer: a reader of the whole log holds one trailer, not the log. Ends early
+        when nothing arrives for READ_IDLE_S (a message the server holds but cannot read)."""
+        if upto < start:
+            return
+        config = jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.BY_START_SEQUENCE,
+                                      opt_start_seq=start)
+        sub = await self.js.subscribe(subject, ordered_consumer=True, stream=S.STREAM_AUDIT,
+                                      config=config)
         try:
             while True:
                 try:
                     msg = await sub.next_msg(timeout=READ_IDLE_S)
-                except NatsTimeoutError:  # a message the server holds but cannot read
-                    return log
+                except NatsTimeoutError:
+                    return
                 seq = msg.metadata.sequence.stream
+                if seq > upto:
+                    return
                 try:
-                    log.append((seq, msg.subject, msgspec.json.decode(msg.data)))
+                    body = msgspec.json.decode(msg.data)
                 except msgspec.DecodeError:
-                    pass  # not JSON: counted as unreadable by the caller
-                if msg.metadata.num_pending == 0 or seq >= last_seq:
-                    return log
+                    body = None  # not JSON: counted as unreadable by the caller
+                yield seq, msg.subject, body if isinstance(body, dict) else None, \
+                    dict(msg.headers or {})
+                if msg.metadata.num_pending == 0 or seq >= upto:
+                    return
         finally:
             await sub.unsubscribe()
+
+    async def audit_view(self) -> checkpoint.StreamView:
+        """The audit stream as its state says, in O(1): creation time, first and last
+        sequence and how many messages it holds (fewer than its sequences: some are gone)."""
+        try:
+            info = await self.js.stream_info(S.STREAM_AUDIT)
+        except NotFoundError:
+            return checkpoint.StreamView(None)
+        state = info.state
+        return checkpoint.StreamView(str(info.created), state.last_seq,
+                                     first_seq=state.first_seq, messages=state.messages)
+
+    async def trailer_at(self, seq: int) -> tuple[str, dict | None, dict[str, str]] | None:
+        """(subject, body or None when not JSON, headers) of the audit message at `seq`."""
+        try:
+            msg = await self.js.get_msg(S.STREAM_AUDIT, seq=seq, direct=True)
+        except NotFoundError:
+            return None
+        try:
+            body = msgspec.json.decode(msg.data)
+        except msgspec.DecodeError:
+            body = None
+        return msg.subject, body if isinstance(body, dict) else None, dict(msg.headers or {})
 
     async def all_chains(self, pid: str | None = None) -> dict[tuple[str, str], list[dict]]:
         """Every chain (or one proposal's), keyed by (service token, chain id), in order."""

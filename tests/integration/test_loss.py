@@ -6,6 +6,7 @@ missing; a checkpoint signed by a key no one trusts is a break of its own."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -197,6 +198,33 @@ async def test_a_normal_restart_is_no_crisis(own_server, tmp_path):
         verify = await _verify(own_server.url, "--checkpoint", str(anchor))
         assert verify.returncode == 0, verify.stdout + verify.stderr
         assert "holds" in verify.stdout
+    finally:
+        await daemon.stop()
+        await bus.close(nc)
+
+
+async def test_a_checkpoint_reads_what_is_new_and_still_finds_covered_trailers_removed(
+        own_server, tmp_path):
+    """The next checkpoint continues the last one's Merkle frontier: it reads the trailers
+    appended since (not the log), and still finds, in O(1), covered trailers removed."""
+    config = _config(tmp_path)
+    await _history(own_server.url, config, proposals=6)
+    anchor = json.loads((config.data_dir / "last-checkpoint.json").read_text())
+    nc, daemon, _ = await _restart(own_server.url, config)
+    try:
+        assert (await daemon.engine.autonomy(2**62)).crisis == ""
+        # since the last one: the stop's checkpoint trailer and this start's few trailers
+        assert 0 < daemon.engine.checkpoint_read < 8 < anchor["count"]
+        assert json.loads((config.data_dir / "last-checkpoint.json").read_text())["count"] \
+            >= anchor["count"]
+        # deny_delete holds, but a retention limit set by an administrator drops the oldest
+        js = nc.jetstream()
+        info = await js.stream_info(S.STREAM_AUDIT)
+        await js.update_stream(dataclasses.replace(info.config,
+                                                   max_msgs=info.state.messages - 2))
+        problem = await daemon.engine.checkpoint(daemon._checkpoint_key)
+        assert problem is not None and "removed or lost" in problem, problem
+        await _no_apply_in_crisis(nc, daemon)
     finally:
         await daemon.stop()
         await bus.close(nc)

@@ -9,8 +9,10 @@ import hashlib
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from improved.core import checkpoint
+from improved.core import checkpoint, merkle
 
 
 def leaf(i: int) -> str:
@@ -137,3 +139,71 @@ def test_a_crisis_is_resolved_only_by_a_trailer_that_names_it():
     assert breaker.resolved(chain, "crisis-1")
     assert not breaker.resolved(chain, "crisis-2")
     assert not breaker.resolved(chain[:1], "crisis-1")
+
+
+# -- carrying a checkpoint forward: the Merkle frontier and the O(1) prefix check ---------------
+
+
+def _reference_root(leaves: list[str]) -> str:
+    """RFC 6962 §2.1 as written: split at the largest power of two below n, recurse."""
+    def mth(nodes: list[bytes]) -> bytes:
+        if len(nodes) == 1:
+            return hashlib.sha256(b"\x00" + nodes[0]).digest()
+        k = 1
+        while k * 2 < len(nodes):
+            k *= 2
+        return hashlib.sha256(b"\x01" + mth(nodes[:k]) + mth(nodes[k:])).digest()
+
+    return mth([bytes.fromhex(h) for h in leaves]).hex() if leaves else \
+        hashlib.sha256(b"").hexdigest()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=300), st.data())
+def test_a_frontier_carried_forward_gives_the_root_of_the_whole_log(n, data):
+    """Whatever the point a checkpoint was signed at, continuing from its frontier gives the
+    root a reader hashing every trailer from the first gets."""
+    leaves = [leaf(i) for i in range(n)]
+    cut = data.draw(st.integers(min_value=0, max_value=n))
+    carried = merkle.extend(merkle.extend((), 0, leaves[:cut]), cut, leaves[cut:])
+    assert merkle.well_formed(carried, n)
+    assert merkle.root(carried) == _reference_root(leaves) == checkpoint.merkle_root(leaves)
+
+
+def test_a_checkpoint_continues_only_with_a_frontier_that_is_one_with_its_root():
+    log, cp, anchor, key = anchored(11)
+    assert checkpoint.continues(cp) and checkpoint.anchor_continues(anchor)
+    assert cp.last_hash == log[-1] and len(cp.frontier) == 3  # 11 = 8 + 2 + 1
+    body = {"refs": list(checkpoint.draft(cp, "improved:a").refs)}
+    assert checkpoint.from_trailer(body) == cp  # the trailer carries everything it needs
+    forged = dataclasses.replace(cp, frontier=(leaf(1), leaf(2), leaf(3)))
+    assert not checkpoint.continues(forged)  # well formed, but not the tree it signed
+    assert not checkpoint.continues(dataclasses.replace(cp, frontier=cp.frontier[:2]))
+    old = dataclasses.replace(anchor, frontier=(), last_hash="")  # kept before frontiers
+    assert not checkpoint.anchor_continues(old)
+    assert checkpoint.anchor_from(checkpoint.anchor_dict(anchor)) == anchor
+    doc = {k: v for k, v in checkpoint.anchor_dict(anchor).items()
+           if k not in ("frontier", "last_hash", "scrubbed_to")}
+    assert checkpoint.anchor_from(doc) == old  # an anchor file written before still reads
+    with pytest.raises(ValueError, match="frontier"):
+        checkpoint.anchor_from({**checkpoint.anchor_dict(anchor), "frontier": [leaf(1)]})
+
+
+@pytest.mark.parametrize(("view", "found", "named"), [
+    (checkpoint.StreamView(CREATED, 14, first_seq=1, messages=14), "last", None),
+    (checkpoint.StreamView(None), None, "does not exist"),
+    (checkpoint.StreamView("2026-02-01 00:00:00+00:00", 14, first_seq=1, messages=14), "last",
+     "re-created"),
+    (checkpoint.StreamView(CREATED, 14, first_seq=1, messages=13), "last", "removed or lost"),
+    (checkpoint.StreamView(CREATED, 14, first_seq=3, messages=12), "last", "removed or lost"),
+    (checkpoint.StreamView(CREATED, 8, first_seq=1, messages=8), None, "removed or lost"),
+    (checkpoint.StreamView(CREATED, 14, first_seq=1, messages=14), leaf(3), "not the one"),
+], ids=["grown", "gone", "re-created", "a message deleted", "head purged", "shorter",
+        "rewritten"])
+def test_the_stream_still_holds_what_the_last_checkpoint_covered_in_o1(view, found, named):
+    log, _, anchor, _ = anchored(10)
+    problem = checkpoint.prefix_problem(anchor, view, log[-1] if found == "last" else found)
+    if named is None:
+        assert problem is None
+    else:
+        assert problem is not None and named in problem and "10 trailers" in problem, problem

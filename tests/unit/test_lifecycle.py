@@ -388,16 +388,37 @@ def chain() -> Chain:
     return c
 
 
+def _streamed(pid: str, trailers: list[dict], after: int | None = None) -> audit.Break | None:
+    """The same chain fed trailer by trailer (what a checkpoint does), from the first one, or
+    continued after position `after` from the hash verified there."""
+    run = audit.ChainRun.start(pid, None)
+    rest = trailers
+    if after is not None:
+        run = audit.ChainRun.after(pid, after, trailers[after]["hash"], "pending", None)
+        rest = trailers[after + 1:]
+    for body in rest:
+        brk = audit.verify_next(run, body)
+        if brk is not None:
+            return brk
+    return None
+
+
 def _break(pid: str, trailers: list[dict]) -> tuple[int, str]:
     b = audit.verify_chain(pid, trailers)
     assert b is not None and b.proposal_id == pid
     assert str(b).startswith(f"{pid} trailer {b.seq}: ")
+    assert _streamed(pid, trailers) == b  # read whole or streamed: the same first break
     return b.seq, b.problem
 
 
 def test_intact_chain_verifies(chain):
     assert audit.verify_chain(chain.pid, bodies(chain.t.trailers)) is None
     assert chain.t.trailers[0].prev == chain.pid
+    b = bodies(chain.t.trailers)
+    assert all(_streamed(chain.pid, b, after) is None for after in (None, 0, 1, 2))
+    b[3]["reason"] = "rewritten after the checkpoint"
+    assert _streamed(chain.pid, b, after=1) == audit.Break(
+        chain.pid, 3, "hash does not match the trailer's content")
 
 
 def test_altered_reason(chain):
@@ -472,7 +493,7 @@ def test_foreign_trailer_break_is_named_at_its_position(chain):
 
 def test_empty_chain():
     pid = "ab" * 32
-    assert _break(pid, []) == (0, "no trailers")
+    assert audit.verify_chain(pid, []) == audit.Break(pid, 0, "no trailers")
 
 
 @pytest.mark.parametrize("key", ["hash", "prev"])

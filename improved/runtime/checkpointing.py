@@ -1,0 +1,244 @@
+"""What the audit log gained since the last checkpoint, read once and verified as it streams by.
+
+A checkpoint continues from the one before it (`core.checkpoint`: its Merkle frontier and the
+hash of the last trailer it covered). This is the I/O around that: choose the checkpoint to
+continue from (the one kept in the data directory or the last one on the stream, whichever
+covers more, if it verifies), check in O(1) that the stream still holds what it covered, then
+read only the trailers after it through one ordered consumer, verifying each in its chain
+(`audit.verify_next`) and adding it to the tree. A chain that began before the checkpoint is
+picked up where it stands: its earlier trailers are read again (a proposal's chain is short),
+or for the checkpoint chain, which grows with time, only the trailer the new one names as its
+predecessor (the `Nats-Expected-Last-Subject-Sequence` the server checked at append time).
+Memory follows what is new, and each chain it touches holds a `ChainRun`, not its trailers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from improved.core import audit, checkpoint, evidence, merkle
+from improved.core.checkpoint import Anchor, Checkpoint, StreamView
+from improved.protocol import subjects as S
+from improved.runtime.store import Store
+
+CP_SUBJECT = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
+EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
+
+
+@dataclass
+class Since:
+    """The outcome of reading the log after `base`: the tree over every trailer so far, the
+    last one's stream sequence and hash, and what did not verify."""
+
+    tree: merkle.Tree
+    last_seq: int
+    last_hash: str
+    problems: list[str] = field(default_factory=list)
+    read: int = 0  # trailers read after the base
+
+
+def empty_base(view: StreamView) -> Anchor:
+    return Anchor(view.created or "", 0, 0, merkle.root(()), "", 0)
+
+
+async def choose_base(store: Store, kept: Anchor | None, view: StreamView,
+                      trust: evidence.ChainTrust, trusted: set[str]
+                      ) -> tuple[Anchor, list[tuple[int, str, str]], list[str]]:
+    """(the checkpoint to continue from, roots to check on the way as (count, root, whose),
+    what is wrong with the stream already). The base is the kept anchor or the last checkpoint
+    on the stream — signed by a trusted daemon key, its frontier one with its root —
+    whichever covers more; none (a first checkpoint, or only anchors without a frontier):
+    the whole log is read once. A kept anchor is always checked: in O(1) against the stream
+    when it can be, else by its root on the way."""
+    on_stream = None
+    _, body = await store.chain_head(CP_SUBJECT)
+    if body is not None and evidence.writer_problem(body, trust.daemons) is None:
+        try:
+            cp = checkpoint.from_trailer(body)
+        except (KeyError, ValueError):
+            cp = None
+        if cp is not None and _usable(cp, trusted):
+            on_stream = checkpoint.anchor_of(cp, view.created or "")
+    usable_kept = kept if kept is not None and checkpoint.anchor_continues(kept) else None
+    candidates = [a for a in (usable_kept, on_stream) if a is not None]
+    base = max(candidates, key=lambda a: a.last_seq) if candidates else empty_base(view)
+    claims: list[tuple[int, str, str]] = []
+    problems: list[str] = []
+    for anchor, what in ((kept, "the last checkpoint kept in the data directory"),
+                         (base if base is not kept else None, "the last checkpoint")):
+        if anchor is None:
+            continue
+        if anchor is kept and usable_kept is None and base.count < anchor.count:
+            # an anchor without a frontier: its root is checked while the log is read
+            claims.append((anchor.count, anchor.root, what))
+            problem = checkpoint.prefix_problem(anchor, view, None, what)
+        else:
+            found = await store.trailer_at(anchor.last_seq) if anchor.count else None
+            found_hash = found[1].get("hash") if found and found[1] and found[0] != CP_SUBJECT \
+                else None
+            problem = checkpoint.prefix_problem(anchor, view, found_hash, what)
+        if problem:
+            problems.append(problem)
+    return base, claims, problems
+
+
+def _usable(cp: Checkpoint, trusted: set[str]) -> bool:
+    return (checkpoint.signature_ok(cp) and checkpoint.trust_problem(cp, trusted) is None
+            and checkpoint.continues(cp))
+
+
+async def verify_since(store: Store, base: Anchor, view: StreamView,
+                       trust: evidence.ChainTrust, trusted: set[str],
+                       claims: list[tuple[int, str, str]]) -> Since:
+    """Read and verify every trailer after `base` up to the stream's last sequence: each in its
+    chain (hash, link, lifecycle, writer, signed act), each checkpoint met on the way by its
+    signature, its key and its root, and every trailer the stream holds given back."""
+    since = Since(merkle.Tree(base.frontier, base.count), base.last_seq, base.last_hash)
+    roots: dict[int, list[tuple[str, str]]] = {}
+    for count, root, what in claims:
+        roots.setdefault(count, []).append((root, what))
+    for cp_seq, cp_body in await store.read_chain_at(CP_SUBJECT, base.last_seq + 1):
+        if cp_seq > view.last_seq:
+            break
+        problem = _checkpoint_problem(cp_body, trusted, base, roots)
+        if problem:
+            since.problems.append(problem)
+            return since
+    runs: dict[str, audit.ChainRun] = {}
+    expected = base.last_seq + 1
+    missing: list[int] = []
+    async for seq, subject, body, headers in store.follow(S.AUDIT_FILTER, expected,
+                                                           view.last_seq):
+        since.read += 1
+        missing += range(expected, seq)
+        expected = seq + 1
+        if body is None:
+            missing.append(seq)
+            continue
+        run = runs.get(subject)
+        if run is None:
+            opened = await _open(store, subject, body, headers, seq, trust)
+            if isinstance(opened, str):
+                since.problems.append(f"{subject}: {opened}")
+                return since
+            run = runs[subject] = opened
+        brk = audit.verify_next(run, body, trust, seq)
+        if brk is not None:
+            since.problems.append(f"{subject}: {brk}")
+            return since
+        if subject != CP_SUBJECT:
+            since.tree.add(body["hash"])
+            since.last_seq, since.last_hash = seq, body["hash"]
+            for root, what in roots.pop(since.tree.count, ()):
+                if since.tree.root() != root:
+                    since.problems.append(
+                        f"{what}: the first {since.tree.count} trailers no longer hash to its "
+                        "root: trailers were removed, altered or reordered")
+    missing += range(expected, view.last_seq + 1)
+    if missing:
+        since.problems.append(checkpoint.unreadable_problem(
+            StreamView(view.created, view.last_seq, tuple(missing))) or "")
+    for count, pending in roots.items():
+        for _, what in pending:
+            since.problems.append(f"{what} covered {count} trailers; only {since.tree.count} "
+                                  "remain: trailers or whole chains were removed")
+    return since
+
+
+SCRUB_SLICE = 2000  # covered trailers re-read per checkpoint, at least (more when more is new)
+
+
+async def scrub(store: Store, after: int, covered_to: int, limit: int) -> tuple[int, list[str]]:
+    """Re-read up to `limit` trailers a checkpoint already covers, from stream sequence
+    `after + 1`, and check that each can still be read and still hashes to what it says: the
+    O(1) checks cannot see storage damaged beneath the server, so every checkpoint scrubs a
+    slice and the whole log is scrubbed in turn, at a cost that follows the new work. Returns
+    where the scrub stands (0: the pass is complete, the next one starts over) and what it
+    found."""
+    upto = min(covered_to, after + limit)
+    expected = after + 1
+    bad: list[int] = []
+    missing: list[int] = []
+    async for seq, _, body, _ in store.follow(S.AUDIT_FILTER, after + 1, upto):
+        missing += range(expected, seq)
+        expected = seq + 1
+        if body is None:
+            missing.append(seq)
+        elif not isinstance(body.get("hash"), str) or audit.trailer_hash(body) != body["hash"]:
+            bad.append(seq)
+    missing += range(expected, upto + 1)
+    problems = [p for p in (checkpoint.unreadable_problem(StreamView("", upto, tuple(missing))),
+                            _altered(bad)) if p]
+    return (0 if upto >= covered_to else upto), problems
+
+
+def _altered(seqs: list[int]) -> str | None:
+    if not seqs:
+        return None
+    return (f"{len(seqs)} trailer(s) the last checkpoint covered no longer hash to what they "
+            f"say (stream sequence {', '.join(str(s) for s in seqs[:10])}): altered in storage")
+
+
+def _checkpoint_problem(body: dict | None, trusted: set[str], base: Anchor,
+                        roots: dict[int, list[tuple[str, str]]]) -> str | None:
+    """A checkpoint appended after `base`: signed by a trusted daemon key, and its root is
+    checked when the read reaches its count (one older than `base`, written by another replica
+    while this one signed, is checked for its signature and key only)."""
+    if body is None:
+        return None  # counted as unreadable by the main read
+    try:
+        cp = checkpoint.from_trailer(body)
+    except (KeyError, ValueError) as exc:
+        return f"a checkpoint on the stream cannot be read: {exc}"
+    if not checkpoint.signature_ok(cp):
+        return f"checkpoint at {cp.at}: the signature does not verify"
+    untrusted = checkpoint.trust_problem(cp, trusted)
+    if untrusted:
+        return untrusted
+    if cp.count > base.count or (cp.count == base.count and cp.root != base.root):
+        roots.setdefault(cp.count, []).append((cp.root, f"checkpoint at {cp.at}"))
+    return None
+
+
+async def _open(store: Store, subject: str, body: dict, headers: dict[str, str], seq: int,
+                trust: evidence.ChainTrust) -> audit.ChainRun | str:
+    """The run of a chain first met at `body` (stream sequence `seq`): new when it is the
+    chain's first trailer, else continued after its earlier trailers (all before `seq`)."""
+    chain_id = S.token(subject, 3) or ""
+    position = body.get("seq")
+    if position == 0:
+        return audit.ChainRun.start(chain_id, trust)
+    if not isinstance(position, int) or position < 0:
+        return f"{chain_id} trailer {position!r}: not a chain position"
+    if subject == CP_SUBJECT:
+        pred = await _predecessor(store, subject, headers, position, seq)
+        if pred is not None:
+            return audit.ChainRun.after(chain_id, position - 1, pred, "pending", trust)
+    run = audit.ChainRun.start(chain_id, trust)
+    for earlier_seq, earlier in await store.read_chain_at(subject):
+        if earlier_seq >= seq:
+            break
+        brk = audit.verify_next(run, earlier, trust, earlier_seq)
+        if brk is not None:
+            return str(brk)
+    return run
+
+
+async def _predecessor(store: Store, subject: str, headers: dict[str, str], position: int,
+                       seq: int) -> str | None:
+    """The hash of the trailer before the one at `seq`, found where the append said it was
+    (the server refuses an append whose expected last sequence is not the subject's last);
+    None when that does not hold up, and the chain is read instead."""
+    try:
+        at = int(headers.get(EXPECTED_LAST, ""))
+    except ValueError:
+        return None
+    if not 0 < at < seq:
+        return None
+    found = await store.trailer_at(at)
+    if found is None or found[0] != subject or found[1] is None:
+        return None
+    pred = found[1]
+    if pred.get("seq") != position - 1 or not isinstance(pred.get("hash"), str):
+        return None
+    return pred["hash"]
