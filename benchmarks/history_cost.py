@@ -4,6 +4,7 @@ an in-process daemon, then times a checkpoint, a second one, a stop, a start on 
 directory and a checkpoint after it. sync 2m: the fill is not what is measured."""
 
 import asyncio
+import shutil
 import sys
 import tempfile
 import time
@@ -61,6 +62,7 @@ async def main(n: int) -> None:
     await d2.stop()
     await nc.close()
     server.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 asyncio.run(main(int(sys.argv[1])))

@@ -102,6 +102,7 @@ class Daemon:
         self.ready = anyio.Event()
         self._refill = anyio.Lock()  # one refill of the state cache at a time
         self._held: dict[int, Msg] = {}  # the inbound messages taken and not yet settled
+        self._count_cached = False  # whether serve() seeds the pending-reviews count
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -120,10 +121,9 @@ class Daemon:
         await self.engine.record_trust()
         await self._policy_in_force()
         await self.engine.sync_switch()
-        if not await self.republish_if_lost():
-            # the cache is whole: what waits for an operator is in it (a refill counts as it goes)
-            for record in await self.store.cached_records():
-                self.engine.note_waiting(record)
+        # the cache is whole: what waits for an operator is in it, counted after ready (a
+        # refill counts as it goes)
+        self._count_cached = not await self.republish_if_lost()
         await self.engine.checkpoint(self._checkpoint_key)  # verifies the log as it was left
         bus.on_reconnect(self.nc, self._reconnected)
         for subject, handler in (
@@ -171,9 +171,23 @@ class Daemon:
                 if self.config.checkpoint_interval_s > 0:
                     tg.start_soon(self._checkpoints, name="improved-checkpoints")
                 tg.start_soon(self._watch_cache, name="improved-cache-watch")
+                if self._count_cached:
+                    tg.start_soon(self._count_waiting, name="improved-count-waiting")
         except Exception:
             log.exception("a background task of the daemon failed; it stops serving")
             raise
+
+    async def _count_waiting(self) -> None:
+        """Seed the pending-reviews metric from the cache after ready, not before: reading
+        every cached record grows with history. A proposal this process already handled is
+        counted by its handling, not by the older cached word."""
+        try:
+            for record in await self.store.cached_records():
+                if not self.engine.handled_here(record.proposal_id):
+                    self.engine.note_waiting(record)
+        except Exception as exc:  # a metric: never worth stopping the daemon for
+            log.warning("could not count the proposals waiting for review",
+                        error=f"{type(exc).__name__}: {exc}")
 
     async def _pause(self, seconds: float) -> None:
         """Sleep `seconds`, or less when the daemon is stopping."""

@@ -1047,6 +1047,10 @@ class Engine:
         finally:
             self._release(pid, lock)
 
+    def handled_here(self, pid: str) -> bool:
+        """Whether this process holds `pid`'s record from its own handling (or chain)."""
+        return pid in self._cache
+
     def note_waiting(self, record: ProposalRecord) -> None:
         """Count `record` in the pending-reviews metric while it waits for an operator or a
         quorum (`authority.is_waiting`, the definition `improved review` lists by)."""
