@@ -35,7 +35,6 @@ from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import (
     APIError,
-    BadRequestError,
     BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
@@ -49,7 +48,35 @@ from improved.core.record import ChainHead, ProposalRecord, record_decoder, reco
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer, to_json
 
-WRONG_LAST_SEQUENCE = 10071
+# The answers JetStream gives a publish whose expected last sequence (of the stream or of the
+# subject: a chain append, a KV create or update) no longer holds: someone wrote first. A single
+# server answers 10071 ("wrong last sequence: N"); a clustered stream also answers 10164 ("wrong
+# last sequence", no number) to a write that finds another write to the same subject still in
+# flight (nats-server's jetstream_batching.go checkMsgHeadersPreClusteredProposal). Both are a
+# conflict: re-read and decide again. Every conflict check in this module uses this one set.
+CONFLICT_CODES = frozenset({
+    10071,  # JSStreamWrongLastSequenceErrF
+    10164,  # JSStreamWrongLastSequenceConstantErr
+})
+
+
+def is_conflict(exc: BaseException) -> bool:
+    """A JetStream answer that someone wrote first (CONFLICT_CODES), as nats-py raises it."""
+    return isinstance(exc, KeyWrongLastSequenceError) or (
+        isinstance(exc, APIError) and exc.err_code in CONFLICT_CODES)
+
+
+async def kv_create(kv: Any, key: str, value: bytes) -> int:
+    """`kv.create`, with a conflict always raised as KeyWrongLastSequenceError. nats-py's
+    create, answered a conflict, reads the key to tell a deleted key (which it then updates)
+    from a live one; on a cluster that read can miss the write that won (still in flight, or
+    served by a replica behind the leader) and raise KeyNotFoundError instead."""
+    try:
+        return await kv.create(key, value)
+    except KeyNotFoundError as exc:
+        raise KeyWrongLastSequenceError(description="wrong last sequence") from exc
+
+
 PUBLISH_ACK_TIMEOUT_S = 10.0
 # How long the inbound consumer waits for an ack before it delivers a message again. Short: a
 # delivery the broker hands to a pull request of a connection that is dying never arrives, and
@@ -296,23 +323,43 @@ class Store:
         return the head that was there before (None for a first proposal under the key)."""
         key = S.dedup_key_of(svc, dedup)
         value = to_json({"proposal_id": pid, "created_at": created_at})
-        for _ in range(8):
+        leader = False
+        for _ in range(MAX_APPEND_ATTEMPTS):
+            current, revision = await self._kv_read(self.dedup, S.BUCKET_DEDUP, key, leader)
             try:
-                entry = await self.dedup.get(key)
-            except KeyNotFoundError:
-                entry = None
-            try:
-                if entry is None or entry.value is None:
-                    await self.dedup.create(key, value)
+                if current is None:
+                    await kv_create(self.dedup, key, value)
                     return None
-                head = msgspec.json.decode(entry.value)
+                head = msgspec.json.decode(current)
                 if (head["created_at"], head["proposal_id"]) >= (created_at, pid):
                     return head
-                await self.dedup.update(key, value, last=entry.revision)
+                await self.dedup.update(key, value, last=revision)
                 return head
-            except (KeyWrongLastSequenceError, BadRequestError):
-                continue
-        return None
+            except APIError as exc:
+                if not is_conflict(exc):
+                    raise
+                # someone wrote first: read what they wrote where it was written (a direct
+                # get may be served by a replica that has not seen it yet)
+                leader = True
+        raise StateConflict(f"{key}: still conflicting after {MAX_APPEND_ATTEMPTS} attempts")
+
+    async def _kv_read(self, kv: Any, bucket: str, key: str,
+                       leader: bool) -> tuple[bytes | None, int]:
+        """(value, revision) of a key, (None, revision) when absent or deleted; with `leader`
+        read from the bucket's stream leader rather than any replica."""
+        if not leader:
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:  # or deleted
+                return None, 0
+            return entry.value, entry.revision or 0
+        try:
+            msg = await self.js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
+        except NotFoundError:
+            return None, 0
+        if msg.headers and msg.headers.get("KV-Operation") in ("DEL", "PURGE"):
+            return None, msg.seq or 0
+        return msg.data, msg.seq or 0
 
     async def ledger_put(self, svc: str, dedup: str, entry: dict[str, Any]) -> None:
         await self.ledger.put(S.dedup_key_of(svc, dedup), to_json(entry))
@@ -340,12 +387,10 @@ class Store:
         data = record_encoder.encode(record)
         try:
             if revision == 0:
-                return await self.kv.create(key, data)
+                return await kv_create(self.kv, key, data)
             return await self.kv.update(key, data, last=revision)
-        except KeyWrongLastSequenceError as exc:
-            raise StateConflict(key) from exc
-        except BadRequestError as exc:
-            if exc.err_code in (WRONG_LAST_SEQUENCE, 10164):
+        except APIError as exc:
+            if is_conflict(exc):
                 raise StateConflict(key) from exc
             raise
 
@@ -417,7 +462,7 @@ class Store:
             ack = await self.js.publish(subject, to_json(trailer), headers=headers,
                                         stream=S.STREAM_AUDIT)
         except APIError as exc:
-            if exc.err_code == WRONG_LAST_SEQUENCE:
+            if is_conflict(exc):
                 raise ChainConflict(subject) from exc
             raise
         if self.signer is not None:
@@ -559,7 +604,7 @@ class Store:
             await self.js.publish(subject, to_json(record), stream=S.STREAM_RECORDS,
                                   headers={"Nats-Expected-Last-Subject-Sequence": "0"})
         except APIError as exc:
-            if exc.err_code != WRONG_LAST_SEQUENCE:
+            if not is_conflict(exc):
                 raise
 
     async def service_of(self, pid: str) -> str | None:

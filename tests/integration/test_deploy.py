@@ -10,7 +10,6 @@ import base64
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -35,24 +34,15 @@ from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore
+from tests.cluster import ACCOUNTS, CLUSTER, DEPLOY, PASSWORDS, Cluster, start_server, stop_server
+from tests.cluster import listening as _listening
+from tests.cluster import local_copy as _local_copy
 from tests.factories import grant, rank_proposal, review, signal, skill_proposal, swap
 from tests.keys import ALICE
 
 ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
-ACCOUNTS = DEPLOY / "accounts.conf"
-CLUSTER = [DEPLOY / "nats-cluster" / f"n{n}.conf" for n in (1, 2, 3)]
 SERVER_CONFIGS = [DEPLOY / "nats-single.conf", *CLUSTER]
 
-# The reference passwords of deploy/accounts.conf.
-PASSWORDS = {
-    "improved-admin": "dev-admin-pw",
-    "improved": "dev-improved-pw",
-    "operator": "dev-operator-pw",
-    "svc-ranking": "dev-ranking-pw",
-    "svc-skills": "dev-skills-pw",
-    "svc-deploy": "dev-deploy-pw",
-}
 FAKE_ID = "ab" * 32
 
 
@@ -162,39 +152,6 @@ async def test_every_reply_comes_under_the_connections_own_inbox_prefix(own_serv
 
 
 # -- b) accounts and permissions on a real server -------------------------------------------
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), 0.2):
-            return True
-    except OSError:
-        return False
-
-
-def start_server(conf: Path, port: int, log: Path, timeout: float = 10.0) -> subprocess.Popen:
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([bus.nats_server_binary(), "-c", str(conf)], stdout=out,
-                                stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"nats-server exited {proc.returncode}: {log.read_text()}")
-        if _listening(port):
-            return proc
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError(f"nats-server did not listen on {port}: {log.read_text()}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 class SecuredServer:
@@ -918,22 +875,6 @@ def test_cluster_nodes_are_distinct():
     assert seen["listen"] == {"127.0.0.1:4222", "127.0.0.1:4223", "127.0.0.1:4224"}
 
 
-def _local_copy(conf: Path, dest: Path, ports: dict[str, int], store: Path) -> Path:
-    """`conf` with its ports and store moved, next to a copy of accounts.conf."""
-    text = conf.read_text()
-    text = re.sub(r"^listen: \S+", f"listen: 127.0.0.1:{ports['client']}", text, flags=re.M)
-    text = re.sub(r"^http: \S+", f"http: 127.0.0.1:{ports['http']}", text, flags=re.M)
-    text = re.sub(r'store_dir: "[^"]*"', f'store_dir: "{store}"', text)
-    text = re.sub(r"^include \S+", "include ./accounts.conf", text, flags=re.M)
-    for old, new in ports.get("routes", {}).items():
-        text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}")
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy(ACCOUNTS, dest / "accounts.conf")
-    out = dest / conf.name
-    out.write_text(text)
-    return out
-
-
 def test_single_node_config_runs_with_fsync_always(tmp_path):
     ports = {"client": bus.free_port(), "http": bus.free_port()}
     conf = _local_copy(DEPLOY / "nats-single.conf", tmp_path, ports, tmp_path / "store")
@@ -952,18 +893,10 @@ def test_single_node_config_runs_with_fsync_always(tmp_path):
 async def test_cluster_configs_form_a_cluster_that_takes_r3_streams(tmp_path):
     """The three node configs (ports moved) elect a meta leader and hold R3 streams made by
     the daemon's Store with replicas=3."""
-    client = {n: bus.free_port() for n in (1, 2, 3)}
-    route_ports = {6221 + n: bus.free_port() for n in (1, 2, 3)}
-    procs = []
+    cluster = Cluster(tmp_path)
     try:
-        for n, conf in zip((1, 2, 3), CLUSTER, strict=True):
-            ports = {"client": client[n], "http": bus.free_port(), "routes": route_ports}
-            local = _local_copy(conf, tmp_path / f"n{n}", ports, tmp_path / f"n{n}" / "store")
-            text = local.read_text().replace(f"listen: 127.0.0.1:{6221 + n}",
-                                             f"listen: 127.0.0.1:{route_ports[6221 + n]}")
-            local.write_text(text)
-            procs.append(start_server(local, client[n], tmp_path / f"n{n}.log"))
-        conn = await connect_as(f"nats://127.0.0.1:{client[1]}", "improved-admin")
+        cluster.start()
+        conn = await connect_as(cluster.url(1), "improved-admin")
         try:
             store = Store(conn.nc, replicas=3)
 
@@ -981,8 +914,7 @@ async def test_cluster_configs_form_a_cluster_that_takes_r3_streams(tmp_path):
         finally:
             await conn.nc.close()
     finally:
-        for proc in procs:
-            stop_server(proc)
+        cluster.stop()
 
 
 # -- d) scripts and the unit -----------------------------------------------------------------
