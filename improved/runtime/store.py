@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+import structlog
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -39,6 +40,7 @@ from nats.js.errors import (
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NotFoundError,
+    ServiceUnavailableError,
 )
 
 from improved.client import chains
@@ -47,6 +49,8 @@ from improved.core.audit import Draft
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer, to_json
+
+log = structlog.get_logger("improved.store")
 
 # The answers JetStream gives a publish whose expected last sequence (of the stream or of the
 # subject: a chain append, a KV create or update) no longer holds: someone wrote first. A single
@@ -77,6 +81,11 @@ async def kv_create(kv: Any, key: str, value: bytes) -> int:
         raise KeyWrongLastSequenceError(description="wrong last sequence") from exc
 
 
+# A look at the deployment's shape (stream info, a bucket's binding) that gets no answer, or a
+# 503, is tried again this often, waiting a little longer each time: a cluster that has just
+# restarted answers nothing while it elects its stream leaders (about 10 s on three nodes).
+LOOK_ATTEMPTS = 6
+LOOK_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 5.0)
 PUBLISH_ACK_TIMEOUT_S = 10.0
 # How long the inbound consumer waits for an ack before it delivers a message again. Short: a
 # delivery the broker hands to a pull request of a connection that is dying never arrives, and
@@ -258,11 +267,15 @@ class Store:
 
     async def _bucket(self, name: str, what: str, done: list[str],
                       storage: jsapi.StorageType = jsapi.StorageType.FILE):
-        """Open a bucket as it is (one created R1 stays R1), or create it when missing."""
+        """Open a bucket, brought to the configured replicas (an R1 bucket of an earlier
+        deployment becomes R3 when `replicas = 3`), or create it when missing."""
         try:
-            return await self._look(f"bucket {name}", lambda: self.js.key_value(name))
+            kv = await self._look(f"bucket {name}", lambda: self.js.key_value(name))
         except BucketNotFoundError:
-            pass
+            kv = None
+        if kv is not None:
+            done += await self._bucket_replicas(name)
+            return kv
         kv = await self._change(f"bucket {name} is missing", lambda: self.js.create_key_value(
             bucket=name, history=1, storage=storage, replicas=self.replicas,
             description=f"improved: {what}"), raced=(10058,))
@@ -270,6 +283,20 @@ class Store:
             return await self._look(f"bucket {name}", lambda: self.js.key_value(name))
         done.append(f"created bucket {name}")
         return kv
+
+    async def _bucket_replicas(self, name: str) -> list[str]:
+        """Update the stream under bucket `name` to the configured replicas if it has others
+        (only the replica count: the rest of a bucket's settings are the KV layer's)."""
+        stream = f"KV_{name}"
+        have = await self._stream_config(stream)
+        if have is None or (have.num_replicas or 1) == self.replicas:
+            return []
+        what = (f"bucket {name} has {have.num_replicas or 1} replicas, this configuration "
+                f"asks for {self.replicas}")
+        await self._change(what, lambda: self.js.update_stream(
+            have.evolve(num_replicas=self.replicas)),
+            refused="a memory bucket keeps its replicas only while the servers run")
+        return [f"updated bucket {name} (replicas {have.num_replicas or 1} -> {self.replicas})"]
 
     async def _stream_config(self, name: str) -> jsapi.StreamConfig | None:
         try:
@@ -279,34 +306,62 @@ class Store:
 
     @staticmethod
     async def _look(what: str, call: Callable[[], Awaitable[Any]]) -> Any:
-        """A read of the deployment's shape; a silent server is an error of one line."""
-        try:
-            return await call()
-        except (TimeoutError, NatsTimeoutError) as exc:
-            raise StoreError(f"cannot read {what}: JetStream did not answer (is it enabled, "
-                             "and may this user read the loop's streams?)") from exc
+        """A read of the deployment's shape. No answer (or a 503) is tried again, with a log
+        line each time, LOOK_ATTEMPTS times in all: a restarted cluster answers nothing while
+        it elects its leaders. Still silent, it is an error of one line."""
+        for attempt in range(1, LOOK_ATTEMPTS + 1):
+            try:
+                return await call()
+            except (TimeoutError, NatsTimeoutError, ServiceUnavailableError) as exc:
+                if attempt == LOOK_ATTEMPTS:
+                    raise StoreError(
+                        f"cannot read {what}: JetStream did not answer {LOOK_ATTEMPTS} times "
+                        "(is it enabled, has the cluster a leader, and may this user read the "
+                        "loop's streams?)") from exc
+                wait = LOOK_BACKOFF_S[min(attempt, len(LOOK_BACKOFF_S)) - 1]
+                log.warning("JetStream did not answer; trying again (a cluster electing its "
+                            "leaders answers nothing for a while)", what=what,
+                            error=type(exc).__name__, attempt=attempt, of=LOOK_ATTEMPTS,
+                            retry_in_s=wait)
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable")
 
     @staticmethod
     async def _change(what: str, call: Callable[[], Awaitable[Any]], *,
                       raced: tuple[int, ...] = (), refused: str = "") -> Any:
         """Make one change: its result, or None when JetStream answers one of the `raced`
         codes (someone made it meanwhile). No answer means this user may not (NeedsProvision);
-        any other refusal is a StoreError naming it."""
-        try:
-            return await call()
-        except (TimeoutError, NatsTimeoutError) as exc:
-            raise NeedsProvision(what) from exc
-        except APIError as exc:
-            if exc.err_code in raced:
-                return None
-            raise StoreError(f"{what}, and JetStream refused the change ({exc.description})"
-                             + (f": {refused}" if refused else "")) from exc
+        any other refusal is a StoreError naming it, except a 503 (JetStream not ready, a
+        cluster without a leader yet), which is tried again as a look is."""
+        for attempt in range(1, LOOK_ATTEMPTS + 1):
+            try:
+                return await call()
+            except (TimeoutError, NatsTimeoutError) as exc:
+                raise NeedsProvision(what) from exc
+            except ServiceUnavailableError as exc:
+                if attempt == LOOK_ATTEMPTS:
+                    raise StoreError(f"{what}, and JetStream is not available to change it "
+                                     f"({exc.description})") from exc
+                wait = LOOK_BACKOFF_S[min(attempt, len(LOOK_BACKOFF_S)) - 1]
+                log.warning("JetStream not ready; trying again", what=what,
+                            error=exc.description, attempt=attempt, of=LOOK_ATTEMPTS,
+                            retry_in_s=wait)
+                await asyncio.sleep(wait)
+            except APIError as exc:
+                if exc.err_code in raced:
+                    return None
+                raise StoreError(f"{what}, and JetStream refused the change ({exc.description})"
+                                 + (f": {refused}" if refused else "")) from exc
+        raise AssertionError("unreachable")
 
     async def bind(self) -> None:
         """Attach to an existing deployment without creating anything (read-only commands)."""
-        self.kv = await self.js.key_value(S.BUCKET_STATE)
-        self.dedup = await self.js.key_value(S.BUCKET_DEDUP)
-        self.ledger = await self.js.key_value(S.BUCKET_LEDGER)
+        self.kv = await self._look(f"bucket {S.BUCKET_STATE}",
+                                   lambda: self.js.key_value(S.BUCKET_STATE))
+        self.dedup = await self._look(f"bucket {S.BUCKET_DEDUP}",
+                                      lambda: self.js.key_value(S.BUCKET_DEDUP))
+        self.ledger = await self._look(f"bucket {S.BUCKET_LEDGER}",
+                                       lambda: self.js.key_value(S.BUCKET_LEDGER))
 
     # -- supersession and the rejection ledger ----------------------------------------------------
 

@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import subprocess
+import time
 
 import msgspec
 import nats
 import pytest
 import pytest_asyncio
+import structlog
 
 from improved.client.sdk import ImproveError, MeshClient, inbox_prefix
 from improved.core import audit, authority, signing
@@ -21,9 +24,10 @@ from improved.protocol import subjects as S
 from improved.protocol.model import GrantCommand, to_json
 from improved.runtime import bus
 from improved.runtime.daemon import Daemon
-from improved.runtime.store import ChainConflict, Store
+from improved.runtime.store import LOOK_ATTEMPTS, ChainConflict, NeedsProvision, Store
 from improved.testing import rank_proposal
 from tests.bus import daemon_config, eventually
+from tests.cli import improved
 from tests.cluster import Cluster
 from tests.factories import now_ms
 from tests.keys import ALICE
@@ -177,3 +181,93 @@ async def test_racing_first_writes_to_the_buckets_give_one_conflict(cluster, on_
             return (await store.dedup_head("clustersave", key))["proposal_id"] == want
 
         await eventually(newest)
+
+
+# -- a cluster that restarts, a raised replica count ------------------------------------------
+
+
+@pytest.fixture
+def fresh_cluster(tmp_path):
+    c = Cluster(tmp_path)
+    c.start()
+    try:
+        c.wait_healthy()
+        yield c
+    finally:
+        c.stop()
+
+
+def provision(cluster: Cluster, *args: str) -> subprocess.CompletedProcess:
+    """`improved provision` as improved-admin, retried while the cluster elects leaders."""
+    deadline = time.monotonic() + 60
+    while True:
+        done = improved("provision", "--nats", cluster.url(1, "improved-admin"), *args)
+        if done.returncode == 0 or time.monotonic() > deadline:
+            return done
+        time.sleep(0.5)
+
+
+async def test_provision_brings_r1_streams_and_buckets_to_r3(fresh_cluster):
+    """A deployment provisioned R1, then `replicas = 3`: `improved provision` updates every
+    stream and every KV bucket to three replicas and says so; the daemon, as user improved,
+    refuses to start before that and starts after it."""
+    first = provision(fresh_cluster, "--replicas", "1")
+    assert first.returncode == 0, first.stdout + first.stderr
+    nc = await bus.connect(fresh_cluster.url(1, "improved"), "test-daemon")
+    try:
+        with pytest.raises(NeedsProvision, match="improved provision"):
+            await Daemon(nc, daemon_config(replicas=3)).start()
+    finally:
+        await bus.close(nc)
+    raised = provision(fresh_cluster, "--replicas", "3")
+    assert raised.returncode == 0, raised.stdout + raised.stderr
+    for bucket in (S.BUCKET_STATE, S.BUCKET_DEDUP, S.BUCKET_LEDGER):
+        assert f"updated bucket {bucket} (replicas 1 -> 3)" in raised.stdout, raised.stdout
+    assert "updated stream IMPROVE_AUDIT (num_replicas)" in raised.stdout, raised.stdout
+    nc = await bus.connect(fresh_cluster.url(2, "improved"), "test-daemon")
+    daemon = Daemon(nc, daemon_config(replicas=3))
+    try:
+        await daemon.start()
+        js = nc.jetstream()
+        for stream in (S.STREAM_AUDIT, f"KV_{S.BUCKET_STATE}", f"KV_{S.BUCKET_DEDUP}",
+                       f"KV_{S.BUCKET_LEDGER}"):
+            assert (await js.stream_info(stream)).config.num_replicas == 3, stream
+    finally:
+        await daemon.stop()
+        await bus.close(nc)
+    again = provision(fresh_cluster, "--replicas", "3")
+    assert again.returncode == 0 and "nothing changed" in again.stdout, again.stdout
+
+
+async def test_a_daemon_starting_with_a_restarted_cluster_waits_for_its_leaders(fresh_cluster):
+    """Every node stopped and started again, and the daemon started at once: while the
+    cluster elects its stream leaders JetStream answers nothing; the daemon says so on a log
+    line per try and starts serving once they are elected, instead of dying."""
+    assert provision(fresh_cluster, "--replicas", "3").returncode == 0
+    fresh_cluster.stop()
+    fresh_cluster.start()
+    nc = await bus.connect(fresh_cluster.url(1, "improved"), "test-daemon")
+    daemon = Daemon(nc, daemon_config(replicas=3))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            await daemon.start()
+        assert daemon.healthy()
+        operator = await as_operator(fresh_cluster, 3)
+        try:
+            pid = (await MeshClient(operator, "restarted").propose(
+                rank_proposal("restarted", change_class="L1"))).proposal_id
+        finally:
+            await operator.close()
+        assert await daemon.store.read_chain("restarted", pid)
+    finally:
+        await daemon.stop()
+        await bus.close(nc)
+    retries = [e for e in logs if e["event"].startswith("JetStream did not answer")]
+    # on two cores the leaders take seconds to elect: the first looks go unanswered
+    assert retries, [e["event"] for e in logs]
+    for what in {e["what"] for e in retries}:  # each look counts its own tries
+        tries = [e["attempt"] for e in retries if e["what"] == what]
+        assert tries == list(range(1, len(tries) + 1)), retries
+    assert all(e["of"] == LOOK_ATTEMPTS and e["what"].startswith(("stream", "bucket",
+                                                                  "consumer"))
+               for e in retries), retries
