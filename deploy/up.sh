@@ -79,6 +79,31 @@ wait_for() {
   done
 }
 
+# Wait until a process this script started (by its name) is ready, as wait_for does, but
+# stop at once when it exits meanwhile, with its exit status and the last lines of its log.
+wait_started() {
+  local name=$1 seconds=$2 what=$3
+  shift 3
+  local pid
+  pid=$(cat "$RUN_DIR/$name.pid")
+  local deadline=$((SECONDS + seconds))
+  until "$@" >/dev/null 2>&1; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      local rc=0
+      wait "$pid" 2>/dev/null || rc=$?
+      rm -f "$RUN_DIR/$name.pid"
+      {
+        echo "up.sh: $what exited (status $rc) before it was ready; the last lines of" \
+          "$RUN_DIR/logs/$name.log:"
+        tail -n 20 "$RUN_DIR/logs/$name.log" | sed 's/^/  | /'
+      } >&2
+      die "$what died; fix the cause, then $HERE/down.sh and up.sh again"
+    fi
+    [ "$SECONDS" -lt "$deadline" ] || die "$what not ready within ${seconds}s"
+    sleep 0.2
+  done
+}
+
 # -- the cluster ------------------------------------------------------------------------------
 for n in 1 2 3; do
   start "n$n" "$NATS_SERVER" -c "$HERE/nats-cluster/n$n.conf"
@@ -94,8 +119,8 @@ with urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/healthz", timeout=1
     sys.exit(0 if r.status == 200 else 1)
 PY
 }
-for port in 8222 8223 8224; do
-  wait_for 30 "nats node (monitor port $port)" healthy "$port"
+for n in 1 2 3; do
+  wait_started "n$n" 30 "nats node n$n (monitor port $((8221 + n)))" healthy "$((8221 + n))"
 done
 echo "up.sh: cluster up: nats://127.0.0.1:4222, :4223, :4224 (monitoring :8222-:8224)"
 
@@ -128,7 +153,8 @@ for i in 1 2; do
   start "improved-$i" "$IMPROVED" run --config "$RUN_DIR/improved-$i.toml"
 done
 for i in 1 2; do
-  wait_for 60 "daemon replica $i" grep -q "improved: ready" "$RUN_DIR/logs/improved-$i.log"
+  wait_started "improved-$i" 60 "daemon replica $i" \
+    grep -q "improved: ready" "$RUN_DIR/logs/improved-$i.log"
 done
 echo "up.sh: two daemon replicas ready (logs: $RUN_DIR/logs/improved-1.log, improved-2.log)"
 
@@ -136,7 +162,7 @@ echo "up.sh: two daemon replicas ready (logs: $RUN_DIR/logs/improved-1.log, impr
 if [ "$WITH_RANKING" = 1 ]; then
   start ranking "$PYTHON" -m improved_reference.ranking_store --service ranking \
     --nats "nats://$RANKING_AUTH@127.0.0.1:4224"
-  wait_for 30 "ranking store" grep -q "serving ranking.improve.apply" \
+  wait_started ranking 30 "ranking store" grep -q "serving ranking.improve.apply" \
     "$RUN_DIR/logs/ranking.log"
   echo "up.sh: ranking store serving ranking.improve.apply as svc-ranking"
 fi
