@@ -102,8 +102,8 @@ class StoreError(RuntimeError):
     """The deployment's streams cannot be brought to the configuration asked for."""
 
 
-PROVISION_HINT = ("run `improved provision --nats nats://improved-admin:PASSWORD@HOST:4222` "
-                  "(the deployment's provisioning credential) first")
+PROVISION_HINT = ("run `improved provision` as the provisioning user first (improved-admin: "
+                  "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE)")
 
 
 class NeedsProvision(StoreError):
