@@ -30,6 +30,13 @@ metrics_host = "127.0.0.1"
 checkpoint_interval_s = 300          # sign a checkpoint over the whole audit log this often
 checkpoint_key = "/etc/improved/checkpoint.pem"   # default: <data_dir>/checkpoint.pem
 
+[nats]                               # credentials, each in a file read at start (one kind):
+user = "improved"                    # a user and password_file, or token_file, or creds_file
+password_file = "/etc/improved/nats-password"   # (a NATS .creds file); TLS: tls_ca, tls_cert
+                                     # and tls_key. IMPROVED_NATS_USER, _PASSWORD_FILE,
+                                     # _TOKEN_FILE, _CREDS_FILE, _TLS_CA, _TLS_CERT, _TLS_KEY
+                                     # win over these; a user:password in nats_url still works
+
 [policy]
 forbidden_targets = ["deploy/secrets/**"]   # globs forbidden besides the constitution's Art. VI
                                      # list, which always applies (default: none added)

@@ -18,7 +18,16 @@ from improved.core.guards import DEFAULT_FORBIDDEN
 from improved.core.policy import loosening
 from improved.core.signing import raw_public
 from improved.runtime import config as config_module
-from improved.runtime.config import ApplySettings, Config, ConfigError, Policy, Trust, load, parse
+from improved.runtime.config import (
+    ApplySettings,
+    Config,
+    ConfigError,
+    NatsSettings,
+    Policy,
+    Trust,
+    load,
+    parse,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -225,6 +234,7 @@ def test_the_docstring_example_loads_to_its_values(tmp_path):
         max_message_bytes=262144, replicas=1, records_storage="file", metrics_port=9464,
         metrics_host="127.0.0.1", checkpoint_interval_s=300.0,
         checkpoint_key=Path("/etc/improved/checkpoint.pem"),
+        nats=NatsSettings(user="improved", password_file=Path("/etc/improved/nats-password")),
         policy=Policy(forbidden_targets=("deploy/secrets/**",), min_class={"config": "L4"},
                       fallback_min_class="L2", policy_principal="policy:auto",
                       effect_window_ms=86400000, autonomy="on",
@@ -245,6 +255,7 @@ def test_the_readme_example_loads_to_its_values(tmp_path):
     assert config == Config(
         nats_url="nats://127.0.0.1:4222", data_dir=Path(".improved"), port=4222, sync="always",
         max_message_bytes=262144, metrics_port=9464, replicas=1, records_storage="file",
+        nats=NatsSettings(user="improved", password_file=Path("/etc/improved/nats-password")),
         policy=Policy(forbidden_targets=("deploy/secrets/**",),
                       min_class={"config": "L4"}, fallback_min_class="L2",
                       policy_principal="policy:auto", effect_window_ms=86400000, autonomy="on",
@@ -363,7 +374,6 @@ def test_a_signer_must_be_an_identity(name):
 
 def test_credentials_come_from_their_files_and_never_show_in_the_servers(tmp_path):
     from improved.runtime import bus
-    from improved.runtime.config import NatsSettings
 
     pw = tmp_path / "pw"
     pw.write_text("s3cret-pw\n")
@@ -384,7 +394,6 @@ def test_credentials_come_from_their_files_and_never_show_in_the_servers(tmp_pat
 
 def test_a_credential_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch):
     from improved.runtime import bus
-    from improved.runtime.config import NatsSettings
 
     def line(url: str, settings) -> str:
         with pytest.raises(ConfigError) as caught:
@@ -442,7 +451,6 @@ def test_tls_files_make_a_client_context(tmp_path):
     from cryptography.x509.oid import NameOID
 
     from improved.runtime import bus
-    from improved.runtime.config import NatsSettings
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "improved")])
