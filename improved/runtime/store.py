@@ -313,6 +313,8 @@ class Store:
             try:
                 return await call()
             except (TimeoutError, NatsTimeoutError, ServiceUnavailableError) as exc:
+                if isinstance(exc, ServiceUnavailableError) and exc.err_code is None:
+                    raise  # no responders: no JetStream here at all, not one not ready yet
                 if attempt == LOOK_ATTEMPTS:
                     raise StoreError(
                         f"cannot read {what}: JetStream did not answer {LOOK_ATTEMPTS} times "
@@ -339,6 +341,8 @@ class Store:
             except (TimeoutError, NatsTimeoutError) as exc:
                 raise NeedsProvision(what) from exc
             except ServiceUnavailableError as exc:
+                if exc.err_code is None:
+                    raise  # no responders: no JetStream here at all
                 if attempt == LOOK_ATTEMPTS:
                     raise StoreError(f"{what}, and JetStream is not available to change it "
                                      f"({exc.description})") from exc

@@ -956,6 +956,24 @@ async def test_the_daemon_and_the_cli_connect_with_a_token_file(tmp_path):
     assert "t0ken-s3cret" not in daemon.output()
 
 
+async def test_provision_says_at_once_when_the_server_has_no_jetstream(tmp_path):
+    """Start-up retries wait for a cluster electing its leaders, not for a server with no
+    JetStream at all: that is one line, at once."""
+    port = bus.free_port()
+    conf = tmp_path / "plain.conf"
+    conf.write_text(f"listen: 127.0.0.1:{port}\n")
+    proc = start_server(conf, port, tmp_path / "plain.log")
+    try:
+        began = time.monotonic()
+        rc, out = await cli("provision", "--nats", f"nats://127.0.0.1:{port}")
+        took = time.monotonic() - began
+    finally:
+        stop_server(proc)
+    assert (rc, out.strip()) == (2, f"improved provision: nats://127.0.0.1:{port}: JetStream "
+                                    "is not available there (not enabled, or not ready yet)")
+    assert took < 5, took
+
+
 # -- c) the server configs -------------------------------------------------------------------
 
 
