@@ -23,6 +23,7 @@ from typing import Any
 
 from improved.protocol.model import AnalyzerRef, Origin, Proposal, Summary
 from improved.runtime import bus
+from improved.runtime.bus import Target
 from improved.runtime.config import Config
 from improved.runtime.daemon import Daemon
 
@@ -50,7 +51,7 @@ def nats_server(data_dir: Path | None = None, sync: str = "2m") -> Iterator[str]
 
 
 @asynccontextmanager
-async def running_daemon(url: str, config: Config | None = None,
+async def running_daemon(url: str | Target, config: Config | None = None,
                          name: str = "improved-testing") -> AsyncIterator[Daemon]:
     """An improved daemon in this process, on the server at `url`, drained on exit (without a
     `config`, with a temporary data directory)."""

@@ -288,10 +288,11 @@ async def run(cls: type[KVService], url: str, service: str,
     from improved.runtime import bus
 
     name = f"{cls.KIND.replace(' ', '-')}-{service}"
+    where = bus.target(url)  # credentials from the URL or the IMPROVED_NATS_* files
     try:  # reconnects are forever once up, but a first connection that never comes is an error
-        nc = await asyncio.wait_for(bus.connect(url, name), CONNECT_S)
+        nc = await asyncio.wait_for(bus.connect(where, name), CONNECT_S)
     except TimeoutError:
-        raise bus.BusError(f"cannot reach NATS at {url} within {CONNECT_S:g}s") from None
+        raise bus.BusError(f"cannot reach NATS at {where.where} within {CONNECT_S:g}s") from None
     store = cls(nc, service, verify_acceptance=verify_acceptance)
     await store.start()
     stop = asyncio.Event()
@@ -309,7 +310,9 @@ async def run(cls: type[KVService], url: str, service: str,
 def main(cls: type[KVService], argv: list[str] | None, module: str, description: str) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
     parser.add_argument("--nats", default="nats://127.0.0.1:4222", metavar="URL",
-                        help="NATS server with JetStream (default: %(default)s)")
+                        help="NATS server with JetStream (default: %(default)s); credentials "
+                             "from IMPROVED_NATS_USER and IMPROVED_NATS_PASSWORD_FILE (or "
+                             "_TOKEN_FILE, _CREDS_FILE, _TLS_*)")
     parser.add_argument("--service", required=True, metavar="NAME",
                         help="the service name this store owns, [a-z][a-z0-9_-]{0,62}")
     parser.add_argument("--verify-acceptance", action="store_true",

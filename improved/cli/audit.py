@@ -18,10 +18,11 @@ from improved.core.checkpoint import Anchor, StreamView
 from improved.core.record import same_state
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
+from improved.runtime.bus import Target
 from improved.runtime.config import Config
 
 
-async def _verify(url: str, pid: str | None, anchor_path: Path | None,
+async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
                   trusted: set[str], config: Config) -> int:
     from improved.runtime import anchor
 
@@ -151,7 +152,7 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
                                config))
 
 
-async def _rebuild(url: str, config: Config, write: bool) -> int:
+async def _rebuild(url: str | Target, config: Config, write: bool) -> int:
     from improved.core.propose import rebuild_record
 
     async with deployment(url) as store:

@@ -19,6 +19,7 @@ import structlog
 from improved.protocol import subjects as S
 from improved.protocol.model import to_json
 from improved.runtime import bus, keys
+from improved.runtime.bus import Target
 from improved.runtime.config import Config, load
 from improved.runtime.store import Store
 
@@ -50,8 +51,10 @@ def config_of(args: argparse.Namespace) -> Config:
     return load(getattr(args, "config", None))
 
 
-def url_of(args: argparse.Namespace, config: Config) -> str:
-    return args.nats or config.nats_url or DEFAULT_URL
+def url_of(args: argparse.Namespace, config: Config) -> bus.Target:
+    """Where the command connects (--nats, else the config's nats_url, else the default) and
+    as whom (the config's `[nats]` credentials and TLS files, or the environment's)."""
+    return bus.target(args.nats or config.nats_url or DEFAULT_URL, config.nats)
 
 
 def out(obj: Any) -> None:
@@ -59,7 +62,7 @@ def out(obj: Any) -> None:
 
 
 @asynccontextmanager
-async def deployment(url: str, bind: bool = True) -> AsyncIterator[Store]:
+async def deployment(url: str | Target, bind: bool = True) -> AsyncIterator[Store]:
     """A one-shot connection to a running deployment, its buckets bound (nothing created)."""
     nc = await bus.connect(url, "improved-cli", persistent=False)
     try:
@@ -71,7 +74,7 @@ async def deployment(url: str, bind: bool = True) -> AsyncIterator[Store]:
         await bus.close(nc)
 
 
-async def request(url: str, subject: str, body: bytes, timeout: float) -> dict[str, Any]:
+async def request(url: str | Target, subject: str, body: bytes, timeout: float) -> dict[str, Any]:
     async with deployment(url, bind=False) as store:
         reply = await store.nc.request(subject, body, timeout=timeout)
         return msgspec.json.decode(reply.data)
@@ -86,7 +89,7 @@ async def find_proposal(store: Store, pid: str) -> tuple[str, str] | None:
     return (svc, pid) if svc is not None else None
 
 
-async def locate(url: str, pid: str) -> tuple[str, Any] | None:
+async def locate(url: str | Target, pid: str) -> tuple[str, Any] | None:
     """(service, record) of a proposal as its chain says — never the state cache, since what
     an operator or a voter signs names it: None without a chain whose links verify."""
     from improved.core import audit
@@ -121,14 +124,16 @@ def signer_of(args: argparse.Namespace) -> tuple[str, Any]:
     return principal, keys.load_key(keys.key_path(principal))
 
 
-async def publish_act(url: str, subject: str, env) -> None:
+async def publish_act(url: str | Target, subject: str, env) -> None:
     async with deployment(url, bind=False) as store:
         await store.js.publish(subject, to_json(env), stream=S.STREAM_INBOUND)
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", metavar="URL",
-                   help=f"NATS server URL (default: config nats_url, else {DEFAULT_URL})")
+                   help=f"NATS server URL (default: config nats_url, else {DEFAULT_URL}); "
+                        "credentials come from the config's [nats] files or IMPROVED_NATS_* "
+                        "(a user:password in the URL still works)")
     p.add_argument("--config", metavar="FILE",
                    help="TOML configuration file (default: $IMPROVED_CONFIG)")
 

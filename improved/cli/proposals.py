@@ -24,6 +24,7 @@ from improved.cli.queries import review_view, status_view
 from improved.core import audit, authority
 from improved.protocol import canonical
 from improved.protocol import subjects as S
+from improved.runtime.bus import Target
 from improved.runtime.config import Config
 
 
@@ -43,7 +44,7 @@ def cmd_propose(args: argparse.Namespace) -> int:
     return 1 if "error" in reply else 0
 
 
-async def _show(url: str, pid: str, config: Config) -> int:
+async def _show(url: str | Target, pid: str, config: Config) -> int:
     from improved.cli.audit import chain_trust, trusted_daemons
     from improved.core import evidence
     from improved.core.policy import Policy

@@ -18,12 +18,13 @@ from nats.js.errors import ServiceUnavailableError
 
 from improved.cli.common import add_connection_args, config_of, url_of
 from improved.runtime import bus
+from improved.runtime.bus import Target
 from improved.runtime.store import NeedsProvision, Store, StoreError
 
-ADMIN_URL = "nats://improved-admin:PASSWORD@HOST:4222"
+ADMIN = "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"
 
 
-async def _provision(url: str, replicas: int, records_storage: str) -> list[str]:
+async def _provision(url: str | Target, replicas: int, records_storage: str) -> list[str]:
     nc = await bus.connect(url, "improved-provision", persistent=False)
     try:
         return await Store(nc, replicas, records_storage).ensure()
@@ -35,13 +36,13 @@ def cmd_provision(args: argparse.Namespace) -> int:
     config = config_of(args)
     replicas = args.replicas or config.replicas
     url = url_of(args, config)
-    where = ",".join(bus.split_credentials(url)[0])  # never print a password
+    where = url.where  # never print a password
     try:
         changes = asyncio.run(_provision(url, replicas, config.records_storage))
     except NeedsProvision as exc:
         print(f"improved provision: {exc.what}, and these credentials may not change it "
-              f"(JetStream did not answer): connect as the provisioning user, e.g. --nats "
-              f"{ADMIN_URL}", file=sys.stderr)
+              f"(JetStream did not answer): connect as the provisioning user, e.g. "
+              f"{ADMIN}", file=sys.stderr)
         return 2
     except StoreError as exc:
         print(f"improved provision: {exc}", file=sys.stderr)
@@ -73,7 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "it prints each change. With deploy/accounts.conf the daemon's user may "
                     "not do this (it cannot create, update, delete or purge the audit stream, "
                     "nor update or delete the other streams): run it as the provisioning user "
-                    f"(--nats {ADMIN_URL}) before the daemon's first start and after an "
+                    f"({ADMIN}, or its [nats] user and password_file) before the daemon's first start and after an "
                     "upgrade or a change of `replicas`. Replicas and records storage come "
                     "from the daemon's configuration file (--config). Exits 2, with one line "
                     "saying why, when a change is not allowed or refused.")

@@ -13,17 +13,18 @@ from improved.cli.common import deployment
 from improved.core import authority
 from improved.core.policy import Policy
 from improved.protocol import subjects as S
+from improved.runtime.bus import Target
 from improved.runtime.store import Store, decode_trailer
 
 
-async def review_queue(url: str, policy: Policy | None = None) -> list[dict[str, Any]]:
+async def review_queue(url: str | Target, policy: Policy | None = None) -> list[dict[str, Any]]:
     """What `improved review` lists: every proposal waiting for an operator or a quorum
     (`authority.is_waiting`) and every surfaced L1 proposal, oldest first."""
     queue, _ = await review_view(url, policy or Policy())
     return queue
 
 
-async def review_view(url: str, policy: Policy) -> tuple[list[dict[str, Any]], str]:
+async def review_view(url: str | Target, policy: Policy) -> tuple[list[dict[str, Any]], str]:
     """The review queue, and where it was read: `cache` or `chains`."""
     async with deployment(url, bind=False) as store:
         records, source = await current_records(store, policy)
@@ -82,7 +83,7 @@ async def current_records(store: Store, policy: Policy) -> tuple[list, str]:
     return records, "chains"
 
 
-async def status_view(url: str) -> dict[str, Any]:
+async def status_view(url: str | Target) -> dict[str, Any]:
     from improved.core import breaker
 
     async with deployment(url, bind=False) as store:

@@ -34,13 +34,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         stop = stop_on_signals()
-        nc = await bus.connect(url, "improved")
+        nc = await bus.connect(where, "improved")
         return await run_until_stopped(
             nc, config, stop=stop,
-            on_ready=lambda d: print(f"improved: ready as {d.actor} on {url}",
+            on_ready=lambda d: print(f"improved: ready as {d.actor} on {where.where}",
                                      file=sys.stderr, flush=True))
 
     try:
+        where = bus.target(url, config.nats)  # the credential files are read here, once
         return asyncio.run(main())
     finally:
         if server is not None:

@@ -8,6 +8,7 @@ are nats-py's own exceptions: they mean "nobody answered", not "the daemon said 
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -20,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from improved.core import propose as propose_stage
 from improved.core import signing
@@ -136,12 +137,35 @@ def failed(error: str) -> ApplyResult:
     return ApplyResult(ok=False, error=error[:ERROR_LIMIT])
 
 
+# A clustered stream answers a publish whose Nats-Msg-Id another publish is storing at that
+# moment with 409 / 10158 (JSStreamDuplicateMessageConflict, "duplicate message id is in
+# process"), where a single server would acknowledge it as a duplicate. Asked again a moment
+# later, the stream knows the message: a duplicate, acknowledged (or stored, if the other
+# publish failed after all).
+DUPLICATE_IN_PROCESS = 10158
+DUPLICATE_RETRIES = 8
+
+
+async def publish_deduplicated(js: JetStreamContext, subject: str, data: bytes, msg_id: str,
+                       stream: str) -> None:
+    """Publish into `stream` deduplicated by `msg_id`: the same message published twice, even
+    at the same moment on a cluster, is one message and both publishes succeed."""
+    for attempt in range(DUPLICATE_RETRIES):
+        try:
+            await js.publish(subject, data, headers={"Nats-Msg-Id": msg_id}, stream=stream)
+            return
+        except APIError as exc:
+            if exc.err_code != DUPLICATE_IN_PROCESS or attempt == DUPLICATE_RETRIES - 1:
+                raise
+            await asyncio.sleep(0.01 * 2 ** attempt)
+
+
 async def enqueue(js: JetStreamContext, service: str, data: bytes, pid: str) -> None:
     """Put a proposal into the inbound stream, durably (acknowledged by JetStream) and
     deduplicated (`Nats-Msg-Id`, `subjects.message_id`): enqueueing the same message twice is
     one message, and no other message can take its place."""
-    await js.publish(S.inbound_proposal(service), data,
-                     headers={"Nats-Msg-Id": S.message_id(pid, data)}, stream=S.STREAM_INBOUND)
+    await publish_deduplicated(js, S.inbound_proposal(service), data, S.message_id(pid, data),
+                       S.STREAM_INBOUND)
 
 
 class MeshClient:
@@ -225,9 +249,8 @@ class MeshClient:
             raise ImproveError.from_wire(err) from None
         digest = propose_stage.signal_digest(parsed)
         data = signed_signal(signal, key)
-        await self.js.publish(S.inbound_outcome(service or self.service), data,
-                              headers={"Nats-Msg-Id": S.message_id(digest, data)},
-                              stream=S.STREAM_INBOUND)
+        await publish_deduplicated(self.js, S.inbound_outcome(service or self.service), data,
+                                   S.message_id(digest, data), S.STREAM_INBOUND)
         return digest
 
     # -- retained records --------------------------------------------------------------------------

@@ -30,6 +30,13 @@ metrics_host = "127.0.0.1"
 checkpoint_interval_s = 300          # sign a checkpoint over the whole audit log this often
 checkpoint_key = "/etc/improved/checkpoint.pem"   # default: <data_dir>/checkpoint.pem
 
+[nats]                               # credentials, each in a file read at start (one kind):
+user = "improved"                    # a user and password_file, or token_file, or creds_file
+password_file = "/etc/improved/nats-password"   # (a NATS .creds file); TLS: tls_ca, tls_cert
+                                     # and tls_key. IMPROVED_NATS_USER, _PASSWORD_FILE,
+                                     # _TOKEN_FILE, _CREDS_FILE, _TLS_CA, _TLS_CERT, _TLS_KEY
+                                     # win over these; a user:password in nats_url still works
+
 [policy]
 forbidden_targets = ["deploy/secrets/**"]   # globs forbidden besides the constitution's Art. VI
                                      # list, which always applies (default: none added)
@@ -135,8 +142,40 @@ class Trust(_Section, kw_only=True):
         return set(TrustStore.from_config(self.daemons).keys)
 
 
+class NatsSettings(_Section, kw_only=True):
+    """How the daemon and the CLI authenticate to NATS (`[nats]`), each key also given by an
+    environment variable (NATS_ENV, which wins over the file). Secrets live in files, read at
+    start: never in the URL, the config file or a log line."""
+
+    user: Text | None = None  # with password_file
+    password_file: Path | None = None  # the password, alone in the file
+    token_file: Path | None = None  # an authorization token, alone in the file
+    creds_file: Path | None = None  # a NATS `.creds` file (user JWT and nkey seed)
+    tls_cert: Path | None = None  # a client certificate (PEM), with tls_key
+    tls_key: Path | None = None
+    tls_ca: Path | None = None  # the CA that signed the servers' certificates (PEM)
+
+    def credentials(self) -> list[str]:
+        """The credential options set, by key name."""
+        return [k for k in ("user", "password_file", "token_file", "creds_file")
+                if getattr(self, k) is not None]
+
+
+# `[nats]` keys given by the environment, which wins over the file
+NATS_ENV = {
+    "user": "IMPROVED_NATS_USER",
+    "password_file": "IMPROVED_NATS_PASSWORD_FILE",
+    "token_file": "IMPROVED_NATS_TOKEN_FILE",
+    "creds_file": "IMPROVED_NATS_CREDS_FILE",
+    "tls_cert": "IMPROVED_NATS_TLS_CERT",
+    "tls_key": "IMPROVED_NATS_TLS_KEY",
+    "tls_ca": "IMPROVED_NATS_TLS_CA",
+}
+
+
 class Config(_Section, kw_only=True):
     nats_url: Text | None = None
+    nats: NatsSettings = field(default_factory=NatsSettings)
     data_dir: Path = Path(".improved")
     port: Port = 4222
     sync: Sync = "always"
@@ -163,6 +202,9 @@ def _dec_hook(typ: type, obj: Any) -> Any:
 
 def parse(doc: object) -> Config:
     """The Config a decoded TOML document describes, or ConfigError naming the first bad key."""
+    if isinstance(doc, dict) and isinstance(doc.get("nats"), str):  # the URL, misnamed
+        raise ConfigError("config error: nats: expected table (user, password_file, "
+                          "token_file, creds_file, tls_*), got str (did you mean nats_url?)")
     try:
         config = msgspec.convert(doc, Config, dec_hook=_dec_hook)
     except msgspec.ValidationError as exc:
@@ -182,14 +224,55 @@ def parse(doc: object) -> Config:
     if loose is not None:
         where, why = loose
         raise ConfigError(f"config error: {_dotted(('policy', *where))}: {why}")
+    check_nats(config.nats)
     return config
 
 
+def with_env(config: Config, environ: typing.Mapping[str, str] | None = None) -> Config:
+    """`config` with the `[nats]` keys the environment sets (NATS_ENV) in place of the file's;
+    ConfigError naming the variable when its value is not one."""
+    environ = os.environ if environ is None else environ
+    given = {key: environ[var] for key, var in NATS_ENV.items() if environ.get(var)}
+    if not given:
+        return config
+    settings = msgspec.structs.replace(config.nats, **{
+        key: value if key == "user" else Path(value) for key, value in given.items()})
+    check_nats(settings, env=True)
+    return msgspec.structs.replace(config, nats=settings)
+
+
+def nats_key(key: str, env: bool = False) -> str:
+    """How a `[nats]` key is named in an error: `nats.password_file`, or with its variable."""
+    var = NATS_ENV[key]
+    return f"nats.{key} ({var})" if env or os.environ.get(var) else f"nats.{key}"
+
+
+def check_nats(settings: NatsSettings, env: bool = False) -> None:
+    """One credential at most, and each with what it needs."""
+    given = settings.credentials()
+    if settings.user is not None and settings.password_file is None:
+        raise ConfigError(f"config error: {nats_key('user', env)}: needs "
+                          f"{nats_key('password_file', env)} (the password, in a file)")
+    if settings.password_file is not None and settings.user is None:
+        raise ConfigError(f"config error: {nats_key('password_file', env)}: needs "
+                          f"{nats_key('user', env)}")
+    kinds = {"password" if k in ("user", "password_file") else k for k in given}
+    if len(kinds) > 1:
+        raise ConfigError(f"config error: {nats_key(given[-1], env)}: one credential only "
+                          "(user and password_file, token_file or creds_file), got "
+                          + ", ".join(f"nats.{k}" for k in given))
+    if (settings.tls_cert is None) != (settings.tls_key is None):
+        have, need = (("tls_cert", "tls_key") if settings.tls_key is None
+                      else ("tls_key", "tls_cert"))
+        raise ConfigError(f"config error: {nats_key(have, env)}: needs {nats_key(need, env)}")
+
+
 def load(path: str | os.PathLike | None = None) -> Config:
-    """Read the TOML file named by `path` or `IMPROVED_CONFIG`; defaults when neither is set."""
+    """Read the TOML file named by `path` or `IMPROVED_CONFIG` (defaults when neither is set),
+    with the `[nats]` keys the environment sets (NATS_ENV) over the file's."""
     path = path or os.environ.get("IMPROVED_CONFIG")
     if not path:
-        return Config()
+        return with_env(Config())
     try:
         with open(path, "rb") as fh:
             doc = tomllib.load(fh)
@@ -199,7 +282,7 @@ def load(path: str | os.PathLike | None = None) -> Config:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc}") from exc
-    return parse(doc)
+    return with_env(parse(doc))
 
 
 # -- one line naming the key ---------------------------------------------------------------------

@@ -33,7 +33,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import FetchTimeoutError
 
-from improved.client.sdk import enqueue
+from improved.client.sdk import enqueue, publish_deduplicated
 from improved.core import apply as apply_stage
 from improved.core import policy, propose
 from improved.core.authority import Act
@@ -581,10 +581,8 @@ class Daemon:
             raise wire.WireError(wire.MISSING_FIELD, "a refine signal names its proposal_id",
                                  "proposal_id")
         # Durable first, like a proposal: the inbound consumer carries any apply it releases.
-        await self.store.js.publish(S.inbound_outcome(svc), msg.data,
-                                    headers={"Nats-Msg-Id": S.message_id(
-                                        propose.signal_digest(sig), msg.data)},
-                                    stream=S.STREAM_INBOUND)
+        await publish_deduplicated(self.store.js, S.inbound_outcome(svc), msg.data,
+                           S.message_id(propose.signal_digest(sig), msg.data), S.STREAM_INBOUND)
         handled = await self._count(svc, sig, env, fresh=True, dispatch=False)
         counted = handled.counted
         if handled is not None and handled.record is None:

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
+import structlog
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -35,11 +36,11 @@ from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import (
     APIError,
-    BadRequestError,
     BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NotFoundError,
+    ServiceUnavailableError,
 )
 
 from improved.client import chains
@@ -49,7 +50,42 @@ from improved.core.record import ChainHead, ProposalRecord, record_decoder, reco
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer, to_json
 
-WRONG_LAST_SEQUENCE = 10071
+log = structlog.get_logger("improved.store")
+
+# The answers JetStream gives a publish whose expected last sequence (of the stream or of the
+# subject: a chain append, a KV create or update) no longer holds: someone wrote first. A single
+# server answers 10071 ("wrong last sequence: N"); a clustered stream also answers 10164 ("wrong
+# last sequence", no number) to a write that finds another write to the same subject still in
+# flight (nats-server's jetstream_batching.go checkMsgHeadersPreClusteredProposal). Both are a
+# conflict: re-read and decide again. Every conflict check in this module uses this one set.
+CONFLICT_CODES = frozenset({
+    10071,  # JSStreamWrongLastSequenceErrF
+    10164,  # JSStreamWrongLastSequenceConstantErr
+})
+
+
+def is_conflict(exc: BaseException) -> bool:
+    """A JetStream answer that someone wrote first (CONFLICT_CODES), as nats-py raises it."""
+    return isinstance(exc, KeyWrongLastSequenceError) or (
+        isinstance(exc, APIError) and exc.err_code in CONFLICT_CODES)
+
+
+async def kv_create(kv: Any, key: str, value: bytes) -> int:
+    """`kv.create`, with a conflict always raised as KeyWrongLastSequenceError. nats-py's
+    create, answered a conflict, reads the key to tell a deleted key (which it then updates)
+    from a live one; on a cluster that read can miss the write that won (still in flight, or
+    served by a replica behind the leader) and raise KeyNotFoundError instead."""
+    try:
+        return await kv.create(key, value)
+    except KeyNotFoundError as exc:
+        raise KeyWrongLastSequenceError(description="wrong last sequence") from exc
+
+
+# A look at the deployment's shape (stream info, a bucket's binding) that gets no answer, or a
+# 503, is tried again this often, waiting a little longer each time: a cluster that has just
+# restarted answers nothing while it elects its stream leaders (about 10 s on three nodes).
+LOOK_ATTEMPTS = 6
+LOOK_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 5.0)
 PUBLISH_ACK_TIMEOUT_S = 10.0
 # How long the inbound consumer waits for an ack before it delivers a message again. Short: a
 # delivery the broker hands to a pull request of a connection that is dying never arrives, and
@@ -66,8 +102,8 @@ class StoreError(RuntimeError):
     """The deployment's streams cannot be brought to the configuration asked for."""
 
 
-PROVISION_HINT = ("run `improved provision --nats nats://improved-admin:PASSWORD@HOST:4222` "
-                  "(the deployment's provisioning credential) first")
+PROVISION_HINT = ("run `improved provision` as the provisioning user first (improved-admin: "
+                  "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE)")
 
 
 class NeedsProvision(StoreError):
@@ -231,11 +267,15 @@ class Store:
 
     async def _bucket(self, name: str, what: str, done: list[str],
                       storage: jsapi.StorageType = jsapi.StorageType.FILE):
-        """Open a bucket as it is (one created R1 stays R1), or create it when missing."""
+        """Open a bucket, brought to the configured replicas (an R1 bucket of an earlier
+        deployment becomes R3 when `replicas = 3`), or create it when missing."""
         try:
-            return await self._look(f"bucket {name}", lambda: self.js.key_value(name))
+            kv = await self._look(f"bucket {name}", lambda: self.js.key_value(name))
         except BucketNotFoundError:
-            pass
+            kv = None
+        if kv is not None:
+            done += await self._bucket_replicas(name)
+            return kv
         kv = await self._change(f"bucket {name} is missing", lambda: self.js.create_key_value(
             bucket=name, history=1, storage=storage, replicas=self.replicas,
             description=f"improved: {what}"), raced=(10058,))
@@ -243,6 +283,20 @@ class Store:
             return await self._look(f"bucket {name}", lambda: self.js.key_value(name))
         done.append(f"created bucket {name}")
         return kv
+
+    async def _bucket_replicas(self, name: str) -> list[str]:
+        """Update the stream under bucket `name` to the configured replicas if it has others
+        (only the replica count: the rest of a bucket's settings are the KV layer's)."""
+        stream = f"KV_{name}"
+        have = await self._stream_config(stream)
+        if have is None or (have.num_replicas or 1) == self.replicas:
+            return []
+        what = (f"bucket {name} has {have.num_replicas or 1} replicas, this configuration "
+                f"asks for {self.replicas}")
+        await self._change(what, lambda: self.js.update_stream(
+            have.evolve(num_replicas=self.replicas)),
+            refused="a memory bucket keeps its replicas only while the servers run")
+        return [f"updated bucket {name} (replicas {have.num_replicas or 1} -> {self.replicas})"]
 
     async def _stream_config(self, name: str) -> jsapi.StreamConfig | None:
         try:
@@ -252,34 +306,66 @@ class Store:
 
     @staticmethod
     async def _look(what: str, call: Callable[[], Awaitable[Any]]) -> Any:
-        """A read of the deployment's shape; a silent server is an error of one line."""
-        try:
-            return await call()
-        except (TimeoutError, NatsTimeoutError) as exc:
-            raise StoreError(f"cannot read {what}: JetStream did not answer (is it enabled, "
-                             "and may this user read the loop's streams?)") from exc
+        """A read of the deployment's shape. No answer (or a 503) is tried again, with a log
+        line each time, LOOK_ATTEMPTS times in all: a restarted cluster answers nothing while
+        it elects its leaders. Still silent, it is an error of one line."""
+        for attempt in range(1, LOOK_ATTEMPTS + 1):
+            try:
+                return await call()
+            except (TimeoutError, NatsTimeoutError, ServiceUnavailableError) as exc:
+                if isinstance(exc, ServiceUnavailableError) and exc.err_code is None:
+                    raise  # no responders: no JetStream here at all, not one not ready yet
+                if attempt == LOOK_ATTEMPTS:
+                    raise StoreError(
+                        f"cannot read {what}: JetStream did not answer {LOOK_ATTEMPTS} times "
+                        "(is it enabled, has the cluster a leader, and may this user read the "
+                        "loop's streams?)") from exc
+                wait = LOOK_BACKOFF_S[min(attempt, len(LOOK_BACKOFF_S)) - 1]
+                log.warning("JetStream did not answer; trying again (a cluster electing its "
+                            "leaders answers nothing for a while)", what=what,
+                            error=type(exc).__name__, attempt=attempt, of=LOOK_ATTEMPTS,
+                            retry_in_s=wait)
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable")
 
     @staticmethod
     async def _change(what: str, call: Callable[[], Awaitable[Any]], *,
                       raced: tuple[int, ...] = (), refused: str = "") -> Any:
         """Make one change: its result, or None when JetStream answers one of the `raced`
         codes (someone made it meanwhile). No answer means this user may not (NeedsProvision);
-        any other refusal is a StoreError naming it."""
-        try:
-            return await call()
-        except (TimeoutError, NatsTimeoutError) as exc:
-            raise NeedsProvision(what) from exc
-        except APIError as exc:
-            if exc.err_code in raced:
-                return None
-            raise StoreError(f"{what}, and JetStream refused the change ({exc.description})"
-                             + (f": {refused}" if refused else "")) from exc
+        any other refusal is a StoreError naming it, except a 503 (JetStream not ready, a
+        cluster without a leader yet), which is tried again as a look is."""
+        for attempt in range(1, LOOK_ATTEMPTS + 1):
+            try:
+                return await call()
+            except (TimeoutError, NatsTimeoutError) as exc:
+                raise NeedsProvision(what) from exc
+            except ServiceUnavailableError as exc:
+                if exc.err_code is None:
+                    raise  # no responders: no JetStream here at all
+                if attempt == LOOK_ATTEMPTS:
+                    raise StoreError(f"{what}, and JetStream is not available to change it "
+                                     f"({exc.description})") from exc
+                wait = LOOK_BACKOFF_S[min(attempt, len(LOOK_BACKOFF_S)) - 1]
+                log.warning("JetStream not ready; trying again", what=what,
+                            error=exc.description, attempt=attempt, of=LOOK_ATTEMPTS,
+                            retry_in_s=wait)
+                await asyncio.sleep(wait)
+            except APIError as exc:
+                if exc.err_code in raced:
+                    return None
+                raise StoreError(f"{what}, and JetStream refused the change ({exc.description})"
+                                 + (f": {refused}" if refused else "")) from exc
+        raise AssertionError("unreachable")
 
     async def bind(self) -> None:
         """Attach to an existing deployment without creating anything (read-only commands)."""
-        self.kv = await self.js.key_value(S.BUCKET_STATE)
-        self.dedup = await self.js.key_value(S.BUCKET_DEDUP)
-        self.ledger = await self.js.key_value(S.BUCKET_LEDGER)
+        self.kv = await self._look(f"bucket {S.BUCKET_STATE}",
+                                   lambda: self.js.key_value(S.BUCKET_STATE))
+        self.dedup = await self._look(f"bucket {S.BUCKET_DEDUP}",
+                                      lambda: self.js.key_value(S.BUCKET_DEDUP))
+        self.ledger = await self._look(f"bucket {S.BUCKET_LEDGER}",
+                                       lambda: self.js.key_value(S.BUCKET_LEDGER))
 
     # -- supersession and the rejection ledger ----------------------------------------------------
 
@@ -296,23 +382,43 @@ class Store:
         return the head that was there before (None for a first proposal under the key)."""
         key = S.dedup_key_of(svc, dedup)
         value = to_json({"proposal_id": pid, "created_at": created_at})
-        for _ in range(8):
+        leader = False
+        for _ in range(MAX_APPEND_ATTEMPTS):
+            current, revision = await self._kv_read(self.dedup, S.BUCKET_DEDUP, key, leader)
             try:
-                entry = await self.dedup.get(key)
-            except KeyNotFoundError:
-                entry = None
-            try:
-                if entry is None or entry.value is None:
-                    await self.dedup.create(key, value)
+                if current is None:
+                    await kv_create(self.dedup, key, value)
                     return None
-                head = msgspec.json.decode(entry.value)
+                head = msgspec.json.decode(current)
                 if (head["created_at"], head["proposal_id"]) >= (created_at, pid):
                     return head
-                await self.dedup.update(key, value, last=entry.revision)
+                await self.dedup.update(key, value, last=revision)
                 return head
-            except (KeyWrongLastSequenceError, BadRequestError):
-                continue
-        return None
+            except APIError as exc:
+                if not is_conflict(exc):
+                    raise
+                # someone wrote first: read what they wrote where it was written (a direct
+                # get may be served by a replica that has not seen it yet)
+                leader = True
+        raise StateConflict(f"{key}: still conflicting after {MAX_APPEND_ATTEMPTS} attempts")
+
+    async def _kv_read(self, kv: Any, bucket: str, key: str,
+                       leader: bool) -> tuple[bytes | None, int]:
+        """(value, revision) of a key, (None, revision) when absent or deleted; with `leader`
+        read from the bucket's stream leader rather than any replica."""
+        if not leader:
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:  # or deleted
+                return None, 0
+            return entry.value, entry.revision or 0
+        try:
+            msg = await self.js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
+        except NotFoundError:
+            return None, 0
+        if msg.headers and msg.headers.get("KV-Operation") in ("DEL", "PURGE"):
+            return None, msg.seq or 0
+        return msg.data, msg.seq or 0
 
     async def ledger_put(self, svc: str, dedup: str, entry: dict[str, Any]) -> None:
         await self.ledger.put(S.dedup_key_of(svc, dedup), to_json(entry))
@@ -340,12 +446,10 @@ class Store:
         data = record_encoder.encode(record)
         try:
             if revision == 0:
-                return await self.kv.create(key, data)
+                return await kv_create(self.kv, key, data)
             return await self.kv.update(key, data, last=revision)
-        except KeyWrongLastSequenceError as exc:
-            raise StateConflict(key) from exc
-        except BadRequestError as exc:
-            if exc.err_code in (WRONG_LAST_SEQUENCE, 10164):
+        except APIError as exc:
+            if is_conflict(exc):
                 raise StateConflict(key) from exc
             raise
 
@@ -417,7 +521,7 @@ class Store:
             ack = await self.js.publish(subject, to_json(trailer), headers=headers,
                                         stream=S.STREAM_AUDIT)
         except APIError as exc:
-            if exc.err_code == WRONG_LAST_SEQUENCE:
+            if is_conflict(exc):
                 raise ChainConflict(subject) from exc
             raise
         if self.signer is not None:
@@ -602,7 +706,7 @@ class Store:
             await self.js.publish(subject, to_json(record), stream=S.STREAM_RECORDS,
                                   headers={"Nats-Expected-Last-Subject-Sequence": "0"})
         except APIError as exc:
-            if exc.err_code != WRONG_LAST_SEQUENCE:
+            if not is_conflict(exc):
                 raise
 
     async def service_of(self, pid: str) -> str | None:

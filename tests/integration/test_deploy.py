@@ -10,7 +10,6 @@ import base64
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -35,24 +34,15 @@ from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore
+from tests.cluster import ACCOUNTS, CLUSTER, DEPLOY, PASSWORDS, Cluster, start_server, stop_server
+from tests.cluster import listening as _listening
+from tests.cluster import local_copy as _local_copy
 from tests.factories import grant, rank_proposal, review, signal, skill_proposal, swap
 from tests.keys import ALICE
 
 ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
-ACCOUNTS = DEPLOY / "accounts.conf"
-CLUSTER = [DEPLOY / "nats-cluster" / f"n{n}.conf" for n in (1, 2, 3)]
 SERVER_CONFIGS = [DEPLOY / "nats-single.conf", *CLUSTER]
 
-# The reference passwords of deploy/accounts.conf.
-PASSWORDS = {
-    "improved-admin": "dev-admin-pw",
-    "improved": "dev-improved-pw",
-    "operator": "dev-operator-pw",
-    "svc-ranking": "dev-ranking-pw",
-    "svc-skills": "dev-skills-pw",
-    "svc-deploy": "dev-deploy-pw",
-}
 FAKE_ID = "ab" * 32
 
 
@@ -162,39 +152,6 @@ async def test_every_reply_comes_under_the_connections_own_inbox_prefix(own_serv
 
 
 # -- b) accounts and permissions on a real server -------------------------------------------
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), 0.2):
-            return True
-    except OSError:
-        return False
-
-
-def start_server(conf: Path, port: int, log: Path, timeout: float = 10.0) -> subprocess.Popen:
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([bus.nats_server_binary(), "-c", str(conf)], stdout=out,
-                                stderr=out, stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"nats-server exited {proc.returncode}: {log.read_text()}")
-        if _listening(port):
-            return proc
-        time.sleep(0.02)
-    proc.kill()
-    raise AssertionError(f"nats-server did not listen on {port}: {log.read_text()}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 class SecuredServer:
@@ -427,7 +384,7 @@ async def test_only_the_provisioning_user_provisions_and_the_daemon_says_so(secu
     assert rc == 2 and out.splitlines() == [
         f"improved provision: stream {S.STREAM_INBOUND} is missing, and these credentials may "
         "not change it (JetStream did not answer): connect as the provisioning user, e.g. "
-        "--nats nats://improved-admin:PASSWORD@HOST:4222"], out
+        "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"], out
 
     rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
     assert rc == 0 and out.splitlines()[-1].endswith("8 changed"), out
@@ -586,14 +543,22 @@ async def test_operator_publishes_acts_reads_records_but_cannot_order_applies(me
         await conn.nc.close()
 
 
-async def cli(*args: str) -> tuple[int, str]:
-    """Run this checkout's `improved` command; (exit code, stdout + stderr)."""
+def improved_exe() -> Path:
     exe = Path(bus.nats_server_binary()).parent / "improved"
     if not exe.exists():
         pytest.skip(f"{exe} is not installed (pip install -e .)")
-    proc = await asyncio.create_subprocess_exec(str(exe), *args, stdout=subprocess.PIPE,
-                                                stderr=subprocess.STDOUT)
-    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    return exe
+
+
+async def cli(*args: str, env: dict[str, str] | None = None,
+              stdin: bytes | None = None) -> tuple[int, str]:
+    """Run this checkout's `improved` command, with `env` added to the environment;
+    (exit code, stdout + stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        str(improved_exe()), *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        env={**os.environ, "IMPROVED_CONFIG": "", **(env or {})})
+    out, _ = await asyncio.wait_for(proc.communicate(stdin), 60)
     return proc.returncode, out.decode()
 
 
@@ -880,6 +845,135 @@ async def test_unknown_users_and_wrong_passwords_are_refused(secured_url):
                                allow_reconnect=False)
 
 
+# -- credentials: files, never the URL, never a log line ---------------------------------------
+
+
+def secret_file(path: Path, secret: str) -> Path:
+    path.write_text(secret + "\n")
+    path.chmod(0o600)
+    return path
+
+
+class RunningDaemon:
+    """`improved run --config FILE` as a process of its own, its output (JSON log lines and
+    what it prints) kept in a file."""
+
+    def __init__(self, config: Path, log: Path, env: dict[str, str] | None = None):
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen([str(improved_exe()), "run", "--config", str(config)],
+                                         stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, "IMPROVED_CONFIG": "",
+                                              **(env or {})})
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    async def wait_for(self, text: str, timeout: float = 30.0) -> None:
+        async def seen():
+            assert self.proc.poll() is None, f"the daemon exited: {self.output()}"
+            return text in self.output()
+
+        await eventually(seen, timeout=timeout, interval=0.1)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        return self.proc.wait(60)
+
+
+@pytest.mark.parametrize("form", ["password_file", "url"])
+async def test_the_daemon_never_logs_its_password_across_a_disconnect(secured_server,
+                                                                     tmp_path, form):
+    """The daemon connects as user improved with its password in a file ([nats]), or in the
+    URL as older configurations have it; the broker restarts under it. Its output says it
+    lost the server and got it back, naming the server, and never holds the password; the
+    provisioning and the operator's CLI take their passwords from files through the
+    environment."""
+    url = secured_server.url
+    admin = {"IMPROVED_NATS_USER": "improved-admin", "IMPROVED_NATS_PASSWORD_FILE":
+             str(secret_file(tmp_path / "admin.pw", PASSWORDS["improved-admin"]))}
+    rc, out = await cli("provision", "--nats", url, env=admin)
+    assert rc == 0 and out.splitlines()[-1].endswith("8 changed"), out
+    config = tmp_path / "improved.toml"
+    if form == "password_file":
+        pw = secret_file(tmp_path / "improved.pw", PASSWORDS["improved"])
+        config.write_text(f'nats_url = "{url}"\ndata_dir = "{tmp_path / "data"}"\n'
+                          f'[nats]\nuser = "improved"\npassword_file = "{pw}"\n')
+    else:
+        config.write_text(f'nats_url = "{as_user(url, "improved")}"\n'
+                          f'data_dir = "{tmp_path / "data"}"\n')
+    daemon = RunningDaemon(config, tmp_path / "daemon.log")
+    try:
+        await daemon.wait_for("improved: ready")
+        operator = {"IMPROVED_NATS_USER": "operator", "IMPROVED_NATS_PASSWORD_FILE":
+                    str(secret_file(tmp_path / "operator.pw", PASSWORDS["operator"]))}
+        proposal = to_json(rank_proposal("creds", change_class="L1"))
+        rc, out = await cli("propose", "-", "--nats", url, env=operator, stdin=proposal)
+        assert rc == 0 and msgspec.json.decode(out)["status"] == "pending", out
+        secured_server.stop()
+        await daemon.wait_for("nats disconnected")
+        secured_server.start()
+        await daemon.wait_for("nats reconnected")
+    finally:
+        assert daemon.stop() == 0, daemon.output()
+    output = daemon.output()
+    assert "ready as improved:" in output and f"on {url}" in output, output
+    lost = [line for line in output.splitlines() if "nats disconnected" in line]
+    assert lost and all(url in line for line in lost), lost
+    for secret in PASSWORDS.values():
+        assert secret not in output
+
+
+async def test_the_daemon_and_the_cli_connect_with_a_token_file(tmp_path):
+    """A server that wants a token: the daemon reads it from `[nats] token_file`, the CLI
+    from IMPROVED_NATS_TOKEN_FILE; without it the CLI is refused in one line."""
+    server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="2m",
+                                extra='authorization { token: "t0ken-s3cret" }\n')
+    server.start()
+    token = secret_file(tmp_path / "token", "t0ken-s3cret")
+    config = tmp_path / "improved.toml"
+    config.write_text(f'nats_url = "{server.url}"\ndata_dir = "{tmp_path / "data"}"\n'
+                      f'[nats]\ntoken_file = "{token}"\n')
+    daemon = RunningDaemon(config, tmp_path / "daemon.log")
+    try:
+        await daemon.wait_for("improved: ready")
+        proposal = to_json(rank_proposal("tokens", change_class="L1"))
+        rc, out = await cli("propose", "-", "--nats", server.url, stdin=proposal,
+                            env={"IMPROVED_NATS_TOKEN_FILE": str(token)})
+        assert rc == 0 and msgspec.json.decode(out)["status"] == "pending", out
+        rc, out = await cli("propose", "-", "--nats", server.url, stdin=proposal)
+        assert rc == 2 and len(out.splitlines()) == 1, out
+        assert out.startswith(f"improved: cannot reach NATS at {server.url}"), out
+        rc, out = await cli("propose", "-", "--nats", server.url, stdin=proposal,
+                            env={"IMPROVED_NATS_TOKEN_FILE": str(tmp_path / "nope")})
+        assert (rc, out.strip()) == (2, "improved: config error: nats.token_file "
+                                        "(IMPROVED_NATS_TOKEN_FILE): cannot read "
+                                        f"{tmp_path / 'nope'}: No such file or directory")
+    finally:
+        assert daemon.stop() == 0, daemon.output()
+        server.stop()
+    assert "t0ken-s3cret" not in daemon.output()
+
+
+async def test_provision_says_at_once_when_the_server_has_no_jetstream(tmp_path):
+    """Start-up retries wait for a cluster electing its leaders, not for a server with no
+    JetStream at all: that is one line, at once."""
+    port = bus.free_port()
+    conf = tmp_path / "plain.conf"
+    conf.write_text(f"listen: 127.0.0.1:{port}\n")
+    proc = start_server(conf, port, tmp_path / "plain.log")
+    try:
+        began = time.monotonic()
+        rc, out = await cli("provision", "--nats", f"nats://127.0.0.1:{port}")
+        took = time.monotonic() - began
+    finally:
+        stop_server(proc)
+    assert (rc, out.strip()) == (2, f"improved provision: nats://127.0.0.1:{port}: JetStream "
+                                    "is not available there (not enabled, or not ready yet)")
+    assert took < 5, took
+
+
 # -- c) the server configs -------------------------------------------------------------------
 
 
@@ -918,22 +1012,6 @@ def test_cluster_nodes_are_distinct():
     assert seen["listen"] == {"127.0.0.1:4222", "127.0.0.1:4223", "127.0.0.1:4224"}
 
 
-def _local_copy(conf: Path, dest: Path, ports: dict[str, int], store: Path) -> Path:
-    """`conf` with its ports and store moved, next to a copy of accounts.conf."""
-    text = conf.read_text()
-    text = re.sub(r"^listen: \S+", f"listen: 127.0.0.1:{ports['client']}", text, flags=re.M)
-    text = re.sub(r"^http: \S+", f"http: 127.0.0.1:{ports['http']}", text, flags=re.M)
-    text = re.sub(r'store_dir: "[^"]*"', f'store_dir: "{store}"', text)
-    text = re.sub(r"^include \S+", "include ./accounts.conf", text, flags=re.M)
-    for old, new in ports.get("routes", {}).items():
-        text = text.replace(f"127.0.0.1:{old}", f"127.0.0.1:{new}")
-    dest.mkdir(parents=True, exist_ok=True)
-    shutil.copy(ACCOUNTS, dest / "accounts.conf")
-    out = dest / conf.name
-    out.write_text(text)
-    return out
-
-
 def test_single_node_config_runs_with_fsync_always(tmp_path):
     ports = {"client": bus.free_port(), "http": bus.free_port()}
     conf = _local_copy(DEPLOY / "nats-single.conf", tmp_path, ports, tmp_path / "store")
@@ -952,18 +1030,10 @@ def test_single_node_config_runs_with_fsync_always(tmp_path):
 async def test_cluster_configs_form_a_cluster_that_takes_r3_streams(tmp_path):
     """The three node configs (ports moved) elect a meta leader and hold R3 streams made by
     the daemon's Store with replicas=3."""
-    client = {n: bus.free_port() for n in (1, 2, 3)}
-    route_ports = {6221 + n: bus.free_port() for n in (1, 2, 3)}
-    procs = []
+    cluster = Cluster(tmp_path)
     try:
-        for n, conf in zip((1, 2, 3), CLUSTER, strict=True):
-            ports = {"client": client[n], "http": bus.free_port(), "routes": route_ports}
-            local = _local_copy(conf, tmp_path / f"n{n}", ports, tmp_path / f"n{n}" / "store")
-            text = local.read_text().replace(f"listen: 127.0.0.1:{6221 + n}",
-                                             f"listen: 127.0.0.1:{route_ports[6221 + n]}")
-            local.write_text(text)
-            procs.append(start_server(local, client[n], tmp_path / f"n{n}.log"))
-        conn = await connect_as(f"nats://127.0.0.1:{client[1]}", "improved-admin")
+        cluster.start()
+        conn = await connect_as(cluster.url(1), "improved-admin")
         try:
             store = Store(conn.nc, replicas=3)
 
@@ -981,8 +1051,7 @@ async def test_cluster_configs_form_a_cluster_that_takes_r3_streams(tmp_path):
         finally:
             await conn.nc.close()
     finally:
-        for proc in procs:
-            stop_server(proc)
+        cluster.stop()
 
 
 # -- d) scripts and the unit -----------------------------------------------------------------
@@ -1049,6 +1118,52 @@ def test_up_and_down_scripts_run_the_cluster_and_two_daemons(tmp_path):
     assert not [p for p in (4222, 4223, 4224) if _listening(p)]
 
 
+@pytest.mark.slow
+def test_up_says_at_once_when_a_daemon_it_started_dies(tmp_path):
+    """A daemon replica that exits while up.sh waits for it to be ready: up.sh stops waiting
+    at once (not after its minute), exits non-zero, and shows the daemon's exit status and
+    the last lines of its log. Skipped when the cluster's fixed ports are taken."""
+    busy = [p for base in (4222, 6222, 8222) for p in range(base, base + 3) if _listening(p)]
+    if busy:
+        pytest.skip(f"ports {busy} are in use; up.sh needs 4222-4224, 6222-6224, 8222-8224")
+    venv = ROOT / ".venv" / "bin"
+    fake = tmp_path / "venv" / "bin"
+    fake.mkdir(parents=True)
+    for exe in ("python", "nats-server"):
+        (fake / exe).symlink_to(Path(os.path.realpath(venv / exe)) if exe == "nats-server"
+                                else venv / exe)
+    # `improved run` as a daemon whose start fails; every other command is the real one
+    (fake / "improved").write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1" = run ]; then\n'
+        '  echo "improved: config error: trust.operators: simulated bad key" >&2\n'
+        "  exit 2\n"
+        "fi\n"
+        f'exec "{venv / "improved"}" "$@"\n')
+    (fake / "improved").chmod(0o755)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "IMPROVED_RUN_DIR": str(run_dir), "IMPROVED_VENV": str(fake.parent),
+           "WITH_RANKING": "0"}
+    try:
+        began = time.monotonic()
+        up = subprocess.run([str(DEPLOY / "up.sh")], capture_output=True, text=True, env=env,
+                            timeout=180)
+        waited = time.monotonic() - began
+        assert up.returncode != 0, up.stdout + up.stderr
+        assert "provisioned nats://127.0.0.1:4222" in up.stdout, up.stdout + up.stderr
+        assert "up.sh: daemon replica 1 exited (status 2) before it was ready" in up.stderr, (
+            up.stderr)
+        assert "  | improved: config error: trust.operators: simulated bad key" in up.stderr
+        assert "not ready within" not in up.stderr
+        # cluster and provisioning take seconds; the daemon's own wait is a minute
+        assert waited < 50, waited
+    finally:
+        down = subprocess.run([str(DEPLOY / "down.sh"), "--purge"], capture_output=True,
+                              text=True, env=env, timeout=180)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not [p for p in (4222, 4223, 4224) if _listening(p)]
+
+
 UNIT = DEPLOY / "improved.service"
 
 
@@ -1056,7 +1171,9 @@ def test_example_daemon_config_loads():
     from improved.runtime.config import load
 
     config = load(DEPLOY / "improved.toml")
-    assert config.nats_url.startswith("nats://improved:")
+    assert config.nats_url == "nats://127.0.0.1:4222"  # no password in the URL
+    assert config.nats.user == "improved"
+    assert config.nats.password_file == Path("/etc/improved/nats-password")
     assert config.replicas == 1 and config.data_dir == Path("/var/lib/improved")
 
 

@@ -18,7 +18,16 @@ from improved.core.guards import DEFAULT_FORBIDDEN
 from improved.core.policy import loosening
 from improved.core.signing import raw_public
 from improved.runtime import config as config_module
-from improved.runtime.config import ApplySettings, Config, ConfigError, Policy, Trust, load, parse
+from improved.runtime.config import (
+    ApplySettings,
+    Config,
+    ConfigError,
+    NatsSettings,
+    Policy,
+    Trust,
+    load,
+    parse,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +49,21 @@ def error_of(doc: dict) -> str:
 
 
 @pytest.mark.parametrize(("doc", "line"), [
-    ({"nats": "nats://x:4222"}, "config error: nats: unknown key (did you mean nats_url?)"),
+    ({"nats": "nats://x:4222"}, "config error: nats: expected table (user, password_file, "
+                                "token_file, creds_file, tls_*), got str (did you mean "
+                                "nats_url?)"),
+    ({"nats": {"password_file": 5}}, "config error: nats.password_file: expected a path, "
+                                     "got 5"),
+    ({"nats": {"user": ["improved"]}}, "config error: nats.user: expected str, got array"),
+    ({"nats": {"pasword_file": "/x"}},
+     "config error: nats.pasword_file: unknown key (did you mean password_file?)"),
+    ({"nats": {"user": "improved"}},
+     "config error: nats.user: needs nats.password_file (the password, in a file)"),
+    ({"nats": {"password_file": "/run/pw"}}, "config error: nats.password_file: needs nats.user"),
+    ({"nats": {"user": "improved", "password_file": "/run/pw", "token_file": "/run/t"}},
+     "config error: nats.token_file: one credential only (user and password_file, token_file "
+     "or creds_file), got nats.user, nats.password_file, nats.token_file"),
+    ({"nats": {"tls_cert": "/etc/c.pem"}}, "config error: nats.tls_cert: needs nats.tls_key"),
     ({"policy": {"autonomyy": "off"}},
      "config error: policy.autonomyy: unknown key (did you mean autonomy?)"),
     ({"apply": {"retries": 2, "timeout_s": 1}}, "config error: apply.retries: unknown key"),
@@ -211,6 +234,7 @@ def test_the_docstring_example_loads_to_its_values(tmp_path):
         max_message_bytes=262144, replicas=1, records_storage="file", metrics_port=9464,
         metrics_host="127.0.0.1", checkpoint_interval_s=300.0,
         checkpoint_key=Path("/etc/improved/checkpoint.pem"),
+        nats=NatsSettings(user="improved", password_file=Path("/etc/improved/nats-password")),
         policy=Policy(forbidden_targets=("deploy/secrets/**",), min_class={"config": "L4"},
                       fallback_min_class="L2", policy_principal="policy:auto",
                       effect_window_ms=86400000, autonomy="on",
@@ -231,6 +255,7 @@ def test_the_readme_example_loads_to_its_values(tmp_path):
     assert config == Config(
         nats_url="nats://127.0.0.1:4222", data_dir=Path(".improved"), port=4222, sync="always",
         max_message_bytes=262144, metrics_port=9464, replicas=1, records_storage="file",
+        nats=NatsSettings(user="improved", password_file=Path("/etc/improved/nats-password")),
         policy=Policy(forbidden_targets=("deploy/secrets/**",),
                       min_class={"config": "L4"}, fallback_min_class="L2",
                       policy_principal="policy:auto", effect_window_ms=86400000, autonomy="on",
@@ -342,3 +367,109 @@ def test_a_signer_must_be_an_identity(name):
     operator signs with an operator key, never as a signer."""
     assert error_of({"trust": {"signers": {name: KEY_A}}}).startswith(
         f"config error: trust.signers.{name}: not an identity")
+
+
+# -- NATS credentials: files, never the URL ----------------------------------------------------
+
+
+def test_credentials_come_from_their_files_and_never_show_in_the_servers(tmp_path):
+    from improved.runtime import bus
+
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret-pw\n")
+    where = bus.target("nats://127.0.0.1:4222,nats://127.0.0.1:4223",
+                       NatsSettings(user="improved", password_file=pw))
+    assert where.options == {"user": "improved", "password": "s3cret-pw"}
+    assert where.where == "nats://127.0.0.1:4222,nats://127.0.0.1:4223"
+    assert "s3cret" not in f"{where} {where!r}"
+    token = tmp_path / "token"
+    token.write_text("t0ken")
+    assert bus.target("nats://h:4222", NatsSettings(token_file=token)).options == {
+        "token": "t0ken"}
+    # the older form still connects, its credentials split off the servers
+    old = bus.target("nats://svc-ranking:p%40ss@h1:4222,nats://h2:4222")
+    assert old.where == "nats://h1:4222,nats://h2:4222"
+    assert old.options == {"user": "svc-ranking", "password": "p@ss"}
+
+
+def test_a_credential_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch):
+    from improved.runtime import bus
+
+    def line(url: str, settings) -> str:
+        with pytest.raises(ConfigError) as caught:
+            bus.target(url, settings)
+        assert "\n" not in str(caught.value)
+        return str(caught.value)
+
+    missing = tmp_path / "nope"
+    assert line("nats://h:4222", NatsSettings(user="improved", password_file=missing)) == (
+        f"config error: nats.password_file: cannot read {missing}: No such file or directory")
+    (tmp_path / "empty").write_text("\n")
+    assert line("nats://h:4222", NatsSettings(token_file=tmp_path / "empty")) == (
+        f"config error: nats.token_file: {tmp_path / 'empty'} is empty")
+    (tmp_path / "ca.pem").write_text("not a certificate\n")
+    assert line("nats://h:4222", NatsSettings(tls_ca=tmp_path / "ca.pem")).startswith(
+        f"config error: nats.tls_ca: {tmp_path / 'ca.pem'} holds no CA certificate")
+    (tmp_path / "pw").write_text("pw")
+    assert line("nats://improved:pw@h:4222",
+                NatsSettings(user="improved", password_file=tmp_path / "pw")) == (
+        "config error: nats_url: carries credentials, and nats.user names others: keep one "
+        "(the files: nats_url without user or password)")
+    # given by the environment, the error names the variable too
+    monkeypatch.setenv("IMPROVED_NATS_CREDS_FILE", str(missing))
+    with pytest.raises(ConfigError) as caught:
+        bus.target("nats://h:4222", load(None).nats)
+    assert str(caught.value) == (f"config error: nats.creds_file (IMPROVED_NATS_CREDS_FILE): "
+                                 f"cannot read {missing}: No such file or directory")
+
+
+def test_the_environment_gives_the_nats_credentials_over_the_file(tmp_path, monkeypatch):
+    conf = tmp_path / "improved.toml"
+    conf.write_text('nats_url = "nats://h:4222"\n[nats]\ntoken_file = "/etc/improved/token"\n')
+    assert load(conf).nats.token_file == Path("/etc/improved/token")
+    monkeypatch.setenv("IMPROVED_NATS_USER", "improved")
+    with pytest.raises(ConfigError) as caught:  # a user, and still the file's token
+        load(conf)
+    assert str(caught.value) == (
+        "config error: nats.user (IMPROVED_NATS_USER): needs nats.password_file "
+        "(IMPROVED_NATS_PASSWORD_FILE) (the password, in a file)")
+    monkeypatch.setenv("IMPROVED_NATS_PASSWORD_FILE", "/run/secrets/pw")
+    with pytest.raises(ConfigError, match="one credential only"):
+        load(conf)
+    conf.write_text('nats_url = "nats://h:4222"\n')
+    settings = load(conf).nats
+    assert (settings.user, settings.password_file) == ("improved", Path("/run/secrets/pw"))
+
+
+def test_tls_files_make_a_client_context(tmp_path):
+    import datetime
+    import ssl
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from improved.runtime import bus
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "improved")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(1).not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    where = bus.target("nats://h:4222", NatsSettings(
+        tls_cert=tmp_path / "cert.pem", tls_key=tmp_path / "key.pem",
+        tls_ca=tmp_path / "cert.pem"))
+    assert isinstance(where.options["tls"], ssl.SSLContext)
+    assert where.options["tls"].verify_mode == ssl.CERT_REQUIRED
+    with pytest.raises(ConfigError, match=r"^config error: nats.tls_cert: .* are not a "
+                                          r"certificate and its key"):
+        bus.target("nats://h:4222", NatsSettings(tls_cert=tmp_path / "key.pem",
+                                                 tls_key=tmp_path / "key.pem"))
