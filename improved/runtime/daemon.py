@@ -372,16 +372,14 @@ class Daemon:
         try:
             if msg.subject == S.GRANTS:
                 env, payload = signed_act(msg.data, limit)
-                claimed, l2 = payload.get("skill"), payload.get("proposal_id")
+                claimed = payload.get("skill")
                 act = Act(envelope_digest(env), act.stream_seq)
                 if env.payloadType == PAYLOAD_TYPES["crisis"]:  # improve.grants carries both
                     return Job("crisis", lambda: self.engine.resolve_crisis(env, act), msg)
                 if not isinstance(claimed, str) or not GRANT_SKILL_RE.match(claimed):
                     raise wire.WireError(wire.INVALID_VALUE, "a grant names `<name>:<sha256>`",
                                          "skill")
-                l2_id = l2 if isinstance(l2, str) and S.ID_RE.match(l2) else None
-                return Job(f"grant:{claimed}",
-                           lambda: self.engine.grant(env, claimed, act, l2_id), msg)
+                return Job(f"grant:{claimed}", lambda: self.engine.grant(env, claimed, act), msg)
             if msg.subject == S.QUORUM:
                 env, payload = signed_act(msg.data, limit)
                 pid = payload.get("proposal_id")
@@ -582,7 +580,8 @@ class Daemon:
                                  "proposal_id")
         # Durable first, like a proposal: the inbound consumer carries any apply it releases.
         await publish_deduplicated(self.store.js, S.inbound_outcome(svc), msg.data,
-                           S.message_id(propose.signal_digest(sig), msg.data), S.STREAM_INBOUND)
+                                   S.message_id(propose.signal_digest(sig), msg.data),
+                                   S.STREAM_INBOUND)
         handled = await self._count(svc, sig, env, fresh=True, dispatch=False)
         counted = handled.counted
         if handled is not None and handled.record is None:

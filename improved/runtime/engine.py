@@ -351,31 +351,31 @@ class Engine:
 
         return ingest
 
-    async def grant(self, env: Envelope, skill: str, act: Act,
-                    l2_id: str | None = None) -> Grant | None:
+    async def grant(self, env: Envelope, skill: str, act: Act) -> Grant | None:
         """A signed grant or revoke for `<name>:<sha256>`: chained per hash, then retained. A
-        grant counts only for the definition of the L2 proposal it names (`l2_id`, read from
-        its verified chain) once that was approved and applied."""
+        grant counts only for the definition of the L2 proposal it names, read from that
+        proposal's verified chain once the grant's own signature verified (an unsigned act
+        costs no read) and counted only when that proposal was approved and applied."""
         sha = skill.split(":", 1)[1]
-        l2 = None
-        if l2_id is not None and (owner := await self.store.service_of(l2_id)) is not None:
-            l2 = await self.rebuild(owner, l2_id)
         subject = S.grant_audit(sha)
+        verified = cmd = refused = None
+        try:
+            verified, cmd = authority.check_signed(self.trust, env, PAYLOAD_TYPES["grant"],
+                                                   GrantCommand, now_ms(), self.max_act_age_ms)
+        except ActRefused as exc:
+            refused = exc
+        if cmd is not None:
+            l2 = None
+            if cmd.op == "grant" and cmd.proposal_id is not None and \
+                    (owner := await self.store.service_of(cmd.proposal_id)) is not None:
+                l2 = await self.rebuild(owner, cmd.proposal_id)
+            refused = authority.tofu_problem(cmd, l2)
         read: list[list[tuple[int, dict]]] = []
 
         def next_draft(chain: list[tuple[int, dict]], now: int) -> Draft | None:
             read.append(chain)
             acts = [(r["act"], int(r["act_seq"])) for r in (refs_of(decode_trailer(body))
                                                             for _, body in chain) if "act" in r]
-            verified = cmd = refused = None
-            try:
-                verified, cmd = authority.check_signed(
-                    self.trust, env, PAYLOAD_TYPES["grant"], GrantCommand, now,
-                    self.max_act_age_ms)
-            except ActRefused as exc:
-                refused = exc
-            if cmd is not None:
-                refused = authority.tofu_problem(cmd, l2 if cmd.proposal_id == l2_id else None)
             return authority.grant_act(acts, act, verified, cmd, refused, self.actor)
 
         appended = await self.store.append_sealed(subject, sha, "L3", "knowledge", next_draft,
