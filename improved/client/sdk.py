@@ -147,7 +147,7 @@ DUPLICATE_RETRIES = 8
 
 
 async def publish_deduplicated(js: JetStreamContext, subject: str, data: bytes, msg_id: str,
-                       stream: str) -> None:
+                               stream: str) -> None:
     """Publish into `stream` deduplicated by `msg_id`: the same message published twice, even
     at the same moment on a cluster, is one message and both publishes succeed."""
     for attempt in range(DUPLICATE_RETRIES):
@@ -165,7 +165,7 @@ async def enqueue(js: JetStreamContext, service: str, data: bytes, pid: str) -> 
     deduplicated (`Nats-Msg-Id`, `subjects.message_id`): enqueueing the same message twice is
     one message, and no other message can take its place."""
     await publish_deduplicated(js, S.inbound_proposal(service), data, S.message_id(pid, data),
-                       S.STREAM_INBOUND)
+                               S.STREAM_INBOUND)
 
 
 class MeshClient:

@@ -86,6 +86,31 @@ async def kv_create(kv: Any, key: str, value: bytes) -> int:
 # restarted answers nothing while it elects its stream leaders (about 10 s on three nodes).
 LOOK_ATTEMPTS = 6
 LOOK_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 5.0)
+
+
+async def _patiently(what: str, call: Callable[[], Awaitable[Any]],
+                     silent: tuple[type[BaseException], ...]) -> Any:
+    """`call()`, tried LOOK_ATTEMPTS times in all with a log line and a growing wait between,
+    while JetStream answers 503 (not ready) or one of `silent` (no answer); the last such
+    exception is raised. No responders at all (a 503 without a code) means no JetStream here:
+    raised at once, not waited out."""
+    for attempt in range(1, LOOK_ATTEMPTS + 1):
+        try:
+            return await call()
+        except (ServiceUnavailableError, *silent) as exc:
+            if isinstance(exc, ServiceUnavailableError) and exc.err_code is None:
+                raise
+            if attempt == LOOK_ATTEMPTS:
+                raise
+            wait = LOOK_BACKOFF_S[min(attempt, len(LOOK_BACKOFF_S)) - 1]
+            log.warning("JetStream did not answer or is not ready; trying again (a cluster "
+                        "electing its leaders answers nothing for a while)", what=what,
+                        error=type(exc).__name__, attempt=attempt, of=LOOK_ATTEMPTS,
+                        retry_in_s=wait)
+            await asyncio.sleep(wait)
+    raise AssertionError("unreachable")
+
+
 PUBLISH_ACK_TIMEOUT_S = 10.0
 # How long the inbound consumer waits for an ack before it delivers a message again. Short: a
 # delivery the broker hands to a pull request of a connection that is dying never arrives, and
@@ -306,57 +331,40 @@ class Store:
 
     @staticmethod
     async def _look(what: str, call: Callable[[], Awaitable[Any]]) -> Any:
-        """A read of the deployment's shape. No answer (or a 503) is tried again, with a log
-        line each time, LOOK_ATTEMPTS times in all: a restarted cluster answers nothing while
-        it elects its leaders. Still silent, it is an error of one line."""
-        for attempt in range(1, LOOK_ATTEMPTS + 1):
-            try:
-                return await call()
-            except (TimeoutError, NatsTimeoutError, ServiceUnavailableError) as exc:
-                if isinstance(exc, ServiceUnavailableError) and exc.err_code is None:
-                    raise  # no responders: no JetStream here at all, not one not ready yet
-                if attempt == LOOK_ATTEMPTS:
-                    raise StoreError(
-                        f"cannot read {what}: JetStream did not answer {LOOK_ATTEMPTS} times "
-                        "(is it enabled, has the cluster a leader, and may this user read the "
-                        "loop's streams?)") from exc
-                wait = LOOK_BACKOFF_S[min(attempt, len(LOOK_BACKOFF_S)) - 1]
-                log.warning("JetStream did not answer; trying again (a cluster electing its "
-                            "leaders answers nothing for a while)", what=what,
-                            error=type(exc).__name__, attempt=attempt, of=LOOK_ATTEMPTS,
-                            retry_in_s=wait)
-                await asyncio.sleep(wait)
-        raise AssertionError("unreachable")
+        """A read of the deployment's shape. No answer (or a 503) is tried again (`_patiently`):
+        a restarted cluster answers nothing while it elects its leaders. Still silent, it is an
+        error of one line."""
+        try:
+            return await _patiently(what, call, (TimeoutError, NatsTimeoutError))
+        except (TimeoutError, NatsTimeoutError, ServiceUnavailableError) as exc:
+            if isinstance(exc, ServiceUnavailableError) and exc.err_code is None:
+                raise  # no responders: no JetStream here at all
+            raise StoreError(
+                f"cannot read {what}: JetStream did not answer {LOOK_ATTEMPTS} times "
+                "(is it enabled, has the cluster a leader, and may this user read the "
+                "loop's streams?)") from exc
 
     @staticmethod
     async def _change(what: str, call: Callable[[], Awaitable[Any]], *,
                       raced: tuple[int, ...] = (), refused: str = "") -> Any:
         """Make one change: its result, or None when JetStream answers one of the `raced`
         codes (someone made it meanwhile). No answer means this user may not (NeedsProvision);
-        any other refusal is a StoreError naming it, except a 503 (JetStream not ready, a
-        cluster without a leader yet), which is tried again as a look is."""
-        for attempt in range(1, LOOK_ATTEMPTS + 1):
-            try:
-                return await call()
-            except (TimeoutError, NatsTimeoutError) as exc:
-                raise NeedsProvision(what) from exc
-            except ServiceUnavailableError as exc:
-                if exc.err_code is None:
-                    raise  # no responders: no JetStream here at all
-                if attempt == LOOK_ATTEMPTS:
-                    raise StoreError(f"{what}, and JetStream is not available to change it "
-                                     f"({exc.description})") from exc
-                wait = LOOK_BACKOFF_S[min(attempt, len(LOOK_BACKOFF_S)) - 1]
-                log.warning("JetStream not ready; trying again", what=what,
-                            error=exc.description, attempt=attempt, of=LOOK_ATTEMPTS,
-                            retry_in_s=wait)
-                await asyncio.sleep(wait)
-            except APIError as exc:
-                if exc.err_code in raced:
-                    return None
-                raise StoreError(f"{what}, and JetStream refused the change ({exc.description})"
-                                 + (f": {refused}" if refused else "")) from exc
-        raise AssertionError("unreachable")
+        a 503 (JetStream not ready, a cluster without a leader yet) is tried again as a look
+        is; any other refusal is a StoreError naming it."""
+        try:
+            return await _patiently(what, call, ())
+        except (TimeoutError, NatsTimeoutError) as exc:
+            raise NeedsProvision(what) from exc
+        except ServiceUnavailableError as exc:
+            if exc.err_code is None:
+                raise  # no responders: no JetStream here at all
+            raise StoreError(f"{what}, and JetStream is not available to change it "
+                             f"({exc.description})") from exc
+        except APIError as exc:
+            if exc.err_code in raced:
+                return None
+            raise StoreError(f"{what}, and JetStream refused the change ({exc.description})"
+                             + (f": {refused}" if refused else "")) from exc
 
     async def bind(self) -> None:
         """Attach to an existing deployment without creating anything (read-only commands)."""
