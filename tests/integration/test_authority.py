@@ -136,19 +136,25 @@ async def test_forged_or_stale_approvals_are_refused_and_change_nothing(daemon, 
     await sub.unsubscribe()
 
 
-async def test_a_reused_envelope_is_refused_as_a_replay(daemon, nc, svc):
+async def approved_once(daemon, nc, svc):
+    """An L2 approved by ALICE and applied: (applier, subscription, proposal id, the approval's
+    envelope, the chain's length after the apply) — what a replay then plays back."""
     client, applier, sub = await setup(nc, svc)
     pid = (await client.propose(skill_proposal(svc, target_ref="skill:summarize"))).proposal_id
     await client.triage(pid)
     env = review(pid)
     await publish(nc, S.inbound_review(svc), env)
     await eventually(lambda: client.outcome(pid))
-    n = len(await trailers(daemon, svc, pid))
+    return applier, sub, pid, env, len(await trailers(daemon, svc, pid))
+
+
+async def test_a_reused_envelope_is_refused_as_a_replay(daemon, nc, svc):
+    applier, sub, pid, env, n = await approved_once(daemon, nc, svc)
     await publish(nc, S.inbound_review(svc), env)
     await refused_with(daemon, svc, pid, n, "replayed")
     await asyncio.sleep(0.2)
     assert applier.orders == [pid]
-    assert (await client.state(pid)).status == "applied"
+    assert (await MeshClient(nc, svc).state(pid)).status == "applied"
     await sub.unsubscribe()
 
 
@@ -363,13 +369,7 @@ async def test_replays_and_junk_do_not_grow_a_chain_without_bound(daemon, nc, sv
     twice, and the chain stays short."""
     from improved.core.authority import MAX_REFUSED_ACTS
 
-    client, applier, sub = await setup(nc, svc)
-    pid = (await client.propose(skill_proposal(svc, target_ref="skill:summarize"))).proposal_id
-    await client.triage(pid)
-    env = review(pid)
-    await publish(nc, S.inbound_review(svc), env)
-    await eventually(lambda: client.outcome(pid))
-    n = len(await trailers(daemon, svc, pid))
+    applier, sub, pid, env, n = await approved_once(daemon, nc, svc)
     for _ in range(100):
         await publish(nc, S.inbound_review(svc), env)
     for i in range(100):

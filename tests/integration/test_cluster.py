@@ -35,15 +35,20 @@ from tests.keys import ALICE
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = Cluster(tmp_path_factory.mktemp("cluster"))
+def running(base):
+    """A cluster on `base`, healthy, stopped afterwards (a fixture's body)."""
+    c = Cluster(base)
     c.start()
     try:
         c.wait_healthy()
         yield c
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    yield from running(tmp_path_factory.mktemp("cluster"))
 
 
 async def provisioned(cluster: Cluster) -> None:
@@ -188,13 +193,8 @@ async def test_racing_first_writes_to_the_buckets_give_one_conflict(cluster, on_
 
 @pytest.fixture
 def fresh_cluster(tmp_path):
-    c = Cluster(tmp_path)
-    c.start()
-    try:
-        c.wait_healthy()
-        yield c
-    finally:
-        c.stop()
+    """A cluster of the test's own, for a test that stops and starts it."""
+    yield from running(tmp_path)
 
 
 def provision(cluster: Cluster, *args: str) -> subprocess.CompletedProcess:
