@@ -1,10 +1,12 @@
 """Start, stop and checkpoint cost at N applied L0 proposals of history (no cost may grow with
 history: issue 16). `python benchmarks/history_cost.py 20000` fills an embedded server through
 an in-process daemon, then times a checkpoint, a second one, a stop, a start on the same data
-directory and a checkpoint after it. sync 2m: the fill is not what is measured."""
+directory and a checkpoint after it, then `improved audit verify` in full and `--since` the last
+checkpoint. sync 2m: the fill is not what is measured."""
 
 import asyncio
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -16,6 +18,14 @@ from improved.runtime import bus
 from improved.runtime.config import Config
 from improved.runtime.daemon import Daemon
 from improved.testing import rank_proposal
+
+
+def verify(url: str, *args: str) -> None:
+    """`improved audit verify` as an operator runs it: a process reading the log."""
+    done = subprocess.run([sys.executable, "-m", "improved.cli", "audit", "verify", "--nats",
+                           url, *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"audit verify {' '.join(args)} failed: {done.stdout}{done.stderr}")
 
 
 async def timed(step) -> float:
@@ -56,9 +66,13 @@ async def main(n: int) -> None:
     start_s = await timed(d2.start())
     cp2 = await timed(d2.engine.checkpoint(d2._checkpoint_key))
     info = await nc.jetstream().stream_info("IMPROVE_AUDIT")
+    anchor = str(cfg.data_dir / "last-checkpoint.json")
+    full = await timed(asyncio.to_thread(verify, url, "--checkpoint", anchor))
+    since = await timed(asyncio.to_thread(verify, url, "--since", "--checkpoint", anchor))
     print(f"N={n} trailers={info.state.messages} checkpoint(first after fill)={cp_running:.2f}s "
           f"checkpoint(next)={cp_again:.2f}s stop={stop_s:.2f}s start={start_s:.2f}s "
-          f"checkpoint(after restart)={cp2:.2f}s")
+          f"checkpoint(after restart)={cp2:.2f}s audit verify (full)={full:.2f}s "
+          f"audit verify --since={since:.2f}s")
     await d2.stop()
     await nc.close()
     server.stop()

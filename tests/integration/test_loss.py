@@ -217,6 +217,10 @@ async def test_a_checkpoint_reads_what_is_new_and_still_finds_covered_trailers_r
         assert 0 < daemon.engine.checkpoint_read < 8 < anchor["count"]
         assert json.loads((config.data_dir / "last-checkpoint.json").read_text())["count"] \
             >= anchor["count"]
+        since = await _verify(own_server.url, "--since", "--checkpoint",
+                              str(config.data_dir / "last-checkpoint.json"))
+        assert since.returncode == 0, since.stdout + since.stderr
+        assert "trailers after the checkpoint of" in since.stdout, since.stdout
         # deny_delete holds, but a retention limit set by an administrator drops the oldest
         js = nc.jetstream()
         info = await js.stream_info(S.STREAM_AUDIT)
@@ -224,6 +228,9 @@ async def test_a_checkpoint_reads_what_is_new_and_still_finds_covered_trailers_r
                                                    max_msgs=info.state.messages - 2))
         problem = await daemon.engine.checkpoint(daemon._checkpoint_key)
         assert problem is not None and "removed or lost" in problem, problem
+        since = await _verify(own_server.url, "--since", "--checkpoint",
+                              str(config.data_dir / "last-checkpoint.json"))
+        assert since.returncode == 1 and "removed or lost" in since.stdout, since.stdout
         await _no_apply_in_crisis(nc, daemon)
     finally:
         await daemon.stop()
