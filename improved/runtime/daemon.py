@@ -102,13 +102,13 @@ class Daemon:
         self.ready = anyio.Event()
         self._refill = anyio.Lock()  # one refill of the state cache at a time
         self._held: dict[int, Msg] = {}  # the inbound messages taken and not yet settled
-        self._count_cached = False  # whether serve() seeds the pending-reviews count
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load the daemon key, bind the streams, record the trust store and the policy, restore,
-        verify the log, subscribe.
+        """Load the daemon key, bind the streams, record the trust store and the policy, verify
+        what the log gained since the last checkpoint, subscribe; what a broker restart lost is
+        refilled after ready (`_after_ready`).
         ConfigError (nothing subscribed) when the policy loosens a floor or `policy.quorum`
         names no approved amendment."""
         # the daemon key signs every trailer this replica writes and every checkpoint
@@ -121,9 +121,6 @@ class Daemon:
         await self.engine.record_trust()
         await self._policy_in_force()
         await self.engine.sync_switch()
-        # the cache is whole: what waits for an operator is in it, counted after ready (a
-        # refill counts as it goes)
-        self._count_cached = not await self.republish_if_lost()
         await self.engine.checkpoint(self._checkpoint_key)  # verifies the log as it was left
         bus.on_reconnect(self.nc, self._reconnected)
         for subject, handler in (
@@ -171,16 +168,23 @@ class Daemon:
                 if self.config.checkpoint_interval_s > 0:
                     tg.start_soon(self._checkpoints, name="improved-checkpoints")
                 tg.start_soon(self._watch_cache, name="improved-cache-watch")
-                if self._count_cached:
-                    tg.start_soon(self._count_waiting, name="improved-count-waiting")
+                tg.start_soon(self._after_ready, name="improved-after-ready")
         except Exception:
             log.exception("a background task of the daemon failed; it stops serving")
             raise
 
+    async def _after_ready(self) -> None:
+        """What may cost as much as the history does, after ready rather than before: refill
+        the state cache and the retained records when the broker lost them (a restart of a
+        memory bucket), else count what waits for review from the cache. Neither is read by a
+        decision (every decision replays its chain), only by watchers and `review`."""
+        if not await self._restore(ensure=False):
+            await self._count_waiting()
+
     async def _count_waiting(self) -> None:
-        """Seed the pending-reviews metric from the cache after ready, not before: reading
-        every cached record grows with history. A proposal this process already handled is
-        counted by its handling, not by the older cached word."""
+        """Seed the pending-reviews metric from the cache (a refill counts as it goes). A
+        proposal this process already handled is counted by its handling, not by the older
+        cached word."""
         try:
             for record in await self.store.cached_records():
                 if not self.engine.handled_here(record.proposal_id):
@@ -235,23 +239,24 @@ class Daemon:
         self.engine.metrics.set_connected(True)
         await self._restore(ensure=True)
 
-    async def _restore(self, ensure: bool) -> None:
+    async def _restore(self, ensure: bool) -> bool:
         """Bring the streams and buckets back and refill what the broker lost, retried until it
         holds: a single failed attempt (JetStream still recovering, a second restart) must not
-        leave the cache half-filled until some later reconnect. Never raises."""
+        leave the cache half-filled until some later reconnect. Whether it refilled; never
+        raises."""
         delay = 0.2
         while not self._stopping.is_set():
             try:
                 if ensure:
                     await self.store.ensure()
-                await self.republish_if_lost()
-                return
+                return await self.republish_if_lost()
             except Exception as exc:
                 log.warning("could not restore the state cache yet; trying again",
                             error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
             ensure = True  # the bucket may be gone without a reconnect having told us
             await self._pause(delay)
             delay = min(delay * 2, 5.0)
+        return False
 
     async def _watch_cache(self) -> None:
         """Check the cache's marker every few seconds: a loss no reconnect announced (a purge,

@@ -75,12 +75,16 @@ async def test_purged_records_are_republished_when_the_daemon_starts(own_server)
     assert (await daemon.store.load("purgesvc", pid))[0] is None
 
     again = Daemon(nc, daemon_config())
-    await again.start()
+    await again.start()  # ready at once; the refill follows (it reads every chain)
     try:
-        assert await client.state(pid) == state
+        assert (await client.triage(pid)).cause == "awaiting_operator"  # decided from the chain
+        assert await eventually(lambda: client.state(pid)) == state
         assert (await client.decision(pid)).cause == "awaiting_operator"
-        cached, _ = await again.store.load("purgesvc", pid)  # what review and show read
-        assert cached is not None and cached.status == "pending"
+
+        async def cached():  # what review and show read
+            return (await again.store.load("purgesvc", pid))[0]
+
+        assert (await eventually(cached)).status == "pending"
     finally:
         await again.stop()
         await asyncio.sleep(0)
