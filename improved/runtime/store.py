@@ -112,6 +112,7 @@ async def _patiently(what: str, call: Callable[[], Awaitable[Any]],
 
 
 PUBLISH_ACK_TIMEOUT_S = 10.0
+PROBE_TIMEOUT_S = 1.0  # a status read during a restore (Store._probe)
 # How long the inbound consumer waits for an ack before it delivers a message again. Short: a
 # delivery the broker hands to a pull request of a connection that is dying never arrives, and
 # only this wait brings it back. The daemon extends it for every message it holds
@@ -229,6 +230,9 @@ class Store:
     def __init__(self, nc: Client, replicas: int = 1, records_storage: str = "file"):
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream(publish_async_max_pending=8192)
+        # for the small status reads of a restore: a server still loading its streams after a
+        # restart answers nothing, and the restore tries again sooner than the default 5 s
+        self._probe: JetStreamContext = nc.jetstream(timeout=PROBE_TIMEOUT_S)
         self.replicas = replicas
         self.records_storage = records_storage
         self.kv = None
@@ -486,8 +490,8 @@ class Store:
     async def incarnation(self) -> dict[str, str]:
         """When the state bucket and the records stream were created: a broker restart that
         loses them (memory storage) makes new ones, with new creation times."""
-        cache = await self.js.stream_info(f"KV_{S.BUCKET_STATE}")
-        records = await self.js.stream_info(S.STREAM_RECORDS)
+        cache = await self._probe.stream_info(f"KV_{S.BUCKET_STATE}")
+        records = await self._probe.stream_info(S.STREAM_RECORDS)
         return {"cache": str(cache.created), "records": str(records.created)}
 
     async def filled(self, seen: dict[str, str] | None = None) -> bool:
@@ -502,7 +506,7 @@ class Store:
             return False
         if not entry.value or msgspec.json.decode(entry.value) != seen:
             return False
-        records = await self.js.stream_info(S.STREAM_RECORDS)
+        records = await self._probe.stream_info(S.STREAM_RECORDS)
         return records.state.messages > 0 or not await self.has_chains()
 
     async def mark_filled(self, seen: dict[str, str]) -> None:
@@ -510,7 +514,7 @@ class Store:
         await self.kv.put(FILLED_KEY, to_json(seen))
 
     async def has_chains(self) -> bool:
-        return (await self.js.stream_info(S.STREAM_AUDIT)).state.messages > 0
+        return (await self._probe.stream_info(S.STREAM_AUDIT)).state.messages > 0
 
     # -- the chain -------------------------------------------------------------------------------
 
