@@ -36,9 +36,8 @@ REVIEWABLE_CAUSES = frozenset({"awaiting_operator", "no_grant", "awaiting_quorum
 
 def is_waiting(record: ProposalRecord | None) -> bool:
     """Waiting for an operator (or a quorum): pending, not superseded, its last decision a
-    defer with a reviewable cause. The one definition of it: what an approval needs, what
-    `improved review` lists (beside surfaced L1 proposals) and what the pending-reviews metric
-    counts."""
+    defer with a reviewable cause. The one definition of it: what an approval needs, and
+    (with surfaced L1 proposals) the operator's queue, `core.queue.queued`."""
     if record is None or record.status != "pending" or record.superseded_by is not None:
         return False
     d = record.decision

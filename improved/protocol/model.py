@@ -206,6 +206,25 @@ class LearnBack(_Out):
     baseline: float | None = None
 
 
+class ReviewEntry(_Out):
+    """An open item of the operator's queue, retained on `improve.review.<svc>.<id>` while the
+    proposal is queued (`core.queue.queued`); an empty message with a TTL replaces it when it
+    leaves. It only says where to look: a reader rebuilds the record from its chain."""
+
+    proposal_id: str
+    service: str
+    since: int  # when the decision it waits on was made (ms)
+
+
+class IndexMarker(_Out):
+    """Retained on `improve.review._filled.records` after a complete refill: the records
+    stream and the review index of that incarnation (its creation time) and index format are
+    whole."""
+
+    records: str  # IMPROVE_RECORDS' creation time, as STREAM.INFO reports it
+    index: int  # the review index's format version
+
+
 # -- apply dispatch -----------------------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ OUTCOMES = "improve.outcomes"
 GRANTS = "improve.grants"
 QUORUM = "improve.quorum"
 AUDIT = "improve.audit"
+REVIEW = "improve.review"  # the operator's queue: one retained entry per open item
 
 INBOUND_FILTERS = (
     f"{PROPOSALS}.*",
@@ -40,7 +41,13 @@ RECORD_FILTERS = (
     f"{OUTCOMES}.*.*",
     f"{GRANTS}.*.*",
     f"{QUORUM}.*",
+    f"{REVIEW}.*.*",
 )
+REVIEW_FILTER = f"{REVIEW}.*.*"
+# The marker a complete refill of the records (and the review index) leaves, in the records
+# stream itself, so it is lost with what it vouches for; `_filled` is no service (they start
+# [a-z]), and a purge of the review subjects takes it too.
+FILLED_MARKER = f"{REVIEW}._filled.records"
 AUDIT_FILTER = f"{AUDIT}.*.*"
 
 # -- streams, consumers and buckets -------------------------------------------------------------
@@ -108,6 +115,12 @@ def apply_outcome(svc: str, pid: str) -> str:
 
 def learn_back(svc: str, pid: str) -> str:
     return f"{OUTCOMES}.{svc}.{pid}"
+
+
+def review_entry(svc: str, pid: str) -> str:
+    """Retained while proposal `pid` is in the operator's queue (an output: it says where to
+    look, never what to decide)."""
+    return f"{REVIEW}.{svc}.{pid}"
 
 
 def grant_record(name: str, sha256: str) -> str:

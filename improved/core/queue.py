@@ -1,0 +1,64 @@
+"""The operator's queue: which proposals `improved review` lists, and what the review index
+(one retained entry per open item, docs/protocol.md "The review index") must say about them.
+
+Pure. The index is written by the engine as records move and read by `review` and the
+pending-reviews metric, so its cost follows the open items, not the history; it is an output
+and only says where to look: a reader rebuilds each listed record from its chain and lists it
+only when `queued` holds for that record.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from improved.core.authority import is_waiting
+from improved.core.record import ProposalRecord
+from improved.protocol.model import ReviewEntry
+
+INDEX_VERSION = 1  # the format of the index; a marker naming another one means refill
+
+
+def surfaced(record: ProposalRecord) -> bool:
+    """An L1 proposal accepted for review (SPEC 09: surfaced, never applied), still standing."""
+    d = record.decision
+    return (record.status == "pending" and record.superseded_by is None and d is not None
+            and d.verdict == "accept" and record.gate_class == "L1")
+
+
+def queued(record: ProposalRecord | None) -> bool:
+    """In the operator's queue: surfaced (L1), or waiting for an operator or a quorum
+    (`authority.is_waiting`). The one definition `review`, the index and the metric share."""
+    return record is not None and (surfaced(record) or is_waiting(record))
+
+
+def entry_of(record: ProposalRecord | None) -> ReviewEntry | None:
+    """The index entry `record` should have: None when it is not queued."""
+    if record is None or not queued(record):
+        return None
+    d = record.decision
+    return ReviewEntry(proposal_id=record.proposal_id, service=record.service,
+                       since=d.at if d is not None else record.updated_at)
+
+
+@dataclass(frozen=True)
+class Write:
+    """One write to the index: the entry, or None for a tombstone (the item left)."""
+
+    entry: ReviewEntry | None
+
+
+def change(before: ProposalRecord | None, after: ProposalRecord,
+           republish: bool) -> Write | None:
+    """What to write to the index after a pass took `before` to `after`, if anything. A chain
+    begun in this pass (`before` None: its append expected an empty chain) had no entry, so
+    only a queued one is written; otherwise a write when the entry changed, and on a republish
+    the entry again (or a tombstone for a gated record, in case an earlier one was lost). An L0
+    proposal is never queued: it never costs a write."""
+    new = entry_of(after)
+    if before is None:
+        return Write(new) if new is not None else None
+    if new != entry_of(before):
+        return Write(new)
+    if republish and (new is not None or after.gate_class != "L0"):
+        return Write(new)
+    return None
