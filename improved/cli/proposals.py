@@ -117,8 +117,9 @@ def cmd_review(args: argparse.Namespace) -> int:
     config = config_of(args)
     queue, source = asyncio.run(review_view(url_of(args, config), config.policy))
     if source == "chains":
-        print("improved review: the daemon's state cache is being refilled (a broker restart "
-              "empties it); this list was read from the audit chains", file=sys.stderr)
+        print("improved review: the review index is not known complete (the daemon refills it "
+              "after a loss of the retained records); this list was read from the audit "
+              "chains", file=sys.stderr)
     if args.json:
         out(queue)
         return 0

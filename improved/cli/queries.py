@@ -1,48 +1,48 @@
-"""Read models of the terminal: what `review`, `status` and `audit rebuild` show, read
-from the retained records, the state cache or the audit chains. Nothing here changes anything."""
+"""Read models of the terminal: what `review` and `status` show, read from the review index,
+the retained records and the audit chains. Nothing here changes anything."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
 import msgspec
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import NotFoundError
 
 from improved.cli.common import deployment
-from improved.core import authority
+from improved.core import authority, queue
 from improved.core.policy import Policy
+from improved.core.propose import rebuild_record
+from improved.core.record import ProposalRecord
 from improved.protocol import subjects as S
 from improved.runtime.bus import Target
 from improved.runtime.store import Store, decode_trailer
 
 
 async def review_queue(url: str | Target, policy: Policy | None = None) -> list[dict[str, Any]]:
-    """What `improved review` lists: every proposal waiting for an operator or a quorum
-    (`authority.is_waiting`) and every surfaced L1 proposal, oldest first."""
-    queue, _ = await review_view(url, policy or Policy())
-    return queue
+    """What `improved review` lists: every proposal in the operator's queue (`queue.queued`:
+    waiting for an operator or a quorum, or a surfaced L1), oldest first."""
+    listed, _ = await review_view(url, policy or Policy())
+    return listed
 
 
 async def review_view(url: str | Target, policy: Policy) -> tuple[list[dict[str, Any]], str]:
-    """The review queue, and where it was read: `cache` or `chains`."""
+    """The review queue, and where it was read: `index` or `chains`."""
     async with deployment(url, bind=False) as store:
-        records, source = await current_records(store, policy)
-        queue = []
+        records, source = await queued_records(store, policy)
+        rows = []
         for record in records:
             d, p = record.decision, record.proposal
-            surfaced = (record.status == "pending" and record.superseded_by is None
-                        and d is not None and d.verdict == "accept" and record.gate_class == "L1")
-            if not (surfaced or authority.is_waiting(record)):
-                continue
-            queue.append({
+            assert d is not None  # queued: deferred or accepted, so decided
+            rows.append({
                 "proposal_id": record.proposal_id, "service": record.service,
                 "summary": record.summary_text,
                 "votes": [f"{b.vote} by {b.voter} ({b.session})" for b in record.ballots],
                 "constitution_edit": p.amends,
                 "class": p.change_class, "gate": record.gate_class, "target": p.target_ref,
-                "cause": "surfaced" if surfaced else d.cause, "rationale": d.rationale,
-                "scope": p.scope,
+                "cause": "surfaced" if queue.surfaced(record) else d.cause,
+                "rationale": d.rationale, "scope": p.scope,
                 "origin": p.origin.actor, "analyzer": p.analyzer.id, "skill": record.skill,
                 "signals": {"counted": len(record.signals), "positive": record.positives,
                             "independent_positive": record.independent_positives},
@@ -55,32 +55,55 @@ async def review_view(url: str | Target, policy: Policy) -> tuple[list[dict[str,
                 "will_run": authority.will_run(p),
                 "will_run_digest": authority.will_run_digest(p),
             })
-        return sorted(queue, key=lambda q: q["waiting_since"]), source
+        return sorted(rows, key=lambda q: q["waiting_since"]), source
 
 
-async def current_records(store: Store, policy: Policy) -> tuple[list, str]:
-    """Every proposal's current record: from the state cache when a complete refill marked it
-    whole (`Store.filled`), else rebuilt from the audit chains — after a broker restart the
-    cache starts empty, and the first records to land in it are not all there is."""
+REBUILD_AT_ONCE = 32  # chains read at a time for the items the index lists
+
+
+async def queued_records(store: Store, policy: Policy) -> tuple[list[ProposalRecord], str]:
+    """The records of the operator's queue, each rebuilt from its chain, and where the list
+    came from. From the review index when the daemon marked it whole (`Store.filled`): it
+    says where to look, in O(open items), and only what its chain says is queued is listed
+    (anyone who can publish on the records stream could write an entry). Else — while the
+    daemon refills what a broker restart or a purge lost — from every chain."""
     try:
-        await store.bind()
         whole = await store.filled()
-    except (BucketNotFoundError, NotFoundError):
+    except NotFoundError:
         whole = False
-    if whole:
-        return await store.cached_records(), "cache"
-    from improved.core.propose import rebuild_record
+    if not whole:
+        return [r for r in await _every_record(store, policy) if queue.queued(r)], "chains"
+    limit = asyncio.Semaphore(REBUILD_AT_ONCE)
 
+    async def rebuilt(svc: str, pid: str) -> ProposalRecord | None:
+        async with limit:
+            chain = await store.read_chain(svc, pid)
+        return _replayed(chain, policy)
+
+    entries = await store.read_index()
+    records = await asyncio.gather(*(rebuilt(e.service, e.proposal_id) for e in entries))
+    return [r for r in records if r is not None and queue.queued(r)], "index"
+
+
+async def _every_record(store: Store, policy: Policy) -> list[ProposalRecord]:
+    """Every proposal's record, rebuilt from the whole audit log."""
     records = []
     for (svc, _), entries in (await store.sequenced_chains()).items():
-        if svc in S.MESH_CHAINS:
-            continue
-        try:
-            trailers = [decode_trailer(body) for _, body in entries]
-            records.append(rebuild_record(trailers, [seq for seq, _ in entries], policy))
-        except (ValueError, KeyError, msgspec.MsgspecError):
-            continue  # not replayable: `improved audit verify` names it
-    return records, "chains"
+        if svc not in S.MESH_CHAINS and (record := _replayed(entries, policy)) is not None:
+            records.append(record)
+    return records
+
+
+def _replayed(chain: list[tuple[int, dict]], policy: Policy) -> ProposalRecord | None:
+    """A record from its chain as (stream sequence, body) pairs; None when there is none or it
+    is not replayable (`improved audit verify` names it)."""
+    if not chain:
+        return None
+    try:
+        trailers = [decode_trailer(body) for _, body in chain]
+        return rebuild_record(trailers, [seq for seq, _ in chain], policy)
+    except (ValueError, KeyError, msgspec.MsgspecError):
+        return None
 
 
 async def status_view(url: str | Target) -> dict[str, Any]:

@@ -59,7 +59,7 @@ from improved.runtime.store import Store
 log = structlog.get_logger("improved.daemon")
 
 FETCH_BATCH = 256
-CACHE_CHECK_S = 5.0  # how often the state cache is checked for a loss no reconnect announced
+CACHE_CHECK_S = 5.0  # how often the records are checked for a loss and the queue recounted
 MAX_IN_FLIGHT = 1024
 DRAIN_S = 30.0  # how long `stop` waits for in-flight work before cancelling it
 NOT_FOUND_RETRIES = 5
@@ -100,7 +100,7 @@ class Daemon:
         self._service: asyncio.Task | None = None  # runs serve(): every background task
         self._scope: anyio.CancelScope | None = None  # serve()'s task group, to halt it
         self.ready = anyio.Event()
-        self._refill = anyio.Lock()  # one refill of the state cache at a time
+        self._refill = anyio.Lock()  # one refill of the records and the index at a time
         self._held: dict[int, Msg] = {}  # the inbound messages taken and not yet settled
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ class Daemon:
 
     async def serve(self) -> None:
         """Every background task of a started daemon, in one task group: the inbound consumer
-        (and the jobs it runs), the checkpoints, the cache watch. It ends when all of them
+        (and the jobs it runs), the checkpoints, the records watch. It ends when all of them
         have drained after `stop`, or at once on `halt`; an unexpected error in one cancels
         the others and ends it, so `healthy` turns false and the watchdog restarts us."""
         try:
@@ -167,7 +167,7 @@ class Daemon:
                 tg.start_soon(self._consume, name="improved-consume")
                 if self.config.checkpoint_interval_s > 0:
                     tg.start_soon(self._checkpoints, name="improved-checkpoints")
-                tg.start_soon(self._watch_cache, name="improved-cache-watch")
+                tg.start_soon(self._watch_records, name="improved-records-watch")
                 tg.start_soon(self._after_ready, name="improved-after-ready")
         except Exception:
             log.exception("a background task of the daemon failed; it stops serving")
@@ -175,20 +175,18 @@ class Daemon:
 
     async def _after_ready(self) -> None:
         """What may cost as much as the history does, after ready rather than before: refill
-        the state cache and the retained records when the broker lost them (a restart of a
-        memory bucket), else count what waits for review from the cache. Neither is read by a
-        decision (every decision replays its chain), only by watchers and `review`."""
-        if not await self._restore(ensure=False):
-            await self._count_waiting()
+        the retained records and the review index when the broker lost them (memory storage
+        across a restart, a purge, an upgrade from a version without the index), then count
+        the queue from the index. Neither is read by a decision (every decision replays its
+        chain), only by watchers, `review` and the metric."""
+        await self._restore(ensure=False)
+        await self._recount()
 
-    async def _count_waiting(self) -> None:
-        """Seed the pending-reviews metric from the cache (a refill counts as it goes). A
-        proposal this process already handled is counted by its handling, not by the older
-        cached word."""
+    async def _recount(self) -> None:
+        """Set the pending-reviews metric to the entries of the review index: what `review`
+        lists, the same on every replica, read in O(open items)."""
         try:
-            for record in await self.store.cached_records():
-                if not self.engine.handled_here(record.proposal_id):
-                    self.engine.note_waiting(record)
+            self.engine.set_queue_size(len(await self.store.read_index()))
         except Exception as exc:  # a metric: never worth stopping the daemon for
             log.warning("could not count the proposals waiting for review",
                         error=f"{type(exc).__name__}: {exc}")
@@ -212,25 +210,28 @@ class Daemon:
         return self.ready.is_set() and self._service is not None and not self._service.done()
 
     async def republish_if_lost(self) -> bool:
-        """After a broker restart (the state cache is in memory, the records may be) or a purge,
-        refill the cache and republish the retained records from the chains, so `review` and
-        late joiners read the truth again; True when it did.
+        """When the retained records or the review index were lost — records in memory storage
+        across a broker restart, a purge, or an upgrade from a version without the index —
+        republish them from the chains, so `review`, the metric and late joiners read the
+        truth again; True when it did. A broker restart over file storage loses neither (the
+        state cache it does lose fills lazily, `Engine._load`).
 
-        A loss is told by the marker a complete refill leaves (`Store.filled`), never by an
-        empty bucket: a proposal that arrives during the reconnect lands in the new bucket
-        first, and one record must not pass for a full cache. The marker names the streams as
-        they were when the refill began, so a refill cut short by another restart, or outrun
-        by one, leaves no valid marker behind and the next check refills again."""
+        A loss is told by the marker a complete refill leaves in the records stream
+        (`Store.filled`), never by an empty stream: a proposal that arrives during the
+        reconnect lands in a new stream first, and one record must not pass for all of them.
+        The marker names the stream as it was when the refill began, so a refill cut short by
+        another restart, or outrun by one, leaves no valid marker behind and the next check
+        refills again."""
         async with self._refill:
             seen = await self.store.incarnation()
             if await self.store.filled(seen):
                 return False
             if await self.store.has_chains():
-                log.warning("state cache or retained records incomplete; refilling them from "
-                            "the audit chains")
+                log.warning("retained records or the review index incomplete; refilling them "
+                            "from the audit chains")
                 started = time.perf_counter()
                 count = await self.engine.republish_all()
-                log.info("state cache refilled and records republished", chains=count,
+                log.info("records and review index republished", chains=count,
                          seconds=round(time.perf_counter() - started, 2))
             await self.store.mark_filled(seen)
             return True
@@ -238,11 +239,12 @@ class Daemon:
     async def _reconnected(self) -> None:
         self.engine.metrics.set_connected(True)
         await self._restore(ensure=True)
+        await self._recount()
 
     async def _restore(self, ensure: bool) -> bool:
         """Bring the streams and buckets back and refill what the broker lost, retried until it
         holds: a single failed attempt (JetStream still recovering, a second restart) must not
-        leave the cache half-filled until some later reconnect. Whether it refilled; never
+        leave the records half-filled until some later reconnect. Whether it refilled; never
         raises."""
         delay = 0.2
         while not self._stopping.is_set():
@@ -251,21 +253,23 @@ class Daemon:
                     await self.store.ensure()
                 return await self.republish_if_lost()
             except Exception as exc:
-                log.warning("could not restore the state cache yet; trying again",
+                log.warning("could not restore the retained records yet; trying again",
                             error=f"{type(exc).__name__}: {exc}", retry_in_s=delay)
             ensure = True  # the bucket may be gone without a reconnect having told us
             await self._pause(delay)
             delay = min(delay * 2, 5.0)
         return False
 
-    async def _watch_cache(self) -> None:
-        """Check the cache's marker every few seconds: a loss no reconnect announced (a purge,
-        the replicas of a memory bucket all restarted) is refilled too."""
+    async def _watch_records(self) -> None:
+        """Every few seconds, check the records' marker — a loss no reconnect announced (a
+        purge, the replicas of a memory stream all restarted) is refilled too — and recount
+        the queue from the index, so every replica's metric says what the index says."""
         while not self._stopping.is_set():
             await self._pause(CACHE_CHECK_S)
             if self._stopping.is_set() or not self.nc.is_connected:
                 continue
             await self._restore(ensure=False)
+            await self._recount()
 
     async def stop(self) -> None:
         """Stop taking work, finish what is in flight, unsubscribe."""

@@ -37,6 +37,7 @@ from improved.core import (
     planner,
     policy,
     propose,
+    queue,
     quorum,
     signing,
     triage,
@@ -140,7 +141,9 @@ class Engine:
         self.checkpoint_read = 0  # trailers the last checkpoint read: what was new, not the log
         self.metrics = Metrics()
         self.learn = None  # observe's learn-back: (analyzer id, accepted) → None
-        self._awaiting: set[str] = set()  # proposals this replica saw deferred to an operator
+        # the operator's queue as the review index counts it: recounted from the index by the
+        # daemon (`set_queue_size`), moved by this replica's own passes in between
+        self.queue_size = 0
         self._started: dict[str, float] = {}  # when handling of a proposal began
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiters: dict[str, int] = {}
@@ -460,7 +463,8 @@ class Engine:
             log.warning("state cache disagrees with the chain; the chain decides",
                         proposal_id=pid, cached=f"{cached.status}/{cached.approved_by}",
                         chain=f"{record.status}/{record.approved_by}")
-            try:
+        if cached is None or not same_state(record, cached):  # lacking (a broker restart
+            try:  # empties the bucket) or wrong: put the chain's word back
                 rev = await self.store.save(record, rev)
             except StateConflict:
                 pass  # someone saved meanwhile; the next save re-reads
@@ -483,13 +487,21 @@ class Engine:
     async def _settle(self, record: ProposalRecord, rev: int, before: ProposalRecord | None,
                       republish: bool) -> None:
         """After the chain moved: cache the record once and publish the retained records, both
-        at the same time (the cache is rebuildable, so a lost save only costs a rebuild)."""
+        at the same time (the cache is rebuildable, so a lost save only costs a rebuild), and
+        the review index entry when the operator's queue changed (`queue.change`: never for
+        an L0 proposal)."""
         jobs = []
         if record != before:
             jobs.append(self._save(record, rev))
         if record != before or republish:
             jobs.append(self.publish(record))
+        write = queue.change(before, record, republish)
+        if write is not None:
+            jobs.append(self.store.index(record.service, record.proposal_id, write.entry))
         await asyncio.gather(*jobs)
+        moved = queue.queued(record) - queue.queued(before)
+        if moved:
+            self.set_queue_size(self.queue_size + moved)
 
     async def _save(self, record: ProposalRecord, rev: int) -> None:
         try:
@@ -521,9 +533,7 @@ class Engine:
                 self.learn(record.proposal.analyzer.id, True)
             elif trailer.verdict == "reject" and trailer.observer_type == "human":
                 self.learn(record.proposal.analyzer.id, False)
-        record = with_trailer(record, trailer, seq)
-        self.note_waiting(record)
-        return record
+        return with_trailer(record, trailer, seq)
 
     async def _advance(self, record: ProposalRecord, dispatch: bool,
                        rejected: dict | None = None) -> ProposalRecord:
@@ -991,10 +1001,10 @@ class Engine:
             raise ChainBroken(f"{svc}/{brk}")
 
     async def republish_all(self, concurrency: int = 32) -> int:
-        """Rebuild every record and grant from its chain, refill the state cache where it lacks
-        a record or holds an older one, and publish the retained records again: what they would
-        say had they never been lost. One read of the log (with its stream sequences), then
-        `concurrency` chains at a time. Returns the chains replayed."""
+        """Rebuild every record and grant from its chain and publish the retained records and
+        the review index again: what they would say had they never been lost. One read of the
+        log (with its stream sequences), then `concurrency` chains at a time. Returns the
+        chains replayed."""
         chains = iter((await self.store.sequenced_chains()).items())
         count = 0
 
@@ -1026,39 +1036,28 @@ class Engine:
 
     async def _republish(self, svc: str, pid: str, trailers: list[Trailer],
                          seqs: list[int]) -> None:
-        """Republish one proposal's records from its chain snapshot, under its lock, unless the
-        proposal moved on since the snapshot (then what the cache holds is newer); refill its
-        cached record when that is missing or older than the chain."""
+        """Republish one proposal's records and index entry from its chain snapshot, under its
+        lock; when the chain moved on since the snapshot, from the chain as it is now. The
+        state cache is left to fill lazily (`_load`)."""
         lock = await self._acquire(pid)
         try:
-            cached, rev = await self.store.load(svc, pid)
-            if cached is not None and cached.chain.length > len(trailers):
-                await self.publish(cached)
-                self.note_waiting(cached)
-                return
             record = propose.rebuild_record(trailers, seqs, self.policy)
-            if cached is None or cached.chain.length < len(trailers):
-                head, _ = await self.store.chain_head(S.audit(svc, pid))
-                if head != seqs[-1]:  # the chain moved on since the snapshot: read it again
-                    record = await self.rebuild(svc, pid)
-                await self._save(record, rev)
-            await self.publish(record)
-            self.note_waiting(record)
+            head, _ = await self.store.chain_head(S.audit(svc, pid))
+            if head != seqs[-1]:  # the chain moved on since the snapshot: read it again
+                record = await self.rebuild(svc, pid) or record
+            jobs = [self.publish(record)]
+            entry = queue.entry_of(record)
+            if entry is not None:  # the index was lost with the records: no tombstones needed
+                jobs.append(self.store.index(svc, pid, entry))
+            await asyncio.gather(*jobs)
         finally:
             self._release(pid, lock)
 
-    def handled_here(self, pid: str) -> bool:
-        """Whether this process holds `pid`'s record from its own handling (or chain)."""
-        return pid in self._cache
-
-    def note_waiting(self, record: ProposalRecord) -> None:
-        """Count `record` in the pending-reviews metric while it waits for an operator or a
-        quorum (`authority.is_waiting`, the definition `improved review` lists by)."""
-        if authority.is_waiting(record):
-            self._awaiting.add(record.proposal_id)
-        else:
-            self._awaiting.discard(record.proposal_id)
-        self.metrics.set_pending_reviews(len(self._awaiting))
+    def set_queue_size(self, n: int) -> None:
+        """The pending-reviews metric: the entries of the review index (what `improved review`
+        lists), as last recounted and moved by this replica's passes since."""
+        self.queue_size = max(n, 0)
+        self.metrics.set_pending_reviews(self.queue_size)
 
     # -- retained records ----------------------------------------------------------------------------
 

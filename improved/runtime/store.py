@@ -6,12 +6,16 @@ provisioning user (`improved provision`) may create or change most of them, and 
 finds them as they should be.
 - IMPROVE_IN: inbound requests (`improve.proposals.<svc>`, …), kept so nothing is lost while no
   daemon runs; one durable pull consumer shared by every replica.
-- IMPROVE_RECORDS: retained records, one message per subject (the current state).
+- IMPROVE_RECORDS: retained records, one message per subject (the current state), among them
+  the review index (`improve.review.<svc>.<id>`, one entry per open item of the operator's
+  queue; an item that leaves is overwritten by an empty message with a per-message TTL, so its
+  subject disappears) and the marker a complete refill leaves (`improve.review._filled.records`,
+  naming the stream's incarnation, its creation time, and the index format): it lives and dies
+  with what it vouches for, so a broker restart over file storage keeps both, and a re-created
+  (memory storage) or purged stream loses both and is refilled.
 - IMPROVE_AUDIT: the trailers, append-only (deny delete, deny purge, no limits).
-- KV `improved_state`: a cache of each proposal's record, rebuildable from the chain. It is in
-  memory, so a broker restart loses it; a marker key (`_filled`), written only after a complete
-  refill and naming the incarnation (creation time) of the bucket and of IMPROVE_RECORDS, tells
-  a complete cache from a new one that a few records have landed in since.
+- KV `improved_state`: a cache of each proposal's record, in memory, filled lazily: a record
+  missing or different from its chain is rebuilt from the chain and put back when read.
 
 The chain append is the commit point of every transition. It carries
 `Nats-Expected-Last-Subject-Sequence`, so a trailer joins the chain only if nothing joined since
@@ -44,11 +48,11 @@ from nats.js.errors import (
 )
 
 from improved.client import chains
-from improved.core import audit, checkpoint, evidence
+from improved.core import audit, checkpoint, evidence, queue
 from improved.core.audit import Draft
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
-from improved.protocol.model import Trailer, to_json
+from improved.protocol.model import IndexMarker, ReviewEntry, Trailer, to_json
 
 log = structlog.get_logger("improved.store")
 
@@ -119,7 +123,10 @@ PROBE_TIMEOUT_S = 1.0  # a status read during a restore (Store._probe)
 # (`Daemon._keep_alive`), however long the job takes.
 INBOUND_ACK_WAIT_S = 5.0
 READ_IDLE_S = 5.0  # a read of the audit log that receives nothing this long has ended
-FILLED_KEY = "_filled"  # in the state bucket; no proposal's key (`<svc>.<id>`) can be this
+# How long an index tombstone (an item that left the queue) stays before its subject is gone:
+# long enough for every reader to see the entry replaced, short enough that tombstones do not
+# pile up with the history.
+TOMBSTONE_TTL_S = 60
 INBOUND_MAX_AGE_S = 30 * 24 * 3600
 REFUSED_MAX_AGE_S = 30 * 24 * 3600
 
@@ -163,6 +170,7 @@ class StateConflict(Exception):
 
 
 trailer_decoder = msgspec.json.Decoder(Trailer)
+review_entry_decoder = msgspec.json.Decoder(ReviewEntry)
 
 
 def decode_trailer(body: dict[str, Any]) -> Trailer:
@@ -183,6 +191,7 @@ def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsa
             description="improved: retained records, the latest per subject is current",
             retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType(records_storage),
             max_msgs_per_subject=1, allow_direct=True, num_replicas=replicas,
+            allow_msg_ttl=True,  # the review index's tombstones expire (Nats-TTL)
         ),
         jsapi.StreamConfig(
             name=S.STREAM_AUDIT, subjects=[S.AUDIT_FILTER],
@@ -238,6 +247,7 @@ class Store:
         self.kv = None
         self.signer: Ed25519PrivateKey | None = None  # the daemon key every trailer is signed with
         self.written: set[str] = set()  # hashes this process appended since the last checkpoint
+        self.tombstone_ttl_s = TOMBSTONE_TTL_S
 
     async def ensure(self) -> list[str]:
         """Bring every stream, the inbound consumer and the buckets to this configuration and
@@ -248,7 +258,7 @@ class Store:
         for cfg in stream_configs(self.replicas, self.records_storage):
             done += await self._ensure_stream(cfg)
         done += await self._ensure_consumer()
-        # A cache: in memory, since every record can be rebuilt from its chain.
+        # A cache: in memory, filled lazily, since every record can be rebuilt from its chain.
         self.kv = await self._bucket(S.BUCKET_STATE, "cached proposal records (rebuildable "
                                      "from the chain)", done, jsapi.StorageType.MEMORY)
         self.dedup = await self._bucket(S.BUCKET_DEDUP, "newest proposal per dedup_key", done)
@@ -466,52 +476,39 @@ class Store:
             raise
 
     async def keys(self) -> list[str]:
-        """The keys of every cached record (the marker left out)."""
+        """The keys of every cached record (a marker an earlier version kept here left out)."""
         try:
             keys = await self.kv.keys()
         except Exception:  # nats-py raises NoKeysError on an empty bucket
             return []
-        return [k for k in keys if k != FILLED_KEY]
+        return [k for k in keys if not k.startswith("_")]
 
-    async def cached_records(self) -> list[ProposalRecord]:
-        """Every cached record, read in one pass over the bucket (the last value per key)."""
-        watcher = await self.kv.watchall(ignore_deletes=True)
-        out: list[ProposalRecord] = []
-        try:
-            while (entry := await watcher.updates(timeout=10)) is not None:
-                if entry.key != FILLED_KEY and entry.value:
-                    out.append(record_decoder.decode(entry.value))
-        finally:
-            await watcher.stop()
-        return out
+    # -- are the records and the review index whole? -----------------------------------------
 
-    # -- is the cache whole? -----------------------------------------------------------------------
-
-    async def incarnation(self) -> dict[str, str]:
-        """When the state bucket and the records stream were created: a broker restart that
-        loses them (memory storage) makes new ones, with new creation times."""
-        cache = await self._probe.stream_info(f"KV_{S.BUCKET_STATE}")
+    async def incarnation(self) -> IndexMarker:
+        """What a complete refill vouches for: the records stream as it is now (its creation
+        time: a re-created stream is a new one) and the index format of this version."""
         records = await self._probe.stream_info(S.STREAM_RECORDS)
-        return {"cache": str(cache.created), "records": str(records.created)}
+        return IndexMarker(records=str(records.created), index=queue.INDEX_VERSION)
 
-    async def filled(self, seen: dict[str, str] | None = None) -> bool:
-        """True when the state cache and the retained records are complete: a refill of these
-        very streams finished (the marker names their incarnation, so neither a re-created
-        bucket nor a record that landed in it first can pass for a full cache) and neither
-        was purged since. False when the bucket is not there at all."""
+    async def filled(self, seen: IndexMarker | None = None) -> bool:
+        """True when the retained records and the review index are complete: the marker a
+        refill leaves is in the records stream and names this very stream and index format.
+        A purge or a re-created stream takes the marker with it; an upgrade from a version
+        without the index finds none."""
         try:
             seen = seen or await self.incarnation()
-            entry = await self.kv.get(FILLED_KEY)
-        except (KeyNotFoundError, NotFoundError, BucketNotFoundError):
+            data = await self.last(S.FILLED_MARKER)
+        except NotFoundError:  # no records stream at all
             return False
-        if not entry.value or msgspec.json.decode(entry.value) != seen:
+        try:
+            return data is not None and msgspec.json.decode(data, type=IndexMarker) == seen
+        except msgspec.MsgspecError:
             return False
-        records = await self._probe.stream_info(S.STREAM_RECORDS)
-        return records.state.messages > 0 or not await self.has_chains()
 
-    async def mark_filled(self, seen: dict[str, str]) -> None:
-        """Record that the cache and the records of incarnation `seen` are complete."""
-        await self.kv.put(FILLED_KEY, to_json(seen))
+    async def mark_filled(self, seen: IndexMarker) -> None:
+        """Record that the records and the index of incarnation `seen` are complete."""
+        await self.publish(S.FILLED_MARKER, seen)
 
     async def has_chains(self) -> bool:
         return (await self._probe.stream_info(S.STREAM_AUDIT)).state.messages > 0
@@ -706,11 +703,54 @@ class Store:
 
     # -- retained records ------------------------------------------------------------------------
 
-    async def publish(self, subject: str, record: Any) -> None:
-        """Publish a retained record, pipelined: sent at once, acknowledged when awaited."""
-        ack = await self.js.publish_async(subject, to_json(record), stream=S.STREAM_RECORDS)
+    async def publish(self, subject: str, record: Any, ttl_s: int | None = None) -> None:
+        """Publish a retained record, pipelined: sent at once, acknowledged when awaited. With
+        `ttl_s`, `record` is None and an empty message with that TTL (Nats-TTL) is sent."""
+        ack = await self.js.publish_async(subject, b"" if record is None else to_json(record),
+                                          stream=S.STREAM_RECORDS, msg_ttl=ttl_s)
         # an ack lost in a broker restart must not wedge the job: time out, nak, retry
         await asyncio.wait_for(ack, timeout=PUBLISH_ACK_TIMEOUT_S)
+
+    # -- the review index --------------------------------------------------------------------------
+
+    async def index(self, svc: str, pid: str, entry: ReviewEntry | None) -> None:
+        """Put `pid` in the review index (`entry`), or take it out (None): a tombstone that
+        replaces the entry and, after `tombstone_ttl_s`, leaves the stream with its subject."""
+        subject = S.review_entry(svc, pid)
+        if entry is not None:
+            await self.publish(subject, entry)
+        else:
+            await self.publish(subject, None, ttl_s=self.tombstone_ttl_s)
+
+    async def read_index(self) -> list[ReviewEntry]:
+        """Every entry of the review index, tombstones and anything malformed left out: the
+        last message per subject, read once through an ordered consumer (O(open items and
+        recent tombstones), never the history). An entry only says where to look."""
+        config = jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.LAST_PER_SUBJECT)
+        sub = await self.js.subscribe(S.REVIEW_FILTER, ordered_consumer=True,
+                                      stream=S.STREAM_RECORDS, config=config)
+        out: list[ReviewEntry] = []
+        try:
+            info = await sub.consumer_info()
+            if info.num_pending == 0 and not info.delivered.consumer_seq:
+                return out  # nothing to deliver: do not wait for it
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=READ_IDLE_S)
+                except NatsTimeoutError:
+                    return out
+                svc, pid = S.token(msg.subject, 2) or "", S.token(msg.subject, 3) or ""
+                if msg.data and S.SERVICE_RE.match(svc) and S.ID_RE.match(pid):
+                    try:
+                        entry = review_entry_decoder.decode(msg.data)
+                    except msgspec.MsgspecError:
+                        entry = None
+                    if entry is not None and (entry.service, entry.proposal_id) == (svc, pid):
+                        out.append(entry)
+                if msg.metadata.num_pending == 0:
+                    return out
+        finally:
+            await sub.unsubscribe()
 
     async def publish_once(self, subject: str, record: Any) -> None:
         """Publish an immutable record: only if the subject holds nothing yet."""
