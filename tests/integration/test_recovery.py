@@ -1,5 +1,6 @@
 """Retained records are derived state: when they are lost — memory storage across a broker
-restart, or a purge — the daemon republishes them from the audit chains."""
+restart, or a purge — the daemon republishes them, and the review index, from the audit
+chains. The state cache is not refilled: it fills lazily, from the chain, as it is read."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import asyncio
 import msgspec
 import pytest
 
+from improved.cli.queries import review_view
 from improved.client.sdk import MeshClient
+from improved.core.policy import Policy
 from improved.protocol import subjects as S
 from improved.runtime import bus
 from improved.runtime.daemon import Daemon
@@ -53,11 +56,21 @@ async def test_memory_records_come_back_after_a_broker_restart(own_server):
         assert (await client.state(waiting), await client.decision(waiting)) == before
         assert (await client.outcome(applied)).ok
         assert store.applies == 1  # republishing replays records, never applies
+        # the memory stream came back empty, so its marker did too: the refill rebuilt the index
+        assert await eventually(lambda: _reviewed(own_server.url, waiting))
     finally:
         await store.stop()
         await daemon.stop()
         await bus.close(client_nc)
         await bus.close(nc)
+
+
+async def _reviewed(url: str, pid: str) -> bool:
+    try:
+        queue, source = await review_view(url, Policy())
+    except Exception:  # the broker still coming back
+        return False
+    return source == "index" and [q["proposal_id"] for q in queue] == [pid]
 
 
 async def test_purged_records_are_republished_when_the_daemon_starts(own_server):
@@ -69,10 +82,11 @@ async def test_purged_records_are_republished_when_the_daemon_starts(own_server)
     state = await client.state(pid)
     await daemon.stop()
 
-    await nc.jetstream().purge_stream(S.STREAM_RECORDS)
+    await nc.jetstream().purge_stream(S.STREAM_RECORDS)  # the index and its marker with them
     await nc.jetstream().purge_stream(f"KV_{S.BUCKET_STATE}")  # the cache, as after a restart
     assert await client.state(pid) is None
     assert (await daemon.store.load("purgesvc", pid))[0] is None
+    assert (await review_view(own_server.url, Policy()))[1] == "chains"  # not known whole
 
     again = Daemon(nc, daemon_config())
     await again.start()  # ready at once; the refill follows (it reads every chain)
@@ -80,8 +94,9 @@ async def test_purged_records_are_republished_when_the_daemon_starts(own_server)
         assert (await client.triage(pid)).cause == "awaiting_operator"  # decided from the chain
         assert await eventually(lambda: client.state(pid)) == state
         assert (await client.decision(pid)).cause == "awaiting_operator"
+        assert await eventually(lambda: _reviewed(own_server.url, pid))
 
-        async def cached():  # what review and show read
+        async def cached():  # filled again by the read of the triage request above
             return (await again.store.load("purgesvc", pid))[0]
 
         assert (await eventually(cached)).status == "pending"

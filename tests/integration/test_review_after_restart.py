@@ -10,7 +10,9 @@ chains say is waiting — the old ones and the new — and the pending-reviews m
 The state cache is in memory and vanishes with the broker; the proposal published during the
 reconnect lands in the new, empty cache first. A cache-loss check that looks for an empty
 bucket took that one record for a full cache and never refilled it: the older waiting
-proposals vanished from the queue for good."""
+proposals vanished from the queue for good. `review` now reads the review index, retained in
+the records stream on file storage with its completeness marker, so a restart loses neither
+and nothing is refilled."""
 
 from __future__ import annotations
 
@@ -115,8 +117,8 @@ async def test_review_lists_every_waiting_proposal_after_each_broker_restart(own
             took.append(time.monotonic() - back)
             assert {q["proposal_id"] for q in queue} == set(waiting)
             assert all(q["cause"] == waiting[q["proposal_id"]] for q in queue)
-            # and the daemon refilled its cache: `review` reads it again, and finds them all
-            assert await eventually(lambda: _cached(own_server.url, waiting), timeout=BACK_S)
+            # and `review` reads the review index (kept over the restart), and finds them all
+            assert await eventually(lambda: _indexed(own_server.url, waiting), timeout=BACK_S)
             # the pending-reviews metric counts the same proposals
             async def counted():
                 return value(daemon.engine.metrics, "improved_pending_reviews") == len(waiting)
@@ -135,12 +137,12 @@ async def _decided(client: MeshClient, pid: str, svc: str, cause: str):
     return d if d is not None and d.cause == cause else None
 
 
-async def _cached(url: str, waiting: dict[str, str]) -> bool:
+async def _indexed(url: str, waiting: dict[str, str]) -> bool:
     try:
         queue, source = await review_view(url, Policy())
     except Exception:
         return False
-    return source == "cache" and {q["proposal_id"] for q in queue} == set(waiting)
+    return source == "index" and {q["proposal_id"] for q in queue} == set(waiting)
 
 
 async def _listing(url: str, waiting: dict[str, str]) -> list[dict] | None:
