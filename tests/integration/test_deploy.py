@@ -417,6 +417,7 @@ FORBIDDEN_TO_SERVICES = [
     S.proposal_state("ranking", FAKE_ID),  # a forged retained record
     S.apply_outcome("ranking", FAKE_ID),
     S.grant_record("ranking", FAKE_ID),
+    S.review_entry("ranking", FAKE_ID),  # a forged entry in the operator's queue
     S.audit("ranking", FAKE_ID),  # a forged trailer
     S.apply_request("ranking"),  # ordering applies is the daemon's
     S.propose_request("other"),
@@ -434,6 +435,7 @@ async def test_service_cannot_publish_outside_its_own_subjects(mesh):
                (S.STREAM_INBOUND, S.inbound_outcome("other")),
                (S.STREAM_RECORDS, S.proposal_state("ranking", FAKE_ID)),
                (S.STREAM_RECORDS, S.grant_record("ranking", FAKE_ID)),
+               (S.STREAM_RECORDS, S.review_entry("ranking", FAKE_ID)),
                (S.STREAM_AUDIT, S.audit("ranking", FAKE_ID))]
     before = [await count(dj, stream, subject) for stream, subject in watched]
     conn = await connect_as(mesh["url"], "svc-ranking")
@@ -564,10 +566,11 @@ async def cli(*args: str, env: dict[str, str] | None = None,
 
 async def test_operator_cli_reads_show_review_and_verify(mesh):
     """The operator's read commands work under the operator's permissions: `show` (state
-    bucket keys, records, one chain), `review` (the state bucket), `audit verify` (an ordered
-    consumer over the whole audit stream)."""
+    bucket keys, records, one chain), `review` (an ordered consumer over the review index, the
+    listed chains), `audit verify` (an ordered consumer over the whole audit stream)."""
     client = MeshClient(mesh["ranking"].nc, "ranking", timeout=5.0)
     reply = await client.propose(rank_proposal("ranking", key="op.cli", value=4))
+    waiting = await client.propose(skill_proposal("ranking", name="op-review"))  # L2: waits
     await eventually(lambda: client.outcome(reply.proposal_id))
     url = mesh["url"].replace("nats://", f"nats://operator:{PASSWORDS['operator']}@")
     rc, out = await cli("show", reply.proposal_id, "--nats", url)
@@ -575,6 +578,7 @@ async def test_operator_cli_reads_show_review_and_verify(mesh):
     assert '"chain": "hashes and links verified' in out  # no daemon key given to check writers
     rc, out = await cli("review", "--json", "--nats", url)
     assert rc == 0, out
+    assert waiting.proposal_id in out and "read from the audit chains" not in out
     anchor = mesh["daemon"].config.data_dir / "last-checkpoint.json"  # names the daemon's key
     rc, out = await cli("audit", "verify", "--nats", url, "--checkpoint", str(anchor))
     assert rc == 0, out
