@@ -5,8 +5,9 @@ daemon, then times a checkpoint, a second one, `improved review` (its query, in 
 stop, a start on the same data directory and a checkpoint after it, then `improved audit
 verify` in full and `--since` the last checkpoint, then a broker restart (the memory state
 cache lost): start → ready, `review` right after ready (and where it read from), and until the
-records are known whole (a refill after ready, if the daemon did one). sync 2m: the fill is
-not what is measured."""
+records are known whole (a refill after ready, if the daemon did one). With `memory` after N
+the retained records are in memory storage, so the restart loses them and the daemon refills
+them (and the review index) from the chains. sync 2m: the fill is not what is measured."""
 
 import asyncio
 import shutil
@@ -47,12 +48,12 @@ async def review(url: str) -> tuple[float, int, str]:
     return time.perf_counter() - started, len(queue), source
 
 
-async def main(n: int) -> None:
+async def main(n: int, records: str) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="measure-"))
     server = bus.EmbeddedServer(tmp / "nats", bus.free_port(), sync="2m")
     url = server.start()
     nc = await bus.connect(url, "measure")
-    cfg = Config(data_dir=tmp / "d", checkpoint_interval_s=0)
+    cfg = Config(data_dir=tmp / "d", checkpoint_interval_s=0, records_storage=records)
     d = Daemon(nc, cfg)
     await d.start()
     client = MeshClient(nc, "m")
@@ -112,7 +113,7 @@ async def main(n: int) -> None:
     whole_s = time.perf_counter() - began
     review3_s, listed3, source3 = await review(url)
     assert listed2 == listed3 == waiting, (listed2, listed3, waiting)
-    print(f"N={n} waiting={waiting} trailers={info.state.messages} "
+    print(f"N={n} records={records} waiting={waiting} trailers={info.state.messages} "
           f"checkpoint(first after fill)={cp_running:.2f}s checkpoint(next)={cp_again:.2f}s "
           f"review={review_s:.2f}s ({source}) stop={stop_s:.2f}s start={start_s:.2f}s "
           f"checkpoint(after restart)={cp2:.2f}s audit verify (full)={full:.2f}s "
@@ -126,4 +127,4 @@ async def main(n: int) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-asyncio.run(main(int(sys.argv[1])))
+asyncio.run(main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "file"))

@@ -66,7 +66,8 @@ async def queued_records(store: Store, policy: Policy) -> tuple[list[ProposalRec
     came from. From the review index when the daemon marked it whole (`Store.filled`): it
     says where to look, in O(open items), and only what its chain says is queued is listed
     (anyone who can publish on the records stream could write an entry). Else — while the
-    daemon refills what a broker restart or a purge lost — from every chain."""
+    daemon refills lost records (memory storage across a broker restart, a purge, an
+    upgrade) — from every chain."""
     try:
         whole = await store.filled()
     except NotFoundError:
