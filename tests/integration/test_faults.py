@@ -460,9 +460,11 @@ async def test_a_delivery_lost_with_the_old_connection_is_served_soon_after_the_
 class AfterRestart:
     """A daemon with 1,500 chains, the last of them an L0 proposal accepted while its service
     was down (left retryable, its record in the daemon's memory); its service then comes up
-    and the broker restarts. `start()` returns once the daemon, reconnected, has begun to
-    republish every record from a snapshot of the chains (the first republished record seen):
-    the proposal's own chain, last in the log, is republished seconds later."""
+    and the broker restarts. Its retained records are in memory storage, so the restart loses
+    them (over file storage nothing would be republished). `start()` returns once the daemon,
+    reconnected, has begun to republish every record from a snapshot of the chains (the first
+    republished record seen): the proposal's own chain, last in the log, is republished seconds
+    later."""
 
     def __init__(self, tmp_path: Path):
         self.tmp = tmp_path
@@ -472,7 +474,7 @@ class AfterRestart:
 
     async def start(self) -> None:
         self.server.start()
-        config = daemon_config(data_dir=self.tmp / "data",
+        config = daemon_config(data_dir=self.tmp / "data", records_storage="memory",
                                apply=ApplySettings(timeout_s=0.3, attempts=1, max_deliveries=1))
         self.dnc = await bus.connect(self.server.url, "restart-daemon")
         self.daemon = Daemon(self.dnc, config)
