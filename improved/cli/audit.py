@@ -13,8 +13,8 @@ from pathlib import Path
 import msgspec
 
 from improved.cli.common import add_connection_args, config_of, deployment, url_of
-from improved.core import audit, evidence
-from improved.core.checkpoint import Anchor, StreamView
+from improved.core import audit, checkpoint, evidence
+from improved.core.checkpoint import Anchor
 from improved.core.record import same_state
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
@@ -24,6 +24,7 @@ from improved.runtime.config import Config
 
 async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
                   trusted: set[str], config: Config) -> int:
+    """One proposal's chain (`pid`), or the whole log (`_verify_log`)."""
     from improved.runtime import anchor
 
     kept: Anchor | str | None = None
@@ -34,13 +35,15 @@ async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
             kept = f"the checkpoint file cannot be read: {exc}"
     if isinstance(kept, Anchor):
         trusted = trusted | {kept.keyid}
+    if pid is None:
+        return await _verify_log(url, kept, anchor_path, trusted, config)
     async with deployment(url, bind=False) as store:
         log_, view = await store.read_audit(pid)
-        trust_log = log_ if pid is None else (await store.read_audit(evidence.TRUST_ID))[0]
+        trust_log = (await store.read_audit(evidence.TRUST_ID))[0]
         chains: dict[tuple[str | None, str | None], list[tuple[int, dict]]] = {}
         for seq, subject, body in log_:
             chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append((seq, body))
-        if pid is not None and not chains:
+        if not chains:
             print(f"improved audit verify: no chain for {pid}", file=sys.stderr)
             return 1
         trust = chain_trust(trust_log, trusted, config)
@@ -51,9 +54,72 @@ async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
         broken = _verify_chains(chains, trust, len(log_))
         if view.created is None:
             print(f"BROKEN the audit stream {S.STREAM_AUDIT} does not exist")
-        if pid is None:  # whole chains can only go missing against a checkpoint
-            broken += _whole_log(log_, view, kept, anchor_path, trusted)
         return 1 if broken or view.created is None else 0
+
+
+async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path: Path | None,
+                      trusted: set[str], config: Config) -> int:
+    """The whole log, read once from its first trailer and verified as it streams by
+    (`checkpointing.verify_since` from nothing, reading on past a broken chain): every chain,
+    every checkpoint on the stream by its signature, key and root, and the checkpoint kept in
+    the data directory. Memory stays flat however long the log."""
+    from improved.runtime import checkpointing
+
+    async with deployment(url, bind=False) as store:
+        view = await store.audit_view()
+        if view.created is None:
+            print(f"BROKEN the audit stream {S.STREAM_AUDIT} does not exist")
+            for problem in [kept] if isinstance(kept, str) else \
+                    [checkpoint.prefix_problem(kept, view, None, _KEPT)] if kept else []:
+                print(f"BROKEN {problem}")
+            return 1
+        subject = S.trust_audit(evidence.TRUST_ID)
+        trust = chain_trust([(seq, subject, body) for seq, body
+                             in await store.read_chain_at(subject)], trusted, config)
+        if not trusted:
+            print("note: no trusted daemon key (configure [trust] daemons, run where the "
+                  "daemon's key is, or pass --checkpoint): no trailer's writer can be trusted",
+                  file=sys.stderr)
+        problems = [kept] if isinstance(kept, str) else []
+        claims = []
+        if isinstance(kept, Anchor):
+            at = await store.trailer_at(kept.last_seq) if kept.count else None
+            found = checkpoint.prefix_problem(kept, view, at[1].get("hash") if at and at[1]
+                                              else None, _KEPT)
+            problems += [found] if found else []
+            if kept.count and not found:
+                claims.append((kept.count, kept.root, _KEPT))
+        started = time.perf_counter()
+        since = await checkpointing.verify_since(
+            store, checkpointing.empty_base(view), view, trust, trusted, claims,
+            every_chain=True, report=lambda brk: print(f"BROKEN {brk}"))
+        seconds = time.perf_counter() - started
+        problems += since.problems
+        for problem in problems:
+            print(f"BROKEN {problem}")
+        ok = since.chains - since.broken
+        print(f"{ok}/{since.chains} chains verified, {since.read} trailers"
+              + (f", {since.broken} broken" if since.broken else ""))
+        reading = max(seconds - since.verify_s, 0.0)
+        print(f"read: {_rate(since.read, reading)}; hashes and links: "
+              f"{_rate(since.read, since.verify_s - since.writers_s)}; daemon signatures and "
+              f"signed acts: {_rate(since.read, since.writers_s)}; in all "
+              f"{_rate(since.read, seconds)}")
+        if not problems:
+            _, body = await store.chain_head(checkpointing.CP_SUBJECT)
+            if body is not None:
+                cp = checkpoint.from_trailer(body)
+                print(f"checkpoint of {cp.count} trailers (signed by {cp.keyid[:20]}…, a "
+                      "trusted daemon key) holds: nothing it covered was removed, altered or "
+                      "reordered")
+            if isinstance(kept, Anchor):
+                print(f"checkpoint file {anchor_path} ({kept.count} trailers up to stream "
+                      f"sequence {kept.last_seq}) holds: the stream is the one it was signed "
+                      "over")
+        return 1 if problems or since.broken else 0
+
+
+_KEPT = "the last checkpoint kept in the data directory"
 
 
 async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: set[str],
@@ -143,33 +209,6 @@ def _verify_chains(chains: dict, trust: evidence.ChainTrust, trailers: int) -> i
 def _rate(n: int, seconds: float) -> str:
     return f"{n} trailers in {seconds:.2f} s ({n / seconds:,.0f}/s)" if seconds > 0 else \
         f"{n} trailers"
-
-
-def _whole_log(log_: list, view: StreamView, kept: Anchor | str | None,
-               anchor_path: Path | None, trusted: set[str]) -> int:
-    """Check the log as a whole against the checkpoints (the last one on the stream and the
-    one kept in a daemon's data directory, or why that could not be read); print what holds
-    and what does not."""
-    from improved.core import checkpoint
-
-    problems = [kept] if isinstance(kept, str) else []
-    if isinstance(kept, str):
-        kept = None
-    problems += checkpoint.log_problems(log_, view, kept, trusted)
-    for problem in problems:
-        print(f"BROKEN {problem}")
-    if problems:
-        return len(problems)
-    cp_subject = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
-    cps = [body for _, subject, body in log_ if subject == cp_subject]
-    if cps:
-        cp = checkpoint.from_trailer(cps[-1])
-        print(f"checkpoint of {cp.count} trailers (signed by {cp.keyid[:20]}…, a trusted "
-              "daemon key) holds: nothing it covered was removed, altered or reordered")
-    if kept is not None:
-        print(f"checkpoint file {anchor_path} ({kept.count} trailers up to stream sequence "
-              f"{kept.last_seq}) holds: the stream is the one it was signed over")
-    return 0
 
 
 def trusted_daemons(config: Config) -> set[str]:
