@@ -1,12 +1,22 @@
-"""Start, stop and checkpoint cost at N applied L0 proposals of history (no cost may grow with
-history: issue 16). `python benchmarks/history_cost.py 20000` fills an embedded server through
-an in-process daemon, then times a checkpoint, a second one, a stop, a start on the same data
-directory and a checkpoint after it, then `improved audit verify` in full and `--since` the last
-checkpoint, then a broker restart (the memory state cache lost): start → ready, and until the
-refill after ready is done. sync 2m: the fill is not what is measured."""
+"""What grows with history (issue 16): start, stop, checkpoint, review, verify and a broker
+restart at N applied L0 proposals. `python benchmarks/history_cost.py 2000 20000` fills an
+embedded server per N through an in-process daemon (sync 2m: the fill is not what is
+measured), then, each as an operator would see it, in a process of its own:
+
+- checkpoint: the first after the fill, the next one, and one after a restart (in process);
+- `improved run` on the same data directory: spawn → "ready" (Python's imports included),
+  peak RSS when ready and after its after-ready work, and SIGTERM → exit (the final
+  checkpoint included);
+- `improved review`, `improved audit verify` (full) and `--since`: wall time and peak RSS;
+- a broker restart: `improved run` spawn → ready again;
+- bytes per proposal: every stream's bytes on disk over N.
+Prints one table, the sizes side by side. Leaves nothing behind."""
+
+from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,13 +30,59 @@ from improved.runtime.config import Config
 from improved.runtime.daemon import Daemon
 from improved.testing import rank_proposal
 
+CLI = [sys.executable, "-m", "improved.cli"]
 
-def verify(url: str, *args: str) -> None:
-    """`improved audit verify` as an operator runs it: a process reading the log."""
-    done = subprocess.run([sys.executable, "-m", "improved.cli", "audit", "verify", "--nats",
-                           url, *args], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"audit verify {' '.join(args)} failed: {done.stdout}{done.stderr}")
+
+def run_cli(*args: str) -> tuple[float, int, str]:
+    """(seconds, peak RSS in MB, stdout) of one `improved` command; it must succeed."""
+    started = time.perf_counter()
+    done = subprocess.run(["/usr/bin/time", "-f", "maxrss=%M", *CLI, *args],
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if done.returncode:
+        raise SystemExit(f"improved {' '.join(args)} failed: {done.stdout}{done.stderr}")
+    rss = int(done.stderr.rsplit("maxrss=", 1)[1].split()[0]) // 1024
+    return seconds, rss, done.stdout
+
+
+def peak_rss_mb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+async def daemon_process(url: str, data_dir: Path, settle_s: float = 3.0) -> dict[str, float]:
+    """`improved run` against `url`: spawn → ready, peak RSS then and after `settle_s` of its
+    after-ready work, and SIGTERM → exit."""
+    started = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "run", "--nats", url, "--data-dir", str(data_dir), "--metrics-port", "0",
+        stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL)
+    assert proc.stderr is not None
+    while True:
+        line = await asyncio.wait_for(proc.stderr.readline(), 600)
+        if not line:
+            raise SystemExit("improved run exited before ready")
+        if b"improved: ready" in line:
+            break
+    ready_s = time.perf_counter() - started
+    rss_ready = peak_rss_mb(proc.pid)
+
+    async def drain() -> None:
+        while await proc.stderr.readline():
+            pass
+
+    draining = asyncio.create_task(drain())
+    await asyncio.sleep(settle_s)
+    rss_settled = peak_rss_mb(proc.pid)
+    stopping = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    await proc.wait()
+    stop_s = time.perf_counter() - stopping
+    await draining
+    return {"ready_s": ready_s, "rss_ready": rss_ready, "rss_settled": rss_settled,
+            "stop_s": stop_s}
 
 
 async def timed(step) -> float:
@@ -35,63 +91,89 @@ async def timed(step) -> float:
     return time.perf_counter() - started
 
 
-async def main(n: int) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="measure-"))
-    server = bus.EmbeddedServer(tmp / "nats", bus.free_port(), sync="2m")
-    url = server.start()
-    nc = await bus.connect(url, "measure")
-    cfg = Config(data_dir=tmp / "d", checkpoint_interval_s=0)
-    d = Daemon(nc, cfg)
-    await d.start()
+async def fill(nc, n: int) -> None:
     client = MeshClient(nc, "m")
 
     async def applier(order):
         return ApplyResult(ok=True, applied_id=order.proposal_id[:8])
 
     sub = await client.serve_apply(applier)
-    ids = []
     for i in range(0, n, 500):
-        ids += await asyncio.gather(*(client.publish(rank_proposal("m", key=f"k{j}"))
-                                      for j in range(i, min(n, i + 500))))
+        await asyncio.gather(*(client.publish(rank_proposal("m", key=f"k{j}"))
+                               for j in range(i, min(n, i + 500))))
     while True:
         info = await nc.jetstream().consumer_info("IMPROVE_IN", "improved-loop")
         if info.num_pending == 0 and info.num_ack_pending == 0:
             break
         await asyncio.sleep(1)
     await asyncio.sleep(2)
-    cp_running = await timed(d.engine.checkpoint(d._checkpoint_key))
-    cp_again = await timed(d.engine.checkpoint(d._checkpoint_key))
     await sub.unsubscribe()
-    stop_s = await timed(d.stop())
-    d2 = Daemon(nc, cfg)
-    start_s = await timed(d2.start())
-    cp2 = await timed(d2.engine.checkpoint(d2._checkpoint_key))
-    info = await nc.jetstream().stream_info("IMPROVE_AUDIT")
-    anchor = str(cfg.data_dir / "last-checkpoint.json")
-    full = await timed(asyncio.to_thread(verify, url, "--checkpoint", anchor))
-    since = await timed(asyncio.to_thread(verify, url, "--since", "--checkpoint", anchor))
-    await d2.stop()
-    await nc.close()
-    # a broker restart: the state cache (memory storage) is gone
-    server.stop()
-    server.start()
-    nc = await bus.connect(url, "measure")
-    d3 = Daemon(nc, cfg)
-    began = time.perf_counter()
-    await d3.start()
-    ready_s = time.perf_counter() - began
-    while not await d3.store.filled(await d3.store.incarnation()):  # noqa: ASYNC110 - polls the broker
-        await asyncio.sleep(0.1)
-    refilled_s = time.perf_counter() - began
-    print(f"N={n} trailers={info.state.messages} checkpoint(first after fill)={cp_running:.2f}s "
-          f"checkpoint(next)={cp_again:.2f}s stop={stop_s:.2f}s start={start_s:.2f}s "
-          f"checkpoint(after restart)={cp2:.2f}s audit verify (full)={full:.2f}s "
-          f"audit verify --since={since:.2f}s broker restart: ready={ready_s:.2f}s "
-          f"cache refilled (after ready)={refilled_s:.2f}s")
-    await d3.stop()
-    await nc.close()
-    server.stop()
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
-asyncio.run(main(int(sys.argv[1])))
+async def measure(n: int) -> dict[str, float]:
+    tmp = Path(tempfile.mkdtemp(prefix="improved-history-"))
+    server = bus.EmbeddedServer(tmp / "nats", bus.free_port(), sync="2m")
+    try:
+        url = server.start()
+        nc = await bus.connect(url, "measure")
+        cfg = Config(data_dir=tmp / "d", checkpoint_interval_s=0)
+        d = Daemon(nc, cfg)
+        await d.start()
+        await fill(nc, n)
+        row: dict[str, float] = {}
+        row["checkpoint, first after the fill (s)"] = await timed(
+            d.engine.checkpoint(d._checkpoint_key))
+        row["checkpoint, the next (s)"] = await timed(d.engine.checkpoint(d._checkpoint_key))
+        await d.stop()
+        d2 = Daemon(nc, cfg)
+        await d2.start()
+        row["checkpoint after a restart (s)"] = await timed(
+            d2.engine.checkpoint(d2._checkpoint_key))
+        await d2.stop()
+        js = nc.jetstream()
+        total = 0
+        for name in await js.streams_info():
+            total += name.state.bytes
+        trailers = (await js.stream_info("IMPROVE_AUDIT")).state.messages
+        await nc.close()
+
+        run = await daemon_process(url, cfg.data_dir)
+        row["start → ready, `improved run` (s)"] = run["ready_s"]
+        row["peak RSS at ready (MB)"] = run["rss_ready"]
+        row["peak RSS after its after-ready work (MB)"] = run["rss_settled"]
+        row["stop: SIGTERM → exit (s)"] = run["stop_s"]
+        seconds, rss, _ = run_cli("review", "--nats", url)
+        row["`improved review` (s)"], row["`improved review` peak RSS (MB)"] = seconds, rss
+        anchor = str(cfg.data_dir / "last-checkpoint.json")
+        seconds, rss, _ = run_cli("audit", "verify", "--nats", url, "--checkpoint", anchor)
+        row["`audit verify`, full (s)"], row["`audit verify`, full, peak RSS (MB)"] = seconds, rss
+        row["`audit verify --since` (s)"] = run_cli("audit", "verify", "--since", "--nats", url,
+                                                    "--checkpoint", anchor)[0]
+        server.stop()
+        server.start()
+        run = await daemon_process(url, cfg.data_dir, settle_s=0.5)
+        row["broker restart: start → ready (s)"] = run["ready_s"]
+        row["trailers"] = trailers
+        row["bytes on disk per proposal, all streams"] = total / n
+        return row
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def main(sizes: list[int]) -> None:
+    rows = {n: await measure(n) for n in sizes}
+    names = list(next(iter(rows.values())))
+    width = max(len(name) for name in names)
+    print(f"{'proposals':<{width}} " + " ".join(f"{n:>10,}" for n in sizes))
+    for name in names:
+        cells = []
+        for n in sizes:
+            value = rows[n][name]
+            cells.append(f"{value:>10.2f}" if isinstance(value, float) and value < 1000
+                         else f"{value:>10,.0f}")
+        print(f"{name:<{width}} " + " ".join(cells))
+
+
+if __name__ == "__main__":
+    asyncio.run(main([int(a) for a in sys.argv[1:]] or [2000]))
