@@ -58,12 +58,15 @@ async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
 
 
 async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path: Path | None,
-                      trusted: set[str], config: Config) -> int:
+                      trusted: set[str], config: Config, archive_dir: Path | None = None
+                      ) -> int:
     """The whole log, read once from its first trailer and verified as it streams by
     (`checkpointing.verify_since` from nothing, reading on past a broken chain): every chain,
     every checkpoint on the stream by its signature, key and root, and the checkpoint kept in
-    the data directory. Memory stays flat however long the log."""
-    from improved.runtime import checkpointing
+    the data directory. Memory stays flat however long the log. Sealed epochs removed from
+    the stream are read from their export in `archive_dir`, each checked against its seal;
+    without it, what the stream still holds is verified and the tree goes on from the seal."""
+    from improved.runtime import archive, checkpointing
 
     async with deployment(url, bind=False) as store:
         view = await store.audit_view()
@@ -80,31 +83,32 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
             print("note: no trusted daemon key (configure [trust] daemons, run where the "
                   "daemon's key is, or pass --checkpoint): no trailer's writer can be trusted",
                   file=sys.stderr)
-        problems = [kept] if isinstance(kept, str) else []
-        claims = []
-        if isinstance(kept, Anchor):
-            at = await store.trailer_at(kept.last_seq) if kept.count else None
-            found = checkpoint.prefix_problem(kept, view, at[1].get("hash") if at and at[1]
-                                              else None, _KEPT)
-            problems += [found] if found else []
-            if kept.count and not found:
-                claims.append((kept.count, kept.root, _KEPT))
+        seals, problems, claims = await _expected(store, view, kept, trust, trusted)
+        last = seals[-1] if seals else None
+        source, exported = None, 0
+        if archive_dir is not None:
+            files = archive.exported_files(archive_dir, seals)
+            exported = len(files)
+            if files:
+                upto = seals[exported - 1].upto
+                source = archive.chained(archive.entries(files),
+                                         store.follow(S.AUDIT_FILTER, upto + 1, view.last_seq))
         started = time.perf_counter()
         since = await checkpointing.verify_since(
             store, checkpointing.empty_base(view), view, trust, trusted, claims,
-            every_chain=True, report=lambda brk: print(f"BROKEN {brk}"))
-        seconds = time.perf_counter() - started
+            every_chain=True, report=lambda brk: print(f"BROKEN {brk}"), archived=last,
+            source=source)
         problems += since.problems
         for problem in problems:
             print(f"BROKEN {problem}")
-        ok = since.chains - since.broken
-        print(f"{ok}/{since.chains} chains verified, {since.read} trailers"
-              + (f", {since.broken} broken" if since.broken else ""))
-        reading = max(seconds - since.verify_s, 0.0)
-        print(f"read: {_rate(since.read, reading)}; hashes and links: "
-              f"{_rate(since.read, since.verify_s - since.writers_s)}; daemon signatures and "
-              f"signed acts: {_rate(since.read, since.writers_s)}; in all "
-              f"{_rate(since.read, seconds)}")
+        _print_counts(since, time.perf_counter() - started)
+        if exported:
+            print(f"epochs 1..{exported} read from their export in {archive_dir}, each checked "
+                  "against its seal")
+        elif last is not None and view.messages is not None and view.messages < view.last_seq:
+            print(f"sealed epochs up to stream sequence {last.upto} are archived: what the "
+                  "stream still holds of them is verified; pass --archive DIR to verify them "
+                  "whole")
         if not problems:
             _, body = await store.chain_head(checkpointing.CP_SUBJECT)
             if body is not None:
@@ -122,13 +126,47 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
 _KEPT = "the last checkpoint kept in the data directory"
 
 
+async def _expected(store, view, kept: Anchor | str | None, trust: evidence.ChainTrust,
+                    trusted: set[str]) -> tuple[list, list[str], list[tuple[int, str, str]]]:
+    """What the log must hold: the seals on the stream, what is already wrong (an unreadable
+    checkpoint file, a seal chain that does not hold, a stream the file does not find in
+    O(1)), and the roots to check as the read reaches their counts (each seal's, the file's)."""
+    from improved.runtime import archive
+
+    problems = [kept] if isinstance(kept, str) else []
+    read, unsealed = await archive.read_seals(store, trust, trusted)
+    problems += [unsealed] if unsealed else []
+    seals = [seal for seal, _ in read]
+    claims = [(seal.count, seal.root, f"the seal of epoch {seal.epoch}") for seal in seals]
+    if isinstance(kept, Anchor):
+        at = await store.trailer_at(kept.last_seq) if kept.count else None
+        found = checkpoint.prefix_problem(kept, view, at[1].get("hash") if at and at[1]
+                                          else None, _KEPT,
+                                          seals[-1].removable if seals else 0)
+        problems += [found] if found else []
+        if kept.count and not found:
+            claims.append((kept.count, kept.root, _KEPT))
+    return seals, problems, claims
+
+
+def _print_counts(since, seconds: float) -> None:
+    ok = since.chains - since.broken
+    print(f"{ok}/{since.chains} chains verified, {since.read} trailers"
+          + (f", {since.broken} broken" if since.broken else ""))
+    reading = max(seconds - since.verify_s, 0.0)
+    print(f"read: {_rate(since.read, reading)}; hashes and links: "
+          f"{_rate(since.read, since.verify_s - since.writers_s)}; daemon signatures and "
+          f"signed acts: {_rate(since.read, since.writers_s)}; in all "
+          f"{_rate(since.read, seconds)}")
+
+
 async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: set[str],
                         config: Config) -> int:
     """Verify only what the log gained since the last trusted checkpoint, as the daemon's
     checkpoint does (`runtime.checkpointing`): in O(1) that the stream still holds what that
     checkpoint covered, then every trailer after it in its chain. Without a checkpoint to
     continue from, the whole log is read once, one trailer at a time."""
-    from improved.runtime import anchor, checkpointing
+    from improved.runtime import anchor, archive, checkpointing
 
     kept = None
     if anchor_path is not None:
@@ -148,13 +186,15 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
         trust = chain_trust([(seq, subject, body) for seq, body
                              in await store.read_chain_at(subject)], trusted, config)
         started = time.perf_counter()
-        base, claims, problems = await checkpointing.choose_base(store, kept, view, trust,
-                                                                 trusted)
+        seal, unsealed = await archive.last_seal(store, trusted)
+        base, claims, problems = await checkpointing.choose_base(
+            store, kept, view, trust, trusted, seal.removable if seal else 0)
+        problems += [unsealed] if unsealed else []
         since = None
         if not problems:
             since = await checkpointing.verify_since(
                 store, base, view, dataclasses.replace(trust, covered_to=base.last_seq),
-                trusted, claims)
+                trusted, claims, archived=seal)
             problems = since.problems
         for problem in problems:
             print(f"BROKEN {problem}")
@@ -240,8 +280,82 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
             return 2
         return asyncio.run(_verify_since(url_of(args, config), path, trusted_daemons(config),
                                          config))
+    if args.archive and args.id:
+        print("improved audit verify: --archive verifies the whole log; leave out the ID",
+              file=sys.stderr)
+        return 2
+    if args.archive:
+        return asyncio.run(_verify_archived(url_of(args, config), path, trusted_daemons(config),
+                                            config, Path(args.archive)))
     return asyncio.run(_verify(url_of(args, config), args.id, path, trusted_daemons(config),
                                config))
+
+
+async def _verify_archived(url: str | Target, anchor_path: Path | None, trusted: set[str],
+                           config: Config, archive_dir: Path) -> int:
+    from improved.runtime import anchor
+
+    kept: Anchor | str | None = None
+    if anchor_path is not None:
+        try:
+            kept = anchor.read(anchor_path) or f"no checkpoint file at {anchor_path}"
+        except ValueError as exc:
+            kept = f"the checkpoint file cannot be read: {exc}"
+    if isinstance(kept, Anchor):
+        trusted = trusted | {kept.keyid}
+    return await _verify_log(url, kept, anchor_path, trusted, config, archive_dir)
+
+
+async def _archive(url: str | Target, config: Config, directory: Path, remove: bool) -> int:
+    """Export every sealed epoch to `directory` (checked against its seal), and with `remove`
+    purge the exported proposal chains from the stream."""
+    from nats.js.errors import APIError
+
+    from improved.runtime import archive
+
+    trusted = trusted_daemons(config)
+    async with deployment(url, bind=False) as store:
+        subject = S.trust_audit(evidence.TRUST_ID)
+        trust = chain_trust([(seq, subject, body) for seq, body
+                             in await store.read_chain_at(subject)], trusted, config)
+        seals, problem = await archive.read_seals(store, trust, trusted)
+        if problem:
+            print(f"improved audit archive: {problem}; nothing exported", file=sys.stderr)
+            return 1
+        if not seals:
+            print("no sealed epoch yet: the daemon seals one after a checkpoint once the log "
+                  "since the last seal holds [audit] epoch_trailers or is epoch_hours old")
+            return 0
+        prev = None
+        for seal, body in seals:
+            try:
+                done = await archive.export(store, directory, seal, prev, body)
+            except ValueError as exc:
+                print(f"improved audit archive: {exc}", file=sys.stderr)
+                return 1
+            where = archive.epoch_file(directory, seal.epoch)
+            print(f"epoch {seal.epoch}: {done.trailers} trailers up to stream sequence "
+                  f"{seal.upto} {'exported to' if done.written else 'already in'} {where}, "
+                  "checked against its seal")
+            if remove:
+                try:
+                    removed = await archive.remove(store, seal, done.services)
+                except APIError as exc:
+                    print(f"improved audit archive: the stream refused the purge ({exc.description}"
+                          "): an audit stream created before epochs could be archived denies "
+                          "purges for good; its epochs stay exported and in the stream",
+                          file=sys.stderr)
+                    return 1
+                print(f"epoch {seal.epoch}: {removed} trailers of its proposal chains removed "
+                      "from the stream")
+            prev = seal
+        return 0
+
+
+def cmd_audit_archive(args: argparse.Namespace) -> int:
+    config = config_of(args)
+    return asyncio.run(_archive(url_of(args, config), config, Path(args.directory),
+                                args.remove))
 
 
 async def _rebuild(url: str | Target, config: Config, write: bool) -> int:
@@ -317,7 +431,25 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "(the file's or the stream's), checking in O(1) that the stream "
                              "still holds what it covered; without it, everything is "
                              "re-derived from the first trailer")
+    verify.add_argument("--archive", metavar="DIR",
+                        help="read the sealed epochs exported to DIR (`improved audit "
+                             "archive`) and verify them with the rest of the log")
     verify.set_defaults(func=cmd_audit_verify)
+    arch = aud_sub.add_parser(
+        "archive", help="export sealed epochs to files; with --remove, drop them from the stream",
+        description="Export every epoch the daemon sealed ([audit] epoch_trailers / "
+                    "epoch_hours) to DIR: epoch-NNNNNN.jsonl, one trailer per line with its "
+                    "stream sequence, subject and headers, and epoch-NNNNNN.seal.json, the "
+                    "signed seal. Each export is checked against its seal's Merkle root before "
+                    "it is kept; an epoch already in DIR is checked, not written again. With "
+                    "--remove (as improved-archivist) the exported epochs' proposal chains are "
+                    "then purged from the audit stream; the mesh chains stay. Keep DIR: "
+                    "`improved audit verify --archive DIR` verifies the log across epochs.")
+    add_connection_args(arch)
+    arch.add_argument("directory", metavar="DIR", help="where the epochs are exported")
+    arch.add_argument("--remove", action="store_true",
+                      help="purge the exported proposal chains from the audit stream")
+    arch.set_defaults(func=cmd_audit_archive)
     rebuild = aud_sub.add_parser(
         "rebuild", help="rebuild every proposal's state from the chains alone",
         description="Replay every proposal's audit chain (its first trailer carries the "

@@ -217,14 +217,16 @@ def unreadable_problem(view: StreamView) -> str | None:
 
 
 def prefix_problem(base: Anchor, view: StreamView, found_hash: str | None,
-                   what: str = "the last checkpoint") -> str | None:
+                   what: str = "the last checkpoint", removable: int = 0) -> str | None:
     """In O(1), whether the stream still holds what the checkpoint `base` covered: the same
     stream (its creation time), nothing removed from it (it starts at sequence 1 and holds a
     message at every sequence up to its last), and the trailer at `base.last_seq` still has
     the hash `base` names (`found_hash`; an anchor kept before it named one is checked by
     its root while the log is read instead). JetStream never changes a stored message, so with
     these the covered prefix is the one that was verified before `base` was signed; storage
-    altered beneath the server is what a full `improved audit verify` finds."""
+    altered beneath the server is what a full `improved audit verify` finds. `removable`:
+    how many trailers sealed epochs allow to be archived (missing) at the stream's start
+    (`core.epochs`); which ones they are is what a full verify checks."""
     what = (f"{what} (at {base.at}, {base.count} trailers up to stream sequence "
             f"{base.last_seq})")
     if view.created is None:
@@ -233,8 +235,9 @@ def prefix_problem(base: Anchor, view: StreamView, found_hash: str | None,
     if base.stream_created and view.created != base.stream_created:
         found.append(f"the audit stream was re-created (created {view.created}, not "
                      f"{base.stream_created} as when {what} was signed)")
-    holes = view.messages is not None and view.messages < view.last_seq - view.first_seq + 1
-    if view.last_seq < base.last_seq or (base.count and view.first_seq > 1) or holes:
+    absent = view.first_seq - 1 + (view.last_seq - view.first_seq + 1 - view.messages
+                                   if view.messages is not None else 0)
+    if view.last_seq < base.last_seq or ((base.count or view.messages) and absent > removable):
         held = f"{view.messages} messages" if view.messages is not None else "messages"
         found.append(f"the stream holds {held} at sequences {view.first_seq}..{view.last_seq} "
                      f"of {what}: trailers or whole chains were removed or lost")

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from improved.core import audit, checkpoint, evidence, merkle
 from improved.core.checkpoint import Anchor, Checkpoint, StreamView
+from improved.core.epochs import Seal
 from improved.protocol import subjects as S
 from improved.runtime.store import Store
 
 CP_SUBJECT = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
+Entry = tuple[int, str, dict | None, dict[str, str]]  # (stream seq, subject, body, headers)
 EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 
 
@@ -70,7 +72,7 @@ def empty_base(view: StreamView) -> Anchor:
 
 
 async def choose_base(store: Store, kept: Anchor | None, view: StreamView,
-                      trust: evidence.ChainTrust, trusted: set[str]
+                      trust: evidence.ChainTrust, trusted: set[str], removable: int = 0
                       ) -> tuple[Anchor, list[tuple[int, str, str]], list[str]]:
     """(the checkpoint to continue from, roots to check on the way as (count, root, whose),
     what is wrong with the stream already). The base is the kept anchor or the last checkpoint
@@ -99,12 +101,12 @@ async def choose_base(store: Store, kept: Anchor | None, view: StreamView,
         if anchor is kept and usable_kept is None and base.count < anchor.count:
             # an anchor without a frontier: its root is checked while the log is read
             claims.append((anchor.count, anchor.root, what))
-            problem = checkpoint.prefix_problem(anchor, view, None, what)
+            problem = checkpoint.prefix_problem(anchor, view, None, what, removable)
         else:
             found = await store.trailer_at(anchor.last_seq) if anchor.count else None
             found_hash = found[1].get("hash") if found and found[1] and found[0] != CP_SUBJECT \
                 else None
-            problem = checkpoint.prefix_problem(anchor, view, found_hash, what)
+            problem = checkpoint.prefix_problem(anchor, view, found_hash, what, removable)
         if problem:
             problems.append(problem)
     return base, claims, problems
@@ -118,7 +120,9 @@ def _usable(cp: Checkpoint, trusted: set[str]) -> bool:
 async def verify_since(store: Store, base: Anchor, view: StreamView,
                        trust: evidence.ChainTrust, trusted: set[str],
                        claims: list[tuple[int, str, str]], every_chain: bool = False,
-                       report: Callable[[str], None] | None = None) -> Since:
+                       report: Callable[[str], None] | None = None,
+                       archived: Seal | None = None,
+                       source: AsyncIterator[Entry] | None = None) -> Since:
     """Read and verify every trailer after `base` up to the stream's last sequence: each in its
     chain (hash, link, lifecycle, writer, signed act), each checkpoint met on the way by its
     signature, its key and its root, and every trailer the stream holds given back.
@@ -126,7 +130,12 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
     It stops at the first problem, unless `every_chain` (a full `audit verify`): then a broken
     chain is named through `report` and passed over, and the read goes on to the end. Memory
     stays flat however long the log: the Merkle frontier, and the state of at most MAX_RUNS
-    chains (the least recently met is dropped, and re-read should it be met again)."""
+    chains (the least recently met is dropped, and re-read should it be met again).
+
+    `archived`, the last seal: up to its `removable` trailers at or below its `upto` may be
+    missing (exported and removed, `runtime.archive`); when some are, the tree goes on from
+    the seal's frontier, and the roots it covered are the export's to check. `source`: the
+    trailers to read instead of the stream's (exported epochs, then the stream)."""
     since = Since(merkle.Tree(base.frontier, base.count), base.last_seq, base.last_hash)
     timed = _Timed(trust, since)
     roots: dict[int, list[tuple[str, str]]] = {}
@@ -143,15 +152,17 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
             break  # the first is named; the log is still read
     runs: OrderedDict[str, audit.ChainRun] = OrderedDict()
     broken: set[str] = set()
-    expected = base.last_seq + 1
-    missing: list[int] = []
-    async for seq, subject, body, headers in store.follow(S.AUDIT_FILTER, expected,
-                                                           view.last_seq):
+    start = base.last_seq + 1
+    gaps = _Gaps(start, archived.upto if archived is not None and archived.upto >= start
+                 else 0)
+    if source is None:
+        source = store.follow(S.AUDIT_FILTER, start, view.last_seq)
+    async for seq, subject, body, headers in source:
         since.read += 1
-        missing += range(expected, seq)
-        expected = seq + 1
+        if gaps.reach(seq):
+            _continue_from(since, archived, gaps.gone, roots)
         if body is None:
-            missing.append(seq)
+            gaps.missing.append(seq)
             continue
         started = time.perf_counter()
         problem = None if subject in broken else \
@@ -175,15 +186,30 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
                     since.problems.append(
                         f"{what}: the first {since.tree.count} trailers no longer hash to its "
                         "root: trailers were removed, altered or reordered")
-    missing += range(expected, view.last_seq + 1)
-    if missing:
-        since.problems.append(checkpoint.unreadable_problem(
-            StreamView(view.created, view.last_seq, tuple(missing))) or "")
+    if gaps.reach(view.last_seq + 1):  # the read ended at or below the seal
+        _continue_from(since, archived, gaps.gone, roots)
+    since.problems += _at_the_end(since, view, gaps, archived, roots)
+    return since
+
+
+def _at_the_end(since: Since, view: StreamView, gaps: _Gaps, archived: Seal | None,
+                roots: dict[int, list[tuple[str, str]]]) -> list[str]:
+    """What a read that got to the end found wrong with the log as a whole: more missing than
+    archived, trailers the stream could not give back, roots never reached."""
+    problems = []
+    if archived is not None and gaps.gone > archived.removable:
+        problems.append(
+            f"{gaps.gone} trailers are missing at or below stream sequence {archived.upto}, "
+            f"where the seal of epoch {archived.epoch} allows {archived.removable} to be "
+            "archived: trailers or whole chains were removed")
+    if gaps.missing:
+        problems.append(checkpoint.unreadable_problem(
+            StreamView(view.created, view.last_seq, tuple(gaps.missing))) or "")
     for count, pending in roots.items():
         for _, what in pending:
-            since.problems.append(f"{what} covered {count} trailers; only {since.tree.count} "
-                                  "remain: trailers or whole chains were removed")
-    return since
+            problems.append(f"{what} covered {count} trailers; only {since.tree.count} "
+                            "remain: trailers or whole chains were removed")
+    return problems
 
 
 async def _step(store: Store, runs: OrderedDict[str, audit.ChainRun], subject: str, body: dict,
@@ -206,6 +232,40 @@ async def _step(store: Store, runs: OrderedDict[str, audit.ChainRun], subject: s
         runs.move_to_end(subject)
     brk = audit.verify_next(run, body, trust, seq)
     return None if brk is None else str(brk)
+
+
+@dataclass
+class _Gaps:
+    """The stream sequences a read expected and did not get: archived (at or below the last
+    seal's `upto`, while it is set) or missing."""
+
+    expected: int
+    upto: int
+    gone: int = 0
+    missing: list[int] = field(default_factory=list)
+
+    def reach(self, seq: int) -> bool:
+        """Account for the gap before `seq`; True when the read has just passed the seal."""
+        if self.upto:
+            self.gone += max(0, min(seq, self.upto + 1) - self.expected)
+        self.missing += range(max(self.expected, self.upto + 1), seq)
+        crossed = bool(self.upto) and seq > self.upto
+        if crossed:
+            self.upto = 0
+        self.expected = seq + 1
+        return crossed
+
+
+def _continue_from(since: Since, seal: Seal | None, gone: int,
+                   roots: dict[int, list[tuple[str, str]]]) -> None:
+    """At the end of a sealed epoch some of whose trailers were archived: the tree goes on
+    from the seal (what it covered is the export's to check)."""
+    if seal is None or not gone:
+        return
+    since.tree = merkle.Tree(seal.frontier, seal.count)
+    since.last_seq, since.last_hash = seal.upto, seal.last_hash
+    for count in [c for c in roots if c <= seal.count]:
+        del roots[count]
 
 
 SCRUB_SLICE = 2000  # covered trailers re-read per checkpoint, at least (more when more is new)

@@ -199,11 +199,13 @@ class Daemon:
             await self._stopping.wait()
 
     async def _checkpoints(self) -> None:
-        """Sign a checkpoint every interval (verifying the log first) until stopped."""
+        """Sign a checkpoint every interval (verifying the log first), then seal an epoch of
+        the log if one is due, until stopped."""
         while not self._stopping.is_set():
             await self._pause(self.config.checkpoint_interval_s)
             try:
-                await self.engine.checkpoint(self._checkpoint_key)
+                if await self.engine.checkpoint(self._checkpoint_key) is None:
+                    await self.engine.seal_if_due(self._checkpoint_key)
             except Exception as exc:  # a broker outage: the next interval tries again
                 log.warning("checkpoint failed", error=str(exc))
 

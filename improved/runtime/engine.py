@@ -63,7 +63,7 @@ from improved.protocol.model import (
     to_json,
 )
 from improved.runtime import anchor as anchor_file
-from improved.runtime import checkpointing
+from improved.runtime import archive, checkpointing
 from improved.runtime.config import Config
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import (
@@ -140,6 +140,7 @@ class Engine:
         self.checkpoint_read = 0  # trailers the last checkpoint read: what was new, not the log
         self.metrics = Metrics()
         self.learn = None  # observe's learn-back: (analyzer id, accepted) → None
+        self.checkpointed_to = 0  # the stream sequence this process's last checkpoint covered
         self._awaiting: set[str] = set()  # proposals this replica saw deferred to an operator
         self._started: dict[str, float] = {}  # when handling of a proposal began
         self._locks: dict[str, asyncio.Lock] = {}
@@ -822,18 +823,22 @@ class Engine:
         trusted = self._trusted_daemons(key)
         since, scrubbed = None, 0
         if view.created is not None:
+            seal, unsealed = await archive.last_seal(self.store, trusted)
+            problems += [unsealed] if unsealed else []
             base, claims, found = await checkpointing.choose_base(
-                self.store, kept, view, self.chain_trust, trusted)
+                self.store, kept, view, self.chain_trust, trusted,
+                seal.removable if seal else 0)
             problems += found
             if not problems:
                 # what the base covers was fully verified before it was signed
                 trust = dataclasses.replace(self.chain_trust, covered_to=base.last_seq)
                 since = await checkpointing.verify_since(self.store, base, view, trust,
-                                                         trusted, claims)
+                                                         trusted, claims, archived=seal)
                 problems += since.problems
+                # an archived epoch is the export's to scrub
                 scrubbed, damaged = await checkpointing.scrub(
-                    self.store, kept.scrubbed_to if kept else 0, base.last_seq,
-                    max(checkpointing.SCRUB_SLICE, since.read))
+                    self.store, max(kept.scrubbed_to if kept else 0, seal.upto if seal else 0),
+                    base.last_seq, max(checkpointing.SCRUB_SLICE, since.read))
                 problems += damaged
         else:
             problems.append(checkpoint.prefix_problem(kept or checkpointing.empty_base(view),
@@ -855,7 +860,23 @@ class Engine:
         self.store.written.difference_update(written)  # the checkpoint vouches for them now
         self.checkpoint_read = since.read
         log.info("checkpoint signed", trailers=cp.count, root=cp.root, read=since.read)
+        self.checkpointed_to = cp.last_seq
         return None
+
+    async def seal_if_due(self, key) -> None:
+        """Seal the next epoch of the log, up to what the last checkpoint of this process
+        verified, when it is due (`runtime.archive`). It reads the epoch, so it runs after a
+        periodic checkpoint, never on the way to ready or out; a failure is logged and tried
+        again after the next checkpoint."""
+        if not self.checkpointed_to:
+            return
+        settings = self.config.audit
+        try:
+            await archive.seal_if_due(self.store, key, self.actor, self.checkpointed_to,
+                                      now_ms(), settings.epoch_trailers, settings.epoch_hours,
+                                      settings.retention_days, self._trusted_daemons(key))
+        except Exception as exc:  # the log is whole; sealing can wait for the next one
+            log.warning("could not seal the epoch", error=f"{type(exc).__name__}: {exc}")
 
     async def _resolved(self, crisis: str) -> bool:
         """Whether the autonomy chain, verified, records `crisis` as resolved by an operator."""

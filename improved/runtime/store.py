@@ -7,7 +7,8 @@ finds them as they should be.
 - IMPROVE_IN: inbound requests (`improve.proposals.<svc>`, …), kept so nothing is lost while no
   daemon runs; one durable pull consumer shared by every replica.
 - IMPROVE_RECORDS: retained records, one message per subject (the current state).
-- IMPROVE_AUDIT: the trailers, append-only (deny delete, deny purge, no limits).
+- IMPROVE_AUDIT: the trailers, append-only (deny delete, no limits); purged only by an
+  operator removing an exported, sealed epoch (runtime.archive).
 - KV `improved_state`: a cache of each proposal's record, rebuildable from the chain. It is in
   memory, so a broker restart loses it; a marker key (`_filled`), written only after a complete
   refill and naming the incarnation (creation time) of the bucket and of IMPROVE_RECORDS, tells
@@ -188,7 +189,10 @@ def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsa
             name=S.STREAM_AUDIT, subjects=[S.AUDIT_FILTER],
             description="improved: hash-chained audit trailers, append-only",
             retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType.FILE,
-            deny_delete=True, deny_purge=True, allow_direct=True, num_replicas=replicas,
+            # no message is ever deleted; a purge is how an operator removes an exported,
+            # sealed epoch (runtime.archive), which only improved-archivist may ask for and
+            # every checkpoint and verify checks against the seals
+            deny_delete=True, deny_purge=False, allow_direct=True, num_replicas=replicas,
             # no limits, said out loud so that a limit set since is seen as a difference
             max_msgs=-1, max_bytes=-1, max_age=0, max_msgs_per_subject=-1,
         ),
@@ -266,6 +270,10 @@ class Store:
             have = await self._stream_config(name)  # another replica created it meanwhile
             if have is None:
                 raise StoreError(f"stream {name} is missing and could not be created")
+        if name == S.STREAM_AUDIT and have.deny_purge:
+            # created before epochs could be archived: a purge can never be allowed again
+            # (the server refuses to cancel deny_purge), and stricter is no difference
+            cfg = dataclasses.replace(cfg, deny_purge=True)
         diff = differences(cfg, have)
         if not diff:
             return []
