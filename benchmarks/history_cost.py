@@ -8,13 +8,15 @@ measured), then, each as an operator would see it, in a process of its own:
   peak RSS when ready and after its after-ready work, and SIGTERM → exit (the final
   checkpoint included);
 - `improved review`, `improved audit verify` (full) and `--since`: wall time and peak RSS;
-- a broker restart: `improved run` spawn → ready again;
+- sealing the whole log as one epoch, and `improved audit archive --remove` of it;
+- a broker restart: `improved run` spawn → ready again (on the archived stream);
 - bytes per proposal: every stream's bytes on disk over N.
 Prints one table, the sizes side by side. Leaves nothing behind."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import signal
 import subprocess
@@ -25,9 +27,10 @@ from pathlib import Path
 
 from improved.client.sdk import MeshClient
 from improved.protocol.model import ApplyResult
-from improved.runtime import bus
+from improved.runtime import archive, bus, keys
 from improved.runtime.config import Config
 from improved.runtime.daemon import Daemon
+from improved.runtime.store import Store
 from improved.testing import rank_proposal
 
 CLI = [sys.executable, "-m", "improved.cli"]
@@ -110,6 +113,31 @@ async def fill(nc, n: int) -> None:
     await sub.unsubscribe()
 
 
+async def seal_and_archive(url: str, cfg: Config, tmp: Path, n: int) -> dict[str, float]:
+    """Seal everything the last checkpoint covered as one epoch (as the daemon does when one
+    is due), then export and remove it with `improved audit archive --remove`."""
+    nc = await bus.connect(url, "measure-seal")
+    store = Store(nc)
+    store.signer = keys.load_key(cfg.data_dir / "checkpoint.pem")
+    kept = json.loads((cfg.data_dir / "last-checkpoint.json").read_text())
+    row: dict[str, float] = {}
+    started = time.perf_counter()
+    seal = await archive.seal_if_due(store, store.signer, "improved:measure", kept["last_seq"],
+                                     int(time.time() * 1000), 1, 1e6, 0.0, {kept["keyid"]})
+    row["seal an epoch of the whole log (s)"] = time.perf_counter() - started
+    assert seal is not None
+    config = tmp / "improved.toml"
+    config.write_text(f'data_dir = "{cfg.data_dir}"\n')
+    seconds, rss, _ = run_cli("audit", "archive", str(tmp / "archive"), "--remove", "--nats",
+                              url, "--config", str(config))
+    row["`audit archive --remove` of it (s)"] = seconds
+    row["`audit archive` peak RSS (MB)"] = rss
+    total = sum(info.state.bytes for info in await nc.jetstream().streams_info())
+    row["bytes on disk per proposal, after the archive"] = total / n
+    await nc.close()
+    return row
+
+
 async def measure(n: int) -> dict[str, float]:
     tmp = Path(tempfile.mkdtemp(prefix="improved-history-"))
     server = bus.EmbeddedServer(tmp / "nats", bus.free_port(), sync="2m")
@@ -149,6 +177,7 @@ async def measure(n: int) -> dict[str, float]:
         row["`audit verify`, full (s)"], row["`audit verify`, full, peak RSS (MB)"] = seconds, rss
         row["`audit verify --since` (s)"] = run_cli("audit", "verify", "--since", "--nats", url,
                                                     "--checkpoint", anchor)[0]
+        row.update(await seal_and_archive(url, cfg, tmp, n))
         server.stop()
         server.start()
         run = await daemon_process(url, cfg.data_dir, settle_s=0.5)

@@ -333,6 +333,10 @@ async def _archive(url: str | Target, config: Config, directory: Path, remove: b
             except ValueError as exc:
                 print(f"improved audit archive: {exc}", file=sys.stderr)
                 return 1
+            except OSError as exc:
+                print(f"improved audit archive: cannot write to {directory}: "
+                      f"{exc.strerror or exc}", file=sys.stderr)
+                return 1
             where = archive.epoch_file(directory, seal.epoch)
             print(f"epoch {seal.epoch}: {done.trailers} trailers up to stream sequence "
                   f"{seal.upto} {'exported to' if done.written else 'already in'} {where}, "

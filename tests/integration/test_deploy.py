@@ -339,6 +339,38 @@ async def test_daemon_cannot_change_or_drop_the_audit_stream(mesh):
         await conn.nc.close()
 
 
+async def test_the_archivist_may_purge_the_audit_stream_and_nothing_else(mesh):
+    """`improved-archivist` (`improved audit archive --remove`) may read the audit stream and
+    purge it, and nothing more: it cannot write a trailer, change or delete the stream, nor
+    purge another stream."""
+    conn = await connect_as(mesh["url"], "improved-archivist")
+    try:
+        js = conn.nc.jetstream(timeout=1.0)
+        before = await js.stream_info(S.STREAM_AUDIT)
+        # allowed: a purge (of a service with no chains here, so the module's log stays whole)
+        assert await js.purge_stream(S.STREAM_AUDIT, subject=S.audit("nosuchsvc", "*"),
+                                     seq=before.state.last_seq)
+        attacks = [
+            (S.audit("ranking", "f" * 64), lambda: js.publish(S.audit("ranking", "f" * 64),
+                                                              b"{}")),
+            (f"$JS.API.STREAM.UPDATE.{S.STREAM_AUDIT}",
+             lambda: js.update_stream(before.config.evolve(max_msgs_per_subject=1))),
+            (f"$JS.API.STREAM.DELETE.{S.STREAM_AUDIT}", lambda: js.delete_stream(S.STREAM_AUDIT)),
+            (f"$JS.API.STREAM.MSG.DELETE.{S.STREAM_AUDIT}",
+             lambda: js.delete_msg(S.STREAM_AUDIT, before.state.first_seq)),
+            (f"$JS.API.STREAM.PURGE.{S.STREAM_RECORDS}",
+             lambda: js.purge_stream(S.STREAM_RECORDS)),
+        ]
+        for subject, attack in attacks:
+            with pytest.raises(NatsTimeout):
+                await attack()
+            assert "permissions violation" in (await conn.violation(subject)).lower()
+        after = await js.stream_info(S.STREAM_AUDIT)
+        assert after.state.messages >= before.state.messages
+    finally:
+        await conn.nc.close()
+
+
 async def test_daemon_cannot_change_or_drop_the_other_loop_streams(mesh):
     """Nor update, delete or purge the other streams and buckets, delete their messages, or
     delete the shared inbound consumer; a create of a stream that exists changes nothing."""
