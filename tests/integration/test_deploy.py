@@ -1212,7 +1212,8 @@ def test_example_daemon_config_loads():
 def test_unit_is_a_notify_service_with_a_watchdog():
     text = UNIT.read_text()
     for line in ("Type=notify", "NotifyAccess=main", "WatchdogSec=30", "Restart=on-failure",
-                 "RestartSec=2", "KillMode=mixed", "KillSignal=SIGTERM", "TimeoutStopSec=45",
+                 "RestartSec=2", "KillMode=mixed", "KillSignal=SIGTERM", "TimeoutStopSec=120",
+                 "TimeoutStartSec=180",
                  "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
                  "ExecStart=/opt/improved/.venv/bin/improved run "
                  "--config /etc/improved/improved.toml"):
@@ -1220,6 +1221,11 @@ def test_unit_is_a_notify_service_with_a_watchdog():
     assert re.search(r"^ReadWritePaths=/var/lib/improved$", text, re.M)
     assert re.search(r"^After=.*network-online\.target.*nats-server\.service", text, re.M)
     assert re.search(r"^User=improved$", text, re.M)
+    # the stop drains for up to DRAIN_S, then signs a last checkpoint: room for both
+    from improved.runtime.daemon import DRAIN_S
+
+    stop = int(re.search(r"^TimeoutStopSec=(\d+)$", text, re.M).group(1))
+    assert stop >= DRAIN_S + 60
 
 
 def test_unit_passes_systemd_analyze_verify(tmp_path):
