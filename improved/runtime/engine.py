@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -34,6 +34,7 @@ from improved.core import (
     identity,
     learnback,
     lkg,
+    observe,
     planner,
     policy,
     propose,
@@ -139,7 +140,8 @@ class Engine:
         self._autonomy_verified = True  # whether that state's trailer verified
         self.checkpoint_read = 0  # trailers the last checkpoint read: what was new, not the log
         self.metrics = Metrics()
-        self.learn = None  # observe's learn-back: (analyzer id, accepted) → None
+        # observe's learn-back, once per committed trailer: (analyzer id, accepted, its hash)
+        self.learn: Callable[[str, bool, str], Awaitable[None]] | None = None
         self.checkpointed_to = 0  # the stream sequence this process's last checkpoint covered
         self._awaiting: set[str] = set()  # proposals this replica saw deferred to an operator
         self._started: dict[str, float] = {}  # when handling of a proposal began
@@ -516,12 +518,8 @@ class Engine:
                                                                "rolled_back"):
             self.metrics.apply_result("ok" if trailer.verdict == "applied"
                                       else trailer.verdict)
-        if self.learn is not None:
-            if trailer.verdict == "approve" or (trailer.verdict == "applied"
-                                                and trailer.observer_type == "rec:policy"):
-                self.learn(record.proposal.analyzer.id, True)
-            elif trailer.verdict == "reject" and trailer.observer_type == "human":
-                self.learn(record.proposal.analyzer.id, False)
+        if self.learn is not None and (accepted := observe.lesson(trailer)) is not None:
+            await self.learn(record.proposal.analyzer.id, accepted, trailer.hash)
         record = with_trailer(record, trailer, seq)
         self.note_waiting(record)
         return record
