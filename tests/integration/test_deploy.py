@@ -25,7 +25,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from improved.client import chains
 from improved.client.sdk import MeshClient, inbox_prefix
-from improved.core import signing
+from improved.core import observe, propose, signing
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import to_json
@@ -303,9 +303,44 @@ async def test_provisioned_daemon_runs_the_loop_and_changes_nothing(mesh):
     assert (await eventually(lambda: client.outcome(pid))).ok
     assert await count(js, S.STREAM_INBOUND, S.inbound_proposal("ranking")) >= 2
     assert len(await Store(mesh["daemon_conn"].nc).read_chain("ranking", pid)) >= 3
+    # Three sessions report a regression (stage 1 writes its windows bucket), and an operator
+    # rejects the investigation it proposes (the analyzer's counts are written).
+    observed = await observed_and_rejected(mesh, client, "rank:deploy.observed")
+    assert (await client.state(observed)).status == "rejected"
+    learned = await mesh["daemon"].observer.counts(observe.RegressionAnalyzer().id)
+    assert learned.rejected == 1
     # The daemon's grants covered everything it did; so did the service's.
     assert mesh["daemon_conn"].violations() == []
     assert mesh["ranking"].violations() == []
+
+
+async def observed_and_rejected(mesh, client: MeshClient, target: str) -> str:
+    """Negative metric signals on `target` from three sessions, sent by the service; the id
+    of the L1 proposal they make, once an operator has rejected it."""
+    regression = observe.RegressionAnalyzer()
+    window, candidates = observe.EMPTY, []
+    for i in range(3):
+        sig = signal("ranking", f"mcp:watch-{i}:1", positive=False, kind="metric",
+                     target_ref=target, name="ctr", at=int(time.time() * 1000) + i)
+        window, candidates = regression.step("ranking", window, sig)
+        await client.signal(sig)
+    pid = propose.identify(candidates[0].proposal)[0]
+    await eventually(lambda: client.decision(pid))
+    operator = await connect_as(mesh["url"], "operator")
+    try:
+        await operator.nc.publish(S.inbound_review("ranking"),
+                                  to_json(review(pid, verdict="reject", reason="noise")))
+        await operator.nc.flush()
+        assert operator.violations() == []
+    finally:
+        await operator.nc.close()
+    await eventually(lambda: _status_is(client, pid, "rejected"))
+    return pid
+
+
+async def _status_is(client: MeshClient, pid: str, status: str) -> bool:
+    state = await client.state(pid)
+    return state is not None and state.status == status
 
 
 async def test_daemon_cannot_change_or_drop_the_audit_stream(mesh):
