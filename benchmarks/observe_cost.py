@@ -3,7 +3,8 @@ read). `python benchmarks/observe_cost.py 3000` starts an embedded server (sync 
 in-process daemon, then measures
   1. the observe stage alone: `Daemon._observe` awaited once per signal, N negative metric
      signals about N/3 targets from three sessions (so every third one completes a window and
-     proposes an L1), mean and p50/p99 per signal;
+     proposes an L1), mean and p50/p99 per signal; then N signals each about a target of its
+     own;
   2. end to end: N more such signals published into the inbound stream at once, until the
      shared consumer is idle: signals per second through the daemon's consumer; then N
      signals each about a target of its own (no window completes, nothing is proposed).
@@ -52,6 +53,21 @@ async def idle(nc) -> None:
         await asyncio.sleep(0.2)
 
 
+async def alone(d: Daemon, sigs: list[Signal]) -> list[float]:
+    """Seconds `Daemon._observe` took for each signal, sorted."""
+    took = []
+    for sig in sigs:
+        started = time.perf_counter()
+        await d._observe(sig.service, sig)
+        took.append(time.perf_counter() - started)
+    return sorted(took)
+
+
+def ms(took: list[float]) -> str:
+    return (f"mean {statistics.mean(took) * 1e3:.3f} ms, p50 {took[len(took) // 2] * 1e3:.3f} "
+            f"ms, p99 {took[int(len(took) * 0.99)] * 1e3:.3f} ms")
+
+
 async def main(n: int) -> None:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     tmp = Path(tempfile.mkdtemp(prefix="observe-cost-"))
@@ -61,18 +77,13 @@ async def main(n: int) -> None:
     d = Daemon(nc, Config(data_dir=tmp / "d", checkpoint_interval_s=0))
     await d.start()
     try:
-        took = []
-        for sig in negatives("direct", n, "direct"):
-            started = time.perf_counter()
-            await d._observe("direct", sig)
-            took.append(time.perf_counter() - started)
-        took.sort()
+        took = await alone(d, negatives("direct", n, "direct"))
+        lone_took = await alone(d, negatives("single", n, "single", per_target=1))
         await idle(nc)  # the proposals observe made are registered before the next part
         rate = await through_the_bus(nc, "bus", negatives("bus", n, "bus"))
         lone = await through_the_bus(nc, "lone", negatives("lone", n, "lone", per_target=1))
-        print(f"N={n} observe alone: mean {statistics.mean(took) * 1e3:.3f} ms, p50 "
-              f"{took[len(took) // 2] * 1e3:.3f} ms, p99 {took[int(len(took) * 0.99)] * 1e3:.3f}"
-              f" ms per signal; end to end (publish → consumer idle, {n // 3} proposals among "
+        print(f"N={n} observe alone: {ms(took)} per signal ({ms(lone_took)} each about a "
+              f"target of its own); end to end (publish → consumer idle, {n // 3} proposals among "
               f"them): {rate:.0f} signals/s; each about a target of its own (no proposal): "
               f"{lone:.0f} signals/s")
     finally:

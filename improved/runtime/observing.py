@@ -4,9 +4,10 @@ same weights, and a restart loses neither.
 
 Windows (KV `improved_windows`, one key per analyzer, service and target, `subjects.window_key`):
 read, stepped by the pure analyzer (`core.observe`), written back with compare-and-set (created
-when absent, else updated at the revision read); a replica that loses the race reads what won
-and steps again, so a signal is folded into the window exactly as if one process had seen them
-all. The window is written before its candidates go on the bus; should the daemon stop in
+when absent, else updated at the revision read; a key this replica has not met lately is most
+likely new, and is tried as a create without the read); a replica that loses the race reads
+what won and steps again, so a signal is folded into the window exactly as if one process had
+seen them all. The window is written before its candidates go on the bus; should the daemon stop in
 between, the signal is delivered again, and the window, which keeps the evidence of its last
 candidate, makes the same candidate again (same evidence, same proposal id; enqueueing it twice
 is one proposal).
@@ -27,7 +28,8 @@ meets every guard and gate as any other does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Final
 
 import structlog
 
@@ -41,6 +43,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("improved.observe")
 
+KNOWN_KEYS: Final = 20_000  # window keys remembered as existing (a few MB)
+
 
 class Observing:
     """Stage 1 against the shared buckets of `store` (opened by `Store.ensure`)."""
@@ -48,6 +52,9 @@ class Observing:
     def __init__(self, store: Store, observer: Observer):
         self.store = store
         self.observer = observer
+        # windows this process read or wrote lately: any other is most likely new, so its
+        # first write is tried as a create without a read (a conflict reads and steps again)
+        self._known: OrderedDict[str, None] = OrderedDict()
 
     async def observe(self, svc: str, signal: Signal) -> list[Proposal]:
         """Fold `signal` into every window it concerns; the candidates to propose, best first."""
@@ -65,7 +72,11 @@ class Observing:
 
             key = S.window_key(analyzer.id, svc, target)
             found += [(analyzer.id, c) for c in await self.store.compare_and_set(
-                self.store.windows, S.BUCKET_WINDOWS, key, step)]
+                self.store.windows, S.BUCKET_WINDOWS, key, step, absent=key not in self._known)]
+            self._known[key] = None
+            self._known.move_to_end(key)
+            while len(self._known) > KNOWN_KEYS:
+                self._known.popitem(last=False)
         if not found:
             return []
         counts = {aid: await self.counts(aid) for aid in {aid for aid, _ in found}}

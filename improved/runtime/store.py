@@ -448,11 +448,23 @@ class Store:
                                           S.dedup_key_of(svc, dedup), newest)
 
     async def compare_and_set(self, kv: Any, bucket: str, key: str,
-                              decide: Callable[[bytes | None], tuple[bytes | None, T]]) -> T:
+                              decide: Callable[[bytes | None], tuple[bytes | None, T]], *,
+                              absent: bool = False) -> T:
         """Read `key` (None when absent or deleted), let `decide` say what to write (None: write
         nothing) and what to return, and write it only if the key is still as read: created
         when it was absent, else updated at the revision read. On a conflict read again and
-        decide again, so `decide` must be pure. StateConflict when every attempt lost."""
+        decide again, so `decide` must be pure. StateConflict when every attempt lost.
+        With `absent` (the caller expects a new key) the create is tried without a read, one
+        round trip instead of two; a conflict, or nothing to write, falls back to reading."""
+        if absent:
+            value, result = decide(None)
+            if value is not None:
+                try:
+                    await kv_create(kv, key, value)
+                    return result
+                except APIError as exc:
+                    if not is_conflict(exc):
+                        raise
         leader = False
         for _ in range(MAX_APPEND_ATTEMPTS):
             current, revision = await self.kv_read(kv, bucket, key, leader)
