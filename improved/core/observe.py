@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 import msgspec
 from msgspec import Struct
@@ -49,23 +49,24 @@ class Window(Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True
 
 
 EMPTY: Final = Window()
-_window_decoder = msgspec.json.Decoder(Window)
 _encoder = msgspec.json.Encoder()
+Stored = TypeVar("Stored", "Window", "Counts")
 
 
-def decode_window(data: bytes | None) -> Window:
-    """A stored window; an absent or unreadable value is an empty one (a window is a hint
-    toward a proposal, never worth refusing a signal over)."""
+def decode(data: bytes | None, default: Stored) -> Stored:
+    """A stored window or counts, of the type of `default`; an absent or unreadable value is
+    `default` (an empty window, no counts): a hint toward a proposal, never worth refusing a
+    signal or a transition over."""
     if not data:
-        return EMPTY
+        return default
     try:
-        return _window_decoder.decode(data)
+        return msgspec.json.decode(data, type=type(default))
     except msgspec.MsgspecError:
-        return EMPTY
+        return default
 
 
-def encode_window(window: Window) -> bytes:
-    return _encoder.encode(window)
+def encode(value: Window | Counts) -> bytes:
+    return _encoder.encode(value)
 
 
 def bounded(signals: Sequence[Signal]) -> tuple[Signal, ...]:
@@ -219,20 +220,6 @@ class Counts(Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True
 
 
 NO_COUNTS: Final = Counts()
-_counts_decoder = msgspec.json.Decoder(Counts)
-
-
-def decode_counts(data: bytes | None) -> Counts:
-    if not data:
-        return NO_COUNTS
-    try:
-        return _counts_decoder.decode(data)
-    except msgspec.MsgspecError:
-        return NO_COUNTS
-
-
-def encode_counts(counts: Counts) -> bytes:
-    return _encoder.encode(counts)
 
 
 def lesson(trailer: Trailer) -> bool | None:

@@ -66,9 +66,9 @@ class Observing:
 
             def step(current: bytes | None, analyzer=analyzer
                      ) -> tuple[bytes | None, list[Candidate]]:
-                window: Window = observe.decode_window(current)
+                window: Window = observe.decode(current, observe.EMPTY)
                 new, candidates = analyzer.step(svc, window, signal)
-                return (None if new == window else observe.encode_window(new)), candidates
+                return (None if new == window else observe.encode(new)), candidates
 
             key = S.window_key(analyzer.id, svc, target)
             found += [(analyzer.id, c) for c in await self.store.compare_and_set(
@@ -85,7 +85,7 @@ class Observing:
     async def counts(self, analyzer_id: str) -> Counts:
         """What operators made of this analyzer's proposals so far, as every replica sees it."""
         data, _ = await self.store.kv_read(self.store.learned, S.BUCKET_LEARNED, analyzer_id)
-        return observe.decode_counts(data)
+        return observe.decode(data, observe.NO_COUNTS)
 
     async def weight(self, analyzer_id: str) -> float:
         return observe.weight(await self.counts(analyzer_id))
@@ -97,8 +97,8 @@ class Observing:
             return
 
         def count(current: bytes | None) -> tuple[bytes | None, None]:
-            new = observe.counted(observe.decode_counts(current), trailer_hash, accepted)
-            return (None if new is None else observe.encode_counts(new)), None
+            new = observe.counted(observe.decode(current, observe.NO_COUNTS), trailer_hash, accepted)
+            return (None if new is None else observe.encode(new)), None
 
         try:
             await self.store.compare_and_set(self.store.learned, S.BUCKET_LEARNED, analyzer_id,

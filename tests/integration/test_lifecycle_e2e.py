@@ -208,7 +208,7 @@ async def test_an_operator_rejection_teaches_the_analyzer(daemon, nc, svc):
     analyzer = "improved.metric_regression/1"
     learned = daemon.store.learned
     before, _ = await daemon.store.kv_read(learned, S.BUCKET_LEARNED, analyzer)
-    counts = observe.decode_counts(before)
+    counts = observe.decode(before, observe.NO_COUNTS)
     for i in range(3):
         await client.signal(signal(svc, f"mcp:watch-{i}:1", positive=False, kind="metric",
                                    target_ref="rank:teach", name="ctr"))
@@ -225,7 +225,7 @@ async def test_an_operator_rejection_teaches_the_analyzer(daemon, nc, svc):
     assert (after.accepted, after.rejected) == (counts.accepted, counts.rejected + 1)
     assert await daemon.observer.weight(analyzer) < 0.5
     # the session daemon serves other tests too
-    await learned.put(analyzer, before or observe.encode_counts(observe.NO_COUNTS))
+    await learned.put(analyzer, before or observe.encode(observe.NO_COUNTS))
 
 
 async def test_a_cal_batch_gets_its_inverse_derived_at_apply_time(daemon, nc, svc):

@@ -143,7 +143,7 @@ async def test_a_restart_between_signals_keeps_the_window(own_server):
         # the window was spent on the proposal: it holds its evidence, no pending signals
         key = S.window_key(REGRESSION, svc, "rank:restart.boost")
         data, _ = await second.store.kv_read(second.store.windows, S.BUCKET_WINDOWS, key)
-        window = observe.decode_window(data)
+        window = observe.decode(data, observe.EMPTY)
         assert window.signals == () and window.proposed == tuple(sorted(
             (s1, s2, s3), key=lambda s: s.at))
         info = await second.store.js.stream_info(f"KV_{S.BUCKET_WINDOWS}")

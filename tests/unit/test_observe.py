@@ -33,10 +33,10 @@ def fold(analyzer, signals, windows=None):
         target = analyzer.target("svc", sig)
         if target is None:
             continue
-        window = observe.decode_window(windows.get(target))
+        window = observe.decode(windows.get(target), observe.EMPTY)
         new, candidates = analyzer.step("svc", window, sig)
         if new != window:
-            windows[target] = observe.encode_window(new)
+            windows[target] = observe.encode(new)
         found += candidates
     return found, windows
 
@@ -120,7 +120,7 @@ def test_one_target_flooded_keeps_only_the_newest_signals():
     flood = [negative("skill:s", f"mcp:a{i}:1", T0 + i, kind="check")
              for i in range(observe.MAX_PER_TARGET * 4)]
     _, windows = fold(stale, flood)
-    kept = observe.decode_window(windows["skill:s"]).signals
+    kept = observe.decode(windows["skill:s"], observe.EMPTY).signals
     assert len(kept) == observe.MAX_PER_TARGET and kept[-1].at == flood[-1].at
 
 
@@ -132,7 +132,7 @@ def test_a_window_of_large_signals_stays_within_its_bytes():
     flood = [negative(target, f"mcp:{'a' * 120}{i:08}:{'b' * 128}", T0 + i, kind="check",
                       name="n" * 128) for i in range(observe.MAX_PER_TARGET)]
     _, windows = fold(stale, flood)
-    kept = observe.decode_window(windows[target]).signals
+    kept = observe.decode(windows[target], observe.EMPTY).signals
     assert len(windows[target]) <= observe.MAX_WINDOW_BYTES + 64
     assert 0 < len(kept) < observe.MAX_PER_TARGET and kept[-1] == flood[-1]
 
@@ -142,7 +142,7 @@ def test_a_regression_is_still_found_among_the_flood():
     real = [negative("rank:real", f"mcp:s{s}:1", T0 + s) for s in range(3)]
     found, windows = fold(RegressionAnalyzer(), noise + real)
     assert len(found) == 1 and found[0].proposal.change_class == "L1"
-    assert observe.decode_window(windows["rank:real"]).signals == ()  # spent
+    assert observe.decode(windows["rank:real"], observe.EMPTY).signals == ()  # spent
 
 
 def test_signals_older_than_the_window_do_not_count():
@@ -190,9 +190,9 @@ def test_a_success_clears_a_stale_skills_window():
 
 
 def test_a_stored_window_that_does_not_decode_is_an_empty_one():
-    assert observe.decode_window(b"{not json") == observe.EMPTY
-    assert observe.decode_window(b'{"signals": [{"kind": "nope"}]}') == observe.EMPTY
-    assert observe.decode_counts(b"[]") == observe.NO_COUNTS
+    assert observe.decode(b"{not json", observe.EMPTY) == observe.EMPTY
+    assert observe.decode(b'{"signals": [{"kind": "nope"}]}', observe.EMPTY) == observe.EMPTY
+    assert observe.decode(b"[]", observe.NO_COUNTS) == observe.NO_COUNTS
 
 
 def test_a_trailer_counts_once_toward_its_analyzers_weight():
