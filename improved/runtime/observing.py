@@ -17,10 +17,13 @@ and rejected, updated with compare-and-set by the replica that commits the appro
 reject trailer (`Engine._commit`: a trailer is committed by exactly one replica, once, since the
 chain append is exclusive). The only way to count a trailer twice is to retry a write that
 landed without its acknowledgement; the counts keep the hashes of the last trailers counted and
-a retry finds its own there (`core.observe.counted`). One read and one write per transition,
-whatever the history. The reverse gap — a daemon stopped between its chain append and this
-write — loses that one count: the weight is a ranking hint, recountable from the approve and
-reject trailers on the chains, and never an input to authority.
+a retry finds its own there (`core.observe.counted`). Why a counter rather than the chains
+themselves: counting the approve and reject trailers at every ranking would be exact, but its
+cost grows with the history; the counter costs one read and one write per approve, apply or
+reject of an analyzer's proposal, whatever the history, and the hashes it keeps name the
+trailers it counted. The reverse gap — a daemon stopped between its chain append and this
+write — loses that one count: the weight is a ranking hint, never an input to authority, and
+could be recounted from those trailers (nothing does so yet).
 
 Neither bucket is read by anything but the analyzers; what they lead to is a proposal, which
 meets every guard and gate as any other does.
