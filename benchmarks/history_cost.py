@@ -1,16 +1,28 @@
-"""Start, stop, checkpoint and review cost at N applied L0 proposals of history, with N/100
-L2 proposals waiting for an operator (no cost may grow with history: issue 16).
-`python benchmarks/history_cost.py 20000` fills an embedded server through an in-process
-daemon, then times a checkpoint, a second one, `improved review` (its query, in process), a
-stop, a start on the same data directory and a checkpoint after it, then `improved audit
-verify` in full and `--since` the last checkpoint, then a broker restart (the memory state
-cache lost): start → ready, `review` right after ready (and where it read from), and until the
-records are known whole (a refill after ready, if the daemon did one). With `memory` after N
-the retained records are in memory storage, so the restart loses them and the daemon refills
-them (and the review index) from the chains. sync 2m: the fill is not what is measured."""
+"""What grows with history (issue 16): start, stop, checkpoint, review, verify and a broker
+restart at N applied L0 proposals, with N/100 L2 proposals waiting for an operator.
+`python benchmarks/history_cost.py 2000 20000` fills an embedded server per N through an
+in-process daemon (sync 2m: the fill is not what is measured), then, each as an operator would
+see it, in a process of its own:
+
+- checkpoint: the first after the fill, the next one, and one after a restart (in process);
+- `improved run` on the same data directory: spawn → "ready" (Python's imports included),
+  peak RSS when ready and after its after-ready work, and SIGTERM → exit (the final
+  checkpoint included);
+- `improved review`, `improved audit verify` (full) and `--since`: wall time and peak RSS;
+- sealing the whole log as one epoch, and `improved audit archive --remove` of it;
+- a broker restart: `improved run` spawn → ready again (on the archived stream), `review`
+  right after ready (and where it read from: the review index, or every chain), and until the
+  records are known whole (whether the daemon refilled them: with `memory` among the
+  arguments the retained records are in memory storage, so the restart loses them);
+- bytes per proposal: every stream's bytes on disk over N.
+Prints one table, the sizes side by side. Leaves nothing behind."""
+
+from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,18 +33,73 @@ from improved.cli.queries import review_view
 from improved.client.sdk import MeshClient
 from improved.core.policy import Policy
 from improved.protocol.model import ApplyResult
-from improved.runtime import bus
+from improved.runtime import archive, bus, keys
 from improved.runtime.config import Config
 from improved.runtime.daemon import Daemon
+from improved.runtime.store import Store
 from improved.testing import rank_proposal, skill_proposal
 
+CLI = [sys.executable, "-m", "improved.cli"]
 
-def verify(url: str, *args: str) -> None:
-    """`improved audit verify` as an operator runs it: a process reading the log."""
-    done = subprocess.run([sys.executable, "-m", "improved.cli", "audit", "verify", "--nats",
-                           url, *args], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"audit verify {' '.join(args)} failed: {done.stdout}{done.stderr}")
+
+def run_cli(*args: str) -> tuple[float, int, str]:
+    """(seconds, peak RSS in MB, stdout) of one `improved` command; it must succeed."""
+    started = time.perf_counter()
+    done = subprocess.run(["/usr/bin/time", "-f", "maxrss=%M", *CLI, *args],
+                          capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if done.returncode:
+        raise SystemExit(f"improved {' '.join(args)} failed: {done.stdout}{done.stderr}")
+    rss = int(done.stderr.rsplit("maxrss=", 1)[1].split()[0]) // 1024
+    return seconds, rss, done.stdout
+
+
+def peak_rss_mb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
+async def daemon_process(url: str, data_dir: Path, settle_s: float = 3.0, config: str = "",
+                         during=None) -> dict[str, float]:
+    """`improved run` against `url`: spawn → ready, peak RSS then and after `settle_s` of its
+    after-ready work (or `during(started)`, awaited once it is ready), and SIGTERM → exit;
+    `refills`: whether it logged a refill of the records."""
+    started = time.perf_counter()
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, "run", "--nats", url, "--data-dir", str(data_dir), "--metrics-port", "0",
+        *(("--config", config) if config else ()),
+        stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL)
+    assert proc.stderr is not None
+    while True:
+        line = await asyncio.wait_for(proc.stderr.readline(), 600)
+        if not line:
+            raise SystemExit("improved run exited before ready")
+        if b"improved: ready" in line:
+            break
+    ready_s = time.perf_counter() - started
+    rss_ready = peak_rss_mb(proc.pid)
+
+    refills = 0
+
+    async def drain() -> None:
+        nonlocal refills
+        while line := await proc.stderr.readline():
+            refills += b"refilling them from the audit chains" in line
+
+    draining = asyncio.create_task(drain())
+    seen = await during(started) if during is not None else {}
+    if during is None:
+        await asyncio.sleep(settle_s)
+    rss_settled = peak_rss_mb(proc.pid)
+    stopping = time.perf_counter()
+    proc.send_signal(signal.SIGTERM)
+    await proc.wait()
+    stop_s = time.perf_counter() - stopping
+    await draining
+    return {"ready_s": ready_s, "rss_ready": rss_ready, "rss_settled": rss_settled,
+            "stop_s": stop_s, "refills": refills, **seen}
 
 
 async def timed(step) -> float:
@@ -41,90 +108,143 @@ async def timed(step) -> float:
     return time.perf_counter() - started
 
 
-async def review(url: str) -> tuple[float, int, str]:
-    """`improved review`'s query: (seconds, proposals listed, where it read them)."""
-    started = time.perf_counter()
-    queue, source = await review_view(url, Policy())
-    return time.perf_counter() - started, len(queue), source
-
-
-async def main(n: int, records: str) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="measure-"))
-    server = bus.EmbeddedServer(tmp / "nats", bus.free_port(), sync="2m")
-    url = server.start()
-    nc = await bus.connect(url, "measure")
-    cfg = Config(data_dir=tmp / "d", checkpoint_interval_s=0, records_storage=records)
-    d = Daemon(nc, cfg)
-    await d.start()
+async def fill(nc, n: int) -> None:
     client = MeshClient(nc, "m")
 
     async def applier(order):
         return ApplyResult(ok=True, applied_id=order.proposal_id[:8])
 
     sub = await client.serve_apply(applier)
-    ids = []
     for i in range(0, n, 500):
-        ids += await asyncio.gather(*(client.publish(rank_proposal("m", key=f"k{j}"))
-                                      for j in range(i, min(n, i + 500))))
-    waiting = n // 100
+        await asyncio.gather(*(client.publish(rank_proposal("m", key=f"k{j}"))
+                               for j in range(i, min(n, i + 500))))
     await asyncio.gather(*(client.publish(skill_proposal("m", name=f"s{j}"))
-                           for j in range(waiting)))
+                           for j in range(n // 100)))  # waiting for an operator
     while True:
         info = await nc.jetstream().consumer_info("IMPROVE_IN", "improved-loop")
         if info.num_pending == 0 and info.num_ack_pending == 0:
             break
         await asyncio.sleep(1)
     await asyncio.sleep(2)
-    cp_running = await timed(d.engine.checkpoint(d._checkpoint_key))
-    cp_again = await timed(d.engine.checkpoint(d._checkpoint_key))
-    review_s, listed, source = await review(url)
-    assert listed == waiting, (listed, waiting)
     await sub.unsubscribe()
-    stop_s = await timed(d.stop())
-    d2 = Daemon(nc, cfg)
-    start_s = await timed(d2.start())
-    cp2 = await timed(d2.engine.checkpoint(d2._checkpoint_key))
-    info = await nc.jetstream().stream_info("IMPROVE_AUDIT")
-    anchor = str(cfg.data_dir / "last-checkpoint.json")
-    full = await timed(asyncio.to_thread(verify, url, "--checkpoint", anchor))
-    since = await timed(asyncio.to_thread(verify, url, "--since", "--checkpoint", anchor))
-    await d2.stop()
+
+
+async def seal_and_archive(url: str, cfg: Config, tmp: Path, n: int) -> dict[str, float]:
+    """Seal everything the last checkpoint covered as one epoch (as the daemon does when one
+    is due), then export and remove it with `improved audit archive --remove`."""
+    nc = await bus.connect(url, "measure-seal")
+    store = Store(nc)
+    store.signer = keys.load_key(cfg.data_dir / "checkpoint.pem")
+    kept = json.loads((cfg.data_dir / "last-checkpoint.json").read_text())
+    row: dict[str, float] = {}
+    started = time.perf_counter()
+    seal = await archive.seal_if_due(store, store.signer, "improved:measure", kept["last_seq"],
+                                     int(time.time() * 1000), 1, 1e6, 0.0, {kept["keyid"]})
+    row["seal an epoch of the whole log (s)"] = time.perf_counter() - started
+    assert seal is not None
+    config = tmp / "improved.toml"
+    config.write_text(f'data_dir = "{cfg.data_dir}"\n')
+    seconds, rss, _ = run_cli("audit", "archive", str(tmp / "archive"), "--remove", "--nats",
+                              url, "--config", str(config))
+    row["`audit archive --remove` of it (s)"] = seconds
+    row["`audit archive` peak RSS (MB)"] = rss
+    total = sum(info.state.bytes for info in await nc.jetstream().streams_info())
+    row["bytes on disk per proposal, after the archive"] = total / n
     await nc.close()
-    # a broker restart: the state cache (memory storage) is gone
-    server.stop()
-    server.start()
-    nc = await bus.connect(url, "measure")
-    d3 = Daemon(nc, cfg)
-    refills = 0
-    republish_all = d3.engine.republish_all
+    return row
 
-    async def counted(*args, **kw):
-        nonlocal refills
-        refills += 1
-        return await republish_all(*args, **kw)
 
-    d3.engine.republish_all = counted  # type: ignore[method-assign]
+async def after_restart(url: str, started: float) -> dict[str, float]:
+    """While a daemon runs after a broker restart: `review` right after ready (its query, in
+    process, and where it read from), and when the records are known whole again."""
     began = time.perf_counter()
-    await d3.start()
-    ready_s = time.perf_counter() - began
-    review2_s, listed2, source2 = await review(url)
-    while not await d3.store.filled():  # noqa: ASYNC110 - polls the broker
+    queue, source = await review_view(url, Policy())
+    seen = {"review_s": time.perf_counter() - began, "listed": len(queue),
+            "from_index": float(source == "index")}
+    nc = await bus.connect(url, "measure-restart")
+    store = Store(nc)
+    while not await store.filled():  # noqa: ASYNC110 - polls the broker
         await asyncio.sleep(0.1)
-    whole_s = time.perf_counter() - began
-    review3_s, listed3, source3 = await review(url)
-    assert listed2 == listed3 == waiting, (listed2, listed3, waiting)
-    print(f"N={n} records={records} waiting={waiting} trailers={info.state.messages} "
-          f"checkpoint(first after fill)={cp_running:.2f}s checkpoint(next)={cp_again:.2f}s "
-          f"review={review_s:.2f}s ({source}) stop={stop_s:.2f}s start={start_s:.2f}s "
-          f"checkpoint(after restart)={cp2:.2f}s audit verify (full)={full:.2f}s "
-          f"audit verify --since={since:.2f}s broker restart: ready={ready_s:.2f}s "
-          f"review right after ready={review2_s:.2f}s ({source2}) "
-          f"records whole={whole_s:.2f}s after start (refills={refills}) "
-          f"review then={review3_s:.2f}s ({source3})")
-    await d3.stop()
+    seen["whole_s"] = time.perf_counter() - started
     await nc.close()
-    server.stop()
-    shutil.rmtree(tmp, ignore_errors=True)
+    return seen
 
 
-asyncio.run(main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "file"))
+async def measure(n: int, records: str) -> dict[str, float]:
+    tmp = Path(tempfile.mkdtemp(prefix="improved-history-"))
+    server = bus.EmbeddedServer(tmp / "nats", bus.free_port(), sync="2m")
+    config = tmp / "records.toml"
+    config.write_text(f'records_storage = "{records}"\n')
+    try:
+        url = server.start()
+        nc = await bus.connect(url, "measure")
+        cfg = Config(data_dir=tmp / "d", checkpoint_interval_s=0, records_storage=records)
+        d = Daemon(nc, cfg)
+        await d.start()
+        await fill(nc, n)
+        row: dict[str, float] = {}
+        row["checkpoint, first after the fill (s)"] = await timed(
+            d.engine.checkpoint(d._checkpoint_key))
+        row["checkpoint, the next (s)"] = await timed(d.engine.checkpoint(d._checkpoint_key))
+        await d.stop()
+        d2 = Daemon(nc, cfg)
+        await d2.start()
+        row["checkpoint after a restart (s)"] = await timed(
+            d2.engine.checkpoint(d2._checkpoint_key))
+        await d2.stop()
+        js = nc.jetstream()
+        per_stream = {info.config.name: info.state.bytes for info in await js.streams_info()}
+        total = sum(per_stream.values())
+        trailers = (await js.stream_info("IMPROVE_AUDIT")).state.messages
+        await nc.close()
+
+        run = await daemon_process(url, cfg.data_dir, config=str(config))
+        row["start → ready, `improved run` (s)"] = run["ready_s"]
+        row["peak RSS at ready (MB)"] = run["rss_ready"]
+        row["peak RSS after its after-ready work (MB)"] = run["rss_settled"]
+        row["stop: SIGTERM → exit (s)"] = run["stop_s"]
+        seconds, rss, _ = run_cli("review", "--nats", url)
+        row["`improved review` (s)"], row["`improved review` peak RSS (MB)"] = seconds, rss
+        anchor = str(cfg.data_dir / "last-checkpoint.json")
+        seconds, rss, _ = run_cli("audit", "verify", "--nats", url, "--checkpoint", anchor)
+        row["`audit verify`, full (s)"], row["`audit verify`, full, peak RSS (MB)"] = seconds, rss
+        row["`audit verify --since` (s)"] = run_cli("audit", "verify", "--since", "--nats", url,
+                                                    "--checkpoint", anchor)[0]
+        row.update(await seal_and_archive(url, cfg, tmp, n))
+        server.stop()
+        server.start()
+        run = await daemon_process(url, cfg.data_dir, config=str(config),
+                                   during=lambda started: after_restart(url, started))
+        row["broker restart: start → ready (s)"] = run["ready_s"]
+        row["  `review` right after ready (s)"] = run["review_s"]
+        row["  … read from the review index (1) or every chain (0)"] = run["from_index"]
+        row["  records known whole, after the spawn (s)"] = run["whole_s"]
+        row["  refills of the records"] = run["refills"]
+        assert run["listed"] == n // 100, (run["listed"], n)
+        row["trailers"] = trailers
+        row["bytes on disk per proposal, all streams"] = total / n
+        for name in sorted(per_stream):
+            row[f"  of which {name}"] = per_stream[name] / n
+        return row
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+async def main(sizes: list[int], records: str) -> None:
+    rows = {n: await measure(n, records) for n in sizes}
+    names = list(next(iter(rows.values())))
+    width = max(len(name) for name in names)
+    print(f"{'proposals':<{width}} " + " ".join(f"{n:>10,}" for n in sizes))
+    for name in names:
+        cells = []
+        for n in sizes:
+            value = rows[n][name]
+            cells.append(f"{value:>10.2f}" if isinstance(value, float) and value < 1000
+                         else f"{value:>10,.0f}")
+        print(f"{name:<{width}} " + " ".join(cells))
+
+
+if __name__ == "__main__":
+    asyncio.run(main([int(a) for a in sys.argv[1:] if a.isdigit()] or [2000],
+                     "memory" if "memory" in sys.argv[1:] else "file"))

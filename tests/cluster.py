@@ -22,6 +22,7 @@ CLUSTER = [DEPLOY / "nats-cluster" / f"n{n}.conf" for n in (1, 2, 3)]
 # The reference passwords of deploy/accounts.conf.
 PASSWORDS = {
     "improved-admin": "dev-admin-pw",
+    "improved-archivist": "dev-archivist-pw",
     "improved": "dev-improved-pw",
     "operator": "dev-operator-pw",
     "svc-ranking": "dev-ranking-pw",

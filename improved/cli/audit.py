@@ -13,8 +13,8 @@ from pathlib import Path
 import msgspec
 
 from improved.cli.common import add_connection_args, config_of, deployment, url_of
-from improved.core import audit, evidence
-from improved.core.checkpoint import Anchor, StreamView
+from improved.core import audit, checkpoint, evidence
+from improved.core.checkpoint import Anchor
 from improved.core.record import same_state
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
@@ -24,6 +24,7 @@ from improved.runtime.config import Config
 
 async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
                   trusted: set[str], config: Config) -> int:
+    """One proposal's chain (`pid`), or the whole log (`_verify_log`)."""
     from improved.runtime import anchor
 
     kept: Anchor | str | None = None
@@ -34,13 +35,15 @@ async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
             kept = f"the checkpoint file cannot be read: {exc}"
     if isinstance(kept, Anchor):
         trusted = trusted | {kept.keyid}
+    if pid is None:
+        return await _verify_log(url, kept, anchor_path, trusted, config)
     async with deployment(url, bind=False) as store:
         log_, view = await store.read_audit(pid)
-        trust_log = log_ if pid is None else (await store.read_audit(evidence.TRUST_ID))[0]
+        trust_log = (await store.read_audit(evidence.TRUST_ID))[0]
         chains: dict[tuple[str | None, str | None], list[tuple[int, dict]]] = {}
         for seq, subject, body in log_:
             chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append((seq, body))
-        if pid is not None and not chains:
+        if not chains:
             print(f"improved audit verify: no chain for {pid}", file=sys.stderr)
             return 1
         trust = chain_trust(trust_log, trusted, config)
@@ -51,9 +54,110 @@ async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
         broken = _verify_chains(chains, trust, len(log_))
         if view.created is None:
             print(f"BROKEN the audit stream {S.STREAM_AUDIT} does not exist")
-        if pid is None:  # whole chains can only go missing against a checkpoint
-            broken += _whole_log(log_, view, kept, anchor_path, trusted)
         return 1 if broken or view.created is None else 0
+
+
+async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path: Path | None,
+                      trusted: set[str], config: Config, archive_dir: Path | None = None
+                      ) -> int:
+    """The whole log, read once from its first trailer and verified as it streams by
+    (`checkpointing.verify_since` from nothing, reading on past a broken chain): every chain,
+    every checkpoint on the stream by its signature, key and root, and the checkpoint kept in
+    the data directory. Memory stays flat however long the log. Sealed epochs removed from
+    the stream are read from their export in `archive_dir`, each checked against its seal;
+    without it, what the stream still holds is verified and the tree goes on from the seal."""
+    from improved.runtime import archive, checkpointing
+
+    async with deployment(url, bind=False) as store:
+        view = await store.audit_view()
+        if view.created is None:
+            print(f"BROKEN the audit stream {S.STREAM_AUDIT} does not exist")
+            for problem in [kept] if isinstance(kept, str) else \
+                    [checkpoint.prefix_problem(kept, view, None, _KEPT)] if kept else []:
+                print(f"BROKEN {problem}")
+            return 1
+        subject = S.trust_audit(evidence.TRUST_ID)
+        trust = chain_trust([(seq, subject, body) for seq, body
+                             in await store.read_chain_at(subject)], trusted, config)
+        if not trusted:
+            print("note: no trusted daemon key (configure [trust] daemons, run where the "
+                  "daemon's key is, or pass --checkpoint): no trailer's writer can be trusted",
+                  file=sys.stderr)
+        seals, problems, claims = await _expected(store, view, kept, trust, trusted)
+        last = seals[-1] if seals else None
+        source, exported = None, 0
+        if archive_dir is not None:
+            files = archive.exported_files(archive_dir, seals)
+            exported = len(files)
+            if files:
+                upto = seals[exported - 1].upto
+                source = archive.chained(archive.entries(files),
+                                         store.follow(S.AUDIT_FILTER, upto + 1, view.last_seq))
+        started = time.perf_counter()
+        since = await checkpointing.verify_since(
+            store, checkpointing.empty_base(view), view, trust, trusted, claims,
+            every_chain=True, report=lambda brk: print(f"BROKEN {brk}"), archived=last,
+            source=source)
+        problems += since.problems
+        for problem in problems:
+            print(f"BROKEN {problem}")
+        _print_counts(since, time.perf_counter() - started)
+        if exported:
+            print(f"epochs 1..{exported} read from their export in {archive_dir}, each checked "
+                  "against its seal")
+        elif last is not None and view.messages is not None and view.messages < view.last_seq:
+            print(f"sealed epochs up to stream sequence {last.upto} are archived: what the "
+                  "stream still holds of them is verified; pass --archive DIR to verify them "
+                  "whole")
+        if not problems:
+            _, body = await store.chain_head(checkpointing.CP_SUBJECT)
+            if body is not None:
+                cp = checkpoint.from_trailer(body)
+                print(f"checkpoint of {cp.count} trailers (signed by {cp.keyid[:20]}…, a "
+                      "trusted daemon key) holds: nothing it covered was removed, altered or "
+                      "reordered")
+            if isinstance(kept, Anchor):
+                print(f"checkpoint file {anchor_path} ({kept.count} trailers up to stream "
+                      f"sequence {kept.last_seq}) holds: the stream is the one it was signed "
+                      "over")
+        return 1 if problems or since.broken else 0
+
+
+_KEPT = "the last checkpoint kept in the data directory"
+
+
+async def _expected(store, view, kept: Anchor | str | None, trust: evidence.ChainTrust,
+                    trusted: set[str]) -> tuple[list, list[str], list[tuple[int, str, str]]]:
+    """What the log must hold: the seals on the stream, what is already wrong (an unreadable
+    checkpoint file, a seal chain that does not hold, a stream the file does not find in
+    O(1)), and the roots to check as the read reaches their counts (each seal's, the file's)."""
+    from improved.runtime import archive
+
+    problems = [kept] if isinstance(kept, str) else []
+    read, unsealed = await archive.read_seals(store, trust, trusted)
+    problems += [unsealed] if unsealed else []
+    seals = [seal for seal, _ in read]
+    claims = [(seal.count, seal.root, f"the seal of epoch {seal.epoch}") for seal in seals]
+    if isinstance(kept, Anchor):
+        at = await store.trailer_at(kept.last_seq) if kept.count else None
+        found = checkpoint.prefix_problem(kept, view, at[1].get("hash") if at and at[1]
+                                          else None, _KEPT,
+                                          seals[-1].removable if seals else 0)
+        problems += [found] if found else []
+        if kept.count and not found:
+            claims.append((kept.count, kept.root, _KEPT))
+    return seals, problems, claims
+
+
+def _print_counts(since, seconds: float) -> None:
+    ok = since.chains - since.broken
+    print(f"{ok}/{since.chains} chains verified, {since.read} trailers"
+          + (f", {since.broken} broken" if since.broken else ""))
+    reading = max(seconds - since.verify_s, 0.0)
+    print(f"read: {_rate(since.read, reading)}; hashes and links: "
+          f"{_rate(since.read, since.verify_s - since.writers_s)}; daemon signatures and "
+          f"signed acts: {_rate(since.read, since.writers_s)}; in all "
+          f"{_rate(since.read, seconds)}")
 
 
 async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: set[str],
@@ -62,7 +166,7 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
     checkpoint does (`runtime.checkpointing`): in O(1) that the stream still holds what that
     checkpoint covered, then every trailer after it in its chain. Without a checkpoint to
     continue from, the whole log is read once, one trailer at a time."""
-    from improved.runtime import anchor, checkpointing
+    from improved.runtime import anchor, archive, checkpointing
 
     kept = None
     if anchor_path is not None:
@@ -82,13 +186,15 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
         trust = chain_trust([(seq, subject, body) for seq, body
                              in await store.read_chain_at(subject)], trusted, config)
         started = time.perf_counter()
-        base, claims, problems = await checkpointing.choose_base(store, kept, view, trust,
-                                                                 trusted)
+        seal, unsealed = await archive.last_seal(store, trusted)
+        base, claims, problems = await checkpointing.choose_base(
+            store, kept, view, trust, trusted, seal.removable if seal else 0)
+        problems += [unsealed] if unsealed else []
         since = None
         if not problems:
             since = await checkpointing.verify_since(
                 store, base, view, dataclasses.replace(trust, covered_to=base.last_seq),
-                trusted, claims)
+                trusted, claims, archived=seal)
             problems = since.problems
         for problem in problems:
             print(f"BROKEN {problem}")
@@ -145,33 +251,6 @@ def _rate(n: int, seconds: float) -> str:
         f"{n} trailers"
 
 
-def _whole_log(log_: list, view: StreamView, kept: Anchor | str | None,
-               anchor_path: Path | None, trusted: set[str]) -> int:
-    """Check the log as a whole against the checkpoints (the last one on the stream and the
-    one kept in a daemon's data directory, or why that could not be read); print what holds
-    and what does not."""
-    from improved.core import checkpoint
-
-    problems = [kept] if isinstance(kept, str) else []
-    if isinstance(kept, str):
-        kept = None
-    problems += checkpoint.log_problems(log_, view, kept, trusted)
-    for problem in problems:
-        print(f"BROKEN {problem}")
-    if problems:
-        return len(problems)
-    cp_subject = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
-    cps = [body for _, subject, body in log_ if subject == cp_subject]
-    if cps:
-        cp = checkpoint.from_trailer(cps[-1])
-        print(f"checkpoint of {cp.count} trailers (signed by {cp.keyid[:20]}…, a trusted "
-              "daemon key) holds: nothing it covered was removed, altered or reordered")
-    if kept is not None:
-        print(f"checkpoint file {anchor_path} ({kept.count} trailers up to stream sequence "
-              f"{kept.last_seq}) holds: the stream is the one it was signed over")
-    return 0
-
-
 def trusted_daemons(config: Config) -> set[str]:
     """Daemon keys this verifier trusts: `[trust] daemons`, and the checkpoint key of the
     daemon whose data directory (or `checkpoint_key`) the configuration names, if present."""
@@ -201,8 +280,86 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
             return 2
         return asyncio.run(_verify_since(url_of(args, config), path, trusted_daemons(config),
                                          config))
+    if args.archive and args.id:
+        print("improved audit verify: --archive verifies the whole log; leave out the ID",
+              file=sys.stderr)
+        return 2
+    if args.archive:
+        return asyncio.run(_verify_archived(url_of(args, config), path, trusted_daemons(config),
+                                            config, Path(args.archive)))
     return asyncio.run(_verify(url_of(args, config), args.id, path, trusted_daemons(config),
                                config))
+
+
+async def _verify_archived(url: str | Target, anchor_path: Path | None, trusted: set[str],
+                           config: Config, archive_dir: Path) -> int:
+    from improved.runtime import anchor
+
+    kept: Anchor | str | None = None
+    if anchor_path is not None:
+        try:
+            kept = anchor.read(anchor_path) or f"no checkpoint file at {anchor_path}"
+        except ValueError as exc:
+            kept = f"the checkpoint file cannot be read: {exc}"
+    if isinstance(kept, Anchor):
+        trusted = trusted | {kept.keyid}
+    return await _verify_log(url, kept, anchor_path, trusted, config, archive_dir)
+
+
+async def _archive(url: str | Target, config: Config, directory: Path, remove: bool) -> int:
+    """Export every sealed epoch to `directory` (checked against its seal), and with `remove`
+    purge the exported proposal chains from the stream."""
+    from nats.js.errors import APIError
+
+    from improved.runtime import archive
+
+    trusted = trusted_daemons(config)
+    async with deployment(url, bind=False) as store:
+        subject = S.trust_audit(evidence.TRUST_ID)
+        trust = chain_trust([(seq, subject, body) for seq, body
+                             in await store.read_chain_at(subject)], trusted, config)
+        seals, problem = await archive.read_seals(store, trust, trusted)
+        if problem:
+            print(f"improved audit archive: {problem}; nothing exported", file=sys.stderr)
+            return 1
+        if not seals:
+            print("no sealed epoch yet: the daemon seals one after a checkpoint once the log "
+                  "since the last seal holds [audit] epoch_trailers or is epoch_hours old")
+            return 0
+        prev = None
+        for seal, body in seals:
+            try:
+                done = await archive.export(store, directory, seal, prev, body)
+            except ValueError as exc:
+                print(f"improved audit archive: {exc}", file=sys.stderr)
+                return 1
+            except OSError as exc:
+                print(f"improved audit archive: cannot write to {directory}: "
+                      f"{exc.strerror or exc}", file=sys.stderr)
+                return 1
+            where = archive.epoch_file(directory, seal.epoch)
+            print(f"epoch {seal.epoch}: {done.trailers} trailers up to stream sequence "
+                  f"{seal.upto} {'exported to' if done.written else 'already in'} {where}, "
+                  "checked against its seal")
+            if remove:
+                try:
+                    removed = await archive.remove(store, seal, done.services)
+                except APIError as exc:
+                    print(f"improved audit archive: the stream refused the purge ({exc.description}"
+                          "): an audit stream created before epochs could be archived denies "
+                          "purges for good; its epochs stay exported and in the stream",
+                          file=sys.stderr)
+                    return 1
+                print(f"epoch {seal.epoch}: {removed} trailers of its proposal chains removed "
+                      "from the stream")
+            prev = seal
+        return 0
+
+
+def cmd_audit_archive(args: argparse.Namespace) -> int:
+    config = config_of(args)
+    return asyncio.run(_archive(url_of(args, config), config, Path(args.directory),
+                                args.remove))
 
 
 async def _rebuild(url: str | Target, config: Config, write: bool) -> int:
@@ -278,7 +435,25 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "(the file's or the stream's), checking in O(1) that the stream "
                              "still holds what it covered; without it, everything is "
                              "re-derived from the first trailer")
+    verify.add_argument("--archive", metavar="DIR",
+                        help="read the sealed epochs exported to DIR (`improved audit "
+                             "archive`) and verify them with the rest of the log")
     verify.set_defaults(func=cmd_audit_verify)
+    arch = aud_sub.add_parser(
+        "archive", help="export sealed epochs to files; with --remove, drop them from the stream",
+        description="Export every epoch the daemon sealed ([audit] epoch_trailers / "
+                    "epoch_hours) to DIR: epoch-NNNNNN.jsonl, one trailer per line with its "
+                    "stream sequence, subject and headers, and epoch-NNNNNN.seal.json, the "
+                    "signed seal. Each export is checked against its seal's Merkle root before "
+                    "it is kept; an epoch already in DIR is checked, not written again. With "
+                    "--remove (as improved-archivist) the exported epochs' proposal chains are "
+                    "then purged from the audit stream; the mesh chains stay. Keep DIR: "
+                    "`improved audit verify --archive DIR` verifies the log across epochs.")
+    add_connection_args(arch)
+    arch.add_argument("directory", metavar="DIR", help="where the epochs are exported")
+    arch.add_argument("--remove", action="store_true",
+                      help="purge the exported proposal chains from the audit stream")
+    arch.set_defaults(func=cmd_audit_archive)
     rebuild = aud_sub.add_parser(
         "rebuild", help="rebuild every proposal's state from the chains alone",
         description="Replay every proposal's audit chain (its first trailer carries the "

@@ -68,8 +68,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "provision", help="create or update the streams and buckets (admin credential)",
         description="Create what the loop needs on the NATS server and bring it to this "
                     "configuration: the streams IMPROVE_IN, IMPROVE_RECORDS, IMPROVE_AUDIT and "
-                    "IMPROVED_REFUSED, the KV buckets improved_state, improved_dedup and "
-                    "improved_ledger, and the inbound durable consumer. It looks first and "
+                    "IMPROVED_REFUSED, the KV buckets improved_state, improved_dedup, "
+                    "improved_ledger, improved_windows and improved_learned, and the inbound "
+                    "durable consumer. It looks first and "
                     "changes only what is missing or differs, so running it again is safe; "
                     "it prints each change. With deploy/accounts.conf the daemon's user may "
                     "not do this (it cannot create, update, delete or purge the audit stream, "

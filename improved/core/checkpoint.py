@@ -28,7 +28,6 @@ from improved.core.audit import Draft
 from improved.core.merkle import Frontier, merkle_root
 from improved.core.record import ref, refs_of
 from improved.protocol import canonical
-from improved.protocol import subjects as S
 
 CHECKPOINT_ID = hashlib.sha256(b"improved checkpoints").hexdigest()
 
@@ -217,35 +216,17 @@ def unreadable_problem(view: StreamView) -> str | None:
             f"(stream sequence {shown}{more}): its storage is damaged")
 
 
-def against_anchor(anchor: Anchor, view: StreamView, log_hashes: Sequence[str]) -> str | None:
-    """None when the stream still holds everything the checkpoint kept outside it committed
-    to; else what is missing. `log_hashes`: trailer hashes in stream order, checkpoints out."""
-    what = (f"the last checkpoint kept in the data directory (at {anchor.at}, "
-            f"{anchor.count} trailers up to stream sequence {anchor.last_seq})")
-    if view.created is None:
-        return f"the audit stream does not exist: {what} are all missing"
-    found = []
-    if view.created != anchor.stream_created:
-        found.append(f"the audit stream was re-created (created {view.created}, not "
-                     f"{anchor.stream_created} as when {what} was signed)")
-    if view.last_seq < anchor.last_seq or len(log_hashes) < anchor.count:
-        found.append(f"only {len(log_hashes)} trailers up to stream sequence {view.last_seq} "
-                     f"remain of {what}: trailers or whole chains are missing")
-    elif merkle_root(log_hashes[:anchor.count]) != anchor.root:
-        found.append(f"the first {anchor.count} trailers no longer hash to the root of {what}: "
-                     "trailers were removed, altered or reordered")
-    return "; ".join(found) or None
-
-
 def prefix_problem(base: Anchor, view: StreamView, found_hash: str | None,
-                   what: str = "the last checkpoint") -> str | None:
+                   what: str = "the last checkpoint", removable: int = 0) -> str | None:
     """In O(1), whether the stream still holds what the checkpoint `base` covered: the same
     stream (its creation time), nothing removed from it (it starts at sequence 1 and holds a
     message at every sequence up to its last), and the trailer at `base.last_seq` still has
     the hash `base` names (`found_hash`; an anchor kept before it named one is checked by
     its root while the log is read instead). JetStream never changes a stored message, so with
     these the covered prefix is the one that was verified before `base` was signed; storage
-    altered beneath the server is what a full `improved audit verify` finds."""
+    altered beneath the server is what a full `improved audit verify` finds. `removable`:
+    how many trailers sealed epochs allow to be archived (missing) at the stream's start
+    (`core.epochs`); which ones they are is what a full verify checks."""
     what = (f"{what} (at {base.at}, {base.count} trailers up to stream sequence "
             f"{base.last_seq})")
     if view.created is None:
@@ -254,8 +235,9 @@ def prefix_problem(base: Anchor, view: StreamView, found_hash: str | None,
     if base.stream_created and view.created != base.stream_created:
         found.append(f"the audit stream was re-created (created {view.created}, not "
                      f"{base.stream_created} as when {what} was signed)")
-    holes = view.messages is not None and view.messages < view.last_seq - view.first_seq + 1
-    if view.last_seq < base.last_seq or (base.count and view.first_seq > 1) or holes:
+    absent = view.first_seq - 1 + (view.last_seq - view.first_seq + 1 - view.messages
+                                   if view.messages is not None else 0)
+    if view.last_seq < base.last_seq or ((base.count or view.messages) and absent > removable):
         held = f"{view.messages} messages" if view.messages is not None else "messages"
         found.append(f"the stream holds {held} at sequences {view.first_seq}..{view.last_seq} "
                      f"of {what}: trailers or whole chains were removed or lost")
@@ -271,34 +253,3 @@ def trust_problem(cp: Checkpoint, trusted: set[str]) -> str | None:
         return None
     return (f"checkpoint at {cp.at} is signed by {cp.keyid}, which is not a trusted daemon key "
             "([trust] daemons, or the daemon's own checkpoint key)")
-
-
-def covered_to(log: Sequence[tuple[int, str, dict[str, Any]]], anchor: Anchor | None) -> int:
-    """The stream sequence up to which a checkpoint vouches for every trailer: the later of
-    the kept one and the last one on the stream. Only meaningful once `log_problems` found
-    nothing (then both hold, and each was signed only after its whole log verified)."""
-    cp_subject = S.checkpoint_audit(CHECKPOINT_ID)
-    last = next((body for _, subject, body in reversed(log) if subject == cp_subject), None)
-    on_stream = from_trailer(last).last_seq if last is not None else 0
-    return max(on_stream, anchor.last_seq if anchor is not None else 0)
-
-
-def log_problems(log: Sequence[tuple[int, str, dict[str, Any]]], view: StreamView,
-                 anchor: Anchor | None, trusted: set[str]) -> list[str]:
-    """Everything wrong with the audit log as a whole (each chain is verified on its own):
-    trailers the stream holds but could not give back, what the checkpoint kept outside the
-    stream (`anchor`) says is missing, and whether the last checkpoint on the stream is signed
-    by a trusted daemon key and still holds. `log`: (stream sequence, subject, body) in order."""
-    cp_subject = S.checkpoint_audit(CHECKPOINT_ID)
-    hashes = [body.get("hash", "") for _, subject, body in log if subject != cp_subject]
-    found = [p for p in (unreadable_problem(view),
-                         against_anchor(anchor, view, hashes) if anchor else None) if p]
-    last = next((body for _, subject, body in reversed(log) if subject == cp_subject), None)
-    if last is not None:
-        try:
-            problem = check(hashes, from_trailer(last), trusted)
-        except (KeyError, ValueError) as exc:
-            problem = f"the last checkpoint cannot be read: {exc}"
-        if problem:
-            found.append(problem)
-    return found

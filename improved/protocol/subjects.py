@@ -59,6 +59,8 @@ CONSUMER_INBOUND = "improved-loop"
 BUCKET_STATE = "improved_state"
 BUCKET_DEDUP = "improved_dedup"  # dedup_key → the newest proposal under it (supersession)
 BUCKET_LEDGER = "improved_ledger"  # dedup_key → the operator's rejection (the rejection ledger)
+BUCKET_WINDOWS = "improved_windows"  # analyzer, service, target → its window (stage 1, observe)
+BUCKET_LEARNED = "improved_learned"  # analyzer id → its accepted/rejected counts (its weight)
 # Grant acts are chained per skill hash under a token no service can have (services start [a-z]).
 GRANT_CHAINS = "_grants"
 AUTONOMY_CHAIN = "_autonomy"  # the breaker and the autonomy switch (improved/breaker.py)
@@ -214,6 +216,12 @@ REFINE_REQUESTS = "*.improve.refine"
 def state_key(svc: str, pid: str) -> str:
     """KV key of a proposal's cached state (KV keys allow dots, so this mirrors the subject)."""
     return f"{svc}.{pid}"
+
+
+def window_key(analyzer_id: str, svc: str, target_ref: str) -> str:
+    """KV key of one analyzer's window over one target: `<analyzer id>.<svc>.<first 32 hex of
+    SHA-256 of the target_ref>` (a target may hold any character; the digest is KV-safe)."""
+    return f"{analyzer_id}.{svc}.{hashlib.sha256(target_ref.encode()).hexdigest()[:32]}"
 
 
 def token(subject: str, index: int) -> str | None:

@@ -3,7 +3,7 @@
 A checkpoint on the audit stream proves nothing once the stream itself is gone or re-created:
 the daemon also writes its last checkpoint (with the stream's creation time) and any crisis it
 opened to `<data_dir>/last-checkpoint.json`, and compares the stream with it at start and at
-every checkpoint (improved.core.checkpoint.against_anchor). Written atomically: a temporary
+every checkpoint (improved.core.checkpoint.prefix_problem). Written atomically: a temporary
 file, fsync, rename, fsync of the directory.
 """
 

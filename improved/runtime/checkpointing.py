@@ -14,14 +14,19 @@ Memory follows what is new, and each chain it touches holds a `ChainRun`, not it
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from improved.core import audit, checkpoint, evidence, merkle
 from improved.core.checkpoint import Anchor, Checkpoint, StreamView
+from improved.core.epochs import Seal
 from improved.protocol import subjects as S
 from improved.runtime.store import Store
 
 CP_SUBJECT = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
+Entry = tuple[int, str, dict | None, dict[str, str]]  # (stream seq, subject, body, headers)
 EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 
 
@@ -35,6 +40,31 @@ class Since:
     last_hash: str
     problems: list[str] = field(default_factory=list)
     read: int = 0  # trailers read after the base
+    chains: int = 0  # chains met (begun after the base, or picked up where they stood)
+    broken: int = 0  # chains that stopped verifying (only counted when reading on past one)
+    verify_s: float = 0.0  # seconds spent verifying, reading excluded
+    writers_s: float = 0.0  # of which: daemon signatures and signed acts
+
+
+MAX_RUNS = 50_000  # chains whose state a reader holds at once; one evicted is re-read if met
+
+
+class _Timed:
+    """The reader's trust, timing how long the writer and signed-act checks take, so that a
+    one-pass verify can still report them apart from hashes and links."""
+
+    def __init__(self, trust: evidence.ChainTrust, since: Since):
+        self.trust, self.since = trust, since
+
+    def start(self) -> object:
+        return self.trust.start()
+
+    def problem(self, body: dict, chain_id: str, stream_seq: int, state: object) -> str | None:
+        started = time.perf_counter()
+        try:
+            return self.trust.problem(body, chain_id, stream_seq, state)
+        finally:
+            self.since.writers_s += time.perf_counter() - started
 
 
 def empty_base(view: StreamView) -> Anchor:
@@ -42,7 +72,7 @@ def empty_base(view: StreamView) -> Anchor:
 
 
 async def choose_base(store: Store, kept: Anchor | None, view: StreamView,
-                      trust: evidence.ChainTrust, trusted: set[str]
+                      trust: evidence.ChainTrust, trusted: set[str], removable: int = 0
                       ) -> tuple[Anchor, list[tuple[int, str, str]], list[str]]:
     """(the checkpoint to continue from, roots to check on the way as (count, root, whose),
     what is wrong with the stream already). The base is the kept anchor or the last checkpoint
@@ -71,12 +101,12 @@ async def choose_base(store: Store, kept: Anchor | None, view: StreamView,
         if anchor is kept and usable_kept is None and base.count < anchor.count:
             # an anchor without a frontier: its root is checked while the log is read
             claims.append((anchor.count, anchor.root, what))
-            problem = checkpoint.prefix_problem(anchor, view, None, what)
+            problem = checkpoint.prefix_problem(anchor, view, None, what, removable)
         else:
             found = await store.trailer_at(anchor.last_seq) if anchor.count else None
             found_hash = found[1].get("hash") if found and found[1] and found[0] != CP_SUBJECT \
                 else None
-            problem = checkpoint.prefix_problem(anchor, view, found_hash, what)
+            problem = checkpoint.prefix_problem(anchor, view, found_hash, what, removable)
         if problem:
             problems.append(problem)
     return base, claims, problems
@@ -89,11 +119,25 @@ def _usable(cp: Checkpoint, trusted: set[str]) -> bool:
 
 async def verify_since(store: Store, base: Anchor, view: StreamView,
                        trust: evidence.ChainTrust, trusted: set[str],
-                       claims: list[tuple[int, str, str]]) -> Since:
+                       claims: list[tuple[int, str, str]], every_chain: bool = False,
+                       report: Callable[[str], None] | None = None,
+                       archived: Seal | None = None,
+                       source: AsyncIterator[Entry] | None = None) -> Since:
     """Read and verify every trailer after `base` up to the stream's last sequence: each in its
     chain (hash, link, lifecycle, writer, signed act), each checkpoint met on the way by its
-    signature, its key and its root, and every trailer the stream holds given back."""
+    signature, its key and its root, and every trailer the stream holds given back.
+
+    It stops at the first problem, unless `every_chain` (a full `audit verify`): then a broken
+    chain is named through `report` and passed over, and the read goes on to the end. Memory
+    stays flat however long the log: the Merkle frontier, and the state of at most MAX_RUNS
+    chains (the least recently met is dropped, and re-read should it be met again).
+
+    `archived`, the last seal: up to its `removable` trailers at or below its `upto` may be
+    missing (exported and removed, `runtime.archive`); when some are, the tree goes on from
+    the seal's frontier, and the roots it covered are the export's to check. `source`: the
+    trailers to read instead of the stream's (exported epochs, then the stream)."""
     since = Since(merkle.Tree(base.frontier, base.count), base.last_seq, base.last_hash)
+    timed = _Timed(trust, since)
     roots: dict[int, list[tuple[str, str]]] = {}
     for count, root, what in claims:
         roots.setdefault(count, []).append((root, what))
@@ -103,46 +147,125 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
         problem = _checkpoint_problem(cp_body, trusted, base, roots)
         if problem:
             since.problems.append(problem)
-            return since
-    runs: dict[str, audit.ChainRun] = {}
-    expected = base.last_seq + 1
-    missing: list[int] = []
-    async for seq, subject, body, headers in store.follow(S.AUDIT_FILTER, expected,
-                                                           view.last_seq):
-        since.read += 1
-        missing += range(expected, seq)
-        expected = seq + 1
-        if body is None:
-            missing.append(seq)
-            continue
-        run = runs.get(subject)
-        if run is None:
-            opened = await _open(store, subject, body, headers, seq, trust)
-            if isinstance(opened, str):
-                since.problems.append(f"{subject}: {opened}")
+            if not every_chain:
                 return since
-            run = runs[subject] = opened
-        brk = audit.verify_next(run, body, trust, seq)
-        if brk is not None:
-            since.problems.append(f"{subject}: {brk}")
-            return since
+            break  # the first is named; the log is still read
+    runs: OrderedDict[str, audit.ChainRun] = OrderedDict()
+    broken: set[str] = set()
+    start = base.last_seq + 1
+    gaps = _Gaps(start, archived.upto if archived is not None and archived.upto >= start
+                 else 0)
+    if source is None:
+        source = store.follow(S.AUDIT_FILTER, start, view.last_seq)
+    async for seq, subject, body, headers in source:
+        since.read += 1
+        if gaps.reach(seq):
+            _continue_from(since, archived, gaps.gone, roots)
+        if body is None:
+            gaps.missing.append(seq)
+            continue
+        started = time.perf_counter()
+        problem = None if subject in broken else \
+            await _step(store, runs, subject, body, headers, seq, timed, since, base.last_seq)
+        since.verify_s += time.perf_counter() - started
+        if problem is not None:
+            if not every_chain:
+                since.problems.append(f"{subject}: {problem}")
+                return since
+            broken.add(subject)
+            since.broken += 1
+            runs.pop(subject, None)
+            if report is not None:
+                report(problem)
         if subject != CP_SUBJECT:
-            since.tree.add(body["hash"])
-            since.last_seq, since.last_hash = seq, body["hash"]
+            leaf = body.get("hash")
+            since.tree.add(leaf if isinstance(leaf, str) else "")
+            since.last_seq, since.last_hash = seq, leaf if isinstance(leaf, str) else ""
             for root, what in roots.pop(since.tree.count, ()):
                 if since.tree.root() != root:
                     since.problems.append(
                         f"{what}: the first {since.tree.count} trailers no longer hash to its "
                         "root: trailers were removed, altered or reordered")
-    missing += range(expected, view.last_seq + 1)
-    if missing:
-        since.problems.append(checkpoint.unreadable_problem(
-            StreamView(view.created, view.last_seq, tuple(missing))) or "")
+    if gaps.reach(view.last_seq + 1):  # the read ended at or below the seal
+        _continue_from(since, archived, gaps.gone, roots)
+    since.problems += _at_the_end(since, view, gaps, archived, roots)
+    return since
+
+
+def _at_the_end(since: Since, view: StreamView, gaps: _Gaps, archived: Seal | None,
+                roots: dict[int, list[tuple[str, str]]]) -> list[str]:
+    """What a read that got to the end found wrong with the log as a whole: more missing than
+    archived, trailers the stream could not give back, roots never reached."""
+    problems = []
+    if archived is not None and gaps.gone > archived.removable:
+        problems.append(
+            f"{gaps.gone} trailers are missing at or below stream sequence {archived.upto}, "
+            f"where the seal of epoch {archived.epoch} allows {archived.removable} to be "
+            "archived: trailers or whole chains were removed")
+    if gaps.missing:
+        problems.append(checkpoint.unreadable_problem(
+            StreamView(view.created, view.last_seq, tuple(gaps.missing))) or "")
     for count, pending in roots.items():
         for _, what in pending:
-            since.problems.append(f"{what} covered {count} trailers; only {since.tree.count} "
-                                  "remain: trailers or whole chains were removed")
-    return since
+            problems.append(f"{what} covered {count} trailers; only {since.tree.count} "
+                            "remain: trailers or whole chains were removed")
+    return problems
+
+
+async def _step(store: Store, runs: OrderedDict[str, audit.ChainRun], subject: str, body: dict,
+                headers: dict[str, str], seq: int, trust: _Timed, since: Since,
+                base_seq: int) -> str | None:
+    """Verify one trailer in its chain, opening the chain's run when it is not held; why it
+    does not verify, or None."""
+    run = runs.get(subject)
+    if run is None:
+        opened = await _open(store, subject, body, headers, seq, trust, base_seq)
+        if isinstance(opened, str):
+            since.chains += 1
+            return opened
+        run, first_met = opened
+        since.chains += first_met
+        runs[subject] = run
+        while len(runs) > MAX_RUNS:
+            runs.popitem(last=False)
+    else:
+        runs.move_to_end(subject)
+    brk = audit.verify_next(run, body, trust, seq)
+    return None if brk is None else str(brk)
+
+
+@dataclass
+class _Gaps:
+    """The stream sequences a read expected and did not get: archived (at or below the last
+    seal's `upto`, while it is set) or missing."""
+
+    expected: int
+    upto: int
+    gone: int = 0
+    missing: list[int] = field(default_factory=list)
+
+    def reach(self, seq: int) -> bool:
+        """Account for the gap before `seq`; True when the read has just passed the seal."""
+        if self.upto:
+            self.gone += max(0, min(seq, self.upto + 1) - self.expected)
+        self.missing += range(max(self.expected, self.upto + 1), seq)
+        crossed = bool(self.upto) and seq > self.upto
+        if crossed:
+            self.upto = 0
+        self.expected = seq + 1
+        return crossed
+
+
+def _continue_from(since: Since, seal: Seal | None, gone: int,
+                   roots: dict[int, list[tuple[str, str]]]) -> None:
+    """At the end of a sealed epoch some of whose trailers were archived: the tree goes on
+    from the seal (what it covered is the export's to check)."""
+    if seal is None or not gone:
+        return
+    since.tree = merkle.Tree(seal.frontier, seal.count)
+    since.last_seq, since.last_hash = seal.upto, seal.last_hash
+    for count in [c for c in roots if c <= seal.count]:
+        del roots[count]
 
 
 SCRUB_SLICE = 2000  # covered trailers re-read per checkpoint, at least (more when more is new)
@@ -201,34 +324,39 @@ def _checkpoint_problem(body: dict | None, trusted: set[str], base: Anchor,
 
 
 async def _open(store: Store, subject: str, body: dict, headers: dict[str, str], seq: int,
-                trust: evidence.ChainTrust) -> audit.ChainRun | str:
-    """The run of a chain first met at `body` (stream sequence `seq`): new when it is the
-    chain's first trailer, else continued after its earlier trailers (all before `seq`)."""
+                trust: audit.Authenticity, base_seq: int) -> tuple[audit.ChainRun, bool] | str:
+    """The run of a chain met at `body` (stream sequence `seq`) with no run held: new when it
+    is the chain's first trailer, else continued after its earlier trailers (all before
+    `seq`); and whether this read meets the chain for the first time (it began at or before
+    `base_seq`, so none of it was read yet), not again after its run was dropped."""
     chain_id = S.token(subject, 3) or ""
     position = body.get("seq")
     if position == 0:
-        return audit.ChainRun.start(chain_id, trust)
+        return audit.ChainRun.start(chain_id, trust), True
     if not isinstance(position, int) or position < 0:
         return f"{chain_id} trailer {position!r}: not a chain position"
     if subject == CP_SUBJECT:
         pred = await _predecessor(store, subject, headers, position, seq)
         if pred is not None:
-            return audit.ChainRun.after(chain_id, position - 1, pred, "pending", trust)
+            return (audit.ChainRun.after(chain_id, position - 1, pred[1], "pending", trust),
+                    pred[0] <= base_seq)
     run = audit.ChainRun.start(chain_id, trust)
+    began = 0
     for earlier_seq, earlier in await store.read_chain_at(subject):
         if earlier_seq >= seq:
             break
+        began = began or earlier_seq
         brk = audit.verify_next(run, earlier, trust, earlier_seq)
         if brk is not None:
             return str(brk)
-    return run
+    return run, began <= base_seq
 
 
 async def _predecessor(store: Store, subject: str, headers: dict[str, str], position: int,
-                       seq: int) -> str | None:
-    """The hash of the trailer before the one at `seq`, found where the append said it was
-    (the server refuses an append whose expected last sequence is not the subject's last);
-    None when that does not hold up, and the chain is read instead."""
+                       seq: int) -> tuple[int, str] | None:
+    """(stream sequence, hash) of the trailer before the one at `seq`, found where the append
+    said it was (the server refuses an append whose expected last sequence is not the
+    subject's last); None when that does not hold up, and the chain is read instead."""
     try:
         at = int(headers.get(EXPECTED_LAST, ""))
     except ValueError:
@@ -241,4 +369,4 @@ async def _predecessor(store: Store, subject: str, headers: dict[str, str], posi
     pred = found[1]
     if pred.get("seq") != position - 1 or not isinstance(pred.get("hash"), str):
         return None
-    return pred["hash"]
+    return at, pred["hash"]

@@ -54,6 +54,11 @@ breaker_pause_hours = 48             # pauses autonomous applies this long
 quorum = false                       # L4 may pass on 3 signed votes of non-correlated sessions;
 # quorum_amendment = "<64 hex>"      # true needs this: an approved charter proposal's id
 
+[audit]                              # epochs of the audit log (docs/protocol.md, Epochs)
+epoch_trailers = 1000000             # seal an epoch when it holds this many trailers ...
+epoch_hours = 168                    # ... or is this old (then `improved audit archive`)
+retention_days = 30                  # an applied change's chain stays this long at least
+
 [trust]                              # keys whose signed acts count, bound to their principal
 operators = { "operator:alice" = "<base64 of the raw 32-byte Ed25519 public key>" }
 act_max_age_s = 86400                # a signed act older than this (by its `at`) is refused
@@ -142,6 +147,15 @@ class Trust(_Section, kw_only=True):
         return set(TrustStore.from_config(self.daemons).keys)
 
 
+class AuditSettings(_Section, kw_only=True):
+    """`[audit]`: when the daemon seals an epoch of the audit log (`core.epochs`), and how
+    long an applied change stays in the hot log before its chain may be archived."""
+
+    epoch_trailers: Positive = 1_000_000  # seal when the epoch holds this many trailers ...
+    epoch_hours: Annotated[float, Meta(gt=0.0, le=24.0 * 3660)] = 168.0  # ... or is this old
+    retention_days: Annotated[float, Meta(ge=0.0, le=3660.0)] = 30.0
+
+
 class NatsSettings(_Section, kw_only=True):
     """How the daemon and the CLI authenticate to NATS (`[nats]`), each key also given by an
     environment variable (NATS_ENV, which wins over the file). Secrets live in files, read at
@@ -190,6 +204,7 @@ class Config(_Section, kw_only=True):
     policy: Policy = field(default_factory=Policy)
     apply: ApplySettings = field(default_factory=ApplySettings)
     trust: Trust = field(default_factory=Trust)
+    audit: AuditSettings = field(default_factory=AuditSettings)
 
 
 def _dec_hook(typ: type, obj: Any) -> Any:

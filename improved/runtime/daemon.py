@@ -54,6 +54,7 @@ from improved.protocol.model import (
 from improved.runtime import bus, keys, metrics, notify
 from improved.runtime.config import Config, ConfigError
 from improved.runtime.engine import ChainBroken, Engine, ServiceUnreachable
+from improved.runtime.observing import Observing
 from improved.runtime.store import Store
 
 log = structlog.get_logger("improved.daemon")
@@ -92,7 +93,8 @@ class Daemon:
         self.actor = actor or instance_actor()
         self.store = Store(nc, config.replicas, config.records_storage)
         self.engine = Engine(nc, self.store, config, self.actor)
-        self.observer = Observer([RegressionAnalyzer(), StaleSkillAnalyzer()])
+        self.observer = Observing(self.store,
+                                  Observer([RegressionAnalyzer(), StaleSkillAnalyzer()]))
         self.engine.learn = self.observer.learn
         self._stopping = anyio.Event()
         self._in_flight = 0
@@ -197,11 +199,13 @@ class Daemon:
             await self._stopping.wait()
 
     async def _checkpoints(self) -> None:
-        """Sign a checkpoint every interval (verifying the log first) until stopped."""
+        """Sign a checkpoint every interval (verifying the log first), then seal an epoch of
+        the log if one is due, until stopped."""
         while not self._stopping.is_set():
             await self._pause(self.config.checkpoint_interval_s)
             try:
-                await self.engine.checkpoint(self._checkpoint_key)
+                if await self.engine.checkpoint(self._checkpoint_key) is None:
+                    await self.engine.seal_if_due(self._checkpoint_key)
             except Exception as exc:  # a broker outage: the next interval tries again
                 log.warning("checkpoint failed", error=str(exc))
 
@@ -406,8 +410,9 @@ class Daemon:
                            msg)
             if kind == "outcomes":
                 sig, env = signal_of(msg.data, limit)
-                if sig.proposal_id is None:
-                    return Job(f"observe:{svc}", lambda: self._observe(svc, sig), msg)
+                if sig.proposal_id is None:  # one target's signals in order, targets at once
+                    return Job(f"observe:{svc}:{sig.target_ref or ''}",
+                               lambda: self._observe(svc, sig), msg)
                 return Job(sig.proposal_id, lambda: self._signal(svc, sig, env, msg), msg)
             if kind == "applied":
                 report = wire.decode(msg.data, ApplyReport, limit)
@@ -510,7 +515,7 @@ class Daemon:
                                  "proposal_id")
 
     async def _observe(self, svc: str, sig: Signal) -> None:
-        for proposal in self.observer.observe(svc, sig):
+        for proposal in await self.observer.observe(svc, sig):
             pid, _ = propose.identify(proposal)
             await enqueue(self.store.js, proposal.service, to_json(proposal), pid)
             log.info("observed a candidate", proposal_id=pid, stage="observe",

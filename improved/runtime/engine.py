@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -34,6 +34,7 @@ from improved.core import (
     identity,
     learnback,
     lkg,
+    observe,
     planner,
     policy,
     propose,
@@ -64,7 +65,7 @@ from improved.protocol.model import (
     to_json,
 )
 from improved.runtime import anchor as anchor_file
-from improved.runtime import checkpointing
+from improved.runtime import archive, checkpointing
 from improved.runtime.config import Config
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import (
@@ -140,7 +141,9 @@ class Engine:
         self._autonomy_verified = True  # whether that state's trailer verified
         self.checkpoint_read = 0  # trailers the last checkpoint read: what was new, not the log
         self.metrics = Metrics()
-        self.learn = None  # observe's learn-back: (analyzer id, accepted) → None
+        # observe's learn-back, once per committed trailer: (analyzer id, accepted, its hash)
+        self.learn: Callable[[str, bool, str], Awaitable[None]] | None = None
+        self.checkpointed_to = 0  # the stream sequence this process's last checkpoint covered
         # the operator's queue as the review index counts it: recounted from the index by the
         # daemon (`set_queue_size`), moved by this replica's own passes in between
         self.queue_size = 0
@@ -527,12 +530,8 @@ class Engine:
                                                                "rolled_back"):
             self.metrics.apply_result("ok" if trailer.verdict == "applied"
                                       else trailer.verdict)
-        if self.learn is not None:
-            if trailer.verdict == "approve" or (trailer.verdict == "applied"
-                                                and trailer.observer_type == "rec:policy"):
-                self.learn(record.proposal.analyzer.id, True)
-            elif trailer.verdict == "reject" and trailer.observer_type == "human":
-                self.learn(record.proposal.analyzer.id, False)
+        if self.learn is not None and (accepted := observe.lesson(trailer)) is not None:
+            await self.learn(record.proposal.analyzer.id, accepted, trailer.hash)
         return with_trailer(record, trailer, seq)
 
     async def _advance(self, record: ProposalRecord, dispatch: bool,
@@ -832,18 +831,22 @@ class Engine:
         trusted = self._trusted_daemons(key)
         since, scrubbed = None, 0
         if view.created is not None:
+            seal, unsealed = await archive.last_seal(self.store, trusted)
+            problems += [unsealed] if unsealed else []
             base, claims, found = await checkpointing.choose_base(
-                self.store, kept, view, self.chain_trust, trusted)
+                self.store, kept, view, self.chain_trust, trusted,
+                seal.removable if seal else 0)
             problems += found
             if not problems:
                 # what the base covers was fully verified before it was signed
                 trust = dataclasses.replace(self.chain_trust, covered_to=base.last_seq)
                 since = await checkpointing.verify_since(self.store, base, view, trust,
-                                                         trusted, claims)
+                                                         trusted, claims, archived=seal)
                 problems += since.problems
+                # an archived epoch is the export's to scrub
                 scrubbed, damaged = await checkpointing.scrub(
-                    self.store, kept.scrubbed_to if kept else 0, base.last_seq,
-                    max(checkpointing.SCRUB_SLICE, since.read))
+                    self.store, max(kept.scrubbed_to if kept else 0, seal.upto if seal else 0),
+                    base.last_seq, max(checkpointing.SCRUB_SLICE, since.read))
                 problems += damaged
         else:
             problems.append(checkpoint.prefix_problem(kept or checkpointing.empty_base(view),
@@ -865,7 +868,23 @@ class Engine:
         self.store.written.difference_update(written)  # the checkpoint vouches for them now
         self.checkpoint_read = since.read
         log.info("checkpoint signed", trailers=cp.count, root=cp.root, read=since.read)
+        self.checkpointed_to = cp.last_seq
         return None
+
+    async def seal_if_due(self, key) -> None:
+        """Seal the next epoch of the log, up to what the last checkpoint of this process
+        verified, when it is due (`runtime.archive`). It reads the epoch, so it runs after a
+        periodic checkpoint, never on the way to ready or out; a failure is logged and tried
+        again after the next checkpoint."""
+        if not self.checkpointed_to:
+            return
+        settings = self.config.audit
+        try:
+            await archive.seal_if_due(self.store, key, self.actor, self.checkpointed_to,
+                                      now_ms(), settings.epoch_trailers, settings.epoch_hours,
+                                      settings.retention_days, self._trusted_daemons(key))
+        except Exception as exc:  # the log is whole; sealing can wait for the next one
+            log.warning("could not seal the epoch", error=f"{type(exc).__name__}: {exc}")
 
     async def _resolved(self, crisis: str) -> bool:
         """Whether the autonomy chain, verified, records `crisis` as resolved by an operator."""

@@ -1,6 +1,6 @@
 """JetStream streams, the state bucket, and the chain append (DESIGN §7 "store").
 
-Four streams, three buckets and the inbound consumer, made to match this configuration by
+Four streams, five buckets and the inbound consumer, made to match this configuration by
 `Store.ensure`, which looks before it changes anything: under deploy/accounts.conf only the
 provisioning user (`improved provision`) may create or change most of them, and the daemon
 finds them as they should be.
@@ -13,9 +13,13 @@ finds them as they should be.
   naming the stream's incarnation, its creation time, and the index format): it lives and dies
   with what it vouches for, so a broker restart over file storage keeps both, and a re-created
   (memory storage) or purged stream loses both and is refilled.
-- IMPROVE_AUDIT: the trailers, append-only (deny delete, deny purge, no limits).
+- IMPROVE_AUDIT: the trailers, append-only (deny delete, no limits); purged only by an
+  operator removing an exported, sealed epoch (runtime.archive).
 - KV `improved_state`: a cache of each proposal's record, in memory, filled lazily: a record
   missing or different from its chain is rebuilt from the chain and put back when read.
+- KV `improved_windows` and `improved_learned`: stage 1's analyzer windows and learned weights,
+  shared by every replica (`runtime.observing`); outputs of signals and of committed trailers,
+  read by nothing but the analyzers, so never an input to an authority decision.
 
 The chain append is the commit point of every transition. It carries
 `Nats-Expected-Last-Subject-Sequence`, so a trailer joins the chain only if nothing joined since
@@ -29,7 +33,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
@@ -48,13 +52,14 @@ from nats.js.errors import (
 )
 
 from improved.client import chains
-from improved.core import audit, checkpoint, evidence, queue
+from improved.core import audit, checkpoint, evidence, observe, queue
 from improved.core.audit import Draft
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
 from improved.protocol.model import IndexMarker, ReviewEntry, Trailer, to_json
 
 log = structlog.get_logger("improved.store")
+T = TypeVar("T")
 
 # The answers JetStream gives a publish whose expected last sequence (of the stream or of the
 # subject: a chain append, a KV create or update) no longer holds: someone wrote first. A single
@@ -197,7 +202,10 @@ def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsa
             name=S.STREAM_AUDIT, subjects=[S.AUDIT_FILTER],
             description="improved: hash-chained audit trailers, append-only",
             retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType.FILE,
-            deny_delete=True, deny_purge=True, allow_direct=True, num_replicas=replicas,
+            # no message is ever deleted; a purge is how an operator removes an exported,
+            # sealed epoch (runtime.archive), which only improved-archivist may ask for and
+            # every checkpoint and verify checks against the seals
+            deny_delete=True, deny_purge=False, allow_direct=True, num_replicas=replicas,
             # no limits, said out loud so that a limit set since is seen as a difference
             max_msgs=-1, max_bytes=-1, max_age=0, max_msgs_per_subject=-1,
         ),
@@ -208,6 +216,30 @@ def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsa
             max_age=REFUSED_MAX_AGE_S, max_msgs=100_000, num_replicas=replicas,
         ),
     ]
+
+
+# The analyzers' windows: one key per (analyzer, service, target), one value each (history 1).
+# A bus participant can name a million targets, so the bucket holds at most WINDOWS_MAX_KEYS
+# windows and WINDOWS_MAX_BYTES, dropping the least recently written first (discard old): the
+# bound the in-memory windows had (observe.MAX_TRACKED per analyzer), kept by the broker. A
+# window dropped so loses evidence toward a proposal, never a decision. No max age: a stale
+# skill's window lasts until a success, however long; the regression analyzer drops what is
+# older than its hour itself.
+WINDOWS_MAX_KEYS = 2 * observe.MAX_TRACKED
+WINDOWS_MAX_BYTES = 256 * 1024 * 1024
+
+
+def windows_config(replicas: int = 1) -> jsapi.StreamConfig:
+    """The stream under the windows bucket, made as nats-py makes a KV bucket but for the
+    discard policy and the key limit, which a KV config cannot say."""
+    return jsapi.StreamConfig(
+        name=f"KV_{S.BUCKET_WINDOWS}", subjects=[f"$KV.{S.BUCKET_WINDOWS}.>"],
+        description="improved: the analyzers' windows (stage 1), shared by every replica",
+        retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType.FILE,
+        max_msgs_per_subject=1, max_msgs=WINDOWS_MAX_KEYS, max_bytes=WINDOWS_MAX_BYTES,
+        discard=jsapi.DiscardPolicy.OLD, allow_rollup_hdrs=True, deny_delete=True,
+        allow_direct=True, duplicate_window=120.0, num_replicas=replicas,
+    )
 
 
 # Left at 0 in a config, the server fills these in (the 2-minute deduplication window).
@@ -264,6 +296,12 @@ class Store:
         self.dedup = await self._bucket(S.BUCKET_DEDUP, "newest proposal per dedup_key", done)
         self.ledger = await self._bucket(S.BUCKET_LEDGER, "the rejection ledger by dedup_key",
                                          done)
+        done += [c.replace(f"stream KV_{S.BUCKET_WINDOWS}", f"bucket {S.BUCKET_WINDOWS}")
+                 for c in await self._ensure_stream(windows_config(self.replicas))]
+        self.windows = await self._look(f"bucket {S.BUCKET_WINDOWS}",
+                                        lambda: self.js.key_value(S.BUCKET_WINDOWS))
+        self.learned = await self._bucket(S.BUCKET_LEARNED, "each analyzer's accepted and "
+                                          "rejected proposals (stage 1's weights)", done)
         return done
 
     async def _ensure_stream(self, cfg: jsapi.StreamConfig) -> list[str]:
@@ -276,6 +314,10 @@ class Store:
             have = await self._stream_config(name)  # another replica created it meanwhile
             if have is None:
                 raise StoreError(f"stream {name} is missing and could not be created")
+        if name == S.STREAM_AUDIT and have.deny_purge:
+            # created before epochs could be archived: a purge can never be allowed again
+            # (the server refuses to cancel deny_purge), and stricter is no difference
+            cfg = dataclasses.replace(cfg, deny_purge=True)
         diff = differences(cfg, have)
         if not diff:
             return []
@@ -402,20 +444,49 @@ class Store:
                              created_at: int) -> dict[str, Any] | None:
         """Record `pid` as the newest content under `dedup` unless something newer is there;
         return the head that was there before (None for a first proposal under the key)."""
-        key = S.dedup_key_of(svc, dedup)
         value = to_json({"proposal_id": pid, "created_at": created_at})
+
+        def newest(current: bytes | None) -> tuple[bytes | None, dict[str, Any] | None]:
+            if current is None:
+                return value, None
+            head = msgspec.json.decode(current)
+            if (head["created_at"], head["proposal_id"]) >= (created_at, pid):
+                return None, head
+            return value, head
+
+        return await self.compare_and_set(self.dedup, S.BUCKET_DEDUP,
+                                          S.dedup_key_of(svc, dedup), newest)
+
+    async def compare_and_set(self, kv: Any, bucket: str, key: str,
+                              decide: Callable[[bytes | None], tuple[bytes | None, T]], *,
+                              absent: bool = False) -> T:
+        """Read `key` (None when absent or deleted), let `decide` say what to write (None: write
+        nothing) and what to return, and write it only if the key is still as read: created
+        when it was absent, else updated at the revision read. On a conflict read again and
+        decide again, so `decide` must be pure. StateConflict when every attempt lost.
+        With `absent` (the caller expects a new key) the create is tried without a read, one
+        round trip instead of two; a conflict, or nothing to write, falls back to reading."""
+        if absent:
+            value, result = decide(None)
+            if value is not None:
+                try:
+                    await kv_create(kv, key, value)
+                    return result
+                except APIError as exc:
+                    if not is_conflict(exc):
+                        raise
         leader = False
         for _ in range(MAX_APPEND_ATTEMPTS):
-            current, revision = await self._kv_read(self.dedup, S.BUCKET_DEDUP, key, leader)
+            current, revision = await self.kv_read(kv, bucket, key, leader)
+            value, result = decide(current)
+            if value is None:
+                return result
             try:
                 if current is None:
-                    await kv_create(self.dedup, key, value)
-                    return None
-                head = msgspec.json.decode(current)
-                if (head["created_at"], head["proposal_id"]) >= (created_at, pid):
-                    return head
-                await self.dedup.update(key, value, last=revision)
-                return head
+                    await kv_create(kv, key, value)
+                else:
+                    await kv.update(key, value, last=revision)
+                return result
             except APIError as exc:
                 if not is_conflict(exc):
                     raise
@@ -424,8 +495,8 @@ class Store:
                 leader = True
         raise StateConflict(f"{key}: still conflicting after {MAX_APPEND_ATTEMPTS} attempts")
 
-    async def _kv_read(self, kv: Any, bucket: str, key: str,
-                       leader: bool) -> tuple[bytes | None, int]:
+    async def kv_read(self, kv: Any, bucket: str, key: str,
+                      leader: bool = False) -> tuple[bytes | None, int]:
         """(value, revision) of a key, (None, revision) when absent or deleted; with `leader`
         read from the bucket's stream leader rather than any replica."""
         if not leader:

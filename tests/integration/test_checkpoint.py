@@ -95,3 +95,80 @@ async def test_a_broken_log_means_crisis_until_an_operator_resolves_it(own_serve
 async def _applied(client, pid):
     state = await client.state(pid)
     return state if state is not None and state.status == "applied" else None
+
+
+async def test_a_full_verify_reads_on_past_a_broken_chain_holding_few_chains(
+        own_server, tmp_path, monkeypatch):
+    """The whole-log verify streams: with room for the state of only two chains at once it
+    still verifies every chain (a dropped one is re-read when met again), names the broken one
+    and reads on to the end, and counts every chain once."""
+    from improved.cli.audit import chain_trust
+    from improved.runtime import checkpointing
+
+    config = msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
+                                     data_dir=tmp_path / "data")
+    nc = await bus.connect(own_server.url, "stream-verify")
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    svc = "streamverify"
+    client = MeshClient(nc, svc)
+
+    async def applier(order):
+        return ApplyResult(ok=True, applied_id="x", rollbackable=False)
+
+    sub = await client.serve_apply(applier)
+    try:
+        # proposed together, so their trailers interleave and a dropped chain is met again
+        replies = await asyncio.gather(*(client.propose(rank_proposal(svc, key=k))
+                                         for k in "abcdefgh"))
+        pids = [reply.proposal_id for reply in replies]
+        for pid in pids:
+            await eventually(lambda pid=pid: _applied(client, pid))
+        forged = {"proposal_id": pids[1], "seq": 3, "from_stage": "apply", "to_stage": "apply",
+                  "gate_class": "L0", "scope": "knowledge", "actor": "mallory",
+                  "observer_type": "rec:system", "reason": "nothing to see", "at": 1,
+                  "prev": "0" * 64, "hash": "0" * 64}
+        await nc.jetstream().publish(S.audit(svc, pids[1]), to_json(forged))
+        # a fifth chain after the forgery: the read goes on past the broken one
+        last = (await client.propose(rank_proposal(svc, key="z"))).proposal_id
+        await eventually(lambda: _applied(client, last))
+    finally:
+        await sub.unsubscribe()
+        await daemon.stop()
+
+    store = daemon.store
+    view = await store.audit_view()
+    trusted = daemon.engine._trusted_daemons(daemon._checkpoint_key)
+    trust = chain_trust([], trusted, config)
+
+    opened = 0
+    real_open = checkpointing._open
+
+    async def counting_open(*args):
+        nonlocal opened
+        opened += 1
+        return await real_open(*args)
+
+    monkeypatch.setattr(checkpointing, "_open", counting_open)
+
+    async def verify(max_runs: int) -> tuple[checkpointing.Since, list[str]]:
+        nonlocal opened
+        opened = 0
+        monkeypatch.setattr(checkpointing, "MAX_RUNS", max_runs)
+        named: list[str] = []
+        since = await checkpointing.verify_since(
+            store, checkpointing.empty_base(view), view, trust, trusted, [],
+            every_chain=True, report=named.append)
+        return since, named
+
+    roomy, roomy_named = await verify(10_000)
+    roomy_opened = opened
+    tight, tight_named = await verify(2)
+    assert opened > roomy_opened  # chains were dropped and met again
+    await bus.close(nc)
+    for since, named in ((roomy, roomy_named), (tight, tight_named)):
+        assert since.broken == 1 and len(named) == 1 and pids[1] in named[0], named
+        assert since.read == view.last_seq  # read to the end, past the forgery
+    # every chain of the shared server's log counted once, however little was held
+    assert tight.chains == roomy.chains and tight.broken == roomy.broken
+    assert tight.tree.root() == roomy.tree.root()

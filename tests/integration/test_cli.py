@@ -85,7 +85,8 @@ def test_provision_makes_what_is_missing_then_nothing(own_server):
     assert first.returncode == 0, first.stderr
     lines = first.stdout.splitlines()
     assert "created stream IMPROVE_AUDIT" in lines and "created bucket improved_state" in lines
-    assert lines[-1].endswith("8 changed")
+    assert "created bucket improved_windows" in lines and "created bucket improved_learned" in lines
+    assert lines[-1].endswith("10 changed")
     again = improved("provision", "--nats", own_server.url)
     assert again.returncode == 0 and again.stdout.splitlines() == [
         f"provisioned {own_server.url}: the loop's streams, buckets and inbound consumer are in "

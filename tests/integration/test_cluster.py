@@ -221,8 +221,10 @@ async def test_provision_brings_r1_streams_and_buckets_to_r3(fresh_cluster):
         await bus.close(nc)
     raised = provision(fresh_cluster, "--replicas", "3")
     assert raised.returncode == 0, raised.stdout + raised.stderr
-    for bucket in (S.BUCKET_STATE, S.BUCKET_DEDUP, S.BUCKET_LEDGER):
+    for bucket in (S.BUCKET_STATE, S.BUCKET_DEDUP, S.BUCKET_LEDGER, S.BUCKET_LEARNED):
         assert f"updated bucket {bucket} (replicas 1 -> 3)" in raised.stdout, raised.stdout
+    # the windows bucket's stream is the store's own config, compared whole
+    assert f"updated bucket {S.BUCKET_WINDOWS} (num_replicas)" in raised.stdout, raised.stdout
     assert "updated stream IMPROVE_AUDIT (num_replicas)" in raised.stdout, raised.stdout
     nc = await bus.connect(fresh_cluster.url(2, "improved"), "test-daemon")
     daemon = Daemon(nc, daemon_config(replicas=3))
@@ -230,7 +232,8 @@ async def test_provision_brings_r1_streams_and_buckets_to_r3(fresh_cluster):
         await daemon.start()
         js = nc.jetstream()
         for stream in (S.STREAM_AUDIT, f"KV_{S.BUCKET_STATE}", f"KV_{S.BUCKET_DEDUP}",
-                       f"KV_{S.BUCKET_LEDGER}"):
+                       f"KV_{S.BUCKET_LEDGER}", f"KV_{S.BUCKET_WINDOWS}",
+                       f"KV_{S.BUCKET_LEARNED}"):
             assert (await js.stream_info(stream)).config.num_replicas == 3, stream
     finally:
         await daemon.stop()

@@ -25,7 +25,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from improved.client import chains
 from improved.client.sdk import MeshClient, inbox_prefix
-from improved.core import signing
+from improved.core import observe, propose, signing
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import to_json
@@ -79,7 +79,7 @@ async def test_ensure_changes_only_what_is_missing_or_differs(own_server):
     try:
         store = Store(nc)
         made = await store.ensure()
-        assert {c.split(" ", 1)[0] for c in made} == {"created"} and len(made) == 8, made
+        assert {c.split(" ", 1)[0] for c in made} == {"created"} and len(made) == 10, made
         assert await Store(nc).ensure() == []  # nothing missing, nothing differs
         js = nc.jetstream()
         audit = (await js.stream_info(S.STREAM_AUDIT)).config
@@ -279,7 +279,8 @@ async def mesh(secured_url):
 
 
 LOOP_STREAMS = (S.STREAM_INBOUND, S.STREAM_RECORDS, S.STREAM_AUDIT, S.STREAM_REFUSED,
-                f"KV_{S.BUCKET_STATE}", f"KV_{S.BUCKET_DEDUP}", f"KV_{S.BUCKET_LEDGER}")
+                f"KV_{S.BUCKET_STATE}", f"KV_{S.BUCKET_DEDUP}", f"KV_{S.BUCKET_LEDGER}",
+                f"KV_{S.BUCKET_WINDOWS}", f"KV_{S.BUCKET_LEARNED}")
 
 
 async def test_provisioned_daemon_runs_the_loop_and_changes_nothing(mesh):
@@ -302,9 +303,44 @@ async def test_provisioned_daemon_runs_the_loop_and_changes_nothing(mesh):
     assert (await eventually(lambda: client.outcome(pid))).ok
     assert await count(js, S.STREAM_INBOUND, S.inbound_proposal("ranking")) >= 2
     assert len(await Store(mesh["daemon_conn"].nc).read_chain("ranking", pid)) >= 3
+    # Three sessions report a regression (stage 1 writes its windows bucket), and an operator
+    # rejects the investigation it proposes (the analyzer's counts are written).
+    observed = await observed_and_rejected(mesh, client, "rank:deploy.observed")
+    assert (await client.state(observed)).status == "rejected"
+    learned = await mesh["daemon"].observer.counts(observe.RegressionAnalyzer().id)
+    assert learned.rejected == 1
     # The daemon's grants covered everything it did; so did the service's.
     assert mesh["daemon_conn"].violations() == []
     assert mesh["ranking"].violations() == []
+
+
+async def observed_and_rejected(mesh, client: MeshClient, target: str) -> str:
+    """Negative metric signals on `target` from three sessions, sent by the service; the id
+    of the L1 proposal they make, once an operator has rejected it."""
+    regression = observe.RegressionAnalyzer()
+    window, candidates = observe.EMPTY, []
+    for i in range(3):
+        sig = signal("ranking", f"mcp:watch-{i}:1", positive=False, kind="metric",
+                     target_ref=target, name="ctr", at=int(time.time() * 1000) + i)
+        window, candidates = regression.step("ranking", window, sig)
+        await client.signal(sig)
+    pid = propose.identify(candidates[0].proposal)[0]
+    await eventually(lambda: client.decision(pid))
+    operator = await connect_as(mesh["url"], "operator")
+    try:
+        await operator.nc.publish(S.inbound_review("ranking"),
+                                  to_json(review(pid, verdict="reject", reason="noise")))
+        await operator.nc.flush()
+        assert operator.violations() == []
+    finally:
+        await operator.nc.close()
+    await eventually(lambda: _status_is(client, pid, "rejected"))
+    return pid
+
+
+async def _status_is(client: MeshClient, pid: str, status: str) -> bool:
+    state = await client.state(pid)
+    return state is not None and state.status == status
 
 
 async def test_daemon_cannot_change_or_drop_the_audit_stream(mesh):
@@ -335,6 +371,38 @@ async def test_daemon_cannot_change_or_drop_the_audit_stream(mesh):
         assert after.state.first_seq == before.state.first_seq
         assert after.state.last_seq >= before.state.last_seq
         assert after.state.messages == after.state.last_seq - after.state.first_seq + 1
+    finally:
+        await conn.nc.close()
+
+
+async def test_the_archivist_may_purge_the_audit_stream_and_nothing_else(mesh):
+    """`improved-archivist` (`improved audit archive --remove`) may read the audit stream and
+    purge it, and nothing more: it cannot write a trailer, change or delete the stream, nor
+    purge another stream."""
+    conn = await connect_as(mesh["url"], "improved-archivist")
+    try:
+        js = conn.nc.jetstream(timeout=1.0)
+        before = await js.stream_info(S.STREAM_AUDIT)
+        # allowed: a purge (of a service with no chains here, so the module's log stays whole)
+        assert await js.purge_stream(S.STREAM_AUDIT, subject=S.audit("nosuchsvc", "*"),
+                                     seq=before.state.last_seq)
+        attacks = [
+            (S.audit("ranking", "f" * 64), lambda: js.publish(S.audit("ranking", "f" * 64),
+                                                              b"{}")),
+            (f"$JS.API.STREAM.UPDATE.{S.STREAM_AUDIT}",
+             lambda: js.update_stream(before.config.evolve(max_msgs_per_subject=1))),
+            (f"$JS.API.STREAM.DELETE.{S.STREAM_AUDIT}", lambda: js.delete_stream(S.STREAM_AUDIT)),
+            (f"$JS.API.STREAM.MSG.DELETE.{S.STREAM_AUDIT}",
+             lambda: js.delete_msg(S.STREAM_AUDIT, before.state.first_seq)),
+            (f"$JS.API.STREAM.PURGE.{S.STREAM_RECORDS}",
+             lambda: js.purge_stream(S.STREAM_RECORDS)),
+        ]
+        for subject, attack in attacks:
+            with pytest.raises(NatsTimeout):
+                await attack()
+            assert "permissions violation" in (await conn.violation(subject)).lower()
+        after = await js.stream_info(S.STREAM_AUDIT)
+        assert after.state.messages >= before.state.messages
     finally:
         await conn.nc.close()
 
@@ -387,7 +455,7 @@ async def test_only_the_provisioning_user_provisions_and_the_daemon_says_so(secu
         "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"], out
 
     rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
-    assert rc == 0 and out.splitlines()[-1].endswith("8 changed"), out
+    assert rc == 0 and out.splitlines()[-1].endswith("10 changed"), out
     rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
     assert rc == 0 and out.splitlines()[-1].endswith("nothing changed"), out
 
@@ -898,7 +966,7 @@ async def test_the_daemon_never_logs_its_password_across_a_disconnect(secured_se
     admin = {"IMPROVED_NATS_USER": "improved-admin", "IMPROVED_NATS_PASSWORD_FILE":
              str(secret_file(tmp_path / "admin.pw", PASSWORDS["improved-admin"]))}
     rc, out = await cli("provision", "--nats", url, env=admin)
-    assert rc == 0 and out.splitlines()[-1].endswith("8 changed"), out
+    assert rc == 0 and out.splitlines()[-1].endswith("10 changed"), out
     config = tmp_path / "improved.toml"
     if form == "password_file":
         pw = secret_file(tmp_path / "improved.pw", PASSWORDS["improved"])
@@ -1184,7 +1252,8 @@ def test_example_daemon_config_loads():
 def test_unit_is_a_notify_service_with_a_watchdog():
     text = UNIT.read_text()
     for line in ("Type=notify", "NotifyAccess=main", "WatchdogSec=30", "Restart=on-failure",
-                 "RestartSec=2", "KillMode=mixed", "KillSignal=SIGTERM", "TimeoutStopSec=45",
+                 "RestartSec=2", "KillMode=mixed", "KillSignal=SIGTERM", "TimeoutStopSec=120",
+                 "TimeoutStartSec=180",
                  "NoNewPrivileges=yes", "ProtectSystem=strict", "PrivateTmp=yes",
                  "ExecStart=/opt/improved/.venv/bin/improved run "
                  "--config /etc/improved/improved.toml"):
@@ -1192,6 +1261,11 @@ def test_unit_is_a_notify_service_with_a_watchdog():
     assert re.search(r"^ReadWritePaths=/var/lib/improved$", text, re.M)
     assert re.search(r"^After=.*network-online\.target.*nats-server\.service", text, re.M)
     assert re.search(r"^User=improved$", text, re.M)
+    # the stop drains for up to DRAIN_S, then signs a last checkpoint: room for both
+    from improved.runtime.daemon import DRAIN_S
+
+    stop = int(re.search(r"^TimeoutStopSec=(\d+)$", text, re.M).group(1))
+    assert stop >= DRAIN_S + 60
 
 
 def test_unit_passes_systemd_analyze_verify(tmp_path):

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from improved.client.sdk import MeshClient
+from improved.core import observe
 from improved.protocol import subjects as S
 from tests.bus import Applier, eventually, publish, trailers
 from tests.factories import review, skill_proposal
@@ -205,7 +206,9 @@ async def test_an_operator_rejection_teaches_the_analyzer(daemon, nc, svc):
 
     client = MeshClient(nc, svc)
     analyzer = "improved.metric_regression/1"
-    before = list(daemon.observer.history.get(analyzer, [0, 0]))
+    learned = daemon.store.learned
+    before, _ = await daemon.store.kv_read(learned, S.BUCKET_LEARNED, analyzer)
+    counts = observe.decode(before, observe.NO_COUNTS)
     for i in range(3):
         await client.signal(signal(svc, f"mcp:watch-{i}:1", positive=False, kind="metric",
                                    target_ref="rank:teach", name="ctr"))
@@ -218,9 +221,11 @@ async def test_an_operator_rejection_teaches_the_analyzer(daemon, nc, svc):
     await client.triage(pid)
     await publish(nc, S.inbound_review(svc), review(pid, verdict="reject", reason="noise"))
     await eventually(lambda: status_of(client, pid, "rejected"))
-    assert daemon.observer.history[analyzer] == [before[0], before[1] + 1]
-    assert daemon.observer.weight(analyzer) < 0.5
-    daemon.observer.history[analyzer] = before  # the session daemon serves other tests too
+    after = await daemon.observer.counts(analyzer)
+    assert (after.accepted, after.rejected) == (counts.accepted, counts.rejected + 1)
+    assert await daemon.observer.weight(analyzer) < 0.5
+    # the session daemon serves other tests too
+    await learned.put(analyzer, before or observe.encode(observe.NO_COUNTS))
 
 
 async def test_a_cal_batch_gets_its_inverse_derived_at_apply_time(daemon, nc, svc):

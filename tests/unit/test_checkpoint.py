@@ -69,28 +69,6 @@ def anchored(n: int = 10):
     return log, cp, checkpoint.anchor_of(cp, CREATED), key
 
 
-def test_the_kept_checkpoint_holds_for_the_same_stream_grown_longer():
-    log, _, anchor, _ = anchored()
-    view = checkpoint.StreamView(CREATED, 14)
-    assert checkpoint.against_anchor(anchor, view, log + [leaf(10), leaf(11)]) is None
-
-
-@pytest.mark.parametrize(("view", "cut", "named"), [
-    (checkpoint.StreamView(None), 10, "does not exist"),
-    (checkpoint.StreamView("2026-02-01 00:00:00+00:00", 3), 0, "re-created"),
-    (checkpoint.StreamView(CREATED, 7), 7, "only 7 trailers"),
-    (checkpoint.StreamView(CREATED, 12), 10, "no longer hash"),
-])
-def test_a_lost_shorter_recreated_or_rewritten_stream_is_named(view, cut, named):
-    log, _, anchor, _ = anchored()
-    log = log[:cut]
-    if named == "no longer hash":
-        log[3] = leaf(99)
-    problem = checkpoint.against_anchor(anchor, view, log)
-    assert problem is not None and named in problem, problem
-    assert "10 trailers" in problem
-
-
 def test_unreadable_sequences_are_named():
     view = checkpoint.StreamView(CREATED, 30, tuple(range(1, 13)))
     problem = checkpoint.unreadable_problem(view)
@@ -104,20 +82,6 @@ def test_a_checkpoint_by_an_untrusted_key_is_a_break():
     assert checkpoint.check(log, cp, {own}) is None
     problem = checkpoint.check(log, cp, {"ed25519:" + "0" * 64})
     assert problem is not None and own in problem and "not a trusted daemon key" in problem
-
-
-def test_log_problems_reads_the_last_checkpoint_on_the_stream():
-    from improved.protocol import subjects as S
-
-    log, cp, anchor, _ = anchored(4)
-    cp_subject = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
-    bodies = [(i + 1, "improve.audit.svc.x", {"hash": h}) for i, h in enumerate(log)]
-    trailer = {"refs": list(checkpoint.draft(cp, "improved:a").refs)}
-    whole = [*bodies, (5, cp_subject, trailer)]
-    view = checkpoint.StreamView(CREATED, 5)
-    assert checkpoint.log_problems(whole, view, anchor, {cp.keyid}) == []
-    found = checkpoint.log_problems(whole[1:], view, anchor, set())
-    assert len(found) == 2 and "only 3 trailers" in found[0] and "not a trusted" in found[1]
 
 
 def test_the_anchor_round_trips_and_refuses_a_bad_file():

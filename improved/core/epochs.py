@@ -1,0 +1,172 @@
+"""Epochs of the audit log: where a closed epoch may be cut, and the seal that says so. Pure.
+
+The log is one stream, read and verified as a whole, so without epochs it can only grow. Like
+a transparency log that rotates its shards, it is cut into epochs: when an epoch is long or
+old enough, the daemon seals it with a signed statement over the log up to a stream sequence
+`upto` — the Merkle root and frontier of every trailer up to there (the same tree the
+checkpoints sign), and how many of those trailers belong to proposal chains. Seals are the
+trailers of their own mesh chain, each linked to the one before.
+
+What may leave the stream is the proposal chains at or below `upto`, nothing else: the mesh
+chains (trust, policy, autonomy, grants, checkpoints, seals) are small and stay whole, so a
+reader of the stream never finds one cut. `cut` chooses `upto` so that no proposal chain is
+cut either: below it, every proposal chain is *closed* — rejected, expired or rolled back, or
+applied and untouched for the retention window — so nothing will ever append to it. A
+proposal still open holds the cut back to just before its first trailer.
+
+A verifier that has the exported epochs checks every trailer and each seal's root; one that
+has only the stream checks what the stream holds and continues the tree from the last seal's
+frontier, allowing at most `removable` trailers to be missing at or below `upto` and none
+above it.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from improved.core import merkle, signing
+from improved.core.audit import Draft
+from improved.core.merkle import Frontier
+from improved.core.record import lifecycle_step, ref, refs_of
+from improved.protocol import canonical
+from improved.protocol import subjects as S
+from improved.protocol.model import Status
+
+SEAL_ID = hashlib.sha256(b"improved epochs").hexdigest()
+CLOSED: frozenset[Status] = frozenset({"rejected", "expired", "rolled_back"})
+DAY_MS = 86_400_000
+
+
+@dataclass(frozen=True)
+class Seal:
+    """Epoch `epoch` ends at stream sequence `upto`: the tree over every trailer up to there
+    (checkpoints left out, as in a checkpoint) has `count` leaves, root `root` and frontier
+    `frontier`, and `removable` of them (counted from the first epoch) are trailers of
+    proposal chains, which an operator may export and remove from the stream."""
+
+    epoch: int
+    upto: int
+    count: int
+    root: str
+    removable: int
+    at: int
+    frontier: Frontier = ()
+    last_hash: str = ""
+    keyid: str = ""
+    public: str = ""
+    sig: str = ""
+
+    def statement(self) -> bytes:
+        return canonical.encode({"kind": "seal", "epoch": self.epoch, "upto": self.upto,
+                                 "count": self.count, "root": self.root,
+                                 "removable": self.removable, "at": self.at})
+
+
+def make(epoch: int, upto: int, frontier: Frontier, count: int, last_hash: str,
+         removable: int, at: int, key: Ed25519PrivateKey) -> Seal:
+    seal = Seal(epoch, upto, count, merkle.root(frontier), removable, at, tuple(frontier),
+                last_hash)
+    public = signing.raw_public(key.public_key())
+    return Seal(seal.epoch, seal.upto, seal.count, seal.root, seal.removable, seal.at,
+                seal.frontier, seal.last_hash, signing.keyid_of(public),
+                base64.b64encode(public).decode(),
+                base64.b64encode(key.sign(seal.statement())).decode())
+
+
+def problem(seal: Seal, trusted: set[str]) -> str | None:
+    """Why `seal` does not count: a bad signature, an untrusted key, or a frontier that is not
+    the one of its signed root."""
+    try:
+        public = base64.b64decode(seal.public, validate=True)
+        Ed25519PublicKey.from_public_bytes(public).verify(base64.b64decode(seal.sig),
+                                                          seal.statement())
+    except (ValueError, InvalidSignature):
+        return f"the seal of epoch {seal.epoch}: the signature does not verify"
+    if signing.keyid_of(public) != seal.keyid or seal.keyid not in trusted:
+        return (f"the seal of epoch {seal.epoch} is signed by {seal.keyid}, which is not a "
+                "trusted daemon key")
+    if not (merkle.well_formed(seal.frontier, seal.count)
+            and merkle.root(seal.frontier) == seal.root):
+        return f"the seal of epoch {seal.epoch}: its frontier is not the one of its root"
+    return None
+
+
+def draft(seal: Seal, actor: str) -> Draft:
+    return Draft(from_stage="learn-back", to_stage="learn-back", actor=actor,
+                 observer_type="rec:system", verdict="checkpoint",
+                 reason=f"epoch {seal.epoch} sealed at stream sequence {seal.upto}",
+                 refs=(ref("epoch", seal.epoch), ref("upto", seal.upto),
+                       ref("count", seal.count), ref("root", seal.root),
+                       ref("removable", seal.removable), ref("checkpoint_at", seal.at),
+                       ref("keyid", seal.keyid), ref("public", seal.public),
+                       ref("sig", seal.sig), ref("frontier", list(seal.frontier)),
+                       ref("last_hash", seal.last_hash)))
+
+
+def from_trailer(body: dict[str, Any]) -> Seal:
+    """The seal a trailer of the seal chain carries; KeyError or ValueError if it is none."""
+    refs = refs_of(_Refs(body.get("refs", [])))
+    return Seal(epoch=int(refs["epoch"]), upto=int(refs["upto"]), count=int(refs["count"]),
+                root=refs["root"], removable=int(refs["removable"]),
+                at=int(refs["checkpoint_at"]), frontier=tuple(json.loads(refs["frontier"])),
+                last_hash=refs.get("last_hash", ""), keyid=refs["keyid"],
+                public=refs["public"], sig=refs["sig"])
+
+
+@dataclass(frozen=True)
+class _Refs:
+    refs: list[str]
+
+
+def is_proposal_chain(subject: str) -> bool:
+    """A proposal's chain (`improve.audit.<svc>.<id>`): what an archive may remove."""
+    return (S.token(subject, 2) or "_") not in S.MESH_CHAINS
+
+
+@dataclass
+class _Chain:
+    first_seq: int
+    status: Status = "pending"
+    last_at: int = 0
+    position: int = 0
+
+
+@dataclass
+class Scan:
+    """One pass over an epoch's trailers in stream order: for each proposal chain, where it
+    began, its status and when it last moved. Memory follows the epoch, not the log."""
+
+    chains: dict[str, _Chain] = field(default_factory=dict)
+
+    def feed(self, seq: int, subject: str, body: dict[str, Any]) -> None:
+        if not is_proposal_chain(subject):
+            return
+        chain = self.chains.get(subject)
+        if chain is None:
+            chain = self.chains[subject] = _Chain(seq)
+        status, _ = lifecycle_step(chain.status, chain.position, body)
+        chain.status, chain.position = status, chain.position + 1
+        at = body.get("at")
+        chain.last_at = at if isinstance(at, int) else chain.last_at
+
+    def cut(self, candidate: int, now: int, retention_days: float) -> int:
+        """The last stream sequence the epoch may end at, at most `candidate`: just before
+        the first trailer of the oldest proposal chain that is not closed."""
+        horizon = now - int(retention_days * DAY_MS)
+        held = [c.first_seq for c in self.chains.values()
+                if not closed(c.status, c.last_at, horizon)]
+        return min([candidate, *(seq - 1 for seq in held)])
+
+
+def closed(status: Status, last_at: int, horizon: int) -> bool:
+    """Whether nothing will append to a proposal chain again: it is rejected, expired or
+    rolled back, or it was applied and has not moved since `horizon` (after the retention
+    window an applied change is settled; rolling it back is a new proposal)."""
+    return status in CLOSED or (status == "applied" and last_at <= horizon)
