@@ -85,17 +85,17 @@ async def seal_if_due(store: Store, key: Any, actor: str, covered_to: int, now: 
     start = prev.upto + 1 if prev else 1
     if covered_to < start:
         return None
+    if covered_to - start + 1 < epoch_trailers:  # not long enough: old enough? (O(1))
+        first = await store.trailer_at(start)
+        first_at = first[1].get("at") if first and first[1] else None
+        began = prev.at if prev else (first_at if isinstance(first_at, int) else now)
+        if now - began < epoch_hours * HOUR_MS:
+            return None
     scan = epochs.Scan()
-    first_at = None
     async for seq, subject, body, _ in store.follow(S.AUDIT_FILTER, start, covered_to):
         if body is None:
             return None  # unreadable: the checkpoint names it, no seal over it
-        if first_at is None and isinstance(body.get("at"), int):
-            first_at = body["at"]
         scan.feed(seq, subject, body)
-    began = prev.at if prev else (first_at or now)
-    if covered_to - start + 1 < epoch_trailers and now - began < epoch_hours * HOUR_MS:
-        return None
     upto = scan.cut(covered_to, now, retention_days)
     if upto < start:
         log.info("epoch due but no proposal chain closed yet; not sealed", start=start)

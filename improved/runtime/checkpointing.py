@@ -46,7 +46,7 @@ class Since:
     writers_s: float = 0.0  # of which: daemon signatures and signed acts
 
 
-MAX_RUNS = 50_000  # chains whose state a reader holds at once; one evicted is re-read if met
+MAX_RUNS = 10_000  # chains whose state a reader holds at once; one evicted is re-read if met
 
 
 class _Timed:

@@ -204,7 +204,8 @@ class Daemon:
         while not self._stopping.is_set():
             await self._pause(self.config.checkpoint_interval_s)
             try:
-                if await self.engine.checkpoint(self._checkpoint_key) is None:
+                if await self.engine.checkpoint(self._checkpoint_key) is None \
+                        and not self._stopping.is_set():  # a seal reads its epoch: not on the way out
                     await self.engine.seal_if_due(self._checkpoint_key)
             except Exception as exc:  # a broker outage: the next interval tries again
                 log.warning("checkpoint failed", error=str(exc))
@@ -243,6 +244,7 @@ class Daemon:
     async def _reconnected(self) -> None:
         self.engine.metrics.set_connected(True)
         await self._restore(ensure=True)
+        await self.engine.republish_unpublished()
         await self._recount()
 
     async def _restore(self, ensure: bool) -> bool:
@@ -266,13 +268,15 @@ class Daemon:
 
     async def _watch_records(self) -> None:
         """Every few seconds, check the records' marker — a loss no reconnect announced (a
-        purge, the replicas of a memory stream all restarted) is refilled too — and recount
-        the queue from the index, so every replica's metric says what the index says."""
+        purge, the replicas of a memory stream all restarted) is refilled too — publish again
+        the records a broker outage kept from being published, and recount the queue from the
+        index, so every replica's metric says what the index says."""
         while not self._stopping.is_set():
             await self._pause(CACHE_CHECK_S)
             if self._stopping.is_set() or not self.nc.is_connected:
                 continue
             await self._restore(ensure=False)
+            await self.engine.republish_unpublished()
             await self._recount()
 
     async def stop(self) -> None:

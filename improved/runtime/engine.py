@@ -148,6 +148,8 @@ class Engine:
         # daemon (`set_queue_size`), moved by this replica's own passes in between
         self.queue_size = 0
         self._started: dict[str, float] = {}  # when handling of a proposal began
+        # proposals whose retained records failed to publish after their chain moved
+        self._unpublished: dict[str, str] = {}  # proposal id → service
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiters: dict[str, int] = {}
 
@@ -493,6 +495,8 @@ class Engine:
         at the same time (the cache is rebuildable, so a lost save only costs a rebuild), and
         the review index entry when the operator's queue changed (`queue.change`: never for
         an L0 proposal)."""
+        pid = record.proposal_id
+        republish = republish or pid in self._unpublished
         jobs = []
         if record != before:
             jobs.append(self._save(record, rev))
@@ -500,11 +504,33 @@ class Engine:
             jobs.append(self.publish(record))
         write = queue.change(before, record, republish)
         if write is not None:
-            jobs.append(self.store.index(record.service, record.proposal_id, write.entry))
-        await asyncio.gather(*jobs)
+            jobs.append(self.store.index(record.service, pid, write.entry))
+        try:
+            await asyncio.gather(*jobs)
+        except Exception:
+            # the chain moved but what watchers read did not: whoever handles this proposal
+            # next, or the next reconnect (`republish_unpublished`), publishes it again
+            self._unpublished[pid] = record.service
+            raise
+        self._unpublished.pop(pid, None)
         moved = queue.queued(record) - queue.queued(before)
         if moved:
             self.set_queue_size(self.queue_size + moved)
+
+    async def republish_unpublished(self) -> int:
+        """Publish again the records of every proposal whose publish failed (a broker outage
+        between the append and the records), so none is left behind its chain when no later
+        message touches it; how many were. Failures stay for the next call."""
+        done = 0
+        for pid, svc in list(self._unpublished.items()):
+            try:
+                await self.advance(svc, pid, republish=True)
+            except Exception as exc:  # still unreachable: the next reconnect tries again
+                log.info("records not republished yet", proposal_id=pid,
+                         error=f"{type(exc).__name__}: {exc}")
+                continue
+            done += 1
+        return done
 
     async def _save(self, record: ProposalRecord, rev: int) -> None:
         try:
@@ -918,6 +944,8 @@ class Engine:
         trailer = await self.store.append_sealed(subject, evidence.TRUST_ID, "L0", "operation",
                                                  next_draft, clock=now_ms)
         chain = await self.store.read_chain_at(subject)
+        if not chain:  # no key was ever trusted: nothing recorded, nothing to believe
+            return trailer
         brk = audit.verify_chain(evidence.TRUST_ID, [body for _, body in chain],
                                  evidence.ChainTrust(self.chain_trust.daemons),
                                  [seq for seq, _ in chain])

@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import suppress
 from typing import Any, TypeVar
 
 import msgspec
@@ -178,6 +179,10 @@ trailer_decoder = msgspec.json.Decoder(Trailer)
 review_entry_decoder = msgspec.json.Decoder(ReviewEntry)
 
 
+FOLLOW_BATCH = 512  # trailers a reader of the log pulls at once
+STATE_TTL_S = 3600.0  # the state cache keeps a record this long after its last write
+
+
 def decode_trailer(body: dict[str, Any]) -> Trailer:
     """A trailer read as a raw JSON body (as the chain readers return them), typed."""
     return trailer_decoder.decode(to_json(body))
@@ -290,9 +295,11 @@ class Store:
         for cfg in stream_configs(self.replicas, self.records_storage):
             done += await self._ensure_stream(cfg)
         done += await self._ensure_consumer()
-        # A cache: in memory, filled lazily, since every record can be rebuilt from its chain.
+        # A cache: in memory, filled lazily, since every record can be rebuilt from its chain;
+        # a record untouched for STATE_TTL_S leaves it, so its size follows the traffic
         self.kv = await self._bucket(S.BUCKET_STATE, "cached proposal records (rebuildable "
-                                     "from the chain)", done, jsapi.StorageType.MEMORY)
+                                     "from the chain)", done, jsapi.StorageType.MEMORY,
+                                     ttl=STATE_TTL_S)
         self.dedup = await self._bucket(S.BUCKET_DEDUP, "newest proposal per dedup_key", done)
         self.ledger = await self._bucket(S.BUCKET_LEDGER, "the rejection ledger by dedup_key",
                                          done)
@@ -347,37 +354,45 @@ class Store:
         return [f"created {what}" if have is None else f"updated {what} ({', '.join(diff)})"]
 
     async def _bucket(self, name: str, what: str, done: list[str],
-                      storage: jsapi.StorageType = jsapi.StorageType.FILE):
+                      storage: jsapi.StorageType = jsapi.StorageType.FILE,
+                      ttl: float | None = None):
         """Open a bucket, brought to the configured replicas (an R1 bucket of an earlier
-        deployment becomes R3 when `replicas = 3`), or create it when missing."""
+        deployment becomes R3 when `replicas = 3`) and `ttl`, or create it when missing."""
         try:
             kv = await self._look(f"bucket {name}", lambda: self.js.key_value(name))
         except BucketNotFoundError:
             kv = None
         if kv is not None:
-            done += await self._bucket_replicas(name)
+            done += await self._bucket_replicas(name, ttl)
             return kv
         kv = await self._change(f"bucket {name} is missing", lambda: self.js.create_key_value(
-            bucket=name, history=1, storage=storage, replicas=self.replicas,
+            bucket=name, history=1, storage=storage, replicas=self.replicas, ttl=ttl,
             description=f"improved: {what}"), raced=(10058,))
         if kv is None:  # another replica created it meanwhile
             return await self._look(f"bucket {name}", lambda: self.js.key_value(name))
         done.append(f"created bucket {name}")
         return kv
 
-    async def _bucket_replicas(self, name: str) -> list[str]:
-        """Update the stream under bucket `name` to the configured replicas if it has others
-        (only the replica count: the rest of a bucket's settings are the KV layer's)."""
+    async def _bucket_replicas(self, name: str, ttl: float | None = None) -> list[str]:
+        """Update the stream under bucket `name` to the configured replicas (and `ttl`, when
+        given) if it has others; the rest of a bucket's settings are the KV layer's."""
         stream = f"KV_{name}"
         have = await self._stream_config(stream)
-        if have is None or (have.num_replicas or 1) == self.replicas:
+        if have is None:
             return []
-        what = (f"bucket {name} has {have.num_replicas or 1} replicas, this configuration "
-                f"asks for {self.replicas}")
+        changes = []
+        if (have.num_replicas or 1) != self.replicas:
+            changes.append(f"replicas {have.num_replicas or 1} -> {self.replicas}")
+        if ttl is not None and (have.max_age or 0) != ttl:
+            changes.append(f"ttl {have.max_age or 0:g} s -> {ttl:g} s")
+        if not changes:
+            return []
+        what = f"bucket {name} differs from this configuration ({', '.join(changes)})"
         await self._change(what, lambda: self.js.update_stream(
-            have.evolve(num_replicas=self.replicas)),
+            have.evolve(num_replicas=self.replicas,
+                        max_age=ttl if ttl is not None else have.max_age)),
             refused="a memory bucket keeps its replicas only while the servers run")
-        return [f"updated bucket {name} (replicas {have.num_replicas or 1} -> {self.replicas})"]
+        return [f"updated bucket {name} ({', '.join(changes)})"]
 
     async def _stream_config(self, name: str) -> jsapi.StreamConfig | None:
         try:
@@ -706,33 +721,38 @@ class Store:
     async def follow(self, subject: str, start: int, upto: int
                      ) -> AsyncIterator[tuple[int, str, dict | None, dict[str, str]]]:
         """(stream sequence, subject, body or None when it is not JSON, headers) of every
-        trailer on `subject` from stream sequence `start` to `upto`, one at a time through an
-        ordered consumer: a reader of the whole log holds one trailer, not the log. Ends early
-        when nothing arrives for READ_IDLE_S (a message the server holds but cannot read)."""
+        trailer on `subject` from stream sequence `start` to `upto`, one at a time: a reader of
+        the whole log holds one batch (FOLLOW_BATCH trailers), not the log. It pulls each
+        batch when the one before is read, so a slow reader never makes the server push the
+        log into its buffers. Ends early when nothing arrives for READ_IDLE_S (a message the
+        server holds but cannot read)."""
         if upto < start:
             return
         config = jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.BY_START_SEQUENCE,
-                                      opt_start_seq=start)
-        sub = await self.js.subscribe(subject, ordered_consumer=True, stream=S.STREAM_AUDIT,
-                                      config=config)
+                                      opt_start_seq=start, ack_policy=jsapi.AckPolicy.NONE,
+                                      inactive_threshold=READ_IDLE_S * 6, mem_storage=True)
+        sub = await self.js.pull_subscribe(subject, stream=S.STREAM_AUDIT, config=config)
         try:
             while True:
                 try:
-                    msg = await sub.next_msg(timeout=READ_IDLE_S)
+                    msgs = await sub.fetch(FOLLOW_BATCH, timeout=READ_IDLE_S)
                 except NatsTimeoutError:
                     return
-                seq = msg.metadata.sequence.stream
-                if seq > upto:
-                    return
-                try:
-                    body = msgspec.json.decode(msg.data)
-                except msgspec.DecodeError:
-                    body = None  # not JSON: counted as unreadable by the caller
-                yield seq, msg.subject, body if isinstance(body, dict) else None, \
-                    dict(msg.headers or {})
-                if msg.metadata.num_pending == 0 or seq >= upto:
-                    return
+                for msg in msgs:
+                    seq = msg.metadata.sequence.stream
+                    if seq > upto:
+                        return
+                    try:
+                        body = msgspec.json.decode(msg.data)
+                    except msgspec.DecodeError:
+                        body = None  # not JSON: counted as unreadable by the caller
+                    yield seq, msg.subject, body if isinstance(body, dict) else None, \
+                        dict(msg.headers or {})
+                    if msg.metadata.num_pending == 0 or seq >= upto:
+                        return
         finally:
+            with suppress(Exception):  # it goes by itself once inactive
+                await self.js.delete_consumer(S.STREAM_AUDIT, config.name)
             await sub.unsubscribe()
 
     async def audit_view(self) -> checkpoint.StreamView:

@@ -48,11 +48,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 # -- (a) a broker restart ----------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "open: in about one run of two, one proposal of 2,000 ends with its chain intact and its "
-    "record cached but no retained ProposalState after the restart (missing=1, duplicates=0, "
-    "every chain verifies); the retained publish lost in the restart is not re-driven for it. "
-    "The other faults this test used to hit are fixed and covered by the tests at the end"))
 @pytest.mark.timeout(300)
 async def test_a_broker_restart_mid_load_loses_and_repeats_nothing(tmp_path):
     rng = random.Random()

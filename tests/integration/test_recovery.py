@@ -104,3 +104,60 @@ async def test_purged_records_are_republished_when_the_daemon_starts(own_server)
         await again.stop()
         await asyncio.sleep(0)
         await bus.close(nc)
+
+
+async def test_records_a_broker_outage_kept_from_being_published_are_published_again(
+        own_server):
+    """The chain moved but the retained records did not land (the broker went away between
+    the append and the publish): nothing else will ever touch a proposal that now waits for
+    an operator, so the daemon publishes its records again on its own."""
+    nc = await bus.connect(own_server.url, "unpublished-daemon")
+    daemon = Daemon(nc, daemon_config())
+    await daemon.start()
+    client = MeshClient(nc, "unpubsvc")
+    real_publish = daemon.store.publish
+    failing = {"on": True}
+
+    async def outage(subject, record):
+        if failing["on"] and subject.startswith(S.PROPOSALS):
+            raise ConnectionError("broker went away")
+        await real_publish(subject, record)
+
+    daemon.store.publish = outage
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - the request path fails with the outage
+            await client.propose(skill_proposal("unpubsvc"))
+        [pid] = list(daemon.engine._unpublished)
+        assert await client.state(pid) is None  # the chain holds it; watchers do not see it
+        failing["on"] = False
+        # what the watch loop (and a reconnect) runs; the inbound job's retry may beat it
+        await daemon.engine.republish_unpublished()
+        state = await eventually(lambda: client.state(pid))
+        assert state.status == "pending"
+        assert daemon.engine._unpublished == {}
+    finally:
+        daemon.store.publish = real_publish
+        await daemon.stop()
+        await bus.close(nc)
+
+
+async def test_the_state_cache_forgets_what_is_not_touched(own_server):
+    """The state cache is bounded by the traffic, not the history: a record untouched for
+    STATE_TTL_S leaves it (the next touch rebuilds it from its chain), and a bucket made
+    before the bound had one is brought to it."""
+    from nats.js import api as jsapi
+
+    from improved.runtime.store import STATE_TTL_S
+
+    nc = await bus.connect(own_server.url, "ttl")
+    js = nc.jetstream()
+    await js.create_key_value(bucket=S.BUCKET_STATE, history=1,
+                              storage=jsapi.StorageType.MEMORY)  # as an older daemon made it
+    daemon = Daemon(nc, daemon_config())
+    await daemon.start()
+    try:
+        info = await js.stream_info(f"KV_{S.BUCKET_STATE}")
+        assert info.config.max_age == STATE_TTL_S
+    finally:
+        await daemon.stop()
+        await bus.close(nc)
