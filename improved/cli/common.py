@@ -141,8 +141,9 @@ def signer_of(args: argparse.Namespace) -> tuple[str, Any]:
     if not principal:
         found = sorted(keys.key_dir().glob("operator_*.pem"))
         if len(found) != 1:
-            raise Failure(f"say who signs: --principal operator:NAME or --key FILE ({len(found)} "
-                          f"operator keys in {keys.key_dir()}, $IMPROVED_KEYS)", USAGE)
+            raise Failure(f"say who signs: --principal operator:NAME or --key FILE (the key "
+                          f"directory {keys.key_dir()} holds {len(found)} operator keys, not "
+                          "one)", USAGE)
         principal = found[0].stem.replace("_", ":", 1)
     path = keys.key_path(principal)
     if not path.exists():

@@ -1,5 +1,5 @@
 """A proposal named on the command line: its full id, or — as git takes a commit — a unique
-prefix of at least MIN_PREFIX hex digits (the demo and `review` print 12).
+prefix of at least MIN_PREFIX hex digits (the demo prints 12).
 
 A full id costs no lookup here. A prefix is matched against the subjects of the audit stream,
 one chain per proposal, in one paged stream-info request: the server lists the chain subjects
@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from typing import Any
+
+from nats.aio.client import Client
 
 from improved.cli.errors import Failure
 from improved.protocol import subjects as S
+from improved.runtime.store import Store
 
 MIN_PREFIX = 4
 SHOWN = 3  # candidates an ambiguous prefix names
@@ -36,7 +38,7 @@ def is_full(text: str) -> bool:
     return S.ID_RE.match(text) is not None
 
 
-async def resolve(store: Any, text: str) -> tuple[str, str]:
+async def resolve(store: Store, text: str) -> tuple[str, str]:
     """(service, full id) of the proposal `text` names; Failure (exit 1) when no proposal
     matches or the prefix is ambiguous, naming a few candidates."""
     if is_full(text):
@@ -54,12 +56,12 @@ async def resolve(store: Any, text: str) -> tuple[str, str]:
     return found[0]
 
 
-async def full_id(store: Any, text: str) -> str:
+async def full_id(store: Store, text: str) -> str:
     """The full id `text` names, for a command that needs only the id: a full one as given."""
     return text if is_full(text) else (await resolve(store, text))[1]
 
 
-async def with_prefix(nc: Any, prefix: str, page_timeout: float = 10.0) -> list[tuple[str, str]]:
+async def with_prefix(nc: Client, prefix: str, page_timeout: float = 10.0) -> list[tuple[str, str]]:
     """Every (service, id) whose proposal chain's id starts with `prefix`, sorted. The server
     gives at most 100,000 subjects a reply, so the listing is paged by offset."""
     found: list[tuple[str, str]] = []
