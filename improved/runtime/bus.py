@@ -77,12 +77,12 @@ def server_config(data_dir: Path, port: int, sync: str, extra: str = "") -> str:
 class EmbeddedServer:
     """A `nats-server -js` child process, stopped with the daemon.
 
-    It refuses to start rather than share: nats-server itself neither locks its store
-    directory (two servers on one directory both run, and corrupt it) nor fails before opening
-    the store when its port is taken, and a server that dies on a busy port leaves the port
-    answering — for whoever holds it. So the data directory is claimed with a lock the child
-    inherits (held while it runs, even past the daemon), the port is checked free first, and
-    the server counts as up only when *it* says it listens (its ports file)."""
+    It refuses to start rather than share. nats-server does not lock its store directory (two
+    servers run on the same files), and on a taken port it opens the store first and dies
+    after, while the port goes on answering for the server that holds it. So the data
+    directory is claimed with a lock the child inherits (held while it runs, even past the
+    daemon), the port is checked free first, and the server counts as up only when *it* says
+    it listens (its ports file)."""
 
     LOCK = "nats-server.lock"
 
@@ -124,7 +124,7 @@ class EmbeddedServer:
                                          start_new_session=True)
         os.ftruncate(self._lock, 0)
         os.pwrite(self._lock, f"{self.proc.pid}\n".encode(), 0)
-        ports = self.data_dir / f"{Path(nats_server_binary()).name}_{self.proc.pid}.ports"
+        ports = self._ports_file(self.proc.pid)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -152,9 +152,16 @@ class EmbeddedServer:
         self._release()
 
     def _release(self) -> None:
+        """Once our child is gone: drop the lock, and the ports file a killed one leaves."""
         if self._lock is not None and (self.proc is None or self.proc.poll() is not None):
             os.close(self._lock)
             self._lock = None
+            if self.proc is not None:
+                self._ports_file(self.proc.pid).unlink(missing_ok=True)
+
+    def _ports_file(self, pid: int) -> Path:
+        """Where nats-server writes `<binary>_<pid>.ports` once it listens (ports_file_dir)."""
+        return self.data_dir / f"{Path(nats_server_binary()).name}_{pid}.ports"
 
 
 def port_free(port: int, host: str = "127.0.0.1") -> bool:
