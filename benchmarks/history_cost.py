@@ -9,6 +9,8 @@ see it, in a process of its own:
   peak RSS when ready and after its after-ready work, and SIGTERM → exit (the final
   checkpoint included);
 - `improved review`, `improved audit verify` (full) and `--since`: wall time and peak RSS;
+- naming a proposal by a prefix of its id (`cli.ids`): the lookup in process, and `improved
+  show` by full id and by the 12 digits the demo prints;
 - sealing the whole log as one epoch, and `improved audit archive --remove` of it;
 - a broker restart: `improved run` spawn → ready again (on the archived stream), `review`
   right after ready (and where it read from: the review index, or every chain), and until the
@@ -29,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from improved.cli import ids
 from improved.cli.queries import review_view
 from improved.client.sdk import MeshClient
 from improved.core.policy import Policy
@@ -196,6 +199,9 @@ async def measure(n: int, records: str) -> dict[str, float]:
         per_stream = {info.config.name: info.state.bytes for info in await js.streams_info()}
         total = sum(per_stream.values())
         trailers = (await js.stream_info("IMPROVE_AUDIT")).state.messages
+        pid = (await ids.with_prefix(nc, ""))[0][1]
+        row["prefix lookup of a proposal id, in process (ms)"] = 1000 * await timed(
+            ids.with_prefix(nc, pid[:12]))
         await nc.close()
 
         run = await daemon_process(url, cfg.data_dir, config=str(config))
@@ -203,6 +209,9 @@ async def measure(n: int, records: str) -> dict[str, float]:
         row["peak RSS at ready (MB)"] = run["rss_ready"]
         row["peak RSS after its after-ready work (MB)"] = run["rss_settled"]
         row["stop: SIGTERM → exit (s)"] = run["stop_s"]
+        row["`improved show` by full id (s)"] = run_cli("show", "--nats", url, pid)[0]
+        row["`improved show` by a 12-digit prefix (s)"] = run_cli("show", "--nats", url,
+                                                                  pid[:12])[0]
         seconds, rss, _ = run_cli("review", "--nats", url)
         row["`improved review` (s)"], row["`improved review` peak RSS (MB)"] = seconds, rss
         anchor = str(cfg.data_dir / "last-checkpoint.json")

@@ -23,7 +23,8 @@ import sys
 
 from improved.cli import audit, authority, proposals, provision, reference, run, tools
 from improved.cli.common import configure_logging
-from improved.runtime import bus
+from improved.cli.errors import Failure, command_name
+from improved.runtime import bus, metrics
 from improved.runtime.config import ConfigError
 from improved.runtime.store import StoreError
 
@@ -52,10 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.log_level)
     try:
         return args.func(args)
+    except Failure as exc:
+        print(f"improved {command_name(args)}: {exc}", file=sys.stderr)
+        return exc.code
     except ConfigError as exc:
         print(f"improved: {exc}", file=sys.stderr)
         return 2
-    except (bus.BusError, StoreError) as exc:
+    except (bus.BusError, StoreError, metrics.EndpointError) as exc:
         print(f"improved: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import msgspec
 
-from improved.cli.common import add_connection_args, config_of, deployment, url_of
+from improved.cli import ids
+from improved.cli.common import add_connection_args, config_of, deployment, full_id, url_of
 from improved.core import audit, checkpoint, evidence
 from improved.core.checkpoint import Anchor
 from improved.core.record import same_state
@@ -287,7 +288,8 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
     if args.archive:
         return asyncio.run(_verify_archived(url_of(args, config), path, trusted_daemons(config),
                                             config, Path(args.archive)))
-    return asyncio.run(_verify(url_of(args, config), args.id, path, trusted_daemons(config),
+    pid = asyncio.run(full_id(url_of(args, config), args.id)) if args.id else None
+    return asyncio.run(_verify(url_of(args, config), pid, path, trusted_daemons(config),
                                config))
 
 
@@ -426,7 +428,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "missing, re-created, shorter, rewritten or unreadable stream is named. "
                     "Exits 1 if anything is broken.")
     add_connection_args(verify)
-    verify.add_argument("id", metavar="ID", nargs="?", help="only this proposal's chain")
+    verify.add_argument("id", metavar="ID", nargs="?", type=ids.id_arg,
+                        help="only this proposal's chain (its id, or a unique prefix of it)")
     verify.add_argument("--checkpoint", metavar="FILE",
                         help="the last checkpoint a daemon kept outside the stream, to verify "
                              "against (default: <data_dir>/last-checkpoint.json when present)")

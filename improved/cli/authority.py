@@ -12,11 +12,14 @@ from pathlib import Path
 
 import msgspec
 
+from improved.cli import ids
 from improved.cli.common import (
     add_connection_args,
     add_signer_args,
     config_of,
     deployment,
+    full_id,
+    load_signing_key,
     locate,
     publish_act,
     signer_of,
@@ -72,36 +75,39 @@ def cmd_review_act(args: argparse.Namespace) -> int:
     """approve / reject: sign a Review and publish it on improve.triage.<svc>."""
     config = config_of(args)
     url = url_of(args, config)
+    principal, key = signer_of(args)  # a missing key is said before anything is asked
     found = asyncio.run(locate(url, args.id))
     if found is None:
         print(f"improved {args.verdict}: no proposal {args.id}", file=sys.stderr)
         return 1
     svc, record = found
-    principal, key = signer_of(args)
+    pid = record.proposal_id  # in full, whatever prefix named it: it is signed
     digest = authority.will_run_digest(record.proposal) if args.verdict == "approve" else None
-    review = Review(proposal_id=args.id, verdict=args.verdict, principal=principal,
+    review = Review(proposal_id=pid, verdict=args.verdict, principal=principal,
                     reason=args.reason, at=int(time.time() * 1000), body_digest=digest)
     if digest is not None:
-        print(f"approving what will run (`improved show {args.id}`: will_run), digest {digest}")
+        print(f"approving what will run (`improved show {pid}`: will_run), digest {digest}")
     env = signing.sign(signing.PAYLOAD_TYPES["review"], to_json(review), key)
     asyncio.run(publish_act(url, S.inbound_review(svc), env))
-    print(f"{args.verdict} of {args.id} signed by {principal} and published; "
-          f"`improved show {args.id}` follows it")
+    print(f"{args.verdict} of {pid} signed by {principal} and published; "
+          f"`improved show {pid}` follows it")
     return 0
 
 
 def cmd_grant_act(args: argparse.Namespace) -> int:
     config = config_of(args)
     principal, key = signer_of(args)
+    proposal = (asyncio.run(full_id(url_of(args, config), args.proposal))
+                if args.proposal is not None else None)
     expires = int((time.time() + args.expires_in) * 1000) if args.expires_in else None
     try:
         cmd = GrantCommand(op=args.op, skill=args.skill, principal=principal, reason=args.reason,
                            at=int(time.time() * 1000), expires_at=expires,
-                           proposal_id=args.proposal)
+                           proposal_id=proposal)
         msgspec.json.decode(to_json(cmd), type=GrantCommand)  # the daemon's own checks
     except msgspec.ValidationError as exc:
         print(f"improved {args.op}: {exc}; the skill is NAME:SHA256 "
-              "(see `improved skill hash FILE`), --proposal a full 64-hex id", file=sys.stderr)
+              "(see `improved skill hash FILE`)", file=sys.stderr)
         return 2
     env = signing.sign(signing.PAYLOAD_TYPES["grant"], to_json(cmd), key)
     asyncio.run(publish_act(url_of(args, config), S.GRANTS, env))
@@ -129,12 +135,13 @@ def cmd_revert(args: argparse.Namespace) -> int:
         print(f"improved revert: no proposal {args.id}", file=sys.stderr)
         return 1
     svc, record = found
+    pid = record.proposal_id
     if record.revert is None:
-        print(f"improved revert: {args.id} has no recorded reversal (only an L4 apply that "
+        print(f"improved revert: {pid} has no recorded reversal (only an L4 apply that "
               "passed its last-known-good check has one)", file=sys.stderr)
         return 1
     if record.status != "applied":
-        print(f"improved revert: {args.id} is {record.status}, not applied", file=sys.stderr)
+        print(f"improved revert: {pid} is {record.status}, not applied", file=sys.stderr)
         return 1
 
     async def publish() -> None:
@@ -142,7 +149,7 @@ def cmd_revert(args: argparse.Namespace) -> int:
             await enqueue(store.js, svc, to_json(record.revert), record.revert_id)
 
     asyncio.run(publish())
-    print(f"reversal {record.revert_id} of {args.id} published; it runs under the original's "
+    print(f"reversal {record.revert_id} of {pid} published; it runs under the original's "
           f"approval by {record.approved_by}. `improved show {record.revert_id}` follows it")
     return 0
 
@@ -150,18 +157,19 @@ def cmd_revert(args: argparse.Namespace) -> int:
 def cmd_vote(args: argparse.Namespace) -> int:
     """Sign a quorum vote with a voter key and publish it on improve.quorum."""
     config = config_of(args)
-    key = keys.load_key(Path(args.key))
+    key = load_signing_key(Path(args.key))
+    pid = asyncio.run(full_id(url_of(args, config), args.id))
     read = args.read
     if read is None:  # what this proposal's verified chain holds, shown before it is signed
-        found = asyncio.run(locate(url_of(args, config), args.id))
+        found = asyncio.run(locate(url_of(args, config), pid))
         if found is None:
-            print(f"improved vote: no proposal {args.id}", file=sys.stderr)
+            print(f"improved vote: no proposal {pid}", file=sys.stderr)
             return 1
         read = quorum.expected_reads(found[1])
         print("read (the digests a vote names; `improved show` renders what they cover): "
               + ", ".join(read))
     try:
-        vote = Vote(proposal_id=args.id, vote=args.vote, voter=args.voter, session=args.session,
+        vote = Vote(proposal_id=pid, vote=args.vote, voter=args.voter, session=args.session,
                     read=read, at=int(time.time() * 1000))
         msgspec.json.decode(to_json(vote), type=Vote)  # the daemon's own checks
     except msgspec.ValidationError as exc:
@@ -169,8 +177,8 @@ def cmd_vote(args: argparse.Namespace) -> int:
         return 2
     env = signing.sign(signing.PAYLOAD_TYPES["vote"], to_json(vote), key)
     asyncio.run(publish_act(url_of(args, config), S.QUORUM, env))
-    print(f"{args.vote} on {args.id} signed by {args.voter} (session {args.session}) and "
-          f"published; `improved show {args.id}` shows whether it counted")
+    print(f"{args.vote} on {pid} signed by {args.voter} (session {args.session}) and "
+          f"published; `improved show {pid}` shows whether it counted")
     return 0
 
 
@@ -210,7 +218,8 @@ def _register_keys_and_reviews(sub: argparse._SubParsersAction) -> None:
                         f"Ed25519) and publish it on improve.triage.<svc>. The daemon verifies "
                         f"the signature against its trust store before anything moves.")
         add_connection_args(act)
-        act.add_argument("id", metavar="ID", help="the proposal id")
+        act.add_argument("id", metavar="ID", type=ids.id_arg,
+                         help="the proposal id, or a unique prefix of it (4+ hex digits)")
         add_signer_args(act)
         act.set_defaults(func=cmd_review_act, verdict=verdict)
 
@@ -227,9 +236,9 @@ def _register_keys_and_reviews(sub: argparse._SubParsersAction) -> None:
         act.add_argument("skill", metavar="NAME:SHA256")
         add_signer_args(act)
         if op == "grant":
-            act.add_argument("--proposal", required=True, metavar="ID",
+            act.add_argument("--proposal", required=True, metavar="ID", type=ids.id_arg,
                              help="the L2 proposal whose approved, applied definition this "
-                                  "grant trusts")
+                                  "grant trusts (its id or a unique prefix)")
             act.add_argument("--expires-in", type=float, metavar="SECONDS",
                              help="the grant lapses after this long")
         act.set_defaults(func=cmd_grant_act, op=op, expires_in=None, proposal=None)
@@ -244,7 +253,8 @@ def _register_l4(sub: argparse._SubParsersAction) -> None:
                     "This publishes that reversal as a proposal; it inherits the original's "
                     "approval, so it runs without a second one (SPEC 09 §7).")
     add_connection_args(revert)
-    revert.add_argument("id", metavar="ID", help="the applied L4 proposal's id")
+    revert.add_argument("id", metavar="ID", type=ids.id_arg,
+                        help="the applied L4 proposal's id, or a unique prefix of it")
     revert.set_defaults(func=cmd_revert)
 
     vote = sub.add_parser(
@@ -258,7 +268,8 @@ def _register_l4(sub: argparse._SubParsersAction) -> None:
                     "`unread`. Without --read they are taken from the proposal's verified chain "
                     "and printed.")
     add_connection_args(vote)
-    vote.add_argument("id", metavar="ID", help="the proposal id")
+    vote.add_argument("id", metavar="ID", type=ids.id_arg,
+                      help="the proposal id, or a unique prefix of it")
     vote.add_argument("vote", choices=("approve", "dissent"))
     vote.add_argument("--voter", required=True, help="the voter identity its key is bound to")
     vote.add_argument("--key", required=True, metavar="FILE", help="the voter's private key")

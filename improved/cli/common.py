@@ -16,6 +16,8 @@ from typing import Any
 import msgspec
 import structlog
 
+from improved.cli import ids
+from improved.cli.errors import USAGE, Failure
 from improved.protocol import subjects as S
 from improved.protocol.model import to_json
 from improved.runtime import bus, keys
@@ -75,53 +77,93 @@ async def deployment(url: str | Target, bind: bool = True) -> AsyncIterator[Stor
 
 
 async def request(url: str | Target, subject: str, body: bytes, timeout: float) -> dict[str, Any]:
+    """One request and its JSON reply; nobody serving `subject`, or no answer in time, is a
+    Failure naming the subject."""
+    from nats.errors import NoRespondersError
+
     async with deployment(url, bind=False) as store:
-        reply = await store.nc.request(subject, body, timeout=timeout)
+        try:
+            reply = await store.nc.request(subject, body, timeout=timeout)
+        except NoRespondersError:
+            raise Failure(f"nothing serves {subject}: start what answers it (the daemon, or "
+                          "the runtime or service the subject names), or check --nats") from None
+        except TimeoutError:
+            raise Failure(f"no answer on {subject} within {timeout:g} s: is what serves it "
+                          "busy or stuck? try again with a longer --timeout") from None
         return msgspec.json.decode(reply.data)
 
 
-async def find_proposal(store: Store, pid: str) -> tuple[str, str] | None:
-    """(service, id) of a proposal, from its audit chain's subject: one stream-info request
-    instead of listing every key of the state bucket."""
-    if not S.ID_RE.match(pid):
-        return None
-    svc = await store.service_of(pid)
-    return (svc, pid) if svc is not None else None
+def read_input(path: str, what: str) -> bytes:
+    """The bytes of FILE, or stdin for `-`; a Failure (usage) naming the file otherwise."""
+    if path == "-":
+        return sys.stdin.buffer.read()
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise Failure(f"cannot read the {what} {path}: {exc.strerror or exc}; give the path "
+                      f"of a {what}, or - to read it from stdin", USAGE) from None
 
 
-async def locate(url: str | Target, pid: str) -> tuple[str, Any] | None:
-    """(service, record) of a proposal as its chain says — never the state cache, since what
-    an operator or a voter signs names it: None without a chain whose links verify."""
+async def locate(url: str | Target, text: str) -> tuple[str, Any] | None:
+    """(service, record) of the proposal `text` names (a full id or a unique prefix,
+    `cli.ids`) as its chain says — never the state cache, since what an operator or a voter
+    signs names it: None without a chain whose links verify. The record carries the full id."""
     from improved.core import audit
     from improved.core.policy import Policy
     from improved.core.propose import rebuild_record
     from improved.runtime.store import decode_trailer
 
     async with deployment(url) as store:
-        found = await find_proposal(store, pid)
-        if found is None:
-            return None
-        chain = await store.read_chain(*found)
+        svc, pid = await ids.resolve(store, text)
+        chain = await store.read_chain(svc, pid)
         if not chain or audit.verify_links(pid, [body for _, body in chain]) is not None:
             return None
         record = rebuild_record([decode_trailer(body) for _, body in chain],
                                 [seq for seq, _ in chain], Policy())
-        return found[0], record
+        return svc, record
+
+
+async def full_id(url: str | Target, text: str) -> str:
+    """The full id `text` names; a full id as given, without connecting."""
+    if ids.is_full(text):
+        return text
+    async with deployment(url, bind=False) as store:
+        return await ids.full_id(store, text)
 
 
 def signer_of(args: argparse.Namespace) -> tuple[str, Any]:
     """(principal, private key) from --key, or from --principal's file in the key directory."""
     if args.key:
-        key = keys.load_key(Path(args.key))
+        key = load_signing_key(Path(args.key))
         principal = args.principal or Path(args.key).stem.replace("_", ":", 1)
         return principal, key
     principal = args.principal or os.environ.get("IMPROVED_PRINCIPAL")
     if not principal:
         found = sorted(keys.key_dir().glob("operator_*.pem"))
         if len(found) != 1:
-            raise SystemExit("improved: say who signs: --principal operator:NAME or --key FILE")
+            raise Failure(f"say who signs: --principal operator:NAME or --key FILE (the key "
+                          f"directory {keys.key_dir()} holds {len(found)} operator keys, not "
+                          "one)", USAGE)
         principal = found[0].stem.replace("_", ":", 1)
-    return principal, keys.load_key(keys.key_path(principal))
+    path = keys.key_path(principal)
+    if not path.exists():
+        raise Failure(f"no key for {principal} at {path} (the key directory is $IMPROVED_KEYS, "
+                      f"else ~/.config/improved/keys): make one with `improved keys new "
+                      f"--principal {principal}`, or give --key FILE", USAGE)
+    return principal, load_signing_key(path)
+
+
+def load_signing_key(path: Path) -> Any:
+    """An Ed25519 private key from a PEM file; a Failure (usage) naming the file otherwise."""
+    try:
+        return keys.load_key(path)
+    except OSError as exc:
+        raise Failure(f"cannot read key file {path}: {exc.strerror or exc}; give the file "
+                      "`improved keys new` wrote", USAGE) from None
+    except (ValueError, TypeError) as exc:
+        why = str(exc) if str(exc).startswith(str(path)) else f"{path} is not a PEM private key"
+        raise Failure(f"{why}; give the unencrypted Ed25519 PEM file `improved keys new` wrote",
+                      USAGE) from None
 
 
 async def publish_act(url: str | Target, subject: str, env) -> None:

@@ -6,17 +6,17 @@ import argparse
 import asyncio
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from improved.cli import ids
 from improved.cli.common import (
     add_connection_args,
     config_of,
     deployment,
-    find_proposal,
     out,
+    read_input,
     request,
     url_of,
 )
@@ -30,7 +30,7 @@ from improved.runtime.config import Config
 
 def cmd_propose(args: argparse.Namespace) -> int:
     config = config_of(args)
-    data = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+    data = read_input(args.file, "proposal file")
     try:
         svc = msgspec.json.decode(data).get("service")
     except (msgspec.DecodeError, AttributeError):
@@ -52,11 +52,7 @@ async def _show(url: str | Target, pid: str, config: Config) -> int:
     from improved.runtime.store import decode_trailer
 
     async with deployment(url) as store:
-        found = await find_proposal(store, pid)
-        if found is None:
-            print(f"improved show: no proposal {pid}", file=sys.stderr)
-            return 1
-        svc, pid = found
+        svc, pid = await ids.resolve(store, pid)
         view: dict[str, Any] = {}
         for name, subject in (("state", S.proposal_state(svc, pid)),
                               ("decision", S.triage_decision(svc, pid)),
@@ -166,7 +162,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_skill_hash(args: argparse.Namespace) -> int:
-    data = sys.stdin.buffer.read() if args.file == "-" else Path(args.file).read_bytes()
+    data = read_input(args.file, "skill definition")
     try:
         doc = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
@@ -199,7 +195,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "outcome, learn-back) and its audit trailers, and whether the chain "
                     "verifies.")
     add_connection_args(show)
-    show.add_argument("id", metavar="ID", help="the 64-hex proposal id")
+    show.add_argument("id", metavar="ID", type=ids.id_arg,
+                      help="the proposal id, or a unique prefix of it (at least 4 hex digits)")
     show.set_defaults(func=cmd_show)
 
     status = sub.add_parser(

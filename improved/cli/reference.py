@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from importlib.metadata import entry_points
 
+from improved.cli.errors import USAGE, Failure
+
 
 def reference_command(name: str):
     """`demo` and `bench` live with the reference services they run (improved_reference);
@@ -14,8 +16,7 @@ def reference_command(name: str):
     for ep in entry_points(group="improved.commands"):
         if ep.name == name:
             return ep.load()
-    raise SystemExit(f"improved {name}: the reference package is not installed "
-                     "(pip install improved)")
+    raise Failure("the reference package is not installed (pip install improved)", USAGE)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

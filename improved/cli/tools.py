@@ -61,13 +61,13 @@ def cmd_tools_grant(args: argparse.Namespace) -> int:
     if not isinstance(call_args, dict):
         print("improved tools grant: --args is a JSON object", file=sys.stderr)
         return 2
+    principal, key = signer_of(args)
     catalog = asyncio.run(request(url, S.tools_list(args.runtime), b"{}", args.timeout))
     entry = next((t for t in catalog.get("tools", []) if t.get("name") == args.tool), None)
     if entry is None:
         print(f"improved tools grant: runtime {args.runtime} lists no tool {args.tool!r}",
               file=sys.stderr)
         return 1
-    principal, key = signer_of(args)
     env = tools.sign_grant(key, principal, entry["grant_token"], args.tool, call_args,
                            args.reason, int(time.time() * 1000), int(args.ttl * 1000),
                            nonce=secrets.token_hex(16), runtime=args.runtime)

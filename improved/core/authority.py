@@ -197,7 +197,9 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
         return refusal(record, act, "not_awaiting_review", f"status {record.status}", actor,
                        verified.keyid)
     refs = (ref("act", act.digest), ref("act_seq", act.stream_seq), ref("keyid", verified.keyid))
-    reason = f"{rv.verdict}d by {rv.principal}: {rv.reason}"[:REASON_LIMIT]
+    # the trailer's words (hash-chained as written: chains that say "rejectd" still verify)
+    done = "approved" if rv.verdict == "approve" else "rejected"
+    reason = f"{done} by {rv.principal}: {rv.reason}"[:REASON_LIMIT]
     acts = (*record.acts, (act.digest, act.stream_seq))
     if rv.verdict == "approve":
         decision = TriageDecision(proposal_id=record.proposal_id, service=record.service,

@@ -231,6 +231,12 @@ def parse(doc: object) -> Config:
     for name in ("operators", "quorum", "daemons", "signers"):
         for principal, key in getattr(config.trust, name).items():
             _check_key(("trust", name, principal), key)
+    for principal in config.trust.operators:
+        if not principal.startswith("operator:") or not IDENTITY_RE.match(principal):
+            raise ConfigError(f"config error: {_dotted(('trust', 'operators', principal))}: an "
+                              "operator is named operator:NAME, as `improved keys new "
+                              "--principal operator:NAME` prints the entry; an act signed "
+                              "under any other name is refused")
     for principal in config.trust.signers:
         if not IDENTITY_RE.match(principal) or principal.startswith("operator:"):
             raise ConfigError(f"config error: trust.signers.{principal}: not an identity "

@@ -711,9 +711,16 @@ async def run_until_stopped(nc: Client, config: Config,
     """Run a daemon until SIGTERM or SIGINT, then drain and return 0."""
     daemon = Daemon(nc, config)
     stop = stop or stop_on_signals()
+    http = None
     try:
+        if config.metrics_port is not None:  # bound first: a busy port stops the start
+            http = await metrics.serve(daemon.engine.metrics, config.metrics_host,
+                                       config.metrics_port, ready=lambda: daemon.ready.is_set(),
+                                       healthy=daemon.healthy)
         await daemon.start()
     except BaseException:  # e.g. a ConfigError: the connection is not left behind
+        if http is not None:
+            http.close()
         await bus.close(nc)
         raise
     if on_ready:
@@ -724,11 +731,7 @@ async def run_until_stopped(nc: Client, config: Config,
     # outage is not fed back: a restart would not cure it.
     async with anyio.create_task_group() as tg:
         tg.start_soon(notify.watchdog_loop, daemon.healthy, name="improved-watchdog")
-        http = None
-        if config.metrics_port is not None:
-            http = await metrics.serve(daemon.engine.metrics, config.metrics_host,
-                                       config.metrics_port, ready=lambda: daemon.ready.is_set(),
-                                       healthy=daemon.healthy)
+        if http is not None:
             log.info("metrics and health served", host=config.metrics_host,
                      port=http.sockets[0].getsockname()[1])
         await stop.wait()

@@ -19,6 +19,7 @@ beyond prometheus_client.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 from collections.abc import Callable
 from contextlib import suppress
@@ -126,13 +127,18 @@ class _BadRequest(Exception):
     pass
 
 
+class EndpointError(RuntimeError):
+    """The endpoint cannot be served (its port is taken): one line naming it and the fix."""
+
+
 async def serve(metrics: Metrics, host: str, port: int, *, ready: Callable[[], bool],
                 healthy: Callable[[], bool],
                 read_timeout: float = 5.0) -> asyncio.base_events.Server:
     """Start the endpoint server on host:port (port 0: any free port, see server.sockets).
 
     One request per connection, answered with Content-Length and `Connection: close`; a client
-    that does not send a full request head within `read_timeout` seconds gets 408."""
+    that does not send a full request head within `read_timeout` seconds gets 408. A port it
+    cannot bind is an EndpointError: the daemon binds it before it says it is ready."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -160,7 +166,13 @@ async def serve(metrics: Metrics, host: str, port: int, *, ready: Callable[[], b
             with suppress(Exception):
                 await writer.wait_closed()
 
-    return await asyncio.start_server(handle, host, port, limit=LINE_LIMIT)
+    try:
+        return await asyncio.start_server(handle, host, port, limit=LINE_LIMIT)
+    except OSError as exc:
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise EndpointError(f"metrics port {port} on {host} cannot be served ({why}): give "
+                            "another --metrics-port (or metrics_port in the config), or leave "
+                            "it out") from None
 
 
 async def _read_line(reader: asyncio.StreamReader) -> bytes:
@@ -231,3 +243,4 @@ async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
         async with asyncio.timeout(LINGER_S):
             while await reader.read(65536):
                 pass
+

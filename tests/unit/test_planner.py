@@ -5,6 +5,7 @@ record is walked through its transitions purely (seal the draft, append it, ask 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import itertools
 
 import msgspec
@@ -225,6 +226,26 @@ def test_a_reject_before_the_intent_wins_and_no_order_is_sent():
     record = approved(registered())
     rejected = commit(*review_of(record, "reject"))
     assert rejected.status == "rejected" and step_of(rejected) == planner.DONE
+
+
+def test_a_review_trailer_says_approved_or_rejected_and_the_old_wording_still_verifies():
+    """The reason is inside the trailer's hash: fixing "rejectd" changes new trailers only, and
+    a chain that recorded the old wording verifies as it was written."""
+    proposal = make_proposal()
+    record, draft = propose.register(proposal, *propose.identify(proposal), POLICY, NOW - 1)
+    trailers = []
+    while True:  # registered, then triaged: the chain an operator's review continues
+        trailers.append(audit.seal(draft, record, NOW))
+        record = with_trailer(record, trailers[-1], next(_SEQ))
+        if not isinstance(step := step_of(record), planner.Commit):
+            break
+        record, draft = step.record, step.draft
+    assert review_of(record, "approve")[1].reason == "approved by operator:alice: changed my mind"
+    draft = review_of(record, "reject")[1]
+    assert draft.reason == "rejected by operator:alice: changed my mind"
+    old = dataclasses.replace(draft, reason="rejectd by operator:alice: changed my mind")
+    bodies = [msgspec.to_builtins(t) for t in (*trailers, audit.seal(old, record, NOW))]
+    assert audit.verify_chain(record.proposal_id, bodies) is None
 
 
 def test_after_the_intent_neither_expiry_nor_a_hold_nor_new_content_stops_the_outcome():
