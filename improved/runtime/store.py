@@ -735,7 +735,7 @@ class Store:
         try:
             while True:
                 try:
-                    msgs = await sub.fetch(FOLLOW_BATCH, timeout=READ_IDLE_S)
+                    msgs = await self._pull(sub)
                 except NatsTimeoutError:
                     return
                 for msg in msgs:
@@ -754,6 +754,18 @@ class Store:
             with suppress(Exception):  # it goes by itself once inactive
                 await self.js.delete_consumer(S.STREAM_AUDIT, config.name)
             await sub.unsubscribe()
+
+    @staticmethod
+    async def _pull(sub: Any) -> list[Any]:
+        """The next batch of a log read. A consumer just made on a clustered stream may not
+        answer until its leader is elected (the server says "no responders"): try again for
+        up to READ_IDLE_S, as for a silent read."""
+        for _ in range(int(READ_IDLE_S / 0.1)):
+            try:
+                return await sub.fetch(FOLLOW_BATCH, timeout=READ_IDLE_S)
+            except ServiceUnavailableError:
+                await asyncio.sleep(0.1)
+        return await sub.fetch(FOLLOW_BATCH, timeout=READ_IDLE_S)
 
     async def audit_view(self) -> checkpoint.StreamView:
         """The audit stream as its state says, in O(1): creation time, first and last
