@@ -166,9 +166,9 @@ def load_signing_key(path: Path) -> Any:
                       USAGE) from None
 
 
-async def publish_act(url: str | Target, subject: str, env) -> None:
-    async with deployment(url, bind=False) as store:
-        await store.js.publish(subject, to_json(env), stream=S.STREAM_INBOUND)
+async def publish_on(store: Store, subject: str, env: Any) -> None:
+    """A signed act onto the inbound stream, where the daemon's consumer takes it."""
+    await store.js.publish(subject, to_json(env), stream=S.STREAM_INBOUND)
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:
