@@ -463,20 +463,26 @@ class Daemon:
             return None
 
     async def _run(self, job: Job) -> None:
+        parked = False
+        try:
+            parked = await self._settle(job)
+        finally:
+            if not parked:
+                self._parked.discard(job.msg.metadata.sequence.stream)
+
+    async def _settle(self, job: Job) -> bool:
+        """Run the job and settle its message; True when it was parked on the slow retry."""
         msg = job.msg
         delivered = msg.metadata.num_delivered
-        seq = msg.metadata.sequence.stream
         budget = self.config.apply.max_deliveries
         if delivered > budget and not await self._worth_a_pass(job):
-            await self._park(job, delivered - budget)
-            return
-        self._parked.discard(seq)  # settled below, or parked again
+            return await self._park(job, delivered - budget)
         try:
             await job.run()
         except ServiceUnreachable as exc:
             if delivered < budget:
                 await msg.nak(delay=backoff_s(delivered))
-                return
+                return False
             if delivered == budget:
                 self.engine.metrics.apply_result("unreachable")
                 record = exc.record
@@ -484,47 +490,49 @@ class Daemon:
                     record, _ = await self.store.load(S.token(msg.subject, 2) or "", job.key)
                 if record is not None:
                     await self.engine.publish_unreachable(record, str(exc))
-            await self._park(job, delivered - budget, str(exc))
-            return
+            return await self._park(job, delivered - budget, str(exc))
         except _ProposalUnknown as exc:
             if delivered < NOT_FOUND_RETRIES:
                 await msg.nak(delay=backoff_s(delivered))
-                return
+                return False
             await self._refuse(S.token(msg.subject, 2) or "_", msg.subject,
                                wire.WireError(wire.NOT_FOUND, str(exc), "proposal_id"),
                                len(msg.data))
             await msg.term()
-            return
+            return False
         except wire.WireError as err:
             await self._refuse(S.token(msg.subject, 2) or "_", msg.subject, err, len(msg.data))
             await msg.term()
-            return
+            return False
         except ChainBroken as exc:  # the crisis is open; nothing is decided on this chain
             log.error("message dropped: its chain does not verify", subject=msg.subject,
                       key=job.key, problem=str(exc))
             await msg.term()
-            return
+            return False
         except Exception:
             log.exception("handler failed; will retry", subject=msg.subject, key=job.key)
             await msg.nak(delay=backoff_s(delivered))
-            return
+            return False
         await msg.ack()
+        return False
 
-    async def _park(self, job: Job, past_budget: int, error: str | None = None) -> None:
+    async def _park(self, job: Job, past_budget: int, error: str | None = None) -> bool:
         """Keep a given-up apply's message on a slow retry (see the module's docstring), or,
-        with MAX_PARKED already kept, acknowledge it: the proposal stays retryable."""
+        with MAX_PARKED already kept, acknowledge it: the proposal stays retryable. True when
+        it was kept."""
         msg, seq = job.msg, job.msg.metadata.sequence.stream
         if seq not in self._parked and len(self._parked) >= MAX_PARKED:
             log.error("apply gave up for now; the proposal stays retryable (`improved retry`)",
                       proposal_id=job.key, error=error, parked=len(self._parked))
             await msg.ack()
-            return
+            return False
         delay = slow_backoff_s(past_budget, self.config.apply.retry_max_s)
         if error is not None:
             log.warning("apply unreachable; retrying slowly", proposal_id=job.key, error=error,
                         retry_in_s=delay)
         self._parked.add(seq)
         await msg.nak(delay=delay)
+        return True
 
     async def _worth_a_pass(self, job: Job) -> bool:
         """For a message past its delivery budget: is a pass worth making now? Not while
