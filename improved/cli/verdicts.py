@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import difflib
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -124,19 +123,6 @@ def no_verdict(what: str, timeout: float, check: str) -> str:
             f"recorded it yet (is it running? on this server?); `{check}` shows whether it does")
 
 
-def scheme_hint(target_ref: str) -> str | None:
-    """For a target whose scheme is not one SPEC 09 lists: the scheme is the likely mistake
-    (`rnk:` for `rank:`), not the class the fallback minimum then demands."""
-    scheme = gradient.scheme_of(target_ref)
-    known = sorted({*gradient.DEFAULT_MIN_CLASS, *gradient.SCHEME_SCOPE})
-    if scheme in known:
-        return None
-    close = difflib.get_close_matches(scheme, known, n=1)
-    return (f"the target scheme {scheme}: is not one SPEC 09 lists"
-            + (f" (did you mean {close[0]}:?)" if close else f" ({', '.join(known)})")
-            + f"; an unlisted scheme needs at least {gradient.FALLBACK_MIN_CLASS}")
-
-
 TRIAGE_NEXT: dict[str, str] = {
     "accept": "its service applies it (`improved show {id}` shows the outcome)",
     "awaiting_operator": "it waits for an operator: `improved review`, then "
@@ -175,8 +161,11 @@ def of_triage(pid: str, status: str, trailers: Sequence[dict[str, Any]],
         return Verdict(ok, f"{pid} {status}: not triaged yet; `improved show {pid}` follows it")
     verdict, cause = str(t.get("verdict")), t.get("cause")
     reason = str(t.get("reason") or "")
-    if cause == "class_mismatch" and (hint := scheme_hint(target_ref)) is not None:
-        reason, fix = hint, "fix the target's scheme, or propose at that class"
+    hint = gradient.unlisted(gradient.scheme_of(target_ref))
+    if cause == "class_mismatch" and hint is not None:
+        if hint not in reason:  # a daemon from before it said so names only the class
+            reason = f"{hint}; {reason}"
+        fix = "fix the target's scheme, or propose at the class it needs"
     else:
         key = "accept" if verdict in ("accept", "inherit") else str(cause)
         fix = TRIAGE_NEXT.get(key, "`improved show {id}` has the trailers").format(id=pid)
