@@ -19,7 +19,7 @@ from improved.cli.common import (
     config_of,
     full_id,
     load_signing_key,
-    locate,
+    located,
     publish_on,
     signer_of,
     url_of,
@@ -100,11 +100,7 @@ def cmd_review_act(args: argparse.Namespace) -> int:
     config = config_of(args)
     url = url_of(args, config)
     principal, key = signer_of(args)  # a missing key is said before anything is asked
-    found = asyncio.run(locate(url, args.id))
-    if found is None:
-        print(f"improved {args.verdict}: no proposal {args.id}", file=sys.stderr)
-        return 1
-    svc, record = found
+    svc, record = located(url, args.id)
     pid = record.proposal_id  # in full, whatever prefix named it: it is signed
     digest = authority.will_run_digest(record.proposal) if args.verdict == "approve" else None
     review = Review(proposal_id=pid, verdict=args.verdict, principal=principal,
@@ -154,11 +150,7 @@ def cmd_crisis_resolve(args: argparse.Namespace) -> int:
 def cmd_revert(args: argparse.Namespace) -> int:
     """Publish the reversal an L4 apply recorded before it ran (SPEC 09 §7.3)."""
     url = url_of(args, config_of(args))
-    found = asyncio.run(locate(url, args.id))
-    if found is None:
-        print(f"improved revert: no proposal {args.id}", file=sys.stderr)
-        return 1
-    svc, record = found
+    svc, record = located(url, args.id)
     pid = record.proposal_id
     if record.revert is None:
         print(f"improved revert: {pid} has no recorded reversal (only an L4 apply that "
@@ -190,11 +182,7 @@ def cmd_vote(args: argparse.Namespace) -> int:
     config = config_of(args)
     url = url_of(args, config)
     key = load_signing_key(Path(args.key))
-    found = asyncio.run(locate(url, args.id))
-    if found is None:
-        print(f"improved vote: no proposal {args.id}", file=sys.stderr)
-        return 1
-    svc, record = found
+    svc, record = located(url, args.id)
     pid = record.proposal_id
     read = args.read
     if read is None:  # what this proposal's verified chain holds, shown before it is signed

@@ -4,6 +4,7 @@ connection to a running deployment, finding a proposal, signing as an operator, 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -121,6 +122,14 @@ async def locate(url: str | Target, text: str) -> tuple[str, Any] | None:
         record = rebuild_record([decode_trailer(body) for _, body in chain],
                                 [seq for seq, _ in chain], Policy())
         return svc, record
+
+
+def located(url: str | Target, text: str) -> tuple[str, Any]:
+    """`locate` for a command that acts on the proposal: a Failure (exit 1) without one."""
+    found = asyncio.run(locate(url, text))
+    if found is None:
+        raise Failure(f"no proposal {text} whose audit chain verifies")
+    return found
 
 
 async def full_id(url: str | Target, text: str) -> str:

@@ -15,7 +15,7 @@ from improved.cli.common import (
     add_connection_args,
     config_of,
     deployment,
-    locate,
+    located,
     out,
     read_input,
     request,
@@ -122,10 +122,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
     from improved.core import apply as apply_stage
 
     url = url_of(args, config_of(args))
-    found = asyncio.run(locate(url, args.id))
-    if found is None:
-        raise Failure(f"no proposal {args.id} whose chain verifies")
-    svc, record = found
+    svc, record = located(url, args.id)
     pid = record.proposal_id
     if record.status in ("applied", "rolled_back"):
         print(f"{pid} is {record.status} already: nothing to retry")

@@ -5,6 +5,7 @@ backoff by the daemon itself, writing nothing on the chain while nothing serves 
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 import pytest
 
@@ -14,7 +15,7 @@ from improved.runtime import bus
 from improved.runtime.config import ApplySettings
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
-from improved.testing import rank_proposal
+from improved.testing import rank_proposal, skill_proposal
 from tests.bus import daemon_config, eventually
 from tests.cli import improved
 
@@ -37,14 +38,23 @@ class Late:
         return ApplyResult(ok=True, applied_id=order.proposal_id)
 
 
-async def _daemon(url: str, tmp_path, retry_max_s: float) -> tuple[Daemon, object]:
+@asynccontextmanager
+async def gives_up_fast(url: str, tmp_path, retry_max_s: float):
+    """A daemon of its own that gives an unreachable apply two deliveries, then retries it
+    slowly (at most every `retry_max_s`); yields a client connection."""
     conn = await bus.connect(url, "retry-daemon")
     daemon = Daemon(conn, daemon_config(
         data_dir=tmp_path / "data",
         apply=ApplySettings(timeout_s=0.3, attempts=1, max_deliveries=2,
                             retry_max_s=retry_max_s)))
     await daemon.start()
-    return daemon, conn
+    nc = await bus.connect(url, "retry-client")
+    try:
+        yield nc
+    finally:
+        await nc.drain()
+        await daemon.stop()
+        await conn.drain()
 
 
 async def _gave_up(client: MeshClient, pid: str) -> None:
@@ -56,9 +66,7 @@ async def _gave_up(client: MeshClient, pid: str) -> None:
 
 
 async def test_a_service_that_starts_after_the_daemon_gave_up_is_served(own_server, tmp_path):
-    daemon, conn = await _daemon(own_server.url, tmp_path, retry_max_s=0.5)
-    nc = await bus.connect(own_server.url, "retry-client")
-    try:
+    async with gives_up_fast(own_server.url, tmp_path, retry_max_s=0.5) as nc:
         client = MeshClient(nc, "latesvc")
         pid = (await client.propose(rank_proposal("latesvc"))).proposal_id
         await _gave_up(client, pid)
@@ -78,16 +86,10 @@ async def test_a_service_that_starts_after_the_daemon_gave_up_is_served(own_serv
         assert (await eventually(applied, timeout=15)).applied_id == pid
         assert late.applied == [pid] and (await client.state(pid)).status == "applied"
         await sub.unsubscribe()
-    finally:
-        await nc.drain()
-        await daemon.stop()
-        await conn.drain()
 
 
 async def test_improved_retry_resumes_one_at_once(own_server, tmp_path):
-    daemon, conn = await _daemon(own_server.url, tmp_path, retry_max_s=3600.0)
-    nc = await bus.connect(own_server.url, "retry-client")
-    try:
+    async with gives_up_fast(own_server.url, tmp_path, retry_max_s=3600.0) as nc:
         client = MeshClient(nc, "retrysvc")
         pid = (await client.propose(rank_proposal("retrysvc"))).proposal_id
         await _gave_up(client, pid)
@@ -105,13 +107,7 @@ async def test_improved_retry_resumes_one_at_once(own_server, tmp_path):
         assert again.returncode == 0 and "applied already: nothing to retry" in again.stdout
         await sub.unsubscribe()
 
-        from improved.testing import skill_proposal
-
         waiting = (await client.propose(skill_proposal("retrysvc"))).proposal_id
         early = await cli("retry", waiting, "--nats", own_server.url)
         assert early.returncode == 1 and "nothing to retry" in early.stderr
         assert "improved approve|reject" in early.stderr
-    finally:
-        await nc.drain()
-        await daemon.stop()
-        await conn.drain()
