@@ -116,6 +116,9 @@ async def _show(url: str | Target, pid: str, config: Config) -> int:
         return 0
 
 
+RETRY_GRACE_S = 2.0  # how long `retry` reads the chain after the daemon answered
+
+
 def cmd_retry(args: argparse.Namespace) -> int:
     """Resume an apply now: a triage request carries the proposal on as far as its gate
     allows (the daemon makes the pass while it answers); then the outcome on its chain."""
@@ -142,12 +145,11 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 async def _retry(url: str | Target, svc: str, pid: str, timeout: float
                  ) -> verdicts.Verdict | None:
-    import time
-
+    """The daemon makes the pass before it answers the triage request, so what the pass
+    wrote is on the chain by then: a short look after the reply, not the whole timeout."""
     from nats.errors import NoRespondersError
 
     chain = S.audit(svc, pid)
-    deadline = time.monotonic() + timeout
     async with deployment(url, bind=False) as store:
         head, _ = await store.chain_head(chain)
         try:
@@ -164,7 +166,7 @@ async def _retry(url: str | Target, svc: str, pid: str, timeout: float
             raise Failure(f"refused {err.get('code')}: {err.get('message')}")
         found = await verdicts.watch(lambda start: store.read_chain_at(chain, start), head + 1,
                                      lambda seen: verdicts.of_apply(pid, seen),
-                                     max(deadline - time.monotonic(), 0.0))
+                                     RETRY_GRACE_S)
         if found is not None:
             return found
         last = await store.last(S.apply_outcome(svc, pid))
@@ -308,7 +310,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     retry.add_argument("id", metavar="ID", type=ids.id_arg,
                        help="the proposal id, or a unique prefix of it (at least 4 hex digits)")
     retry.add_argument("--timeout", type=float, default=30.0, metavar="S",
-                       help="seconds to wait for the outcome (30)")
+                       help="seconds to wait for the daemon's pass, which may try the service "
+                            "apply.attempts times of apply.timeout_s each (30)")
     retry.set_defaults(func=cmd_retry)
 
     status = sub.add_parser(
