@@ -7,7 +7,8 @@
     improved audit verify [ID]
     improved keys new --principal operator:NAME
     improved review
-    improved approve|reject ID --reason …
+    improved approve|reject ID --reason … [--timeout S] [--no-wait]
+    improved retry ID
     improved grant NAME:SHA256 --proposal ID --reason … | revoke NAME:SHA256 --reason …
     improved revert ID
     improved vote ID approve|dissent --session S --read …

@@ -12,25 +12,34 @@ from pathlib import Path
 
 import msgspec
 
-from improved.cli import ids
+from improved.cli import ids, verdicts
 from improved.cli.common import (
     add_connection_args,
     add_signer_args,
     config_of,
-    deployment,
     full_id,
     load_signing_key,
-    locate,
-    publish_act,
+    located,
+    publish_on,
     signer_of,
     url_of,
 )
 from improved.client.sdk import enqueue
-from improved.core import authority, quorum, signing
+from improved.core import authority, breaker, quorum, signing
 from improved.core.identity import IDENTITY_RE
 from improved.protocol import subjects as S
-from improved.protocol.model import Actor, CrisisAct, GrantCommand, Review, Vote, to_json
+from improved.protocol.model import (
+    Actor,
+    CrisisAct,
+    Envelope,
+    GrantCommand,
+    Review,
+    Vote,
+    to_json,
+)
 from improved.runtime import keys
+from improved.runtime.bus import Target
+from improved.runtime.store import Store
 
 
 def cmd_keys_new(args: argparse.Namespace) -> int:
@@ -71,16 +80,27 @@ def cmd_keys_new(args: argparse.Namespace) -> int:
     return 0
 
 
+def _signed(args: argparse.Namespace, url: Target, subject: str, env: Envelope, chain: str,
+            what: str, about: str, check: str) -> int:
+    """Publish a signed act on `subject` and, unless --no-wait, wait for the daemon's verdict
+    on `chain` (the trailer carrying the act's digest) and say it in one line."""
+    digest = signing.envelope_digest(env)
+    timeout = None if args.no_wait else args.timeout
+    verdict = asyncio.run(verdicts.after(
+        url, chain, lambda store: publish_on(store, subject, env),
+        lambda seen: verdicts.of_act(digest, seen, what, about), timeout))
+    if timeout is None:
+        print(f"{what}: published; `{check}` shows the daemon's verdict")
+        return 0
+    return verdicts.conclude(verdict, what, timeout, check)
+
+
 def cmd_review_act(args: argparse.Namespace) -> int:
-    """approve / reject: sign a Review and publish it on improve.triage.<svc>."""
+    """approve / reject / rollback: sign a Review and publish it on improve.triage.<svc>."""
     config = config_of(args)
     url = url_of(args, config)
     principal, key = signer_of(args)  # a missing key is said before anything is asked
-    found = asyncio.run(locate(url, args.id))
-    if found is None:
-        print(f"improved {args.verdict}: no proposal {args.id}", file=sys.stderr)
-        return 1
-    svc, record = found
+    svc, record = located(url, args.id)
     pid = record.proposal_id  # in full, whatever prefix named it: it is signed
     digest = authority.will_run_digest(record.proposal) if args.verdict == "approve" else None
     review = Review(proposal_id=pid, verdict=args.verdict, principal=principal,
@@ -88,10 +108,8 @@ def cmd_review_act(args: argparse.Namespace) -> int:
     if digest is not None:
         print(f"approving what will run (`improved show {pid}`: will_run), digest {digest}")
     env = signing.sign(signing.PAYLOAD_TYPES["review"], to_json(review), key)
-    asyncio.run(publish_act(url, S.inbound_review(svc), env))
-    print(f"{args.verdict} of {pid} signed by {principal} and published; "
-          f"`improved show {pid}` follows it")
-    return 0
+    return _signed(args, url, S.inbound_review(svc), env, S.audit(svc, pid),
+                   f"{args.verdict} of {pid} signed by {principal}", pid, f"improved show {pid}")
 
 
 def cmd_grant_act(args: argparse.Namespace) -> int:
@@ -110,9 +128,10 @@ def cmd_grant_act(args: argparse.Namespace) -> int:
               "(see `improved skill hash FILE`)", file=sys.stderr)
         return 2
     env = signing.sign(signing.PAYLOAD_TYPES["grant"], to_json(cmd), key)
-    asyncio.run(publish_act(url_of(args, config), S.GRANTS, env))
-    print(f"{args.op} of {args.skill} signed by {principal} and published")
-    return 0
+    sha = args.skill.partition(":")[2]
+    return _signed(args, url_of(args, config), S.GRANTS, env, S.grant_audit(sha),
+                   f"{args.op} of {args.skill} signed by {principal}", args.skill,
+                   "improved audit verify")
 
 
 def cmd_crisis_resolve(args: argparse.Namespace) -> int:
@@ -121,20 +140,17 @@ def cmd_crisis_resolve(args: argparse.Namespace) -> int:
     act = CrisisAct(op="resolve", crisis=args.crisis, principal=principal, reason=args.reason,
                     at=int(time.time() * 1000))
     env = signing.sign(signing.PAYLOAD_TYPES["crisis"], to_json(act), key)
-    asyncio.run(publish_act(url_of(args, config), S.GRANTS, env))
-    print(f"resolution of {args.crisis} signed by {principal} and published; "
-          "`improved status` shows whether the daemon accepted it")
-    return 0
+    # a refused resolution is only logged by the daemon: it shows here as no verdict in time
+    return _signed(args, url_of(args, config), S.GRANTS, env,
+                   S.autonomy_audit(breaker.AUTONOMY_ID),
+                   f"resolution of {args.crisis} signed by {principal}", args.crisis,
+                   "improved status")
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
     """Publish the reversal an L4 apply recorded before it ran (SPEC 09 §7.3)."""
     url = url_of(args, config_of(args))
-    found = asyncio.run(locate(url, args.id))
-    if found is None:
-        print(f"improved revert: no proposal {args.id}", file=sys.stderr)
-        return 1
-    svc, record = found
+    svc, record = located(url, args.id)
     pid = record.proposal_id
     if record.revert is None:
         print(f"improved revert: {pid} has no recorded reversal (only an L4 apply that "
@@ -143,29 +159,34 @@ def cmd_revert(args: argparse.Namespace) -> int:
     if record.status != "applied":
         print(f"improved revert: {pid} is {record.status}, not applied", file=sys.stderr)
         return 1
+    rid, revert = record.revert_id, record.revert
 
-    async def publish() -> None:
-        async with deployment(url, bind=False) as store:
-            await enqueue(store.js, svc, to_json(record.revert), record.revert_id)
+    async def send(store: Store) -> None:
+        await enqueue(store.js, svc, to_json(revert), rid)
 
-    asyncio.run(publish())
-    print(f"reversal {record.revert_id} of {pid} published; it runs under the original's "
-          f"approval by {record.approved_by}. `improved show {record.revert_id}` follows it")
-    return 0
+    what = (f"reversal {rid} of {pid} (under the original's approval by "
+            f"{record.approved_by})")
+    timeout = None if args.no_wait else args.timeout
+    # a reversal's chain is new: read from its start, where its triage will be
+    verdict = asyncio.run(verdicts.after(url, S.audit(svc, rid), send,
+                                         lambda seen: verdicts.of_reversal(rid, seen), timeout,
+                                         from_start=True))
+    if timeout is None:
+        print(f"{what} published; `improved show {rid}` follows it")
+        return 0
+    return verdicts.conclude(verdict, what, timeout, f"improved show {rid}")
 
 
 def cmd_vote(args: argparse.Namespace) -> int:
     """Sign a quorum vote with a voter key and publish it on improve.quorum."""
     config = config_of(args)
+    url = url_of(args, config)
     key = load_signing_key(Path(args.key))
-    pid = asyncio.run(full_id(url_of(args, config), args.id))
+    svc, record = located(url, args.id)
+    pid = record.proposal_id
     read = args.read
     if read is None:  # what this proposal's verified chain holds, shown before it is signed
-        found = asyncio.run(locate(url_of(args, config), pid))
-        if found is None:
-            print(f"improved vote: no proposal {pid}", file=sys.stderr)
-            return 1
-        read = quorum.expected_reads(found[1])
+        read = quorum.expected_reads(record)
         print("read (the digests a vote names; `improved show` renders what they cover): "
               + ", ".join(read))
     try:
@@ -176,10 +197,9 @@ def cmd_vote(args: argparse.Namespace) -> int:
         print(f"improved vote: {exc}", file=sys.stderr)
         return 2
     env = signing.sign(signing.PAYLOAD_TYPES["vote"], to_json(vote), key)
-    asyncio.run(publish_act(url_of(args, config), S.QUORUM, env))
-    print(f"{args.vote} on {pid} signed by {args.voter} (session {args.session}) and "
-          f"published; `improved show {pid}` shows whether it counted")
-    return 0
+    return _signed(args, url, S.QUORUM, env, S.audit(svc, pid),
+                   f"{args.vote} on {pid} signed by {args.voter} (session {args.session})",
+                   pid, f"improved show {pid}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -221,6 +241,7 @@ def _register_keys_and_reviews(sub: argparse._SubParsersAction) -> None:
         act.add_argument("id", metavar="ID", type=ids.id_arg,
                          help="the proposal id, or a unique prefix of it (4+ hex digits)")
         add_signer_args(act)
+        verdicts.add_wait_args(act)
         act.set_defaults(func=cmd_review_act, verdict=verdict)
 
     for op in ("grant", "revoke"):
@@ -235,6 +256,7 @@ def _register_keys_and_reviews(sub: argparse._SubParsersAction) -> None:
         add_connection_args(act)
         act.add_argument("skill", metavar="NAME:SHA256")
         add_signer_args(act)
+        verdicts.add_wait_args(act)
         if op == "grant":
             act.add_argument("--proposal", required=True, metavar="ID", type=ids.id_arg,
                              help="the L2 proposal whose approved, applied definition this "
@@ -255,6 +277,7 @@ def _register_l4(sub: argparse._SubParsersAction) -> None:
     add_connection_args(revert)
     revert.add_argument("id", metavar="ID", type=ids.id_arg,
                         help="the applied L4 proposal's id, or a unique prefix of it")
+    verdicts.add_wait_args(revert)
     revert.set_defaults(func=cmd_revert)
 
     vote = sub.add_parser(
@@ -278,6 +301,7 @@ def _register_l4(sub: argparse._SubParsersAction) -> None:
     vote.add_argument("--read", action="append", metavar="WHAT",
                       help="what was read, repeated: proposal:ID, diff:<body digest>, "
                            "triage:<decision digest>, spec:09 (default: from the chain)")
+    verdicts.add_wait_args(vote)
     vote.set_defaults(func=cmd_vote)
 
     crisis = sub.add_parser("crisis", help="resolve a crisis (a broken audit log)",
@@ -292,4 +316,5 @@ def _register_l4(sub: argparse._SubParsersAction) -> None:
     add_connection_args(cres)
     cres.add_argument("crisis", metavar="CRISIS_ID")
     add_signer_args(cres)
+    verdicts.add_wait_args(cres)
     cres.set_defaults(func=cmd_crisis_resolve)

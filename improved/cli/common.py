@@ -4,6 +4,7 @@ connection to a running deployment, finding a proposal, signing as an operator, 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
@@ -123,6 +124,14 @@ async def locate(url: str | Target, text: str) -> tuple[str, Any] | None:
         return svc, record
 
 
+def located(url: str | Target, text: str) -> tuple[str, Any]:
+    """`locate` for a command that acts on the proposal: a Failure (exit 1) without one."""
+    found = asyncio.run(locate(url, text))
+    if found is None:
+        raise Failure(f"no proposal {text} whose audit chain verifies")
+    return found
+
+
 async def full_id(url: str | Target, text: str) -> str:
     """The full id `text` names; a full id as given, without connecting."""
     if ids.is_full(text):
@@ -166,9 +175,9 @@ def load_signing_key(path: Path) -> Any:
                       USAGE) from None
 
 
-async def publish_act(url: str | Target, subject: str, env) -> None:
-    async with deployment(url, bind=False) as store:
-        await store.js.publish(subject, to_json(env), stream=S.STREAM_INBOUND)
+async def publish_on(store: Store, subject: str, env: Any) -> None:
+    """A signed act onto the inbound stream, where the daemon's consumer takes it."""
+    await store.js.publish(subject, to_json(env), stream=S.STREAM_INBOUND)
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:

@@ -10,16 +10,18 @@ from typing import Any
 
 import msgspec
 
-from improved.cli import ids
+from improved.cli import ids, verdicts
 from improved.cli.common import (
     add_connection_args,
     config_of,
     deployment,
+    located,
     out,
     read_input,
     request,
     url_of,
 )
+from improved.cli.errors import Failure
 from improved.cli.queries import review_view, status_view
 from improved.core import audit, authority
 from improved.protocol import canonical
@@ -29,19 +31,50 @@ from improved.runtime.config import Config
 
 
 def cmd_propose(args: argparse.Namespace) -> int:
+    """Propose, then say the triage decision the daemon made in the same request: its cause
+    and what follows or what to fix (`--json`: the reply with that decision). Exit 1 when the
+    reply is an error, or the proposal was rejected or expired."""
     config = config_of(args)
     data = read_input(args.file, "proposal file")
     try:
-        svc = msgspec.json.decode(data).get("service")
+        doc = msgspec.json.decode(data)
+        svc = doc.get("service")
     except (msgspec.DecodeError, AttributeError):
         print("improved propose: the file is not a JSON object", file=sys.stderr)
         return 2
     if not isinstance(svc, str) or not S.SERVICE_RE.match(svc):
         print("improved propose: the proposal needs a valid `service`", file=sys.stderr)
         return 2
-    reply = asyncio.run(request(url_of(args, config), S.propose_request(svc), data, args.timeout))
-    out(reply)
-    return 1 if "error" in reply else 0
+    url = url_of(args, config)
+    reply = asyncio.run(request(url, S.propose_request(svc), data, args.timeout))
+    if "error" in reply:
+        if args.json:
+            out(reply)
+            return 1
+        err = reply["error"]
+        field = f" ({err['field']})" if err.get("field") else ""
+        raise Failure(f"refused {err.get('code')}{field}: {err.get('message')}")
+    pid, status = reply["proposal_id"], reply["status"]
+    chain = asyncio.run(_chain(url, svc, pid))
+    target = doc.get("target_ref") if isinstance(doc.get("target_ref"), str) else ""
+    verdict = verdicts.of_triage(pid, status, chain, target)
+    if args.json:
+        decision = next((b for b in reversed(chain) if b.get("to_stage") == "triage"), None)
+        out({**reply, "decision": None if decision is None else {
+            "verdict": decision.get("verdict"), "cause": decision.get("cause"),
+            "gate_class": decision.get("gate_class"), "reason": decision.get("reason")},
+            "says": verdict.line})
+    elif verdict.accepted:
+        print(verdict.line)
+    else:
+        print(f"improved propose: {verdict.line}", file=sys.stderr)
+    return verdict.exit_code
+
+
+async def _chain(url: str | Target, svc: str, pid: str) -> list[dict[str, Any]]:
+    """The new proposal's chain (its registration and triage: a few direct gets)."""
+    async with deployment(url, bind=False) as store:
+        return [body for _, body in await store.read_chain(svc, pid)]
 
 
 async def _show(url: str | Target, pid: str, config: Config) -> int:
@@ -81,6 +114,69 @@ async def _show(url: str | Target, pid: str, config: Config) -> int:
                          f"BROKEN: {brk}")
         out(view)
         return 0
+
+
+RETRY_GRACE_S = 2.0  # how long `retry` reads the chain after the daemon answered
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    """Resume an apply now: a triage request carries the proposal on as far as its gate
+    allows (the daemon makes the pass while it answers); then the outcome on its chain."""
+    from improved.core import apply as apply_stage
+
+    url = url_of(args, config_of(args))
+    svc, record = located(url, args.id)
+    pid = record.proposal_id
+    if record.status in ("applied", "rolled_back"):
+        print(f"{pid} is {record.status} already: nothing to retry")
+        return 0
+    if not apply_stage.needs_apply(record):
+        d = record.decision
+        said = f"{d.verdict}/{d.cause}" if d is not None and d.cause else \
+            d.verdict if d is not None else "not triaged"
+        key = str(d.cause) if d is not None and d.cause else "invalid"
+        raise Failure(f"nothing to retry: {pid} is {record.status} ({said}), no apply is due; "
+                      + verdicts.TRIAGE_NEXT.get(key, "`improved show {id}` says why")
+                      .format(id=pid))
+    verdict = asyncio.run(_retry(url, svc, pid, args.timeout))
+    return verdicts.conclude(verdict, f"the retry of {pid}", args.timeout,
+                             f"improved show {pid}")
+
+
+async def _retry(url: str | Target, svc: str, pid: str, timeout: float
+                 ) -> verdicts.Verdict | None:
+    """The daemon makes the pass before it answers the triage request, so what the pass
+    wrote is on the chain by then: a short look after the reply, not the whole timeout."""
+    from nats.errors import NoRespondersError
+
+    chain = S.audit(svc, pid)
+    async with deployment(url, bind=False) as store:
+        head, _ = await store.chain_head(chain)
+        try:
+            reply = msgspec.json.decode((await store.nc.request(
+                S.triage_request(svc), msgspec.json.encode({"proposal_id": pid}),
+                timeout=timeout)).data)
+        except NoRespondersError:
+            raise Failure(f"nothing serves {S.triage_request(svc)}: is the daemon running "
+                          "(on this server)?") from None
+        except TimeoutError:
+            return None
+        if isinstance(reply, dict) and "error" in reply:
+            err = reply["error"]
+            raise Failure(f"refused {err.get('code')}: {err.get('message')}")
+        found = await verdicts.watch(lambda start: store.read_chain_at(chain, start), head + 1,
+                                     lambda seen: verdicts.of_apply(pid, seen),
+                                     RETRY_GRACE_S)
+        if found is not None:
+            return found
+        last = await store.last(S.apply_outcome(svc, pid))
+        outcome = msgspec.json.decode(last) if last else {}
+        error = str(outcome.get("error") or "")
+        if error.startswith("unreachable"):  # the order may have reached it: still in flight
+            return verdicts.Verdict(False, f"refused: {pid}: its service did not answer "
+                                           f"({error}); the order stays in flight and the "
+                                           "daemon sends it again on its own", "unreachable")
+        return None
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -180,13 +276,17 @@ def cmd_skill_hash(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `proposals` commands to the `improved` parser."""
     prop = sub.add_parser(
-        "propose", help="submit a proposal (JSON) and print its id and status",
-        description="Send a Proposal (DESIGN §3.2) to <service>.improve.propose and print the "
-                    "reply: {proposal_id, status}, or the error naming the bad field. Exits 1 "
-                    "on an error reply.")
+        "propose", help="submit a proposal (JSON) and say how triage decided it",
+        description="Send a Proposal (DESIGN §3.2) to <service>.improve.propose and print, in "
+                    "one line, its id, status and the triage decision with its cause and what "
+                    "follows or what to fix (--json: the reply {proposal_id, status} with that "
+                    "decision), or the error naming the bad field. Exits 1 on an error reply "
+                    "and when the proposal is rejected or expired.")
     add_connection_args(prop)
     prop.add_argument("file", metavar="FILE|-", help="the proposal JSON, or - for stdin")
     prop.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (10)")
+    prop.add_argument("--json", action="store_true",
+                      help="print the reply and the decision as JSON")
     prop.set_defaults(func=cmd_propose)
 
     show = sub.add_parser(
@@ -198,6 +298,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     show.add_argument("id", metavar="ID", type=ids.id_arg,
                       help="the proposal id, or a unique prefix of it (at least 4 hex digits)")
     show.set_defaults(func=cmd_show)
+
+    retry = sub.add_parser(
+        "retry", help="resume an apply that found its service unreachable, now",
+        description="When the owning service does not answer, the daemon retries the apply on "
+                    "a slow backoff on its own (apply.retry_max_s). This asks the daemon for "
+                    "the proposal's next step now (a triage request on <svc>.improve.triage) "
+                    "and waits for the outcome on its chain: applied (exit 0), refused by "
+                    "the service or still unreachable (exit 1).")
+    add_connection_args(retry)
+    retry.add_argument("id", metavar="ID", type=ids.id_arg,
+                       help="the proposal id, or a unique prefix of it (at least 4 hex digits)")
+    retry.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                       help="seconds to wait for the daemon's pass, which may try the service "
+                            "apply.attempts times of apply.timeout_s each (30)")
+    retry.set_defaults(func=cmd_retry)
 
     status = sub.add_parser(
         "status", help="autonomy switch, circuit breaker and store size",

@@ -4,6 +4,7 @@ class faces. Pure functions over the policy; no I/O.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Final
 
@@ -39,6 +40,18 @@ AUTO_APPLY_CLASSES = frozenset({"L0", "L3"})
 
 def scheme_of(target_ref: str) -> str:
     return target_ref.split(":", 1)[0]
+
+
+def unlisted(scheme: str, configured: Mapping[str, str] | None = None) -> str | None:
+    """For a scheme neither SPEC 09's tables nor the configuration list: what to say, since the
+    likely mistake is the scheme (`rnk:` for `rank:`), not the class its fallback minimum then
+    demands. None for a listed scheme."""
+    known = sorted({*DEFAULT_MIN_CLASS, *SCHEME_SCOPE, *(configured or {})})
+    if scheme in known:
+        return None
+    close = difflib.get_close_matches(scheme, known, n=1)
+    return (f"the target scheme {scheme}: is not one SPEC 09 lists"
+            + (f" (did you mean {close[0]}:?)" if close else f" (known: {', '.join(known)})"))
 
 
 def rest_of(target_ref: str) -> str:

@@ -54,10 +54,14 @@ def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
                         f"{hit} is a forbidden target (constitution VI); no class may change it")
     if not gradient.class_fits(p.change_class, scheme, policy.min_class,
                                policy.fallback_min_class):
+        least = gradient.min_class(scheme, policy.min_class, policy.fallback_min_class)
+        unlisted = gradient.unlisted(scheme, policy.min_class)
+        if unlisted is not None:  # the scheme is the likely mistake, not the class
+            return decision("reject", "class_mismatch", f"{unlisted}; an unlisted scheme needs "
+                            f"at least {least}: fix the scheme, or propose at {least}")
         if p.change_class == "L3":
             why = "L3 fits skill: targets only"
         else:
-            least = gradient.min_class(scheme, policy.min_class, policy.fallback_min_class)
             why = f"{p.change_class} is below the minimum {least} for {scheme}: targets"
         return decision("reject", "class_mismatch", f"{why}; re-propose at the right class")
     if not gradient.scope_fits(p.scope, scheme):

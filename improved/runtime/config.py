@@ -71,7 +71,8 @@ daemons = { "improved:b" = "<base64 public key>" }  # daemon checkpoint keys tru
 [apply]
 timeout_s = 5.0                      # one ApplyOrder request
 attempts = 3                         # requests per delivery before backing off
-max_deliveries = 8                   # redeliveries (with backoff) before giving up for now
+max_deliveries = 8                   # redeliveries (with backoff) before the slow retry
+retry_max_s = 300.0                  # the slow retry's longest wait between two tries
 ```
 """
 
@@ -118,6 +119,8 @@ class ApplySettings(_Section, kw_only=True):
     timeout_s: Annotated[float, Meta(gt=0.0, le=86400.0)] = 5.0
     attempts: Positive = 3
     max_deliveries: Positive = 8
+    # a given-up apply is tried again after a minute, doubling up to this (runtime/daemon.py)
+    retry_max_s: Annotated[float, Meta(gt=0.0, le=86400.0)] = 300.0
 
 
 class Trust(_Section, kw_only=True):

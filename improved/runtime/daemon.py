@@ -6,8 +6,21 @@ order per proposal holds while proposals do not wait for each other, and fetchin
 earlier work is in flight, up to MAX_IN_FLIGHT jobs.
 
 Acks: success → ack; bad input → term (it will never become good) and a refusal record; an
-unreachable service → nak with backoff until the delivery budget is spent, then ack with the
-proposal left retryable; anything unexpected → nak and a log line. No message stops the daemon.
+unreachable service → nak with backoff until the delivery budget is spent, then kept on a slow
+retry (`_park`); anything unexpected → nak and a log line. No message stops the daemon.
+
+Given-up applies resume on their own. Once `apply.max_deliveries` deliveries found the owning
+service unreachable, the message is not acknowledged: it is nak'ed with a delay that doubles
+from a minute up to `apply.retry_max_s` (five minutes), and so comes back, to this daemon, a
+replica or the next one after a restart, with no schedule of its own to keep: the stream holds
+it until the proposal leaves the apply (applied, refused, expired) and the pass acks it. A
+redelivery past the budget first asks whether anything serves `<svc>.improve.apply` at all (a
+probe order every service answers as malformed, SPEC 09 conformance L1; nothing serving it is
+"no responders" at once), and only then makes a pass: while the service is down, the wait
+writes nothing on the chain. What it holds is bounded by the proposals waiting, never by
+history: at most MAX_PARKED such messages per daemon (under the consumer's max_ack_pending);
+beyond them a given-up apply is acknowledged and left retryable as before, for `improved retry`
+or the service's own triage request.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import FetchTimeoutError
 
@@ -65,10 +79,17 @@ MAX_IN_FLIGHT = 1024
 DRAIN_S = 30.0  # how long `stop` waits for in-flight work before cancelling it
 NOT_FOUND_RETRIES = 5
 ACK_PROGRESS_S = 1.5  # a third of the inbound consumer's ack wait (store.INBOUND_ACK_WAIT_S)
+MAX_PARKED = 256  # given-up applies kept on a slow retry, per daemon (max_ack_pending is 1024)
+PROBE_ORDER = b'{"proposal_id":"probe"}'  # answered as malformed by whatever serves applies
 
 
 def backoff_s(delivered: int) -> float:
     return min(0.5 * 2 ** max(delivered - 1, 0), 60.0)
+
+
+def slow_backoff_s(past_budget: int, cap: float) -> float:
+    """The delay before the next try of a given-up apply: a minute, doubling, up to `cap`."""
+    return min(60.0 * 2 ** min(max(past_budget, 0), 16), cap)
 
 
 def instance_actor() -> str:
@@ -104,6 +125,7 @@ class Daemon:
         self.ready = anyio.Event()
         self._refill = anyio.Lock()  # one refill of the records and the index at a time
         self._held: dict[int, Msg] = {}  # the inbound messages taken and not yet settled
+        self._parked: set[int] = set()  # stream sequences of given-up applies on slow retry
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -441,45 +463,102 @@ class Daemon:
             return None
 
     async def _run(self, job: Job) -> None:
+        parked = False
+        try:
+            parked = await self._settle(job)
+        finally:
+            if not parked:
+                self._parked.discard(job.msg.metadata.sequence.stream)
+
+    async def _settle(self, job: Job) -> bool:
+        """Run the job and settle its message; True when it was parked on the slow retry."""
         msg = job.msg
         delivered = msg.metadata.num_delivered
+        budget = self.config.apply.max_deliveries
+        if delivered > budget and not await self._worth_a_pass(job):
+            return await self._park(job, delivered - budget)
         try:
             await job.run()
         except ServiceUnreachable as exc:
-            if delivered < self.config.apply.max_deliveries:
+            if delivered < budget:
                 await msg.nak(delay=backoff_s(delivered))
-                return
-            self.engine.metrics.apply_result("unreachable")
-            log.error("apply gave up for now; the proposal stays retryable",
-                      proposal_id=job.key, error=str(exc), deliveries=delivered)
-            record, _ = await self.store.load(S.token(msg.subject, 2), job.key)
-            if record is not None:
-                await self.engine.publish_unreachable(record, str(exc))
-            await msg.ack()
-            return
+                return False
+            if delivered == budget:
+                self.engine.metrics.apply_result("unreachable")
+                record = exc.record
+                if record is None:
+                    record, _ = await self.store.load(S.token(msg.subject, 2) or "", job.key)
+                if record is not None:
+                    await self.engine.publish_unreachable(record, str(exc))
+            return await self._park(job, delivered - budget, str(exc))
         except _ProposalUnknown as exc:
             if delivered < NOT_FOUND_RETRIES:
                 await msg.nak(delay=backoff_s(delivered))
-                return
+                return False
             await self._refuse(S.token(msg.subject, 2) or "_", msg.subject,
                                wire.WireError(wire.NOT_FOUND, str(exc), "proposal_id"),
                                len(msg.data))
             await msg.term()
-            return
+            return False
         except wire.WireError as err:
             await self._refuse(S.token(msg.subject, 2) or "_", msg.subject, err, len(msg.data))
             await msg.term()
-            return
+            return False
         except ChainBroken as exc:  # the crisis is open; nothing is decided on this chain
             log.error("message dropped: its chain does not verify", subject=msg.subject,
                       key=job.key, problem=str(exc))
             await msg.term()
-            return
+            return False
         except Exception:
             log.exception("handler failed; will retry", subject=msg.subject, key=job.key)
             await msg.nak(delay=backoff_s(delivered))
-            return
+            return False
         await msg.ack()
+        return False
+
+    async def _park(self, job: Job, past_budget: int, error: str | None = None) -> bool:
+        """Keep a given-up apply's message on a slow retry (see the module's docstring), or,
+        with MAX_PARKED already kept, acknowledge it: the proposal stays retryable. True when
+        it was kept."""
+        msg, seq = job.msg, job.msg.metadata.sequence.stream
+        if seq not in self._parked and len(self._parked) >= MAX_PARKED:
+            log.error("apply gave up for now; the proposal stays retryable (`improved retry`)",
+                      proposal_id=job.key, error=error, parked=len(self._parked))
+            await msg.ack()
+            return False
+        delay = slow_backoff_s(past_budget, self.config.apply.retry_max_s)
+        if error is not None:
+            log.warning("apply unreachable; retrying slowly", proposal_id=job.key, error=error,
+                        retry_in_s=delay)
+        self._parked.add(seq)
+        await msg.nak(delay=delay)
+        return True
+
+    async def _worth_a_pass(self, job: Job) -> bool:
+        """For a message past its delivery budget: is a pass worth making now? Not while
+        nothing serves the owning service's apply subject and the proposal has not expired
+        (a pass would only record an intent and withdraw it); yes otherwise, and whenever
+        that cannot be told (no such proposal cached, a probe timing out or answered)."""
+        if not S.ID_RE.match(job.key):
+            return True
+        try:
+            svc = await self.store.service_of(job.key)
+            record = (await self.store.load(svc, job.key))[0] if svc else None
+        except Exception:  # a read that fails decides nothing: make the pass
+            return True
+        if record is None or not apply_stage.needs_apply(record):
+            return True
+        valid_to = record.proposal.valid_to
+        if valid_to is not None and valid_to <= time.time() * 1000:
+            return True  # the pass expires it
+        try:
+            await self.nc.request(S.apply_request(record.service), PROBE_ORDER,
+                                  timeout=self.config.apply.timeout_s)
+        except NoRespondersError:
+            return False
+        except Exception:
+            return True
+        return True
 
     async def _signal(self, svc: str, sig: Signal, env: Envelope | None, msg: Msg) -> None:
         handled = await self._count(svc, sig, env, republish=msg.metadata.num_delivered > 1)

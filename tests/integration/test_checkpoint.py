@@ -19,6 +19,7 @@ from improved.protocol.model import ApplyResult, CrisisAct, to_json
 from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from tests.bus import daemon_config, eventually
+from tests.cli import improved
 from tests.factories import rank_proposal
 from tests.keys import ALICE, MALLORY
 
@@ -71,16 +72,20 @@ async def test_a_broken_log_means_crisis_until_an_operator_resolves_it(own_serve
                              own_server.url], capture_output=True, text=True, timeout=30)
         assert verify.returncode == 1 and "BROKEN" in verify.stdout
 
-        # An untrusted key cannot resolve it; a trusted operator can.
+        # An untrusted key cannot resolve it (the refusal is only logged: `crisis resolve`
+        # sees no verdict in time); a trusted operator can, and the command says so.
         await js.publish(S.GRANTS, to_json(resolve(state.crisis, who=MALLORY)))
         await asyncio.sleep(0.5)
         assert (await daemon.engine.autonomy(2**62)).crisis == state.crisis
-        await js.publish(S.GRANTS, to_json(resolve(state.crisis)))
-
-        async def resolved():
-            return not (await daemon.engine.autonomy(2**62)).crisis
-
-        await eventually(resolved)
+        mallory = await _resolve_from_the_terminal(own_server.url, state.crisis, MALLORY,
+                                                   tmp_path, "--timeout", "0.5")
+        assert mallory.returncode == 1 and "no verdict within 0.5 s" in mallory.stderr
+        assert "`improved status`" in mallory.stderr
+        alice = await _resolve_from_the_terminal(own_server.url, state.crisis, ALICE, tmp_path)
+        assert alice.returncode == 0, alice.stderr
+        assert alice.stdout == (f"accepted: resolution of {state.crisis} signed by "
+                                f"{ALICE[0]}: resolved; applies resume\n")
+        assert not (await daemon.engine.autonomy(2**62)).crisis
         await client.triage(second)
         await eventually(lambda: _applied(client, second))
         chain = [b for _, b in await daemon.store.read_chain_at(S.autonomy_audit(AUTONOMY_ID))]
@@ -90,6 +95,18 @@ async def test_a_broken_log_means_crisis_until_an_operator_resolves_it(own_serve
         await sub.unsubscribe()
         await daemon.stop()
         await bus.close(nc)
+
+
+async def _resolve_from_the_terminal(url: str, crisis: str, who, tmp_path, *more: str):
+    from cryptography.hazmat.primitives import serialization
+
+    key = tmp_path / f"{who[0].replace(':', '_')}.pem"
+    key.write_bytes(who[1].private_bytes(serialization.Encoding.PEM,
+                                         serialization.PrivateFormat.PKCS8,
+                                         serialization.NoEncryption()))
+    return await asyncio.to_thread(improved, "crisis", "resolve", crisis, "--reason",
+                                   "investigated", "--key", str(key), "--principal", who[0],
+                                   "--nats", url, *more)
 
 
 async def _applied(client, pid):

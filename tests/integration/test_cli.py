@@ -127,14 +127,14 @@ def test_run_propose_show_verify_and_stop(tmp_path):
         rank.write_text(json.dumps(_builtins(rank_proposal("clisvc"))))
         skill = tmp_path / "skill.json"
         skill.write_text(json.dumps(_builtins(skill_proposal("clisvc"))))
-        first = improved("propose", "--nats", url, str(rank))
+        first = improved("propose", "--json", "--nats", url, str(rank))
         assert first.returncode == 0, first.stderr
         reply = json.loads(first.stdout)
         assert re.fullmatch(r"[0-9a-f]{64}", reply["proposal_id"])
-        second = improved("propose", "--nats", url, "-", input=skill.read_text())
+        second = improved("propose", "--json", "--nats", url, "-", input=skill.read_text())
         assert json.loads(second.stdout)["status"] == "pending"
 
-        bad = improved("propose", "--nats", url, "-",
+        bad = improved("propose", "--json", "--nats", url, "-",
                        input=json.dumps({**_builtins(skill_proposal("clisvc")),
                                          "rec_status": "approved"}))
         assert bad.returncode == 1
@@ -212,9 +212,10 @@ def test_an_operator_signs_from_the_terminal(tmp_path):
 
         assert hashed.stdout.strip() == canonical.skill_identity(
             proposal["proposal_data"]["skill"])
-        pid = json.loads(improved("propose", "--nats", url, str(skill)).stdout)["proposal_id"]
+        pid = json.loads(improved("propose", "--json", "--nats", url,
+                                 str(skill)).stdout)["proposal_id"]
 
-        surfaced = json.loads(improved("propose", "--nats", url, "-", input=json.dumps(
+        surfaced = json.loads(improved("propose", "--json", "--nats", url, "-", input=json.dumps(
             _builtins(skill_proposal("clisvc", change_class="L1", name="other")))).stdout)
         queue = improved("review", "--nats", url)
         assert pid in queue.stdout and "awaiting_operator" in queue.stdout

@@ -981,7 +981,7 @@ async def test_the_daemon_never_logs_its_password_across_a_disconnect(secured_se
         operator = {"IMPROVED_NATS_USER": "operator", "IMPROVED_NATS_PASSWORD_FILE":
                     str(secret_file(tmp_path / "operator.pw", PASSWORDS["operator"]))}
         proposal = to_json(rank_proposal("creds", change_class="L1"))
-        rc, out = await cli("propose", "-", "--nats", url, env=operator, stdin=proposal)
+        rc, out = await cli("propose", "--json", "-", "--nats", url, env=operator, stdin=proposal)
         assert rc == 0 and msgspec.json.decode(out)["status"] == "pending", out
         secured_server.stop()
         await daemon.wait_for("nats disconnected")
@@ -1011,7 +1011,7 @@ async def test_the_daemon_and_the_cli_connect_with_a_token_file(tmp_path):
     try:
         await daemon.wait_for("improved: ready")
         proposal = to_json(rank_proposal("tokens", change_class="L1"))
-        rc, out = await cli("propose", "-", "--nats", server.url, stdin=proposal,
+        rc, out = await cli("propose", "--json", "-", "--nats", server.url, stdin=proposal,
                             env={"IMPROVED_NATS_TOKEN_FILE": str(token)})
         assert rc == 0 and msgspec.json.decode(out)["status"] == "pending", out
         rc, out = await cli("propose", "-", "--nats", server.url, stdin=proposal)
@@ -1159,7 +1159,7 @@ def test_up_and_down_scripts_run_the_cluster_and_two_daemons(tmp_path):
                                                                             '"ranking"')
         improved = str(ROOT / ".venv" / "bin" / "improved")
         url = f"nats://operator:{PASSWORDS['operator']}@127.0.0.1:4223"
-        done = subprocess.run([improved, "propose", "-", "--nats", url], input=proposal,
+        done = subprocess.run([improved, "propose", "--json", "-", "--nats", url], input=proposal,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
         pid = msgspec.json.decode(done.stdout)["proposal_id"]

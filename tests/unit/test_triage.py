@@ -84,6 +84,16 @@ def test_class_mismatch_is_never_downgraded():
     assert d.gate_class == "L2"
 
 
+def test_a_typo_in_the_scheme_is_named_as_the_scheme_not_the_class():
+    d = decide(make_record(target_ref="rnk:search.title_boost", change_class="L0"))
+    assert (d.verdict, d.cause) == ("reject", "class_mismatch")
+    assert d.rationale == ("the target scheme rnk: is not one SPEC 09 lists (did you mean "
+                           "rank:?); an unlisted scheme needs at least L2: fix the scheme, or "
+                           "propose at L2")
+    assert "is below the minimum L4 for binary:" in decide(make_record(
+        target_ref="binary:cosmix-foo", change_class="L2", scope="operation")).rationale
+
+
 @pytest.mark.parametrize(
     ("target_ref", "scope"),
     [("config:a.b", "knowledge"), ("skill:greet", "operation"), ("skill:greet", "charter"),

@@ -1,0 +1,124 @@
+"""The pure part of an operator command's wait: given the act's digest and what its chain holds,
+the daemon's verdict and its one line (improved/cli/verdicts.py)."""
+
+from __future__ import annotations
+
+from improved.cli import verdicts
+
+PID = "ab" * 32
+DIGEST = "cd" * 32
+OTHER = "ef" * 32
+
+
+def trailer(verdict: str, *refs: str, reason: str = "", **kw) -> dict:
+    return {"proposal_id": PID, "to_stage": "triage", "verdict": verdict, "reason": reason,
+            "actor": kw.pop("actor", "improved:x"), "refs": list(refs), **kw}
+
+
+def test_no_trailer_for_the_act_is_no_verdict_yet():
+    chain = [trailer("approve", f"act:{OTHER}", actor="operator:bob"), trailer("accept")]
+    assert verdicts.of_act(DIGEST, chain, "approve of x", PID) is None
+    assert verdicts.of_act(DIGEST, [], "approve of x", PID) is None
+
+
+def test_the_trailer_carrying_the_act_is_the_verdict_whatever_else_the_chain_holds():
+    chain = [trailer("refused", f"act:{OTHER}", "code:replayed", reason="signed act refused "
+                     "(replayed): used"),
+             trailer("approve", f"act:{DIGEST}", "act_seq:9", actor="operator:alice"),
+             {"verdict": "dispatched", "refs": ["dispatch:apply"]}]
+    v = verdicts.of_act(DIGEST, chain, f"approve of {PID} signed by operator:alice", PID)
+    assert v is not None and v.accepted and v.exit_code == 0
+    assert v.line.startswith(f"accepted: approve of {PID} signed by operator:alice: approved")
+    assert f"improved show {PID}" in v.line and "\n" not in v.line
+
+
+def test_a_refusal_names_its_cause_and_what_to_do():
+    chain = [trailer("refused", f"act:{DIGEST}", "act_seq:4", "code:unknown_key",
+                     reason="signed act refused (unknown_key): no trusted key ed25519:12")]
+    v = verdicts.of_act(DIGEST, chain, "approve of x signed by operator:bob", PID)
+    assert v is not None and not v.accepted and v.exit_code == 1 and v.code == "unknown_key"
+    assert v.line == ("refused: approve of x signed by operator:bob (unknown_key): no trusted "
+                      "key ed25519:12; " + verdicts.FIXES["unknown_key"])
+    in_flight = verdicts.of_act(DIGEST, [trailer(
+        "refused", f"act:{DIGEST}", "code:apply_in_flight",
+        reason="signed act refused (apply_in_flight): dispatched at 5")], "reject of x", PID)
+    assert in_flight is not None and f"improved rollback {PID}" in in_flight.line
+    unknown = verdicts.of_act(DIGEST, [trailer("refused", f"act:{DIGEST}", "code:new_code",
+                                               reason="r")], "x", PID)
+    assert unknown is not None and not unknown.accepted and "(new_code)" in unknown.line
+
+
+def test_grants_votes_rollbacks_and_crisis_resolutions():
+    for verdict, words in (("grant", "granted"), ("revoke", "revoked"),
+                           ("rollback", "inverse goes to its service"),
+                           ("crisis_resolved", "applies resume"),
+                           ("vote", "counted: approve by agent-a (session s): 1 of 3")):
+        v = verdicts.of_act(DIGEST, [trailer(verdict, f"act:{DIGEST}",
+                                             reason="approve by agent-a (session s): 1 of 3")],
+                            "the act", PID)
+        assert v is not None and v.accepted and words in v.line, (verdict, v)
+    grant_refused = verdicts.of_act(DIGEST, [trailer(
+        "refused", f"act:{DIGEST}", "code:not_applied_at_l2",
+        reason="signed act refused (not_applied_at_l2): proposal p is pending at L2")],
+        "grant of s:1", "s:1")
+    assert grant_refused is not None and "--proposal" in grant_refused.line
+
+
+def test_junk_refs_are_no_verdict_and_no_error():
+    chain = [{"verdict": "approve", "refs": "act:" + DIGEST}, {"refs": [3, None]}, {}]
+    assert verdicts.of_act(DIGEST, chain, "x", PID) is None
+
+
+def test_no_verdict_in_time_says_it_was_published_and_where_to_look():
+    line = verdicts.no_verdict("approve of x", 10.0, f"improved show {PID}")
+    assert line.startswith("no verdict within 10 s: approve of x was published")
+    assert f"`improved show {PID}`" in line
+
+
+def test_propose_says_the_decision_its_cause_and_the_fix():
+    registered = {"to_stage": "propose", "verdict": None}
+    waits = trailer("defer", cause="awaiting_operator", gate_class="L2",
+                    reason="L2 needs an operator")
+    v = verdicts.of_triage(PID, "pending", [registered, waits], "skill:x")
+    assert v.accepted and v.line.startswith(f"{PID} pending: defer/awaiting_operator at L2")
+    assert f"improved approve|reject {PID}" in v.line
+    applied = verdicts.of_triage(PID, "pending", [registered, trailer(
+        "accept", gate_class="L0", reason="L0 applies automatically")], "rank:x")
+    assert applied.accepted and "its service applies it" in applied.line
+
+
+def test_a_typo_in_the_scheme_is_named_not_the_class():
+    rejected = trailer("reject", cause="class_mismatch", gate_class="L0",
+                       reason="L0 is below the minimum L2 for rnk: targets; re-propose at the "
+                              "right class")
+    v = verdicts.of_triage(PID, "rejected", [rejected], "rnk:search/results")
+    assert not v.accepted and v.exit_code == 1 and v.code == "class_mismatch"
+    assert "the target scheme rnk: is not one SPEC 09 lists (did you mean rank:?)" in v.line
+    assert "fix the target's scheme" in v.line
+    # a known scheme at too low a class is about the class
+    known = verdicts.of_triage(PID, "rejected", [trailer(
+        "reject", cause="class_mismatch", gate_class="L0",
+        reason="L0 is below the minimum L4 for code: targets")], "code:src/x.py")
+    assert "re-propose at the right class" in known.line and "scheme" not in known.line
+
+
+def test_a_reversal_inherits_or_is_triaged():
+    rid = "12" * 32
+    assert verdicts.of_reversal(rid, [{"to_stage": "propose"}]) is None
+    ok = verdicts.of_reversal(rid, [{"to_stage": "propose"},
+                                    {"to_stage": "triage", "verdict": "inherit",
+                                     "actor": "operator:alice"}])
+    assert ok is not None and ok.accepted and "operator:alice" in ok.line and rid in ok.line
+    no = verdicts.of_reversal(rid, [{"to_stage": "triage", "verdict": "defer",
+                                     "cause": "awaiting_operator", "reason": "r"}])
+    assert no is not None and not no.accepted
+
+
+def test_a_resumed_apply_is_applied_failed_or_still_unreachable():
+    assert verdicts.of_apply(PID, [{"verdict": "dispatched"}]) is None
+    ok = verdicts.of_apply(PID, [{"verdict": "dispatched"}, {"verdict": "applied"}])
+    assert ok is not None and ok.accepted
+    failed = verdicts.of_apply(PID, [{"verdict": "failed", "refs": ["error:bad diff"]}])
+    assert failed is not None and not failed.accepted and "bad diff" in failed.line
+    gone = verdicts.of_apply(PID, [{"verdict": "undelivered", "refs": ["error:no responders"]}])
+    assert gone is not None and not gone.accepted and f"improved retry {PID}" in gone.line
