@@ -576,7 +576,8 @@ class Bench:
             "completed": finished, "elapsed_s": round(elapsed, 3),
             "clock_stop": ("the last proposal's final trailer read back from "
                            f"{S.STREAM_AUDIT} and its retained outcome from {S.STREAM_RECORDS}"
-                           if durable else "the last final trailer seen (read back failed)"),
+                           if durable else "the timeout or the last final trailer seen: "
+                           "not every outcome was read back (the run fails)"),
             "durable_read_back": durable,
             "seen_to_read_back_ms": round((end - seen) * 1000, 2),
             "proposals_per_s": round(finished / elapsed, 1),
