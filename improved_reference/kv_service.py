@@ -103,9 +103,17 @@ class KVService:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await self.open()
+        await self._serve()
+
+    async def open(self) -> None:
+        """The store's buckets, created if absent, without taking orders: a host that routes
+        orders to `apply` itself (the bench) calls this instead of `start`."""
         await self._bucket(self.bucket, HISTORY, f"{self.KIND} {self.VALUES}")
         self.ledger = await self._bucket(self.ledger_bucket, 1,
                                          f"{self.KIND} apply ledger, one entry per proposal")
+
+    async def _serve(self) -> None:
         self._subs.append(await self.client.serve_apply(self.apply))
         self._subs.append(await serve_spec(self.nc, self.service, self.capabilities()))
         self.log.info(f"{self.KIND} ready", service=self.service,

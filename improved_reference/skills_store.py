@@ -315,12 +315,16 @@ class SkillsStore(KVService):
         self.comp = None
 
     async def start(self) -> None:
-        self.comp = await self._bucket(self.comp_bucket, 1,
-                                       "skills store: competence grains and chain heads")
+        await self.open()
         # the read is served before the capabilities that advertise it
         self._subs.append(await self.nc.subscribe(S.skills_get(self.service),
                                                   queue=self.service, cb=self._on_get))
-        await super().start()
+        await self._serve()
+
+    async def open(self) -> None:
+        self.comp = await self._bucket(self.comp_bucket, 1,
+                                       "skills store: competence grains and chain heads")
+        await super().open()
 
     def capabilities(self) -> dict[str, Any]:
         return {

@@ -31,9 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Start (or connect to) NATS, daemon process(es) and a reference applier; "
                     "drive N proposals at concurrency C through the whole loop (a mix of L0, "
                     "L3 with a grant, L2 approved by a signing bench operator, and proposals "
-                    "rejected at triage); report end-to-end proposals/s, audited transitions/s, "
-                    "p50/p99 per stage, the raw pipelined JetStream publish rate measured in "
-                    "the same run, audit verify and rebuild rates, and the daemons' peak RSS.")
+                    "rejected at triage); report end-to-end proposals/s with the clock stopped "
+                    "when the last outcome is read back from JetStream, audited transitions/s, "
+                    "p50/p99 per stage, the writes per proposal, the broker's ceiling for the "
+                    "loop's write pattern measured in the same run, audit verify and rebuild "
+                    "rates, and the daemons' peak RSS. Nothing is left under the temp dir.")
     bench.add_argument("--nats", metavar="URL", help="use this server instead of an embedded one")
     bench.add_argument("-n", type=int, default=2000, help="proposals (2000)")
     bench.add_argument("-c", "--concurrency", type=int, default=200,
@@ -46,6 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="embedded server fsync: always (durable, default) or e.g. 2m")
     bench.add_argument("--records", choices=("file", "memory"), default="file",
                        help="the daemons' records_storage (file)")
+    bench.add_argument("--applier", choices=("ranking", "instant"), default="ranking",
+                       help="the owning service: ranking = the persisting reference stores "
+                            "(RankingStore for rank: L0, SkillsStore for skill: L2/L3, in "
+                            "JetStream KV; default), instant = answers at once, writes nothing")
     bench.add_argument("--verify-acceptance", action="store_true",
                        help="the applier checks every order's acceptance on the audit chain "
                             "first, as an L2+ conformant service does")
