@@ -45,14 +45,14 @@ from typing import Any
 
 import msgspec
 import structlog
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.js import api as jsapi
 from nats.js.errors import NotFoundError
 
 from improved.client import acceptance
 from improved.client.sdk import MeshClient
-from improved.core import audit, evidence, propose, signing
-from improved.core.policy import Policy
+from improved.core import propose, signing
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import (
@@ -66,7 +66,7 @@ from improved.protocol.model import (
     Summary,
     to_json,
 )
-from improved.runtime import bus, keys
+from improved.runtime import bus
 from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore
 from improved_reference.skills_store import SkillsStore
@@ -197,12 +197,27 @@ APPLIERS = {"instant": InstantApplier, "ranking": StoreApplier}
 
 @dataclass
 class Track:
+    """One proposal as the bench saw it; times are wall-clock seconds (time.time()), the
+    publisher process's and this one's alike."""
+
     kind: str
-    published: float
+    published: float | None = None  # when the publisher process sent it
     stages: dict[str, int] = field(default_factory=dict)  # to_stage → trailer `at` (ms)
-    final: float | None = None
-    decided: float | None = None
+    decided: float | None = None  # its triage trailer seen
+    applied: float | None = None  # its apply outcome trailer seen
+    final: float | None = None  # its last trailer seen
     final_seq: int = 0  # the chain position of the final trailer
+
+
+ATOMIC_BATCH = 100  # messages per atomic batch in the atomic ceiling (the server allows 1000)
+ATOMIC_IN_FLIGHT = 4  # batches in flight per stream at once (the server allows 50)
+PACED_SHARES = (0.25, 0.5, 0.9)  # the paced runs' rates, as shares of the measured peak
+PACED_SECONDS = 4.0  # how long each paced run publishes
+
+
+def lat(values: list[float]) -> dict[str, Any]:
+    return {"p50_ms": round(percentile(values, 50), 2),
+            "p99_ms": round(percentile(values, 99), 2), "n": len(values)}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -226,6 +241,15 @@ def progress(done: int, total: int, started: float) -> None:
     sys.stderr.flush()
 
 
+def cpu_s(pid: int) -> float:
+    """The CPU time (user and system) a process has used so far, in seconds."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def peak_rss_mb(pid: int) -> float:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -242,7 +266,15 @@ class Bench:
         self.tmp = Path(tempfile.mkdtemp(prefix="improved-bench-"))
         self.server: bus.EmbeddedServer | None = None
         self.daemons: list[subprocess.Popen] = []
+        self.children: list[subprocess.Popen] = []  # the publisher process, while it runs
+        self.publisher_cpu_s: dict[int, float] = {}  # its CPU seconds while publishing, by run
         self.key = Ed25519PrivateKey.generate()
+        self.config = self.tmp / "bench.toml"
+        self.key_file = self.tmp / "operator.pem"  # the bench operator's, for the publisher
+        self.key_file.write_bytes(self.key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()))
+        self.mix: dict[str, float] = parse_mix(args.mix)
 
     # -- setup ----------------------------------------------------------------------------------
 
@@ -254,8 +286,9 @@ class Bench:
 
     def start_daemons(self, url: str, replicas: int) -> None:
         public = base64.b64encode(signing.raw_public(self.key.public_key())).decode()
-        config = self.tmp / "bench.toml"
-        config.write_text(f'records_storage = "{self.args.records}"\n\n'
+        config = self.config
+        config.write_text(f'records_storage = "{self.args.records}"\n'
+                          f'data_dir = "{self.tmp / "daemon"}"\n\n'
                           f'[trust.operators]\n"{OPERATOR}" = "{public}"\n')
         env = {**os.environ, "IMPROVED_CONFIG": str(config)}
         for i in range(replicas):
@@ -275,8 +308,39 @@ class Bench:
                 await asyncio.sleep(0.1)
         raise RuntimeError(f"the daemon did not come up; see {self.tmp}/daemon-*.log")
 
+    def spawn(self, name: str, module: str, *argv: str) -> subprocess.Popen:
+        """A Python process of the bench's, logging to `<name>.log` in the temp directory."""
+        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115
+        child = subprocess.Popen([sys.executable, "-m", module, *argv], stdout=log,
+                                 stderr=log, stdin=subprocess.DEVNULL)
+        self.children.append(child)
+        return child
+
+    def reap(self, child: subprocess.Popen) -> None:
+        try:
+            child.wait(60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+        if child in self.children:
+            self.children.remove(child)
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds used so far by the daemons (together), the broker (when embedded) and
+        this process (the publisher and the owning service)."""
+        out = {"daemon": sum(cpu_s(d.pid) for d in self.daemons),
+               "applier and clock": cpu_s(os.getpid())}
+        if self.server is not None and self.server.proc is not None:
+            out["broker"] = cpu_s(self.server.proc.pid)
+        return out
+
     def stop(self) -> None:
         """Stop the daemons and the embedded server; a second call does nothing."""
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        self.children = []
         daemons, self.daemons = self.daemons, []
         for d in daemons:
             if d.poll() is None:
@@ -338,26 +402,34 @@ class Bench:
                 "loop_messages": sum(v["messages"] for v in per_stream.values()
                                      if v["by"] == "loop")}
 
-    async def ceiling(self, nc, pattern: dict[str, dict[str, Any]], total: int) -> dict[str, Any]:
+    async def ceiling(self, nc, pattern: dict[str, dict[str, Any]], total: int,
+                      atomic: bool = False) -> dict[str, Any]:
         """The broker's rate for the loop's write pattern, on this server and sync setting:
-        pipelined publishes to as many streams as the loop wrote, in parallel, each stream with
-        its share of the messages, of the size and storage type that stream received."""
+        publishes to as many streams as the loop wrote, in parallel, each stream with its share
+        of the messages, of the size and storage type that stream received. Pipelined; or,
+        with `atomic`, in atomic batches of ATOMIC_BATCH (`allow_atomic`, one commit each),
+        ATOMIC_IN_FLIGHT batches in flight per stream."""
         loop = {name: v for name, v in pattern.items() if v["by"] == "loop"}
         weight = sum(v["messages"] for v in loop.values()) or 1
         tasks = []
         names = []
         counted = 0
         for i, (_, v) in enumerate(sorted(loop.items())):
-            stream, subject = f"IMPROVED_BENCH_CEILING_{i}", f"improved.bench.ceiling.{i}"
+            stream = f"IMPROVED_BENCH_CEILING_{'A' if atomic else 'P'}{i}"
+            subject = f"improved.bench.ceiling.{stream.lower()}"
             storage = jsapi.StorageType.FILE if v["file"] else jsapi.StorageType.MEMORY
             js = nc.jetstream(publish_async_max_pending=2000)
-            await js.add_stream(jsapi.StreamConfig(name=stream, subjects=[subject],
-                                                   storage=storage))
+            await js.add_stream(jsapi.StreamConfig(name=stream, subjects=[f"{subject}.>"],
+                                                   storage=storage, allow_atomic=atomic))
             names.append(stream)
             count = max(1, round(total * v["messages"] / weight))
             counted += count
             payload = os.urandom(v["mean_bytes"] // 2 + 1).hex().encode()[:v["mean_bytes"]]
-            tasks.append(self._publish_many(js, subject, payload, count))
+            if atomic:
+                tasks += [self._batches(nc, f"{subject}.{k}", payload, count // ATOMIC_IN_FLIGHT)
+                          for k in range(ATOMIC_IN_FLIGHT)]
+            else:
+                tasks.append(self._publish_many(js, f"{subject}.p", payload, count))
         started = time.perf_counter()
         await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - started
@@ -365,12 +437,32 @@ class Bench:
         for stream in names:
             await js.delete_stream(stream)
         return {"messages_per_s": round(counted / elapsed), "messages": counted,
-                "streams": len(names), "storage_mirrors_the_loop": True}
+                "streams": len(names), "storage_mirrors_the_loop": True,
+                "pattern": (f"atomic batches of {ATOMIC_BATCH}, {ATOMIC_IN_FLIGHT} in flight "
+                            "per stream" if atomic else "pipelined")}
 
     @staticmethod
     async def _publish_many(js, subject: str, payload: bytes, count: int) -> None:
         futures = [await js.publish_async(subject, payload) for _ in range(count)]
         await asyncio.gather(*futures)
+
+    @staticmethod
+    async def _batches(nc, subject: str, payload: bytes, count: int) -> None:
+        """`count` messages in atomic batches of ATOMIC_BATCH, one batch after the other: each
+        message but the last published with the batch headers, the last one committing it and
+        waiting for its PubAck (ADR-50)."""
+        for start in range(0, count, ATOMIC_BATCH):
+            size = min(ATOMIC_BATCH, count - start)
+            batch = nc.new_inbox().rsplit(".", 1)[-1]
+            for seq in range(1, size):
+                await nc.publish(subject, payload, headers={
+                    "Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(seq)})
+            reply = await nc.request(subject, payload, timeout=30, headers={
+                "Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(size),
+                "Nats-Batch-Commit": "1"})
+            ack = msgspec.json.decode(reply.data)
+            if "error" in ack:
+                raise RuntimeError(f"atomic batch refused: {ack['error']}")
 
     # -- the run ----------------------------------------------------------------------------------
 
@@ -384,10 +476,9 @@ class Bench:
         nc = await bus.connect(url, "improved-bench")
         service = await bus.connect(url, "improved-bench-applier")  # the owning service's own
         try:
-            mix = parse_mix(a.mix)
             t0 = int(time.time() * 1000)
-            kinds = random.Random(7).choices(list(mix), weights=list(mix.values()), k=a.n)
-            proposals = [make_proposal(k, i, t0) for i, k in enumerate(kinds)]
+            kinds = random.Random(7).choices(list(self.mix), weights=list(self.mix.values()),
+                                             k=a.n)
             self.start_daemons(url, a.replicas)
             await self.wait_ready(nc)
             applier: InstantApplier | StoreApplier
@@ -401,29 +492,37 @@ class Bench:
             before = await self.streams(js)
             applier_streams = {name for name in before if name.startswith("KV_")
                                and name.removeprefix("KV_").endswith(f"_{SVC}")}
-            result = await self.drive(nc, proposals, kinds, a.concurrency)
+            cpu_before = self.cpu()
+            result = await self.drive(nc, url, kinds, t0, 1, concurrency=a.concurrency)
+            cpu_after = self.cpu()
+            per = 1000 / max(result["completed"], 1)
+            result["cpu_ms_per_proposal"] = {
+                **{who: round((cpu_after[who] - s) * per, 3) for who, s in cpu_before.items()},
+                "publisher": round(self.publisher_cpu_s.get(1, float("nan")) * per, 3)}
             result["writes"] = await self.writes(js, before, result["completed"],
                                                  applier_streams)
             total = min(max(result["writes"]["loop_messages"], 4000), 20000)
             ceiling = await self.ceiling(nc, result["writes"]["streams"], total)
-            result["broker"] = {"ceiling": ceiling,
+            atomic = await self.ceiling(nc, result["writes"]["streams"], total, atomic=True)
+            loop_writes_per_s = result["writes"]["loop_messages"] / result["elapsed_s"]
+            result["broker"] = {"ceiling": ceiling, "atomic_ceiling": atomic,
                                 "sync": "external server" if a.nats else a.sync,
                                 "records_storage": a.records}
             result["ratio_transitions_to_ceiling"] = round(
                 result["audited_transitions_per_s"] / ceiling["messages_per_s"], 3)
-            loop_writes_per_s = result["writes"]["loop_messages"] / result["elapsed_s"]
             result["ratio_loop_writes_to_ceiling"] = round(
                 loop_writes_per_s / ceiling["messages_per_s"], 3)
+            result["ratio_loop_writes_to_atomic_ceiling"] = round(
+                loop_writes_per_s / atomic["messages_per_s"], 3)
             result["duplicate_applies"] = sum(1 for c in applier.orders.values() if c > 1)
             result["applier"] = {"name": applier.NAME, "label": applier.LABEL,
                                  "verifies_acceptance": bool(a.verify_acceptance),
                                  "refused": applier.refused}
-            result["verify"] = await self.verify_and_rebuild(nc)
+            result["verify"] = await self.verify_and_rebuild(url)
             result["peak_rss_mb"] = [round(peak_rss_mb(d.pid), 1) for d in self.daemons]
             if a.paced:
-                rate = result["proposals_per_s"] / 2
-                paced = await self.paced(nc, rate, t0 + a.n + 1)
-                result["paced_half_peak"] = paced
+                result["paced"] = await self.paced(nc, url, result["proposals_per_s"], t0,
+                                                   a.n + 1)
             result["machine"] = machine()
             return result
         finally:
@@ -482,32 +581,29 @@ class Bench:
         await js.publish(S.GRANTS, to_json(env))
         await until("the grant", lambda: store.grant_active(identity, int(time.time() * 1000)))
 
-    async def drive(self, nc, proposals, kinds, concurrency: int) -> dict[str, Any]:
-        js = nc.jetstream(publish_async_max_pending=max(concurrency * 2, 256))
-        tracks: dict[str, Track] = {}
-        ids = [propose.identify(p)[0] for p in proposals]
-        kind_of = dict(zip(ids, kinds, strict=True))
+    async def drive(self, nc, url: str, kinds: list[str], t0: int, first: int, *,
+                    concurrency: int | None = None, rate: float | None = None,
+                    ) -> dict[str, Any]:
+        """Publish `kinds` from the publisher process (closed loop at `concurrency`, or open
+        loop at `rate`) and watch every chain as it is written; stop the clock when the last
+        proposal's final trailer and outcome are read back."""
+        learn_back = bool(self.args.learn_back)
+        ids = [propose.identify(make_proposal(k, first + i, t0))[0] for i, k in enumerate(kinds)]
+        tracks = {pid: Track(kind) for pid, kind in zip(ids, kinds, strict=True)}
         done = asyncio.Event()
-        slots = asyncio.Semaphore(concurrency)
         finished = 0
         transitions = 0
         last: str | None = None
-        started = time.perf_counter()
-
-        async def approve(pid: str) -> None:
-            body = Review(proposal_id=pid, verdict="approve", principal=OPERATOR,
-                          reason="bench", at=int(time.time() * 1000))
-            env = signing.sign(signing.PAYLOAD_TYPES["review"], to_json(body), self.key)
-            await js.publish_async(S.inbound_review(SVC), to_json(env))
+        watch_started = time.perf_counter()
 
         async def on_trailer(msg) -> None:
-            nonlocal finished, transitions
+            nonlocal finished, transitions, last
             t = msgspec.json.decode(msg.data)
             track = tracks.get(t["proposal_id"])
             if track is None:
                 return
             transitions += 1
-            now = time.perf_counter()
+            now = time.time()
             # an approval and an order's dispatch (the intent before it) are kept apart, so
             # `apply` is the outcome and gate→apply spans the service's answer
             verdict = t.get("verdict")
@@ -515,47 +611,55 @@ class Bench:
             track.stages.setdefault(stage, t["at"])
             if t["to_stage"] == "triage" and track.decided is None:
                 track.decided = now
-            if t.get("cause") == "awaiting_operator" and track.kind == "l2":
-                await approve(t["proposal_id"])
-            status = {"apply": "applied" if t.get("verdict") == "applied" else None,
-                      "triage": "rejected" if t.get("verdict") == "reject" else None}.get(
-                t["to_stage"])
-            if status == FINAL[track.kind] and track.final is None:
+            applied = t["to_stage"] == "apply" and verdict == "applied"
+            if applied and track.applied is None:
+                track.applied = now
+            final = (t["to_stage"] == "learn-back"
+                     if learn_back and FINAL[track.kind] == "applied"
+                     else applied or (t["to_stage"] == "triage" and verdict == "reject"))
+            if final and track.final is None:
                 track.final = now
                 track.final_seq = t["seq"]
-                nonlocal last
                 last = t["proposal_id"]
                 finished += 1
-                slots.release()
-                progress(finished, len(proposals), started)
-                if finished == len(proposals):
+                if concurrency:
+                    progress(finished, len(ids), watch_started)
+                if finished == len(ids):
                     done.set()
 
-        async def feed() -> None:
-            for pid, p in zip(ids, proposals, strict=True):
-                await slots.acquire()
-                tracks[pid] = Track(kind_of[pid], time.perf_counter())
-                data = to_json(p)
-                await js.publish_async(S.inbound_proposal(SVC), data,
-                                       headers={"Nats-Msg-Id": S.message_id(pid, data)})
-
         sub = await nc.subscribe(f"{S.AUDIT}.{SVC}.*", cb=on_trailer)
-        feeder = asyncio.create_task(feed())
+        await nc.flush()
+        out = self.tmp / f"published-{first}.json"
+        plan = self.tmp / f"plan-{first}.json"
+        plan.write_text(json.dumps({
+            "url": url, "key": str(self.key_file), "kinds": kinds, "t0": t0, "first": first,
+            "concurrency": concurrency, "rate": rate, "learn_back": learn_back,
+            "timeout": self.args.timeout, "out": str(out)}))
+        publisher = self.spawn("publisher", "improved_reference.bench_publisher", str(plan))
         try:
             await asyncio.wait_for(done.wait(), timeout=self.args.timeout)
         except TimeoutError:
-            sys.stderr.write(f"\n  timed out with {finished}/{len(proposals)} final\n")
-        feeder.cancel()
-        seen = time.perf_counter()
+            sys.stderr.write(f"\n  timed out with {finished}/{len(ids)} final\n")
+        seen = time.time()
         durable = False
-        if last is not None and finished == len(proposals):
+        if last is not None and finished == len(ids):
             durable = await self.read_back(nc, last, tracks[last])
-        end = time.perf_counter()
-        elapsed = end - started
+        end = time.time()
         await sub.unsubscribe()
+        await asyncio.get_running_loop().run_in_executor(None, self.reap, publisher)
+        report = json.loads(out.read_text()) if out.exists() else {}
+        published: dict[str, float] = report.get("published", {})
+        self.publisher_cpu_s[first] = report.get("cpu_s", float("nan"))
+        for pid, at in published.items():
+            tracks[pid].published = at
+        started = min(published.values(), default=end)
+        elapsed = max(end - started, 1e-9)
         ms = 1000.0
-        e2e = [(t.final - t.published) * ms for t in tracks.values() if t.final]
-        to_decision = [(t.decided - t.published) * ms for t in tracks.values() if t.decided]
+
+        def since_publish(attr: str, kind: str | None = None) -> list[float]:
+            return [(getattr(t, attr) - t.published) * ms for t in tracks.values()
+                    if getattr(t, attr) and t.published and (kind is None or t.kind == kind)]
+
         stage_lat = defaultdict(list)
         for t in tracks.values():
             s = t.stages
@@ -565,26 +669,30 @@ class Bench:
                 stage_lat["gate→apply"].append(s["apply"] - s.get("approve", s["triage"]))
             if "approve" in s and "triage" in s:
                 stage_lat["defer→approve"].append(s["approve"] - s["triage"])
-
-        def lat(values):
-            return {"p50_ms": round(percentile(values, 50), 2),
-                    "p99_ms": round(percentile(values, 99), 2), "n": len(values)}
-
+        by_kind = {kind: {"publish→decision": lat(since_publish("decided", kind)),
+                          "publish→applied": lat(since_publish("applied", kind))}
+                   for kind in sorted(set(kinds))}
         return {
-            "proposals": len(proposals), "concurrency": concurrency,
-            "replicas": self.args.replicas, "mix": Counter(kinds),
+            "proposals": len(ids), "concurrency": concurrency, "rate": rate,
+            "replicas": self.args.replicas, "mix": Counter(kinds), "learn_back": learn_back,
             "completed": finished, "elapsed_s": round(elapsed, 3),
-            "clock_stop": ("the last proposal's final trailer read back from "
-                           f"{S.STREAM_AUDIT} and its retained outcome from {S.STREAM_RECORDS}"
-                           if durable else "the timeout or the last final trailer seen: "
-                           "not every outcome was read back (the run fails)"),
+            "clock_stop": ("the last proposal's final trailer "
+                           + ("(its learn-back signal, or its rejection) " if learn_back else "")
+                           + f"read back from {S.STREAM_AUDIT} and its retained outcome from "
+                           f"{S.STREAM_RECORDS}" if durable else
+                           "the timeout or the last final trailer seen: not every outcome was "
+                           "read back (the run fails)"),
+            "clock_start": "the publisher process's first publish",
             "durable_read_back": durable,
             "seen_to_read_back_ms": round((end - seen) * 1000, 2),
             "proposals_per_s": round(finished / elapsed, 1),
             "audited_transitions": transitions,
             "audited_transitions_per_s": round(transitions / elapsed, 1),
-            "latency": {"publish→decision": lat(to_decision), "publish→final": lat(e2e),
+            "latency": {"publish→decision": lat(since_publish("decided")),
+                        "publish→applied": lat(since_publish("applied")),
+                        "publish→final": lat(since_publish("final")),
                         **{k: lat(v) for k, v in stage_lat.items()}},
+            "latency_by_kind": by_kind,
         }
 
     async def read_back(self, nc, pid: str, track: Track) -> bool:
@@ -611,86 +719,46 @@ class Bench:
             await asyncio.sleep(0.001)
         return False
 
-    async def paced(self, nc, rate: float, t0: int) -> dict[str, Any]:
-        """Publish→decision latency at a fixed rate (half the measured peak)."""
-        n = max(int(rate * 5), 200)
-        proposals = [make_proposal("l0", i, t0 + i) for i in range(n)]
-        ids = [propose.identify(p)[0] for p in proposals]
-        sent: dict[str, float] = {}
-        decided: dict[str, float] = {}
-        done = asyncio.Event()
+    async def paced(self, nc, url: str, peak: float, t0: int, first: int) -> list[dict]:
+        """The same mix published at a fixed rate, at 25, 50 and 90 % of the measured peak:
+        publish→decision and publish→applied, in all and by class."""
+        out = []
+        for share in PACED_SHARES:
+            rate = max(peak * share, 1.0)
+            n = max(int(rate * PACED_SECONDS), 50)
+            kinds = random.Random(first).choices(list(self.mix), weights=list(self.mix.values()),
+                                                 k=n)
+            r = await self.drive(nc, url, kinds, t0, first, rate=rate)
+            first += n
+            out.append({"share_of_peak": share, "rate_per_s": round(rate, 1), "proposals": n,
+                        "completed": r["completed"], "latency": r["latency"],
+                        "latency_by_kind": r["latency_by_kind"]})
+        return out
 
-        async def on_trailer(msg) -> None:
-            t = msgspec.json.decode(msg.data)
-            pid = t["proposal_id"]
-            if t["to_stage"] == "triage" and pid in sent and pid not in decided:
-                decided[pid] = time.perf_counter()
-                if len(decided) == n:
-                    done.set()
-
-        sub = await nc.subscribe(f"{S.AUDIT}.{SVC}.*", cb=on_trailer)
-        js = nc.jetstream()
-        interval = 1.0 / rate
-        start = time.perf_counter()
-        for i, (pid, p) in enumerate(zip(ids, proposals, strict=True)):
-            delay = start + i * interval - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            sent[pid] = time.perf_counter()
-            data = to_json(p)
-            await js.publish_async(S.inbound_proposal(SVC), data,
-                                   headers={"Nats-Msg-Id": S.message_id(pid, data)})
+    async def verify_and_rebuild(self, url: str) -> dict[str, Any]:
+        """`improved audit verify` (the whole log, from the first trailer) and `improved audit
+        rebuild`, run as an operator runs them, timed from start to exit: reading the log is
+        part of the figure."""
+        loop = asyncio.get_running_loop()
+        nc = await bus.connect(url, "improved-bench-count")
         try:
-            await asyncio.wait_for(done.wait(), timeout=self.args.timeout)
-        except TimeoutError:
-            pass
-        await sub.unsubscribe()
-        lats = [(decided[p] - sent[p]) * 1000 for p in decided]
-        return {"rate_per_s": round(rate, 1), "proposals": n, "decided": len(decided),
-                "publish→decision_p50_ms": round(percentile(lats, 50), 2),
-                "publish→decision_p99_ms": round(percentile(lats, 99), 2)}
-
-    def chain_trust(self) -> evidence.ChainTrust:
-        """What an auditor of this run trusts: the daemons' key, the bench operator's key."""
-        daemon = keys.load_key(self.tmp / "daemon" / "checkpoint.pem")
-        own = signing.keyid_of(signing.raw_public(daemon.public_key()))
-        public = base64.b64encode(signing.raw_public(self.key.public_key())).decode()
-        keyset = evidence.KeySet.from_config({OPERATOR: public}, {})
-        return evidence.ChainTrust(frozenset({own}), evidence.History(fallback=keyset))
-
-    async def verify_and_rebuild(self, nc) -> dict[str, Any]:
-        """Read every chain once, verify it, and rebuild every record from its chain alone."""
-        from improved.core.propose import rebuild_record
-
-        store = Store(nc)
-        started = time.perf_counter()
-        chains = await store.all_chains()
-        read_s = time.perf_counter() - started
-        n = sum(len(c) for c in chains.values())
-        started = time.perf_counter()
-        linked = {key: audit.verify_links(key[1], c) for key, c in chains.items()}
-        verify_s = time.perf_counter() - started
-        trust = self.chain_trust()
-        started = time.perf_counter()
-        broken = sum(1 for key, c in chains.items()
-                     if linked[key] or audit.verify_writers(key[1], c, trust))
-        writers_s = time.perf_counter() - started
-        decoder = msgspec.json.Decoder(audit.Trailer)
-        proposals = {(svc, pid): c for (svc, pid), c in chains.items() if svc == SVC}
-        started = time.perf_counter()
-        statuses: Counter[str] = Counter()
-        for bodies in proposals.values():
-            trailers = [decoder.decode(msgspec.json.encode(b)) for b in bodies]
-            statuses[rebuild_record(trailers, list(range(1, len(trailers) + 1)),
-                                    Policy()).status] += 1
-        rebuild_s = time.perf_counter() - started
-        rebuilt = sum(len(c) for c in proposals.values())
-        return {"trailers": n, "chains": len(chains), "broken": broken,
-                "read_s": round(read_s, 3),
-                "verify_trailers_per_s": round(n / max(verify_s, 1e-9)),
-                "verify_writers_per_s": round(n / max(writers_s, 1e-9)),
-                "rebuild_trailers_per_s": round(rebuilt / max(rebuild_s, 1e-9)),
-                "rebuilt_statuses": dict(statuses)}
+            info = await nc.jetstream().stream_info(S.STREAM_AUDIT)
+        finally:
+            await bus.close(nc)
+        trailers = info.state.messages
+        out: dict[str, Any] = {"trailers": trailers}
+        for what in ("verify", "rebuild"):
+            argv = [sys.executable, "-m", "improved.cli", "--log-level", "warning", "audit",
+                    what, "--nats", url]
+            started = time.perf_counter()
+            done = await loop.run_in_executor(None, lambda argv=argv: subprocess.run(
+                argv, env={**os.environ, "IMPROVED_CONFIG": str(self.config)},
+                capture_output=True, text=True, timeout=600))
+            elapsed = time.perf_counter() - started
+            out[what] = {"s": round(elapsed, 2), "exit": done.returncode,
+                         "trailers_per_s": round(trailers / max(elapsed, 1e-9)),
+                         "said": (done.stdout.strip().splitlines() or [""])[-1][:200]}
+        return out
 
 
 def machine() -> dict[str, Any]:
@@ -706,14 +774,18 @@ def machine() -> dict[str, Any]:
 
 
 def table(r: dict[str, Any]) -> str:
+    b = r["broker"]
     lines = [
         f"machine              {r['machine']['cpu']} ({r['machine']['cores']} cores), "
         f"python {r['machine']['python']}",
         f"proposals            {r['completed']}/{r['proposals']} at concurrency "
-        f"{r['concurrency']}, {r['replicas']} daemon(s), mix {dict(r['mix'])}",
+        f"{r['concurrency']}, {r['replicas']} daemon(s), mix {dict(r['mix'])}, published by "
+        "a separate process"
+        + (", one independent learn-back signal per applied proposal" if r["learn_back"]
+           else ", no learn-back signals"),
         f"applier              {r['applier']['label']}",
         f"end to end           {r['proposals_per_s']:,.1f} proposals/s (applier "
-        f"{r['applier']['name']}; clock stopped on {r['clock_stop']}, "
+        f"{r['applier']['name']}; clock from {r['clock_start']} to {r['clock_stop']}, "
         f"{r['seen_to_read_back_ms']} ms after it was seen)",
         f"audited transitions  {r['audited_transitions_per_s']:,.1f}/s "
         f"({r['audited_transitions']} trailers)",
@@ -721,26 +793,36 @@ def table(r: dict[str, Any]) -> str:
         f"with sync always), {r['writes']['fsyncd_loop_per_proposal']} of them by the loop: "
         + ", ".join(f"{name} {v['per_proposal']}{'' if v['file'] else ' (memory)'}"
                     for name, v in sorted(r["writes"]["streams"].items())),
-        f"ceiling              {r['broker']['ceiling']['messages_per_s']:,}/s pipelined to "
-        f"{r['broker']['ceiling']['streams']} streams in parallel (the loop's streams, message "
-        f"sizes and storage), same run, sync {r['broker']['sync']}, retained records in "
-        f"{r['broker']['records_storage']}",
-        f"loop / ceiling       {r['ratio_transitions_to_ceiling']:.1%} audited transitions, "
-        f"{r['ratio_loop_writes_to_ceiling']:.1%} the loop's own writes to those streams",
+        "CPU per proposal     " + ", ".join(f"{who} {ms:.2f} ms"
+                                            for who, ms in r["cpu_ms_per_proposal"].items()),
+        f"ceiling              {b['ceiling']['messages_per_s']:,}/s pipelined, "
+        f"{b['atomic_ceiling']['messages_per_s']:,}/s in {b['atomic_ceiling']['pattern']}; to "
+        f"{b['ceiling']['streams']} streams in parallel (the loop's streams, message sizes and "
+        f"storage), same run, sync {b['sync']}, retained records in {b['records_storage']}",
+        f"loop / ceiling       {r['ratio_loop_writes_to_ceiling']:.1%} of the pipelined, "
+        f"{r['ratio_loop_writes_to_atomic_ceiling']:.1%} of the atomic-batch ceiling (the "
+        f"loop's own writes to those streams); audited transitions "
+        f"{r['ratio_transitions_to_ceiling']:.1%} of the pipelined",
     ]
     for name, v in r["latency"].items():
         lines.append(f"{name:<21}p50 {v['p50_ms']:8.2f} ms   p99 {v['p99_ms']:8.2f} ms   "
                      f"(n={v['n']})")
-    if "paced_half_peak" in r:
-        p = r["paced_half_peak"]
-        lines.append(f"at half peak         {p['rate_per_s']}/s: publish→decision p50 "
-                     f"{p['publish→decision_p50_ms']} ms, p99 {p['publish→decision_p99_ms']} ms")
+    for p in r.get("paced", []):
+        lines.append(f"paced {p['share_of_peak']:.0%} of peak   {p['rate_per_s']}/s, "
+                     f"{p['completed']}/{p['proposals']} done:")
+        for kind, v in p["latency_by_kind"].items():
+            d, a = v["publish→decision"], v["publish→applied"]
+            lines.append(f"  {kind:<7}            decision p50 {d['p50_ms']:7.2f} p99 "
+                         f"{d['p99_ms']:7.2f} ms"
+                         + (f"   applied p50 {a['p50_ms']:7.2f} p99 {a['p99_ms']:7.2f} ms"
+                            if a["n"] else ""))
     v = r["verify"]
     lines += [
-        f"audit verify         {v['verify_trailers_per_s']:,} trailers/s hashes and links, "
-        f"{v['verify_writers_per_s']:,}/s daemon signatures and signed acts "
-        f"({v['trailers']} trailers, {v['chains']} chains, {v['broken']} broken)",
-        f"rebuild              {v['rebuild_trailers_per_s']:,} trailers/s",
+        f"audit verify (CLI)   {v['verify']['trailers_per_s']:,} trailers/s, whole log from "
+        f"the first trailer, read included ({v['trailers']} trailers in "
+        f"{v['verify']['s']} s, exit {v['verify']['exit']})",
+        f"audit rebuild (CLI)  {v['rebuild']['trailers_per_s']:,} trailers/s "
+        f"({v['rebuild']['s']} s, exit {v['rebuild']['exit']})",
         f"duplicate applies    {r['duplicate_applies']}",
         "acceptance           "
         + ("verified on the audit chain for every order "

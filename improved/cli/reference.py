@@ -29,13 +29,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser(
         "bench", help="measure the loop against the broker's own limit",
         description="Start (or connect to) NATS, daemon process(es) and a reference applier; "
-                    "drive N proposals at concurrency C through the whole loop (a mix of L0, "
-                    "L3 with a grant, L2 approved by a signing bench operator, and proposals "
-                    "rejected at triage); report end-to-end proposals/s with the clock stopped "
-                    "when the last outcome is read back from JetStream, audited transitions/s, "
-                    "p50/p99 per stage, the writes per proposal, the broker's ceiling for the "
-                    "loop's write pattern measured in the same run, audit verify and rebuild "
-                    "rates, and the daemons' peak RSS. Nothing is left under the temp dir.")
+                    "from a separate publisher process, drive N proposals at concurrency C "
+                    "through the whole loop (a mix of L0, L3 with a grant, L2 approved by a "
+                    "signing bench operator, and proposals rejected at triage; one independent "
+                    "learn-back signal per applied proposal); report end-to-end proposals/s "
+                    "with the clock stopped when the last outcome is read back from JetStream, "
+                    "audited transitions/s, p50/p99 per stage, the writes per proposal, CPU "
+                    "per proposal of the daemon, the broker, the applier and the publisher, "
+                    "the broker's ceiling for the loop's write pattern (pipelined and in "
+                    "atomic batches) measured in the same run, `audit verify` and `audit "
+                    "rebuild` timed through the CLI, and the daemons' peak RSS. Nothing is "
+                    "left under the temp dir.")
     bench.add_argument("--nats", metavar="URL", help="use this server instead of an embedded one")
     bench.add_argument("-n", type=int, default=2000, help="proposals (2000)")
     bench.add_argument("-c", "--concurrency", type=int, default=200,
@@ -56,7 +60,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="the applier checks every order's acceptance on the audit chain "
                             "first, as an L2+ conformant service does")
     bench.add_argument("--paced", action="store_true",
-                       help="also measure publish→decision latency at half the peak rate")
+                       help="also publish the mix at 25, 50 and 90%% of the measured peak "
+                            "rate and report publish→decision and publish→applied by class")
+    bench.add_argument("--no-learn-back", dest="learn_back", action="store_false",
+                       help="send no learn-back signals (the loop then ends at the apply)")
     bench.add_argument("--timeout", type=float, default=300.0, help="give up after (300 s)")
     bench.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     bench.set_defaults(func=lambda args: reference_command("bench")(args))

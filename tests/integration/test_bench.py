@@ -46,6 +46,18 @@ def test_a_short_bench_reports_durable_figures_and_leaves_no_temp_dir(tmp_path, 
         1 for v in streams.values() if v["by"] == "loop")
     assert r["broker"]["ceiling"]["messages_per_s"] > 0
     assert 0 < r["ratio_transitions_to_ceiling"]
+    # the whole loop: a learn-back signal per applied proposal, published by another process
+    assert r["learn_back"] is True
+    assert "learn-back" in r["clock_stop"]
+    assert streams["IMPROVE_IN"]["per_proposal"] > 1  # the proposals and their signals
+    assert set(r["cpu_ms_per_proposal"]) == {"daemon", "broker", "applier and clock",
+                                             "publisher"}
+    assert all(ms > 0 for ms in r["cpu_ms_per_proposal"].values())
+    assert r["broker"]["atomic_ceiling"]["messages_per_s"] > 0
+    assert "atomic batches" in r["broker"]["atomic_ceiling"]["pattern"]
+    # verify and rebuild ran as an operator runs them, and found the log whole
+    assert r["verify"]["verify"]["exit"] == 0 and r["verify"]["rebuild"]["exit"] == 0
+    assert r["verify"]["trailers"] >= r["audited_transitions"]
     applier_streams = {name for name, v in streams.items() if v["by"] == "applier"}
     if applier == "ranking":  # the reference stores persisted every apply
         assert {"KV_skillapplies_bench", "KV_rank_bench"} <= applier_streams
@@ -74,3 +86,20 @@ def test_an_interrupted_bench_stops_everything_and_leaves_no_temp_dir(tmp_path):
     assert "interrupted" in err
     assert list(temp.iterdir()) == []
     assert not [line for line in os.popen(f"ps -eo args | grep -F '{temp}' | grep -v grep")]
+
+
+def test_paced_runs_report_latency_by_class_at_three_shares_of_the_peak(tmp_path):
+    out = tmp_path / "bench.json"
+    temp, argv, kw = bench(tmp_path, "-n", "40", "-c", "20", "--paced", "--no-learn-back",
+                           "--mix", "l0=0.3,l3=0.4,l2=0.2,reject=0.1", "--json", str(out))
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=170, **kw)
+    assert result.returncode == 0, result.stdout + result.stderr
+    r = json.loads(out.read_text())
+    assert r["learn_back"] is False and "learn-back" not in r["clock_stop"]
+    assert [p["share_of_peak"] for p in r["paced"]] == [0.25, 0.5, 0.9]
+    for p in r["paced"]:
+        assert p["completed"] == p["proposals"]
+        assert p["latency_by_kind"]["l3"]["publish→applied"]["n"] > 0
+        assert p["latency_by_kind"]["reject"]["publish→applied"]["n"] == 0
+    assert "paced 50% of peak" in result.stdout
+    assert list(temp.iterdir()) == []

@@ -1,0 +1,120 @@
+"""The mesh side of `improved bench`, in a process of its own: it publishes the proposals through
+JetStream, signs the operator's approval of each L2 proposal when the daemon asks for it, and
+sends one independent learn-back signal for each applied proposal, as the mesh would. The
+bench's own process (the owning service and the clock) shares no event loop with it.
+
+Either closed loop (`concurrency`: at most that many proposals unfinished at once) or open loop
+(`rate`: proposals per second, whatever the daemon does). A proposal is finished when its last
+trailer is written: the learn-back trailer of its signal for an applied one (or the apply when
+signals are off), the rejection for a rejected one.
+
+Run as `python -m improved_reference.bench_publisher PLAN.json`; it writes to the plan's `out`
+the wall-clock time (time.time()) each proposal was published at, by id, and the CPU seconds
+it used from its first publish to its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from cryptography.hazmat.primitives import serialization
+
+from improved.core import propose, signing
+from improved.protocol import subjects as S
+from improved.protocol.model import Review, Signal, to_json
+from improved.runtime import bus
+from improved_reference.bench import FINAL, OPERATOR, SVC, make_proposal
+
+OBSERVER = "mcp:bench-observer:1"  # the learn-back signals' actor: never a proposer
+
+
+async def publish(plan: dict[str, Any], key: Any) -> dict[str, Any]:
+    nc = await bus.connect(plan["url"], "improved-bench-mesh")
+    js = nc.jetstream(publish_async_max_pending=4096)
+    kinds: list[str] = plan["kinds"]
+    proposals = [make_proposal(k, plan["first"] + i, plan["t0"]) for i, k in enumerate(kinds)]
+    ids = [propose.identify(p)[0] for p in proposals]
+    kind_of = dict(zip(ids, kinds, strict=True))
+    published: dict[str, float] = {}
+    finished: set[str] = set()
+    done = asyncio.Event()
+    slots = asyncio.Semaphore(plan.get("concurrency") or len(ids))
+    pending: set[asyncio.Future] = set()
+
+    def keep(future) -> None:
+        pending.add(future)
+        future.add_done_callback(pending.discard)
+
+    async def on_trailer(msg) -> None:
+        t = msgspec.json.decode(msg.data)
+        pid = t.get("proposal_id")
+        kind = kind_of.get(pid)
+        if kind is None or pid in finished:
+            return
+        if t.get("cause") == "awaiting_operator" and kind == "l2":
+            review = Review(proposal_id=pid, verdict="approve", principal=OPERATOR,
+                            reason="bench", at=int(time.time() * 1000))
+            env = signing.sign(signing.PAYLOAD_TYPES["review"], to_json(review), key)
+            keep(await js.publish_async(S.inbound_review(SVC), to_json(env)))
+            return
+        applied = t["to_stage"] == "apply" and t.get("verdict") == "applied"
+        rejected = t["to_stage"] == "triage" and t.get("verdict") == "reject"
+        if applied and plan["learn_back"]:
+            signal = Signal(kind="metric", actor=OBSERVER, service=SVC, positive=True,
+                            at=int(time.time() * 1000), proposal_id=pid,
+                            name="bench_quality", value=1.0)
+            data = to_json(signal)
+            digest = propose.signal_digest(signal)
+            keep(await js.publish_async(S.inbound_outcome(SVC), data,
+                                        headers={"Nats-Msg-Id": S.message_id(digest, data)}))
+            return
+        last = (t["to_stage"] == "learn-back" if plan["learn_back"] and FINAL[kind] == "applied"
+                else applied or rejected)
+        if last:
+            finished.add(pid)
+            slots.release()
+            if len(finished) == len(ids):
+                done.set()
+
+    sub = await nc.subscribe(f"{S.AUDIT}.{SVC}.*", cb=on_trailer)
+    await nc.flush()
+    cpu_start = time.process_time()
+    interval = 1.0 / plan["rate"] if plan.get("rate") else 0.0
+    start = time.perf_counter()
+    for i, (pid, p) in enumerate(zip(ids, proposals, strict=True)):
+        if interval:
+            delay = start + i * interval - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        await slots.acquire()
+        published[pid] = time.time()
+        data = to_json(p)
+        keep(await js.publish_async(S.inbound_proposal(SVC), data,
+                                    headers={"Nats-Msg-Id": S.message_id(pid, data)}))
+    try:
+        await asyncio.wait_for(done.wait(), timeout=plan["timeout"])
+    except TimeoutError:
+        pass
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+    cpu_s = time.process_time() - cpu_start
+    await sub.unsubscribe()
+    await bus.close(nc)
+    return {"published": published, "cpu_s": cpu_s}
+
+
+def main(argv: list[str]) -> int:
+    plan = json.loads(Path(argv[0]).read_text())
+    key = serialization.load_pem_private_key(Path(plan["key"]).read_bytes(), password=None)
+    Path(plan["out"]).write_text(json.dumps(asyncio.run(publish(plan, key))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
