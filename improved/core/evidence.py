@@ -43,9 +43,16 @@ _DOMAIN: Final = b"improved trailer v1\n"  # what a daemon signs: this, then the
 
 def sign(trailer: Trailer, key: Ed25519PrivateKey) -> Trailer:
     """The trailer with `sig`: the daemon's public key and its signature over the hash."""
-    public = base64.b64encode(signing.raw_public(key.public_key())).decode()
     sig = base64.b64encode(key.sign(_DOMAIN + bytes.fromhex(trailer.hash))).decode()
-    return msgspec.structs.replace(trailer, sig=f"{public}.{sig}")
+    return msgspec.structs.replace(trailer, sig=f"{_public_of(key)}.{sig}")
+
+
+@functools.lru_cache(maxsize=8)
+def _public_of(key: Ed25519PrivateKey) -> str:
+    """The base64 public key of a signing key (a daemon signs every trailer with one key)."""
+    return base64.b64encode(signing.raw_public(key.public_key())).decode()
+
+
 
 
 @functools.lru_cache(maxsize=64)

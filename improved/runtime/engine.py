@@ -150,6 +150,8 @@ class Engine:
         self._started: dict[str, float] = {}  # when handling of a proposal began
         # proposals whose retained records failed to publish after their chain moved
         self._unpublished: dict[str, str] = {}  # proposal id → service
+        # proposal id → the record whose retained records this process last published
+        self._shown: OrderedDict[str, ProposalRecord] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiters: dict[str, int] = {}
 
@@ -186,8 +188,9 @@ class Engine:
         future = propose.future_dated(proposal, now_ms())  # claims nothing; triage rejects it
         # Newer content that still stands under the key supersedes this one: then nothing of
         # this one is sent (decided below, before anything else carries it on).
+        seen: dict = {}  # the dedup head as `_standing_head` read it, when it did
         standing = (None if future or not dispatch  # without dispatch nothing is sent anyway
-                    else await self._standing_head(svc, dedup, pid, proposal))
+                    else await self._standing_head(svc, dedup, pid, proposal, seen))
         dispatch_now = dispatch and standing is None
 
         async def prepare() -> dict | None:
@@ -196,7 +199,9 @@ class Engine:
             on redelivery) and read the rejection ledger when the key was seen before."""
             if future:
                 return None
-            head = await self.store.set_dedup_head(svc, dedup, pid, proposal.created_at)
+            # a key just read as absent is most likely still absent: create without a read
+            head = await self.store.set_dedup_head(svc, dedup, pid, proposal.created_at,
+                                                   absent=seen.get("head", 0) is None)
             if head and head["proposal_id"] != pid:
                 claim["head"] = head
                 return await self.store.ledger_get(svc, dedup)
@@ -218,9 +223,10 @@ class Engine:
         return handled
 
     async def _standing_head(self, svc: str, dedup: str, pid: str,
-                             proposal: Proposal) -> str | None:
-        """The newer content under `dedup` that still supersedes `proposal`, if any."""
-        head = await self.store.dedup_head(svc, dedup)
+                             proposal: Proposal, seen: dict) -> str | None:
+        """The newer content under `dedup` that still supersedes `proposal`, if any; the head
+        read is left in `seen["head"]`."""
+        head = seen["head"] = await self.store.dedup_head(svc, dedup)
         if head is None or head["proposal_id"] == pid \
                 or (head["created_at"], head["proposal_id"]) < (proposal.created_at, pid):
             return None
@@ -476,6 +482,14 @@ class Engine:
         self._remember(record, rev)
         return record, rev
 
+    async def service_of(self, pid: str) -> str | None:
+        """The service whose chain holds `pid`: known here when this process holds its record
+        (it committed to that chain), else looked up on the audit stream."""
+        held = self._cache.get(pid)
+        if held is not None:
+            return held[0].service
+        return await self.store.service_of(pid)
+
     async def _truth(self, svc: str, pid: str) -> ProposalRecord | None:
         """A proposal's record as this process committed it or as its chain says; never the
         state bucket's word."""
@@ -494,14 +508,16 @@ class Engine:
         """After the chain moved: cache the record once and publish the retained records, both
         at the same time (the cache is rebuildable, so a lost save only costs a rebuild), and
         the review index entry when the operator's queue changed (`queue.change`: never for
-        an L0 proposal)."""
+        an L0 proposal). Of the retained records, only those that differ from what this
+        process last published for the proposal (`_shown`) are sent again; with nothing
+        shown here (another process's work, a restart) all of them are."""
         pid = record.proposal_id
         republish = republish or pid in self._unpublished
         jobs = []
         if record != before:
             jobs.append(self._save(record, rev))
         if record != before or republish:
-            jobs.append(self.publish(record))
+            jobs.append(self.publish(record, since=None if republish else self._shown.get(pid)))
         write = queue.change(before, record, republish)
         if write is not None:
             jobs.append(self.store.index(record.service, pid, write.entry))
@@ -511,8 +527,14 @@ class Engine:
             # the chain moved but what watchers read did not: whoever handles this proposal
             # next, or the next reconnect (`republish_unpublished`), publishes it again
             self._unpublished[pid] = record.service
+            self._shown.pop(pid, None)
             raise
         self._unpublished.pop(pid, None)
+        if record != before or republish:
+            self._shown[pid] = record
+            self._shown.move_to_end(pid)
+            while len(self._shown) > CACHE_SIZE:
+                self._shown.popitem(last=False)
         moved = queue.queued(record) - queue.queued(before)
         if moved:
             self.set_queue_size(self.queue_size + moved)
@@ -1108,17 +1130,21 @@ class Engine:
 
     # -- retained records ----------------------------------------------------------------------------
 
-    async def publish(self, record: ProposalRecord) -> None:
+    async def publish(self, record: ProposalRecord,
+                      since: ProposalRecord | None = None) -> None:
+        """Publish the retained records of `record`; with `since` (the record as its records
+        were last published), only those that changed since."""
         svc, pid = record.service, record.proposal_id
         jobs = [self.store.publish(S.proposal_state(svc, pid), state_of(record))]
-        if record.decision is not None:
+        if record.decision is not None and (since is None or record.decision != since.decision):
             jobs.append(self.store.publish(S.triage_decision(svc, pid), record.decision))
-        if record.outcome is not None:
+        if record.outcome is not None and (since is None or record.outcome != since.outcome):
             jobs.append(self.store.publish(S.apply_outcome(svc, pid), record.outcome))
         decided = quorum.quorum_record(record)
-        if decided is not None:
+        if decided is not None and (since is None or decided != quorum.quorum_record(since)):
             jobs.append(self.store.publish_once(S.quorum_record(pid), decided))
-        if len(record.signals) > len(record.proposal.signals or ()):
+        if len(record.signals) > len(record.proposal.signals or ()) and (
+                since is None or record.signals != since.signals):
             jobs.append(self.store.publish(S.learn_back(svc, pid),
                                            learnback.summary(record, record.updated_at)))
         await asyncio.gather(*jobs)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
 from typing import Any, TypeVar
@@ -55,9 +56,10 @@ from nats.js.errors import (
 from improved.client import chains
 from improved.core import audit, checkpoint, evidence, observe, queue
 from improved.core.audit import Draft
+from improved.core.authority import grant_covers
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
-from improved.protocol.model import IndexMarker, ReviewEntry, Trailer, to_json
+from improved.protocol.model import Grant, IndexMarker, ReviewEntry, Trailer, to_json
 
 log = structlog.get_logger("improved.store")
 T = TypeVar("T")
@@ -179,6 +181,7 @@ trailer_decoder = msgspec.json.Decoder(Trailer)
 review_entry_decoder = msgspec.json.Decoder(ReviewEntry)
 
 
+GRANT_MEMO_SIZE = 4096  # grant chains whose verified end each process remembers
 FOLLOW_BATCH = 512  # trailers a reader of the log pulls at once
 STATE_TTL_S = 3600.0  # the state cache keeps a record this long after its last write
 
@@ -285,6 +288,10 @@ class Store:
         self.signer: Ed25519PrivateKey | None = None  # the daemon key every trailer is signed with
         self.written: set[str] = set()  # hashes this process appended since the last checkpoint
         self.tombstone_ttl_s = TOMBSTONE_TTL_S
+        # identity → (the trust it was verified under, the chain's last trailer (stream
+        # sequence, hash), the grant that chain says): a chain re-read only when it has moved
+        self._grants: OrderedDict[str, tuple[Any, tuple[int, str], Grant | None]] = \
+            OrderedDict()
 
     async def ensure(self) -> list[str]:
         """Bring every stream, the inbound consumer and the buckets to this configuration and
@@ -456,9 +463,10 @@ class Store:
         return msgspec.json.decode(entry.value) if entry.value else None
 
     async def set_dedup_head(self, svc: str, dedup: str, pid: str,
-                             created_at: int) -> dict[str, Any] | None:
+                             created_at: int, absent: bool = False) -> dict[str, Any] | None:
         """Record `pid` as the newest content under `dedup` unless something newer is there;
-        return the head that was there before (None for a first proposal under the key)."""
+        return the head that was there before (None for a first proposal under the key).
+        With `absent` (the caller just read the key as absent) the create is tried first."""
         value = to_json({"proposal_id": pid, "created_at": created_at})
 
         def newest(current: bytes | None) -> tuple[bytes | None, dict[str, Any] | None]:
@@ -470,7 +478,7 @@ class Store:
             return value, head
 
         return await self.compare_and_set(self.dedup, S.BUCKET_DEDUP,
-                                          S.dedup_key_of(svc, dedup), newest)
+                                          S.dedup_key_of(svc, dedup), newest, absent=absent)
 
     async def compare_and_set(self, kv: Any, bucket: str, key: str,
                               decide: Callable[[bytes | None], tuple[bytes | None, T]], *,
@@ -885,8 +893,33 @@ class Store:
         """An active, unexpired grant for exactly `<name>:<sha256>`, as its verified grant
         chain says (never the retained record, never a lookup by name), read from the stream
         leader: a grant revoked a moment ago is never read as active here."""
-        return await chains.grant_active(self.js, identity, now_ms, trust,
-                                         chains.read_from_leader)
+        grant = await self._current_grant(identity, trust)
+        return (grant is not None and identity is not None
+                and grant_covers(grant, identity, now_ms))
+
+    async def _current_grant(self, identity: str | None,
+                             trust: audit.Authenticity | None) -> Grant | None:
+        """The grant the chain of `identity` says, read from the leader. The chain is read
+        and verified whole only when its last trailer (one read) is not the one it ended
+        with at the last whole read under the same trust: a grant chain only ever grows, so
+        a verified prefix stays verified and one read of its end says whether it grew."""
+        sha = identity.split(":", 1)[1] if identity and ":" in identity else ""
+        if not S.ID_RE.match(sha):
+            return None
+        try:
+            msg = await self.js.get_msg(S.STREAM_AUDIT, subject=S.grant_audit(sha))
+        except NotFoundError:
+            return None
+        end = (msg.seq or 0, msgspec.json.decode(msg.data or b"{}").get("hash", ""))
+        memo = self._grants.get(sha)
+        if memo is not None and memo[0] is trust and memo[1] == end:
+            self._grants.move_to_end(sha)
+            return memo[2]
+        grant = await chains.current_grant(self.js, identity, trust, chains.read_from_leader)
+        self._grants[sha] = (trust, end, grant)
+        while len(self._grants) > GRANT_MEMO_SIZE:
+            self._grants.popitem(last=False)
+        return grant
 
     # -- refusals --------------------------------------------------------------------------------
 

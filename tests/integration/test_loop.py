@@ -268,3 +268,30 @@ async def test_observe_turns_independent_regressions_into_a_surfaced_proposal(da
     state = await client.state(decision.proposal_id)
     assert state.summary_text == f"investigate 3 negative ctr signals on {target}"
     assert state.status == "pending"
+
+
+async def test_a_learn_back_signal_republishes_only_the_records_it_changes(daemon, nc, svc):
+    """After an apply, a signal changes the proposal's state and its learn-back record; the
+    decision and the outcome stay the messages they were (one retained message each, not one
+    per later transition), and they still read as before."""
+    from improved.protocol import subjects as S
+
+    store = await started_store(nc, svc)
+    client = MeshClient(nc, svc)
+    pid = (await client.propose(rank_proposal(svc, value=4.5))).proposal_id
+    await eventually(lambda: client.outcome(pid))
+    js = nc.jetstream()
+
+    async def seq(subject):
+        return (await js.get_msg(S.STREAM_RECORDS, subject=subject, direct=True)).seq
+
+    decision, outcome = await seq(S.triage_decision(svc, pid)), await seq(S.apply_outcome(svc, pid))
+    state = await seq(S.proposal_state(svc, pid))
+    await client.signal(signal(svc, CHECK[0], proposal_id=pid, kind="check"), key=CHECK[1])
+    summary = await eventually(lambda: client.learn_back(pid))
+    assert summary.signals_counted >= 1
+    assert await seq(S.proposal_state(svc, pid)) > state
+    assert await seq(S.triage_decision(svc, pid)) == decision
+    assert await seq(S.apply_outcome(svc, pid)) == outcome
+    assert (await client.outcome(pid)).ok and (await client.triage(pid)).verdict == "accept"
+    await store.stop()
