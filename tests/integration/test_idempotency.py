@@ -193,3 +193,46 @@ async def test_a_stopped_daemon_exits_zero_and_a_second_start_is_harmless(own_se
     assert codes == [0, 0]
     log = (tmp_path / "daemon.log").read_text()
     assert "Traceback" not in log, log
+
+
+@pytest.mark.timeout(60)
+async def test_a_message_held_past_the_ack_wait_is_kept_not_redelivered(own_server):
+    """An apply that takes longer than the inbound consumer's ack wait (5 s): the daemon tells
+    the broker the message is in progress, so it is never redelivered, and the service gets
+    one order."""
+    from improved.protocol.model import ApplyResult
+    from improved.runtime.config import ApplySettings
+    from improved.runtime.daemon import Daemon
+    from improved.runtime.store import INBOUND_ACK_WAIT_S
+    from tests.bus import daemon_config
+
+    conn = await bus.connect(own_server.url, "held-daemon")
+    daemon = Daemon(conn, daemon_config(apply=ApplySettings(timeout_s=15.0, attempts=1)))
+    nc = await bus.connect(own_server.url, "held-client")
+    svc = "heldsvc"
+    orders: Counter[str] = Counter()
+
+    async def slow(order) -> ApplyResult:
+        orders[order.proposal_id] += 1
+        await asyncio.sleep(INBOUND_ACK_WAIT_S + 2)
+        return ApplyResult(ok=True, applied_id="slow", inverse={"undo": 1}, rollbackable=True)
+
+    try:
+        await daemon.start()
+        client = MeshClient(nc, svc)
+        await client.serve_apply(slow)
+        proposal = rank_proposal(svc)
+        pid = propose.identify(proposal)[0]
+        data = to_json(proposal)  # through the inbound stream, as the mesh publishes
+        await nc.jetstream().publish(S.inbound_proposal(svc), data,
+                                     headers={"Nats-Msg-Id": S.message_id(pid, data)})
+        outcome = await eventually(lambda: client.outcome(pid), timeout=30)
+        assert outcome.ok
+        info = await nc.jetstream().consumer_info(S.STREAM_INBOUND, S.CONSUMER_INBOUND)
+        # every delivery numbers the consumer's sequence; a redelivery numbers one more
+        assert info.delivered.consumer_seq == info.delivered.stream_seq, info.delivered
+        assert orders == {pid: 1}
+    finally:
+        await daemon.stop()
+        await bus.close(conn)
+        await bus.close(nc)
