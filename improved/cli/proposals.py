@@ -91,8 +91,9 @@ class Shown:
     facts: dict[str, Any]
 
 
-async def shown(store: Store, text: str, config: Config) -> Shown:
-    """Read one proposal (its id or a unique prefix) as `improved show` shows it."""
+async def shown(store: Store, text: str, config: Config, readable: bool = True) -> Shown:
+    """Read one proposal (its id or a unique prefix) as `improved show` shows it; `readable`:
+    for a person, so the proposal it superseded is looked up too (`replaced`)."""
     from improved.core import evidence
     from improved.core.policy import Policy
     from improved.core.propose import rebuild_record
@@ -128,7 +129,7 @@ async def shown(store: Store, text: str, config: Config) -> Shown:
     if record is not None and view["chain"] != "verified" and \
             not view["chain"].startswith("hashes and links verified"):
         record = None  # a broken chain: nothing is looked up on its word
-    if record is not None:
+    if record is not None and readable:
         facts["replaced"] = await replaced(store, svc, record)
     return Shown(svc, pid, view, facts)
 
@@ -159,7 +160,8 @@ def _facts(record: Any) -> dict[str, Any]:
     }
 
 
-REPLACED_SCAN = 2000  # retained states of a service read, at most, to find what it replaced
+REPLACED_SCAN = 1000  # retained states of a service read, at most, to find what it replaced
+READ_AT_ONCE = 32
 
 
 async def replaced(store: Store, svc: str, record: Any) -> tuple[str, dict[str, Any]] | None:
@@ -177,15 +179,21 @@ async def replaced(store: Store, svc: str, record: Any) -> tuple[str, dict[str, 
                 if S.token(s, 3) != record.proposal_id]
     if not subjects or len(subjects) > REPLACED_SCAN:
         return None
-    found: list[tuple[int, str]] = []
-    for subject in subjects:
-        data = await store.last(subject)
+    limit = asyncio.Semaphore(READ_AT_ONCE)
+
+    async def same_key(subject: str) -> tuple[int, str] | None:
+        async with limit:
+            data = await store.last(subject)
         try:
             state = msgspec.json.decode(data) if data else None
         except msgspec.DecodeError:
-            continue
-        if isinstance(state, dict) and state.get("dedup_key") == record.dedup_key:
-            found.append((int(state.get("updated_at") or 0), str(S.token(subject, 3))))
+            return None
+        if not isinstance(state, dict) or state.get("dedup_key") != record.dedup_key:
+            return None
+        at = state.get("updated_at")
+        return (at if isinstance(at, int) else 0), str(S.token(subject, 3))
+
+    found = [f for f in await asyncio.gather(*(same_key(s) for s in subjects)) if f]
     for _, other in sorted(found, reverse=True):
         sequenced = await store.read_chain(svc, other)
         chain = [body for _, body in sequenced]
@@ -274,7 +282,7 @@ def text_wanted(args: argparse.Namespace) -> bool:
 
 async def _show(url: str | Target, text: str, config: Config, readable: bool) -> int:
     async with deployment(url) as store:
-        seen = await shown(store, text, config)
+        seen = await shown(store, text, config, readable)
     if readable:
         sys.stdout.write(render.show_text(seen.view, seen.facts))
     else:

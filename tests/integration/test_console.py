@@ -138,3 +138,13 @@ async def test_a_busy_port_is_one_line_and_exit_2():
     assert result.returncode == 2
     assert result.stderr == (f"improved console: port {port} on 127.0.0.1 is taken: stop what "
                              "listens there or give another --port\n")
+
+
+async def test_no_broker_is_one_line_and_exit_2():
+    from improved.runtime import bus
+
+    result = await asyncio.to_thread(improved, "console", "--port", "0", "--nats",
+                                     f"nats://127.0.0.1:{bus.free_port()}")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("improved: cannot reach NATS at nats://127.0.0.1:")
+    assert len(result.stderr.splitlines()) == 1
