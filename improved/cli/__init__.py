@@ -15,6 +15,7 @@
     improved conformance SERVICE
     improved tools list|grant RUNTIME …
     improved skill hash FILE
+    improved console [--port P] [--key FILE --principal operator:NAME]
 """
 
 from __future__ import annotations
@@ -22,14 +23,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from improved.cli import audit, authority, proposals, provision, reference, run, tools
+from improved.cli import (
+    audit,
+    authority,
+    console,
+    proposals,
+    provision,
+    reference,
+    run,
+    tools,
+)
 from improved.cli.common import configure_logging
 from improved.cli.errors import Failure, command_name
 from improved.runtime import bus, metrics
 from improved.runtime.config import ConfigError
 from improved.runtime.store import StoreError
 
-GROUPS = (run, provision, proposals, audit, authority, tools, reference)
+GROUPS = (run, provision, proposals, audit, authority, tools, console, reference)
 
 
 def parser() -> argparse.ArgumentParser:

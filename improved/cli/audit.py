@@ -7,8 +7,10 @@ import asyncio
 import dataclasses
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -21,6 +23,10 @@ from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
 from improved.runtime.bus import Target
 from improved.runtime.config import Config
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
@@ -59,8 +65,9 @@ async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
 
 
 async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path: Path | None,
-                      trusted: set[str], config: Config, archive_dir: Path | None = None
-                      ) -> int:
+                      trusted: set[str], config: Config, archive_dir: Path | None = None,
+                      say: Callable[[str], None] = print,
+                      note: Callable[[str], None] = _to_stderr) -> int:
     """The whole log, read once from its first trailer and verified as it streams by
     (`checkpointing.verify_since` from nothing, reading on past a broken chain): every chain,
     every checkpoint on the stream by its signature, key and root, and the checkpoint kept in
@@ -72,18 +79,17 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
     async with deployment(url, bind=False) as store:
         view = await store.audit_view()
         if view.created is None:
-            print(f"BROKEN the audit stream {S.STREAM_AUDIT} does not exist")
+            say(f"BROKEN the audit stream {S.STREAM_AUDIT} does not exist")
             for problem in [kept] if isinstance(kept, str) else \
                     [checkpoint.prefix_problem(kept, view, None, _KEPT)] if kept else []:
-                print(f"BROKEN {problem}")
+                say(f"BROKEN {problem}")
             return 1
         subject = S.trust_audit(evidence.TRUST_ID)
         trust = chain_trust([(seq, subject, body) for seq, body
                              in await store.read_chain_at(subject)], trusted, config)
         if not trusted:
-            print("note: no trusted daemon key (configure [trust] daemons, run where the "
-                  "daemon's key is, or pass --checkpoint): no trailer's writer can be trusted",
-                  file=sys.stderr)
+            note("note: no trusted daemon key (configure [trust] daemons, run where the "
+                 "daemon's key is, or pass --checkpoint): no trailer's writer can be trusted")
         seals, problems, claims = await _expected(store, view, kept, trust, trusted)
         last = seals[-1] if seals else None
         source, exported = None, 0
@@ -97,30 +103,30 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
         started = time.perf_counter()
         since = await checkpointing.verify_since(
             store, checkpointing.empty_base(view), view, trust, trusted, claims,
-            every_chain=True, report=lambda brk: print(f"BROKEN {brk}"), archived=last,
+            every_chain=True, report=lambda brk: say(f"BROKEN {brk}"), archived=last,
             source=source)
         problems += since.problems
         for problem in problems:
-            print(f"BROKEN {problem}")
-        _print_counts(since, time.perf_counter() - started)
+            say(f"BROKEN {problem}")
+        _print_counts(since, time.perf_counter() - started, say)
         if exported:
-            print(f"epochs 1..{exported} read from their export in {archive_dir}, each checked "
-                  "against its seal")
+            say(f"epochs 1..{exported} read from their export in {archive_dir}, each checked "
+                "against its seal")
         elif last is not None and view.messages is not None and view.messages < view.last_seq:
-            print(f"sealed epochs up to stream sequence {last.upto} are archived: what the "
-                  "stream still holds of them is verified; pass --archive DIR to verify them "
-                  "whole")
+            say(f"sealed epochs up to stream sequence {last.upto} are archived: what the "
+                "stream still holds of them is verified; pass --archive DIR to verify them "
+                "whole")
         if not problems:
             _, body = await store.chain_head(checkpointing.CP_SUBJECT)
             if body is not None:
                 cp = checkpoint.from_trailer(body)
-                print(f"checkpoint of {cp.count} trailers (signed by {cp.keyid[:20]}…, a "
-                      "trusted daemon key) holds: nothing it covered was removed, altered or "
-                      "reordered")
+                say(f"checkpoint of {cp.count} trailers (signed by {cp.keyid[:20]}…, a "
+                    "trusted daemon key) holds: nothing it covered was removed, altered or "
+                    "reordered")
             if isinstance(kept, Anchor):
-                print(f"checkpoint file {anchor_path} ({kept.count} trailers up to stream "
-                      f"sequence {kept.last_seq}) holds: the stream is the one it was signed "
-                      "over")
+                say(f"checkpoint file {anchor_path} ({kept.count} trailers up to stream "
+                    f"sequence {kept.last_seq}) holds: the stream is the one it was signed "
+                    "over")
         return 1 if problems or since.broken else 0
 
 
@@ -150,15 +156,15 @@ async def _expected(store, view, kept: Anchor | str | None, trust: evidence.Chai
     return seals, problems, claims
 
 
-def _print_counts(since, seconds: float) -> None:
+def _print_counts(since, seconds: float, say: Callable[[str], None] = print) -> None:
     ok = since.chains - since.broken
-    print(f"{ok}/{since.chains} chains verified, {since.read} trailers"
-          + (f", {since.broken} broken" if since.broken else ""))
+    say(f"{ok}/{since.chains} chains verified, {since.read} trailers"
+        + (f", {since.broken} broken" if since.broken else ""))
     reading = max(seconds - since.verify_s, 0.0)
-    print(f"read: {_rate(since.read, reading)}; hashes and links: "
-          f"{_rate(since.read, since.verify_s - since.writers_s)}; daemon signatures and "
-          f"signed acts: {_rate(since.read, since.writers_s)}; in all "
-          f"{_rate(since.read, seconds)}")
+    say(f"read: {_rate(since.read, reading)}; hashes and links: "
+        f"{_rate(since.read, since.verify_s - since.writers_s)}; daemon signatures and "
+        f"signed acts: {_rate(since.read, since.writers_s)}; in all "
+        f"{_rate(since.read, seconds)}")
 
 
 async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: set[str],
@@ -294,7 +300,9 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
 
 
 async def _verify_archived(url: str | Target, anchor_path: Path | None, trusted: set[str],
-                           config: Config, archive_dir: Path) -> int:
+                           config: Config, archive_dir: Path | None,
+                           say: Callable[[str], None] = print,
+                           note: Callable[[str], None] = _to_stderr) -> int:
     from improved.runtime import anchor
 
     kept: Anchor | str | None = None
@@ -305,7 +313,20 @@ async def _verify_archived(url: str | Target, anchor_path: Path | None, trusted:
             kept = f"the checkpoint file cannot be read: {exc}"
     if isinstance(kept, Anchor):
         trusted = trusted | {kept.keyid}
-    return await _verify_log(url, kept, anchor_path, trusted, config, archive_dir)
+    return await _verify_log(url, kept, anchor_path, trusted, config, archive_dir, say, note)
+
+
+def verify_log(url: str | Target, config: Config, say: Callable[[str], None],
+               note: Callable[[str], None]) -> Coroutine[Any, Any, int]:
+    """`improved audit verify` of the whole log, as the command runs it without arguments
+    (against the daemon's checkpoint file in the configured data directory when there is
+    one), its lines said with `say` and `note`; its exit code."""
+    from improved.runtime import anchor
+
+    path: Path | None = anchor.path_in(config.data_dir)
+    if path is not None and not path.exists():
+        path = None
+    return _verify_archived(url, path, trusted_daemons(config), config, None, say, note)
 
 
 async def _archive(url: str | Target, config: Config, directory: Path, remove: bool) -> int:

@@ -8,7 +8,9 @@ import asyncio
 import base64
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import msgspec
 
@@ -101,15 +103,49 @@ def cmd_review_act(args: argparse.Namespace) -> int:
     url = url_of(args, config)
     principal, key = signer_of(args)  # a missing key is said before anything is asked
     svc, record = located(url, args.id)
+    act = review_act(record, args.verdict, principal, key, args.reason)
+    if act.digest is not None:
+        print(f"approving what will run (`improved show {act.pid}`: will_run), digest "
+              f"{act.digest}")
+    timeout = None if args.no_wait else args.timeout
+    verdict = asyncio.run(send_review(url, svc, act, timeout))
+    if timeout is None:
+        print(f"{act.what}: published; `improved show {act.pid}` shows the daemon's verdict")
+        return 0
+    return verdicts.conclude(verdict, act.what, timeout, f"improved show {act.pid}")
+
+
+@dataclass(frozen=True)
+class ReviewAct:
+    """A signed Review ready to publish: whose proposal, the envelope, what it is called in
+    the verdict's line, and the will_run digest an approval names."""
+
+    pid: str
+    env: Envelope
+    what: str
+    digest: str | None
+
+
+def review_act(record: Any, verdict: Literal["approve", "reject", "rollback"], principal: str,
+               key: Any, reason: str) -> ReviewAct:
+    """Sign `verdict` (approve, reject, rollback) on the proposal `record` (read from its
+    verified chain, `common.located`): an approval names the digest of what will run."""
     pid = record.proposal_id  # in full, whatever prefix named it: it is signed
-    digest = authority.will_run_digest(record.proposal) if args.verdict == "approve" else None
-    review = Review(proposal_id=pid, verdict=args.verdict, principal=principal,
-                    reason=args.reason, at=int(time.time() * 1000), body_digest=digest)
-    if digest is not None:
-        print(f"approving what will run (`improved show {pid}`: will_run), digest {digest}")
+    digest = authority.will_run_digest(record.proposal) if verdict == "approve" else None
+    review = Review(proposal_id=pid, verdict=verdict, principal=principal,
+                    reason=reason, at=int(time.time() * 1000), body_digest=digest)
     env = signing.sign(signing.PAYLOAD_TYPES["review"], to_json(review), key)
-    return _signed(args, url, S.inbound_review(svc), env, S.audit(svc, pid),
-                   f"{args.verdict} of {pid} signed by {principal}", pid, f"improved show {pid}")
+    return ReviewAct(pid, env, f"{verdict} of {pid} signed by {principal}", digest)
+
+
+async def send_review(url: Target, svc: str, act: ReviewAct, timeout: float | None
+                      ) -> verdicts.Verdict | None:
+    """Publish a signed Review on improve.triage.<svc> and wait `timeout` for the daemon's
+    verdict on the proposal's chain (None: publish only, or nothing came in time)."""
+    digest = signing.envelope_digest(act.env)
+    return await verdicts.after(
+        url, S.audit(svc, act.pid), lambda store: publish_on(store, S.inbound_review(svc), act.env),
+        lambda seen: verdicts.of_act(digest, seen, act.what, act.pid), timeout)
 
 
 def cmd_grant_act(args: argparse.Namespace) -> int:

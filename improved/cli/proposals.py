@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from improved.cli import ids, verdicts
+from improved.cli import ids, render, verdicts
+from improved.cli.audit import chain_trust, trusted_daemons
 from improved.cli.common import (
     add_connection_args,
     config_of,
@@ -28,6 +29,7 @@ from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.runtime.bus import Target
 from improved.runtime.config import Config
+from improved.runtime.store import Store
 
 
 def cmd_propose(args: argparse.Namespace) -> int:
@@ -77,43 +79,134 @@ async def _chain(url: str | Target, svc: str, pid: str) -> list[dict[str, Any]]:
         return [body for _, body in await store.read_chain(svc, pid)]
 
 
-async def _show(url: str | Target, pid: str, config: Config) -> int:
-    from improved.cli.audit import chain_trust, trusted_daemons
+@dataclass(frozen=True)
+class Shown:
+    """What `improved show` read about one proposal: `view`, what `--format json` prints (the
+    retained records, what will run, the trailers, whether the chain verifies), and `facts`,
+    what the replay of its chain adds for a person (`render.show_text`, the console)."""
+
+    service: str
+    proposal_id: str
+    view: dict[str, Any]
+    facts: dict[str, Any]
+
+
+async def shown(store: Store, text: str, config: Config, readable: bool = True) -> Shown:
+    """Read one proposal (its id or a unique prefix) as `improved show` shows it; `readable`:
+    for a person, so the proposal it superseded is looked up too (`replaced`)."""
     from improved.core import evidence
     from improved.core.policy import Policy
     from improved.core.propose import rebuild_record
     from improved.runtime.store import decode_trailer
 
-    async with deployment(url) as store:
-        svc, pid = await ids.resolve(store, pid)
-        view: dict[str, Any] = {}
-        for name, subject in (("state", S.proposal_state(svc, pid)),
-                              ("decision", S.triage_decision(svc, pid)),
-                              ("outcome", S.apply_outcome(svc, pid)),
-                              ("learn_back", S.learn_back(svc, pid)),
-                              ("quorum", S.quorum_record(pid))):
+    svc, pid = await ids.resolve(store, text)
+    view: dict[str, Any] = {}
+    for name, subject in (("state", S.proposal_state(svc, pid)),
+                          ("decision", S.triage_decision(svc, pid)),
+                          ("outcome", S.apply_outcome(svc, pid)),
+                          ("learn_back", S.learn_back(svc, pid)),
+                          ("quorum", S.quorum_record(pid))):
+        data = await store.last(subject)
+        view[name] = msgspec.json.decode(data) if data else None
+    sequenced = await store.read_chain(svc, pid)
+    chain = [body for _, body in sequenced]
+    facts: dict[str, Any] = {"proposal_id": pid, "service": svc}
+    try:
+        record = rebuild_record([decode_trailer(b) for b in chain],
+                                [seq for seq, _ in sequenced], Policy())
+        p = record.proposal
+        view["will_run"] = authority.will_run(p)
+        view["will_run_digest"] = authority.will_run_digest(p)
+        facts.update(_facts(record))
+    except (ValueError, KeyError, msgspec.MsgspecError) as exc:
+        record = None
+        view["will_run"] = f"the chain cannot be replayed: {exc}"
+    view["trailers"] = chain
+    daemons = trusted_daemons(config)
+    trust = chain_trust((await store.read_audit(evidence.TRUST_ID))[0], daemons, config)
+    view["chain"] = chain_verdict(pid, sequenced, trust, bool(daemons))
+    facts["verified"] = view["chain"] == "verified"
+    if record is not None and view["chain"] != "verified" and \
+            not view["chain"].startswith("hashes and links verified"):
+        record = None  # a broken chain: nothing is looked up on its word
+    if record is not None and readable:
+        facts["replaced"] = await replaced(store, svc, record)
+    return Shown(svc, pid, view, facts)
+
+
+def chain_verdict(pid: str, sequenced: list[tuple[int, dict[str, Any]]],
+                  trust: Any, writers: bool) -> str:
+    """Whether one proposal's chain verifies, in the words `improved show` prints: its hashes
+    and links (`audit.verify_links`), and with a trusted daemon key (`writers`) who wrote each
+    trailer and the signed act under each authority trailer (`audit.verify_writers`)."""
+    chain = [body for _, body in sequenced]
+    brk = audit.verify_links(pid, chain) or (audit.verify_writers(
+        pid, chain, trust, [seq for seq, _ in sequenced]) if writers else None)
+    return ("verified" if brk is None and writers else
+            "hashes and links verified; who wrote them is not checked without a "
+            "trusted daemon key ([trust] daemons)" if brk is None else
+            f"BROKEN: {brk}")
+
+
+def _facts(record: Any) -> dict[str, Any]:
+    d, p = record.decision, record.proposal
+    return {
+        "summary": record.summary_text, "target": p.target_ref, "scope": p.scope,
+        "class": p.change_class, "gate": record.gate_class, "status": record.status,
+        "stage": record.stage, "cause": d.cause if d is not None else None,
+        "decision": msgspec.to_builtins(d) if d is not None else None,
+        "superseded_by": record.superseded_by, "in_flight": record.in_flight,
+        "dedup_key": record.dedup_key, "created_at": p.created_at,
+    }
+
+
+REPLACED_SCAN = 1000  # retained states of a service read, at most, to find what it replaced
+READ_AT_ONCE = 32
+
+
+async def replaced(store: Store, svc: str, record: Any) -> tuple[str, dict[str, Any]] | None:
+    """(id, will_run) of the proposal `record` superseded — the newest older content under the
+    same dedup_key whose chain says `superseded_by` this one — or None. The retained states of
+    the service (a cache) only say where to look; the chain decides. At most REPLACED_SCAN
+    states are read: beyond that the body is shown without a diff."""
+    from improved.core.policy import Policy
+    from improved.core.propose import rebuild_record
+    from improved.runtime.store import decode_trailer
+
+    listing = await store.js.stream_info(S.STREAM_RECORDS,
+                                         subjects_filter=S.proposal_state(svc, "*"))
+    subjects = [s for s in (listing.state.subjects or {})
+                if S.token(s, 3) != record.proposal_id]
+    if not subjects or len(subjects) > REPLACED_SCAN:
+        return None
+    limit = asyncio.Semaphore(READ_AT_ONCE)
+
+    async def same_key(subject: str) -> tuple[int, str] | None:
+        async with limit:
             data = await store.last(subject)
-            view[name] = msgspec.json.decode(data) if data else None
-        sequenced = await store.read_chain(svc, pid)
-        chain = [body for _, body in sequenced]
         try:
-            p = rebuild_record([decode_trailer(b) for b in chain],
-                               [seq for seq, _ in sequenced], Policy()).proposal
-            view["will_run"] = authority.will_run(p)
-            view["will_run_digest"] = authority.will_run_digest(p)
-        except (ValueError, KeyError, msgspec.MsgspecError) as exc:
-            view["will_run"] = f"the chain cannot be replayed: {exc}"
-        view["trailers"] = chain
-        daemons = trusted_daemons(config)
-        trust = chain_trust((await store.read_audit(evidence.TRUST_ID))[0], daemons, config)
-        brk = audit.verify_links(pid, chain) or (audit.verify_writers(
-            pid, chain, trust, [seq for seq, _ in sequenced]) if daemons else None)
-        view["chain"] = ("verified" if brk is None and daemons else
-                         "hashes and links verified; who wrote them is not checked without a "
-                         "trusted daemon key ([trust] daemons)" if brk is None else
-                         f"BROKEN: {brk}")
-        out(view)
-        return 0
+            state = msgspec.json.decode(data) if data else None
+        except msgspec.DecodeError:
+            return None
+        if not isinstance(state, dict) or state.get("dedup_key") != record.dedup_key:
+            return None
+        at = state.get("updated_at")
+        return (at if isinstance(at, int) else 0), str(S.token(subject, 3))
+
+    found = [f for f in await asyncio.gather(*(same_key(s) for s in subjects)) if f]
+    for _, other in sorted(found, reverse=True):
+        sequenced = await store.read_chain(svc, other)
+        chain = [body for _, body in sequenced]
+        if not chain or audit.verify_links(other, chain) is not None:
+            continue
+        try:
+            old = rebuild_record([decode_trailer(b) for b in chain],
+                                 [seq for seq, _ in sequenced], Policy())
+        except (ValueError, KeyError, msgspec.MsgspecError):
+            continue
+        if old.superseded_by == record.proposal_id:
+            return other, authority.will_run(old.proposal)
+    return None
 
 
 RETRY_GRACE_S = 2.0  # how long `retry` reads the chain after the daemon answered
@@ -179,30 +272,27 @@ async def _retry(url: str | Target, svc: str, pid: str, timeout: float
         return None
 
 
+def text_wanted(args: argparse.Namespace) -> bool:
+    """`--format text|json`, else (`auto`) text on a terminal and JSON otherwise, as `show`
+    always printed to a pipe; `--json` is `--format json`."""
+    if getattr(args, "json", False):
+        return False
+    return args.format == "text" or (args.format == "auto" and sys.stdout.isatty())
+
+
+async def _show(url: str | Target, text: str, config: Config, readable: bool) -> int:
+    async with deployment(url) as store:
+        seen = await shown(store, text, config, readable)
+    if readable:
+        sys.stdout.write(render.show_text(seen.view, seen.facts))
+    else:
+        out(seen.view)
+    return 0
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     config = config_of(args)
-    return asyncio.run(_show(url_of(args, config), args.id, config))
-
-
-def will_run_lines(run: dict[str, Any], digest: str) -> list[str]:
-    """What an approval lets run, in full: the body, every last-known-good artefact with its
-    digest and smoke test, and the reversal an L4 runs later under the same approval."""
-    lines = [f"will run (digest {digest}):"]
-    for name in ("cal", "edit", "data"):
-        if run.get(name) is not None:
-            body = run[name] if isinstance(run[name], str) else json.dumps(run[name], indent=2,
-                                                                           sort_keys=True)
-            lines += [f"  {name}:", *(f"    {ln}" for ln in body.splitlines())]
-    for entry in run.get("lkg") or ():
-        lines.append(f"  last-known-good {entry.get('artefact')}: digest {entry.get('digest')}, "
-                     f"smoke test {entry.get('smoke_test')}")
-    if run.get("lkg") is not None:
-        revert = run.get("revert")
-        lines.append("  reversal, run later under this approval: "
-                     + (json.dumps(revert, sort_keys=True) + " (the proposer's own)"
-                        if revert is not None else
-                        "restore every artefact to the last-known-good above"))
-    return lines
+    return asyncio.run(_show(url_of(args, config), args.id, config, text_wanted(args)))
 
 
 def cmd_review(args: argparse.Namespace) -> int:
@@ -212,43 +302,10 @@ def cmd_review(args: argparse.Namespace) -> int:
         print("improved review: the review index is not known complete (the daemon refills it "
               "after a loss of the retained records); this list was read from the audit "
               "chains", file=sys.stderr)
-    if args.json:
+    if not text_wanted(args):
         out(queue)
         return 0
-    if not queue:
-        print("nothing waits for an operator")
-        return 0
-    for q in queue:
-        s = q["signals"]
-        print(f"{q['proposal_id']}  {q['service']}  {q['class']} gated {q['gate']} "
-              f"({q['cause']})")
-        print(f"  {q['summary']}")
-        print(f"  target {q['target']}  scope {q['scope']}"
-              + (f"  skill {q['skill']}" if q["skill"] else ""))
-        print(f"  from {q['origin']} via {q['analyzer']}")
-        print(f"  signals: {s['counted']} counted, {s['positive']} positive, "
-              f"{s['independent_positive']} independent positive")
-        ev = q["evidence"]
-        if ev["derived_from"] or ev["evidence_query"] or ev["metric"]:
-            print(f"  evidence: {ev['derived_from']} grains"
-                  + (f", query {ev['evidence_query']}" if ev["evidence_query"] else "")
-                  + (f", metric {ev['metric']}" if ev["metric"] else ""))
-        if q["target_files"]:
-            print(f"  files: {', '.join(q['target_files'])}")
-        for line in will_run_lines(q["will_run"], q["will_run_digest"]):
-            print(f"  {line}")
-        if q["votes"]:
-            print(f"  quorum votes: {'; '.join(q['votes'])}")
-        if q["constitution_edit"]:
-            print(f"  constitution edit amending {q['constitution_edit']}: approving it marks "
-                  "it ready; you commit the diff by hand")
-        print(f"  why waiting: {q['rationale']}")
-        if q["cause"] == "surfaced":
-            print(f"  surfaced only (L1 is never applied): improved reject {q['proposal_id']} "
-                  "--reason '…' teaches its analyzer; re-propose at L2 to act on it\n")
-        else:
-            print(f"  decide: improved approve {q['proposal_id']} --reason '…'   "
-                  f"| improved reject {q['proposal_id']} --reason '…'\n")
+    sys.stdout.write(render.review_text(queue))
     return 0
 
 
@@ -273,6 +330,14 @@ def cmd_skill_hash(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_format_args(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--format", choices=("auto", "text", "json"), default=default,
+                   help="text: a summary for a person (class, gate, what it waits for, who "
+                        "signed, the body as a diff); json: the read model as JSON; auto: "
+                        f"text on a terminal, else JSON (default: {default})")
+    p.add_argument("--json", action="store_true", help="the same as --format json")
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `proposals` commands to the `improved` parser."""
     prop = sub.add_parser(
@@ -293,10 +358,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "show", help="show a proposal: state, decision, outcome, trailers",
         description="Print a proposal's retained records (state, triage decision, apply "
                     "outcome, learn-back) and its audit trailers, and whether the chain "
-                    "verifies.")
+                    "verifies. On a terminal (or with --format text) as a summary for a "
+                    "person: id, service, target, class and gate, what it waits for, the "
+                    "decision and its cause, who signed, the chain's verdict, what will run "
+                    "as a diff against the proposal it superseded (else the body), and the "
+                    "trailers; to a pipe (or with --format json) as JSON.")
     add_connection_args(show)
     show.add_argument("id", metavar="ID", type=ids.id_arg,
                       help="the proposal id, or a unique prefix of it (at least 4 hex digits)")
+    add_format_args(show, "auto")
     show.set_defaults(func=cmd_show)
 
     retry = sub.add_parser(
@@ -328,7 +398,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "without a grant) with its rendered summary, class, target, cause, "
                     "evidence and independent-signal counts, oldest first.")
     add_connection_args(review)
-    review.add_argument("--json", action="store_true", help="print the queue as JSON")
+    add_format_args(review, "text")
     review.set_defaults(func=cmd_review)
 
     skill = sub.add_parser("skill", help="skill tools", description="Skill tools.")

@@ -23,7 +23,8 @@ from tests.factories import rank_proposal, skill_proposal
                                      ["grant"], ["revoke"], ["skill", "hash"], ["rollback"],
                                      ["status"], ["crisis", "resolve"], ["demo"], ["bench"],
                                      ["audit", "rebuild"], ["revert"], ["vote"],
-                                     ["conformance"], ["tools", "list"], ["tools", "grant"]])
+                                     ["conformance"], ["tools", "list"], ["tools", "grant"],
+                                     ["console"]])
 def test_every_command_explains_itself(command):
     result = improved(*command, "--help")
     assert result.returncode == 0
