@@ -8,8 +8,8 @@ rejection or rollback request, a grant or a revoke, a quorum vote, a crisis reso
 carries the DSSE envelope of the act itself, checked against the keys that were trusted when it
 was written, so the chain alone proves who authorised what, for as long as the chain exists.
 Those keys are on the trust chain (`improve.audit._trust.<TRUST_ID>`), where a daemon records
-the operator and voter keys whenever it starts with a different trust store. A quorum decision
-is backed by the verified approving votes before it on its chain. Pure.
+the operator and voter keys whenever it starts (or reloads, on SIGHUP) with a different trust
+store. A quorum decision is backed by the verified approving votes before it on its chain. Pure.
 """
 
 from __future__ import annotations
