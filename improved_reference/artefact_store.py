@@ -31,6 +31,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -137,8 +138,12 @@ class ArtefactStore(KVService):
         self.smoke_tests: dict[str, SmokeTest] = {**DEFAULT_SMOKE_TESTS, **(smoke_tests or {})}
         self.objects = None
 
-    async def start(self) -> None:
+    async def open(self) -> None:
+        """The blobs' Object Store and the manifest and ledger buckets, created if absent."""
         self.objects = await self._object_store()
+        await super().open()
+
+    async def start(self) -> None:
         await super().start()
         self._subs.append(await self.nc.subscribe(S.lkg_request(self.service),
                                                   queue=self.service, cb=self._on_lkg))
@@ -235,6 +240,16 @@ class ArtefactStore(KVService):
             except Conflict:
                 continue
         raise RuntimeError("the manifest kept changing while seeding")
+
+    async def seed_missing(self, artefacts: dict[str, str]) -> dict[str, tuple[str, bool]]:
+        """`seed` the artefacts that have no last-known-good yet; the others are left as they
+        are (a restart with the same --seed must not undo an applied swap). Each name's
+        digest, and whether it was seeded now."""
+        manifest = await self.manifest()
+        missing = {name: text for name, text in artefacts.items() if name not in manifest}
+        seeded = await self.seed(missing) if missing else {}
+        return {name: (seeded[name], True) if name in seeded else (manifest[name], False)
+                for name in artefacts}
 
     # -- the pre-apply LKG check ---------------------------------------------------------------
 
@@ -407,11 +422,48 @@ async def run(url: str, service: str) -> int:
     return await kv_service.run(ArtefactStore, url, service)
 
 
+def _seeds(given: list[str]) -> dict[str, tuple[str, str]]:
+    """--seed NAME=FILE, each: name → (file, its UTF-8 text); ValueError in one line."""
+    seeds: dict[str, tuple[str, str]] = {}
+    for item in given:
+        name, sep, path = item.partition("=")
+        if not sep or not NAME_RE.match(name) or not path:
+            raise ValueError(f"--seed {item!r}: expected NAME=FILE, NAME matching "
+                             f"{NAME_RE.pattern}")
+        try:
+            seeds[name] = (path, Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise ValueError(f"--seed {name}: cannot read {path} as UTF-8 text: {why}") from None
+    return seeds
+
+
 def main(argv: list[str] | None = None) -> int:
-    return kv_service.main(
-        ArtefactStore, argv, "improved_reference.artefact_store",
-        "Reference L4 mesh service: swaps artefacts (blobs in a NATS Object Store) atomically, "
-        "after smoke tests and against a last-known-good, exactly once per proposal.")
+    module = "improved_reference.artefact_store"
+    description = ("Reference L4 mesh service: swaps artefacts (blobs in a NATS Object Store) "
+                   "atomically, after smoke tests and against a last-known-good, exactly once "
+                   "per proposal. It always verifies an order's acceptance on the audit chain.")
+    p = kv_service.parser(module, description)
+    p.add_argument("--seed", action="append", default=[], metavar="NAME=FILE",
+                   help="before serving, install FILE's content (UTF-8 text) as artefact NAME's "
+                        "first last-known-good, unless NAME has one already; repeat for each "
+                        "artefact (a swap needs a last-known-good of every artefact it touches)")
+
+    def setup(args) -> kv_service.Setup | None:
+        seeds = _seeds(args.seed)
+        if not seeds:
+            return None
+
+        async def install(store: kv_service.KVService) -> list[str]:
+            assert isinstance(store, ArtefactStore)
+            done = await store.seed_missing({name: text for name, (_, text) in seeds.items()})
+            return [f"{name}: last-known-good {digest} seeded from {seeds[name][0]}" if new else
+                    f"{name}: has a last-known-good already ({digest}); --seed left it"
+                    for name, (digest, new) in done.items()]
+
+        return install
+
+    return kv_service.main(ArtefactStore, argv, module, description, p, setup)
 
 
 if __name__ == "__main__":

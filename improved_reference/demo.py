@@ -746,8 +746,8 @@ async def run(out: TextIO, *, data_dir: Path | None = None, pace: float = 0.0) -
     undo_logging = _log_to(log_path)
     demo.say(demo._paint("improved demo: the self-improve loop, end to end, in one process",
                          "1"))
-    demo.say("  Everything below runs embedded: a nats-server, the daemon, two reference "
-             "improved_reference.")
+    demo.say("  Everything below runs embedded: a nats-server, the daemon and three reference "
+             "services (a skills store, a ranking store, an artefact store).")
     try:
         try:
             await demo.start(root)
@@ -776,12 +776,13 @@ async def run(out: TextIO, *, data_dir: Path | None = None, pace: float = 0.0) -
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="improved demo",
-        description="Walk through the self-improve loop on an embedded mesh: a nats-server, "
-                    "the daemon and two reference services start in-process; a skill goes "
-                    "L1 -> L2 (signed approval) -> grant -> L3 (automatic), a refinement is "
-                    "gated again, a ranking change meets the feedback-collapse guard, a "
-                    "forbidden target is rejected, an operator rolls back, and every audit "
-                    "chain is verified. Exit 0 when every step behaved as promised.")
+        description="Walk through the self-improve loop on an embedded mesh in about ten "
+                    "seconds: a nats-server, the daemon and three reference services start "
+                    "in-process; a skill goes L1 -> L2 (signed approval) -> grant -> L3 "
+                    "(automatic), a refinement is gated again, a ranking change meets the "
+                    "feedback-collapse guard, a forbidden target is rejected, an operator rolls "
+                    "back, an L4 swap is refused whole, then applied and reverted, and every "
+                    "audit chain is verified. Exit 0 when every step behaved as promised.")
     p.add_argument("--pace", type=float, default=DEFAULT_PACE, metavar="SECONDS",
                    help="pause between steps (default %(default)s)")
     p.add_argument("--data-dir", type=Path, metavar="DIR",

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal as signals
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -291,8 +293,15 @@ class KVService:
 # -- standalone ---------------------------------------------------------------------------------
 
 
+DEFAULT_URL = "nats://127.0.0.1:4222"
+
+Setup = Callable[["KVService"], Awaitable[list[str]]]
+
+
 async def run(cls: type[KVService], url: str, service: str,
-              verify_acceptance: bool = False) -> int:
+              verify_acceptance: bool = False, setup: Setup | None = None) -> int:
+    """Serve `service` until SIGTERM or SIGINT; `setup` runs once the buckets are open,
+    before the first order is taken, and returns lines to print (what it did)."""
     from improved.runtime import bus
 
     name = f"{cls.KIND.replace(' ', '-')}-{service}"
@@ -302,7 +311,15 @@ async def run(cls: type[KVService], url: str, service: str,
     except TimeoutError:
         raise bus.BusError(f"cannot reach NATS at {where.where} within {CONNECT_S:g}s") from None
     store = cls(nc, service, verify_acceptance=verify_acceptance)
-    await store.start()
+    try:
+        if setup is not None:
+            await store.open()
+            for line in await setup(store):
+                print(f"{cls.KIND} {service!r}: {line}", file=sys.stderr, flush=True)
+        await store.start()
+    except BaseException:
+        await bus.close(nc)
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signals.SIGTERM, signals.SIGINT):
@@ -315,23 +332,35 @@ async def run(cls: type[KVService], url: str, service: str,
     return 0
 
 
-def main(cls: type[KVService], argv: list[str] | None, module: str, description: str) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
-    parser.add_argument("--nats", default="nats://127.0.0.1:4222", metavar="URL",
-                        help="NATS server with JetStream (default: %(default)s); credentials "
-                             "from IMPROVED_NATS_USER and IMPROVED_NATS_PASSWORD_FILE (or "
-                             "_TOKEN_FILE, _CREDS_FILE, _TLS_*)")
-    parser.add_argument("--service", required=True, metavar="NAME",
-                        help="the service name this store owns, [a-z][a-z0-9_-]{0,62}")
-    parser.add_argument("--verify-acceptance", action="store_true",
-                        help="refuse any order whose acceptance (operator approval, active "
-                             "grant, quorum) is not on the audit chain, instead of trusting "
-                             "the bus permissions (needs read access to IMPROVE_AUDIT)")
-    args = parser.parse_args(argv)
+def parser(module: str, description: str) -> argparse.ArgumentParser:
+    """The command line every reference store shares: --nats, --service, --verify-acceptance."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    p.add_argument("--nats", default=os.environ.get("IMPROVED_NATS_URL") or DEFAULT_URL,
+                   metavar="URL",
+                   help=f"NATS server with JetStream (default: $IMPROVED_NATS_URL, else "
+                        f"{DEFAULT_URL}); credentials from IMPROVED_NATS_USER and "
+                        "IMPROVED_NATS_PASSWORD_FILE (or _TOKEN_FILE, _CREDS_FILE, _TLS_*)")
+    p.add_argument("--service", required=True, metavar="NAME",
+                   help="the service name this store owns, [a-z][a-z0-9_-]{0,62}")
+    p.add_argument("--verify-acceptance", action="store_true",
+                   help="refuse any order whose acceptance (operator approval, active "
+                        "grant, quorum) is not on the audit chain, instead of trusting "
+                        "the bus permissions (needs read access to IMPROVE_AUDIT)")
+    return p
+
+
+def main(cls: type[KVService], argv: list[str] | None, module: str, description: str,
+         p: argparse.ArgumentParser | None = None,
+         setup: Callable[[argparse.Namespace], Setup | None] | None = None) -> int:
+    """Parse the shared command line (or `p`, built on `parser`), then serve; `setup(args)`
+    gives what to do before serving (or None). Errors are one line, exit 2."""
+    p = p or parser(module, description)
+    args = p.parse_args(argv)
     if not S.SERVICE_RE.match(args.service):
-        parser.error(f"--service {args.service!r} must match {S.SERVICE_RE.pattern}")
+        p.error(f"--service {args.service!r} must match {S.SERVICE_RE.pattern}")
     try:
-        return asyncio.run(run(cls, args.nats, args.service, args.verify_acceptance))
+        before = setup(args) if setup is not None else None
+        return asyncio.run(run(cls, args.nats, args.service, args.verify_acceptance, before))
     except Exception as exc:  # BusError and friends: one line, not a traceback
         print(f"{cls.KIND}: {exc}", file=sys.stderr)
         return 2

@@ -6,7 +6,9 @@ chain, a stand-in owning service, a store that crashes at the worst moment, and 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import base64
+import shutil
 import tempfile
 import time
 import uuid
@@ -39,7 +41,17 @@ from tests.builders import CHANGELOG_DIFF, CONSTITUTION
 from tests.factories import now_ms, review, sha, swap
 from tests.keys import ALICE, CHECK, EVALUATOR, VOTERS
 
-_KEYS = Path(tempfile.mkdtemp(prefix="improved-test-keys-"))
+# The run's scratch space (the test daemons' checkpoint key and data directories, and what
+# `scratch` hands out), removed when the run ends: nothing is left under the temp dir.
+_ROOT = Path(tempfile.mkdtemp(prefix="improved-tests-"))
+atexit.register(shutil.rmtree, _ROOT, True)
+_KEYS = _ROOT / "keys"
+_KEYS.mkdir()
+
+
+def scratch(prefix: str) -> Path:
+    """A new directory in the run's scratch space, removed with it at the end of the run."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=_ROOT))
 
 
 def daemon_config(**overrides) -> Config:

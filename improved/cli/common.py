@@ -55,7 +55,8 @@ def config_of(args: argparse.Namespace) -> Config:
 
 
 def url_of(args: argparse.Namespace, config: Config) -> bus.Target:
-    """Where the command connects (--nats, else the config's nats_url, else the default) and
+    """Where the command connects (--nats, else $IMPROVED_NATS_URL, else the config's
+    nats_url, else the default) and
     as whom (the config's `[nats]` credentials and TLS files, or the environment's)."""
     return bus.target(args.nats or config.nats_url or DEFAULT_URL, config.nats)
 
@@ -182,7 +183,8 @@ async def publish_on(store: Store, subject: str, env: Any) -> None:
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", metavar="URL",
-                   help=f"NATS server URL (default: config nats_url, else {DEFAULT_URL}); "
+                   help=f"NATS server URL (default: $IMPROVED_NATS_URL, else config "
+                        f"nats_url, else {DEFAULT_URL}); "
                         "credentials come from the config's [nats] files or IMPROVED_NATS_* "
                         "(a user:password in the URL still works)")
     p.add_argument("--config", metavar="FILE",

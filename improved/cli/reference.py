@@ -69,7 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=lambda args: reference_command("bench")(args))
 
     demo = sub.add_parser(
-        "demo", help="walk through the whole loop in about a minute",
+        "demo", help="walk through the whole loop in about ten seconds",
         description="Start everything embedded (a nats-server, the daemon, a skills store, a "
                     "ranking store and an artefact store) and walk through the loop: a skill "
                     "proposed at L1, its first execution approved by a demo operator, a grant, a "

@@ -37,7 +37,8 @@ FIXES: dict[str, str] = {
     "malformed": "the act is not a valid one; sign it again with the `improved` command",
     "wrong_type": "the act is of another kind; sign it again with the `improved` command",
     "unknown_key": "the daemon does not trust this key: add the entry `improved keys new` "
-                   "printed to its [trust.operators] (voters: [trust.quorum]) and restart it",
+                   "printed to its [trust.operators] (voters: [trust.quorum]), then `kill "
+                   "-HUP` its pid (it re-reads its trust store) or restart it",
     "bad_signature": "the signature does not verify against the key the daemon trusts for "
                      "that principal: sign with that principal's own key (--key, --principal)",
     "principal_mismatch": "the key is trusted for another principal: sign as the principal "

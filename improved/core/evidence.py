@@ -8,8 +8,8 @@ rejection or rollback request, a grant or a revoke, a quorum vote, a crisis reso
 carries the DSSE envelope of the act itself, checked against the keys that were trusted when it
 was written, so the chain alone proves who authorised what, for as long as the chain exists.
 Those keys are on the trust chain (`improve.audit._trust.<TRUST_ID>`), where a daemon records
-the operator and voter keys whenever it starts with a different trust store. A quorum decision
-is backed by the verified approving votes before it on its chain. Pure.
+the operator and voter keys whenever it starts (or reloads, on SIGHUP) with a different trust
+store. A quorum decision is backed by the verified approving votes before it on its chain. Pure.
 """
 
 from __future__ import annotations
@@ -163,15 +163,7 @@ def trust_draft(keys: Keys, last: dict[str, Any] | None, actor: str) -> Draft | 
     before = recorded(last) or ({}, {}, {})
     if before == keys:
         return None
-    changes: dict[str, list[str]] = {"added": [], "removed": []}
-    for role, now, then in (("operator", operators, before[0]), ("voter", voters, before[1]),
-                            ("signer", signers, before[2])):
-        for principal, key in sorted(now.items()):
-            if then.get(principal) != key:
-                changes["added"].append(f"{role} {principal} {_keyid(key)}")
-        for principal, key in sorted(then.items()):
-            if now.get(principal) != key:
-                changes["removed"].append(f"{role} {principal} {_keyid(key)}")
+    changes = key_changes(before, keys)
     reason = (f"trust store: {len(operators)} operator, {len(voters)} voter and {len(signers)} "
               f"signer keys; added "
               f"{', '.join(changes['added']) or 'none'}; removed "
@@ -183,6 +175,27 @@ def trust_draft(keys: Keys, last: dict[str, Any] | None, actor: str) -> Draft | 
                        ref("signers", signers, as_json=True),
                        ref("added", changes["added"], as_json=True),
                        ref("removed", changes["removed"], as_json=True)))
+
+
+def key_changes(before: Keys, after: Keys) -> dict[str, list[str]]:
+    """What differs between two trust stores (operators, voters, signers): `added` and
+    `removed`, each `<role> <principal> <keyid>`; a key replaced is one of each."""
+    changes: dict[str, list[str]] = {"added": [], "removed": []}
+    for role, now, then in (("operator", after[0], before[0]), ("voter", after[1], before[1]),
+                            ("signer", after[2], before[2])):
+        for principal, key in sorted(now.items()):
+            if then.get(principal) != key:
+                changes["added"].append(f"{role} {principal} {_keyid(key)}")
+        for principal, key in sorted(then.items()):
+            if now.get(principal) != key:
+                changes["removed"].append(f"{role} {principal} {_keyid(key)}")
+    return changes
+
+
+def common_keys(a: Keys, b: Keys) -> Keys:
+    """The entries (principal and key alike) both trust stores hold."""
+    both = tuple({p: k for p, k in x.items() if y.get(p) == k} for x, y in zip(a, b, strict=True))
+    return both[0], both[1], both[2]
 
 
 def _keyid(b64: str) -> str:

@@ -17,7 +17,8 @@ otherwise. The daemon records the effective policy on the `_policy` audit chain 
 starts with a policy that differs from the last one recorded.
 
 ```toml
-nats_url = "nats://127.0.0.1:4222"   # omit to start an embedded nats-server
+nats_url = "nats://127.0.0.1:4222"   # omit to start an embedded nats-server; IMPROVED_NATS_URL
+                                     # wins over it
 data_dir = ".improved"
 port = 4222                          # embedded server port
 sync = "always"                      # embedded server fsync: "always" or a duration ("2m")
@@ -252,10 +253,17 @@ def parse(doc: object) -> Config:
     return config
 
 
+URL_ENV = "IMPROVED_NATS_URL"  # the server every command and the daemon use, over nats_url
+
+
 def with_env(config: Config, environ: typing.Mapping[str, str] | None = None) -> Config:
-    """`config` with the `[nats]` keys the environment sets (NATS_ENV) in place of the file's;
-    ConfigError naming the variable when its value is not one."""
+    """`config` with what the environment sets in place of the file's: the server
+    (`IMPROVED_NATS_URL` for `nats_url`) and the `[nats]` keys (NATS_ENV); ConfigError naming
+    the variable when its value is not one."""
     environ = os.environ if environ is None else environ
+    url = environ.get(URL_ENV)
+    if url:
+        config = msgspec.structs.replace(config, nats_url=url)
     given = {key: environ[var] for key, var in NATS_ENV.items() if environ.get(var)}
     if not given:
         return config

@@ -238,6 +238,30 @@ class Daemon:
             except Exception as exc:  # a broker outage: the next interval tries again
                 log.warning("checkpoint failed", error=str(exc))
 
+    async def reload_trust(self, config: Config) -> None:
+        """SIGHUP: take the trust store of `config`, the configuration file read again — its
+        `[trust.operators]`, `[trust.quorum]` and `[trust.signers]` keys and `act_max_age_s` —
+        and log in one line what changed. The new keys are recorded on the trust chain before
+        any act is accepted under them (`Engine.retrust`). Everything else in the file
+        (`[trust] daemons` and `subjects_bound` included) is read at start only: a difference
+        is named in that line as needing a restart, and not applied."""
+        old = self.config
+        new_trust = msgspec.structs.replace(
+            old.trust, operators=config.trust.operators, quorum=config.trust.quorum,
+            signers=config.trust.signers, act_max_age_s=config.trust.act_max_age_s)
+        later = [f.name for f in msgspec.structs.fields(Config)
+                 if f.name != "trust" and getattr(old, f.name) != getattr(config, f.name)]
+        later += [f"trust.{name}" for name in ("daemons", "subjects_bound")
+                  if getattr(old.trust, name) != getattr(config.trust, name)]
+        changes = await self.engine.retrust(new_trust)
+        self.config = msgspec.structs.replace(old, trust=self.engine.config.trust)
+        changed = changes["added"] or changes["removed"] or \
+            old.trust.act_max_age_s != new_trust.act_max_age_s
+        say = log.warning if changed else log.info
+        say("trust store reloaded", added=changes["added"], removed=changes["removed"],
+            act_max_age_s=new_trust.act_max_age_s,
+            **({"not_reloaded_restart_to_apply": later} if later else {}))
+
     def healthy(self) -> bool:
         """The consumer task is alive (what the systemd watchdog checks)."""
         return self.ready.is_set() and self._service is not None and not self._service.done()
@@ -582,8 +606,10 @@ class Daemon:
         """Count a signal that arrived on `svc`'s subject for the proposal it names, whichever
         service that proposal is of (a world signal comes on its emitter's own subject)."""
         owner = await self.engine.service_of(sig.proposal_id or "") or svc
-        emitter, verified = self.engine.emitter_of(svc, sig, env)
-        return await self.engine.signal(owner, sig, emitter=emitter, envelope=verified, **kw)
+        async with self.engine.acting():  # a signed signal's key is checked, then recorded
+            emitter, verified = self.engine.emitter_of(svc, sig, env)
+            return await self.engine.signal(owner, sig, emitter=emitter, envelope=verified,
+                                            **kw)
 
     async def _review(self, svc: str, pid: str, env: Envelope | None, act: Act,
                       msg: Msg) -> None:
@@ -813,12 +839,39 @@ def settle_garbage_collector() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+async def _reload_on_hup(daemon: Daemon, reread: Callable[[], Config],
+                         hup: asyncio.Event) -> None:
+    """Each SIGHUP: read the configuration file again and take its trust store; a file that
+    does not load (or a reload that cannot be recorded) is one error line, and the trust in
+    force stays."""
+    while True:
+        await hup.wait()
+        hup.clear()
+        try:
+            config = reread()
+        except ConfigError as exc:
+            log.error("trust store not reloaded", error=str(exc),
+                      why="the configuration does not load; the trust in force stays")
+            continue
+        try:
+            await daemon.reload_trust(config)
+        except Exception as exc:
+            log.error("trust store not reloaded", error=f"{type(exc).__name__}: {exc}",
+                      why="the new keys could not be recorded on the trust chain; only the "
+                          "keys both stores hold count until a SIGHUP succeeds")
+
+
 async def run_until_stopped(nc: Client, config: Config,
                             on_ready: Callable[[Daemon], None] | None = None,
-                            stop: asyncio.Event | None = None) -> int:
-    """Run a daemon until SIGTERM or SIGINT, then drain and return 0."""
+                            stop: asyncio.Event | None = None,
+                            reread: Callable[[], Config] | None = None) -> int:
+    """Run a daemon until SIGTERM or SIGINT, then drain and return 0. With `reread` (how to
+    read the configuration again), SIGHUP reloads the trust store from it."""
     daemon = Daemon(nc, config)
     stop = stop or stop_on_signals()
+    hup = asyncio.Event()
+    if reread is not None:  # before the start: a SIGHUP while starting waits, never kills
+        asyncio.get_running_loop().add_signal_handler(signals.SIGHUP, hup.set)
     http = None
     try:
         if config.metrics_port is not None:  # bound first: a busy port stops the start
@@ -827,6 +880,8 @@ async def run_until_stopped(nc: Client, config: Config,
                                        healthy=daemon.healthy)
         await daemon.start()
     except BaseException:  # e.g. a ConfigError: the connection is not left behind
+        if reread is not None:
+            asyncio.get_running_loop().remove_signal_handler(signals.SIGHUP)
         if http is not None:
             http.close()
         await bus.close(nc)
@@ -840,13 +895,17 @@ async def run_until_stopped(nc: Client, config: Config,
     # outage is not fed back: a restart would not cure it.
     async with anyio.create_task_group() as tg:
         tg.start_soon(notify.watchdog_loop, daemon.healthy, name="improved-watchdog")
+        if reread is not None:
+            tg.start_soon(_reload_on_hup, daemon, reread, hup, name="improved-reload")
         if http is not None:
             log.info("metrics and health served", host=config.metrics_host,
                      port=http.sockets[0].getsockname()[1])
         await stop.wait()
         log.info("stopping: draining in-flight work", pid=os.getpid())
         notify.stopping()
-        tg.cancel_scope.cancel()  # the watchdog
+        tg.cancel_scope.cancel()  # the watchdog and the reloads
+    if reread is not None:
+        asyncio.get_running_loop().remove_signal_handler(signals.SIGHUP)
     daemon.engine.metrics.set_ready(False)
     if http is not None:
         http.close()

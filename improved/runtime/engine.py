@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections import Counter, OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import msgspec
@@ -66,7 +68,7 @@ from improved.protocol.model import (
 )
 from improved.runtime import anchor as anchor_file
 from improved.runtime import archive, checkpointing
-from improved.runtime.config import Config
+from improved.runtime.config import Config, Trust
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import (
     ChainConflict,
@@ -120,6 +122,20 @@ class Handled:
     counted: object = None  # what the ingest step reported (e.g. a CountedSignal)
 
 
+RETRUST_WAIT_S = 30.0  # how long a reload waits for acts checked under the keys it replaces
+
+
+def _acting(method):
+    """A method that checks a signed act and records it: run inside `Engine.acting`."""
+
+    @functools.wraps(method)
+    async def run(self, *args, **kw):
+        async with self.acting():
+            return await method(self, *args, **kw)
+
+    return run
+
+
 class Engine:
     def __init__(self, nc: Client, store: Store, config: Config, actor: str):
         self.nc = nc
@@ -136,6 +152,9 @@ class Engine:
             frozenset(config.trust.daemon_keyids()),
             evidence.History(fallback=evidence.KeySet(self.trust, self.voters,
                                                       config.trust.signer_store())))
+        # signed acts and signals in flight, by the trust epoch they were checked in
+        self._trust_epoch = 0
+        self._acts: Counter[int] = Counter()
         self._cache: OrderedDict[str, tuple[ProposalRecord, int]] = OrderedDict()
         self._autonomy: tuple[breaker.Autonomy, int] | None = None
         self._autonomy_verified = True  # whether that state's trailer verified
@@ -297,6 +316,7 @@ class Engine:
         handled = await self.handle(svc, pid, ingest, None, False)
         return handled, taken
 
+    @_acting
     async def review(self, svc: str, pid: str, env: Envelope | None, act: Act) -> Handled:
         """An operator's signed review; unsigned (`env` None), bad or replayed ones are refused
         on the proposal's chain and move nothing."""
@@ -322,6 +342,7 @@ class Engine:
 
         return await self.handle(svc, pid, ingest, None, False, on_change=ledger)
 
+    @_acting
     async def vote(self, svc: str, pid: str, env: Envelope, act: Act) -> Handled:
         """A signed quorum vote (SPEC 09 §6): counted on the proposal's chain or refused there
         with its reason; the quorum's decision follows in the same pass."""
@@ -365,6 +386,7 @@ class Engine:
 
         return ingest
 
+    @_acting
     async def grant(self, env: Envelope, skill: str, act: Act) -> Grant | None:
         """A signed grant or revoke for `<name>:<sha256>`: chained per hash, then retained. A
         grant counts only for the definition of the L2 proposal it names, read from that
@@ -952,12 +974,67 @@ class Engine:
                                                daemons=self.chain_trust.daemons | {own},
                                                written=self.store.written)
 
-    async def record_trust(self) -> Trailer | None:
+    def _decide_with(self, trust: Trust) -> None:
+        """Check signed acts and signals against `trust` from now on (its operator, voter and
+        signer keys and act_max_age_s); what a chain says was trusted still comes from the
+        trust history."""
+        self.trust = trust.store()
+        self.voters = trust.voters()
+        self.max_act_age_ms = int(trust.act_max_age_s * 1000)
+        fallback = evidence.KeySet(self.trust, self.voters, trust.signer_store())
+        self.chain_trust = dataclasses.replace(
+            self.chain_trust,
+            history=dataclasses.replace(self.chain_trust.history, fallback=fallback))
+        self.config = msgspec.structs.replace(self.config, trust=trust)
+
+    @asynccontextmanager
+    async def acting(self) -> AsyncIterator[None]:
+        """Around checking a signed act (or signal) and recording it on a chain: `retrust`
+        waits for those checked under the keys it replaces before it records new ones."""
+        epoch = self._trust_epoch
+        self._acts[epoch] += 1
+        try:
+            yield
+        finally:
+            self._acts[epoch] -= 1
+
+    async def _acts_settled(self, before: int) -> None:
+        """Wait until no act checked in a trust epoch before `before` is in flight."""
+        deadline = time.monotonic() + RETRUST_WAIT_S
+        while any(n for epoch, n in self._acts.items() if epoch < before):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"signed acts checked under the previous keys were still "
+                                   f"being recorded after {RETRUST_WAIT_S:g} s")
+            await asyncio.sleep(0.01)
+
+    async def retrust(self, trust: Trust) -> dict[str, list[str]]:
+        """Take a new trust store while running (SIGHUP): what it `added` and `removed`.
+        While the new keys are recorded on the trust chain only the entries both stores hold
+        count, so no act is accepted under a key the chain does not yet show trusted, nor
+        under one it already shows removed. When recording fails (the broker, say) those
+        common entries stay in force and the error is raised: a reload that succeeds later
+        records and takes the rest."""
+        old = self.config.trust
+        before = (dict(old.operators), dict(old.quorum), dict(old.signers))
+        after = (dict(trust.operators), dict(trust.quorum), dict(trust.signers))
+        changes = evidence.key_changes(before, after)
+        if before != after:
+            operators, voters, signers = evidence.common_keys(before, after)
+            self._decide_with(msgspec.structs.replace(old, operators=operators, quorum=voters,
+                                                      signers=signers))
+            self._trust_epoch += 1
+            await self._acts_settled(self._trust_epoch)
+            await self.record_trust(trust)
+        self._decide_with(trust)
+        return changes
+
+    async def record_trust(self, trust: Trust | None = None) -> Trailer | None:
         """Read the trust chain (verified) into the trust history, and append this daemon's
-        operator and voter keys when they differ from the last recorded: an old act keeps
-        verifying against the key trusted when it was accepted. The appended trailer, or None."""
+        operator and voter keys (or those of `trust`) when they differ from the last recorded:
+        an old act keeps verifying against the key trusted when it was accepted. The appended
+        trailer, or None."""
         subject = S.trust_audit(evidence.TRUST_ID)
-        t = self.config.trust
+        t = trust or self.config.trust
         keys = (dict(t.operators), dict(t.quorum), dict(t.signers))
 
         def next_draft(chain: list[tuple[int, dict]], now: int) -> Draft | None:
@@ -1015,6 +1092,7 @@ class Engine:
         await self._append_autonomy(lambda s: breaker.in_crisis(s, crisis), "crisis",
                                     self.actor, "rec:system", f"{crisis}: {problem}"[:500])
 
+    @_acting
     async def resolve_crisis(self, env: Envelope, act: Act) -> bool:
         """An operator's signed act clears the crisis it names; anything else is refused."""
         try:

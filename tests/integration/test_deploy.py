@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -34,6 +33,7 @@ from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore
+from tests.bus import scratch
 from tests.cluster import ACCOUNTS, CLUSTER, DEPLOY, PASSWORDS, Cluster, start_server, stop_server
 from tests.cluster import listening as _listening
 from tests.cluster import local_copy as _local_copy
@@ -53,7 +53,7 @@ def daemon_config() -> Config:
     alice = base64.b64encode(signing.raw_public(ALICE[1].public_key())).decode()
     return Config(apply=ApplySettings(timeout_s=1.0, attempts=2, max_deliveries=3),
                   trust=Trust(operators={ALICE[0]: alice}),
-                  data_dir=Path(tempfile.mkdtemp(prefix="improved-deploy-")))
+                  data_dir=scratch("improved-deploy-"))
 
 
 async def eventually(check, timeout: float = 10.0, interval: float = 0.05):

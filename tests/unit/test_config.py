@@ -475,3 +475,12 @@ def test_tls_files_make_a_client_context(tmp_path):
                                           r"certificate and its key"):
         bus.target("nats://h:4222", NatsSettings(tls_cert=tmp_path / "key.pem",
                                                  tls_key=tmp_path / "key.pem"))
+
+
+def test_the_environment_names_the_server_over_the_file(tmp_path, monkeypatch):
+    conf = tmp_path / "improved.toml"
+    conf.write_text('nats_url = "nats://h:4222"\n')
+    monkeypatch.delenv("IMPROVED_NATS_URL", raising=False)
+    assert load(conf).nats_url == "nats://h:4222" and load(None).nats_url is None
+    monkeypatch.setenv("IMPROVED_NATS_URL", "nats://other:4333")
+    assert load(conf).nats_url == load(None).nats_url == "nats://other:4333"

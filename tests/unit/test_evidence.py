@@ -243,3 +243,17 @@ def test_a_trailer_this_process_wrote_needs_no_second_signature_check_and_no_oth
                   key=None)
     brk = audit.verify_chain(PID, other, trust, [1, 2])
     assert brk is not None and brk.seq == 1 and "not signed by a daemon" in brk.problem
+
+
+def test_a_reload_names_what_changed_and_keeps_only_what_both_stores_trust():
+    """What SIGHUP logs and what counts while the new store is recorded: a key replaced under
+    the same principal is one added and one removed, and counts in neither meanwhile."""
+    alice, bob, alice2 = b64(ALICE[1]), b64(MALLORY[1]), b64(Ed25519PrivateKey.generate())
+    before = ({"operator:alice": alice}, {"agent-a": bob}, {})
+    after = ({"operator:alice": alice2, "operator:bob": bob}, {"agent-a": bob}, {})
+    changes = evidence.key_changes(before, after)
+    assert [c.rsplit(" ", 1)[0] for c in changes["added"]] == ["operator operator:alice",
+                                                               "operator operator:bob"]
+    assert [c.rsplit(" ", 1)[0] for c in changes["removed"]] == ["operator operator:alice"]
+    assert evidence.common_keys(before, after) == ({}, {"agent-a": bob}, {})
+    assert evidence.key_changes(after, after) == {"added": [], "removed": []}
