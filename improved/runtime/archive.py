@@ -146,7 +146,8 @@ async def export(store: Store, directory: Path, seal: Seal, prev: Seal | None,
     path, sealed = epoch_file(directory, seal.epoch), seal_file(directory, seal.epoch)
     if path.exists() and sealed.exists():
         services = check_file(path, seal, prev)
-        return Exported(seal.epoch, sum(1 for _ in path.open()), services, False)
+        with path.open() as lines:
+            return Exported(seal.epoch, sum(1 for _ in lines), services, False)
     await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
     partial = path.with_suffix(".jsonl.partial")
     expected, count = start, 0
