@@ -165,6 +165,8 @@ class Daemon:
             durable=S.CONSUMER_INBOUND, stream=S.STREAM_INBOUND)
         self._service = asyncio.get_running_loop().create_task(self.serve(),
                                                                name="improved-serve")
+        # ready means answering: the subscriptions are on the server, not in our send buffer
+        await self.nc.flush()
         self.ready.set()
         self.engine.metrics.set_ready(True)
         self.engine.metrics.set_connected(True)
@@ -818,8 +820,13 @@ def stop_on_signals() -> asyncio.Event:
     ends in a drain and exit 0."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def received(sig: signals.Signals) -> None:
+        log.info("signal received", signal=sig.name)
+        stop.set()
+
     for sig in (signals.SIGTERM, signals.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, received, sig)
     return stop
 
 
@@ -886,9 +893,9 @@ async def run_until_stopped(nc: Client, config: Config,
             http.close()
         await bus.close(nc)
         raise
+    settle_garbage_collector()  # before "ready" is said: it holds the loop for a moment
     if on_ready:
         on_ready(daemon)
-    settle_garbage_collector()
     notify.ready()  # systemd Type=notify: streams and consumers are bound
     notify.status(f"serving as {daemon.actor}")
     # The watchdog is fed while the consumer runs: a wedged loop gets restarted. A broker
