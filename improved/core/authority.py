@@ -193,7 +193,13 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
                else f"triage said {d.verdict}/{d.cause}" if d else "not triaged yet")
         return refusal(record, act, "not_awaiting_review", f"nothing to approve ({why})",
                        actor, verified.keyid)
-    if rv.verdict == "reject" and record.status not in ("pending", "approved"):
+    if rv.verdict == "reject" and record.status == "approved":
+        # OMS §8.12: approved → applied | expired; rollback, once applied, is the way back
+        return refusal(record, act, "not_awaiting_review", f"status approved by "
+                       f"{record.approved_by}: an approved proposal is applied or expires, it "
+                       "is not rejected (OMS); once applied, a rollback undoes it", actor,
+                       verified.keyid)
+    if rv.verdict == "reject" and record.status != "pending":
         return refusal(record, act, "not_awaiting_review", f"status {record.status}", actor,
                        verified.keyid)
     refs = (ref("act", act.digest), ref("act_seq", act.stream_seq), ref("keyid", verified.keyid))
