@@ -220,6 +220,7 @@ class ReviewEntry(_Out):
     proposal_id: str
     service: str
     since: int  # when the decision it waits on was made (ms)
+    valid_to: int | None = None  # the proposal's: when it leaves the queue, expired (ms)
 
 
 class IndexMarker(_Out):
