@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +119,7 @@ async def shown(store: Store, text: str, config: Config, readable: bool = True) 
         view["will_run"] = authority.will_run(p)
         view["will_run_digest"] = authority.will_run_digest(p)
         facts.update(_facts(record))
+        view["status"] = facts["status"]  # as of now, from the chain: the retained state may lag
     except (ValueError, KeyError, msgspec.MsgspecError) as exc:
         record = None
         view["will_run"] = f"the chain cannot be replayed: {exc}"
@@ -149,10 +151,15 @@ def chain_verdict(pid: str, sequenced: list[tuple[int, dict[str, Any]]],
 
 
 def _facts(record: Any) -> dict[str, Any]:
+    """What the replay adds for a person; the status as of now (`record.status_at`: expired
+    once `valid_to` passed, whether or not the chain records it yet)."""
+    from improved.core.record import status_at
+
     d, p = record.decision, record.proposal
     return {
         "summary": record.summary_text, "target": p.target_ref, "scope": p.scope,
-        "class": p.change_class, "gate": record.gate_class, "status": record.status,
+        "class": p.change_class, "gate": record.gate_class,
+        "status": status_at(record, int(time.time() * 1000)), "valid_to": p.valid_to,
         "stage": record.stage, "cause": d.cause if d is not None else None,
         "decision": msgspec.to_builtins(d) if d is not None else None,
         "superseded_by": record.superseded_by, "in_flight": record.in_flight,

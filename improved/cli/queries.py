@@ -68,12 +68,13 @@ async def queued_records(store: Store, policy: Policy) -> tuple[list[ProposalRec
     (anyone who can publish on the records stream could write an entry). Else — while the
     daemon refills lost records (memory storage across a broker restart, a purge, an
     upgrade) — from every chain."""
+    now = int(time.time() * 1000)  # as of now: an expired proposal left at its valid_to
     try:
         whole = await store.filled()
     except NotFoundError:
         whole = False
     if not whole:
-        return [r for r in await _every_record(store, policy) if queue.queued(r)], "chains"
+        return [r for r in await _every_record(store, policy) if queue.queued(r, now)], "chains"
     limit = asyncio.Semaphore(REBUILD_AT_ONCE)
 
     async def rebuilt(svc: str, pid: str) -> ProposalRecord | None:
@@ -83,7 +84,7 @@ async def queued_records(store: Store, policy: Policy) -> tuple[list[ProposalRec
 
     entries = await store.read_index()
     records = await asyncio.gather(*(rebuilt(e.service, e.proposal_id) for e in entries))
-    return [r for r in records if r is not None and queue.queued(r)], "index"
+    return [r for r in records if r is not None and queue.queued(r, now)], "index"
 
 
 async def _every_record(store: Store, policy: Policy) -> list[ProposalRecord]:

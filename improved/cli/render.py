@@ -286,7 +286,8 @@ def show_text(view: Mapping[str, Any], facts: Mapping[str, Any]) -> str:
            f"  class     {clean(facts.get('class'))}, gated {clean(facts.get('gate'))}",
            f"  state     {clean(facts.get('status'))} at stage {clean(facts.get('stage'))}"
            + (f", superseded by {short(str(facts['superseded_by']))}"
-              if facts.get("superseded_by") else ""),
+              if facts.get("superseded_by") else "")
+           + (f", valid to {stamp(facts['valid_to'])}" if facts.get("valid_to") else ""),
            f"  waits for {waits_for(*waiting(facts))}"]
     decision = view.get("decision") or facts.get("decision")
     if isinstance(decision, Mapping):

@@ -16,7 +16,15 @@ from typing import Any, Protocol, TypeVar, overload
 import msgspec
 
 from improved.core.audit import REASON_LIMIT, Draft
-from improved.core.record import APPROVE, REFUSED, ROLLBACK, ProposalRecord, ref, refs_of
+from improved.core.record import (
+    APPROVE,
+    REFUSED,
+    ROLLBACK,
+    ProposalRecord,
+    ref,
+    refs_of,
+    status_at,
+)
 from improved.core.signing import ActRefused, TrustStore, Verified
 from improved.protocol import canonical
 from improved.protocol.model import (
@@ -34,11 +42,14 @@ REVIEWABLE_CAUSES = frozenset({"awaiting_operator", "no_grant", "awaiting_quorum
                                "quorum_dissent"})  # an operator may always decide instead
 
 
-def is_waiting(record: ProposalRecord | None) -> bool:
+def is_waiting(record: ProposalRecord | None, now: int | None = None) -> bool:
     """Waiting for an operator (or a quorum): pending, not superseded, its last decision a
-    defer with a reviewable cause. The one definition of it: what an approval needs, and
-    (with surfaced L1 proposals) the operator's queue, `core.queue.queued`."""
+    defer with a reviewable cause — and, as of `now` when given, not expired
+    (`record.status_at`). The one definition of it: what an approval needs, and (with
+    surfaced L1 proposals) the operator's queue, `core.queue.queued`."""
     if record is None or record.status != "pending" or record.superseded_by is not None:
+        return False
+    if now is not None and status_at(record, now) != "pending":
         return False
     d = record.decision
     return d is not None and d.verdict == "defer" and d.cause in REVIEWABLE_CAUSES
@@ -185,15 +196,25 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
         return refusal(record, act, "superseded", "the proposal was superseded by new content; "
                        "an approval never carries over", actor, verified.keyid)
     d = record.decision
+    if status_at(record, now) == "expired" and record.status != "expired":  # not on the chain yet
+        return refusal(record, act, "not_awaiting_review", f"status expired: valid_to "
+                       f"{record.proposal.valid_to} passed (now {now}); an expired proposal "
+                       "is never approved or applied", actor, verified.keyid)
     unseen = _unseen(record, rv)
     if unseen is not None:
         return refusal(record, act, "unseen_body", unseen, actor, verified.keyid)
-    if rv.verdict == "approve" and not is_waiting(record):
+    if rv.verdict == "approve" and not is_waiting(record, now):
         why = (f"status {record.status}" if record.status != "pending"
                else f"triage said {d.verdict}/{d.cause}" if d else "not triaged yet")
         return refusal(record, act, "not_awaiting_review", f"nothing to approve ({why})",
                        actor, verified.keyid)
-    if rv.verdict == "reject" and record.status not in ("pending", "approved"):
+    if rv.verdict == "reject" and record.status == "approved":
+        # OMS §8.12: approved → applied | expired; rollback, once applied, is the way back
+        return refusal(record, act, "not_awaiting_review", f"status approved by "
+                       f"{record.approved_by}: an approved proposal is applied or expires, it "
+                       "is not rejected (OMS); once applied, a rollback undoes it", actor,
+                       verified.keyid)
+    if rv.verdict == "reject" and record.status != "pending":
         return refusal(record, act, "not_awaiting_review", f"status {record.status}", actor,
                        verified.keyid)
     refs = (ref("act", act.digest), ref("act_seq", act.stream_seq), ref("keyid", verified.keyid))

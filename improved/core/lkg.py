@@ -82,6 +82,17 @@ def is_charter(proposal: Proposal) -> bool:
     return proposal.scope == "charter" or proposal.amends is not None
 
 
+OPERATOR_ORIGIN = "operator:"
+
+
+def autonomous_origin(proposal: Proposal) -> bool:
+    """Whether the proposal declares an autonomous origin — an agent, a runtime, a service —
+    rather than an operator (`operator:<principal>`, SPEC 07). Constitution VII.1: autonomous
+    paths may not propose amendments. The origin is declared, not verified: it refuses what an
+    agent honestly files; what makes an amendment count is still an operator's signed approval."""
+    return not proposal.origin.actor.startswith(OPERATOR_ORIGIN)
+
+
 def needs_lkg(proposal: Proposal) -> bool:
     """L4 changes to artefacts: not reversals (checked when their original was) and not
     constitution edits (never applied by the loop)."""

@@ -12,8 +12,9 @@ a reversal. Until the view holds them the planner answers `ReadGrant` / `ReadOri
 answers NEED_DATA); the shell reads, fills the view and asks again.
 
 The priority order, first match wins:
-  1. triage — untriaged, released from feedback collapse, expired before its apply, or held
-     back by the breaker/switch that no longer holds (a reversal first inherits its original's
+  1. triage — untriaged, released from feedback collapse, expired (`valid_to` passed while
+     it waited for an operator, was approved or accepted, or was held: never once its order is
+     in flight), or held back by the breaker/switch that no longer holds (a reversal first inherits its original's
      approval);
   2. re-hold — an autonomous proposal accepted before the breaker opened or autonomy went off;
   3. the quorum's decision, once its votes add up;
@@ -39,7 +40,7 @@ from improved.core import learnback, lkg, propose, quorum, triage
 from improved.core.audit import Draft
 from improved.core.breaker import Autonomy
 from improved.core.policy import Policy
-from improved.core.record import REGRESSED, ProposalRecord
+from improved.core.record import REGRESSED, ProposalRecord, expiry_unrecorded
 from improved.protocol.model import ApplyOrder, Held, Proposal, to_json
 from improved.protocol.wire import WireError
 
@@ -170,7 +171,7 @@ def next_step(record: ProposalRecord, view: View, policy: Policy, actor: str) ->
 
 def _wants_triage(record: ProposalRecord, now: int, held: Held | None) -> bool:
     return (triage.needs_triage(record)
-            or (apply_stage.awaiting_dispatch(record) and apply_stage.expired(record, now))
+            or expiry_unrecorded(record, now)  # waiting, approved, accepted or held: expired
             or (triage.held_back(record) and held is None))
 
 

@@ -52,6 +52,7 @@ def validate(data: bytes, subject_service: str | None, limit: int) -> Proposal:
         raise wire.WireError(wire.BODY_COUNT, "a proposal carries exactly one of proposal_cal, "
                              f"proposal_edit, proposal_data; this one has {named}",
                              bodies[1] if len(bodies) > 1 else "proposal_cal")
+    proposal = grain_fields_checked(proposal)
     if subject_service is not None and proposal.service != subject_service:
         raise wire.WireError(wire.SUBJECT_MISMATCH, f"service {proposal.service!r} disagrees "
                              f"with the subject's service {subject_service!r}", "service")
@@ -68,6 +69,22 @@ def validate(data: bytes, subject_service: str | None, limit: int) -> Proposal:
                              "definition it re-executes in proposal_data.skill",
                              "proposal_data.skill")
     return proposal
+
+
+def grain_fields_checked(proposal: Proposal) -> Proposal:
+    """The proposal without the OMS grain fields it may carry as a Recommendation JSON does:
+    `type` (already checked to be "recommendation") and `dedup_key`, which must be the computed
+    one (OMS rule 5: computed, never author-chosen) — a different key is refused naming it."""
+    if proposal.type is None and proposal.dedup_key is None:
+        return proposal
+    if proposal.dedup_key is not None:
+        computed = canonical.dedup_key(proposal.analyzer.id, proposal.target_ref,
+                                       proposal.action_kind)
+        if proposal.dedup_key != computed:
+            raise wire.WireError(wire.INVALID_VALUE, f"dedup_key {proposal.dedup_key!r} is not "
+                                 f"the computed one, {computed} (OMS rule 5: sha256 of the "
+                                 "analyzer family, target_ref and action kind)", "dedup_key")
+    return msgspec.structs.replace(proposal, type=None, dedup_key=None)
 
 
 def check_cal(text: str, namespace: str | None) -> None:

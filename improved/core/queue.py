@@ -12,32 +12,48 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from improved.core.authority import is_waiting
-from improved.core.record import ProposalRecord
+from improved.core.record import ProposalRecord, expired_at, status_at
 from improved.protocol.model import ReviewEntry
 
-INDEX_VERSION = 1  # the format of the index; a marker naming another one means refill
+INDEX_VERSION = 2  # the format of the index (2: entries carry valid_to); another means refill
 
 
-def surfaced(record: ProposalRecord) -> bool:
-    """An L1 proposal accepted for review (SPEC 09: surfaced, never applied), still standing."""
+def surfaced(record: ProposalRecord, now: int | None = None) -> bool:
+    """An L1 proposal accepted for review (SPEC 09: surfaced, never applied), still standing
+    (and, as of `now` when given, not expired)."""
     d = record.decision
     return (record.status == "pending" and record.superseded_by is None and d is not None
-            and d.verdict == "accept" and record.gate_class == "L1")
+            and d.verdict == "accept" and record.gate_class == "L1"
+            and (now is None or status_at(record, now) == "pending"))
 
 
-def queued(record: ProposalRecord | None) -> bool:
+def queued(record: ProposalRecord | None, now: int | None = None) -> bool:
     """In the operator's queue: surfaced (L1), or waiting for an operator or a quorum
-    (`authority.is_waiting`). The one definition `review`, the index and the metric share."""
-    return record is not None and (surfaced(record) or is_waiting(record))
+    (`authority.is_waiting`). The one definition `review`, the index and the metric share.
+    With `now`, as of then: an expired proposal has left the queue at its `valid_to`, before
+    its chain records the expiry (what `review` lists); without, as its chain says (what the
+    index holds until the expiry is recorded)."""
+    return record is not None and (surfaced(record, now) or is_waiting(record, now))
 
 
 def entry_of(record: ProposalRecord | None) -> ReviewEntry | None:
-    """The index entry `record` should have: None when it is not queued."""
+    """The index entry `record` should have: None when it is not queued. It carries the
+    proposal's `valid_to`, so the daemon's sweep finds the entries due to expire without
+    reading their chains."""
     if record is None or not queued(record):
         return None
     d = record.decision
     return ReviewEntry(proposal_id=record.proposal_id, service=record.service,
-                       since=d.at if d is not None else record.updated_at)
+                       since=d.at if d is not None else record.updated_at,
+                       valid_to=record.proposal.valid_to)
+
+
+def due(entries: list[ReviewEntry], now: int) -> tuple[list[ReviewEntry], int | None]:
+    """The entries whose `valid_to` has passed at `now` (their expiry is to be recorded), and
+    the earliest `valid_to` still ahead (when the next are due), if any."""
+    ready = [e for e in entries if expired_at(e.valid_to, now)]
+    ahead = [e.valid_to for e in entries if e.valid_to is not None and e.valid_to > now]
+    return ready, min(ahead, default=None)
 
 
 @dataclass(frozen=True)

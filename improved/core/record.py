@@ -163,6 +163,31 @@ def status_after(status: Status, trailer: Transition) -> Status:
     return status
 
 
+def expired_at(valid_to: int | None, now: int) -> bool:
+    """`valid_to` has passed at `now` (it is the first millisecond of expiry)."""
+    return valid_to is not None and valid_to <= now
+
+
+def status_at(record: ProposalRecord, now: int) -> Status:
+    """The status as of `now`: the one every place that shows or decides on a status asks.
+    The chain's status, except `expired` once `valid_to` has passed for a proposal still
+    pending or approved whose order is not in flight (OMS §8.12: expiry is computed from
+    `valid_to`, reachable only from pending or approved, and withdraws an approval; once the
+    dispatch is on the chain, its outcome decides). The daemon records the expiry at its first
+    pass after `valid_to`; until then the chain still says pending or approved."""
+    if (record.status in ("pending", "approved") and not record.in_flight
+            and expired_at(record.proposal.valid_to, now)):
+        return "expired"
+    return record.status
+
+
+def expiry_unrecorded(record: ProposalRecord, now: int) -> bool:
+    """Expired as of `now` and not yet on the chain, and still standing: its expiry is due.
+    A superseded proposal is shown expired but left as it is (it is never decided again)."""
+    return (record.superseded_by is None and record.status != "expired"
+            and status_at(record, now) == "expired")
+
+
 # The OMS lifecycle (DESIGN §4): every status change a chain may make. Anything else — a
 # rejected proposal approved, an expired one applied, a rolled-back one applied again, a second
 # registration resetting a decision — is a broken chain, whatever its hashes say.

@@ -1,7 +1,7 @@
 """Stage 3, triage: guards in a fixed order, then the class gate (DESIGN §2, §5).
 
 Order: forbidden target, class, scope, what the class must carry (L4: `lkg`; a constitution
-edit: `amends` and a CHANGELOG entry), the doc allowlist, expiry, the rejection ledger, feedback collapse, class
+edit: `amends`, a CHANGELOG entry and an operator's origin), the doc allowlist, expiry, the rejection ledger, feedback collapse, class
 gate — so the cause of a decision is deterministic. Pure: (record, policy, clock, grant) → TriageDecision.
 """
 
@@ -45,13 +45,17 @@ def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
     if bad_path is not None:
         return decision("reject", "invalid", f"a path this change touches has no canonical "
                         f"form ({bad_path}); it cannot be checked, so it is refused")
-    charter = lkg.is_charter(p) and lkg.charter_problem(p) is None
-    if charter:  # prepared for an operator to commit, never applied: it may name the charter
+    # constitution VII.1: autonomous paths may not propose amendments (an operator's may be
+    # prepared here, never applied: it may name the charter)
+    autonomous_charter = lkg.is_charter(p) and lkg.autonomous_origin(p)
+    charter = lkg.is_charter(p) and lkg.charter_problem(p) is None and not autonomous_charter
+    if charter:
         paths = lkg.charter_paths(paths)
     hit = forbidden_match(paths, policy.forbidden)
     if hit is not None:
         return decision("reject", "forbidden_target",
-                        f"{hit} is a forbidden target (constitution VI); no class may change it")
+                        f"{hit} is a forbidden target (constitution VI); no class may change it"
+                        + (f"; {_autonomous_charter(p)}" if autonomous_charter else ""))
     if not gradient.class_fits(p.change_class, scheme, policy.min_class,
                                policy.fallback_min_class):
         least = gradient.min_class(scheme, policy.min_class, policy.fallback_min_class)
@@ -72,6 +76,8 @@ def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
     bad = lkg.problem(p)
     if bad is not None:
         return decision("reject", "invalid", f"{p.change_class} {p.scope} proposal: {bad}")
+    if autonomous_charter:
+        return decision("reject", "forbidden_target", _autonomous_charter(p))
     if scheme == "doc" and not charter and not on_allowlist(gradient.rest_of(p.target_ref), policy.doc_allowlist):
         return decision("reject", "invalid", f"{p.target_ref} is not on the doc allowlist "
                         "(policy.doc_allowlist); doc: targets must be listed to be edited")
@@ -90,6 +96,11 @@ def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
                         f"all {record.positives} positive signals come from the proposer's own "
                         "session; waiting for an independent one")
     return gate(record, grant_active, decision, held, policy.quorum)
+
+
+def _autonomous_charter(p: Proposal) -> str:
+    return (f"a constitution edit from an autonomous origin ({p.origin.actor}): constitution "
+            "VII.1 lets only an operator propose one (origin operator:<name>)")
 
 
 def evidence_digest(proposal: Proposal) -> str:

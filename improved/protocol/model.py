@@ -143,6 +143,12 @@ class Proposal(_In):
     lkg: list[dict[str, Any]] | None = None
     revert: dict[str, Any] | None = None
     amends: str | None = None
+    # OMS Recommendation fields a grain carries and a publisher may send as they are: the type
+    # (only "recommendation") and the dedup_key (only the computed one, OMS rule 5). Both are
+    # part of every proposal's grain anyway, so `propose.validate` checks and drops them: they
+    # never change the proposal id.
+    type: Literal["recommendation"] | None = None
+    dedup_key: Annotated[str, Meta(max_length=128)] | None = None
 
     @property
     def action_kind(self) -> str:
@@ -214,6 +220,7 @@ class ReviewEntry(_Out):
     proposal_id: str
     service: str
     since: int  # when the decision it waits on was made (ms)
+    valid_to: int | None = None  # the proposal's: when it leaves the queue, expired (ms)
 
 
 class IndexMarker(_Out):

@@ -50,9 +50,10 @@ from nats.js.errors import FetchTimeoutError
 
 from improved.client.sdk import enqueue, publish_deduplicated
 from improved.core import apply as apply_stage
-from improved.core import policy, propose
+from improved.core import policy, propose, queue
 from improved.core.authority import Act
 from improved.core.observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
+from improved.core.record import status_at
 from improved.core.signing import PAYLOAD_TYPES, envelope_digest
 from improved.protocol import subjects as S
 from improved.protocol import wire
@@ -62,6 +63,7 @@ from improved.protocol.model import (
     Envelope,
     ProposeReply,
     RefineReply,
+    ReviewEntry,
     Signal,
     TriageRequest,
     to_json,
@@ -132,6 +134,12 @@ class Daemon:
         # told to the broker to be in progress (monotonic seconds)
         self._held: dict[int, tuple[Msg, float]] = {}
         self._parked: set[int] = set()  # stream sequences of given-up applies on slow retry
+        # the expiry sweep: the earliest valid_to ahead among the review index's entries (as
+        # last read, lowered by this process's own index writes), and a wake-up when it drops
+        self._next_expiry: int | None = None
+        self._expiry_wake = anyio.Event()
+        self._sweeping = anyio.Lock()
+        self.engine.on_indexed = self._indexed
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
@@ -200,6 +208,7 @@ class Daemon:
                 if self.config.checkpoint_interval_s > 0:
                     tg.start_soon(self._checkpoints, name="improved-checkpoints")
                 tg.start_soon(self._watch_records, name="improved-records-watch")
+                tg.start_soon(self._expiries, name="improved-expiries")
                 tg.start_soon(self._after_ready, name="improved-after-ready")
         except Exception:
             log.exception("a background task of the daemon failed; it stops serving")
@@ -215,13 +224,60 @@ class Daemon:
         await self._recount()
 
     async def _recount(self) -> None:
-        """Set the pending-reviews metric to the entries of the review index: what `review`
-        lists, the same on every replica, read in O(open items)."""
+        """Read the review index once, in O(open items): set the pending-reviews metric to its
+        entries (what `review` lists, the same on every replica), and record the expiry of
+        each whose `valid_to` has passed, so it leaves the queue (`_sweep`)."""
         try:
-            self.engine.set_queue_size(len(await self.store.read_index()))
-        except Exception as exc:  # a metric: never worth stopping the daemon for
+            entries = await self.store.read_index()
+        except Exception as exc:  # a metric and a sweep: never worth stopping the daemon for
             log.warning("could not count the proposals waiting for review",
                         error=f"{type(exc).__name__}: {exc}")
+            return
+        self.engine.set_queue_size(len(entries))
+        await self._sweep(entries)
+
+    async def _sweep(self, entries: list[ReviewEntry]) -> None:
+        """Carry on every indexed proposal whose `valid_to` has passed: the pass records its
+        expiry on the chain (the planner decides, from the chain: an entry only says where to
+        look) and takes it out of the index; then note when the next is due. Its cost follows
+        the open items, never the history; every replica may sweep, and the chain append lets
+        one expiry through."""
+        async with self._sweeping:
+            due, ahead = queue.due(entries, int(time.time() * 1000))
+            for entry in due:
+                if self._stopping.is_set():
+                    return
+                try:
+                    await self.engine.advance(entry.service, entry.proposal_id)
+                except Exception as exc:  # the next sweep tries again
+                    log.warning("expiry not recorded yet", proposal_id=entry.proposal_id,
+                                error=f"{type(exc).__name__}: {exc}")
+            self._next_expiry = ahead
+
+    def _indexed(self, valid_to: int) -> None:
+        """This process wrote an index entry that expires at `valid_to`: wake the sweep when
+        that is earlier than what it waits for."""
+        if self._next_expiry is None or valid_to < self._next_expiry:
+            self._next_expiry = valid_to
+            self._expiry_wake.set()
+
+    async def _expiries(self) -> None:
+        """Sweep the review index as soon as the earliest `valid_to` in it has passed, so an
+        expired proposal leaves the queue at its `valid_to`, not at the next records check
+        (which sweeps too, every CACHE_CHECK_S: entries other replicas wrote, or written before
+        a restart)."""
+        while not self._stopping.is_set():
+            self._expiry_wake = anyio.Event()
+            wait = CACHE_CHECK_S
+            if self._next_expiry is not None:
+                wait = min(wait, max(0.0, self._next_expiry / 1000 - time.time()))
+            with anyio.move_on_after(wait):
+                await self._expiry_wake.wait()
+            if self._stopping.is_set():
+                return
+            if self._next_expiry is not None and self._next_expiry <= time.time() * 1000 \
+                    and self.nc.is_connected:
+                await self._recount()
 
     async def _pause(self, seconds: float) -> None:
         """Sleep `seconds`, or less when the daemon is stopping."""
@@ -336,6 +392,7 @@ class Daemon:
     async def stop(self) -> None:
         """Stop taking work, finish what is in flight, unsubscribe."""
         self._stopping.set()
+        self._expiry_wake.set()
         for sub in self._subs:
             await sub.unsubscribe()
         if self._service is not None:
@@ -694,7 +751,8 @@ class Daemon:
         # Register and triage now, so the reply carries the status; the inbound consumer,
         # which has the message too, carries the apply with its retries.
         handled = await self.engine.submit(proposal, pid, dedup, dispatch=False, fresh=True)
-        status = handled.record.status if handled.record else "pending"
+        status = (status_at(handled.record, int(time.time() * 1000)) if handled.record
+                  else "pending")
         return to_json(ProposeReply(proposal_id=pid, status=status))
 
     async def on_triage(self, svc: str, msg: Msg) -> bytes:

@@ -47,7 +47,7 @@ from improved.core import (
 )
 from improved.core.audit import Draft
 from improved.core.authority import Act
-from improved.core.record import ProposalRecord, ref, refs_of, same_state, with_trailer
+from improved.core.record import ProposalRecord, ref, refs_of, same_state, status_at, with_trailer
 from improved.core.signing import PAYLOAD_TYPES, ActRefused
 from improved.protocol import subjects as S
 from improved.protocol.model import (
@@ -173,6 +173,9 @@ class Engine:
         self._shown: OrderedDict[str, ProposalRecord] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
         self._waiters: dict[str, int] = {}
+        # told the `valid_to` of every review index entry this process writes, so the daemon's
+        # expiry sweep wakes when the earliest is due (`Daemon._expiries`)
+        self.on_indexed: Callable[[int], None] | None = None
 
     # -- per-proposal serialisation within this process -------------------------------------------
 
@@ -543,6 +546,9 @@ class Engine:
         write = queue.change(before, record, republish)
         if write is not None:
             jobs.append(self.store.index(record.service, pid, write.entry))
+            if write.entry is not None and write.entry.valid_to is not None \
+                    and self.on_indexed is not None:
+                self.on_indexed(write.entry.valid_to)
         try:
             await asyncio.gather(*jobs)
         except Exception:
@@ -1273,11 +1279,14 @@ def error_message(data: bytes) -> str:
         return "error reply"
 
 
-def state_of(record: ProposalRecord) -> ProposalState:
+def state_of(record: ProposalRecord, now: int | None = None) -> ProposalState:
+    """The retained ProposalState, its status as of `now` (`record.status_at`: expired once
+    `valid_to` passed, even before the chain records it)."""
     p = record.proposal
     return ProposalState(
         proposal_id=record.proposal_id, service=record.service, target_ref=p.target_ref,
         change_class=p.change_class, gate_class=record.gate_class, scope=p.scope,
-        dedup_key=record.dedup_key, stage=record.stage, status=record.status,
+        dedup_key=record.dedup_key, stage=record.stage,
+        status=status_at(record, now_ms() if now is None else now),
         summary_text=record.summary_text, updated_at=record.updated_at,
     )

@@ -4,11 +4,12 @@ Two daemon replicas share one server and its inbound consumer. An operator appro
 rejects it 150 ms later, while the owning service takes half a second to apply. Whichever
 replica takes which act, the outcome must be one of exactly two, and the chain must say which:
 
-- the dispatch was recorded first (an `apply`/`dispatched` intent): the reject is refused
-  (`apply_in_flight`, or `not_awaiting_review` once the apply is recorded), the chain ends
-  `applied` with its applied trailer, and the service applied the change; or
-- the reject landed before any dispatch: the chain ends `rejected` and the service never saw
-  an order.
+- the reject is refused — `apply_in_flight` when the dispatch was recorded first (an
+  `apply`/`dispatched` intent), else `not_awaiting_review` (an approved proposal is applied
+  or expires, OMS has no approved → rejected; or the apply is recorded already) — the chain
+  ends `applied` with its applied trailer, and the service applied the change; or
+- the reject landed first (not since the approval is taken first and an approval is never
+  rejected, but the check stays): the chain ends `rejected` and the service never saw an order.
 
 Before the intent existed, the replica that sent the order lost the race to append its result:
 in most rounds the service applied the change while the chain ended `rejected`, with no

@@ -382,3 +382,35 @@ async def test_replays_and_junk_do_not_grow_a_chain_without_bound(daemon, nc, sv
     assert n + 10 < len(chain) <= n + MAX_REFUSED_ACTS  # the junk was read, and capped
     assert applier.orders == [pid]
     await sub.unsubscribe()
+
+
+async def test_an_approved_proposal_is_not_rejected(daemon, nc, svc):
+    """OMS has no approved → rejected: an operator's reject of an approved proposal is refused
+    on its chain (`not_awaiting_review`) and the approval stands; once applied, a rollback is
+    the way back. Nothing serves `svc`'s apply, so the approval waits there."""
+    from improved.core import signing
+
+    client = MeshClient(nc, svc)
+    pid = (await client.propose(skill_proposal(svc))).proposal_id
+    assert (await client.triage(pid)).cause == "awaiting_operator"
+    await publish(nc, S.inbound_review(svc), review(pid))
+
+    async def approved():
+        state = await client.state(pid)
+        return state if state and state.status == "approved" else None
+
+    await eventually(approved)
+    reject = review(pid, verdict="reject", reason="changed my mind")
+    await publish(nc, S.inbound_review(svc), reject)
+    act = f"act:{signing.envelope_digest(reject)}"
+
+    async def answered():
+        chain = await trailers(daemon, svc, pid)
+        return next((t for t in chain if act in t.get("refs", [])), None)
+
+    refused = await eventually(answered)
+    assert refused["verdict"] == "refused" and "(not_awaiting_review)" in refused["reason"]
+    assert "approved" in refused["reason"] and "rollback" in refused["reason"]
+    chain = await trailers(daemon, svc, pid)
+    assert ("triage", "reject") not in [(t["to_stage"], t.get("verdict")) for t in chain]
+    assert (await client.state(pid)).status == "approved"

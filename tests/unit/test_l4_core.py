@@ -360,3 +360,31 @@ def test_an_lkg_derived_reversal_needs_no_digest_but_a_wrong_one_is_refused():
     assert _approve(record, will_run_digest(l4())) [1].verdict == "approve"
     wrong = will_run_digest(l4(proposal_data={"artefacts": {"a": "other", "b": "x"}}))
     assert "(unseen_body)" in _approve(record, wrong)[1].reason
+
+
+# -- constitution VII.1: autonomous paths may not propose amendments ----------------------------
+
+
+@pytest.mark.parametrize("actor", ["agentd:run-1:3", "curator", "mcp:aaa:1", "operator",
+                                   "operators:alice"])
+def test_a_constitution_edit_from_an_autonomous_origin_is_refused(actor):
+    p = charter(origin=Origin(actor=actor, service="docs"))
+    d = decide(registered(p))
+    assert (d.verdict, d.cause) == ("reject", "forbidden_target")
+    assert "VII.1" in d.rationale and actor in d.rationale and "operator" in d.rationale
+
+
+def test_an_autonomous_origin_is_refused_even_off_the_constitution_file():
+    """Scope charter on another document (the amendment is what is refused, not the path)."""
+    p = charter(origin=Origin(actor="agentd:run-1:3", service="docs"),
+                target_ref="doc:docs/notes.md", target_files=["docs/notes.md"],
+                proposal_edit=ProposalEdit(
+                    format="unified", base_digest="sha256:" + "0" * 64,
+                    diff="--- a/CHANGELOG.md\n+++ b/CHANGELOG.md\n@@ -1 +1,2 @@\n x\n+- y\n"))
+    d = decide(registered(p))
+    assert (d.verdict, d.cause) == ("reject", "forbidden_target") and "VII.1" in d.rationale
+
+
+def test_an_operator_origin_is_prepared_for_the_operator():
+    d = decide(registered(charter()))
+    assert (d.verdict, d.cause) == ("defer", "awaiting_operator")

@@ -222,10 +222,24 @@ def test_a_review_after_the_intent_is_refused_and_changes_nothing(verdict):
     assert applied(refused, send).status == "applied"
 
 
-def test_a_reject_before_the_intent_wins_and_no_order_is_sent():
-    record = approved(registered())
+def test_a_reject_before_any_approval_wins_and_no_order_is_sent():
+    record, _, _ = settle(registered())
     rejected = commit(*review_of(record, "reject"))
     assert rejected.status == "rejected" and step_of(rejected) == planner.DONE
+
+
+def test_an_approved_proposal_cannot_be_rejected():
+    """OMS has no approved → rejected: the reject is refused on the chain, the approval
+    stands and its apply goes on (rollback, once applied, is the way back)."""
+    record = approved(registered())
+    after, draft = review_of(record, "reject")
+    assert (draft.to_stage, draft.verdict) == ("triage", "refused")
+    assert "code:not_awaiting_review" in draft.refs
+    assert "approved" in draft.reason and "rollback" in draft.reason
+    refused = commit(after, draft)
+    assert (refused.status, refused.approved_by) == ("approved", "operator:alice")
+    _, rules, send = settle(refused)
+    assert rules == ["dispatched"] and isinstance(send, planner.SendApply)
 
 
 def test_a_review_trailer_says_approved_or_rejected_and_the_old_wording_still_verifies():
@@ -267,7 +281,9 @@ def test_an_order_that_provably_reached_no_service_withdraws_its_dispatch():
                                                                               "undelivered")
     back = commit(void.record, void.draft)
     assert not back.in_flight and back.status == "approved"
-    assert commit(*review_of(back, "reject")).status == "rejected"  # open to a decision again
+    # open to a decision again: new content supersedes it (an approval is never rejected)
+    assert propose.supersede(back, "f" * 64, TRIAGER) is not None
+    assert review_of(back, "reject")[1].verdict == "refused"
     _, rules, step = settle(back)
     assert rules == ["dispatched"] and step == send  # or recorded and sent again
 
