@@ -66,6 +66,7 @@ def test_a_short_bench_reports_durable_figures_and_leaves_no_temp_dir(tmp_path, 
     assert list(temp.iterdir()) == []
 
 
+@pytest.mark.slow  # half a minute: with the fault suites, not in the default run
 def test_an_interrupted_bench_stops_everything_and_leaves_no_temp_dir(tmp_path):
     temp, argv, kw = bench(tmp_path, "-n", "2000", "-c", "50")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -88,6 +89,7 @@ def test_an_interrupted_bench_stops_everything_and_leaves_no_temp_dir(tmp_path):
     assert not [line for line in os.popen(f"ps -eo args | grep -F '{temp}' | grep -v grep")]
 
 
+@pytest.mark.slow  # half a minute: with the fault suites, not in the default run
 def test_paced_runs_report_latency_by_class_at_three_shares_of_the_peak(tmp_path):
     out = tmp_path / "bench.json"
     temp, argv, kw = bench(tmp_path, "-n", "40", "-c", "20", "--paced", "--no-learn-back",
