@@ -456,6 +456,13 @@ async def test_a_healthy_swap_restarts_the_artefact_on_the_new_content(nc, svc, 
     assert (again, raw_again) == (result, raw)
     assert store.supervised["app"].proc.pid == v2_pid  # a repeated order restarts nothing
 
+    # the inverse, applied as its own order, restarts the artefact on v1 under the same window
+    back = await approved(nc.jetstream(), order(l4(svc, result.inverse, None)))
+    restored, _ = await send(nc, svc, back)
+    assert restored.ok, restored.error
+    assert await store.manifest() == {"app": digest_of(program("v1").encode())}
+    assert await running(store, seen, "v1") not in (v1_pid, v2_pid) and not alive(v2_pid)
+
 
 @pytest.mark.parametrize("case", ["crash", "health"])
 async def test_an_unhealthy_swap_is_rolled_back_to_the_last_known_good(nc, svc, supervised,
