@@ -117,6 +117,7 @@ def digest_of(data: bytes) -> str:
 HEALTH_WINDOW_S = 3.0  # how long a (re)started artefact must stay up before a swap is a success
 HEALTH_COMMAND_S = 10.0  # a health command still running after this has failed
 STOP_GRACE_S = 5.0  # SIGTERM to the process group, then SIGKILL after this
+GROUP_GONE_POLLS = 100  # every 20 ms: how long a killed group may take to disappear
 RESTART_MIN_S, RESTART_MAX_S = 1.0, 30.0  # backoff of restarts after an unexpected exit
 
 
@@ -166,7 +167,8 @@ def _killpg(pgid: int, sig: int) -> None:
 
 async def _end(proc: asyncio.subprocess.Process) -> None:
     """SIGTERM to the process's group, SIGKILL after the grace period; then SIGKILL to whatever
-    is left of the group (a child the artefact started), and the process reaped."""
+    is left of the group (a child the artefact started), the process reaped, and a moment given
+    for the rest of the group to be gone."""
     if proc.returncode is None:
         _killpg(proc.pid, signal.SIGTERM)
         try:
@@ -175,6 +177,30 @@ async def _end(proc: asyncio.subprocess.Process) -> None:
             pass
     _killpg(proc.pid, signal.SIGKILL)
     await proc.wait()
+    for _ in range(GROUP_GONE_POLLS):
+        if not _group_alive(proc.pid):
+            return
+        await asyncio.sleep(0.02)
+
+
+def _group_alive(pgid: int) -> bool:
+    """A process of group `pgid` still runs (a zombie, dead and waiting for its reaper, does
+    not count); where there is no /proc, any member counts."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if fields[0] != "Z" and fields[2] == str(pgid):
+            return True
+    return False
 
 
 class Supervised:
@@ -383,9 +409,11 @@ class ArtefactStore(KVService):
             raise
 
     async def stop(self) -> None:
-        """Stop taking orders (finishing the one in hand), then every artefact's process."""
+        """Stop taking orders (finishing the one in hand, its health window included), then
+        every artefact's process."""
         await super().stop()
-        await self._stop_runners()
+        async with self._settling:
+            await self._stop_runners()
 
     # -- supervised artefacts ------------------------------------------------------------------
 
