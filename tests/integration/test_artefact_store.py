@@ -7,6 +7,8 @@ log must verify in full."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 
 import msgspec
@@ -395,12 +397,14 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-async def running(store: ArtefactStore, seen, version: str) -> int:
-    """The pid of the artefact process `store` runs, once it has reported `version`."""
+async def running(store: ArtefactStore, seen, version: str, other_than: int = 0) -> int:
+    """The pid of the artefact process `store` runs, once it has reported `version` (and is not
+    `other_than`)."""
+
     async def up():
         proc = store.supervised["app"].proc
         lines = seen_lines(seen)
-        if proc is None or proc.returncode is not None or not lines:
+        if proc is None or proc.returncode is not None or not lines or proc.pid == other_than:
             return None
         return proc.pid if lines[-1] == (version, proc.pid) else None
 
@@ -495,6 +499,34 @@ async def test_an_unhealthy_swap_is_rolled_back_to_the_last_known_good(nc, svc, 
     assert (again, raw_again) == (result, raw)
     assert await manifest_rev(store) == rev + 2 and store.supervised["app"].proc.pid == pid
     assert await store.apply_count(o.proposal_id) == 1
+
+
+async def test_a_process_that_dies_later_is_restarted_and_a_broken_restore_rolled_back(
+        nc, svc, supervised):
+    """Outside a window the store keeps the artefact running; and going back is checked like
+    going forward: a restore to a version that crashes leaves the current one in place."""
+    store = await supervised(window=1.5)
+    seen = supervised.seen
+    v1_pid = await running(store, seen, "v1")
+    os.kill(v1_pid, signal.SIGKILL)
+    await running(store, seen, "v1", other_than=v1_pid)  # restarted, on the same content
+
+    # a broken version installed by hand (outside the loop), then a healthy swap from it
+    await store.seed({"app": program("v0", fail=True)})
+    broken = digest_of(program("v0", fail=True).encode())
+    first, _ = await send(nc, svc, await approved(nc.jetstream(),
+                                                  order(app_swap(svc, program("v2")))))
+    assert first.ok, first.error
+    assert first.inverse == {"restore": {"app": broken}}
+    await running(store, seen, "v2")
+    back, _ = await send(nc, svc, await approved(nc.jetstream(),
+                                                 order(l4(svc, first.inverse, None))))
+    v2 = digest_of(program("v2").encode())
+    assert (back.ok, back.error) == (False, "artefact app unhealthy after the restore: exited "
+                                     "with code 1 within the 1.5s health window; rolled back, "
+                                     f"app is back at {v2}")
+    assert await store.manifest() == {"app": v2}
+    await running(store, seen, "v2")
 
 
 async def test_an_interrupted_health_window_is_finished_by_the_next_order(nc, svc, supervised):
