@@ -7,6 +7,10 @@ log must verify in full."""
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
 import msgspec
 import pytest
 import pytest_asyncio
@@ -19,8 +23,9 @@ from improved.protocol import subjects as S
 from improved.protocol.model import AnalyzerRef, ApplyOrder, Origin, Proposal, Summary, to_json
 from improved.runtime import bus
 from improved.runtime.store import Store
+from improved_reference import kv_service
 from improved_reference.artefact_store import ArtefactStore, bucket_names, digest_of, main
-from tests.bus import send
+from tests.bus import eventually, send
 from tests.factories import unique_ms
 
 OPERATOR = "operator:alice"
@@ -359,3 +364,224 @@ def test_main_help(capsys):
         main(["--help"])
     assert exc.value.code == 0
     assert "--service" in capsys.readouterr().out
+
+
+# -- supervised artefacts: the health window -------------------------------------------------------
+
+def program(version: str, *, fail: bool = False, grandchild: bool = False) -> str:
+    """An artefact that is a Python program: run as `python {path} SEEN`, it appends
+    `<version> <pid>` to SEEN, then stays up (or exits 1 at once with `fail`); with
+    `grandchild` it first starts a child of its own and appends `child <pid>` too."""
+    lines = ["import os, subprocess, sys, time",
+             "seen = open(sys.argv[1], 'a')"]
+    if grandchild:
+        lines += ["child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])",
+                  "seen.write(f'child {child.pid}\\n')"]
+    lines += [f"seen.write(f'{version} {{os.getpid()}}\\n')", "seen.close()",
+              "sys.exit(1)" if fail else "while True: time.sleep(1)"]
+    return "\n".join(lines) + "\n"
+
+
+def seen_lines(seen) -> list[tuple[str, int]]:
+    if not seen.exists():
+        return []
+    return [(v, int(p)) for v, p in (line.split() for line in seen.read_text().splitlines())]
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie waiting for a parent that will not reap it."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def running(store: ArtefactStore, seen, version: str, other_than: int = 0) -> int:
+    """The pid of the artefact process `store` runs, once it has reported `version` (and is not
+    `other_than`)."""
+
+    async def up():
+        proc = store.supervised["app"].proc
+        lines = seen_lines(seen)
+        if proc is None or proc.returncode is not None or not lines or proc.pid == other_than:
+            return None
+        return proc.pid if lines[-1] == (version, proc.pid) else None
+
+    return await eventually(up)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def supervised(nc, svc, tmp_path):
+    """Artefact store factory: `app` run as `python {path} <seen>`, seeded with v1 running."""
+    made: list[ArtefactStore] = []
+    seen = tmp_path / "seen"
+
+    async def make(window: float = 1.0, health: str | None = None) -> ArtefactStore:
+        s = ArtefactStore(nc, svc, run={"app": f"{sys.executable} {{path}} {seen}"},
+                          health={"app": health} if health else None, health_window=window)
+        await s.start()
+        await s.seed({"app": program("v1")})
+        await running(s, seen, "v1")
+        made.append(s)
+        return s
+
+    make.seen = seen  # type: ignore[attr-defined]
+    yield make
+    for s in made:
+        await s.stop()
+    js = nc.jetstream()
+    objects, heads, ledger = bucket_names(svc)
+    await js.delete_object_store(objects)
+    for bucket in (heads, ledger):
+        await js.delete_key_value(bucket)
+
+
+def app_swap(svc: str, content: str) -> Proposal:
+    return l4(svc, {"artefacts": {"app": content}}, lkg({"app": content}, {"app": "nonempty"}))
+
+
+async def test_a_healthy_swap_restarts_the_artefact_on_the_new_content(nc, svc, supervised):
+    store = await supervised(window=1.0)
+    seen = supervised.seen
+    v1_pid = (await running(store, seen, "v1"))
+    o = await approved(nc.jetstream(), order(app_swap(svc, program("v2"))))
+    result, raw = await send(nc, svc, o)
+    assert result.ok, result.error
+    assert result.inverse == {"restore": {"app": digest_of(program("v1").encode())}}
+    # the answer came after the restart and the window: v2 runs, v1 does not
+    v2_pid = await running(store, seen, "v2")
+    assert v2_pid != v1_pid and not alive(v1_pid) and alive(v2_pid)
+    path = store.supervised["app"].path
+    assert path.read_text() == program("v2") and path.parent == store.workdir
+    entry, _ = await kv_service.read_json(store.ledger, o.proposal_id)
+    assert entry["health"] == "ok"
+    again, raw_again = await send(nc, svc, o)
+    assert (again, raw_again) == (result, raw)
+    assert store.supervised["app"].proc.pid == v2_pid  # a repeated order restarts nothing
+
+    # the inverse, applied as its own order, restarts the artefact on v1 under the same window
+    back = await approved(nc.jetstream(), order(l4(svc, result.inverse, None)))
+    restored, _ = await send(nc, svc, back)
+    assert restored.ok, restored.error
+    assert await store.manifest() == {"app": digest_of(program("v1").encode())}
+    assert await running(store, seen, "v1") not in (v1_pid, v2_pid) and not alive(v2_pid)
+
+
+@pytest.mark.parametrize("case", ["crash", "health"])
+async def test_an_unhealthy_swap_is_rolled_back_to_the_last_known_good(nc, svc, supervised,
+                                                                       case):
+    check = (f"{sys.executable} -c \"import os, sys; "
+             "sys.exit(0 if 'v1' in open(os.environ['ARTEFACT_PATH']).read() else 3)\"")
+    store = await supervised(window=2.0, health=check if case == "health" else None)
+    seen = supervised.seen
+    v1 = digest_of(program("v1").encode())
+    rev = await manifest_rev(store)
+    new = program("v3", fail=True) if case == "crash" else program("v3")
+    o = await approved(nc.jetstream(), order(app_swap(svc, new)))
+    result, raw = await send(nc, svc, o)
+    why = ("exited with code 1 within the 2s health window" if case == "crash" else
+           "health command exited with code 3")
+    assert (result.ok, result.error) == (
+        False, f"artefact app unhealthy after the swap: {why}; rolled back, app is back at {v1}")
+    assert result.inverse is None and not result.applied_id
+    # the manifest is back at the LKG (a second write on top of the swap) and v1 runs again
+    assert await store.manifest() == {"app": v1}
+    assert await manifest_rev(store) == rev + 2
+    pid = await running(store, seen, "v1")
+    assert [v for v, _ in seen_lines(seen)] == ["v1", "v3", "v1"]
+    assert store.supervised["app"].path.read_text() == program("v1")
+    entry, _ = await kv_service.read_json(store.ledger, o.proposal_id)
+    assert (entry["health"], entry["revision"], entry["rollback_revision"]) == (
+        "failed", rev + 1, rev + 2)
+    # a redelivered order gets the same answer and changes nothing
+    again, raw_again = await send(nc, svc, o)
+    assert (again, raw_again) == (result, raw)
+    assert await manifest_rev(store) == rev + 2 and store.supervised["app"].proc.pid == pid
+    assert await store.apply_count(o.proposal_id) == 1
+
+
+async def test_a_process_that_dies_later_is_restarted_and_a_broken_restore_rolled_back(
+        nc, svc, supervised):
+    """Outside a window the store keeps the artefact running; and going back is checked like
+    going forward: a restore to a version that crashes leaves the current one in place."""
+    store = await supervised(window=1.5)
+    seen = supervised.seen
+    v1_pid = await running(store, seen, "v1")
+    os.kill(v1_pid, signal.SIGKILL)
+    await running(store, seen, "v1", other_than=v1_pid)  # restarted, on the same content
+
+    # a broken version installed by hand (outside the loop), then a healthy swap from it
+    await store.seed({"app": program("v0", fail=True)})
+    broken = digest_of(program("v0", fail=True).encode())
+    first, _ = await send(nc, svc, await approved(nc.jetstream(),
+                                                  order(app_swap(svc, program("v2")))))
+    assert first.ok, first.error
+    assert first.inverse == {"restore": {"app": broken}}
+    await running(store, seen, "v2")
+    back, _ = await send(nc, svc, await approved(nc.jetstream(),
+                                                 order(l4(svc, first.inverse, None))))
+    v2 = digest_of(program("v2").encode())
+    assert (back.ok, back.error) == (False, "artefact app unhealthy after the restore: exited "
+                                     "with code 1 within the 1.5s health window; rolled back, "
+                                     f"app is back at {v2}")
+    assert await store.manifest() == {"app": v2}
+    await running(store, seen, "v2")
+
+
+async def test_an_interrupted_health_window_is_finished_by_the_next_order(nc, svc, supervised):
+    """A crash between the swap and the verdict: the ledger says pending; the repeated order
+    takes the health window then, and rolls back."""
+    store = await supervised(window=1.0)
+    seen = supervised.seen
+    v1 = digest_of(program("v1").encode())
+    o = await approved(nc.jetstream(), order(app_swap(svc, program("v4", fail=True))))
+    real = store._settle
+    calls = 0
+
+    async def crash_once(*args):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("crashed before the verdict")
+        return await real(*args)
+
+    store._settle = crash_once  # type: ignore[method-assign]
+    first, _ = await send(nc, svc, o)
+    assert not first.ok and "crashed before the verdict" in first.error  # "not now"
+    entry, _ = await kv_service.read_json(store.ledger, o.proposal_id)
+    assert entry["health"] == "pending" and entry["revision"] is not None
+    result, _ = await send(nc, svc, o)
+    assert not result.ok and result.error.endswith(f"rolled back, app is back at {v1}")
+    assert await store.manifest() == {"app": v1}
+    await running(store, seen, "v1")
+
+
+async def test_stopping_the_store_leaves_no_process_and_no_workdir(nc, svc, supervised):
+    store = await supervised(window=1.0)
+    seen = supervised.seen
+    o = await approved(nc.jetstream(), order(app_swap(svc, program("v5", grandchild=True))))
+    result, _ = await send(nc, svc, o)
+    assert result.ok, result.error
+    pid = await running(store, seen, "v5")
+    child = dict(seen_lines(seen))["child"]
+    assert alive(pid) and alive(child)
+    workdir = store.workdir
+    await store.stop()
+    assert not alive(pid) and not alive(child)
+    assert not workdir.exists() and store.supervised == {}
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--run", "app"], "--run 'app': expected NAME=COMMAND"),
+    (["--run", "app="], "--run 'app=': expected NAME=COMMAND"),
+    (["--run", "app=python {path}", "--run", "app=true"], "--run app: given twice"),
+    (["--run", 'app=python "{path}'], "--run app: cannot split"),
+    (["--health", "app=true"], "--health app: artefact app has no --run command"),
+    (["--run", "app=true", "--health-window", "0"], "--health-window 0: must be more than 0"),
+    (["--run", "app=true", "--health-window", "soon"], "--health-window 'soon': expected"),
+])
+def test_bad_runner_flags_are_one_line_errors(capsys, flags, error):
+    assert main(["--service", "deploy", "--nats", "nats://127.0.0.1:1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"artefact store: {error}") and err.count("\n") == 1, err

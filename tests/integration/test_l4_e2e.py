@@ -6,6 +6,7 @@ and the signed quorum."""
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import msgspec
 import pytest
@@ -166,6 +167,55 @@ async def test_a_constitution_edit_is_prepared_and_never_applied(daemon, nc, svc
     d2 = await client.triage((await client.propose(without)).proposal_id)
     assert (d2.verdict, d2.cause) == ("reject", "forbidden_target")
     await sub.unsubscribe()
+
+
+async def test_an_l4_swap_that_fails_its_health_window_ends_rolled_back_and_not_applied(
+        own_server, tmp_path):
+    """The artefact store runs `app` (a Python program) and gives a swap a health window; the
+    approved new version crashes at once. A daemon of its own: its order timeout leaves room
+    for the window (the session daemon's is 1s)."""
+    from improved.runtime import bus
+    from improved.runtime.config import ApplySettings
+    from improved.runtime.daemon import Daemon
+    from improved_reference.artefact_store import ArtefactStore, digest_of
+    from tests.bus import daemon_config
+
+    svc = "health"
+    nc = await bus.connect(own_server.url, "health")
+    daemon = Daemon(nc, daemon_config(apply=ApplySettings(timeout_s=10.0, attempts=2,
+                                                          max_deliveries=3)))
+    await daemon.start()
+    seen = tmp_path / "seen"
+    good = f"import time\nopen({str(seen)!r}, 'a').write('v1\\n')\nwhile True: time.sleep(1)\n"
+    bad = f"import sys\nopen({str(seen)!r}, 'a').write('v2\\n')\nsys.exit(1)\n"
+    store = ArtefactStore(nc, svc, run={"app": f"{sys.executable} {{path}}"}, health_window=1.5)
+    try:
+        await store.start()
+        await store.seed({"app": good})
+        await eventually(lambda: _seen(seen, ["v1"]))
+        client = MeshClient(nc, svc)
+        pid = await client.publish(swap(svc, {"app": bad}, smoke={"app": "nonempty"}))
+        await approve(nc, client, svc, pid)
+        out = await outcome(client, pid)
+        lkg = digest_of(good.encode())
+        assert out.ok is False
+        assert out.error == ("artefact app unhealthy after the swap: exited with code 1 within "
+                             f"the 1.5s health window; rolled back, app is back at {lkg}")
+        assert (await client.state(pid)).status != "applied"
+        verdicts = [t.get("verdict") for t in await trailers(daemon, svc, pid)]
+        assert "applied" not in verdicts and verdicts[-1] == "failed", verdicts
+        assert await store.manifest() == {"app": lkg}
+        await eventually(lambda: _seen(seen, ["v1", "v2", "v1"]))
+        assert store.supervised["app"].proc.returncode is None  # the LKG runs on
+    finally:
+        await store.stop()
+        await daemon.stop()
+        await bus.close(nc)
+
+
+async def _seen(path, versions: list[str]) -> bool:
+    """The artefact versions started so far (each appends its own) are `versions`."""
+    return path.exists() and path.read_text().splitlines() == versions
 
 
 # -- the quorum (policy.quorum on; a daemon of its own) -----------------------------------------
