@@ -172,3 +172,21 @@ async def test_the_reference_store_refuses_what_it_cannot_measure(daemon, nc, sv
     assert trailer["verdict"] == "unmeasured" and any("not a number" in r
                                                        for r in trailer["refs"])
     await store.stop()
+
+
+async def test_a_restart_remembers_the_measurements_still_due(daemon, nc, svc):
+    """What wakes a measurement is only remembered; after a restart the state bucket lists
+    the applied proposals still awaiting theirs, and each is measured when due."""
+    store = RankingStore(nc, svc)
+    await store.start()
+    await set_metric(store, "metrics.ctr", 0.5)
+    client = MeshClient(nc, svc)
+    pid = (await client.propose(watched(svc, review_after=later(1500)))).proposal_id
+    await eventually(lambda: status_of(client, pid, "applied"))
+    assert pid in daemon.engine.reviews
+    daemon.engine.reviews.clear()  # as a new process would start
+    await daemon._find_reviews()  # noqa: SLF001 - what start-up runs after ready
+    assert daemon.engine.reviews[pid][1] == svc
+    assert (await measured(daemon, svc, pid))["verdict"] == "held"
+    assert pid not in daemon.engine.reviews
+    await store.stop()
