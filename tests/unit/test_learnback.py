@@ -103,3 +103,64 @@ def test_the_request_is_due_once_at_review_after_and_never_after_the_verdict():
     assert learnback.awaiting(applied(review_after=None)) is None
     no_query = learnback.due(applied(query=None), NOW + 100)
     assert no_query is not None and no_query.query is None
+
+
+@pytest.mark.parametrize(("reply", "value", "cause"), [
+    (b'{"value": 3}', 3.0, None),
+    (b'{"value": -0.25}', -0.25, None),
+    (b'{"value": 1e400}', None, "malformed reply: Number out of range"),
+    (b'{"value": true}', None, "malformed reply: Expected `float`, got `bool`"),
+    (b'{"value": 1, "unit": "ms"}', None, "malformed reply: Object contains unknown field"),
+    (b"[]", None, "malformed reply"),
+    (b"\xff", None, "malformed reply: JSON is malformed"),
+    (b'{"error": {"code": "unmeasurable", "message": "no such key"}}', None,
+     "could not measure: no such key"),
+    (b'{"error": "plain"}', None, "malformed reply"),
+])
+def test_a_reply_is_a_value_or_a_one_line_cause(reply, value, cause):
+    from improved.runtime.engine import parse_measure_reply
+
+    reading = parse_measure_reply(reply)
+    assert reading.value == value
+    if cause is None:
+        assert reading.cause is None
+    else:
+        assert reading.cause is not None and cause in reading.cause
+        assert "\n" not in reading.cause and len(reading.cause) <= 300
+
+
+@given(data=st.binary(max_size=64))
+def test_no_reply_bytes_make_the_parser_raise(data):
+    from improved.runtime.engine import parse_measure_reply
+
+    reading = parse_measure_reply(data)
+    assert (reading.value is None) != (reading.cause is None)
+
+
+async def test_the_sdk_answers_a_bad_request_or_a_failing_handler_with_an_error_reply():
+    from improved.client.sdk import MeshClient
+    from improved.protocol.model import ErrorReply, MeasureReply
+
+    class Offline:  # no request leaves: `measure` only turns bytes into a reply
+        def jetstream(self, **_):
+            return None
+
+    client = MeshClient(Offline(), "svc")  # type: ignore[arg-type]
+
+    async def ok(request) -> float:
+        return 2
+
+    async def cannot(request) -> float:
+        raise LookupError("no metric ctr here")
+
+    async def junk(request):
+        return float("nan")
+
+    good = b'{"proposal_id": "' + b"a" * 64 + b'", "metric": "ctr", "query": "k"}'
+    assert await client.measure(good, ok) == MeasureReply(value=2.0)
+    refused = await client.measure(b'{"metric": "ctr"}', ok)
+    assert isinstance(refused, ErrorReply) and refused.error.code == "missing_field"
+    failed = await client.measure(good, cannot)
+    assert isinstance(failed, ErrorReply) and failed.error.message == "no metric ctr here"
+    nan = await client.measure(good, junk)
+    assert isinstance(nan, ErrorReply) and "not a finite number" in nan.error.message
