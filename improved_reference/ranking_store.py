@@ -24,7 +24,7 @@ from typing import Any
 from nats.aio.client import Client
 
 from improved.protocol import subjects as S
-from improved.protocol.model import ApplyOrder, ApplyResult, Proposal, to_json
+from improved.protocol.model import ApplyOrder, ApplyResult, MeasureRequest, Proposal, to_json
 from improved_reference import kv_service
 from improved_reference.kv_service import KVService, Refused
 
@@ -114,12 +114,32 @@ class RankingStore(KVService):
             "service": self.service,
             "improve": True,
             "apply": S.apply_request(self.service),
+            "measure": S.measure_request(self.service),  # a metric is a key: the query names it
             "schemes": [f"{s}:" for s in SCHEMES],
             "conformance": "L3" if self.verify_acceptance else "L1",  # L3: no skills held
             **self.acceptance_claim(),
             "proposal_data": ['{"set": {"key": K, "value": scalar}}', '{"delete": K}'],
             "buckets": {"values": self.values_bucket, "ledger": self.ledger_bucket},
         }
+
+    async def measure(self, request: MeasureRequest) -> float:
+        """Learn-back at review_after (`<svc>.improve.measure`): the current value of the key
+        the request's query names (its metric's name when it has no query) — metrics this
+        store keeps are keys like any other. Refused, naming why, when there is no such key
+        or its value is not a number."""
+        key = (request.query if request.query is not None else request.metric).strip()
+        if len(key) > MAX_KEY or not KEY_RE.match(key):
+            raise Refused(f"this store measures a key: {key[:80]!r} must match [A-Za-z0-9_.-]+")
+        value = await self.value(key)
+        if value is None:
+            raise Refused(f"no value under {key!r} to measure {request.metric}")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise Refused(f"the value under {key!r} is not a number")
+        return float(value)
+
+    async def _serve(self) -> None:
+        await super()._serve()
+        self._subs.append(await self.client.serve_measure(self.measure))
 
     async def value(self, key: str) -> Any:
         """The key's current value, or None when it has none."""

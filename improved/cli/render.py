@@ -306,6 +306,11 @@ def show_text(view: Mapping[str, Any], facts: Mapping[str, Any]) -> str:
         out.append(f"  learn-back {clean(learn.get('verdict'))}: "
                    f"{clean(learn.get('signals_counted'))} signals, "
                    f"{clean(learn.get('independent'))} independent")
+        if learn.get("measured"):  # asked at review_after: held, regressed or unmeasured
+            value = learn.get("value")
+            out.append(f"  measured  {clean(learn.get('measured'))}: {clean(learn.get('metric'))} "
+                       + (f"{clean(value)} " if value is not None else "no value ")
+                       + f"against baseline {clean(learn.get('baseline'))}")
     who = signed(view.get("trailers") or ())
     out.append("  signed    " + ("\n            ".join(who) if who else "no signed act yet"))
     out.append(f"  chain     {clean(view.get('chain'))}")

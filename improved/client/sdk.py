@@ -9,6 +9,7 @@ are nats-py's own exceptions: they mean "nobody answered", not "the daemon said 
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -34,6 +35,8 @@ from improved.protocol.model import (
     ErrorBody,
     ErrorReply,
     LearnBack,
+    MeasureReply,
+    MeasureRequest,
     Proposal,
     ProposalState,
     ProposeReply,
@@ -49,6 +52,8 @@ T = TypeVar("T")
 ProposalLike = Proposal | dict[str, Any]
 SignalLike = Signal | dict[str, Any]
 ApplyHandler = Callable[[ApplyOrder], Awaitable[ApplyResult]]
+# A measurement: the request's metric (by its query, when it has one) → the current value.
+MeasureHandler = Callable[[MeasureRequest], Awaitable[float]]
 
 # The daemon's default message limit: checking it here fails fast instead of after a round trip.
 MAX_MESSAGE_BYTES = 256 * 1024
@@ -330,6 +335,47 @@ class MeshClient:
             return failed(f"the apply handler returned {type(result).__name__}, "
                           "not an ApplyResult")
         return result
+
+
+    # -- serving measurements (learn-back at review_after) --------------------------------------
+
+    async def serve_measure(self, handler: MeasureHandler) -> Subscription:
+        """Answer `<svc>.improve.measure` with `handler`: the daemon asks at a proposal's
+        `metric_snapshot.review_after` for the metric's current value. A value is `{"value"}`;
+        a bad request, a handler that raises (it cannot measure this metric, say) or returns
+        no finite number is the error reply `{"error": {"code", "message"}}`, which the daemon
+        records as unmeasured with that message. The subscription never dies."""
+
+        async def on_request(msg: Msg) -> None:
+            reply = await self.measure(msg.data, handler)
+            if not msg.reply:
+                return
+            try:
+                await msg.respond(to_json(reply))
+            except Exception as exc:  # the daemon records the proposal unmeasured
+                log.warning("could not reply to a measure request", service=self.service,
+                            error=str(exc))
+
+        return await self.nc.subscribe(S.measure_request(self.service), queue=self.service,
+                                       cb=on_request)
+
+    async def measure(self, data: bytes, handler: MeasureHandler) -> MeasureReply | ErrorReply:
+        """One measure request's bytes → the reply (no exceptions escape)."""
+        try:
+            request = wire.decode(data, MeasureRequest, MAX_MESSAGE_BYTES)
+        except wire.WireError as err:
+            return ErrorReply(error=ErrorBody(code=err.code, message=err.message,
+                                              field=err.field))
+        try:
+            value = await handler(request)
+        except Exception as exc:
+            return ErrorReply(error=ErrorBody(code="unmeasurable", message=(
+                str(exc) or type(exc).__name__)[:ERROR_LIMIT]))
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not math.isfinite(value):
+            return ErrorReply(error=ErrorBody(code="unmeasurable", message=(
+                f"the measure handler returned {value!r}, not a finite number")[:ERROR_LIMIT]))
+        return MeasureReply(value=float(value))
 
 
 async def serve_spec(nc: Client, service: str,

@@ -6,16 +6,28 @@ the signal set — and with it the feedback-collapse guard — can be rebuilt fr
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from dataclasses import dataclass
+from typing import Final, Literal
 
 from improved.core import identity
 from improved.core.audit import Draft
 from improved.core.policy import Policy
 from improved.core.propose import count, signal_digest
-from improved.core.record import HELD, REGRESSED, SIGNAL, CountedSignal, ProposalRecord, ref
-from improved.protocol.model import Envelope, LearnBack, ObserverType, Signal
+from improved.core.record import (
+    HELD,
+    REGRESSED,
+    SIGNAL,
+    UNMEASURED,
+    CountedSignal,
+    ProposalRecord,
+    ref,
+)
+from improved.protocol.model import Envelope, LearnBack, MeasureRequest, ObserverType, Signal
 
-Measured = Literal["held", "regressed"]  # what learn-back found at review_after
+Measured = Literal["held", "regressed", "unmeasured"]  # what learn-back found at review_after
+MAX_CAUSE: Final = 300  # characters of why a measurement failed, on the trailer
+MAX_QUERY_REF: Final = 200  # characters of the query, on the trailer
 
 
 def observe_signal(record: ProposalRecord, signal: Signal, policy: Policy, now: int,
@@ -67,49 +79,94 @@ def summary(record: ProposalRecord, now: int) -> LearnBack:
         independent=sum(1 for s in record.signals if s.independent),
         verdict=verdict(record), at=now,
         metric=snap.metric if snap else None, baseline=snap.baseline if snap else None,
+        measured=record.measured, value=record.measured_value,
     )
 
 
-# -- measurement at review_after (DESIGN §4) -----------------------------------------------------
+# -- measurement at review_after (DESIGN §4): the daemon asks the owning service -------------
 
 
-def measurement(record: ProposalRecord, policy: Policy,
-                now: int) -> tuple[Measured, float] | None:
-    """Once `metric_snapshot.review_after` has passed on an applied proposal: compare the latest
-    verified reading of the metric (a `metric` signal named like it, after the apply, from the
-    owning service or a signed check: `identity.measures`) with
-    the baseline. (`regressed` | `held`, value), or None while there is nothing to measure."""
+@dataclass(frozen=True)
+class Reading:
+    """What asking the owning service at review_after gave: a value, or why there is none
+    (no responders, a timeout, an error reply, a malformed or non-finite answer)."""
+
+    value: float | None = None
+    cause: str | None = None
+
+
+def awaiting(record: ProposalRecord) -> int | None:
+    """When an applied, not yet measured proposal is due for its measurement (its
+    `metric_snapshot.review_after`), or None when there is none to make."""
     snap = record.proposal.metric_snapshot
-    applied_at = record.applied_at
-    if (snap is None or snap.review_after is None or applied_at is None
-            or record.status != "applied" or record.measured is not None
-            or now < snap.review_after):
+    if (snap is None or snap.review_after is None or record.applied_at is None
+            or record.status != "applied" or record.measured is not None):
         return None
-    readings = [(s.at, s.value) for s in record.signals if s.kind == "metric"
-                and identity.measures(s.emitter, record.service)
-                and s.name == snap.metric and s.value is not None and s.at >= applied_at]
-    if not readings:
-        return None
-    _, value = max(readings, key=lambda r: r[0])  # the latest (the first of equals)
-    scale = abs(snap.baseline) or 1.0
-    change = (value - snap.baseline) / scale
-    lower_is_better = policy.metric_direction.get(snap.metric, "higher") == "lower"
-    worse = change > policy.regression_tolerance if lower_is_better \
-        else change < -policy.regression_tolerance
-    return (REGRESSED if worse else HELD), value
+    return snap.review_after
 
 
-def measured(record: ProposalRecord, verdict: Measured, value: float, rollback_id: str | None,
-             actor: str, now: int) -> tuple[ProposalRecord, Draft]:
+def due(record: ProposalRecord, now: int) -> MeasureRequest | None:
+    """The request to send to `<svc>.improve.measure` once review_after has passed on an
+    applied proposal not measured yet; None otherwise (a verdict on the chain: never twice)."""
+    at = awaiting(record)
     snap = record.proposal.metric_snapshot
-    if snap is None:  # `measurement` measured nothing without one
+    if at is None or snap is None or now < at:
+        return None
+    return MeasureRequest(proposal_id=record.proposal_id, metric=snap.metric, query=snap.query)
+
+
+def compare(baseline: float, value: float, lower_is_better: bool, tolerance: float) -> Measured:
+    """`regressed` when `value` is worse than `baseline` by more than `tolerance`, relative to
+    the baseline's magnitude (1 when the baseline is 0); `held` otherwise."""
+    change = (value - baseline) / (abs(baseline) or 1.0)
+    worse = change > tolerance if lower_is_better else change < -tolerance
+    return REGRESSED if worse else HELD
+
+
+def judge(record: ProposalRecord, reading: Reading, policy: Policy) -> Measured:
+    """The verdict of a measurement: `unmeasured` whenever there is no finite value to compare
+    (never `held` by default), else `compare` under the policy's direction and tolerance."""
+    snap = record.proposal.metric_snapshot
+    if snap is None or reading.value is None or not math.isfinite(reading.value):
+        return UNMEASURED
+    lower = policy.metric_direction.get(snap.metric, "higher") == "lower"
+    return compare(snap.baseline, reading.value, lower, policy.regression_tolerance)
+
+
+def unmeasurable(reading: Reading) -> str:
+    """Why a reading measured nothing, in one line."""
+    if reading.value is not None and not math.isfinite(reading.value):
+        return f"the answer {reading.value} is not a finite number"
+    return reading.cause or "no value"
+
+
+def measured(record: ProposalRecord, verdict: Measured, reading: Reading,
+             rollback_id: str | None, actor: str, now: int) -> tuple[ProposalRecord, Draft]:
+    """The learn-back trailer recording what asking the owning service found."""
+    snap = record.proposal.metric_snapshot
+    if snap is None:  # `due` asks nothing without one
         raise ValueError(f"{record.proposal_id} has no metric_snapshot to measure against")
-    refs = [ref("metric", snap.metric), ref("value", value), ref("baseline", snap.baseline)]
+    how = f"asked {record.service}"
+    refs = [ref("metric", snap.metric), ref("baseline", snap.baseline), ref("measured_by", how)]
+    if snap.query is not None:
+        refs.append(ref("query", snap.query[:MAX_QUERY_REF]))
+    value = None
+    if verdict == UNMEASURED:
+        cause = unmeasurable(reading)[:MAX_CAUSE]
+        refs.append(ref("cause", cause))
+        reason = (f"{snap.metric} unmeasured ({how}): {cause}; whether the change held is "
+                  "unknown")
+    else:
+        value = reading.value
+        refs.append(ref("value", value))
+        reason = (f"{snap.metric} {value} against baseline {snap.baseline} ({how}): "
+                  + ("a regression beyond the tolerance; its recorded rollback is proposed as "
+                     f"{rollback_id}" if verdict == REGRESSED and rollback_id
+                     else "a regression beyond the tolerance; nothing recorded to roll back"
+                     if verdict == REGRESSED else "held"))
     if rollback_id:
         refs.append(ref("rollback_proposal", rollback_id))
-    reason = (f"{snap.metric} {value} against baseline {snap.baseline}: "
-              + ("a regression beyond the tolerance; its recorded rollback is proposed as "
-                 f"{rollback_id}" if verdict == REGRESSED else "held"))
     draft = Draft(from_stage=record.stage, to_stage="learn-back", actor=actor,
-                  observer_type="rec:system", verdict=verdict, reason=reason, refs=tuple(refs))
-    return record.replace(measured=verdict, updated_at=now), draft
+                  observer_type="rec:system", verdict=verdict, reason=reason[:500],
+                  refs=tuple(refs))
+    return record.replace(measured=verdict, measured_value=value, updated_at=now), draft

@@ -23,7 +23,9 @@ The priority order, first match wins:
   6. the L4 last-known-good check (and the reversal recorded before any order);
   7. the apply: its dispatch recorded on the chain first (the intent, after an L3's grant is
      re-read), then the order — sent again, the same, until its outcome is recorded;
-  8. learn-back's measurement at `review_after` (a regression proposes the recorded rollback);
+  8. learn-back's measurement at `review_after`: ask the owning service (`AskMeasure`), then
+     commit its verdict — held, regressed (which proposes the recorded rollback) or
+     unmeasured (`after_measure`);
   9. finishing the original once its rollback (or reversal) applied;
   10. done.
 """
@@ -41,7 +43,7 @@ from improved.core.audit import Draft
 from improved.core.breaker import Autonomy
 from improved.core.policy import Policy
 from improved.core.record import REGRESSED, ProposalRecord, expiry_unrecorded
-from improved.protocol.model import ApplyOrder, Held, Proposal, to_json
+from improved.protocol.model import ApplyOrder, Held, MeasureRequest, Proposal, to_json
 from improved.protocol.wire import WireError
 
 AUTONOMOUS_CLASSES: Final = frozenset({"L0", "L3"})
@@ -124,6 +126,14 @@ class SendApply:
 
 
 @dataclass(frozen=True)
+class AskMeasure:
+    """Ask the owning service for the metric at review_after; `after_measure` turns what it
+    answered (or that it could not) into the `Measure` step."""
+
+    request: MeasureRequest
+
+
+@dataclass(frozen=True)
 class Measure:
     """Learn-back's measurement: publish `rollback` (if any) durably first, then commit."""
 
@@ -144,7 +154,7 @@ class Done:
 
 
 Step = (Commit | ReadGrant | ReadOriginal | Halt | SendRollback | CheckLkg | SendApply
-        | Measure | FinishRollback | Done)
+        | AskMeasure | Measure | FinishRollback | Done)
 
 DONE: Final = Done()
 
@@ -227,22 +237,30 @@ def _intent(record: ProposalRecord, view: View, policy: Policy, actor: str) -> S
 
 
 def _after_apply(record: ProposalRecord, view: View, policy: Policy, actor: str) -> Step:
-    measured = learnback.measurement(record, policy, view.now)
-    if measured is not None:
-        verdict, value = measured
-        rollback = None
-        if verdict == REGRESSED and (record.outcome is not None and record.outcome.rollbackable
-                                     or record.revert is not None):
-            rollback = apply_stage.rollback_proposal(record)
-        rollback_id = propose.identify(rollback)[0] if rollback is not None else None
-        commit = Commit(*learnback.measured(record, verdict, value, rollback_id, actor,
-                                            view.now), why="measured")
-        return Measure(commit, rollback)
+    request = learnback.due(record, view.now) if view.dispatch else None
+    if request is not None:
+        return AskMeasure(request)
     undone = apply_stage.rolls_back(record.proposal)
     if undone and record.outcome is not None and record.outcome.ok:
         # idempotent, so a crash between the two trailers is finished by the next pass
         return FinishRollback(undone)
     return DONE
+
+
+def after_measure(record: ProposalRecord, reading: learnback.Reading, policy: Policy,
+                  actor: str, now: int) -> Measure:
+    """What the owning service answered at review_after as the learn-back transition: held;
+    regressed, with the recorded rollback proposed when there is one to propose; or
+    unmeasured (no usable answer), which proposes nothing and is never taken for held."""
+    verdict = learnback.judge(record, reading, policy)
+    rollback = None
+    if verdict == REGRESSED and (record.outcome is not None and record.outcome.rollbackable
+                                 or record.revert is not None):
+        rollback = apply_stage.rollback_proposal(record)
+    rollback_id = propose.identify(rollback)[0] if rollback is not None else None
+    commit = Commit(*learnback.measured(record, verdict, reading, rollback_id, actor, now),
+                    why="measured")
+    return Measure(commit, rollback)
 
 
 def after_lkg(record: ProposalRecord, report: lkg.LkgReport, policy: Policy, actor: str,

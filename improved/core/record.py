@@ -78,7 +78,8 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
     rollback_by: str | None = None  # the principal who asked for the inverse
     rollback_dispatched_at: int | None = None  # when the rollback order was recorded as sent
     rollback_outcome: ApplyOutcome | None = None
-    measured: str | None = None  # `held` or `regressed`, once review_after was measured
+    measured: str | None = None  # `held`, `regressed` or `unmeasured`, once review_after came
+    measured_value: float | None = None  # what the owning service answered then, if anything
     revert: Proposal | None = None  # L4: the reversal generated and validated before apply
     revert_id: str | None = None
     ballots: tuple[Ballot, ...] = ()  # quorum votes counted so far
@@ -127,6 +128,8 @@ VOTE: Final = "vote"  # a counted quorum vote
 QUORUM: Final = "quorum"  # the quorum approved: status approved
 HELD: Final = "held"  # measured at review_after: the metric held
 REGRESSED: Final = "regressed"  # measured at review_after: beyond the tolerance; a rollback is proposed
+UNMEASURED: Final = "unmeasured"  # at review_after the owning service gave no usable value: not "held"
+MEASURED: Final = frozenset({HELD, REGRESSED, UNMEASURED})
 
 
 class Transition(Protocol):
@@ -349,8 +352,10 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
                 independent=refs.get("independent") == "true", name=refs.get("name"),
                 value=float(refs["value"]) if "value" in refs else None,
                 emitter=refs.get("emitter", ""))))
-        elif trailer.to_stage == "learn-back" and trailer.verdict in (HELD, REGRESSED):
-            record = record.replace(measured=trailer.verdict)
+        elif trailer.to_stage == "learn-back" and trailer.verdict in MEASURED:
+            record = record.replace(measured=trailer.verdict,
+                                    measured_value=float(refs["value"]) if "value" in refs
+                                    else None)
         record = with_trailer(record, trailer, stream_seq)
     return record
 

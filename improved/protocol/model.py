@@ -24,7 +24,7 @@ TrailerVerdict = Literal[
     "accept", "defer", "reject",  # triage
     "approve", "refused", "superseded", "inherit", "vote", "quorum",  # authority
     "lkg_verified", "dispatched", "undelivered", "applied", "failed", "rollback", "rolled_back", "rollback_failed",  # apply
-    "signal", "held", "regressed",  # learn-back
+    "signal", "held", "regressed", "unmeasured",  # learn-back
     "grant", "revoke",  # the grant chain of a skill hash
     "autonomy_on", "autonomy_off", "crisis", "crisis_resolved",  # the autonomy chain
     "checkpoint",  # the checkpoint chain
@@ -210,6 +210,9 @@ class LearnBack(_Out):
     at: int
     metric: str | None = None
     baseline: float | None = None
+    # what asking the owning service at review_after found: held | regressed | unmeasured
+    measured: str | None = None
+    value: float | None = None  # the value it answered (none when unmeasured)
 
 
 class ReviewEntry(_Out):
@@ -273,6 +276,22 @@ class ApplyReport(_In):
 
 class TriageRequest(_In):
     proposal_id: ProposalId
+
+
+class MeasureRequest(_In):
+    """Daemon → `<svc>.improve.measure` at `metric_snapshot.review_after`: run `query` (the
+    snapshot's, when it has one) and answer the current value of `metric`."""
+
+    proposal_id: ProposalId
+    metric: Annotated[str, Meta(min_length=1, max_length=128)]
+    query: str | None = None
+
+
+class MeasureReply(_In):
+    """The owning service's answer to a MeasureRequest (strict: anything else, or an error
+    reply, leaves the proposal unmeasured)."""
+
+    value: float
 
 
 class ProposeReply(_Out):

@@ -187,6 +187,12 @@ def lkg_request(svc: str) -> str:
     return f"{svc}.improve.lkg"
 
 
+def measure_request(svc: str) -> str:
+    """Learn-back at `metric_snapshot.review_after` (extension, docs/protocol.md): the owning
+    service runs the snapshot's query and answers the metric's current value."""
+    return f"{svc}.improve.measure"
+
+
 def skills_get(svc: str) -> str:
     """A skills store's read under a TOFU grant (extension): `{"skill"}` → definition."""
     return f"{svc}.skills.get"

@@ -85,6 +85,8 @@ ACK_PROGRESS_S = 1.5  # a third of the inbound consumer's ack wait (store.INBOUN
 # A held message is told to be in progress once it has gone this long without: it is then
 # told again within ACK_QUIET_S + ACK_PROGRESS_S = 3.5 s, well inside the 5 s ack wait.
 ACK_QUIET_S = 2.0
+REVIEW_TICK_S = 1.0  # the longest the review_after wake-up sleeps before looking again
+REVIEW_RETRY_S = 5.0  # a measurement pass that failed (an outage) is tried again after this
 MAX_PARKED = 256  # given-up applies kept on a slow retry, per daemon (max_ack_pending is 1024)
 PROBE_ORDER = b'{"proposal_id":"probe"}'  # answered as malformed by whatever serves applies
 
@@ -209,6 +211,7 @@ class Daemon:
                     tg.start_soon(self._checkpoints, name="improved-checkpoints")
                 tg.start_soon(self._watch_records, name="improved-records-watch")
                 tg.start_soon(self._expiries, name="improved-expiries")
+                tg.start_soon(self._reviews, name="improved-reviews")
                 tg.start_soon(self._after_ready, name="improved-after-ready")
         except Exception:
             log.exception("a background task of the daemon failed; it stops serving")
@@ -222,6 +225,47 @@ class Daemon:
         chain), only by watchers, `review` and the metric."""
         await self._restore(ensure=False)
         await self._recount()
+        await self._find_reviews()
+
+    async def _find_reviews(self) -> None:
+        """Remember every applied proposal still awaiting its measurement at review_after, as
+        the state bucket lists them (a wake-up list only: each pass decides from the chain),
+        so a restart does not forget one that this process did not apply."""
+        try:
+            for key in await self.store.keys():
+                svc, _, pid = key.partition(".")
+                record, _ = await self.store.load(svc, pid)
+                if record is not None:
+                    self.engine.expect_review(record)
+        except Exception as exc:  # an outage: what this replica applies from now is remembered
+            log.warning("could not list the proposals awaiting their measurement",
+                        error=f"{type(exc).__name__}: {exc}")
+
+    async def _reviews(self) -> None:
+        """Learn-back at review_after: when an applied proposal's `metric_snapshot.review_after`
+        comes, make a pass over it, which asks the owning service for the metric
+        (`<svc>.improve.measure`) and records held, regressed or unmeasured."""
+        while not self._stopping.is_set():
+            now = int(time.time() * 1000)
+            upcoming = [at for at, _ in self.engine.reviews.values()]
+            wait = min([REVIEW_TICK_S, *((at - now) / 1000 for at in upcoming)])
+            if wait > 0:
+                await self._pause(wait)
+                continue
+            async with anyio.create_task_group() as tg:
+                for svc, pid in self.engine.due_reviews(now):
+                    tg.start_soon(self._review_due, svc, pid)
+
+    async def _review_due(self, svc: str, pid: str) -> None:
+        try:
+            await self.engine.advance(svc, pid)
+        except ChainBroken as exc:  # the crisis is open; nothing is decided on this chain
+            log.error("measurement skipped: its chain does not verify", proposal_id=pid,
+                      problem=str(exc))
+        except Exception as exc:  # a broker outage: try again a little later
+            log.warning("learn-back measurement failed; trying again", proposal_id=pid,
+                        error=f"{type(exc).__name__}: {exc}")
+            self.engine.reviews[pid] = (int(time.time() * 1000 + REVIEW_RETRY_S * 1000), svc)
 
     async def _recount(self) -> None:
         """Read the review index once, in O(open items): set the pending-reviews metric to its

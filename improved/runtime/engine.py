@@ -58,6 +58,8 @@ from improved.protocol.model import (
     Envelope,
     Grant,
     GrantCommand,
+    MeasureReply,
+    MeasureRequest,
     Proposal,
     ProposalState,
     Review,
@@ -85,6 +87,7 @@ MAX_STEPS = 8  # planner steps in one pass; the next message or retry carries on
 AUTONOMY_TTL_MS = 1000  # how stale this process's view of the breaker may be
 CACHE_SIZE = 10_000  # records kept in memory per process (the KV bucket holds all of them)
 apply_result_decoder = msgspec.json.Decoder(ApplyResult)
+measure_reply_decoder = msgspec.json.Decoder(MeasureReply)
 
 
 def now_ms() -> int:
@@ -176,6 +179,9 @@ class Engine:
         # told the `valid_to` of every review index entry this process writes, so the daemon's
         # expiry sweep wakes when the earliest is due (`Daemon._expiries`)
         self.on_indexed: Callable[[int], None] | None = None
+        # applied proposals awaiting their measurement: proposal id → (review_after, service);
+        # only a wake-up call (the pass it makes decides from the chain), see `due_reviews`
+        self.reviews: dict[str, tuple[int, str]] = {}
 
     # -- per-proposal serialisation within this process -------------------------------------------
 
@@ -537,6 +543,7 @@ class Engine:
         process last published for the proposal (`_shown`) are sent again; with nothing
         shown here (another process's work, a restart) all of them are."""
         pid = record.proposal_id
+        self.expect_review(record)
         republish = republish or pid in self._unpublished
         jobs = []
         if record != before:
@@ -566,6 +573,22 @@ class Engine:
         moved = queue.queued(record) - queue.queued(before)
         if moved:
             self.set_queue_size(self.queue_size + moved)
+
+    def expect_review(self, record: ProposalRecord) -> None:
+        """Remember when `record` is due for its measurement at review_after (or forget it)."""
+        at = learnback.awaiting(record)
+        if at is None:
+            self.reviews.pop(record.proposal_id, None)
+        else:
+            self.reviews[record.proposal_id] = (at, record.service)
+
+    def due_reviews(self, now: int) -> list[tuple[str, str]]:
+        """(service, proposal id) of every remembered measurement due by `now`, forgotten
+        here (the pass it makes remembers it again if it is still due: an unanswered ask)."""
+        due = [(svc, pid) for pid, (at, svc) in self.reviews.items() if at <= now]
+        for _, pid in due:
+            self.reviews.pop(pid, None)
+        return due
 
     async def republish_unpublished(self) -> int:
         """Publish again the records of every proposal whose publish failed (a broker outage
@@ -636,10 +659,15 @@ class Engine:
                         record = await self._commit(*await self._lkg_check(record), now_ms())
                     case planner.SendApply():
                         record = await self._apply(record, step, intended)
-                    case planner.Measure(commit=commit, rollback=rollback):
-                        if rollback is not None:
-                            await self.propose_rollback(record, rollback)
-                        record = await self._commit(commit.record, commit.draft, now)
+                    case planner.AskMeasure(request=request):
+                        reading = await self._measure(record, request)
+                        at = now_ms()
+                        measure = planner.after_measure(record, reading, self.policy,
+                                                        self.actor, at)
+                        if measure.rollback is not None:
+                            await self.propose_rollback(record, measure.rollback)
+                        record = await self._commit(measure.commit.record, measure.commit.draft,
+                                                    at)
                     case planner.FinishRollback(original_id=original):
                         await self.rolled_back(record.service, original, record)
                         break
@@ -716,6 +744,18 @@ class Engine:
             log.warning("L4 refused before apply", proposal_id=record.proposal_id,
                         reason=commit.draft.reason)
         return commit.record, commit.draft
+
+    async def _measure(self, record: ProposalRecord,
+                       request: MeasureRequest) -> learnback.Reading:
+        """Learn-back at review_after: ask the owning service for the metric (timeout, bounded
+        retries while nothing answers). Any reply is final — a value, or an error reply or a
+        malformed one as the cause; all attempts unanswered: that, as the cause."""
+        body = to_json(request)
+        try:
+            return await self._ask(record, S.measure_request(record.service), lambda _: body,
+                                   parse_measure_reply)
+        except ServiceUnreachable as exc:
+            return learnback.Reading(cause=str(exc))
 
     async def _send(self, record: ProposalRecord, order: ApplyOrder,
                     allowed=None) -> ApplyResult:
@@ -1227,8 +1267,10 @@ class Engine:
         decided = quorum.quorum_record(record)
         if decided is not None and (since is None or decided != quorum.quorum_record(since)):
             jobs.append(self.store.publish_once(S.quorum_record(pid), decided))
-        if len(record.signals) > len(record.proposal.signals or ()) and (
-                since is None or record.signals != since.signals):
+        if (len(record.signals) > len(record.proposal.signals or ())
+                or record.measured is not None) and (
+                since is None or record.signals != since.signals
+                or record.measured != since.measured):
             jobs.append(self.store.publish(S.learn_back(svc, pid),
                                            learnback.summary(record, record.updated_at)))
         await asyncio.gather(*jobs)
@@ -1269,6 +1311,22 @@ def parse_lkg_reply(data: bytes):
         return None
     return lkg.LkgReport(ok=False, error="the service answered something that is not an LKG "
                          "report")
+
+
+def parse_measure_reply(data: bytes) -> learnback.Reading:
+    """The service's answer to a MeasureRequest, strictly: `{"value": number}` is a reading;
+    an error reply, or anything else, is none, with the cause (never an exception)."""
+    try:
+        return learnback.Reading(value=measure_reply_decoder.decode(data).value)
+    except msgspec.MsgspecError as exc:
+        problem = str(exc)
+    try:
+        if isinstance(msgspec.json.decode(data).get("error"), dict):
+            return learnback.Reading(cause=f"the service could not measure: "
+                                     f"{error_message(data)}")
+    except (msgspec.MsgspecError, AttributeError):
+        pass
+    return learnback.Reading(cause=f"the service answered a malformed reply: {problem}"[:300])
 
 
 def error_message(data: bytes) -> str:

@@ -37,7 +37,7 @@ from tests.bus import (
     trailers,
 )
 from tests.factories import now_ms, review, sha, swap, vote
-from tests.keys import ALICE, CHECK
+from tests.keys import ALICE
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -350,23 +350,25 @@ async def test_an_l4_service_without_the_lkg_check_gets_no_order(daemon, nc, svc
 
 async def test_an_l4_regression_proposes_the_recorded_reversal_which_runs_unapproved(
         daemon, nc, svc):
-    """Learn-back: the metric regresses after an approved L4 apply; the rollback proposed is
+    """Learn-back: the metric regresses after an approved L4 apply (the owning service,
+    asked at review_after, answers 40 against a baseline of 100); the rollback proposed is
     the reversal recorded before the apply, and it runs under the original's approval."""
     from improved.protocol.model import MetricSnapshot
-    from tests.factories import signal
 
     store = await started(nc, svc, {"a": '{"v": 1}'})
     before = await store.manifest()
     client = MeshClient(nc, svc)
+
+    async def throughput(request) -> float:
+        return 40.0
+
+    meter = await client.serve_measure(throughput)
     change = msgspec.structs.replace(swap(svc, {"a": '{"v": 2}'}), metric_snapshot=MetricSnapshot(
         metric="throughput_rps", baseline=100.0, review_after=now_ms() + 300))
     pid = await client.publish(change)
     await approve(nc, client, svc, pid)
     out = await outcome(client, pid)
     assert out.ok
-    await asyncio.sleep(0.4)
-    await client.refine(signal(svc, CHECK[0], kind="metric", name="throughput_rps",
-                               value=40.0, positive=False, proposal_id=pid), key=CHECK[1])
     await eventually(lambda: _status(client, pid, "rolled_back"), timeout=15)
     assert await store.manifest() == before
     chain = await trailers(daemon, svc, pid)
@@ -374,6 +376,7 @@ async def test_an_l4_regression_proposes_the_recorded_reversal_which_runs_unappr
     assert f"rollback_proposal:{out.revert_proposal_id}" in regressed["refs"]
     rev_chain = await trailers(daemon, svc, out.revert_proposal_id)
     assert "inherit" in [t.get("verdict") for t in rev_chain]
+    await meter.unsubscribe()
     await store.stop()
 
 

@@ -13,7 +13,6 @@ from improved.core import observe
 from improved.protocol import subjects as S
 from tests.bus import Applier, eventually, publish, trailers
 from tests.factories import review, skill_proposal
-from tests.keys import CHECK
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -139,66 +138,7 @@ async def test_a_change_without_an_inverse_cannot_be_rolled_back(daemon, nc, svc
     await sub.unsubscribe()
 
 
-async def test_a_regression_at_review_after_rolls_the_change_back(daemon, nc, svc):
-    """apply → the metric regresses by review_after → the recorded rollback is proposed →
-    applied → the original is rolled back with the prior content reinstated."""
-    from improved.protocol.model import MetricSnapshot
-    from improved_reference.ranking_store import RankingStore
-    from tests.factories import rank_proposal, signal
-
-    store = RankingStore(nc, svc)
-    await store.start()
-    client = MeshClient(nc, svc)
-    base = (await client.propose(rank_proposal(svc, value=1))).proposal_id
-    await eventually(lambda: status_of(client, base, "applied"))
-    review_after = int(time.time() * 1000) + 300
-    change = rank_proposal(svc, value=5, metric_snapshot=MetricSnapshot(
-        metric="ctr", baseline=0.5, review_after=review_after))
-    pid = (await client.propose(change)).proposal_id
-    await eventually(lambda: status_of(client, pid, "applied"))
-    assert await store.value("search.title_boost") == 5
-    await asyncio.sleep(0.4)
-
-    # made-up readings from nobody verified measure nothing; a signed check's reading does
-    for i in range(3):
-        await client.refine(signal(svc, f"mcp:fake-{i}:1", kind="metric", name="ctr",
-                                   value=0.01, positive=False, proposal_id=pid))
-    await asyncio.sleep(0.3)
-    assert (await client.state(pid)).status == "applied"
-    await client.refine(signal(svc, CHECK[0], kind="metric", name="ctr", value=0.3,
-                               positive=False, proposal_id=pid), key=CHECK[1])
-    await eventually(lambda: status_of(client, pid, "rolled_back"), timeout=15)
-    assert await store.value("search.title_boost") == 1  # the prior content is back
-    chain = await trailers(daemon, svc, pid)
-    regressed = next(t for t in chain if t.get("verdict") == "regressed")
-    assert "metric:ctr" in regressed["refs"] and "value:0.3" in regressed["refs"]
-    assert chain[-1]["verdict"] == "rolled_back"
-    await store.stop()
-
-
-async def test_a_metric_that_holds_leaves_the_change_applied(daemon, nc, svc):
-    from improved.protocol.model import MetricSnapshot
-    from improved_reference.ranking_store import RankingStore
-    from tests.factories import rank_proposal, signal
-
-    store = RankingStore(nc, svc)
-    await store.start()
-    client = MeshClient(nc, svc)
-    change = rank_proposal(svc, value=5, metric_snapshot=MetricSnapshot(
-        metric="ctr", baseline=0.5, review_after=int(time.time() * 1000)))
-    pid = (await client.propose(change)).proposal_id
-    await eventually(lambda: status_of(client, pid, "applied"))
-    await client.refine(signal(svc, CHECK[0], kind="metric", name="ctr", value=0.49,
-                               proposal_id=pid), key=CHECK[1])
-
-    async def held():
-        chain = await trailers(daemon, svc, pid)
-        return chain if chain[-1].get("verdict") == "held" else None
-
-    await eventually(held)
-    assert (await client.state(pid)).status == "applied"
-    assert await store.value("search.title_boost") == 5
-    await store.stop()
+# The measurement at review_after (held, regressed → rollback, unmeasured): test_measure.py.
 
 
 async def test_an_operator_rejection_teaches_the_analyzer(daemon, nc, svc):

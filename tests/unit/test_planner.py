@@ -18,9 +18,16 @@ from improved.core import apply, audit, authority, learnback, lkg, planner, prop
 from improved.core.authority import Act
 from improved.core.breaker import Autonomy
 from improved.core.policy import Policy
-from improved.core.record import ProposalRecord, with_trailer
+from improved.core.record import ProposalRecord, replay, same_state, with_trailer
 from improved.core.signing import TrustStore
-from improved.protocol.model import ApplyResult, MetricSnapshot, Review, Signal, Vote
+from improved.protocol.model import (
+    ApplyResult,
+    MeasureRequest,
+    MetricSnapshot,
+    Review,
+    Signal,
+    Vote,
+)
 from tests.builders import NOW, QUORUM_POLICY, TRIAGER, l4, make_proposal, report
 from tests.keys import TRUST, VOTERS
 
@@ -443,41 +450,71 @@ def test_an_operators_rollback_goes_before_anything_else_and_is_halted_by_a_cris
     assert f"order:{step.inverse_id}" in intent.draft.refs
 
 
-def test_a_regression_at_review_after_proposes_the_recorded_rollback_then_commits():
-    snap = MetricSnapshot(metric="ctr", baseline=0.2, review_after=NOW + 100)
+def rebuilt_alike(before: ProposalRecord, step: planner.Commit) -> bool:
+    """The chain says what the step said: its trailer replayed on `before` gives its record."""
+    trailer = audit.seal(step.draft, before, NOW + 200)
+    return same_state(replay(before, [trailer], [7]), with_trailer(step.record, trailer, 7))
+
+
+def under_review(rollbackable: bool = True, query: str | None = "metrics.ctr"):
+    snap = MetricSnapshot(metric="ctr", baseline=0.2, review_after=NOW + 100, query=query)
     record, _, step = settle(registered(metric_snapshot=snap, **L0))
-    record = applied(record, step, inverse={"set": {"key": "x", "value": 0}}, rollbackable=True)
-    assert step_of(record, view(now=NOW + 200)) == planner.DONE  # nothing measured yet
+    return applied(record, step, inverse={"set": {"key": "x", "value": 0}},
+                   rollbackable=rollbackable)
+
+
+def test_at_review_after_the_owning_service_is_asked_the_snapshots_query():
+    record = under_review()
+    assert step_of(record, view(now=NOW + 99)) == planner.DONE  # before review_after
+    assert step_of(record, view(now=NOW + 200, dispatch=False)) == planner.DONE
+    step = step_of(record, view(now=NOW + 200))
+    assert step == planner.AskMeasure(MeasureRequest(
+        proposal_id=record.proposal_id, metric="ctr", query="metrics.ctr"))
+
+
+def test_a_regression_at_review_after_proposes_the_recorded_rollback_then_commits():
+    record = under_review()
+    # a reading arriving as a signal decides nothing: the service is asked
     reading = Signal(kind="metric", actor="mcp:meter:1", service="metrics", positive=False,
                      at=NOW + 150, name="ctr", value=0.1)
-    new, draft, counted = learnback.observe_signal(record, reading, POLICY, NOW + 150,
-                                                   "check:meter")
-    assert counted.independent
+    new, draft, _ = learnback.observe_signal(record, reading, POLICY, NOW + 150, "check:meter")
     record = commit(new, draft)
-    assert step_of(record, view(now=NOW + 99)) == planner.DONE  # before review_after
-    step = step_of(record, view(now=NOW + 200))
-    assert isinstance(step, planner.Measure) and step.rollback is not None
+    assert isinstance(step_of(record, view(now=NOW + 200)), planner.AskMeasure)
+    step = planner.after_measure(record, learnback.Reading(value=0.1), POLICY, TRIAGER, NOW + 200)
+    assert step.rollback is not None and step.commit.draft.verdict == "regressed"
     rollback_id, _ = propose.identify(step.rollback)
-    assert f"rollback_proposal:{rollback_id}" in step.commit.draft.refs
-    assert step_of(commit(step.commit.record, step.commit.draft), view(now=NOW + 200)) \
-        == planner.DONE
+    refs = step.commit.draft.refs
+    assert f"rollback_proposal:{rollback_id}" in refs and "value:0.1" in refs
+    assert "measured_by:asked svc" in refs and "query:metrics.ctr" in refs
+    done = commit(step.commit.record, step.commit.draft)
+    assert done.measured == "regressed" and done.measured_value == 0.1
+    assert step_of(done, view(now=NOW + 200)) == planner.DONE  # never measured twice
+    assert rebuilt_alike(record, step.commit)
 
 
-@pytest.mark.parametrize("emitter", ["", "agent:metrics:x", "service:metrics"])
-def test_readings_from_no_verified_measurer_roll_nothing_back(emitter):
-    """Made-up metric readings — unverified, or from anyone but the owning service or a
-    signed check — are kept as evidence and measure nothing."""
-    snap = MetricSnapshot(metric="ctr", baseline=0.2, review_after=NOW + 100)
-    record, _, step = settle(registered(metric_snapshot=snap, **L0))
-    record = applied(record, step, inverse={"set": {"key": "x", "value": 0}}, rollbackable=True)
-    for i in range(3):
-        reading = Signal(kind="metric", actor=f"mcp:fake-{i}:1", service="metrics",
-                         positive=False, at=NOW + 150 + i, name="ctr", value=0.01)
-        new, draft, _ = learnback.observe_signal(record, reading, POLICY, NOW + 150 + i,
-                                                 emitter)
-        record = commit(new, draft)
-    assert len(record.signals) == 3
-    assert step_of(record, view(now=NOW + 200)) == planner.DONE
+@pytest.mark.parametrize("reading", [learnback.Reading(cause="no service answers x"),
+                                     learnback.Reading(value=float("nan")),
+                                     learnback.Reading(value=float("inf"))])
+def test_no_answer_is_recorded_unmeasured_never_held(reading):
+    record = under_review()
+    step = planner.after_measure(record, reading, POLICY, TRIAGER, NOW + 200)
+    draft = step.commit.draft
+    assert step.rollback is None and draft.verdict == "unmeasured"
+    assert not any(r.startswith("value:") for r in draft.refs)
+    assert any(r.startswith("cause:") for r in draft.refs) and "unknown" in draft.reason
+    done = commit(step.commit.record, draft)
+    assert done.measured == "unmeasured" and done.measured_value is None
+    assert learnback.summary(done, NOW).measured == "unmeasured"
+    assert step_of(done, view(now=NOW + 300)) == planner.DONE
+    assert rebuilt_alike(record, step.commit)
+
+
+def test_a_regression_with_nothing_recorded_to_undo_proposes_nothing():
+    record = under_review(rollbackable=False)
+    step = planner.after_measure(record, learnback.Reading(value=0.0), POLICY, TRIAGER,
+                                 NOW + 200)
+    assert step.rollback is None and step.commit.draft.verdict == "regressed"
+    assert "nothing recorded to roll back" in step.commit.draft.reason
 
 
 def test_an_applied_rollback_finishes_its_original():

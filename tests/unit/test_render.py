@@ -147,6 +147,19 @@ def test_show_text_says_class_gate_cause_signers_chain_and_the_diff():
     assert "trailers:" in text and f"{0:016x}" in text
 
 
+def test_show_text_tells_unmeasured_from_held():
+    view, facts = _shown()
+    learn = {"verdict": "none", "signals_counted": 0, "independent": 0, "metric": "ctr",
+             "baseline": 0.5}
+    held = render.show_text({**view, "learn_back": {**learn, "measured": "held",
+                                                    "value": 0.49}}, facts)
+    assert "  measured  held: ctr 0.49 against baseline 0.5" in held
+    unmeasured = render.show_text({**view, "learn_back": {**learn, "measured": "unmeasured"}},
+                                  facts)
+    assert "  measured  unmeasured: ctr no value against baseline 0.5" in unmeasured
+    assert "measured" not in render.show_text({**view, "learn_back": learn}, facts)
+
+
 def test_the_console_pages_render_hostile_fields_inert():
     """Every field a bus participant wrote is escaped: no tag, no attribute, no script."""
     mode = "read-only (no operator key)"
