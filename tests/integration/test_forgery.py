@@ -207,3 +207,43 @@ async def test_signed_approvals_verify_from_the_chain_and_an_old_act_after_key_r
         verify = await _verify(own_server.url, config)
         assert verify.returncode == 0, verify.stdout + verify.stderr
         assert "daemon signatures and signed acts" in verify.stdout
+
+
+async def test_a_forged_grant_after_a_revocation_is_not_taken_from_a_remembered_grant(
+        own_server, tmp_path):
+    """The daemon remembers a verified grant chain by its last trailer (`Store._current_grant`)
+    and re-reads it only when that end moves. A bus participant who appends a correctly linked
+    "grant" trailer after a revocation moves the end: the chain is read and verified again,
+    the forged trailer is refused, and the next re-execution is not applied."""
+    from improved.protocol import canonical
+    from tests.bus import applied_at_l2, publish
+    from tests.factories import grant, now_ms
+
+    config = _config(tmp_path)
+    async with _running(own_server.url, config) as (nc, daemon, client, applier):
+        first = skill_proposal(SVC, change_class="L3")
+        l2 = await applied_at_l2(nc, first)
+        identity = canonical.skill_identity(first.proposal_data["skill"])
+        sha = identity.split(":", 1)[1]
+        await publish(nc, S.GRANTS, grant(identity, proposal=l2))
+        await eventually(lambda: daemon.store.grant_active(identity, now_ms(),
+                                                           daemon.engine.chain_trust))
+        pid3 = (await client.propose(first)).proposal_id  # the memo is warm after this one
+        assert (await eventually(lambda: client.outcome(pid3))).ok
+
+        await publish(nc, S.GRANTS, grant(identity, op="revoke"))
+
+        async def revoked():
+            chain = await daemon.store.read_chain_at(S.grant_audit(sha))
+            return chain[-1][1]["verdict"] == "revoke"
+
+        await eventually(revoked)
+        forged = Draft(from_stage="apply", to_stage="apply", actor="operator:alice",
+                       observer_type="human", verdict="grant",
+                       reason="granted by operator:alice", refs=(ref("act", "0" * 64),))
+        await _forge(nc, S.grant_audit(sha), sha, forged)
+        pid_again = (await client.propose(skill_proposal(SVC, change_class="L3"))).proposal_id
+        decision = await client.triage(pid_again)
+        await asyncio.sleep(0.5)
+        assert pid_again not in applier.orders
+        assert (decision.verdict, decision.gate_class) != ("accept", "L3"), decision
