@@ -233,6 +233,8 @@ class Daemon:
         so a restart does not forget one that this process did not apply."""
         try:
             for key in await self.store.keys():
+                if self._stopping.is_set():  # a stop does not wait for the whole list
+                    return
                 svc, _, pid = key.partition(".")
                 record, _ = await self.store.load(svc, pid)
                 if record is not None:
