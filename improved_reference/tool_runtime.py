@@ -18,9 +18,8 @@ import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
-from improved.client.sdk import MAX_MESSAGE_BYTES, serve_spec
+from improved.client.sdk import MAX_MESSAGE_BYTES, Served, serve_spec
 from improved.core.tools import ERROR_LIMIT, Runtime, ToolName
 from improved.protocol import subjects as S
 from improved.protocol import wire
@@ -47,7 +46,7 @@ class ToolRuntimeService:
     def __init__(self, nc: Client, runtime: Runtime):
         self.nc = nc
         self.runtime = runtime
-        self._subs: list[Subscription] = []
+        self._subs: list[Served] = []
 
     def capabilities(self) -> dict[str, Any]:
         rt = self.runtime

@@ -28,14 +28,29 @@ from improved.runtime import bus
 def cmd_conformance(args: argparse.Namespace) -> int:
     from improved.runtime import conformance
 
+    if not args.mesh and len(args.service) != 1:
+        print("improved conformance: name one SERVICE, or give --mesh (with any services "
+              "to probe besides those that answer discovery)", file=sys.stderr)
+        return 2
+    bad = [s for s in args.service if not S.SERVICE_RE.match(s)]
+    if bad:
+        print(f"improved conformance: service name {bad[0]!r} must match "
+              f"{S.SERVICE_RE.pattern}", file=sys.stderr)
+        return 2
+
     async def probe():
         nc = await bus.connect(url_of(args, config_of(args)), "improved-conformance")
         try:
-            return await conformance.probe(nc, args.service, timeout=args.timeout)
+            if args.mesh:
+                return await conformance.probe_mesh(nc, args.service, timeout=args.timeout)
+            return await conformance.probe(nc, args.service[0], timeout=args.timeout)
         finally:
             await bus.close(nc)
 
     report = asyncio.run(probe())
+    if isinstance(report, conformance.MeshReport):
+        print(conformance.render_mesh(report))
+        return 0 if report.level is not None else 1
     print(conformance.render(report))
     return 0 if report.level is not None else 1
 
@@ -83,13 +98,19 @@ def cmd_tools_grant(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the `tools` commands to the `improved` parser."""
     conf = sub.add_parser(
-        "conformance", help="which SPEC 09 conformance level a live service meets",
+        "conformance", help="which SPEC 09 conformance level a live service (or the mesh) meets",
         description="Probe a live service over NATS (spec.get, its apply subject, and for "
                     "higher levels its skills read and last-known-good check) with orders a "
                     "conformant service refuses, and report the level it meets (L0–L4) and "
-                    "why not the next. Changes nothing. Exit 1 when not even L0.")
+                    "why not the next. With --mesh, every service that answers the "
+                    "improved.spec.discover broadcast (and any SERVICE named) is probed, and the "
+                    "mesh meets the lowest level of the services in the loop (SPEC 09). "
+                    "Changes nothing. Exit 1 when not even L0.")
     add_connection_args(conf)
-    conf.add_argument("service", metavar="SERVICE")
+    conf.add_argument("service", metavar="SERVICE", nargs="*",
+                      help="the service to probe (with --mesh: any besides those discovered)")
+    conf.add_argument("--mesh", action="store_true",
+                      help="probe every service that advertises, and report the mesh's level")
     conf.add_argument("--timeout", type=float, default=2.0, help="per request (2 s)")
     conf.set_defaults(func=cmd_conformance)
 

@@ -74,6 +74,16 @@ def validate(data: bytes, subject_service: str | None, limit: int) -> Proposal:
     return proposal
 
 
+def surface_problem(service: str, spec: object) -> str | None:
+    """Why proposals for `service` are refused, given what its `spec.get` answered (None: no
+    answer), or None. Only an advertised omission refuses (SPEC 09 conformance L0: a service
+    that does not participate says so); silence may be a service that is down."""
+    if isinstance(spec, dict) and spec.get("improve") is False:
+        return (f"service {service!r} advertises no improvement surface (its spec.get says "
+                '"improve": false): it takes no proposals')
+    return None
+
+
 def grain_fields_checked(proposal: Proposal) -> Proposal:
     """The proposal without the OMS grain fields it may carry as a Recommendation JSON does:
     `type` (already checked to be "recommendation") and `dedup_key`, which must be the computed

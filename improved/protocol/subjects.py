@@ -76,6 +76,9 @@ REFUSED_FILTER = f"{REFUSED}.>"
 
 # -- request/reply (core NATS) -----------------------------------------------------------------
 SPEC_GET = "improved.spec.get"
+# Every service that advertises (`serve_spec`) also answers this broadcast, without a queue
+# group, with the same capabilities: how `improved conformance --mesh` finds the mesh.
+SPEC_DISCOVER = "improved.spec.discover"
 QUEUE_GROUP = "improved"
 
 

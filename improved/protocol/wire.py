@@ -27,6 +27,7 @@ TOO_DEEP = "too_deep"
 BODY_COUNT = "body_count"
 SUBJECT_MISMATCH = "subject_mismatch"
 NOT_FOUND = "not_found"
+NO_SURFACE = "no_surface"  # the service advertises `"improve": false`: it takes no proposals
 CHAIN_BROKEN = "chain_broken"  # the proposal's chain does not verify: a crisis is open
 INTERNAL = "internal"
 
