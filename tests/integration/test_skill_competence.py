@@ -9,6 +9,7 @@ import asyncio
 
 import msgspec
 import pytest
+import pytest_asyncio
 
 from improved.client.sdk import MeshClient
 from improved.core import signing
@@ -27,6 +28,15 @@ from tests.integration.test_forgery import _forge
 from tests.keys import CHECK, EVALUATOR
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def store(nc, svc):
+    """The test's own skills store, trusting the bus for who wrote its chains."""
+    s = SkillsStore(nc, svc)
+    await s.start()
+    yield s
+    await s.stop()
 
 BOB = "did:key:z6MkBob"
 
@@ -53,63 +63,53 @@ async def competence(nc, svc, identity, holder, history=0) -> dict:
                      {"skill": identity, "holder": holder, "history": history})
 
 
-async def test_independent_outcomes_move_the_proposers_proficiency_once_each(daemon, nc, svc):
-    store = SkillsStore(nc, svc)
-    await store.start()
-    try:
-        pid, identity, holder = await applied_skill(nc, svc)
-        client = MeshClient(nc, svc)
-        # the proposer's own praise is recorded on the chain and counts for nothing
-        mine = await client.refine(signal(svc, f"mcp:{svc}-agent:2", proposal_id=pid))
-        assert mine.counted and not mine.independent
-        # an evaluator of another service, signing: practice; the learn-back record wakes the
-        # store, which reads the chain itself
-        other = await client.refine(signal(svc, EVALUATOR[0], proposal_id=pid),
-                                    key=EVALUATOR[1])
-        assert other.independent
+async def test_independent_outcomes_move_the_proposers_proficiency_once_each(daemon, nc, svc, store):
+    pid, identity, holder = await applied_skill(nc, svc)
+    client = MeshClient(nc, svc)
+    # the proposer's own praise is recorded on the chain and counts for nothing
+    mine = await client.refine(signal(svc, f"mcp:{svc}-agent:2", proposal_id=pid))
+    assert mine.counted and not mine.independent
+    # an evaluator of another service, signing: practice; the learn-back record wakes the
+    # store, which reads the chain itself
+    other = await client.refine(signal(svc, EVALUATOR[0], proposal_id=pid),
+                                key=EVALUATOR[1])
+    assert other.independent
 
-        async def practised(n):
-            head = (await competence(nc, svc, identity, holder))["competence"]
-            return head if head and head["practice_count"] == n else None
+    async def practised(n):
+        head = (await competence(nc, svc, identity, holder))["competence"]
+        return head if head and head["practice_count"] == n else None
 
-        first = await eventually(lambda: practised(1))
-        assert first["proficiency"] == pytest.approx(ALPHA)
-        assert first["holder_did"] == holder and first["confidence"] == first["proficiency"]
-        # a failure seen by a signed check lowers it, by a new grain, never in place
-        await client.signal(signal(svc, CHECK[0], proposal_id=pid, positive=False,
-                                   kind="check"), key=CHECK[1])
-        second = await eventually(lambda: practised(2))
-        assert second["proficiency"] == pytest.approx(ALPHA * (1 - ALPHA))
+    first = await eventually(lambda: practised(1))
+    assert first["proficiency"] == pytest.approx(ALPHA)
+    assert first["holder_did"] == holder and first["confidence"] == first["proficiency"]
+    # a failure seen by a signed check lowers it, by a new grain, never in place
+    await client.signal(signal(svc, CHECK[0], proposal_id=pid, positive=False,
+                               kind="check"), key=CHECK[1])
+    second = await eventually(lambda: practised(2))
+    assert second["proficiency"] == pytest.approx(ALPHA * (1 - ALPHA))
 
-        # asking again, or the record again, counts nothing twice
-        again = await ask(nc, S.skills_practice(svc), {"proposal_id": pid})
-        assert (again["outcomes"], again["counted_now"]) == (2, 0)
-        assert again["holder"] == holder and again["skill"] == identity
-        await nc.publish(S.learn_back(svc, pid), b"{}")
-        await asyncio.sleep(0.5)
-        chain = await competence(nc, svc, identity, holder, history=10)
-        assert [g["practice_count"] for g in chain["history"]] == [1, 2]
-        assert chain["history"][1]["derived_from"] == [canonical.content_address(
-            chain["history"][0], canonical.SKILL)]
-    finally:
-        await store.stop()
+    # asking again, or the record again, counts nothing twice
+    again = await ask(nc, S.skills_practice(svc), {"proposal_id": pid})
+    assert (again["outcomes"], again["counted_now"]) == (2, 0)
+    assert again["holder"] == holder and again["skill"] == identity
+    await nc.publish(S.learn_back(svc, pid), b"{}")
+    await asyncio.sleep(0.5)
+    chain = await competence(nc, svc, identity, holder, history=10)
+    assert [g["practice_count"] for g in chain["history"]] == [1, 2]
+    assert chain["history"][1]["derived_from"] == [canonical.content_address(
+        chain["history"][0], canonical.SKILL)]
 
 
-async def test_outcomes_before_the_apply_are_not_practice(daemon, nc, svc):
+async def test_outcomes_before_the_apply_are_not_practice(daemon, nc, svc, store):
     """An independent signal that released the proposal is evidence about it, not practice."""
-    store = SkillsStore(nc, svc)
-    await store.start()
-    try:
-        client = MeshClient(nc, svc)
-        proposal = skill_proposal(svc, instructions=f"Early {svc}.")
-        pid = (await client.propose(proposal)).proposal_id
-        await client.refine(signal(svc, EVALUATOR[0], proposal_id=pid), key=EVALUATOR[1])
-        await approve(nc, client, svc, pid)
-        assert (await outcome(client, pid)).ok
-        reply = await ask(nc, S.skills_practice(svc), {"proposal_id": pid})
-        assert (reply["outcomes"], reply["counted_now"], reply["competence"]) == (0, 0, None)
-    finally:
-        await store.stop()
+    client = MeshClient(nc, svc)
+    proposal = skill_proposal(svc, instructions=f"Early {svc}.")
+    pid = (await client.propose(proposal)).proposal_id
+    await client.refine(signal(svc, EVALUATOR[0], proposal_id=pid), key=EVALUATOR[1])
+    await approve(nc, client, svc, pid)
+    assert (await outcome(client, pid)).ok
+    reply = await ask(nc, S.skills_practice(svc), {"proposal_id": pid})
+    assert (reply["outcomes"], reply["counted_now"], reply["competence"]) == (0, 0, None)
 
 
 def _independent_outcome() -> Draft:
@@ -153,43 +153,33 @@ async def test_a_forged_outcome_on_the_chain_counts_for_nothing_to_a_store_that_
         await bus.close(nc)
 
 
-async def test_a_forged_learn_back_record_is_only_a_wake_up(daemon, nc, svc):
+async def test_a_forged_learn_back_record_is_only_a_wake_up(daemon, nc, svc, store):
     """Anyone may publish a learn-back record: the store reads the chain, which holds only the
     proposer's own signal, and counts nothing."""
-    store = SkillsStore(nc, svc)
-    await store.start()
-    try:
-        pid, identity, holder = await applied_skill(nc, svc)
-        await MeshClient(nc, svc).refine(signal(svc, f"mcp:{svc}-agent:3", proposal_id=pid))
-        await nc.publish(S.learn_back(svc, pid), to_json(
-            {"proposal_id": pid, "verdict": "confirmed", "independent": 5}))
-        await asyncio.sleep(0.5)
-        assert (await competence(nc, svc, identity, holder))["competence"] is None
-    finally:
-        await store.stop()
+    pid, identity, holder = await applied_skill(nc, svc)
+    await MeshClient(nc, svc).refine(signal(svc, f"mcp:{svc}-agent:3", proposal_id=pid))
+    await nc.publish(S.learn_back(svc, pid), to_json(
+        {"proposal_id": pid, "verdict": "confirmed", "independent": 5}))
+    await asyncio.sleep(0.5)
+    assert (await competence(nc, svc, identity, holder))["competence"] is None
 
 
-async def test_transfer_over_the_bus_gives_the_recipe_not_the_track_record(daemon, nc, svc):
-    store = SkillsStore(nc, svc)
-    await store.start()
-    try:
-        pid, identity, holder = await applied_skill(nc, svc)
-        none = await ask(nc, S.skills_transfer(svc), {"skill": identity, "from": holder,
-                                                      "to": BOB})
-        assert none["error"]["code"] == "not_found"  # nothing practised yet: nothing to hand on
-        await MeshClient(nc, svc).refine(signal(svc, EVALUATOR[0], proposal_id=pid),
-                                         key=EVALUATOR[1])
-        await eventually(lambda: _has_competence(nc, svc, identity, holder))
-        moved = await ask(nc, S.skills_transfer(svc), {"skill": identity, "from": holder,
-                                                       "to": BOB})
-        grain = moved["grain"]
-        assert (grain["holder_did"], grain["proficiency"], grain["practice_count"]) == \
-            (BOB, 0.0, 0)
-        assert grain["origin_did"] == holder
-        held = (await competence(nc, svc, identity, BOB))["competence"]
-        assert held == grain
-    finally:
-        await store.stop()
+async def test_transfer_over_the_bus_gives_the_recipe_not_the_track_record(daemon, nc, svc, store):
+    pid, identity, holder = await applied_skill(nc, svc)
+    none = await ask(nc, S.skills_transfer(svc), {"skill": identity, "from": holder,
+                                                  "to": BOB})
+    assert none["error"]["code"] == "not_found"  # nothing practised yet: nothing to hand on
+    await MeshClient(nc, svc).refine(signal(svc, EVALUATOR[0], proposal_id=pid),
+                                     key=EVALUATOR[1])
+    await eventually(lambda: _has_competence(nc, svc, identity, holder))
+    moved = await ask(nc, S.skills_transfer(svc), {"skill": identity, "from": holder,
+                                                   "to": BOB})
+    grain = moved["grain"]
+    assert (grain["holder_did"], grain["proficiency"], grain["practice_count"]) == \
+        (BOB, 0.0, 0)
+    assert grain["origin_did"] == holder
+    held = (await competence(nc, svc, identity, BOB))["competence"]
+    assert held == grain
 
 
 async def _has_competence(nc, svc, identity, holder):
@@ -204,16 +194,11 @@ async def _has_competence(nc, svc, identity, holder):
     ("transfer", {"skill": "s:" + "0" * 64, "from": "a"}),
     ("transfer", {"skill": "nope", "from": "a", "to": "b"}),
 ])
-async def test_malformed_requests_get_one_error_and_change_nothing(nc, svc, subject, body):
-    store = SkillsStore(nc, svc)
-    await store.start()
-    try:
-        reply = await ask(nc, f"{svc}.skills.{subject}", body)
-        assert set(reply) == {"error"}, reply
-        assert reply["error"]["code"] in ("invalid_value", "not_practice", "not_found")
-        assert reply["error"]["message"] and "\n" not in reply["error"]["message"]
-    finally:
-        await store.stop()
+async def test_malformed_requests_get_one_error_and_change_nothing(nc, svc, store, subject, body):
+    reply = await ask(nc, f"{svc}.skills.{subject}", body)
+    assert set(reply) == {"error"}, reply
+    assert reply["error"]["code"] in ("invalid_value", "not_practice", "not_found")
+    assert reply["error"]["message"] and "\n" not in reply["error"]["message"]
 
 
 async def test_dependencies_must_be_skill_addresses(daemon, nc, svc):
