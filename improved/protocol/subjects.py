@@ -23,6 +23,7 @@ GRANTS = "improve.grants"
 QUORUM = "improve.quorum"
 AUDIT = "improve.audit"
 REVIEW = "improve.review"  # the operator's queue: one retained entry per open item
+DUE = "improve.due"  # learn-back's wake-ups: one retained entry per measurement still to make
 
 INBOUND_FILTERS = (
     f"{PROPOSALS}.*",
@@ -42,8 +43,10 @@ RECORD_FILTERS = (
     f"{GRANTS}.*.*",
     f"{QUORUM}.*",
     f"{REVIEW}.*.*",
+    f"{DUE}.*.*",
 )
 REVIEW_FILTER = f"{REVIEW}.*.*"
+DUE_FILTER = f"{DUE}.*.*"
 # The marker a complete refill of the records (and the review index) leaves, in the records
 # stream itself, so it is lost with what it vouches for; `_filled` is no service (they start
 # [a-z]), and a purge of the review subjects takes it too.
@@ -120,6 +123,12 @@ def apply_outcome(svc: str, pid: str) -> str:
 
 def learn_back(svc: str, pid: str) -> str:
     return f"{OUTCOMES}.{svc}.{pid}"
+
+
+def due_entry(svc: str, pid: str) -> str:
+    """Retained while applied proposal `pid` awaits its measurement at review_after (an
+    output: it says when to look, never what to decide)."""
+    return f"{DUE}.{svc}.{pid}"
 
 
 def review_entry(svc: str, pid: str) -> str:

@@ -231,20 +231,20 @@ class Daemon:
         await self._find_reviews()
 
     async def _find_reviews(self) -> None:
-        """Remember every applied proposal still awaiting its measurement at review_after, as
-        the state bucket lists them (a wake-up list only: each pass decides from the chain),
-        so a restart does not forget one that this process did not apply."""
+        """Remember every measurement still to make, as the measurement index lists them (a
+        wake-up list only: each pass decides from the chain), so a restart wakes each at its
+        review_after, whoever applied it and however long ago; O(open measurements)."""
         try:
-            for key in await self.store.keys():
-                if self._stopping.is_set():  # a stop does not wait for the whole list
-                    return
-                svc, _, pid = key.partition(".")
-                record, _ = await self.store.load(svc, pid)
-                if record is not None:
-                    self.engine.expect_review(record)
+            entries = await self.store.read_due()
         except Exception as exc:  # an outage: what this replica applies from now is remembered
             log.warning("could not list the proposals awaiting their measurement",
                         error=f"{type(exc).__name__}: {exc}")
+            return
+        for entry in entries:
+            self.engine.reviews.setdefault(entry.proposal_id,
+                                           (entry.review_after, entry.service))
+        if entries:
+            log.info("measurements to make", count=len(entries))
 
     async def _reviews(self) -> None:
         """Learn-back at review_after: when an applied proposal's `metric_snapshot.review_after`
