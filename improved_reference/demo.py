@@ -45,6 +45,7 @@ from improved.protocol import subjects as S
 from improved.protocol.model import (
     AnalyzerRef,
     GrantCommand,
+    MetricSnapshot,
     Origin,
     Proposal,
     Review,
@@ -84,6 +85,7 @@ SKILL = {
 }
 EXTRA_SENTENCE = " Keep each bullet under twenty words."
 RANK_KEY = "search.title_boost"
+SNIPPET_KEY = "search.snippet_weight"  # set by the learn-back step, then rolled back
 DEPLOYER = "agentd:release-9c1e:1"  # proposes the L4 binary swap
 ARTEFACTS = {"app": '{"release": 1}', "config": '{"workers": 4}'}
 PRIOR, NEW = 1.0, 1.5
@@ -534,6 +536,38 @@ class Demo:
         self.expect(counted >= 1, "the autonomous rollback was not counted for the breaker")
         self.ok("rolled_back: the recorded inverse restored the prior value")
 
+    async def step_remeasure(self) -> None:
+        metric_key, baseline, worse = "metrics.ctr", 0.31, 0.22
+        values = await self.nc_search.jetstream().key_value(self.search.values_bucket)
+        await values.put(metric_key, to_json(baseline))
+        due = self.now_ms() + 800
+        proposal = self.rank_proposal("L0", SNIPPET_KEY, 0.8, metric_snapshot=MetricSnapshot(
+            metric="ctr", baseline=baseline, query=metric_key, review_after=due))
+        pid = await self.propose(self.search_client, proposal)
+        await self.status(self.search_client, pid, "applied")
+        self.event("snapshot", f"ctr was {baseline} at the proposal; the owning service is asked "
+                   f"again at review_after (+0.8 s) on search.improve.measure")
+        await values.put(metric_key, to_json(worse))
+        self.event("world", f"meanwhile click-through fell to {worse}")
+        try:
+            await self.status(self.search_client, pid, "rolled_back")
+        except StepFailed as exc:
+            raise await self.why_not(S.audit("search", pid), exc) from None
+        chain = await self.chain("search", pid)
+        verdict = next((t for t in chain if t.get("verdict") in ("held", "regressed",
+                                                                 "unmeasured")), None)
+        self.expect(verdict is not None and verdict["verdict"] == "regressed",
+                    f"expected a regressed measurement, found {verdict and verdict['verdict']}")
+        refs = dict(r.split(":", 1) for r in (verdict or {}).get("refs", []) if ":" in r)
+        self.event("measured", f"{short(pid)} measured by {refs.get('measured_by', '?')}: "
+                   f"value {refs.get('value', '?')} against baseline {refs.get('baseline', '?')} "
+                   f"-> regressed; rollback proposal "
+                   f"{short(refs.get('rollback_proposal', '?'))}")
+        value = await self.search.value(SNIPPET_KEY)
+        self.expect(value is None, f"expected {SNIPPET_KEY} removed again, found {value!r}")
+        self.event("value", f"{SNIPPET_KEY} is unset again: the recorded inverse was applied")
+        self.ok("re-measured at review_after, regressed, rolled back by its recorded inverse")
+
     def swap_proposal(self, new: dict[str, str]) -> Proposal:
         return Proposal(
             service="deploy", target_ref="binary:deploy", change_class="L4", scope="operation",
@@ -631,6 +665,10 @@ class Demo:
         ("step_rollback", "Undo: the operator rolls the ranking change back",
          "Every apply recorded the inverse the service returned; a signed rollback applies it "
          "and counts toward the circuit breaker."),
+        ("step_remeasure", "Learn-back: measured again, regressed, rolled back",
+         "A change carries the metric as it was and when to look again; at review_after the "
+         "daemon asks the owning service to measure, and a regression proposes the inverse "
+         "recorded at the apply."),
         ("step_l4", "L4: last-known-good, all or none, and a reversal made in advance",
          "A binary swap lists its artefacts with digests and smoke tests; the owning service "
          "swaps all of them or none, and the reversal is recorded before the apply, so undoing "

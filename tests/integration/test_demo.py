@@ -58,11 +58,14 @@ async def test_the_walk_shows_every_outcome_and_verifies_the_chains():
         # 8. rollback restores the prior value
         "rollback by operator:demo, dispatched, rolled_back by operator:demo",
         "search.title_boost is 1.0 again",
-        # 9. L4: all or none, then reverted without a second approval
+        # 9. learn-back measures again at review_after, finds a regression, rolls it back
+        "measured by asked search: value 0.22 against baseline 0.31 -> regressed",
+        "search.snippet_weight is unset again",
+        # 10. L4: all or none, then reverted without a second approval
         "smoke test json failed (rc 1); nothing swapped",
         "reversal recorded before the apply: revert_proposal_id",
         "inherited the approval of operator:demo: no second signature",
-        # 10. the audit
+        # 11. the audit
         "all verified",
         "RESULT: every step behaved as the loop promises",
         "improved review",
