@@ -355,7 +355,7 @@ async def test_spec_get_answers_capabilities_with_lkg(nc, svc, store):
     assert reply["apply"] == S.apply_request(svc) and reply["lkg"] == S.lkg_request(svc)
     assert reply["conformance"] == "L4"
     assert reply["acceptance"] == "verified on the audit chain"
-    assert reply["smoke_tests"] == ["json", "nonempty", "utf8"]
+    assert reply["smoke_tests"] == ["json", "json_schema", "nonempty", "utf8"]
     assert "binary:" in reply["schemes"] and "lkg:" in reply["schemes"]
 
 
