@@ -11,7 +11,7 @@ import pytest_asyncio
 
 from improved.core.lkg import REVERT_ANALYZER
 from improved.protocol.model import AnalyzerRef, Summary
-from improved_reference.artefact_store import ArtefactStore, bucket_names, digest_of
+from improved_reference.artefact_store import digest_of
 from tests.bus import send
 from tests.integration.test_artefact_store import (  # noqa: F401  (fixtures)
     OPERATOR,
@@ -22,6 +22,7 @@ from tests.integration.test_artefact_store import (  # noqa: F401  (fixtures)
     module_server,
     nc,
     order,
+    serving,
 )
 
 ORDERS = {"type": "object", "properties": {"sku": {"type": "string"},
@@ -55,16 +56,8 @@ def change(svc: str, schema: dict, base: dict | None = ORDERS, **over):
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def store(nc, svc):  # noqa: F811
-    s = ArtefactStore(nc, svc)
-    await s.start()
-    await s.seed({"orders": text(ORDERS)})
-    yield s
-    await s.stop()
-    js = nc.jetstream()
-    objects, heads, ledger = bucket_names(svc)
-    await js.delete_object_store(objects)
-    for bucket in (heads, ledger):
-        await js.delete_key_value(bucket)
+    async with serving(nc, svc, {"orders": text(ORDERS)}) as s:
+        yield s
 
 
 async def held(store) -> dict:
