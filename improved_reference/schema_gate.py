@@ -62,7 +62,7 @@ async def check(store: ArtefactStore, order: ApplyOrder, change: Change,
         line = f"{first[0]} at {first[1].line()}"
         if kind == "backward":
             raise Refused(f"{code}: {line}; a change that only takes away is refused whoever "
-                          "approved it (SPEC 08 §7): the way back is the recorded reversal")
+                          "approved it (SPEC 08 §7 allows no backward migration)")
         not_operator = await acceptance.operator_approved(store.js, order)
         if not_operator is not None:
             raise Refused(f"{code}: {line}; a breaking change needs an operator's own signed "
