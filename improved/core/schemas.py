@@ -56,6 +56,9 @@ class Change:
 
 def classify(old: Any, new: Any) -> Change:
     """The class of the change from `old` to `new` (two parsed JSON Schema documents)."""
+    odd = outside(old) or outside(new)
+    if odd is not None:
+        return Change("breaking", *odd)
     lost = subset(old, new)
     if lost is None:
         return Change("forward")
@@ -79,9 +82,21 @@ def parse(text: str) -> Any:
 # -- the subset test: every instance valid under `a` is valid under `b` ------------------------
 
 
+def outside(s: Any, at: str = "") -> Why:
+    """The first place where the document leaves the understood subset, or None: checked
+    whole before anything is compared, so the validator never meets a malformed keyword."""
+    odd = _unknown(s, at)
+    if odd is not None or isinstance(s, bool):
+        return odd
+    subschemas = [(f"{at}/properties/{_escape(n)}", x)
+                  for n, x in s.get("properties", {}).items()]
+    subschemas += [(f"{at}/{k}", s[k]) for k in ("items", "additionalProperties") if k in s]
+    return next((w for p, x in subschemas if (w := outside(x, p)) is not None), None)
+
+
 def subset(a: Any, b: Any, at: str = "") -> Why:
     """None when every instance valid under `a` is valid under `b` is proven, else where and
-    what `b` loses of `a` (or what is not understood)."""
+    what `b` loses of `a`. Both documents must be inside the subset (`outside`)."""
     odd = _unknown(a, at) or _unknown(b, at)
     if odd is not None:
         return odd

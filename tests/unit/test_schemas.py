@@ -193,3 +193,18 @@ def test_a_schema_is_its_own_subset_and_enum_of_its_instances_is_too(schema, v):
     assert subset(schema, schema) is None
     if valid(schema, v):
         assert subset({"enum": [v]}, schema) is None
+
+
+KEYS = st.sampled_from(["type", "properties", "required", "additionalProperties", "enum",
+                        "const", "items", "minimum", "maxLength", "maxItems", "pattern"])
+ANY_JSON = st.recursive(SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.one_of(KEYS, NAMES), inner, max_size=4)),
+    max_leaves=10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ANY_JSON, ANY_JSON)
+def test_any_json_is_classified_without_raising(old, new):
+    """Malformed keywords anywhere in either document: breaking, never a crash."""
+    change = classify(old, new)
+    assert change.kind in ("forward", "backward", "breaking")
