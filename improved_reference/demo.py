@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 
 from improved.client.sdk import MeshClient
-from improved.core import audit
+from improved.core import audit, authority
 from improved.core.breaker import AUTONOMY_ID, from_trailer
 from improved.core.signing import PAYLOAD_TYPES, keyid_of, raw_public, sign
 from improved.protocol import canonical
@@ -58,7 +58,7 @@ from improved.runtime import bus
 from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon, run_until_stopped
 from improved.runtime.store import Store
-from improved_reference.artefact_store import ArtefactStore
+from improved_reference.artefact_store import ArtefactStore, digest_of
 from improved_reference.ranking_store import RankingStore
 from improved_reference.skills_store import SkillsStore
 
@@ -90,6 +90,14 @@ DEPLOYER = "agentd:release-9c1e:1"  # proposes the L4 binary swap
 ARTEFACTS = {"app": '{"release": 1}', "config": '{"workers": 4}'}
 PRIOR, NEW = 1.0, 1.5
 FORBIDDEN = "notes/../_spec/2026-04-20-00-constitution.md"
+
+
+def orders_schema(qty_maximum: int) -> str:
+    """The JSON Schema of an order whose `qty` is at most `qty_maximum` (the seed: 100)."""
+    return msgspec.json.encode({
+        "type": "object", "required": ["sku"], "additionalProperties": False,
+        "properties": {"sku": {"type": "string"},
+                       "qty": {"type": "integer", "maximum": qty_maximum}}}).decode()
 
 
 class StepFailed(Exception):
@@ -323,10 +331,11 @@ class Demo:
         env = sign(PAYLOAD_TYPES[kind], to_json(body), self.operator_key)
         await self.js.publish(subject, to_json(env))
 
-    async def review(self, svc: str, pid: str, verdict: str, reason: str) -> None:
+    async def review(self, svc: str, pid: str, verdict: str, reason: str,
+                     body_digest: str | None = None) -> None:
         await self.signed(S.inbound_review(svc), "review", Review(
             proposal_id=pid, verdict=verdict, principal=OPERATOR, reason=reason,
-            at=int(time.time() * 1000)))
+            at=int(time.time() * 1000), body_digest=body_digest))
         self.event("operator", f"{OPERATOR} signs {verdict!r} of {short(pid)} "
                    f"(DSSE, Ed25519) -> {S.inbound_review(svc)}")
 
@@ -620,6 +629,39 @@ class Demo:
         self.ok("L4: unhealthy swap refused whole; healthy swap applied, then reverted through "
                 "its revert_proposal_id without a second approval")
 
+    def schema_proposal(self, qty_maximum: int, revert: bool = True) -> Proposal:
+        """`orders` with `qty` bounded by `qty_maximum`, and the revert to the seeded schema."""
+        new = orders_schema(qty_maximum)
+        return Proposal(
+            service="deploy", target_ref="schema:deploy", change_class="L4", scope="operation",
+            origin=Origin(actor=DEPLOYER, service="deploy"),
+            analyzer=AnalyzerRef(id="acme.release/1"),
+            summary=Summary(template_id="schema_change", args={"artefact": "orders"}),
+            proposal_data={"artefacts": {"orders": new}},
+            lkg=[{"artefact": "orders", "digest": digest_of(new.encode()),
+                  "smoke_test": "json_schema"}],
+            revert={"restore": {"orders": digest_of(orders_schema(100).encode())}} if revert else None,
+            created_at=self.now_ms())
+
+    async def step_schema(self) -> None:
+        await self.deploy.seed({"orders": orders_schema(100)})
+        bare = await self.propose(self.deploy_client, self.schema_proposal(1000, revert=False))
+        d = await self.decision(self.deploy_client, bare)
+        self.expect(d.verdict == "reject" and "schema_revert" in d.rationale,
+                    "a schema change without its revert was not rejected")
+        for maximum, ok in ((10, False), (1000, True)):
+            p = self.schema_proposal(maximum)
+            pid = await self.propose(self.deploy_client, p)
+            await self.decision(self.deploy_client, pid)
+            await self.review("deploy", pid, "approve", f"qty up to {maximum}",
+                              authority.will_run_digest(p))
+            out = await self.outcome(self.deploy_client, pid)
+            self.event("apply", f"ok={out.ok}: {out.error or out.applied_id}")
+            self.expect(out.ok == ok and (ok or out.error.startswith("schema_backward")),
+                        f"qty maximum {maximum}: expected ok={ok}, got {out.error}")
+        self.ok("schema: no revert, rejected; a change that only takes away, refused though "
+                "approved; a forward-compatible one, applied")
+
     async def step_audit(self) -> None:
         chains = await self.reader.all_chains()
         trailers = sum(len(bodies) for bodies in chains.values())
@@ -673,6 +715,9 @@ class Demo:
          "A binary swap lists its artefacts with digests and smoke tests; the owning service "
          "swaps all of them or none, and the reversal is recorded before the apply, so undoing "
          "it needs no second signature."),
+        ("step_schema", "Schema changes: forward applies, backward is refused",
+         "The owning service classifies a JSON Schema change against the schema it holds; a "
+         "change carries the revert to that schema or is rejected."),
         ("step_audit", "The audit chains",
          "Every transition left a hash-chained trailer; re-deriving every hash and link needs "
          "nothing but the stream's contents."),

@@ -65,7 +65,11 @@ async def test_the_walk_shows_every_outcome_and_verifies_the_chains():
         "smoke test json failed (rc 1); nothing swapped",
         "reversal recorded before the apply: revert_proposal_id",
         "inherited the approval of operator:demo: no second signature",
-        # 11. the audit
+        # 11. schema changes: no revert, backward, forward
+        "schema_revert: a schema change carries its backward-compatible revert",
+        "ok=False: schema_backward: orders at /properties/qty/maximum: lowered to 10",
+        "schema: no revert, rejected",
+        # 12. the audit
         "all verified",
         "RESULT: every step behaved as the loop promises",
         "improved review",
