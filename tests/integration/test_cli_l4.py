@@ -18,7 +18,7 @@ from improved.protocol import subjects as S
 from improved.runtime.store import Store
 from improved_reference.artefact_store import ArtefactStore
 from improved_reference.tool_runtime import ToolRuntimeService
-from tests.bus import approve, eventually, outcome, publish
+from tests.bus import approve, daemon_key, eventually, outcome, publish
 from tests.cli import improved
 from tests.factories import review, swap
 from tests.keys import ALICE
@@ -77,14 +77,15 @@ async def test_revert_publishes_the_recorded_reversal(daemon, nc, svc, nats_url)
         await store.stop()
 
 
-async def test_tools_list_and_a_granted_call_from_the_terminal(nc, nats_url, alice_key, svc):
+async def test_tools_list_and_a_granted_call_from_the_terminal(daemon, nc, nats_url, alice_key,
+                                                               svc):
     calls = []
     runtime = Runtime(svc, trust=signing.TrustStore.from_config({
         ALICE[0]: __import__("base64").b64encode(
             signing.raw_public(ALICE[1].public_key())).decode()}))
     runtime.register(Provider("swap.binary", "L4", "swap the binary",
                               lambda args: calls.append(args) or "swapped"))
-    service = ToolRuntimeService(nc, runtime)
+    service = ToolRuntimeService(nc, runtime, daemon_key())
     await service.start()
     try:
         listed = await cli("tools", "list", svc, "--nats", nats_url)
