@@ -217,8 +217,8 @@ def sign_upgrade(key: Ed25519PrivateKey, principal: str, runtime: str, session: 
 def sign_revocation(key: Ed25519PrivateKey, principal: str, runtime: str, upgrade: str,
                     reason: str, now_ms: int) -> Envelope:
     """A DSSE envelope revoking the upgrade whose act id is `upgrade` (`upgrade_id`)."""
-    act = UpgradeRevocation(runtime=runtime, upgrade=upgrade, principal=principal,
-                            reason=reason, at=now_ms)
+    act = msgspec.convert({"runtime": runtime, "upgrade": upgrade, "principal": principal,
+                           "reason": reason, "at": now_ms}, UpgradeRevocation)
     return sign(PAYLOAD_TYPES["tool_revoke"], to_json(act), key)
 
 

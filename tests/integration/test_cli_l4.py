@@ -159,3 +159,37 @@ async def test_the_operator_sees_what_will_run_and_approves_exactly_that(daemon,
 async def _refused(nc, svc: str, pid: str) -> str | None:
     bodies = [body for _, body in await Store(nc).read_chain(svc, pid)]
     return next((b["reason"] for b in bodies if b.get("verdict") == "refused"), None)
+
+
+async def test_a_session_upgrade_signed_and_revoked_from_the_terminal(daemon, nc, nats_url,
+                                                                      alice_key, svc):
+    from tests.tool_surfaces import runtime as tool_runtime
+
+    rt, tools = tool_runtime(name=svc)
+    service = ToolRuntimeService(nc, rt, daemon_key())
+    await service.start()
+    signer = ("--key", alice_key, "--principal", ALICE[0])
+    try:
+        bad = await cli("tools", "upgrade", svc, "--session", "s1", "--reason", "r", *signer)
+        assert bad.returncode == 2 and "--tool" in bad.stderr
+        bad = await cli("tools", "upgrade", svc, "--session", "s1", "--class", "L4",
+                        "--path", "/a/../b", "--reason", "r", *signer)
+        assert bad.returncode == 2 and "'..'" in bad.stderr
+        made = await cli("tools", "upgrade", svc, "--session", "s1", "--class", "L4",
+                         "--ttl", "60", "--reason", "incident 7", *signer)
+        assert made.returncode == 0, made.stderr
+        printed = json.loads(made.stdout)
+        call = {"tool": "deploy", "session": "s1", "upgrade": printed["envelope"]}
+        reply = json.loads((await nc.request(S.tools_call(svc), json.dumps(call).encode(),
+                                             timeout=5)).data)
+        assert reply["ok"] is True and reply["upgrade"] == printed["upgrade_id"]
+        revoked = await cli("tools", "revoke", svc, printed["upgrade_id"], "--reason", "over",
+                            "--nats", nats_url, *signer)
+        assert revoked.returncode == 0, revoked.stderr + revoked.stdout
+        assert json.loads(revoked.stdout)["revoked"] == printed["upgrade_id"]
+        reply = json.loads((await nc.request(S.tools_call(svc), json.dumps(call).encode(),
+                                             timeout=5)).data)
+        assert reply["refused"]["reason"] == "revoked"
+        assert len(tools["deploy"][1].calls) == 1
+    finally:
+        await service.stop()
