@@ -435,7 +435,7 @@ class Runtime:
                      now_ms: int, *, session: str | None = None,
                      upgrade: Envelope | None = None) -> Decision:
         """Whether this call may run, spending the grant (or recording the acceptance) that
-        lets it; nothing is spent or recorded for a refused call."""
+        lets it; for a refused call nothing is spent and no acceptance recorded."""
         provider = self._providers.get(name)
         args = {} if args is None else args
         if not isinstance(args, dict):
