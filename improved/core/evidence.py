@@ -87,6 +87,22 @@ def writer_problem(body: dict[str, Any], daemons: frozenset[str]) -> str | None:
 
 
 @dataclass(frozen=True)
+class DaemonWriters:
+    """Trusts who wrote a chain, not what it authorises: every trailer must be signed by one of
+    `daemons` (key ids). For a service that counts what the daemon recorded — the daemon
+    checked any signed act before it appended the trailer — and holds no operator keys."""
+
+    daemons: frozenset[str]
+
+    def start(self) -> object:
+        return None
+
+    def problem(self, body: dict[str, Any], chain_id: str, stream_seq: int,
+                state: object) -> str | None:
+        return writer_problem(body, self.daemons)
+
+
+@dataclass(frozen=True)
 class KeySet:
     """The operator and voter keys trusted from one point of the log on."""
 

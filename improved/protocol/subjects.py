@@ -204,6 +204,22 @@ def skills_get(svc: str) -> str:
     return f"{svc}.skills.get"
 
 
+def skills_practice(svc: str) -> str:
+    """A skills store counts a proposal's independent outcomes (extension):
+    `{"proposal_id"}` → what its verified chain says was practised."""
+    return f"{svc}.skills.practice"
+
+
+def skills_competence(svc: str) -> str:
+    """A skills store's competence read (extension): `{"skill", "holder"}` → the chain."""
+    return f"{svc}.skills.competence"
+
+
+def skills_transfer(svc: str) -> str:
+    """A skills store's transfer (extension): `{"skill", "from", "to"}` → the new grain."""
+    return f"{svc}.skills.transfer"
+
+
 def tools_list(runtime: str) -> str:
     """An agent runtime's tool catalog (SPEC 09 §3.1)."""
     return f"{runtime}.tools.list"
