@@ -30,6 +30,7 @@ TrailerVerdict = Literal[
     "checkpoint",  # the checkpoint chain
     "policy",  # the policy chain: the effective policy a daemon started with
     "trust",  # the trust chain: the operator and voter keys a daemon started with
+    "tool_call",  # a runtime's tools chain: a call allowed (a refused one is `refused`)
 ]
 ObserverType = Literal["human", "rec:agent", "rec:policy", "rec:system"]
 Cause = Literal[

@@ -64,14 +64,16 @@ BUCKET_DEDUP = "improved_dedup"  # dedup_key → the newest proposal under it (s
 BUCKET_LEDGER = "improved_ledger"  # dedup_key → the operator's rejection (the rejection ledger)
 BUCKET_WINDOWS = "improved_windows"  # analyzer, service, target → its window (stage 1, observe)
 BUCKET_LEARNED = "improved_learned"  # analyzer id → its accepted/rejected counts (its weight)
+BUCKET_TOOLS = "improved_tools"  # spent tool grants, L2 acceptances, upgrade revocations
 # Grant acts are chained per skill hash under a token no service can have (services start [a-z]).
 GRANT_CHAINS = "_grants"
 AUTONOMY_CHAIN = "_autonomy"  # the breaker and the autonomy switch (improved/breaker.py)
 CHECKPOINT_CHAIN = "_checkpoints"  # signed checkpoints over the whole log (checkpoint.py)
 POLICY_CHAIN = "_policy"  # the effective policy, recorded when it changes (core/policy.py)
 TRUST_CHAIN = "_trust"  # the operator and voter keys, recorded when they change (core/evidence.py)
+TOOLS_CHAIN = "_tools"  # an agent runtime's tool calls, one chain per runtime (core/tools.py)
 MESH_CHAINS = frozenset({GRANT_CHAINS, AUTONOMY_CHAIN, CHECKPOINT_CHAIN, POLICY_CHAIN,
-                         TRUST_CHAIN})
+                         TRUST_CHAIN, TOOLS_CHAIN})
 
 # Refusals (bad input) are logged here: what was refused and why, never the payload itself.
 REFUSED = "improved.refused"
@@ -165,6 +167,10 @@ def trust_audit(chain_id: str) -> str:
     return f"{AUDIT}.{TRUST_CHAIN}.{chain_id}"
 
 
+def tools_audit(chain_id: str) -> str:
+    return f"{AUDIT}.{TOOLS_CHAIN}.{chain_id}"
+
+
 def dedup_key_of(svc: str, dedup: str) -> str:
     return f"{svc}.{dedup}"
 
@@ -234,6 +240,11 @@ def tools_list(runtime: str) -> str:
 def tools_call(runtime: str) -> str:
     """Invoke one catalogued tool of an agent runtime."""
     return f"{runtime}.tools.call"
+
+
+def tools_revoke(runtime: str) -> str:
+    """An operator's signed revocation of a session upgrade of an agent runtime."""
+    return f"{runtime}.tools.revoke"
 
 
 def quorum_record(pid: str) -> str:
