@@ -122,8 +122,9 @@ def body_lines(run: Mapping[str, Any], digest: str | None,
                replaced: tuple[str, Mapping[str, Any]] | None = None, pid: str = "") -> list[str]:
     """What an approval lets run, for a person: the body as a unified diff against the body of
     the proposal it replaced (`replaced`: its id and its will_run) when that is known, else the
-    body itself (an edit's body is a diff already); then every last-known-good artefact and
-    the reversal an L4 runs later under the same approval."""
+    body itself (an edit's body is a diff already); then every artefact an L4 installs (the
+    digest of the new content: the last-known-good is the owning service's to confirm at the
+    pre-apply check) and the reversal it runs later under the same approval."""
     head = f"will run (digest {digest}):" if digest else "will run:"
     lines = [head]
     if replaced is not None:
@@ -137,7 +138,7 @@ def body_lines(run: Mapping[str, Any], digest: str | None,
         lines += [f"    {clean(ln)}" for ln in body_text(run)] or ["    (empty)"]
     for entry in run.get("lkg") or ():
         if isinstance(entry, Mapping):
-            lines.append(f"  last-known-good {clean(entry.get('artefact'))}: digest "
+            lines.append(f"  artefact {clean(entry.get('artefact'))}: installs digest "
                          f"{clean(entry.get('digest'))}, smoke test "
                          f"{clean(entry.get('smoke_test'))}")
     if run.get("lkg") is not None:
@@ -145,7 +146,8 @@ def body_lines(run: Mapping[str, Any], digest: str | None,
         lines.append("  reversal, run later under this approval: "
                      + (clean(json.dumps(revert, sort_keys=True)) + " (the proposer's own)"
                         if revert is not None else
-                        "restore every artefact to the last-known-good above"))
+                        "restore every artefact above to its last-known-good, as the owning "
+                        "service confirms it before the apply"))
     return lines
 
 

@@ -127,7 +127,7 @@ async def test_three_voters_approve_an_l4_from_the_terminal(quorum_daemon, own_s
 
 async def test_the_operator_sees_what_will_run_and_approves_exactly_that(daemon, nc, svc,
                                                                          nats_url, alice_key):
-    """`improved review` renders an L4's body, every last-known-good artefact and the reversal
+    """`improved review` renders an L4's body, every artefact it installs and the reversal
     it carries; a bare approval of a proposer-chosen reversal is refused (`unseen_body`);
     `improved approve` signs the digest of what it showed, and that approval counts."""
     client = MeshClient(nc, svc)
@@ -139,7 +139,7 @@ async def test_the_operator_sees_what_will_run_and_approves_exactly_that(daemon,
     assert shown.returncode == 0, shown.stderr
     mine = shown.stdout.split(pid, 1)[1].split("decide:", 1)[0]
     assert "will run (digest " in mine and '"artefacts"' in mine
-    assert "last-known-good app: digest sha256:" in mine and "smoke test" in mine
+    assert "artefact app: installs digest sha256:" in mine and "smoke test" in mine
     assert "reversal, run later under this approval" in mine and "e" * 64 in mine
     await publish(nc, S.inbound_review(svc), review(pid))  # signed, but names no digest
     chain = await eventually(lambda: _refused(nc, svc, pid))

@@ -63,8 +63,9 @@ def test_without_what_it_replaced_the_body_itself_and_an_edit_is_its_own_diff():
     lines = render.body_lines(edit, "e" * 64)
     assert "edit (unified) against base sha256:0, its own diff" in lines[1]
     assert lines[2:7] == ["    --- a", "    +++ b", "    @@ -1 +1 @@", "    -old", "    +new"]
-    assert "  last-known-good app: digest sha256:1, smoke test true" in lines
-    assert lines[-1].endswith("restore every artefact to the last-known-good above")
+    assert "  artefact app: installs digest sha256:1, smoke test true" in lines
+    assert lines[-1].endswith("restore every artefact above to its last-known-good, as the "
+                              "owning service confirms it before the apply")
 
 
 def test_who_signed_names_every_act_its_key_and_every_refusal():
