@@ -229,14 +229,15 @@ def chain_trust(log_: list, daemons: set[str], config: Config) -> evidence.Chain
 
 
 def _verify_chains(chains: dict, trust: evidence.ChainTrust, trailers: int) -> int:
-    """Both passes over every chain, timed apart: hashes and links, then who wrote each
+    """Both passes over every chain, timed apart: hashes, links and the lifecycle (no status
+    change OMS forbids), then who wrote each
     trailer and the signed act under each authority trailer. Prints the breaks and the rates;
     returns how many chains are broken."""
     broken = 0
     started = time.perf_counter()
     linked = {}
     for key, entries in sorted(chains.items(), key=lambda kv: str(kv[0])):
-        linked[key] = audit.verify_links(key[1] or "", [body for _, body in entries])
+        linked[key] = audit.verify_chain(key[1] or "", [body for _, body in entries])
     links_s = time.perf_counter() - started
     started = time.perf_counter()
     for key, entries in sorted(chains.items(), key=lambda kv: str(kv[0])):

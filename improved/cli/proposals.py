@@ -139,10 +139,10 @@ async def shown(store: Store, text: str, config: Config, readable: bool = True) 
 def chain_verdict(pid: str, sequenced: list[tuple[int, dict[str, Any]]],
                   trust: Any, writers: bool) -> str:
     """Whether one proposal's chain verifies, in the words `improved show` prints: its hashes
-    and links (`audit.verify_links`), and with a trusted daemon key (`writers`) who wrote each
+    and links and the lifecycle they record (`audit.verify_chain`), and with a trusted daemon key (`writers`) who wrote each
     trailer and the signed act under each authority trailer (`audit.verify_writers`)."""
     chain = [body for _, body in sequenced]
-    brk = audit.verify_links(pid, chain) or (audit.verify_writers(
+    brk = audit.verify_chain(pid, chain) or (audit.verify_writers(
         pid, chain, trust, [seq for seq, _ in sequenced]) if writers else None)
     return ("verified" if brk is None and writers else
             "hashes and links verified; who wrote them is not checked without a "

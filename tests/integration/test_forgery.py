@@ -247,3 +247,26 @@ async def test_a_forged_grant_after_a_revocation_is_not_taken_from_a_remembered_
         await asyncio.sleep(0.5)
         assert pid_again not in applier.orders
         assert (decision.verdict, decision.gate_class) != ("accept", "L3"), decision
+
+
+async def test_a_daemon_signed_transition_the_lifecycle_forbids_is_broken_to_every_reader(
+        own_server, tmp_path):
+    """A rejected proposal, then a correctly hashed `applied` trailer signed with the daemon's
+    own key (a stolen key, or a daemon bug): every writer is trusted, but OMS has no rejected →
+    applied. `improved show` and `improved audit verify` (the whole log and the one chain)
+    call it broken, as the daemon does, not verified."""
+    config = _config(tmp_path)
+    async with _running(own_server.url, config) as (nc, daemon, client, applier):
+        pid = (await client.propose(rank_proposal(SVC, key="x", change_class="L3"))).proposal_id
+        assert (await client.triage(pid)).verdict == "reject"
+        await _forge(nc, S.audit(SVC, pid), pid, Draft(
+            from_stage="apply", to_stage="apply", actor="policy:auto", observer_type="rec:policy",
+            verdict="applied", reason="applied", refs=(ref("applied", "x"),)),
+            key=daemon_key())
+    for extra in ((), (pid,)):
+        verify = await _verify(own_server.url, config, *extra)
+        assert verify.returncode == 1, verify.stdout
+        assert "the lifecycle forbids rejected → applied" in verify.stdout, verify.stdout
+    shown = await asyncio.to_thread(improved, "show", pid, "--json", "--nats", own_server.url)
+    chain = msgspec.json.decode(shown.stdout)["chain"]
+    assert chain.startswith("BROKEN") and "the lifecycle forbids rejected → applied" in chain
