@@ -27,17 +27,15 @@ import argparse
 import hashlib
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client
 
 from improved.core import guards
 from improved.core.policy import DEFAULT_DOC_ALLOWLIST
-from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder, ApplyResult, Proposal, to_json
 from improved_reference import diffs, kv_service
-from improved_reference.kv_service import ROUNDS, Conflict, KVService, Refused
+from improved_reference.kv_service import KVService, Refused
 
 DEFAULT_ALLOW = DEFAULT_DOC_ALLOWLIST  # the daemon's policy.doc_allowlist default
 FORMATS = ("unified", "unified-diff", "diff")
@@ -155,16 +153,12 @@ class DocStore(KVService):
 
     def capabilities(self) -> dict[str, Any]:
         return {
-            "service": self.service,
-            "improve": True,
-            "apply": S.apply_request(self.service),
+            **self.surface(),
             "schemes": ["doc:"],
             "proposal_edit": {"format": list(FORMATS), "base_digest": "sha256:<hex of the "
                               "document's UTF-8 text>"},
             "proposal_data": ['{"edit": {"format", "base_digest", "diff"}}'],
             "allowlist": list(self.allow),
-            "conformance": "L3" if self.verify_acceptance else "L1",  # L3: no skills held
-            **self.acceptance_claim(),
             "buckets": {"documents": self.docs_bucket, "ledger": self.ledger_bucket},
         }
 
@@ -179,14 +173,8 @@ class DocStore(KVService):
         """Store `text` as the document (outside the loop: seeding); its digest."""
         canonical = allowed_path(path, self.allow)
         body = to_json({"path": canonical, "text": text, "digest": digest(text)})
-        for _ in range(ROUNDS):
-            _, rev = await self._current(doc_key(canonical))
-            try:
-                await self._publish(doc_key(canonical), body, rev)
-            except Conflict:
-                continue
-            return digest(text)
-        raise RuntimeError(f"could not store doc:{canonical}: it kept changing")
+        await self._store(doc_key(canonical), lambda _: body)
+        return digest(text)
 
     # -- applying (the protocol is kv_service's) -----------------------------------------------
 
@@ -219,20 +207,6 @@ class DocStore(KVService):
                            rollbackable=True)
 
 
-def _seeds(specs: list[str]) -> dict[str, tuple[str, str]]:
-    """`PATH=FILE` → {path: (file, its text)}, or ValueError naming the bad one."""
-    out = {}
-    for spec in specs:
-        path, sep, file = spec.partition("=")
-        if not sep or not path or not file:
-            raise ValueError(f"--seed {spec!r} must be PATH=FILE")
-        try:
-            out[path] = (file, Path(file).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--seed {spec!r}: cannot read {file}: {exc}") from None
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     module = "improved_reference.doc_store"
     description = ("Reference mesh service: applies doc: proposal_edit unified diffs ordered "
@@ -250,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def setup(args: argparse.Namespace) -> kv_service.Setup | None:
         try:
-            seeds = _seeds(args.seed)
+            seeds = kv_service.seed_texts("--seed", args.seed, "PATH=FILE")
         except ValueError as exc:
             p.error(str(exc))
         allow = tuple(args.allow) or DEFAULT_ALLOW

@@ -41,7 +41,6 @@ from typing import Any
 from nats.aio.client import Client
 
 from improved.protocol import cal
-from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder, ApplyResult, Proposal, to_json
 from improved_reference import knowledge, kv_service
 from improved_reference.kv_service import KVService, Refused
@@ -134,9 +133,7 @@ class KnowledgeStore(KVService):
 
     def capabilities(self) -> dict[str, Any]:
         return {
-            "service": self.service,
-            "improve": True,
-            "apply": S.apply_request(self.service),
+            **self.surface(),
             "schemes": [f"{s}:" for s in SCHEMES],
             "proposal_cal": "CAL Tier-1 ADD / SUPERSEDE / REVERT, into the proposal's namespace",
             "proposal_data": ['{"cal_inverse": [steps], "namespace"?: NS}'],
@@ -144,8 +141,6 @@ class KnowledgeStore(KVService):
                        "MAX_SUPERSEDE_PER_MINUTE": knowledge.MAX_SUPERSEDE_PER_MINUTE,
                        "MAX_REVERT_PER_MINUTE": knowledge.MAX_REVERT_PER_MINUTE},
             "writers": [f"{who}={where}" for who, where in self.writers],
-            "conformance": "L3" if self.verify_acceptance else "L1",  # L3: no skills held
-            **self.acceptance_claim(),
             "buckets": {"grains": self.grains_bucket, "ledger": self.ledger_bucket},
         }
 
@@ -165,15 +160,15 @@ class KnowledgeStore(KVService):
         addresses it wrote. The checks are the same, but no proposal and no ledger entry."""
         pid = hashlib.sha256(batch.encode()).hexdigest()
         change = Change(namespace_key(namespace), namespace, batch, None, pid)
-        for _ in range(kv_service.ROUNDS):
-            current, rev = await self._current(change.key)
+        written: list[str] = []
+
+        def make(current: Any) -> bytes:
             done = outcome(change, current if isinstance(current, dict) else None, _now())
-            try:
-                await self._publish(change.key, to_json(done.state), rev)
-            except kv_service.Conflict:
-                continue
-            return done.written
-        raise RuntimeError(f"could not seed namespace {namespace!r}: it kept changing")
+            written[:] = done.written
+            return to_json(done.state)
+
+        await self._store(change.key, make)
+        return written
 
     # -- applying (the protocol is kv_service's) -----------------------------------------------
 
@@ -211,13 +206,7 @@ def _now() -> int:
 
 def writers_of(specs: list[str]) -> tuple[tuple[str, str], ...]:
     """`PRINCIPAL=NAMESPACE` globs from the command line, or ValueError naming the bad one."""
-    out = []
-    for spec in specs:
-        who, sep, where = spec.partition("=")
-        if not sep or not who or not where:
-            raise ValueError(f"--writer {spec!r} must be PRINCIPAL=NAMESPACE (globs allowed)")
-        out.append((who, where))
-    return tuple(out)
+    return tuple(kv_service.pairs("--writer", specs, "PRINCIPAL=NAMESPACE (globs allowed)"))
 
 
 def main(argv: list[str] | None = None) -> int:

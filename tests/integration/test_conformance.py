@@ -23,6 +23,7 @@ from improved_reference.doc_store import DocStore
 from improved_reference.knowledge_store import KnowledgeStore
 from improved_reference.ranking_store import RankingStore
 from improved_reference.skills_store import SkillsStore
+from tests.bus import serving
 
 FAST = 0.5  # seconds per request where the probe is expected to wait for nothing
 
@@ -218,17 +219,11 @@ async def test_the_skills_store_trusting_the_bus_is_l1_and_says_so(nc, svc, skil
                                                     (DocStore, doc_store)])
 async def test_the_knowledge_and_doc_stores_trusting_the_bus_are_l1(nc, svc, store_class,
                                                                      module):
-    store = store_class(nc, svc)
-    await store.start()
-    try:
+    async with serving(nc, store_class(nc, svc), module.bucket_names(svc)) as store:
         report = await probe(nc, svc)
         assert report.level == "L1" and report.claimed == "L1", render(report)
         assert "not for lack of acceptance" in report.first_failure.detail
         assert store.applies == 0
-    finally:
-        await store.stop()
-        for bucket in module.bucket_names(svc):
-            await nc.jetstream().delete_key_value(bucket)
 
 
 @pytest.mark.parametrize("store_class", [SkillsStore, RankingStore, KnowledgeStore, DocStore])

@@ -20,7 +20,16 @@ from improved.protocol.model import (
 )
 from improved_reference import diffs
 from improved_reference.doc_store import DocStore, bucket_names, digest, doc_key, main
-from tests.bus import crash_once_after_the_write, eventually, publish, send, trailers
+from tests.bus import (
+    crash_once_after_the_write,
+    eventually,
+    kv_revisions,
+    publish,
+    rolled_back,
+    send,
+    serving,
+    trailers,
+)
 from tests.factories import review, unique_ms
 
 GUIDE = "docs/guide.md"
@@ -55,21 +64,13 @@ def order(p: Proposal, attempt: int = 1) -> ApplyOrder:
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def store(nc, svc):
-    s = DocStore(nc, svc)
-    await s.start()
-    await s.put(GUIDE, V1)
-    yield s
-    await s.stop()
-    for bucket in bucket_names(svc):
-        await nc.jetstream().delete_key_value(bucket)
+    async with serving(nc, DocStore(nc, svc), bucket_names(svc)) as s:
+        await s.put(GUIDE, V1)
+        yield s
 
 
 async def revisions(nc, svc: str, path: str = GUIDE) -> int:
-    kv = await nc.jetstream().key_value(bucket_names(svc)[0])
-    try:
-        return len(await kv.history(doc_key(path)))
-    except Exception:  # no such key
-        return 0
+    return await kv_revisions(nc, bucket_names(svc)[0], doc_key(path))
 
 
 async def test_an_edit_applies_once_and_its_inverse_replays(nc, svc, store):
@@ -193,13 +194,6 @@ async def test_an_approved_edit_is_applied_and_rolled_back_through_the_daemon(da
     await publish(nc, subjects.inbound_review(svc), review(pid))
     out = await eventually(lambda: client.outcome(pid))
     assert out.ok and out.rollbackable and await store.document(GUIDE) == V2
-    await publish(nc, subjects.inbound_review(svc), review(pid, verdict="rollback",
-                                                           reason="the old wording was clearer"))
-
-    async def rolled_back():
-        state = await client.state(pid)
-        return state is not None and state.status == "rolled_back"
-
-    await eventually(rolled_back)
+    await rolled_back(nc, client, svc, pid, "the old wording was clearer")
     assert await store.document(GUIDE) == V1
     assert (await trailers(daemon, svc, pid))[-1]["verdict"] == "rolled_back"

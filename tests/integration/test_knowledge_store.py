@@ -25,7 +25,16 @@ from improved_reference.knowledge_store import (
     main,
     namespace_key,
 )
-from tests.bus import crash_once_after_the_write, eventually, publish, send, trailers
+from tests.bus import (
+    crash_once_after_the_write,
+    eventually,
+    kv_revisions,
+    publish,
+    rolled_back,
+    send,
+    serving,
+    trailers,
+)
 from tests.factories import review, unique_ms
 
 NS = "agent:recommendations"
@@ -57,20 +66,12 @@ def order(p: Proposal, authority: str = ALICE, attempt: int = 1) -> ApplyOrder:
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def store(nc, svc):
-    s = KnowledgeStore(nc, svc)
-    await s.start()
-    yield s
-    await s.stop()
-    for bucket in bucket_names(svc):
-        await nc.jetstream().delete_key_value(bucket)
+    async with serving(nc, KnowledgeStore(nc, svc), bucket_names(svc)) as s:
+        yield s
 
 
 async def revisions(nc, svc: str, namespace: str = NS) -> int:
-    kv = await nc.jetstream().key_value(bucket_names(svc)[0])
-    try:
-        return len(await kv.history(namespace_key(namespace)))
-    except Exception:  # no such key yet
-        return 0
+    return await kv_revisions(nc, bucket_names(svc)[0], namespace_key(namespace))
 
 
 async def objects(store: KnowledgeStore, namespace: str = NS) -> list[str]:
@@ -275,14 +276,7 @@ async def test_an_approved_batch_is_applied_and_rolled_back_through_the_daemon(d
     assert out.ok and out.rollbackable and out.authority == ALICE
     assert all(s["target"] for s in out.inverse["cal_inverse"])
     assert await objects(store) == ["tea"]
-    await publish(nc, subjects.inbound_review(svc), review(pid, verdict="rollback",
-                                                           reason="the merge lost a preference"))
-
-    async def rolled_back():
-        state = await client.state(pid)
-        return state is not None and state.status == "rolled_back"
-
-    await eventually(rolled_back)
+    await rolled_back(nc, client, svc, pid, "the merge lost a preference")
     assert sorted(await store.recall(NS)) == before
     chain = await trailers(daemon, svc, pid)
     assert chain[-1]["verdict"] == "rolled_back"
