@@ -123,9 +123,19 @@ def parse_change(proposal: Proposal, allow: tuple[str, ...]) -> Change:
     return Change(doc_key(path), path, edit["base_digest"], patches[0])
 
 
-def edited(change: Change, current: dict[str, Any] | None) -> str:
+def text_of(current: Any, path: str) -> str:
+    """The text of a stored document ("" for none), or Refused when the KV entry is not one
+    this store wrote (anyone on the bus may write KV): never edited on a guess. Pure."""
+    if current is None:
+        return ""
+    if not isinstance(current, dict) or not isinstance(current.get("text"), str):
+        raise Refused(f"doc:{path} holds a value this store did not write; nothing was applied")
+    return str(current["text"])
+
+
+def edited(change: Change, current: Any) -> str:
     """The document's new text, or Refused when the base moved or the diff does not fit. Pure."""
-    text = current["text"] if current else ""
+    text = text_of(current, change.path)
     head = digest(text)
     if change.base_digest != head:
         raise Refused(f"the document moved: base_digest {change.base_digest} is not the "
@@ -182,15 +192,14 @@ class DocStore(KVService):
         return parse_change(order.proposal, self.allow)
 
     def _new_entry(self, change: Change, current: Any, cur_rev: int) -> dict[str, Any]:
-        text = edited(change, current if isinstance(current, dict) else None)
+        text = edited(change, current)
         return {"key": change.key, "path": change.path, "base": change.base_digest,
                 "text": text, "reverse": diffs.render(diffs.reverse(change.patch)),
                 "prior_rev": cur_rev, "revision": None}
 
     def _rebase(self, entry: dict[str, Any], current: Any, cur_rev: int) -> dict[str, Any]:
         """An unfinished edit is written only on the base it was checked against."""
-        text = current.get("text", "") if isinstance(current, dict) else ""
-        if digest(text) != entry["base"]:
+        if digest(text_of(current, entry["path"])) != entry["base"]:
             raise Refused(f"the document moved: doc:{entry['path']} is no longer at "
                           f"{entry['base']}; re-propose against the current head")
         return {**entry, "prior_rev": cur_rev}

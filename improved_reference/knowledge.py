@@ -71,6 +71,34 @@ def empty() -> dict[str, Any]:
     return {"grains": {}, "index": {}, "writes": []}
 
 
+def check_state(state: object) -> dict[str, Any]:
+    """The namespace's state as read from KV, or Refused: anyone on the bus may write a KV
+    entry, so a grain that does not match its address, or a malformed index, is never built
+    on (a corrupt namespace refuses every change until an operator repairs it)."""
+    def corrupt(why: str) -> Refused:
+        return Refused(f"the namespace's stored state is not this store's: {why}; nothing was "
+                       "applied")
+
+    if not isinstance(state, dict) or not isinstance(state.get("grains"), dict) or \
+            not isinstance(state.get("index"), dict) or not isinstance(state.get("writes"), list):
+        raise corrupt("expected {grains, index, writes}")
+    for h, grain in state["grains"].items():
+        if not isinstance(grain, dict) or grain.get("type") not in TYPE_BYTES:
+            raise corrupt(f"grain {h[:12]} is not a CAL-addable grain")
+        try:
+            intact = address_of(grain) == h
+        except canonical.CanonicalError:
+            intact = False
+        if not intact:
+            raise corrupt(f"grain {h[:12]} does not match its content address")
+    if not all(isinstance(e, dict) and h in state["grains"] for h, e in state["index"].items()):
+        raise corrupt("an index entry names no stored grain")
+    if not all(isinstance(w, list) and len(w) == 2 and isinstance(w[0], int)
+               and w[1] in QUOTAS for w in state["writes"]):
+        raise corrupt("the quota's write log is malformed")
+    return state
+
+
 def live(state: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The grains recall returns: neither superseded nor closed."""
     index = state["index"]

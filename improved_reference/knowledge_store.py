@@ -107,14 +107,15 @@ def parse_change(order: ApplyOrder, writers: tuple[tuple[str, str], ...]) -> Cha
     return Change(namespace_key(ns), ns, None, plan, order.proposal_id)
 
 
-def outcome(change: Change, state: dict[str, Any] | None, now: int) -> knowledge.Outcome:
+def outcome(change: Change, state: Any, now: int) -> knowledge.Outcome:
     """What the change makes of the namespace's current state, or Refused. Pure."""
     try:
+        current = knowledge.empty() if state is None else knowledge.check_state(state)
         if change.batch is not None:
-            return knowledge.execute(state or knowledge.empty(), cal.parse(change.batch),
-                                     change.namespace, now, change.proposal_id)
+            return knowledge.execute(current, cal.parse(change.batch), change.namespace, now,
+                                     change.proposal_id)
         assert change.plan is not None
-        return knowledge.replay(state or knowledge.empty(), change.plan, change.namespace, now)
+        return knowledge.replay(current, change.plan, change.namespace, now)
     except knowledge.Refused as exc:
         raise Refused(str(exc)) from None
 
@@ -163,7 +164,7 @@ class KnowledgeStore(KVService):
         written: list[str] = []
 
         def make(current: Any) -> bytes:
-            done = outcome(change, current if isinstance(current, dict) else None, _now())
+            done = outcome(change, current, _now())
             written[:] = done.written
             return to_json(done.state)
 
@@ -176,7 +177,7 @@ class KnowledgeStore(KVService):
         return parse_change(order, self.writers)
 
     def _new_entry(self, change: Change, current: Any, cur_rev: int) -> dict[str, Any]:
-        done = outcome(change, current if isinstance(current, dict) else None, _now())
+        done = outcome(change, current, _now())
         return {"key": change.key, "namespace": change.namespace, "batch": change.batch,
                 "plan": change.plan, "proposal_id": change.proposal_id, "state": done.state, "inverse": done.inverse,
                 "written": done.written, "prior_rev": cur_rev, "revision": None}

@@ -197,3 +197,11 @@ async def test_an_approved_edit_is_applied_and_rolled_back_through_the_daemon(da
     await rolled_back(nc, client, svc, pid, "the old wording was clearer")
     assert await store.document(GUIDE) == V1
     assert (await trailers(daemon, svc, pid))[-1]["verdict"] == "rolled_back"
+
+
+async def test_a_document_overwritten_in_kv_by_someone_else_is_not_edited(nc, svc, store):
+    kv = await nc.jetstream().key_value(bucket_names(svc)[0])
+    await kv.put(doc_key(GUIDE), b"raw text, not this store's record")
+    result, _ = await send(nc, svc, order(edit(svc, V1, V2)))
+    assert not result.ok and "holds a value this store did not write" in result.error
+    assert store.applies == 0

@@ -18,6 +18,7 @@ from improved.protocol.model import (
     Proposal,
     ProposalEdit,
     Summary,
+    to_json,
 )
 from improved_reference.knowledge_store import (
     KnowledgeStore,
@@ -280,3 +281,21 @@ async def test_an_approved_batch_is_applied_and_rolled_back_through_the_daemon(d
     assert sorted(await store.recall(NS)) == before
     chain = await trailers(daemon, svc, pid)
     assert chain[-1]["verdict"] == "rolled_back"
+
+
+async def test_a_namespace_tampered_with_in_kv_is_never_built_on(nc, svc, store):
+    """Anyone on the bus may write the bucket: a grain altered in place no longer matches its
+    address, and every change to that namespace is refused (final, not retried) until it is
+    repaired."""
+    await send(nc, svc, order(proposal(svc, cal=FACTS)))
+    kv = await nc.jetstream().key_value(bucket_names(svc)[0])
+    state = await store.state(NS)
+    address = next(iter(state["grains"]))
+    state["grains"][address]["object"] = "whisky"
+    await kv.put(namespace_key(NS), to_json(state))
+    result, _ = await send(nc, svc, order(proposal(svc, cal=MERGE)))
+    assert not result.ok and "does not match its content address" in result.error
+    await kv.put(namespace_key(NS), b'"not a namespace"')
+    result, _ = await send(nc, svc, order(proposal(svc, cal=MERGE)))
+    assert not result.ok and "not this store's" in result.error
+    assert store.applies == 1
