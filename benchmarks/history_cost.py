@@ -194,6 +194,7 @@ async def measure(n: int, records: str) -> dict[str, float]:
         await d2.start()
         row["checkpoint after a restart (s)"] = await timed(
             d2.engine.checkpoint(d2._checkpoint_key))
+        row["start-up list of measurements due (s)"] = await timed(d2._find_reviews())
         await d2.stop()
         js = nc.jetstream()
         per_stream = {info.config.name: info.state.bytes for info in await js.streams_info()}

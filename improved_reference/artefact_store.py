@@ -20,6 +20,9 @@ Accepted proposal_data, with `lkg` = `[{"artefact", "digest": "sha256:<new>", "s
   name the same digests; its smoke tests then run on the restored content.
 Every order is first checked against the public evidence that it was accepted
 (`services.acceptance`). `<svc>.improve.lkg` answers the read-only pre-apply LKG check.
+A `schema:` target's artefacts are JSON Schemas under `schema_gate`'s discipline: classified
+against the store's own head, forward applied, backward refused, breaking only on an operator's
+own approval, the revert to the current schema required.
 
 Supervised artefacts (SPEC 08 §6, SPEC 09 §7): an artefact given a runner (`run={name: command}`,
 `--run NAME=COMMAND`) is materialised to a file of its own under the work directory and its
@@ -37,6 +40,7 @@ interrupted one is finished rather than repeated.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -65,7 +69,7 @@ from nats.js.errors import (
 from improved.client.sdk import failed
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder, ApplyResult, Proposal, to_json
-from improved_reference import kv_service
+from improved_reference import kv_service, schema_gate
 from improved_reference.kv_service import Conflict, KVService, Refused, read_json
 
 SmokeTest = Callable[[bytes], int]
@@ -99,7 +103,8 @@ def _utf8(data: bytes) -> int:
 
 
 DEFAULT_SMOKE_TESTS: dict[str, SmokeTest] = {"nonempty": _nonempty, "json": _json,
-                                             "utf8": _utf8}
+                                             "utf8": _utf8,
+                                             schema_gate.SMOKE_TEST: schema_gate.smoke}
 
 
 def bucket_names(service: str) -> tuple[str, str, str]:
@@ -326,6 +331,7 @@ class Change:
     set: dict[str, str]  # name → the digest the manifest will hold
     blobs: dict[str, bytes] = field(default_factory=dict, compare=False)  # swap: new content
     key: str = KEY
+    schema: dict[str, Any] | None = field(default=None, compare=False)  # a schema: change's class
 
 
 def parse_lkg(lkg: Any) -> dict[str, dict[str, str]]:
@@ -477,6 +483,8 @@ class ArtefactStore(KVService):
                               '{"restore": {name: "sha256:<hex>"}}'],
             **self.acceptance_claim(),
             "smoke_tests": sorted(self.smoke_tests),
+            "schema": "JSON Schema: forward applied, backward refused, breaking on an "
+                      "operator's own approval; the revert to the current schema required",
             "buckets": {"objects": self.objects_bucket, "manifest": self.bucket,
                         "ledger": self.ledger_bucket},
         }
@@ -630,6 +638,9 @@ class ArtefactStore(KVService):
                               "nothing swapped")
         if change.op == "restore":
             await self._check_restore(change, order.proposal)
+        classes = await schema_gate.check(self, order, change, manifest)
+        if classes is not None:
+            change = dataclasses.replace(change, schema=classes)
         for data in change.blobs.values():  # before the manifest write, idempotent by address
             await self._put_blob(data)
         return change
@@ -685,6 +696,8 @@ class ArtefactStore(KVService):
     def _new_entry(self, change: Change, current: Any, prior_rev: int) -> dict[str, Any]:
         entry: dict[str, Any] = {"key": KEY, "op": change.op, "set": change.set,
                                  "revision": None}
+        if change.schema is not None:
+            entry["schema"] = change.schema
         if self.supervised.keys() & change.set.keys():
             entry["health"] = "pending"  # settled after the write, before the answer
         return self._rebase(entry, current, prior_rev)

@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 
 from improved.client.sdk import MeshClient
-from improved.core import audit
+from improved.core import audit, authority
 from improved.core.breaker import AUTONOMY_ID, from_trailer
 from improved.core.signing import PAYLOAD_TYPES, keyid_of, raw_public, sign
 from improved.protocol import canonical
@@ -47,6 +47,7 @@ from improved.protocol import subjects as S
 from improved.protocol.model import (
     AnalyzerRef,
     GrantCommand,
+    MetricSnapshot,
     Origin,
     Proposal,
     ProposalEdit,
@@ -61,7 +62,7 @@ from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon, run_until_stopped
 from improved.runtime.store import Store
 from improved_reference import diffs
-from improved_reference.artefact_store import ArtefactStore
+from improved_reference.artefact_store import ArtefactStore, digest_of
 from improved_reference.doc_store import DocStore
 from improved_reference.doc_store import digest as doc_digest
 from improved_reference.knowledge_store import KnowledgeStore
@@ -91,6 +92,7 @@ SKILL = {
 }
 EXTRA_SENTENCE = " Keep each bullet under twenty words."
 RANK_KEY = "search.title_boost"
+SNIPPET_KEY = "search.snippet_weight"  # set by the learn-back step, then rolled back
 DEPLOYER = "agentd:release-9c1e:1"  # proposes the L4 binary swap
 ARTEFACTS = {"app": '{"release": 1}', "config": '{"workers": 4}'}
 PRIOR, NEW = 1.0, 1.5
@@ -105,6 +107,14 @@ MERGE = ('SUPERSEDE facts WHERE subject = "user:john-smith" AND relation = "pref
 GUIDE = "docs/guide.md"
 GUIDE_V1 = "# Guide\n\nRun the demo.\n"
 GUIDE_V2 = "# Guide\n\nRun `improved demo`: the whole loop in ten seconds.\n"
+
+
+def orders_schema(qty_maximum: int) -> str:
+    """The JSON Schema of an order whose `qty` is at most `qty_maximum` (the seed: 100)."""
+    return msgspec.json.encode({
+        "type": "object", "required": ["sku"], "additionalProperties": False,
+        "properties": {"sku": {"type": "string"},
+                       "qty": {"type": "integer", "maximum": qty_maximum}}}).decode()
 
 
 class StepFailed(Exception):
@@ -350,10 +360,11 @@ class Demo:
         env = sign(PAYLOAD_TYPES[kind], to_json(body), self.operator_key)
         await self.js.publish(subject, to_json(env))
 
-    async def review(self, svc: str, pid: str, verdict: str, reason: str) -> None:
+    async def review(self, svc: str, pid: str, verdict: str, reason: str,
+                     body_digest: str | None = None) -> None:
         await self.signed(S.inbound_review(svc), "review", Review(
             proposal_id=pid, verdict=verdict, principal=OPERATOR, reason=reason,
-            at=int(time.time() * 1000)))
+            at=int(time.time() * 1000), body_digest=body_digest))
         self.event("operator", f"{OPERATOR} signs {verdict!r} of {short(pid)} "
                    f"(DSSE, Ed25519) -> {S.inbound_review(svc)}")
 
@@ -563,6 +574,38 @@ class Demo:
         self.expect(counted >= 1, "the autonomous rollback was not counted for the breaker")
         self.ok("rolled_back: the recorded inverse restored the prior value")
 
+    async def step_remeasure(self) -> None:
+        metric_key, baseline, worse = "metrics.ctr", 0.31, 0.22
+        values = await self.nc_search.jetstream().key_value(self.search.values_bucket)
+        await values.put(metric_key, to_json(baseline))
+        due = self.now_ms() + 800
+        proposal = self.rank_proposal("L0", SNIPPET_KEY, 0.8, metric_snapshot=MetricSnapshot(
+            metric="ctr", baseline=baseline, query=metric_key, review_after=due))
+        pid = await self.propose(self.search_client, proposal)
+        await self.status(self.search_client, pid, "applied")
+        self.event("snapshot", f"ctr was {baseline} at the proposal; the owning service is asked "
+                   f"again at review_after (+0.8 s) on search.improve.measure")
+        await values.put(metric_key, to_json(worse))
+        self.event("world", f"meanwhile click-through fell to {worse}")
+        try:
+            await self.status(self.search_client, pid, "rolled_back")
+        except StepFailed as exc:
+            raise await self.why_not(S.audit("search", pid), exc) from None
+        chain = await self.chain("search", pid)
+        verdict = next((t for t in chain if t.get("verdict") in ("held", "regressed",
+                                                                 "unmeasured")), None)
+        self.expect(verdict is not None and verdict["verdict"] == "regressed",
+                    f"expected a regressed measurement, found {verdict and verdict['verdict']}")
+        refs = dict(r.split(":", 1) for r in (verdict or {}).get("refs", []) if ":" in r)
+        self.event("measured", f"{short(pid)} measured by {refs.get('measured_by', '?')}: "
+                   f"value {refs.get('value', '?')} against baseline {refs.get('baseline', '?')} "
+                   f"-> regressed; rollback proposal "
+                   f"{short(refs.get('rollback_proposal', '?'))}")
+        value = await self.search.value(SNIPPET_KEY)
+        self.expect(value is None, f"expected {SNIPPET_KEY} removed again, found {value!r}")
+        self.event("value", f"{SNIPPET_KEY} is unset again: the recorded inverse was applied")
+        self.ok("re-measured at review_after, regressed, rolled back by its recorded inverse")
+
     def knowledge_proposal(self, service: str, target: str, template: str,
                            **body: Any) -> Proposal:
         return Proposal(
@@ -689,6 +732,39 @@ class Demo:
         self.ok("L4: unhealthy swap refused whole; healthy swap applied, then reverted through "
                 "its revert_proposal_id without a second approval")
 
+    def schema_proposal(self, qty_maximum: int, revert: bool = True) -> Proposal:
+        """`orders` with `qty` bounded by `qty_maximum`, and the revert to the seeded schema."""
+        new = orders_schema(qty_maximum)
+        return Proposal(
+            service="deploy", target_ref="schema:deploy", change_class="L4", scope="operation",
+            origin=Origin(actor=DEPLOYER, service="deploy"),
+            analyzer=AnalyzerRef(id="acme.release/1"),
+            summary=Summary(template_id="schema_change", args={"artefact": "orders"}),
+            proposal_data={"artefacts": {"orders": new}},
+            lkg=[{"artefact": "orders", "digest": digest_of(new.encode()),
+                  "smoke_test": "json_schema"}],
+            revert={"restore": {"orders": digest_of(orders_schema(100).encode())}} if revert else None,
+            created_at=self.now_ms())
+
+    async def step_schema(self) -> None:
+        await self.deploy.seed({"orders": orders_schema(100)})
+        bare = await self.propose(self.deploy_client, self.schema_proposal(1000, revert=False))
+        d = await self.decision(self.deploy_client, bare)
+        self.expect(d.verdict == "reject" and "schema_revert" in d.rationale,
+                    "a schema change without its revert was not rejected")
+        for maximum, ok in ((10, False), (1000, True)):
+            p = self.schema_proposal(maximum)
+            pid = await self.propose(self.deploy_client, p)
+            await self.decision(self.deploy_client, pid)
+            await self.review("deploy", pid, "approve", f"qty up to {maximum}",
+                              authority.will_run_digest(p))
+            out = await self.outcome(self.deploy_client, pid)
+            self.event("apply", f"ok={out.ok}: {out.error or out.applied_id}")
+            self.expect(out.ok == ok and (ok or out.error.startswith("schema_backward")),
+                        f"qty maximum {maximum}: expected ok={ok}, got {out.error}")
+        self.ok("schema: no revert, rejected; a change that only takes away, refused though "
+                "approved; a forward-compatible one, applied")
+
     async def step_audit(self) -> None:
         chains = await self.reader.all_chains()
         trailers = sum(len(bodies) for bodies in chains.values())
@@ -734,6 +810,10 @@ class Demo:
         ("step_rollback", "Undo: the operator rolls the ranking change back",
          "Every apply recorded the inverse the service returned; a signed rollback applies it "
          "and counts toward the circuit breaker."),
+        ("step_remeasure", "Learn-back: measured again, regressed, rolled back",
+         "A change carries the metric as it was and when to look again; at review_after the "
+         "daemon asks the owning service to measure, and a regression proposes the inverse "
+         "recorded at the apply."),
         ("step_knowledge", "OMS knowledge: a CAL batch and a doc edit, applied and undone",
          "A curator merges duplicate facts with a CAL batch and edits a guide with a diff; "
          "each store applies it under the approver's capability, in its namespace or on the "
@@ -742,6 +822,9 @@ class Demo:
          "A binary swap lists its artefacts with digests and smoke tests; the owning service "
          "swaps all of them or none, and the reversal is recorded before the apply, so undoing "
          "it needs no second signature."),
+        ("step_schema", "Schema changes: forward applies, backward is refused",
+         "The owning service classifies a JSON Schema change against the schema it holds; a "
+         "change carries the revert to that schema or is rejected."),
         ("step_audit", "The audit chains",
          "Every transition left a hash-chained trailer; re-deriving every hash and link needs "
          "nothing but the stream's contents."),

@@ -34,7 +34,6 @@ from typing import Any
 import msgspec
 import structlog
 from nats.aio.client import Client
-from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import Header
 from nats.js.errors import (
@@ -46,7 +45,7 @@ from nats.js.errors import (
 )
 
 from improved.client import acceptance
-from improved.client.sdk import MeshClient, failed, serve_spec
+from improved.client.sdk import MeshClient, Served, failed, serve_spec
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder, ApplyResult, to_json
 
@@ -101,7 +100,7 @@ class KVService:
         self.orders = 0  # decoded ApplyOrders handled by this instance
         self.ledger = None
         self.log = structlog.get_logger(type(self).__module__)
-        self._subs: list[Subscription] = []
+        self._subs: list[Served] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -21,9 +21,14 @@ Storage layout (`<svc>` with `-` made `_`):
   fork; a grain that lost the race stays behind unreferenced. The history is the walk back along
   `derived_from[0]` from the head while the grain is this holder's.
 
-Competence rules:
+Competence rules (the pure ones in `skill_competence`):
 - Only an independent outcome counts (SPEC 09 §5): a self-signal returns None and writes nothing,
-  whatever its sign.
+  whatever its sign. Over the bus the outcomes are read from the verified audit chain of an
+  applied skill proposal (`practise_proposal`): `<svc>.skills.practice` `{"proposal_id"}`, or
+  woken by the daemon's learn-back record `improve.outcomes.<svc>.<id>` (a wake-up only), each
+  outcome counted once through the head's `counted` map; the holder is the proposal's
+  `origin.actor`. `<svc>.skills.competence` and `<svc>.skills.transfer` read and hand on a
+  holder's chain (docs/protocol.md "Skill competence").
 - An independent positive outcome moves proficiency toward 1.0, a negative one toward 0.0, as an
   exponential moving average with weight `ALPHA` (p + α(1-p), or p(1-α)). Both are practice, so
   both supersede the head with `practice_count + 1`: OMS records every change in proficiency as
@@ -46,10 +51,12 @@ store hands out can itself be applied; a retraction's inverse restores the same 
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +67,7 @@ from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from improved.client import chains
+from improved.core.evidence import DaemonWriters
 from improved.protocol import canonical, wire
 from improved.protocol import subjects as S
 from improved.protocol.model import (
@@ -73,6 +81,17 @@ from improved.protocol.model import (
 )
 from improved_reference import kv_service
 from improved_reference.kv_service import ROUNDS, KVService, read_json
+from improved_reference.skill_competence import (
+    NAMESPACE,
+    NotPractice,
+    Practice,
+    address_of,
+    already_counted,
+    competence_grain,
+    next_proficiency,
+    practice_on_chain,
+    with_counted,
+)
 
 log = structlog.get_logger("improved_reference.skills_store")
 
@@ -84,8 +103,6 @@ LIST_FIELDS = ("allowed_tools", "resources", "dependencies", "input_modalities",
 PROVENANCE_FIELDS = ("derived_from", "origin_did", "author_did")
 COMPETENCE_FIELDS = ("holder_did", "proficiency", "practice_count", "last_practiced_at",
                      "strategies", "transferable")
-NAMESPACE = "agent:skills"  # OMS: Skill grains SHOULD use it
-ALPHA = 0.2  # weight of one independent outcome in the proficiency average
 
 
 class Refused(kv_service.Refused, ValueError):
@@ -188,6 +205,9 @@ def definition_record(skill: Any, created_at: int) -> dict[str, Any]:
         if value is not None and not (isinstance(value, list)
                                       and all(isinstance(v, str) for v in value)):
             raise Refused(f"{field} must be a list of strings")
+    deps = canonical.dependencies_problem(skill)
+    if deps is not None:
+        raise Refused(deps[1])
     created = skill.get("created_at", created_at)
     if not isinstance(created, int) or isinstance(created, bool) or not 0 <= created < 2**53:
         raise Refused("created_at must be integer epoch milliseconds")
@@ -273,27 +293,24 @@ def parse_change(proposal: Proposal, pid: str | None = None) -> Change:
 # -- competence (pure) --------------------------------------------------------------------------
 
 
-def next_proficiency(p: float, positive: bool) -> float:
-    """Exponential moving average toward 1.0 on success, toward 0.0 on failure."""
-    return p + ALPHA * (1.0 - p) if positive else p * (1.0 - ALPHA)
+def _error(code: str, message: str, field: str | None = None) -> ErrorReply:
+    return ErrorReply(error=ErrorBody(code=code, message=message[:500], field=field))
 
 
-def competence_grain(definition: dict[str, Any], *, holder_did: str, proficiency: float,
-                     practice_count: int, created_at: int, derived_from: list[str],
-                     last_practiced_at: int | None = None,
-                     origin_did: str | None = None) -> dict[str, Any]:
-    """One OMS Skill grain with learned-competence fields; confidence mirrors proficiency."""
-    return _drop_none({
-        "type": "skill", **definition, "holder_did": holder_did, "author_did": holder_did,
-        "proficiency": float(proficiency), "confidence": float(proficiency),
-        "practice_count": practice_count, "last_practiced_at": last_practiced_at,
-        "created_at": created_at, "namespace": NAMESPACE, "derived_from": derived_from,
-        "origin_did": origin_did,
-    })
-
-
-def address_of(grain: dict[str, Any]) -> str:
-    return canonical.content_address(grain, canonical.SKILL)
+def _request(data: bytes, required: tuple[str, ...],
+             optional: tuple[str, ...] = ()) -> dict[str, Any] | ErrorReply:
+    """A request's JSON object with exactly `required` (strings) and any of `optional`."""
+    try:
+        body = msgspec.json.decode(data)
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError, ValueError) as exc:
+        return _error(wire.INVALID_VALUE, f"not a JSON object: {exc}")
+    shape = "{" + ", ".join([f'"{k}"' for k in required] + [f'"{k}"?' for k in optional]) + "}"
+    if not isinstance(body, dict) or not set(required) <= set(body) <= {*required, *optional}:
+        return _error(wire.INVALID_VALUE, f"the request is {shape}")
+    for key in required:
+        if not isinstance(body[key], str) or not body[key]:
+            return _error(wire.INVALID_VALUE, f"{key} must be a non-empty string", key)
+    return body
 
 
 def _check_holder(holder_did: Any) -> None:
@@ -313,13 +330,33 @@ class SkillsStore(KVService):
         super().__init__(nc, service, self.defs_bucket, ledger_bucket, verify_acceptance)
         self.defs_stream = self.stream
         self.comp = None
+        # daemon key ids whose signatures a chain must carry before practice on it counts
+        # (`--trust-daemon`); empty: hashes and links only, the writers trusted to the bus
+        self.daemons: frozenset[str] = frozenset()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._waking: dict[str, bool] = {}  # proposal id → woken again while being counted
 
     async def start(self) -> None:
         await self.open()
-        # the read is served before the capabilities that advertise it
-        self._subs.append(await self.nc.subscribe(S.skills_get(self.service),
-                                                  queue=self.service, cb=self._on_get))
+        # the requests are served before the capabilities that advertise them
+        for subject, answer in ((S.skills_get(self.service), self.answer_get),
+                                (S.skills_practice(self.service), self.answer_practice),
+                                (S.skills_competence(self.service), self.answer_competence),
+                                (S.skills_transfer(self.service), self.answer_transfer)):
+            self._subs.append(await self.nc.subscribe(subject, queue=self.service,
+                                                      cb=self._responder(subject, answer)))
+        # the daemon's learn-back records say when a chain has new outcomes (only where to
+        # look: the chain is read and verified before anything is counted)
+        self._subs.append(await self.nc.subscribe(S.learn_back(self.service, "*"),
+                                                  queue=self.service, cb=self._on_learn_back))
         await self._serve()
+
+    async def stop(self) -> None:
+        await super().stop()
+        tasks, self._tasks = self._tasks, set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def open(self) -> None:
         self.comp = await self._bucket(self.comp_bucket, 1,
@@ -334,6 +371,9 @@ class SkillsStore(KVService):
                               '{"retract": identity}'],
             "identity": "<name>:<sha256>",
             "get": S.skills_get(self.service),
+            "practice": S.skills_practice(self.service),
+            "competence": S.skills_competence(self.service),
+            "transfer": S.skills_transfer(self.service),
             "buckets": {"definitions": self.defs_bucket, "competence": self.comp_bucket,
                         "ledger": self.ledger_bucket},
         }
@@ -394,45 +434,129 @@ class SkillsStore(KVService):
 
     async def answer_get(self, data: bytes) -> dict[str, Any] | ErrorReply:
         """One `<svc>.skills.get` request's bytes → its reply (no exceptions escape)."""
-
-        def error(code: str, message: str, field: str | None = None) -> ErrorReply:
-            return ErrorReply(error=ErrorBody(code=code, message=message[:500], field=field))
-
-        try:
-            body = msgspec.json.decode(data)
-        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError, ValueError) as exc:
-            return error(wire.INVALID_VALUE, f"not a JSON object: {exc}")
-        if not isinstance(body, dict) or set(body) != {"skill"}:
-            return error(wire.INVALID_VALUE, 'the request is {"skill": "<name>:<sha256>"}',
-                         "skill")
+        body = _request(data, ("skill",))
+        if isinstance(body, ErrorReply):
+            return body
         identity = body["skill"]
-        match = IDENTITY_RE.match(identity) if isinstance(identity, str) else None
+        match = IDENTITY_RE.match(identity)
         if match is None:
-            return error(wire.INVALID_VALUE, f"{identity!r} is not a skill identity "
-                         "<name>:<sha256>", "skill")
+            return _error(wire.INVALID_VALUE, f"{identity!r} is not a skill identity "
+                          "<name>:<sha256>", "skill")
         try:
             definition = await self.get_granted(match.group(1), match.group(2))
         except NoGrant as exc:
-            return error("no_grant", str(exc), "skill")
+            return _error("no_grant", str(exc), "skill")
         except NotStored as exc:
-            return error(wire.NOT_FOUND, str(exc), "skill")
+            return _error(wire.NOT_FOUND, str(exc), "skill")
         except GrantMismatch as exc:
-            return error("grant_mismatch", str(exc), "skill")
+            return _error("grant_mismatch", str(exc), "skill")
         except Exception as exc:  # the store briefly unreachable: "not now", never a definition
-            self.log.warning("skills.get failed", service=self.service, skill=identity,
-                             error=repr(exc))
-            return error("unavailable", f"the read failed for now: {type(exc).__name__}: {exc}")
+            return self._unavailable("skills.get", exc)
         return {"skill": identity, "definition": definition}
 
-    async def _on_get(self, msg: Msg) -> None:
-        reply = await self.answer_get(msg.data)
-        if not msg.reply:
-            return
+    def _responder(self, subject: str, answer: Callable[[bytes], Awaitable[Any]]
+                   ) -> Callable[[Msg], Awaitable[None]]:
+        """A subscription callback: every request gets `answer`'s reply, nothing escapes."""
+
+        async def respond(msg: Msg) -> None:
+            reply = await answer(msg.data)
+            if not msg.reply:
+                return
+            try:
+                await msg.respond(to_json(reply))
+            except Exception as exc:
+                self.log.warning("could not answer", subject=subject, error=str(exc))
+
+        return respond
+
+    # -- competence over NATS ------------------------------------------------------------------
+
+    async def answer_practice(self, data: bytes) -> dict[str, Any] | ErrorReply:
+        """`<svc>.skills.practice` `{"proposal_id"}`: count the chain's new outcomes."""
+        body = _request(data, ("proposal_id",))
+        if isinstance(body, ErrorReply):
+            return body
         try:
-            await msg.respond(to_json(reply))
+            practice, written = await self.practise_proposal(body["proposal_id"])
+            head = await self.competence(practice.identity, practice.holder)
+        except NotPractice as exc:
+            return _error("not_practice", str(exc), "proposal_id")
+        except Exception as exc:  # the store briefly unreachable: "not now"
+            return self._unavailable("skills.practice", exc)
+        return {"proposal_id": practice.proposal_id, "skill": practice.identity,
+                "holder": practice.holder, "outcomes": len(practice.outcomes),
+                "counted_now": len(written), "competence": head}
+
+    async def answer_competence(self, data: bytes) -> dict[str, Any] | ErrorReply:
+        """`<svc>.skills.competence` `{"skill", "holder", "history"?}`: the head grain and, when
+        asked, the newest `history` grains of the holder's chain (oldest first)."""
+        body = _request(data, ("skill", "holder"), ("history",))
+        if isinstance(body, ErrorReply):
+            return body
+        limit = body.get("history", 0)
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 0 <= limit <= 256:
+            return _error(wire.INVALID_VALUE, "history is an integer from 0 to 256", "history")
+        try:
+            head = await self.competence(body["skill"], body["holder"])
+            history = await self.competence_history(body["skill"], body["holder"], limit) \
+                if limit else []
+        except GrantMismatch as exc:
+            return _error(wire.INVALID_VALUE, str(exc), "skill")
         except Exception as exc:
-            self.log.warning("could not answer skills.get", service=self.service,
-                             error=str(exc))
+            return self._unavailable("skills.competence", exc)
+        return {"skill": body["skill"], "holder": body["holder"], "competence": head,
+                "history": history}
+
+    async def answer_transfer(self, data: bytes) -> dict[str, Any] | ErrorReply:
+        """`<svc>.skills.transfer` `{"skill", "from", "to"}`: the recipe, not the track record."""
+        body = _request(data, ("skill", "from", "to"))
+        if isinstance(body, ErrorReply):
+            return body
+        try:
+            grain = await self.transfer(body["skill"], body["from"], body["to"], now_ms())
+        except NoCompetence as exc:
+            return _error(wire.NOT_FOUND, str(exc), "from")
+        except Refused as exc:
+            return _error("refused", str(exc))
+        except GrantMismatch as exc:
+            return _error(wire.NOT_FOUND if isinstance(exc, NotStored) else wire.INVALID_VALUE,
+                          str(exc), "skill")
+        except Exception as exc:
+            return self._unavailable("skills.transfer", exc)
+        return {"skill": body["skill"], "holder": body["to"], "address": address_of(grain),
+                "grain": grain}
+
+    def _unavailable(self, what: str, exc: Exception) -> ErrorReply:
+        self.log.warning(f"{what} failed", service=self.service, error=repr(exc))
+        return _error("unavailable", f"failed for now: {type(exc).__name__}: {exc}")
+
+    async def _on_learn_back(self, msg: Msg) -> None:
+        pid = S.token(msg.subject, 3)
+        if pid is None or not S.ID_RE.match(pid):
+            return
+        if pid in self._waking:
+            self._waking[pid] = True  # count again once the running pass ends
+            return
+        self._waking[pid] = False
+        task = asyncio.get_running_loop().create_task(self._wake(pid))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _wake(self, pid: str) -> None:
+        try:
+            while True:
+                try:
+                    await self.practise_proposal(pid)
+                except NotPractice as exc:
+                    self.log.debug("no practice to count", proposal_id=pid, why=str(exc))
+                except Exception as exc:  # asked again by the next record, or by a request
+                    self.log.warning("counting practice failed", proposal_id=pid,
+                                     error=repr(exc))
+                if not self._waking.get(pid):
+                    return
+                self._waking[pid] = False
+        finally:
+            self._waking.pop(pid, None)
 
     async def refine(self, identity: str, changes: dict[str, Any], *, service: str,
                      origin_actor: str, analyzer_id: str, created_at: int) -> Proposal:
@@ -536,17 +660,26 @@ class SkillsStore(KVService):
 
     async def _advance(self, key: str, sha: str,
                        make: Callable[[dict[str, Any] | None, str | None],
-                                      dict[str, Any] | None]) -> dict[str, Any] | None:
-        """Write `make(head grain, head address)` and move the head to it, compare-and-set."""
+                                      dict[str, Any] | None],
+                       counted: tuple[str, int] | None = None) -> dict[str, Any] | None:
+        """Write `make(head grain, head address)` and move the head to it, compare-and-set.
+        With `counted` = (proposal id, chain position), the head records that outcome in the
+        same write, and an outcome it already records is not counted again (None)."""
         for _ in range(ROUNDS):
             head, rev = await self._head(key)
+            if counted is not None and already_counted(head, *counted):
+                return None
             prev_address = head["address"] if head else None
             prev = await self._load(prev_address, sha) if prev_address else None
             grain = make(prev, prev_address)
             if grain is None:
                 return None
             address = await self._put_grain(grain)
-            body = to_json({"address": address, "practice_count": grain["practice_count"]})
+            value: dict[str, Any] = {"address": address, "practice_count": grain["practice_count"]}
+            if counted is not None or (head or {}).get("counted"):
+                value["counted"] = with_counted(head, *counted) if counted is not None \
+                    else head["counted"]  # type: ignore[index]
+            body = to_json(value)
             try:
                 if rev == 0:
                     await self.comp.create(key, body)
@@ -562,13 +695,19 @@ class SkillsStore(KVService):
         """Record one outcome of `holder_did` practising `identity` as a new head grain.
 
         A self-signal (not independent) returns None and writes nothing; an independent one,
-        positive or negative, supersedes (rules in the module doc)."""
+        positive or negative, supersedes (rules in the module doc). The caller vouches for
+        `independent`; over the bus, `practise_proposal` reads it from the verified chain."""
         _check_holder(holder_did)
-        name, sha = split_identity(identity)
+        name, _ = split_identity(identity)
         if signal.target_ref is not None and signal.target_ref != f"skill:{name}":
             raise Refused(f"the signal is about {signal.target_ref}, not skill:{name}")
         if not independent:
             return None
+        return await self._practise(identity, holder_did, signal.positive, at)
+
+    async def _practise(self, identity: str, holder_did: str, positive: bool, at: int,
+                        counted: tuple[str, int] | None = None) -> dict[str, Any] | None:
+        name, sha = split_identity(identity)
         record = await self.record(identity)
         definition = definition_of(record["definition"])
 
@@ -576,16 +715,41 @@ class SkillsStore(KVService):
             p = prev["proficiency"] if prev else 0.0
             return competence_grain(
                 definition, holder_did=holder_did,
-                proficiency=next_proficiency(p, signal.positive),
+                proficiency=next_proficiency(p, positive),
                 practice_count=(prev["practice_count"] if prev else 0) + 1,
                 created_at=at, last_practiced_at=at,
                 derived_from=[prev_address or record["address"]],
                 origin_did=prev.get("origin_did") if prev else None)
 
-        grain = await self._advance(self._head_key(name, sha, holder_did), sha, make)
-        log.info("practised", service=self.service, skill=identity, positive=signal.positive,
-                 practice_count=grain["practice_count"], proficiency=grain["proficiency"])
+        grain = await self._advance(self._head_key(name, sha, holder_did), sha, make, counted)
+        if grain is not None:
+            log.info("practised", service=self.service, skill=identity, holder=holder_did,
+                     positive=positive, practice_count=grain["practice_count"],
+                     proficiency=grain["proficiency"])
         return grain
+
+    async def practise_proposal(self, proposal_id: str) -> tuple[Practice, list[dict[str, Any]]]:
+        """Count, once each, the independent outcomes the verified chain of `proposal_id`
+        records after its apply (skill_competence.practice_on_chain); (what the chain says,
+        the grains written now). NotPractice when the chain records no practice of a skill
+        stored here; asking again, or for a chain read before, writes nothing new."""
+        if not S.ID_RE.match(proposal_id):
+            raise NotPractice(f"{proposal_id!r} is not a proposal id")
+        chain = await chains.read_sequenced(self.js, S.audit(self.service, proposal_id))
+        trust = DaemonWriters(self.daemons) if self.daemons else None
+        practice = practice_on_chain(proposal_id, [body for _, body in chain], self.service,
+                                     trust, [seq for seq, _ in chain])
+        try:
+            await self.record(practice.identity)
+        except GrantMismatch as exc:
+            raise NotPractice(f"{practice.identity} is not stored here: {exc}") from None
+        written = []
+        for outcome in practice.outcomes:
+            grain = await self._practise(practice.identity, practice.holder, outcome.positive,
+                                         outcome.at, (proposal_id, outcome.seq))
+            if grain is not None:
+                written.append(grain)
+        return practice, written
 
     async def competence(self, identity: str, holder_did: str) -> dict[str, Any] | None:
         """The holder's current competence grain (the chain's head), or None."""
@@ -646,12 +810,39 @@ async def run(url: str, service: str) -> int:
     return await kv_service.run(SkillsStore, url, service)
 
 
+KEYID_RE = re.compile(r"^ed25519:[0-9a-f]{64}\Z")
+DESCRIPTION = (
+    "Reference mesh service: stores skill definitions bound to their <name>:<sha256>, applies "
+    "skill: proposals ordered by improved exactly once, serves a definition only under a grant "
+    "for exactly its hash, and keeps each holder's competence as an OMS supersession chain fed "
+    "by the independent outcomes on the proposals' audit chains.")
+
+
 def main(argv: list[str] | None = None) -> int:
-    return kv_service.main(
-        SkillsStore, argv, "improved_reference.skills_store",
-        "Reference mesh service: stores skill definitions bound to their <name>:<sha256>, "
-        "applies skill: proposals ordered by improved exactly once, and serves a definition "
-        "only under a grant for exactly its hash.")
+    p = kv_service.parser("improved_reference.skills_store", DESCRIPTION)
+    p.add_argument("--trust-daemon", action="append", default=[], metavar="KEYID",
+                   help="count practice only from chains every trailer of which this daemon "
+                        "key signed (ed25519:<hex>, as `improved keys show` prints it; "
+                        "repeatable); without it, hashes and links are checked and the "
+                        "writers are trusted to the bus permissions")
+
+    def setup(args: argparse.Namespace) -> kv_service.Setup | None:
+        bad = [k for k in args.trust_daemon if not KEYID_RE.match(k)]
+        if bad:
+            p.error(f"--trust-daemon {bad[0]!r} is not a key id ed25519:<64 hex>")
+        if not args.trust_daemon:
+            return None
+
+        async def trust(store: kv_service.KVService) -> list[str]:
+            assert isinstance(store, SkillsStore)
+            store.daemons = frozenset(args.trust_daemon)
+            return [f"practice counted only from chains signed by {len(store.daemons)} "
+                    "trusted daemon key(s)"]
+
+        return trust
+
+    return kv_service.main(SkillsStore, argv, "improved_reference.skills_store", DESCRIPTION,
+                           p, setup)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,30 @@
-"""An agent runtime's tool surface on NATS (SPEC 09 §3.1): list the catalog, call a tool.
+"""An agent runtime's tool surface on NATS (SPEC 09 §3.1): list the catalog, call a tool,
+revoke a session upgrade.
 
-The authority rules are all in `improved.core.tools.Runtime`; this module only carries them over
-request/reply, so what an agent sees on the bus is exactly what the library decides:
-`<runtime>.tools.list` answers the whole catalog (gated tools included, with their grant
-tokens) and `<runtime>.tools.call` answers one invocation, a refusal or the error reply of
-DESIGN §3.1. Instances of one runtime share a queue group named after it. Every message gets a
-reply and none can stop the subscription: bad input, a tool that raises, a result that is not
-JSON all become answers. Arguments are never logged (they may carry anything).
+The authority rules are all in `improved.core.tools.Runtime`; this module carries them over
+request/reply and keeps what they need beyond one process on JetStream, so what an agent sees on
+the bus is exactly what the library decides:
+
+- `<runtime>.tools.list` answers the whole catalog (gated tools included, with their grant
+  tokens and scopes); `<runtime>.tools.call` answers one invocation, a refusal or the error
+  reply of DESIGN §3.1; `<runtime>.tools.revoke` takes an operator's signed revocation of a
+  session upgrade. Instances of one runtime share a queue group named after it.
+- Spent grants, L2 acceptances and revocations live in the `improved_tools` bucket
+  (`JetStreamLedger`), shared by every replica and kept across restarts. A grant is spent by
+  a publish that JetStream accepts only while its key has never held anything, so the first
+  replica wins, and a delete marker or purge someone publishes later leaves the key spent.
+  Anything ever written under a spent or revoked key counts as spent or revoked: a forged
+  entry can refuse a call, never allow one. An acceptance read back counts only when the
+  signed grant it holds verifies (`Runtime`).
+- Every call's decision is a trailer of the runtime's chain
+  `improve.audit._tools.<sha256("improved tools <runtime>")>` on the audit stream, appended
+  with the expected last sequence and signed with the runtime's key (which verifiers trust
+  as a writer, `[trust] daemons`), before the tool runs: a call whose decision cannot be
+  recorded does not run (the grant it spent stays spent).
+
+Every message gets a reply and none can stop the subscription: bad input, a tool that raises,
+a result that is not JSON all become answers. Arguments are never logged nor recorded (only
+their digest is, on the chain).
 """
 
 from __future__ import annotations
@@ -16,15 +34,27 @@ from typing import Any
 
 import msgspec
 import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, BucketNotFoundError, KeyDeletedError, NotFoundError
+from nats.js.kv import KeyValue
 
-from improved.client.sdk import MAX_MESSAGE_BYTES, serve_spec
-from improved.core.tools import ERROR_LIMIT, Runtime, ToolName
+from improved.client.sdk import MAX_MESSAGE_BYTES, Served, serve_spec
+from improved.core.tools import (
+    ERROR_LIMIT,
+    Decision,
+    Runtime,
+    SessionId,
+    ToolName,
+    call_draft,
+    chain_id,
+)
 from improved.protocol import subjects as S
 from improved.protocol import wire
 from improved.protocol.model import Envelope, _In, to_json
+from improved.runtime.store import Store, is_conflict
 
 log = structlog.get_logger("improved_reference.tool_runtime")
 
@@ -35,36 +65,126 @@ class ToolCall(_In):
     tool: ToolName
     args: dict[str, Any] = {}
     grant: Envelope | None = None
+    session: SessionId | None = None
+    upgrade: Envelope | None = None
+
+
+class Revoke(_In):
+    """The request on `<runtime>.tools.revoke`."""
+
+    revocation: Envelope
 
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-class ToolRuntimeService:
-    """Serves one Runtime's catalog and calls over a nats-py Client."""
+class JetStreamLedger:
+    """`improved.core.tools.Ledger` on the `improved_tools` bucket: keys `spent.<act id>`,
+    `accepted.<runtime>.<token hex>` and `revoked.<upgrade act id>`."""
 
-    def __init__(self, nc: Client, runtime: Runtime):
+    def __init__(self, js: JetStreamContext, kv: KeyValue):
+        self.js, self.kv = js, kv
+        self.stream = f"KV_{S.BUCKET_TOOLS}"
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, replicas: int = 1) -> JetStreamLedger:
+        """The bucket, created when missing (by whichever replica comes first)."""
+        try:
+            kv = await js.key_value(S.BUCKET_TOOLS)
+        except BucketNotFoundError:
+            try:
+                kv = await js.create_key_value(
+                    bucket=S.BUCKET_TOOLS, history=1, replicas=replicas,
+                    description="improved: spent tool grants, L2 acceptances, revocations")
+            except APIError as exc:
+                if exc.err_code != 10058:  # another replica created it meanwhile
+                    raise
+                kv = await js.key_value(S.BUCKET_TOOLS)
+        return cls(js, kv)
+
+    def _subject(self, key: str) -> str:
+        return f"$KV.{S.BUCKET_TOOLS}.{key}"
+
+    async def _first(self, key: str, value: dict[str, Any]) -> bool:
+        """Write `key` only if it has never held anything; False when it has."""
+        try:
+            await self.js.publish(self._subject(key), to_json(value), stream=self.stream,
+                                  headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+        except APIError as exc:
+            if is_conflict(exc):
+                return False
+            raise
+        return True
+
+    async def _ever(self, key: str) -> bool:
+        """Whether `key` holds anything: a value, a delete marker, a purge."""
+        try:
+            await self.js.get_msg(self.stream, subject=self._subject(key))
+        except NotFoundError:
+            return False
+        return True
+
+    async def spend(self, act: str, lapse: int, now: int) -> bool:
+        return await self._first(f"spent.{act}", {"at": now, "lapse": lapse})
+
+    async def acceptance(self, runtime: str, token: str) -> Envelope | None:
+        try:
+            entry = await self.kv.get(f"accepted.{runtime}.{token.removeprefix('gt:')}")
+            return msgspec.json.decode(entry.value or b"", type=Envelope)
+        except (NotFoundError, KeyDeletedError, msgspec.MsgspecError):
+            return None
+
+    async def accept(self, runtime: str, token: str, grant: Envelope) -> None:
+        await self.kv.put(f"accepted.{runtime}.{token.removeprefix('gt:')}", to_json(grant))
+
+    async def revoked(self, upgrade: str) -> bool:
+        return await self._ever(f"revoked.{upgrade}")
+
+    async def revoke(self, upgrade: str, revocation: Envelope) -> None:
+        await self._first(f"revoked.{upgrade}", msgspec.to_builtins(revocation))
+
+
+class ToolRuntimeService:
+    """Serves one Runtime's catalog and calls over a nats-py Client; `key` signs the trailers
+    of the runtime's `_tools` chain. `start` puts the runtime's ledger on JetStream."""
+
+    def __init__(self, nc: Client, runtime: Runtime, key: Ed25519PrivateKey, *,
+                 replicas: int = 1):
         self.nc = nc
         self.runtime = runtime
-        self._subs: list[Subscription] = []
+        self.store = Store(nc, replicas)
+        self.store.signer = key
+        self.replicas = replicas
+        self.chain = chain_id(runtime.name)
+        self._subs: list[Served] = []
 
     def capabilities(self) -> dict[str, Any]:
         rt = self.runtime
         return {"service": rt.name, "improve": False, "tools": True, "ceiling": rt.ceiling,
                 "mode": rt.mode}
 
-    def listing(self) -> dict[str, Any]:
+    async def listing(self) -> dict[str, Any]:
         rt = self.runtime
+        await rt.refresh()
         return {"runtime": rt.name, "ceiling": rt.ceiling, "mode": rt.mode,
                 "tools": rt.catalog()}
 
     async def start(self) -> None:
+        """Open the ledger and subscribe; RuntimeError, naming what is missing, when there is
+        no audit stream to record calls on."""
         name = self.runtime.name
-        self._subs.append(await self.nc.subscribe(S.tools_list(name), queue=name,
-                                                  cb=self._on_list))
-        self._subs.append(await self.nc.subscribe(S.tools_call(name), queue=name,
-                                                  cb=self._on_call))
+        try:
+            await self.store.js.stream_info(S.STREAM_AUDIT)
+        except NotFoundError:
+            raise RuntimeError(f"tool runtime {name}: the audit stream {S.STREAM_AUDIT} does "
+                               "not exist, so no call could be recorded; start the daemon (or "
+                               "run `improved provision`) first") from None
+        self.runtime.ledger = await JetStreamLedger.open(self.store.js, self.replicas)
+        for subject, cb in ((S.tools_list(name), self._on_list),
+                            (S.tools_call(name), self._on_call),
+                            (S.tools_revoke(name), self._on_revoke)):
+            self._subs.append(await self.nc.subscribe(subject, queue=name, cb=cb))
         self._subs.append(await serve_spec(self.nc, name, self.capabilities()))
         log.info("tool runtime ready", runtime=name, mode=self.runtime.mode,
                  ceiling=self.runtime.ceiling, tools=len(self.runtime.catalog()))
@@ -87,7 +207,17 @@ class ToolRuntimeService:
                      code=err.code, field=err.field)
             return err.reply()
         try:
-            reply = await self.runtime.invoke(call.tool, call.args, call.grant, now_ms())
+            decision = await self.runtime.decide(call.tool, call.args, call.grant, now_ms(),
+                                                 session=call.session, upgrade=call.upgrade)
+            recorded = await self._record(decision)
+            if decision.allowed and not recorded:
+                reply: dict[str, Any] = {"refused": {
+                    "reason": "unaudited", "required": decision.provider.authority
+                    if decision.provider else "L0",
+                    "detail": "the call could not be recorded on the runtime's audit chain, "
+                              "so it did not run"}}
+            else:
+                reply = await self.runtime.run(decision)
         except Exception as exc:
             log.exception("tool call failed", runtime=self.runtime.name, tool=call.tool)
             return wire.WireError(wire.INTERNAL, f"{type(exc).__name__}: {exc}"[:ERROR_LIMIT]
@@ -101,6 +231,21 @@ class ToolRuntimeService:
                          f"{exc}"[:ERROR_LIMIT])
             return to_json(reply)
 
+    async def _record(self, decision: Decision) -> bool:
+        """Append the decision to the runtime's `_tools` chain; False when it could not be."""
+        draft = call_draft(self.runtime.name, decision)
+        if draft is None or decision.provider is None:
+            return True
+        try:
+            await self.store.append_sealed(S.tools_audit(self.chain), self.chain,
+                                           decision.provider.authority, "operation",
+                                           lambda chain, now: draft, clock=now_ms)
+        except Exception as exc:
+            log.error("tool call not recorded on the audit chain", runtime=self.runtime.name,
+                      tool=decision.tool, error=f"{type(exc).__name__}: {exc}")
+            return False
+        return True
+
     def _log(self, tool: str, reply: dict[str, Any]) -> None:
         fields = {"runtime": self.runtime.name, "tool": tool}
         if "refused" in reply:
@@ -109,16 +254,30 @@ class ToolRuntimeService:
             log.info("tool call refused", **fields, code=reply["error"]["code"])
         else:
             log.info("tool called", **fields, ok=reply["ok"], granted_by=reply.get("granted_by"),
-                     error=reply.get("error"))
+                     upgrade=reply.get("upgrade"), error=reply.get("error"))
 
     async def _on_call(self, msg: Msg) -> None:
         await self._respond(msg, await self.answer(msg.data))
 
     async def _on_list(self, msg: Msg) -> None:
         try:
-            body = to_json(self.listing())
+            body = to_json(await self.listing())
         except Exception as exc:
             log.exception("tool catalog failed", runtime=self.runtime.name)
+            body = wire.WireError(wire.INTERNAL, f"{type(exc).__name__}: {exc}").reply()
+        await self._respond(msg, body)
+
+    async def _on_revoke(self, msg: Msg) -> None:
+        try:
+            request = wire.decode(msg.data, Revoke, MAX_MESSAGE_BYTES)
+            reply = await self.runtime.revoke(request.revocation)
+            body = to_json(reply)
+            log.info("upgrade revocation", runtime=self.runtime.name,
+                     revoked=reply.get("revoked"), refused=reply.get("refused"))
+        except wire.WireError as err:
+            body = err.reply()
+        except Exception as exc:
+            log.exception("upgrade revocation failed", runtime=self.runtime.name)
             body = wire.WireError(wire.INTERNAL, f"{type(exc).__name__}: {exc}").reply()
         await self._respond(msg, body)
 

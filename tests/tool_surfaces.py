@@ -8,7 +8,8 @@ import base64
 import secrets
 
 from improved.core import signing
-from improved.core.tools import Provider, Runtime, sign_grant
+from improved.core.scopes import CapabilityScope
+from improved.core.tools import Provider, Runtime, sign_grant, sign_upgrade
 from improved.protocol.model import Envelope
 from tests.keys import ALICE
 
@@ -38,9 +39,21 @@ def tool(name: str, authority: str, version: str | None = "1") -> tuple[Provider
     return Provider(name, authority, f"the {name} tool", body, version), body
 
 
+SCOPE = CapabilityScope(paths=["/srv/data/**", "/tmp/*.log"], sets=["blue", "green"],
+                        origins=["https://api.example.com", "http://localhost:8080"])
+SCOPED_ARGS = {"path": "path", "paths": "path", "set": "set", "url": "origin"}
+
+
+def scoped(name: str = "files", authority: str = "L0", scope: CapabilityScope = SCOPE,
+           ) -> tuple[Provider, Counter]:
+    """A tool that touches paths, sets and origins, within SCOPE."""
+    body = Counter(result=f"{name} ran")
+    return Provider(name, authority, f"the {name} tool", body, "1", scope, SCOPED_ARGS), body
+
+
 def runtime(mode: str = "autonomous", name: str = "agent", ceiling: str | None = None,
-            ) -> tuple[Runtime, dict[str, tuple[Provider, Counter]]]:
-    rt = Runtime(name, ceiling, trust(), mode)
+            **kw) -> tuple[Runtime, dict[str, tuple[Provider, Counter]]]:
+    rt = Runtime(name, ceiling, trust(), mode, **kw)
     tools = {n: tool(n, a) for n, a in (("read", "L0"), ("write", "L2"), ("deploy", "L4"))}
     for provider, _ in tools.values():
         rt.register(provider)
@@ -55,3 +68,12 @@ def grant(provider: Provider, args=ARGS, *, key=ALICE, now: int = NOW, **kw) -> 
 def by_name(catalog: list[dict]) -> dict[str, dict]:
     return {entry["name"]: entry for entry in catalog}
 
+
+
+def upgrade(runtime_name: str = "agent", session: str = "s-1", *, key=ALICE, now: int = NOW,
+            ttl_ms: int = 600_000, **kw) -> Envelope:
+    """ALICE's upgrade of one session: by default every L4 tool, for ten minutes."""
+    if "tools" not in kw:
+        kw.setdefault("classes", ["L4"])
+    kw.setdefault("nonce", secrets.token_hex(16))
+    return sign_upgrade(key[1], key[0], runtime_name, session, "incident 7", now, ttl_ms, **kw)

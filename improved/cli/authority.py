@@ -44,6 +44,16 @@ from improved.runtime.bus import Target
 from improved.runtime.store import Store
 
 
+def cmd_keys_show(args: argparse.Namespace) -> int:
+    """The public half of a key file: what a trust store lists ([trust.daemons] and the rest
+    take the base64 key) and the key id signatures name (a service's `--trust-daemon`)."""
+    key = load_signing_key(Path(args.file))
+    public = signing.raw_public(key.public_key())
+    print(f"public key: {base64.b64encode(public).decode()}")
+    print(f"key id: {signing.keyid_of(public)}")
+    return 0
+
+
 def cmd_keys_new(args: argparse.Namespace) -> int:
     """An operator key ([trust.operators]), a quorum voter key ([trust.quorum]) or a signer
     key ([trust.signers]: an agent, a check or a service whose signed signals count)."""
@@ -264,6 +274,13 @@ def _register_keys_and_reviews(sub: argparse._SubParsersAction) -> None:
                           "check:<name> or service:<svc> (its [trust.signers] entry)")
     knew.add_argument("--dir", metavar="DIR", help="where to write the key")
     knew.set_defaults(func=cmd_keys_new)
+    kshow = keys_sub.add_parser(
+        "show", help="print a key file's public key and key id",
+        description="Print the public key (base64, as [trust.operators], [trust.daemons] and "
+                    "the other trust tables list it) and the key id (ed25519:<hex>) of an "
+                    "Ed25519 PEM key file: an operator's key, or the daemon's checkpoint_key.")
+    kshow.add_argument("file", metavar="FILE", help="the PEM private key file")
+    kshow.set_defaults(func=cmd_keys_show)
 
     for verdict, what in (("approve", "approve a proposal waiting for an operator"),
                           ("reject", "reject a proposal (it enters the rejection ledger)"),

@@ -45,7 +45,8 @@ async def _verified(js: Any, svc: str, chain_id: str) -> tuple[list[dict[str, An
     return bodies, None
 
 
-async def _approved(js: Any, svc: str, pid: str, authority: str) -> str | None:
+async def _approved(js: Any, svc: str, pid: str, authority: str,
+                    accepting: frozenset[str] = ACCEPTING) -> str | None:
     """None when an accepting trailer by `authority` stands on the chain of `pid`."""
     bodies, refusal = await _verified(js, svc, pid)
     if refusal:
@@ -53,7 +54,7 @@ async def _approved(js: Any, svc: str, pid: str, authority: str) -> str | None:
     accepted, withdrawn = False, None
     for body in bodies:
         verdict = body.get("verdict")
-        if verdict in ACCEPTING and body.get("actor") == authority:
+        if verdict in accepting and body.get("actor") == authority:
             accepted, withdrawn = True, None
         elif verdict in WITHDRAWING and accepted:
             accepted, withdrawn = False, verdict
@@ -109,6 +110,16 @@ async def _granted(js: Any, skill: Any) -> str | None:
     if not authority.grant_covers(grant, identity, int(time.time() * 1000)):
         return _no(f"the grant for {identity} is not active or has expired")
     return None
+
+
+async def operator_approved(js: Any, order: ApplyOrder) -> str | None:
+    """None when the order's authority is an operator whose own signed approval (an `approve`
+    trailer, not a quorum's or an inherited one) stands on the proposal's verified chain: what
+    a change the owner deems to need the operator (a breaking schema, SPEC 08 §7) rests on."""
+    if not order.authority.startswith("operator:"):
+        return _no(f"{order.authority} is not an operator")
+    return await _approved(js, order.proposal.service, order.proposal_id, order.authority,
+                           frozenset({"approve"}))
 
 
 def _bound(order: ApplyOrder) -> str | None:

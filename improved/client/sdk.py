@@ -12,7 +12,7 @@ import asyncio
 import math
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import structlog
@@ -378,10 +378,37 @@ class MeshClient:
         return MeasureReply(value=float(value))
 
 
+class Served(Protocol):
+    """What a serving call returns: something to drain or unsubscribe when the service stops
+    (a nats-py Subscription is one)."""
+
+    async def drain(self) -> None: ...
+
+    async def unsubscribe(self, limit: int = 0) -> None: ...
+
+
+class SpecServer:
+    """The two subscriptions of an advertised spec: `<svc>.spec.get` (queue group = the
+    service) and the mesh-wide discovery broadcast (every instance answers); both end
+    together."""
+
+    def __init__(self, subs: list[Subscription]):
+        self._subs = subs
+
+    async def drain(self) -> None:
+        for sub in self._subs:
+            await sub.drain()  # type: ignore[no-untyped-call]
+
+    async def unsubscribe(self, limit: int = 0) -> None:
+        for sub in self._subs:
+            await sub.unsubscribe(limit)
+
+
 async def serve_spec(nc: Client, service: str,
-                     capabilities: dict[str, Any] | None = None) -> Subscription:
+                     capabilities: dict[str, Any] | None = None) -> SpecServer:
     """Answer `<svc>.spec.get` with `capabilities`; without them, advertise their omission
-    (`{"improve": false}`) rather than stay silent, so a caller can tell "no" from "down"."""
+    (`{"improve": false}`) rather than stay silent, so a caller can tell "no" from "down".
+    The same answer goes to `improved.spec.discover`, so the mesh can be listed."""
     body = to_json(capabilities if capabilities is not None
                    else {"service": service, "improve": False})
 
@@ -392,4 +419,5 @@ async def serve_spec(nc: Client, service: str,
             except Exception as exc:
                 log.warning("could not answer spec.get", service=service, error=str(exc))
 
-    return await nc.subscribe(S.service_spec(service), queue=service, cb=on_get)
+    return SpecServer([await nc.subscribe(S.service_spec(service), queue=service, cb=on_get),
+                       await nc.subscribe(S.SPEC_DISCOVER, cb=on_get)])

@@ -4,7 +4,8 @@ A hash proves a trailer was not altered, not who wrote it: anyone who may publis
 subjects can append a correctly hashed one. Two signatures close that. The daemon that writes a
 trailer signs its hash (`sig`), so without a daemon key nobody adds a trailer that verifies. A
 trailer that carries an operator's or a voter's authority — an approval, an operator's
-rejection or rollback request, a grant or a revoke, a quorum vote, a crisis resolution —
+rejection or rollback request, a grant or a revoke, a quorum vote, a crisis resolution, a tool
+call a per-call grant or a session upgrade allowed —
 carries the DSSE envelope of the act itself, checked against the keys that were trusted when it
 was written, so the chain alone proves who authorised what, for as long as the chain exists.
 Those keys are on the trust chain (`improve.audit._trust.<TRUST_ID>`), where a daemon records
@@ -26,11 +27,12 @@ import msgspec
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from improved.core import signing
+from improved.core import signing, tools
 from improved.core.audit import REASON_LIMIT, Draft
 from improved.core.quorum import SIZE as QUORUM_SIZE
 from improved.core.record import ref, refs_of
 from improved.core.signing import PAYLOAD_TYPES, ActRefused, TrustStore
+from improved.core.tools import SessionUpgrade, ToolGrant
 from improved.protocol import canonical
 from improved.protocol.model import CrisisAct, GrantCommand, Review, Signal, Trailer, Vote
 
@@ -82,6 +84,22 @@ def writer_problem(body: dict[str, Any], daemons: frozenset[str]) -> str | None:
 
 
 # -- the trust history --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DaemonWriters:
+    """Trusts who wrote a chain, not what it authorises: every trailer must be signed by one of
+    `daemons` (key ids). For a service that counts what the daemon recorded — the daemon
+    checked any signed act before it appended the trailer — and holds no operator keys."""
+
+    daemons: frozenset[str]
+
+    def start(self) -> object:
+        return None
+
+    def problem(self, body: dict[str, Any], chain_id: str, stream_seq: int,
+                state: object) -> str | None:
+        return writer_problem(body, self.daemons)
 
 
 @dataclass(frozen=True)
@@ -228,11 +246,15 @@ def act_kind(t: Trailer) -> str | None:
         return "crisis"
     if v == "signal" and t.envelope is not None:  # a signed signal: its emitter is proven
         return "signal"
+    if v == "tool_call" and t.envelope is not None:  # a call a grant or an upgrade allowed
+        return _TOOL_ACTS.get(t.envelope.payloadType, "tool_grant")
     return None
 
 
 _PAYLOADS: Final[dict[str, type]] = {"review": Review, "grant": GrantCommand, "vote": Vote,
-                                     "crisis": CrisisAct, "signal": Signal}
+                                     "crisis": CrisisAct, "signal": Signal,
+                                     "tool_grant": ToolGrant, "tool_upgrade": SessionUpgrade}
+_TOOL_ACTS: Final = {PAYLOAD_TYPES[k]: k for k in ("tool_grant", "tool_upgrade")}
 _STORES: Final = {"vote": lambda k: k.voters, "signal": lambda k: k.emitters()}
 
 
@@ -291,6 +313,18 @@ def _mismatch(kind: str, body: Any, t: Trailer, refs: dict[str, str], chain_id: 
     elif kind == "crisis":
         claims = [("crisis", body.crisis, refs.get("resolved")),
                   ("principal", body.principal, t.actor)]
+    elif kind in ("tool_grant", "tool_upgrade"):
+        claims = [("principal", body.principal, t.actor)]
+        runtime = refs.get("runtime", "")
+        claims.append(("runtime's chain", tools.chain_id(runtime), chain_id))
+        if kind == "tool_grant":
+            claims += [("tool", body.tool, refs.get("tool")), ("args", body.args_digest,
+                                                               refs.get("args"))]
+            if body.runtime is not None:
+                claims.append(("runtime", body.runtime, runtime))
+        else:
+            claims += [("runtime", body.runtime, runtime),
+                       ("session", body.session, refs.get("session"))]
     else:  # a signed signal: the signer is the emitter the trailer names
         return (None if (body.actor, principal) == (t.actor, refs.get("emitter"))
                 else f"the signed signal is {body.actor!r} by {principal!r}, the trailer says "

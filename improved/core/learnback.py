@@ -23,7 +23,14 @@ from improved.core.record import (
     ProposalRecord,
     ref,
 )
-from improved.protocol.model import Envelope, LearnBack, MeasureRequest, ObserverType, Signal
+from improved.protocol.model import (
+    Envelope,
+    LearnBack,
+    MeasureDue,
+    MeasureRequest,
+    ObserverType,
+    Signal,
+)
 
 Measured = Literal["held", "regressed", "unmeasured"]  # what learn-back found at review_after
 MAX_CAUSE: Final = 300  # characters of why a measurement failed, on the trailer
@@ -103,6 +110,39 @@ def awaiting(record: ProposalRecord) -> int | None:
             or record.status != "applied" or record.measured is not None):
         return None
     return snap.review_after
+
+
+def due_entry(record: ProposalRecord | None) -> MeasureDue | None:
+    """The measurement index entry `record` should have: None when no measurement is to
+    make (docs/protocol.md "The measurement index")."""
+    at = awaiting(record) if record is not None else None
+    if record is None or at is None:
+        return None
+    return MeasureDue(proposal_id=record.proposal_id, service=record.service, review_after=at)
+
+
+@dataclass(frozen=True)
+class DueWrite:
+    """One write to the measurement index: the entry, or None for a tombstone."""
+
+    entry: MeasureDue | None
+
+
+def due_change(before: ProposalRecord | None, after: ProposalRecord,
+               republish: bool) -> DueWrite | None:
+    """What to write to the measurement index after a pass took `before` to `after`: the
+    entry when a measurement fell due (the apply), a tombstone when it stopped being due (its
+    verdict, a rollback), nothing otherwise; on a republish the entry again, or the tombstone
+    for a proposal that was due once (in case the earlier write was lost). A proposal without
+    `review_after` never costs a write."""
+    new = due_entry(after)
+    if new != due_entry(before):
+        return DueWrite(new)
+    snap = after.proposal.metric_snapshot
+    was_due = snap is not None and snap.review_after is not None and after.applied_at is not None
+    if republish and (new is not None or was_due):
+        return DueWrite(new)
+    return None
 
 
 def due(record: ProposalRecord, now: int) -> MeasureRequest | None:

@@ -15,9 +15,11 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
+from improved.core import schemas
 from improved.core.audit import REASON_LIMIT, Draft
 from improved.core.guards import EscapingPath, UncanonicalPath, canonical_path
 from improved.core.record import APPLY_FAILED, INHERIT, LKG_VERIFIED, ProposalRecord, ref
+from improved.protocol import wire
 from improved.protocol.model import (
     AnalyzerRef,
     ApplyOutcome,
@@ -106,9 +108,12 @@ def problem(proposal: Proposal) -> str | None:
         return charter_problem(proposal)
     if needs_lkg(proposal):
         try:
-            entries(proposal)
+            found = entries(proposal)
         except ValueError as exc:
             return str(exc)
+        if schemas.is_schema(proposal.target_ref):
+            bad = schemas.revert_problem([e.artefact for e in found], proposal.revert)
+            return None if bad is None else f"{wire.SCHEMA_REVERT}: {bad}"
     return None
 
 
@@ -192,6 +197,11 @@ def report_problem(record: ProposalRecord, report: LkgReport) -> str | None:
             return f"the service said nothing about {name}"
         if a.rc != 0 or not a.lkg_digest:
             return f"{name}: no healthy last-known-good (rc {a.rc})"
+    p = record.proposal
+    if schemas.is_schema(p.target_ref) and schemas.revert_problem(sorted(wanted), p.revert) is None:
+        # the proposer's base is a claim: the reversal must go back to what the owner holds
+        stale = schemas.base_problem(p.revert or {}, {n: a.lkg_digest for n, a in got.items()})
+        return None if stale is None else f"{wire.SCHEMA_BASE}: {stale}"
     return None
 
 

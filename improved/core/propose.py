@@ -64,11 +64,24 @@ def validate(data: bytes, subject_service: str | None, limit: int) -> Proposal:
         if not isinstance(name, str) or not SKILL_NAME_RE.match(name):
             raise wire.WireError(wire.INVALID_VALUE, "a skill's name must match "
                                  "[a-z][a-z0-9_-]{0,62}", "proposal_data.skill.name")
+        deps = canonical.dependencies_problem(skill)
+        if deps is not None:
+            raise wire.WireError(wire.INVALID_VALUE, deps[1], f"proposal_data.skill.{deps[0]}")
     elif proposal.change_class == "L3" and proposal.target_ref.startswith("skill:"):
         raise wire.WireError(wire.INVALID_VALUE, "an L3 proposal must carry the skill "
                              "definition it re-executes in proposal_data.skill",
                              "proposal_data.skill")
     return proposal
+
+
+def surface_problem(service: str, spec: object) -> str | None:
+    """Why proposals for `service` are refused, given what its `spec.get` answered (None: no
+    answer), or None. Only an advertised omission refuses (SPEC 09 conformance L0: a service
+    that does not participate says so); silence may be a service that is down."""
+    if isinstance(spec, dict) and spec.get("improve") is False:
+        return (f"service {service!r} advertises no improvement surface (its spec.get says "
+                '"improve": false): it takes no proposals')
+    return None
 
 
 def grain_fields_checked(proposal: Proposal) -> Proposal:

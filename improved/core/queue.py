@@ -15,7 +15,9 @@ from improved.core.authority import is_waiting
 from improved.core.record import ProposalRecord, expired_at, status_at
 from improved.protocol.model import ReviewEntry
 
-INDEX_VERSION = 2  # the format of the index (2: entries carry valid_to); another means refill
+# the format of the indexes (2: review entries carry valid_to; 3: the measurement index is
+# kept too); a marker naming another means a refill from the chains
+INDEX_VERSION = 3
 
 
 def surfaced(record: ProposalRecord, now: int | None = None) -> bool:

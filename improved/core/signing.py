@@ -24,6 +24,8 @@ PAYLOAD_TYPES = {
     "vote": "application/vnd.improved.vote+json",
     "crisis": "application/vnd.improved.crisis+json",
     "tool_grant": "application/vnd.improved.tool-grant+json",  # one call of a gated tool
+    "tool_upgrade": "application/vnd.improved.tool-upgrade+json",  # one session's tools
+    "tool_revoke": "application/vnd.improved.tool-revoke+json",  # an upgrade's early end
     "signal": "application/vnd.improved.signal+json",  # learn-back evidence from a verified emitter
 }
 

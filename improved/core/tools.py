@@ -10,31 +10,53 @@ for it instead of concluding it does not exist. Hence two registers:
 
 Classes per call are L0, L2 and L4 (L1/L3 are skill-lifecycle states). An interactive runtime
 (operator in the loop) ceilings at L4, an autonomous one at L2 and no higher: nobody is there
-to stand behind an L4 call, so each one needs its own signed `ToolGrant`. The grant binds the
-tool, its token (so a reclassified or re-versioned tool needs a new grant), the digest of the
-exact arguments, and a time window; it runs once. In an autonomous runtime an L2 provider's
-first call also needs a grant (operator acceptance); after one accepted call, it runs freely.
+to stand behind an L4 call, so each one needs its own signed `ToolGrant` or a signed
+`SessionUpgrade`. The grant binds the tool, its token (so a reclassified or re-versioned tool
+needs a new grant), the digest of the exact arguments, and a time window; it runs once. The
+upgrade lets one session of one runtime call the tools (or classes) it names, without a grant
+per call, until it lapses or an operator's signed `UpgradeRevocation` revokes it. In an
+autonomous runtime an L2 provider's first call also needs a grant naming the runtime
+(operator acceptance); after one accepted call, it runs freely.
+
+Orthogonal to the class, every call's arguments are checked against the capability scopes
+(`improved.core.scopes`): the tool's own, the runtime policy's, the upgrade's.
+
+What must outlive one process — spent grants, acceptances, revocations — is kept in a
+`Ledger`: `ProcessLedger` here (one process), a JetStream bucket shared by every replica of a
+runtime in `improved_reference.tool_runtime`. A ledger is never believed on its own: an
+acceptance read from it counts only when the signed grant it holds verifies for this runtime
+and tool, and anything ever written under a spent or revoked key counts as spent or revoked.
+Each call's decision is drafted as a trailer of the runtime's `_tools` chain (`call_draft`).
 
 Pure: no NATS, no clock of its own (`now_ms` is passed in), no logging. A refusal changes
-nothing: the tool is not called and the grant is not spent. Replay memory and acceptances live
-in this process: replicas of one runtime, or a restart, do not share them (a grant's short TTL
-bounds what that allows).
+nothing: the tool is not called and the grant is not spent.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import inspect
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from msgspec import Meta
 
-from improved.core.signing import PAYLOAD_TYPES, ActRefused, TrustStore, sign
+from improved.core.audit import Draft
+from improved.core.record import ref
+from improved.core.scopes import (
+    CapabilityScope,
+    ScopeKind,
+    check_scope,
+    check_scoped_args,
+    scope_problem,
+    to_wire,
+)
+from improved.core.signing import PAYLOAD_TYPES, ActRefused, TrustStore, Verified, sign
 from improved.protocol import subjects as S
 from improved.protocol.model import Actor, Envelope, Millis, ServiceName, ShortText, _In, to_json
 
@@ -46,11 +68,14 @@ DEFAULT_CEILINGS: dict[str, str] = {"interactive": "L4", "autonomous": "L2"}
 MAX_CEILING: dict[str, str] = {"interactive": "L4", "autonomous": "L2"}
 NAME_RE = re.compile(r"^[a-z][a-z0-9_.-]{0,127}\Z")
 CLOCK_SKEW_MS = 5 * 60 * 1000  # how far a grant's `at` may lie ahead; its default lifetime too
+MAX_UPGRADE_MS = 24 * 3600 * 1000  # the longest window a session upgrade may span
 ERROR_LIMIT = 500  # characters of a failed tool's error text
 
 ToolName = Annotated[str, Meta(pattern=NAME_RE.pattern)]
 GrantToken = Annotated[str, Meta(pattern=r"^gt:[0-9a-f]{64}\Z")]
 Sha256Hex = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}\Z")]
+SessionId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}\Z")]
+Nonce = Annotated[str, Meta(min_length=8, max_length=128)]
 
 
 def _rank(authority: str) -> int:
@@ -67,13 +92,16 @@ def _check_authority(authority: object, what: str) -> None:
 
 @dataclass(frozen=True)
 class Provider:
-    """One tool: its name, its change class, and the callable that runs it."""
+    """One tool: its name, its change class, the callable that runs it, and what it may touch:
+    `scope`, and which arguments address a path, a set or an origin (`scoped_args`)."""
 
     name: str
     authority: str
     description: str
     run: Callable[[dict[str, Any]], Any]  # sync, or returning an awaitable
     version: str | None = None
+    scope: CapabilityScope | None = None
+    scoped_args: Mapping[str, ScopeKind] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not NAME_RE.match(self.name):
@@ -85,6 +113,9 @@ class Provider:
             raise ValueError(f"tool {self.name}: run is not callable")
         if self.version is not None and not isinstance(self.version, str):
             raise ValueError(f"tool {self.name}: version must be a string")
+        if self.scope is not None and not isinstance(self.scope, CapabilityScope):
+            raise ValueError(f"tool {self.name}: scope must be a CapabilityScope")
+        check_scoped_args(self.scoped_args, self.scope, f"tool {self.name}")
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -104,6 +135,17 @@ def args_digest(args: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(args)).hexdigest()
 
 
+def act_id(verified: Verified) -> str:
+    """The identity of a signed act however its envelope is dressed (an extra signature, say):
+    SHA-256 of its payload, which carries a nonce. What a ledger spends and revokes."""
+    return hashlib.sha256(verified.payload).hexdigest()
+
+
+def chain_id(runtime: str) -> str:
+    """The id of a runtime's `_tools` audit chain."""
+    return hashlib.sha256(f"improved tools {runtime}".encode()).hexdigest()
+
+
 class ToolGrant(_In):
     """An operator's signed permission for one call of one tool with exactly these arguments."""
 
@@ -113,9 +155,36 @@ class ToolGrant(_In):
     principal: Actor
     reason: ShortText
     at: Millis
-    nonce: Annotated[str, Meta(min_length=8, max_length=128)]
+    nonce: Nonce
     expires_at: Millis | None = None
     runtime: ServiceName | None = None  # when set, only that runtime may use the grant
+
+
+class SessionUpgrade(_In):
+    """An operator's signed policy upgrade: session `session` of runtime `runtime` may call the
+    tools named in `tools`, or of a class in `classes`, without a per-call grant, within
+    `scope` when given, from `at` until `expires_at` (at most MAX_UPGRADE_MS) or revocation."""
+
+    runtime: ServiceName
+    session: SessionId
+    principal: Actor
+    reason: ShortText
+    at: Millis
+    expires_at: Millis
+    nonce: Nonce
+    tools: list[ToolName] | None = None
+    classes: list[Literal["L2", "L4"]] | None = None
+    scope: CapabilityScope | None = None
+
+
+class UpgradeRevocation(_In):
+    """An operator's signed end of a session upgrade (`upgrade`: its act id) before it lapses."""
+
+    runtime: ServiceName
+    upgrade: Sha256Hex
+    principal: Actor
+    reason: ShortText
+    at: Millis
 
 
 def sign_grant(key: Ed25519PrivateKey, principal: str, provider_or_token: Provider | str,
@@ -133,6 +202,31 @@ def sign_grant(key: Ed25519PrivateKey, principal: str, provider_or_token: Provid
     return sign(PAYLOAD_TYPES["tool_grant"], to_json(grant), key)
 
 
+def sign_upgrade(key: Ed25519PrivateKey, principal: str, runtime: str, session: str,
+                 reason: str, now_ms: int, ttl_ms: int, *, nonce: str,
+                 tools: list[str] | None = None, classes: list[str] | None = None,
+                 scope: CapabilityScope | None = None) -> Envelope:
+    """A DSSE envelope upgrading one session of one runtime for `ttl_ms` from `now_ms`."""
+    act = msgspec.convert({"runtime": runtime, "session": session, "principal": principal,
+                           "reason": reason, "at": now_ms, "expires_at": now_ms + ttl_ms,
+                           "nonce": nonce, "tools": tools, "classes": classes,
+                           "scope": to_wire(scope)}, SessionUpgrade)
+    return sign(PAYLOAD_TYPES["tool_upgrade"], to_json(act), key)
+
+
+def sign_revocation(key: Ed25519PrivateKey, principal: str, runtime: str, upgrade: str,
+                    reason: str, now_ms: int) -> Envelope:
+    """A DSSE envelope revoking the upgrade whose act id is `upgrade` (`upgrade_id`)."""
+    act = msgspec.convert({"runtime": runtime, "upgrade": upgrade, "principal": principal,
+                           "reason": reason, "at": now_ms}, UpgradeRevocation)
+    return sign(PAYLOAD_TYPES["tool_revoke"], to_json(act), key)
+
+
+def upgrade_id(env: Envelope) -> str:
+    """The act id of an upgrade envelope, as a revocation names it (no signature checked)."""
+    return hashlib.sha256(base64.b64decode(env.payload)).hexdigest()
+
+
 def refused(reason: str, required: str, detail: str | None = None) -> dict[str, Any]:
     body = {"reason": reason, "required": required}
     if detail:
@@ -144,11 +238,121 @@ def not_found(name: str) -> dict[str, Any]:
     return {"error": {"code": "not_found", "message": f"no tool named {name!r}", "field": "tool"}}
 
 
+# -- what outlives a process: the ledger ----------------------------------------------------------
+
+
+class Ledger(Protocol):
+    """Spent grants, L2 acceptances and upgrade revocations, shared by whoever shares the ledger.
+
+    `spend` is create-only: True for the one caller that spends `act`, False for every later
+    one, whatever was written under the key in between. `acceptance` answers the signed grant
+    recorded for (runtime, token), which the runtime verifies again before believing it."""
+
+    async def spend(self, act: str, lapse: int, now: int) -> bool: ...
+
+    async def acceptance(self, runtime: str, token: str) -> Envelope | None: ...
+
+    async def accept(self, runtime: str, token: str, grant: Envelope) -> None: ...
+
+    async def revoked(self, upgrade: str) -> bool: ...
+
+    async def revoke(self, upgrade: str, revocation: Envelope) -> None: ...
+
+
+class ProcessLedger:
+    """A ledger in this process's memory: for one process, and for tests."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, int] = {}  # act id → when it may be forgotten (ms)
+        self.accepted: dict[tuple[str, str], Envelope] = {}
+        self.revocations: dict[str, Envelope] = {}
+
+    async def spend(self, act: str, lapse: int, now: int) -> bool:
+        self.spent = {a: until for a, until in self.spent.items() if until > now}
+        if act in self.spent:
+            return False
+        self.spent[act] = lapse
+        return True
+
+    async def acceptance(self, runtime: str, token: str) -> Envelope | None:
+        return self.accepted.get((runtime, token))
+
+    async def accept(self, runtime: str, token: str, grant: Envelope) -> None:
+        self.accepted[(runtime, token)] = grant
+
+    async def revoked(self, upgrade: str) -> bool:
+        return upgrade in self.revocations
+
+    async def revoke(self, upgrade: str, revocation: Envelope) -> None:
+        self.revocations.setdefault(upgrade, revocation)
+
+
+# -- one call's decision --------------------------------------------------------------------------
+
+Via = Literal["mounted", "accepted", "grant", "acceptance", "upgrade"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the gate decided about one call, before the tool runs: `reply` is the refusal (or
+    the not_found error) when nothing may run; `via` says what allowed it otherwise, `act` the
+    signed act that did (a grant or an upgrade) and `principal` its signer."""
+
+    tool: str
+    args: dict[str, Any]
+    provider: Provider | None = None
+    reply: dict[str, Any] | None = None
+    via: Via | None = None
+    act: Verified | None = None
+    principal: str | None = None
+    session: str | None = None
+
+    @property
+    def allowed(self) -> bool:
+        return self.reply is None
+
+
+def call_draft(runtime: str, decision: Decision) -> Draft | None:
+    """The trailer of the runtime's `_tools` chain that records one decision (None for a tool
+    not in the catalog): the tool, the digest of its arguments (never the arguments), its
+    class, what allowed it (and the signed act that did) or why it was refused. `tool_call`
+    for a call that runs, `refused` for one that does not; stage `apply` → `apply`."""
+    p = decision.provider
+    if p is None:
+        return None
+    try:
+        digest = args_digest(decision.args)
+    except (TypeError, msgspec.EncodeError):
+        digest = "unencodable"
+    refs = [ref("runtime", runtime), ref("tool", p.name), ref("class", p.authority),
+            ref("token", grant_token(p)), ref("args", digest)]
+    if decision.session is not None:
+        refs.append(ref("session", decision.session))
+    if decision.allowed:
+        refs.append(ref("via", decision.via or "mounted"))
+        if decision.act is not None:
+            refs += [ref("act", decision.act.digest), ref("act_id", act_id(decision.act))]
+        who = decision.principal or runtime
+        return Draft(from_stage="apply", to_stage="apply", actor=who,
+                     observer_type="human" if decision.act is not None else "rec:agent",
+                     verdict="tool_call", refs=tuple(refs),
+                     reason=f"{p.name} ({p.authority}) called on {runtime}, {decision.via}",
+                     envelope=decision.act.envelope if decision.act is not None else None)
+    assert decision.reply is not None
+    body = decision.reply.get("refused", {})
+    refs.append(ref("refused", str(body.get("reason"))))
+    return Draft(from_stage="apply", to_stage="apply", actor=runtime, observer_type="rec:agent",
+                 verdict="refused", refs=tuple(refs),
+                 reason=f"{p.name} ({p.authority}) refused on {runtime}: "
+                        f"{body.get('reason')}: {body.get('detail', '')}")
+
+
 class Runtime:
     """An agent runtime's catalog and mount set, and the gate every call goes through."""
 
     def __init__(self, name: str, ceiling: str | None = None, trust: TrustStore | None = None,
-                 mode: Mode = "autonomous"):
+                 mode: Mode = "autonomous", *, ledger: Ledger | None = None,
+                 scopes: Mapping[str, CapabilityScope] | None = None):
         if not isinstance(name, str) or not S.SERVICE_RE.match(name):
             raise ValueError(f"runtime name {name!r} must match {S.SERVICE_RE.pattern}")
         if mode not in DEFAULT_CEILINGS:
@@ -158,11 +362,16 @@ class Runtime:
         if _rank(ceiling) > _rank(MAX_CEILING[mode]):
             raise ValueError(f"an {mode} runtime's ceiling is at most {MAX_CEILING[mode]}: "
                              "with no operator in the loop, L4 calls run under per-call grants")
+        for tool_name, scope in (scopes or {}).items():
+            if not isinstance(scope, CapabilityScope):
+                raise ValueError(f"policy scope of {tool_name}: not a CapabilityScope")
+            check_scope(scope, f"policy scope of {tool_name}")
         self.name, self.ceiling, self.mode = name, ceiling, mode
         self.trust = trust or TrustStore()
+        self.ledger: Ledger = ledger if ledger is not None else ProcessLedger()
+        self.scopes = dict(scopes or {})  # the runtime policy's narrowing, by tool name
         self._providers: dict[str, Provider] = {}
-        self._accepted: set[str] = set()  # grant tokens of L2 providers accepted by an operator
-        self._used: dict[str, int] = {}  # digest of a spent grant → when it lapses (ms)
+        self._accepted: set[str] = set()  # tokens of L2 providers whose acceptance verified
 
     def register(self, provider: Provider) -> str:
         """Add a provider to the catalog; its grant token. A name registers once."""
@@ -178,9 +387,16 @@ class Runtime:
         return _rank(provider.authority) <= _rank(self.ceiling)
 
     def needs_acceptance(self, provider: Provider) -> bool:
-        """A mounted L2 provider of an autonomous runtime whose first call was not accepted."""
+        """A mounted L2 provider of an autonomous runtime whose first call was not accepted
+        (as far as this process knows: `refresh` reads the ledger)."""
         return (self.mode == "autonomous" and provider.authority == "L2"
                 and self.mounted(provider) and grant_token(provider) not in self._accepted)
+
+    async def refresh(self) -> None:
+        """Learn the acceptances other replicas (or an earlier run) recorded in the ledger."""
+        for p in self._providers.values():
+            if self.needs_acceptance(p):
+                await self._recorded_acceptance(p)
 
     def catalog(self) -> list[dict[str, Any]]:
         """Every provider, mounted or not, by name."""
@@ -194,69 +410,167 @@ class Runtime:
                 entry["gated_authority"] = p.authority
             elif self.needs_acceptance(p):
                 entry["needs_acceptance"] = True
+            if p.scoped_args:
+                entry["scope"] = to_wire(p.scope)
+                entry["scoped_args"] = dict(p.scoped_args)
+                if name in self.scopes:
+                    entry["policy_scope"] = to_wire(self.scopes[name])
             out.append(entry)
         return out
 
     async def invoke(self, name: str, args: dict[str, Any] | None,
-                     grant: Envelope | None, now_ms: int) -> dict[str, Any]:
+                     grant: Envelope | None, now_ms: int, *, session: str | None = None,
+                     upgrade: Envelope | None = None) -> dict[str, Any]:
         """`{"ok": true, "result"}`, `{"ok": false, "error"}` (the tool raised), `{"refused"}`
         (nothing ran), or the not_found error reply for a name not in the catalog.
 
-        A grant is looked at only when the call needs one; otherwise it is ignored, unspent."""
+        A grant or an upgrade is looked at only when the call needs one; otherwise it is
+        ignored, unspent. `decide` and `run` are the two halves, for a caller that records
+        the decision in between."""
+        decision = await self.decide(name, args, grant, now_ms, session=session,
+                                     upgrade=upgrade)
+        return await self.run(decision)
+
+    async def decide(self, name: str, args: dict[str, Any] | None, grant: Envelope | None,
+                     now_ms: int, *, session: str | None = None,
+                     upgrade: Envelope | None = None) -> Decision:
+        """Whether this call may run, spending the grant (or recording the acceptance) that
+        lets it; for a refused call nothing is spent and no acceptance recorded."""
         provider = self._providers.get(name)
-        if provider is None:
-            return not_found(name)
         args = {} if args is None else args
         if not isinstance(args, dict):
             raise TypeError(f"args must be a dict, not {type(args).__name__}")
-        now = now_ms
-        gated, unaccepted = not self.mounted(provider), self.needs_acceptance(provider)
-        reply: dict[str, Any] = {}
-        if gated or unaccepted:
-            if grant is None:
-                if gated:
-                    return refused("authority_gated", provider.authority, "the tool is above "
-                                   f"this runtime's ceiling {self.ceiling}; present a grant "
-                                   f"signed for {grant_token(provider)}")
-                return refused("acceptance_required", provider.authority, "the first call of "
-                               "this tool needs an operator's signed grant")
+        if provider is None:
+            return Decision(name, args, reply=not_found(name), session=session)
+        base = Decision(name, args, provider, session=session)
+        layers = [("tool", provider.scope), ("runtime policy", self.scopes.get(name))]
+        problem = scope_problem(provider.scoped_args, args, layers)
+        if problem is not None:
+            return _refuse(base, problem.code, problem.reason)
+        gated = not self.mounted(provider)
+        unaccepted = self.needs_acceptance(provider) and not await self._recorded_acceptance(
+            provider)
+        if not (gated or unaccepted):
+            via: Via = "accepted" if provider.authority == "L2" and self.mode == "autonomous" \
+                else "mounted"
+            return Decision(name, args, provider, via=via, session=session)
+        if upgrade is not None:
             try:
-                act = self._check_grant(provider, args, grant, now)
+                act, verified = await self._check_upgrade(provider, upgrade, session, now_ms)
             except ActRefused as exc:
-                return refused(exc.code, provider.authority, exc.reason)
-            if unaccepted:
-                self._accepted.add(grant_token(provider))
-            reply["granted_by"] = act.principal
+                if grant is None:
+                    return _refuse(base, exc.code, exc.reason)
+            else:
+                layers.append(("session upgrade", act.scope))
+                problem = scope_problem(provider.scoped_args, args, layers)
+                if problem is not None:
+                    return _refuse(base, problem.code, problem.reason)
+                return Decision(name, args, provider, via="upgrade", act=verified,
+                                principal=act.principal, session=session)
+        if grant is None:
+            if gated:
+                return _refuse(base, "authority_gated", "the tool is above this runtime's "
+                               f"ceiling {self.ceiling}; present a grant signed for "
+                               f"{grant_token(provider)} or a session upgrade")
+            return _refuse(base, "acceptance_required", "the first call of this tool needs an "
+                           "operator's signed grant naming this runtime")
         try:
-            result = provider.run(args)
+            granted, verified = await self._check_grant(provider, args, grant, now_ms,
+                                                        for_acceptance=unaccepted)
+        except ActRefused as exc:
+            return _refuse(base, exc.code, exc.reason)
+        if unaccepted:  # mounted, so not gated: the operator accepts the tool on this runtime
+            await self.ledger.accept(self.name, grant_token(provider), grant)
+            self._accepted.add(grant_token(provider))
+        return Decision(name, args, provider, via="acceptance" if unaccepted else "grant",
+                        act=verified, principal=granted.principal, session=session)
+
+    async def run(self, decision: Decision) -> dict[str, Any]:
+        """Run an allowed call (`decide`); the refusal as it is for one that is not."""
+        if decision.reply is not None or decision.provider is None:
+            return decision.reply or not_found(decision.tool)
+        reply: dict[str, Any] = {}
+        if decision.principal is not None:
+            reply["granted_by"] = decision.principal
+        if decision.via == "upgrade":
+            reply["upgrade"] = act_id(decision.act) if decision.act else None
+        try:
+            result = decision.provider.run(decision.args)
             if inspect.isawaitable(result):
                 result = await result
         except Exception as exc:
             return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:ERROR_LIMIT], **reply}
         return {"ok": True, "result": result, **reply}
 
-    def _check_grant(self, provider: Provider, args: dict[str, Any], env: Envelope,
-                     now: int) -> ToolGrant:
+    async def revoke(self, env: Envelope) -> dict[str, Any]:
+        """Record an operator's signed revocation of one of this runtime's upgrades:
+        `{"ok": true, "revoked": <act id>}`, or `{"refused"}` when it does not verify."""
+        try:
+            verified = self.trust.verify(env, PAYLOAD_TYPES["tool_revoke"])
+            act = _decode(verified, UpgradeRevocation, "an UpgradeRevocation")
+            if act.runtime != self.name:
+                raise ActRefused("wrong_runtime", f"the revocation is for runtime "
+                                 f"{act.runtime!r}, not {self.name!r}")
+        except ActRefused as exc:
+            return {"refused": {"reason": exc.code, "detail": exc.reason}}
+        await self.ledger.revoke(act.upgrade, env)
+        return {"ok": True, "revoked": act.upgrade, "revoked_by": act.principal}
+
+    # -- the signed acts --------------------------------------------------------------------------
+
+    async def _recorded_acceptance(self, provider: Provider) -> bool:
+        """Whether the ledger holds an acceptance of this tool that verifies: a grant signed
+        by a trusted operator for this very tool, token and runtime. A ledger entry is
+        anyone's to write; only the signature inside it counts."""
+        token = grant_token(provider)
+        env = await self.ledger.acceptance(self.name, token)
+        if env is None:
+            return False
+        try:
+            verified = self.trust.verify(env, PAYLOAD_TYPES["tool_grant"])
+            act = _decode(verified, ToolGrant, "a ToolGrant")
+        except ActRefused:
+            return False
+        if (act.tool, act.grant_token, act.runtime) != (provider.name, token, self.name):
+            return False
+        self._accepted.add(token)
+        return True
+
+    async def _check_upgrade(self, provider: Provider, env: Envelope, session: str | None,
+                             now: int) -> tuple[SessionUpgrade, Verified]:
+        """Verify an upgrade for this call; ActRefused if it does not cover it."""
+        verified = self.trust.verify(env, PAYLOAD_TYPES["tool_upgrade"])
+        act = _decode(verified, SessionUpgrade, "a SessionUpgrade")
+        _window(act.at, act.expires_at, now, "upgrade")
+        if act.expires_at - act.at > MAX_UPGRADE_MS:
+            raise ActRefused("window_too_long", f"the upgrade spans {act.expires_at - act.at} "
+                             f"ms; a session upgrade spans at most {MAX_UPGRADE_MS} ms")
+        if act.runtime != self.name:
+            raise ActRefused("wrong_runtime", f"the upgrade is for runtime {act.runtime!r}, "
+                             f"not {self.name!r}")
+        if session is None or session != act.session:
+            raise ActRefused("wrong_session", f"the upgrade is for session {act.session!r}, "
+                             f"not {session!r}")
+        if not (provider.name in (act.tools or ()) or provider.authority in (act.classes or ())):
+            raise ActRefused("wrong_tool", f"the upgrade names tools {act.tools or []} and "
+                             f"classes {act.classes or []}, not {provider.name} "
+                             f"({provider.authority})")
+        if act.scope is not None:
+            try:
+                check_scope(act.scope, "the upgrade's scope")
+            except ValueError as exc:
+                raise ActRefused("malformed", str(exc)) from None
+        if await self.ledger.revoked(act_id(verified)):
+            raise ActRefused("revoked", "an operator revoked this upgrade")
+        return act, verified
+
+    async def _check_grant(self, provider: Provider, args: dict[str, Any], env: Envelope,
+                           now: int, *, for_acceptance: bool) -> tuple[ToolGrant, Verified]:
         """Verify a grant for this very call and spend it; ActRefused (nothing spent) if not."""
         verified = self.trust.verify(env, PAYLOAD_TYPES["tool_grant"])
-        try:
-            act = msgspec.json.decode(verified.payload, type=ToolGrant)
-        except msgspec.MsgspecError as exc:
-            raise ActRefused("malformed", f"the signed payload is not a ToolGrant: {exc}") from None
-        if act.principal != verified.principal:
-            raise ActRefused("principal_mismatch", f"signed by the key of {verified.principal}, "
-                             f"but speaks for {act.principal}")
-        # The payload carries a nonce: its digest names the act however the envelope is dressed
-        # (an extra signature, say), the envelope digest names this very message.
-        digests = (verified.digest, hashlib.sha256(verified.payload).hexdigest())
-        self._used = {d: lapse for d, lapse in self._used.items() if lapse > now}
-        if any(d in self._used for d in digests):
-            raise ActRefused("replayed", "this grant was already used; a grant runs one call")
+        act = _decode(verified, ToolGrant, "a ToolGrant")
         lapse = act.expires_at if act.expires_at is not None else act.at + CLOCK_SKEW_MS
-        if act.at > now + CLOCK_SKEW_MS:
-            raise ActRefused("expired", f"signed at {act.at}, in the future (now {now})")
-        if now >= lapse:
-            raise ActRefused("expired", f"the grant lapsed at {lapse} (now {now})")
+        _window(act.at, lapse, now, "grant")
         if act.runtime is not None and act.runtime != self.name:
             raise ActRefused("wrong_runtime", f"the grant is for runtime {act.runtime!r}, "
                              f"not {self.name!r}")
@@ -272,6 +586,34 @@ class Runtime:
             raise ActRefused("wrong_args", f"the arguments are not JSON: {exc}") from None
         if act.args_digest != digest:
             raise ActRefused("wrong_args", "the grant is for other arguments than this call's")
-        for d in digests:  # kept past the lapse by the skew, so a clock step back cannot revive it
-            self._used[d] = lapse + CLOCK_SKEW_MS
-        return act
+        if for_acceptance and act.runtime is None:
+            raise ActRefused("wrong_runtime", "an L2 acceptance holds on every replica and "
+                             "after a restart, so its grant must name the runtime")
+        # kept past the lapse by the skew, so a clock step back cannot revive it
+        if not await self.ledger.spend(act_id(verified), lapse + CLOCK_SKEW_MS, now):
+            raise ActRefused("replayed", "this grant was already used; a grant runs one call")
+        return act, verified
+
+
+def _refuse(base: Decision, code: str, detail: str) -> Decision:
+    assert base.provider is not None
+    return Decision(base.tool, base.args, base.provider, session=base.session,
+                    reply=refused(code, base.provider.authority, detail))
+
+
+def _decode(verified: Verified, kind: type[Any], what: str) -> Any:
+    try:
+        act = msgspec.json.decode(verified.payload, type=kind)
+    except msgspec.MsgspecError as exc:
+        raise ActRefused("malformed", f"the signed payload is not {what}: {exc}") from None
+    if act.principal != verified.principal:
+        raise ActRefused("principal_mismatch", f"signed by the key of {verified.principal}, "
+                         f"but speaks for {act.principal}")
+    return act
+
+
+def _window(at: int, lapse: int, now: int, what: str) -> None:
+    if at > now + CLOCK_SKEW_MS:
+        raise ActRefused("expired", f"signed at {at}, in the future (now {now})")
+    if now >= lapse:
+        raise ActRefused("expired", f"the {what} lapsed at {lapse} (now {now})")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import struct
 import unicodedata
 from collections.abc import Sized
@@ -33,6 +34,7 @@ __all__ = [
     "SKILL",
     "SKILL_DEFINITION_FIELDS",
     "CanonicalError",
+    "GRAIN_ADDRESS_RE",
     "analyzer_family",
     "compact",
     "content_address",
@@ -42,6 +44,7 @@ __all__ = [
     "grain_blob",
     "normalize",
     "sha256_hex",
+    "dependencies_problem",
     "skill_hash",
     "skill_identity",
 ]
@@ -385,3 +388,26 @@ def skill_identity(skill: dict[str, Any]) -> str:
     if not isinstance(name, str):
         raise CanonicalError("ERR_TYPE", "skill name must be a str", "$.name")
     return f"{name}:{skill_hash(skill)}"
+
+
+# A grain's content address as a reference (oms.md §1.2: lowercase hex, 64 characters; uppercase
+# MUST be rejected), bare or in the `mg:sha256:` form the Skill grain's examples use.
+GRAIN_ADDRESS_RE = re.compile(r"^(?:mg:sha256:)?[0-9a-f]{64}\Z")
+
+
+def dependencies_problem(skill: dict[str, Any]) -> tuple[str, str] | None:
+    """(the field, why) when a skill's `dependencies` are not Skill grain addresses, else None.
+
+    OMS Skill grain: "Each dependencies entry MUST be the content address of a Skill grain" —
+    an address, never a name, so acquiring a skill resolves to exactly the grains it names."""
+    deps = skill.get("dependencies")
+    if deps is None:
+        return None
+    if not isinstance(deps, list):
+        return "dependencies", "dependencies must be a list of Skill grain addresses"
+    for i, dep in enumerate(deps):
+        if not isinstance(dep, str) or not GRAIN_ADDRESS_RE.match(dep):
+            shown = repr(dep)[:80]
+            return (f"dependencies[{i}]", f"dependencies[{i}] = {shown} is not a Skill grain's "
+                    "content address (mg:sha256:<64 lowercase hex>)")
+    return None

@@ -30,6 +30,7 @@ TrailerVerdict = Literal[
     "checkpoint",  # the checkpoint chain
     "policy",  # the policy chain: the effective policy a daemon started with
     "trust",  # the trust chain: the operator and voter keys a daemon started with
+    "tool_call",  # a runtime's tools chain: a call allowed (a refused one is `refused`)
 ]
 ObserverType = Literal["human", "rec:agent", "rec:policy", "rec:system"]
 Cause = Literal[
@@ -226,13 +227,24 @@ class ReviewEntry(_Out):
     valid_to: int | None = None  # the proposal's: when it leaves the queue, expired (ms)
 
 
+class MeasureDue(_Out):
+    """A measurement still to make, retained on `improve.due.<svc>.<id>` from the apply of a
+    proposal with `metric_snapshot.review_after` until its learn-back verdict (or its
+    rollback); an empty message with a TTL replaces it then. A wake-up list for every replica
+    and every restart: the pass it leads to decides from the chain."""
+
+    proposal_id: str
+    service: str
+    review_after: int  # ms
+
+
 class IndexMarker(_Out):
     """Retained on `improve.review._filled.records` after a complete refill: the records
     stream and the review index of that incarnation (its creation time) and index format are
     whole."""
 
     records: str  # IMPROVE_RECORDS' creation time, as STREAM.INFO reports it
-    index: int  # the review index's format version
+    index: int  # the format version of the review and measurement indexes
 
 
 # -- apply dispatch -----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ GRANTS = "improve.grants"
 QUORUM = "improve.quorum"
 AUDIT = "improve.audit"
 REVIEW = "improve.review"  # the operator's queue: one retained entry per open item
+DUE = "improve.due"  # learn-back's wake-ups: one retained entry per measurement still to make
 
 INBOUND_FILTERS = (
     f"{PROPOSALS}.*",
@@ -42,8 +43,10 @@ RECORD_FILTERS = (
     f"{GRANTS}.*.*",
     f"{QUORUM}.*",
     f"{REVIEW}.*.*",
+    f"{DUE}.*.*",
 )
 REVIEW_FILTER = f"{REVIEW}.*.*"
+DUE_FILTER = f"{DUE}.*.*"
 # The marker a complete refill of the records (and the review index) leaves, in the records
 # stream itself, so it is lost with what it vouches for; `_filled` is no service (they start
 # [a-z]), and a purge of the review subjects takes it too.
@@ -61,14 +64,16 @@ BUCKET_DEDUP = "improved_dedup"  # dedup_key → the newest proposal under it (s
 BUCKET_LEDGER = "improved_ledger"  # dedup_key → the operator's rejection (the rejection ledger)
 BUCKET_WINDOWS = "improved_windows"  # analyzer, service, target → its window (stage 1, observe)
 BUCKET_LEARNED = "improved_learned"  # analyzer id → its accepted/rejected counts (its weight)
+BUCKET_TOOLS = "improved_tools"  # spent tool grants, L2 acceptances, upgrade revocations
 # Grant acts are chained per skill hash under a token no service can have (services start [a-z]).
 GRANT_CHAINS = "_grants"
 AUTONOMY_CHAIN = "_autonomy"  # the breaker and the autonomy switch (improved/breaker.py)
 CHECKPOINT_CHAIN = "_checkpoints"  # signed checkpoints over the whole log (checkpoint.py)
 POLICY_CHAIN = "_policy"  # the effective policy, recorded when it changes (core/policy.py)
 TRUST_CHAIN = "_trust"  # the operator and voter keys, recorded when they change (core/evidence.py)
+TOOLS_CHAIN = "_tools"  # an agent runtime's tool calls, one chain per runtime (core/tools.py)
 MESH_CHAINS = frozenset({GRANT_CHAINS, AUTONOMY_CHAIN, CHECKPOINT_CHAIN, POLICY_CHAIN,
-                         TRUST_CHAIN})
+                         TRUST_CHAIN, TOOLS_CHAIN})
 
 # Refusals (bad input) are logged here: what was refused and why, never the payload itself.
 REFUSED = "improved.refused"
@@ -76,6 +81,9 @@ REFUSED_FILTER = f"{REFUSED}.>"
 
 # -- request/reply (core NATS) -----------------------------------------------------------------
 SPEC_GET = "improved.spec.get"
+# Every service that advertises (`serve_spec`) also answers this broadcast, without a queue
+# group, with the same capabilities: how `improved conformance --mesh` finds the mesh.
+SPEC_DISCOVER = "improved.spec.discover"
 QUEUE_GROUP = "improved"
 
 
@@ -119,6 +127,12 @@ def learn_back(svc: str, pid: str) -> str:
     return f"{OUTCOMES}.{svc}.{pid}"
 
 
+def due_entry(svc: str, pid: str) -> str:
+    """Retained while applied proposal `pid` awaits its measurement at review_after (an
+    output: it says when to look, never what to decide)."""
+    return f"{DUE}.{svc}.{pid}"
+
+
 def review_entry(svc: str, pid: str) -> str:
     """Retained while proposal `pid` is in the operator's queue (an output: it says where to
     look, never what to decide)."""
@@ -151,6 +165,10 @@ def policy_audit(chain_id: str) -> str:
 
 def trust_audit(chain_id: str) -> str:
     return f"{AUDIT}.{TRUST_CHAIN}.{chain_id}"
+
+
+def tools_audit(chain_id: str) -> str:
+    return f"{AUDIT}.{TOOLS_CHAIN}.{chain_id}"
 
 
 def dedup_key_of(svc: str, dedup: str) -> str:
@@ -198,6 +216,22 @@ def skills_get(svc: str) -> str:
     return f"{svc}.skills.get"
 
 
+def skills_practice(svc: str) -> str:
+    """A skills store counts a proposal's independent outcomes (extension):
+    `{"proposal_id"}` → what its verified chain says was practised."""
+    return f"{svc}.skills.practice"
+
+
+def skills_competence(svc: str) -> str:
+    """A skills store's competence read (extension): `{"skill", "holder"}` → the chain."""
+    return f"{svc}.skills.competence"
+
+
+def skills_transfer(svc: str) -> str:
+    """A skills store's transfer (extension): `{"skill", "from", "to"}` → the new grain."""
+    return f"{svc}.skills.transfer"
+
+
 def tools_list(runtime: str) -> str:
     """An agent runtime's tool catalog (SPEC 09 §3.1)."""
     return f"{runtime}.tools.list"
@@ -206,6 +240,11 @@ def tools_list(runtime: str) -> str:
 def tools_call(runtime: str) -> str:
     """Invoke one catalogued tool of an agent runtime."""
     return f"{runtime}.tools.call"
+
+
+def tools_revoke(runtime: str) -> str:
+    """An operator's signed revocation of a session upgrade of an agent runtime."""
+    return f"{runtime}.tools.revoke"
 
 
 def quorum_record(pid: str) -> str:

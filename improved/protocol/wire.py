@@ -27,8 +27,17 @@ TOO_DEEP = "too_deep"
 BODY_COUNT = "body_count"
 SUBJECT_MISMATCH = "subject_mismatch"
 NOT_FOUND = "not_found"
+NO_SURFACE = "no_surface"  # the service advertises `"improve": false`: it takes no proposals
 CHAIN_BROKEN = "chain_broken"  # the proposal's chain does not verify: a crisis is open
 INTERNAL = "internal"
+
+# Refusals of a `schema:` change (SPEC 09 §7.4), each the start of an ApplyResult's or an
+# ApplyOutcome's `error` (`<code>: <pointer>: <what changed>`), and of triage's rationale.
+SCHEMA_REVERT = "schema_revert"  # no backward-compatible revert travels with the change
+SCHEMA_BASE = "schema_base"  # the revert does not restore the schema the owner holds now
+SCHEMA_INVALID = "schema_invalid"  # the proposed (or current) content is not a JSON Schema
+SCHEMA_BACKWARD = "schema_backward"  # the change only takes away: refused, whoever approved
+SCHEMA_BREAKING = "schema_breaking"  # breaking, and not approved by an operator's own act
 
 DERIVED_FIELDS = frozenset({"status", "rec_status"})
 

@@ -49,6 +49,7 @@ What the kit cannot observe (SPEC 09 "Conformance" asks more than a probe can se
 
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
 import time
@@ -57,6 +58,7 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from improved.core import gradient, propose
@@ -435,3 +437,96 @@ async def probe(nc: Client, service: str, timeout: float = 2.0) -> Report:
             if not await level(nc, service, spec, timeout, checks):
                 break
     return Report(service=service, level=level_of(checks), checks=checks, spec=spec)
+
+
+# -- the mesh ----------------------------------------------------------------------------------
+
+
+@dataclass
+class MeshReport:
+    """Every service found or named, its report, and the level the mesh meets."""
+
+    reports: list[Report]
+
+    @property
+    def participants(self) -> list[Report]:
+        """The services in the loop: all but those that advertised their omission (an L0
+        service does not participate) — a named service that did not answer counts, unrated."""
+        return [r for r in self.reports
+                if not (r.level == "L0" and (r.spec or {}).get("improve") is False)]
+
+    @property
+    def level(self) -> str | None:
+        """SPEC 09: "the mesh as a whole is conformant at the lowest conformance level of any
+        participating service"; None when a participant meets no level, or there is none."""
+        levels = [r.level for r in self.participants]
+        if not levels or any(level is None for level in levels):
+            return None
+        return min(levels, key=lambda level: LEVELS.index(level or "L0"))
+
+
+def mesh_level_line(mesh: MeshReport) -> str:
+    if not mesh.participants:
+        return "the mesh: no service takes part in the improve loop"
+    level = mesh.level
+    lowest = [r.service for r in mesh.participants if r.level == level]
+    if level is None:
+        return (f"the mesh meets no level: {', '.join(lowest)} "
+                f"{'meets' if len(lowest) == 1 else 'meet'} none")
+    return f"the mesh meets {level} (its lowest participant: {', '.join(lowest)})"
+
+
+def render_mesh(mesh: MeshReport) -> str:
+    """One line per service (its level, and why not the next), then the mesh's level."""
+    if not mesh.reports:
+        return ("no service answered improved.spec.discover (each service that serves "
+                "spec.get with improved.serve_spec answers it); name services to probe them")
+    width = max(len(r.service) for r in mesh.reports)
+    lines = ["conformance of the mesh (SPEC 09):"]
+    for r in mesh.reports:
+        met = r.level or "none"
+        if r.level == "L0" and (r.spec or {}).get("improve") is False:
+            why = "advertises no improvement surface: not in the loop"
+        elif r.next_level is None:
+            why = "—"
+        else:
+            failure = r.first_failure
+            why = f"not {r.next_level}: {failure.detail if failure else 'not probed'}"
+        lines.append(f"  {r.service:<{width}}  {met:<4}  {why}")
+    lines.append(mesh_level_line(mesh))
+    return "\n".join(lines)
+
+
+async def discover(nc: Client, timeout: float = 1.0) -> dict[str, dict[str, Any]]:
+    """The services that answer the `improved.spec.discover` broadcast within `timeout`, by
+    name, with what they advertise; answers that name no valid service are left out."""
+    found: dict[str, dict[str, Any]] = {}
+    inbox = nc.new_inbox()
+
+    async def on_answer(msg: Msg) -> None:
+        try:
+            spec = msgspec.json.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        name = spec.get("service") if isinstance(spec, dict) else None
+        if isinstance(name, str) and S.SERVICE_RE.match(name):
+            found.setdefault(name, spec)
+
+    sub = await nc.subscribe(inbox, cb=on_answer)
+    try:
+        await nc.publish(S.SPEC_DISCOVER, b"{}", reply=inbox)
+        await nc.flush()
+        await asyncio.sleep(timeout)
+    finally:
+        await sub.unsubscribe()
+    return found
+
+
+async def probe_mesh(nc: Client, named: list[str] | None = None,
+                     timeout: float = 2.0) -> MeshReport:
+    """Probe every service that answers discovery, and every one `named` (found or not)."""
+    for service in named or []:
+        if not S.SERVICE_RE.match(service):
+            raise ValueError(f"service name {service!r} must match {S.SERVICE_RE.pattern}")
+    services = sorted(set(await discover(nc, min(timeout, 1.0))) | set(named or []))
+    return MeshReport([await probe(nc, service, timeout) for service in services])

@@ -61,6 +61,7 @@ from improved.protocol.model import (
     ApplyReport,
     ApplyResult,
     Envelope,
+    Proposal,
     ProposeReply,
     RefineReply,
     ReviewEntry,
@@ -73,6 +74,7 @@ from improved.runtime.config import Config, ConfigError
 from improved.runtime.engine import ChainBroken, Engine, ServiceUnreachable
 from improved.runtime.observing import Observing
 from improved.runtime.store import Store
+from improved.runtime.surfaces import Surfaces
 
 log = structlog.get_logger("improved.daemon")
 
@@ -122,6 +124,7 @@ class Daemon:
         self.actor = actor or instance_actor()
         self.store = Store(nc, config.replicas, config.records_storage)
         self.engine = Engine(nc, self.store, config, self.actor)
+        self.surfaces = Surfaces(nc)  # what each service advertises: none refuses proposals
         self.observer = Observing(self.store,
                                   Observer([RegressionAnalyzer(), StaleSkillAnalyzer()]))
         self.engine.learn = self.observer.learn
@@ -228,20 +231,20 @@ class Daemon:
         await self._find_reviews()
 
     async def _find_reviews(self) -> None:
-        """Remember every applied proposal still awaiting its measurement at review_after, as
-        the state bucket lists them (a wake-up list only: each pass decides from the chain),
-        so a restart does not forget one that this process did not apply."""
+        """Remember every measurement still to make, as the measurement index lists them (a
+        wake-up list only: each pass decides from the chain), so a restart wakes each at its
+        review_after, whoever applied it and however long ago; O(open measurements)."""
         try:
-            for key in await self.store.keys():
-                if self._stopping.is_set():  # a stop does not wait for the whole list
-                    return
-                svc, _, pid = key.partition(".")
-                record, _ = await self.store.load(svc, pid)
-                if record is not None:
-                    self.engine.expect_review(record)
+            entries = await self.store.read_due()
         except Exception as exc:  # an outage: what this replica applies from now is remembered
             log.warning("could not list the proposals awaiting their measurement",
                         error=f"{type(exc).__name__}: {exc}")
+            return
+        for entry in entries:
+            self.engine.reviews.setdefault(entry.proposal_id,
+                                           (entry.review_after, entry.service))
+        if entries:
+            log.info("measurements to make", count=len(entries))
 
     async def _reviews(self) -> None:
         """Learn-back at review_after: when an applied proposal's `metric_snapshot.review_after`
@@ -574,6 +577,7 @@ class Daemon:
             if kind == "proposals":
                 proposal = propose.validate(msg.data, svc, limit)
                 pid, dedup = propose.identify(proposal)
+                await self._check_surface(svc, pid, proposal)
                 return Job(pid, lambda: self.engine.submit(proposal, pid, dedup, redelivered),
                            msg)
             if kind == "outcomes":
@@ -789,9 +793,20 @@ class Daemon:
 
         return run
 
+    async def _check_surface(self, svc: str, pid: str, proposal: Proposal) -> None:
+        """WireError `no_surface` for a new proposal of a service that advertises it takes
+        none; one already on a chain here is carried on (it was accepted before), and so is
+        the reversal of an applied change (a way back is never refused)."""
+        if apply_stage.rolls_back(proposal) is not None:
+            return
+        problem = propose.surface_problem(svc, await self.surfaces.spec(svc))
+        if problem is not None and await self.engine.service_of(pid) is None:
+            raise wire.WireError(wire.NO_SURFACE, problem, "service")
+
     async def on_propose(self, svc: str, msg: Msg) -> bytes:
         proposal = propose.validate(msg.data, svc, self.config.max_message_bytes)
         pid, dedup = propose.identify(proposal)
+        await self._check_surface(svc, pid, proposal)
         # Durable first: once the stream has it, a crash cannot lose it.
         await enqueue(self.store.js, svc, msg.data, pid)
         # Register and triage now, so the reply carries the status; the inbound consumer,

@@ -537,11 +537,13 @@ class Engine:
     async def _settle(self, record: ProposalRecord, rev: int, before: ProposalRecord | None,
                       republish: bool) -> None:
         """After the chain moved: cache the record once and publish the retained records, both
-        at the same time (the cache is rebuildable, so a lost save only costs a rebuild), and
-        the review index entry when the operator's queue changed (`queue.change`: never for
-        an L0 proposal). Of the retained records, only those that differ from what this
-        process last published for the proposal (`_shown`) are sent again; with nothing
-        shown here (another process's work, a restart) all of them are."""
+        at the same time (the cache is rebuildable, so a lost save only costs a rebuild), the
+        review index entry when the operator's queue changed (`queue.change`: never for an L0
+        proposal), and the measurement index entry when a measurement fell due or was made
+        (`learnback.due_change`: never for a proposal without review_after). Of the retained
+        records, only those that differ from what this process last published for the
+        proposal (`_shown`) are sent again; with nothing shown here (another process's work, a
+        restart) all of them are."""
         pid = record.proposal_id
         self.expect_review(record)
         republish = republish or pid in self._unpublished
@@ -556,6 +558,9 @@ class Engine:
             if write.entry is not None and write.entry.valid_to is not None \
                     and self.on_indexed is not None:
                 self.on_indexed(write.entry.valid_to)
+        due = learnback.due_change(before, record, republish)
+        if due is not None:
+            jobs.append(self.store.mark_due(record.service, pid, due.entry))
         try:
             await asyncio.gather(*jobs)
         except Exception:
@@ -1242,6 +1247,9 @@ class Engine:
             entry = queue.entry_of(record)
             if entry is not None:  # the index was lost with the records: no tombstones needed
                 jobs.append(self.store.index(svc, pid, entry))
+            due = learnback.due_entry(record)
+            if due is not None:
+                jobs.append(self.store.mark_due(svc, pid, due))
             await asyncio.gather(*jobs)
         finally:
             self._release(pid, lock)

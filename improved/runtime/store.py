@@ -59,7 +59,14 @@ from improved.core.audit import Draft
 from improved.core.authority import grant_covers
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
-from improved.protocol.model import Grant, IndexMarker, ReviewEntry, Trailer, to_json
+from improved.protocol.model import (
+    Grant,
+    IndexMarker,
+    MeasureDue,
+    ReviewEntry,
+    Trailer,
+    to_json,
+)
 
 log = structlog.get_logger("improved.store")
 T = TypeVar("T")
@@ -179,6 +186,7 @@ class StateConflict(Exception):
 
 trailer_decoder = msgspec.json.Decoder(Trailer)
 review_entry_decoder = msgspec.json.Decoder(ReviewEntry)
+due_entry_decoder = msgspec.json.Decoder(MeasureDue)
 
 
 GRANT_MEMO_SIZE = 4096  # grant chains whose verified end each process remembers
@@ -825,22 +833,38 @@ class Store:
     # -- the review index --------------------------------------------------------------------------
 
     async def index(self, svc: str, pid: str, entry: ReviewEntry | None) -> None:
-        """Put `pid` in the review index (`entry`), or take it out (None): a tombstone that
-        replaces the entry and, after `tombstone_ttl_s`, leaves the stream with its subject."""
-        subject = S.review_entry(svc, pid)
+        """Put `pid` in the review index (`entry`), or take it out (None)."""
+        await self._retain(S.review_entry(svc, pid), entry)
+
+    async def mark_due(self, svc: str, pid: str, entry: MeasureDue | None) -> None:
+        """Put `pid` in the measurement index (`entry`), or take it out (None)."""
+        await self._retain(S.due_entry(svc, pid), entry)
+
+    async def _retain(self, subject: str, entry: Any) -> None:
+        """An index entry, or for None a tombstone that replaces it and, after
+        `tombstone_ttl_s`, leaves the stream with its subject."""
         if entry is not None:
             await self.publish(subject, entry)
         else:
             await self.publish(subject, None, ttl_s=self.tombstone_ttl_s)
 
     async def read_index(self) -> list[ReviewEntry]:
-        """Every entry of the review index, tombstones and anything malformed left out: the
-        last message per subject, read once through an ordered consumer (O(open items and
-        recent tombstones), never the history). An entry only says where to look."""
+        """Every entry of the review index, tombstones and anything malformed left out."""
+        return await self._read_entries(S.REVIEW_FILTER, review_entry_decoder)
+
+    async def read_due(self) -> list[MeasureDue]:
+        """Every entry of the measurement index, tombstones and anything malformed left out."""
+        return await self._read_entries(S.DUE_FILTER, due_entry_decoder)
+
+    async def _read_entries(self, subjects: str, decoder: Any) -> list[Any]:
+        """The entries on `subjects` (`improve.<index>.<svc>.<id>`) whose service and id are
+        their subject's: the last message per subject, read once through an ordered consumer
+        (O(open items and recent tombstones), never the history). An entry only says where to
+        look."""
         config = jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.LAST_PER_SUBJECT)
-        sub = await self.js.subscribe(S.REVIEW_FILTER, ordered_consumer=True,
+        sub = await self.js.subscribe(subjects, ordered_consumer=True,
                                       stream=S.STREAM_RECORDS, config=config)
-        out: list[ReviewEntry] = []
+        out: list[Any] = []
         try:
             info = await sub.consumer_info()
             if info.num_pending == 0 and not info.delivered.consumer_seq:
@@ -853,7 +877,7 @@ class Store:
                 svc, pid = S.token(msg.subject, 2) or "", S.token(msg.subject, 3) or ""
                 if msg.data and S.SERVICE_RE.match(svc) and S.ID_RE.match(pid):
                     try:
-                        entry = review_entry_decoder.decode(msg.data)
+                        entry = decoder.decode(msg.data)
                     except msgspec.MsgspecError:
                         entry = None
                     if entry is not None and (entry.service, entry.proposal_id) == (svc, pid):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from contextlib import asynccontextmanager
 
 import msgspec
 import pytest
@@ -107,11 +108,26 @@ async def nc(module_server):
 @pytest_asyncio.fixture(loop_scope="session")
 async def store(nc, svc):
     """The reference artefact store of `svc`, seeded."""
+    async with serving(nc, svc, SEED) as s:
+        yield s
+
+
+@asynccontextmanager
+async def serving(nc, svc: str, seed: dict[str, str]):
+    """The reference artefact store of `svc`, started and seeded; stopped and its buckets
+    deleted on the way out."""
     s = ArtefactStore(nc, svc)
     await s.start()
-    await s.seed(SEED)
-    yield s
-    await s.stop()
+    await s.seed(seed)
+    try:
+        yield s
+    finally:
+        await s.stop()
+        await dropped(nc, svc)
+
+
+async def dropped(nc, svc: str) -> None:
+    """The artefact store's buckets of `svc`, deleted."""
     js = nc.jetstream()
     objects, heads, ledger = bucket_names(svc)
     await js.delete_object_store(objects)
@@ -355,7 +371,7 @@ async def test_spec_get_answers_capabilities_with_lkg(nc, svc, store):
     assert reply["apply"] == S.apply_request(svc) and reply["lkg"] == S.lkg_request(svc)
     assert reply["conformance"] == "L4"
     assert reply["acceptance"] == "verified on the audit chain"
-    assert reply["smoke_tests"] == ["json", "nonempty", "utf8"]
+    assert reply["smoke_tests"] == ["json", "json_schema", "nonempty", "utf8"]
     assert "binary:" in reply["schemes"] and "lkg:" in reply["schemes"]
 
 
@@ -430,11 +446,7 @@ async def supervised(nc, svc, tmp_path):
     yield make
     for s in made:
         await s.stop()
-    js = nc.jetstream()
-    objects, heads, ledger = bucket_names(svc)
-    await js.delete_object_store(objects)
-    for bucket in (heads, ledger):
-        await js.delete_key_value(bucket)
+    await dropped(nc, svc)
 
 
 def app_swap(svc: str, content: str) -> Proposal:

@@ -128,3 +128,31 @@ async def test_an_apply_result_the_loop_cannot_record_is_one_failed_apply(daemon
         assert (await client.triage(again)).verdict == "accept"
     finally:
         await sub.unsubscribe()
+
+
+async def test_a_service_that_advertises_no_surface_gets_no_proposals(daemon, nc, svc):
+    """SPEC 09 conformance L0: a service that says it does not take part (`"improve": false`
+    on its spec.get) has every proposal for it refused `no_surface`, by request and on the
+    stream, and nothing is registered; a silent service (down, or not started yet) is not
+    refused; its proposals wait for it."""
+    from improved.client.sdk import serve_spec
+
+    client = MeshClient(nc, svc)
+    spec = await serve_spec(nc, svc)  # {"service": svc, "improve": false}
+    try:
+        reply = await client.propose_raw(to_json(rank_proposal(svc)), service=svc)
+        assert reply["error"]["code"] == "no_surface"
+        assert reply["error"]["field"] == "service"
+        assert '"improve": false' in reply["error"]["message"]
+        js = nc.jetstream()
+        sub = await js.subscribe(S.refused(svc), ordered_consumer=True,
+                                 stream=S.STREAM_REFUSED)
+        await js.publish(S.inbound_proposal(svc), to_json(rank_proposal(svc, key="streamed")))
+        refused = msgspec.json.decode((await sub.next_msg(timeout=5)).data)
+        await sub.unsubscribe()
+        assert refused["code"] == "no_surface"
+        assert not [k for k in await daemon.store.keys() if k.startswith(f"{svc}.")]
+    finally:
+        await spec.unsubscribe()
+    silent = f"{svc}-silent"
+    assert (await MeshClient(nc, silent).propose(rank_proposal(silent))).status == "pending"

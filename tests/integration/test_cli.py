@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -13,7 +14,9 @@ import time
 
 import pytest
 
+from improved.core import signing
 from improved.runtime import bus
+from improved.runtime.keys import key_path
 from tests.cli import ENV, IMPROVED, improved
 from tests.factories import rank_proposal, skill_proposal
 
@@ -181,6 +184,21 @@ def test_a_signer_key_for_a_mesh_identity(tmp_path):
     for bad in ("ci", "operator:alice", "agent:x"):
         refused = improved("keys", "new", "--signer", bad, "--dir", str(tmp_path))
         assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_keys_show_prints_the_public_key_and_the_key_id_a_service_trusts(tmp_path):
+    """`keys show FILE`: the base64 key a trust table lists and the key id a signature names
+    (what `skills_store --trust-daemon` takes); a file that is not a key is one line, exit 2."""
+    made = improved("keys", "new", "--signer", "check:show", "--dir", str(tmp_path))
+    entry = made.stdout.strip().splitlines()[-1].split(" = ")[1].strip('"')
+    shown = improved("keys", "show", str(key_path("check:show", tmp_path)))
+    assert shown.returncode == 0, shown.stderr
+    public, keyid = (line.split(": ", 1)[1] for line in shown.stdout.splitlines())
+    assert public == entry
+    assert keyid == signing.keyid_of(base64.b64decode(public))
+    (tmp_path / "junk.pem").write_text("not a key")
+    bad = improved("keys", "show", str(tmp_path / "junk.pem"))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_an_operator_signs_from_the_terminal(tmp_path):

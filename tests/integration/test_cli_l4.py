@@ -18,7 +18,7 @@ from improved.protocol import subjects as S
 from improved.runtime.store import Store
 from improved_reference.artefact_store import ArtefactStore
 from improved_reference.tool_runtime import ToolRuntimeService
-from tests.bus import approve, eventually, outcome, publish
+from tests.bus import approve, daemon_key, eventually, outcome, publish
 from tests.cli import improved
 from tests.factories import review, swap
 from tests.keys import ALICE
@@ -77,14 +77,15 @@ async def test_revert_publishes_the_recorded_reversal(daemon, nc, svc, nats_url)
         await store.stop()
 
 
-async def test_tools_list_and_a_granted_call_from_the_terminal(nc, nats_url, alice_key, svc):
+async def test_tools_list_and_a_granted_call_from_the_terminal(daemon, nc, nats_url, alice_key,
+                                                               svc):
     calls = []
     runtime = Runtime(svc, trust=signing.TrustStore.from_config({
         ALICE[0]: __import__("base64").b64encode(
             signing.raw_public(ALICE[1].public_key())).decode()}))
     runtime.register(Provider("swap.binary", "L4", "swap the binary",
                               lambda args: calls.append(args) or "swapped"))
-    service = ToolRuntimeService(nc, runtime)
+    service = ToolRuntimeService(nc, runtime, daemon_key())
     await service.start()
     try:
         listed = await cli("tools", "list", svc, "--nats", nats_url)
@@ -158,3 +159,37 @@ async def test_the_operator_sees_what_will_run_and_approves_exactly_that(daemon,
 async def _refused(nc, svc: str, pid: str) -> str | None:
     bodies = [body for _, body in await Store(nc).read_chain(svc, pid)]
     return next((b["reason"] for b in bodies if b.get("verdict") == "refused"), None)
+
+
+async def test_a_session_upgrade_signed_and_revoked_from_the_terminal(daemon, nc, nats_url,
+                                                                      alice_key, svc):
+    from tests.tool_surfaces import runtime as tool_runtime
+
+    rt, tools = tool_runtime(name=svc)
+    service = ToolRuntimeService(nc, rt, daemon_key())
+    await service.start()
+    signer = ("--key", alice_key, "--principal", ALICE[0])
+    try:
+        bad = await cli("tools", "upgrade", svc, "--session", "s1", "--reason", "r", *signer)
+        assert bad.returncode == 2 and "--tool" in bad.stderr
+        bad = await cli("tools", "upgrade", svc, "--session", "s1", "--class", "L4",
+                        "--path", "/a/../b", "--reason", "r", *signer)
+        assert bad.returncode == 2 and "'..'" in bad.stderr
+        made = await cli("tools", "upgrade", svc, "--session", "s1", "--class", "L4",
+                         "--ttl", "60", "--reason", "incident 7", *signer)
+        assert made.returncode == 0, made.stderr
+        printed = json.loads(made.stdout)
+        call = {"tool": "deploy", "session": "s1", "upgrade": printed["envelope"]}
+        reply = json.loads((await nc.request(S.tools_call(svc), json.dumps(call).encode(),
+                                             timeout=5)).data)
+        assert reply["ok"] is True and reply["upgrade"] == printed["upgrade_id"]
+        revoked = await cli("tools", "revoke", svc, printed["upgrade_id"], "--reason", "over",
+                            "--nats", nats_url, *signer)
+        assert revoked.returncode == 0, revoked.stderr + revoked.stdout
+        assert json.loads(revoked.stdout)["revoked"] == printed["upgrade_id"]
+        reply = json.loads((await nc.request(S.tools_call(svc), json.dumps(call).encode(),
+                                             timeout=5)).data)
+        assert reply["refused"]["reason"] == "revoked"
+        assert len(tools["deploy"][1].calls) == 1
+    finally:
+        await service.stop()

@@ -384,3 +384,62 @@ async def test_applying_an_l0_order_triage_never_accepted_is_not_l2(fake, nc, sv
     failed = report.first_failure
     assert failed.name == "refuses an L0 order triage never accepted" and "was applied" in \
         failed.detail
+
+
+# -- the mesh -------------------------------------------------------------------------------------
+
+
+async def test_the_mesh_meets_the_lowest_level_of_the_services_in_the_loop(own_server):
+    """`--mesh` finds every service that answers discovery; one that advertises its omission
+    is listed and left out of the mesh's level (it does not participate); the mesh meets its
+    lowest participant's level; a named service that never answers leaves it at no level."""
+    import asyncio
+
+    from improved.runtime import bus
+    from improved.runtime.conformance import probe_mesh, render_mesh
+    from improved.runtime.store import Store
+    from tests.cli import improved
+
+    nc = await bus.connect(own_server.url, "mesh-conformance")
+    await Store(nc).ensure()  # the audit stream a store verifying acceptance reads
+    ranking = RankingStore(nc, "ranking")
+    skills_ = SkillsStore(nc, "skills", verify_acceptance=True)
+    await ranking.start()
+    await skills_.start()
+    quiet = await serve_spec(nc, "quiet")  # {"improve": false}
+    try:
+        mesh = await probe_mesh(nc, timeout=FAST)
+        assert {r.service: r.level for r in mesh.reports} == {
+            "quiet": "L0", "ranking": "L1", "skills": "L3"}
+        assert [r.service for r in mesh.participants] == ["ranking", "skills"]
+        assert mesh.level == "L1"
+        text = render_mesh(mesh)
+        assert text.splitlines()[-1] == "the mesh meets L1 (its lowest participant: ranking)"
+        assert "quiet    L0    advertises no improvement surface" in text
+
+        cli = await asyncio.to_thread(improved, "conformance", "--mesh", "--nats",
+                                      own_server.url)
+        assert cli.returncode == 0, cli.stderr
+        assert cli.stdout.splitlines()[-1] == text.splitlines()[-1]
+
+        await ranking.stop()
+        assert (await probe_mesh(nc, timeout=FAST)).level == "L3"
+        ghost = await probe_mesh(nc, ["ghost"], timeout=FAST)
+        assert ghost.level is None
+        assert render_mesh(ghost).splitlines()[-1] == "the mesh meets no level: ghost meets none"
+        cli = await asyncio.to_thread(improved, "conformance", "--mesh", "ghost", "--nats",
+                                      own_server.url, "--timeout", "0.5")
+        assert cli.returncode == 1
+        assert ranking.applies == 0 and skills_.applies == 0
+    finally:
+        await quiet.unsubscribe()
+        await skills_.stop()
+        await bus.close(nc)
+
+
+def test_conformance_wants_one_service_or_the_mesh():
+    from tests.cli import improved
+
+    for args in ((), ("a", "b"), ("Bad_Name",)):
+        done = improved("conformance", *args)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, args

@@ -175,18 +175,55 @@ async def test_the_reference_store_refuses_what_it_cannot_measure(daemon, nc, sv
 
 
 async def test_a_restart_remembers_the_measurements_still_due(daemon, nc, svc):
-    """What wakes a measurement is only remembered; after a restart the state bucket lists
-    the applied proposals still awaiting theirs, and each is measured when due."""
+    """What wakes a measurement is the measurement index, `improve.due.<svc>.<id>`, written
+    with the apply and replaced by a tombstone with the verdict: a restart reads it (not the
+    state cache, whose entries expire an hour after their last write), so a proposal applied
+    long ago is still measured at its review_after."""
     store = RankingStore(nc, svc)
     await store.start()
     await set_metric(store, "metrics.ctr", 0.5)
     client = MeshClient(nc, svc)
-    pid = (await client.propose(watched(svc, review_after=later(1500)))).proposal_id
+    due_at = later(1500)
+    pid = (await client.propose(watched(svc, review_after=due_at))).proposal_id
     await eventually(lambda: status_of(client, pid, "applied"))
     assert pid in daemon.engine.reviews
-    daemon.engine.reviews.clear()  # as a new process would start
+
+    async def indexed():
+        return [e for e in await daemon.store.read_due() if e.proposal_id == pid]
+
+    [entry] = await eventually(indexed)
+    assert (entry.service, entry.review_after) == (svc, due_at)
+    # as a new process would start, long after the apply: nothing remembered, no state cache
+    daemon.engine.reviews.clear()
+    await daemon.store.kv.purge(S.state_key(svc, pid))
     await daemon._find_reviews()  # noqa: SLF001 - what start-up runs after ready
-    assert daemon.engine.reviews[pid][1] == svc
+    assert daemon.engine.reviews[pid] == (due_at, svc)
     assert (await measured(daemon, svc, pid))["verdict"] == "held"
     assert pid not in daemon.engine.reviews
+    await eventually(lambda: _gone(daemon, pid))  # the verdict took it out of the index
     await store.stop()
+
+
+async def _gone(daemon, pid) -> bool:
+    return pid not in {e.proposal_id for e in await daemon.store.read_due()}
+
+
+async def test_a_forged_due_entry_only_makes_a_pass_that_finds_nothing_to_measure(
+        daemon, nc, svc):
+    """Anyone who may publish on the records stream could write an entry: it wakes a pass,
+    which decides from the chain — a proposal that is not applied is not measured."""
+    from improved.protocol.model import MeasureDue
+
+    client = MeshClient(nc, svc)
+    gated = rank_proposal(svc, value=9, change_class="L2", metric_snapshot=MetricSnapshot(
+        metric="ctr", baseline=0.5, query="metrics.ctr", review_after=later(0)))
+    pid = (await client.propose(gated)).proposal_id
+    assert (await client.triage(pid)).cause == "awaiting_operator"
+    await nc.jetstream().publish(S.due_entry(svc, pid), to_json(MeasureDue(
+        proposal_id=pid, service=svc, review_after=later(0))), stream=S.STREAM_RECORDS)
+    daemon.engine.reviews.pop(pid, None)
+    await daemon._find_reviews()  # noqa: SLF001
+    await asyncio.sleep(1.0)
+    assert not [t for t in await trailers(daemon, svc, pid)
+                if t.get("to_stage") == "learn-back"]
+    assert (await client.state(pid)).status == "pending"

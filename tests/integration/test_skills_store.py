@@ -23,8 +23,8 @@ from improved.protocol.model import (
     to_json,
 )
 from improved.runtime.store import Store
+from improved_reference.skill_competence import ALPHA
 from improved_reference.skills_store import (
-    ALPHA,
     GrantMismatch,
     NoCompetence,
     Refused,

@@ -1,26 +1,59 @@
 """Tool-surface authority (SPEC 09 §3.1) over a real nats-server, through the reference
-tool runtime service: listing, gating, acceptance, grants and bad input on the bus. Every tool
-counts its calls, so "refused" is checked as "did not run", not only as the reply's shape."""
+tool runtime service: listing, gating, acceptance, grants, scopes, session upgrades and bad
+input on the bus; spent grants and acceptances shared by replicas and kept across a restart in
+the `improved_tools` bucket, whatever a bus participant writes there; every call on the
+runtime's `_tools` audit chain. Every tool counts its calls, so "refused" is checked as "did
+not run", not only as the reply's shape. The session daemon (`daemon`) provides the audit
+stream; the runtime signs its trailers with the test daemons' key, so the session's whole-log
+check at the end verifies them too."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import contextlib
 import secrets
 import time
 
 import msgspec
+import pytest
 
-from improved.core.tools import Provider, Runtime, grant_token, sign_grant
+from improved.client.chains import read_sequenced
+from improved.core import audit, evidence, signing
+from improved.core.tools import (
+    Provider,
+    Runtime,
+    args_digest,
+    grant_token,
+    sign_grant,
+    sign_revocation,
+    upgrade_id,
+)
+from improved.core.tools import chain_id as tools_chain_id
 from improved.protocol import subjects
 from improved.protocol.model import to_json
+from improved.runtime import bus
 from improved_reference.tool_runtime import ToolRuntimeService
+from tests.bus import daemon_key
+from tests.cli import improved
 from tests.keys import ALICE, MALLORY
-from tests.tool_surfaces import ARGS, by_name, grant, runtime
+from tests.tool_surfaces import (
+    ARGS,
+    SCOPED_ARGS,
+    by_name,
+    grant,
+    runtime,
+    scoped,
+    trust,
+    upgrade,
+)
+
+pytestmark = pytest.mark.usefixtures("daemon")
 
 
 @contextlib.asynccontextmanager
-async def serving(nc, rt: Runtime):
-    service = ToolRuntimeService(nc, rt)
+async def serving(nc, rt: Runtime, key=None):
+    service = ToolRuntimeService(nc, rt, key or daemon_key())
     await service.start()
     try:
         yield service
@@ -144,3 +177,243 @@ async def test_e2e_unknown_bad_input_and_spec(nc, svc):
         assert await ask(nc, subjects.service_spec(svc), b"") == {
             "service": svc, "improve": False, "tools": True, "ceiling": "L2",
             "mode": "autonomous"}
+
+
+# -- scopes and session upgrades on the bus -----------------------------------------------------
+
+
+async def test_e2e_scopes_and_a_session_upgrade(nc, svc):
+    rt, tools = runtime(name=svc)
+    push, body = scoped("push", "L4")
+    rt.register(push)
+    async with serving(nc, rt):
+        entry = by_name((await ask(nc, subjects.tools_list(svc), b""))["tools"])["push"]
+        assert entry["scoped_args"] == SCOPED_ARGS and entry["gated_authority"] == "L4"
+        env = upgrade(svc, "sess-9", now=now_ms(), tools=["push"])
+        upgraded = {"tool": "push", "session": "sess-9", "upgrade": env}
+        ok = await ask(nc, subjects.tools_call(svc), {**upgraded, "args": {"path": "/srv/data/a"}})
+        assert ok == {"ok": True, "result": "push ran", "granted_by": ALICE[0],
+                      "upgrade": upgrade_id(env)}
+        for args, reason in (({"path": "/srv/data/../../etc/passwd"}, "path_traversal"),
+                             ({"url": "https://evil.example.com/"}, "out_of_scope"),
+                             ({"set": "red"}, "out_of_scope")):
+            reply = await ask(nc, subjects.tools_call(svc), {**upgraded, "args": args})
+            assert reply["refused"]["reason"] == reason
+        other = await ask(nc, subjects.tools_call(svc), {**upgraded, "session": "sess-10"})
+        assert other["refused"]["reason"] == "wrong_session"
+        bad = await ask(nc, subjects.tools_call(svc), {**upgraded, "session": "no spaces"})
+        assert bad["error"]["field"] == "session"
+        assert body.calls == [{"path": "/srv/data/a"}]
+
+        revocation = sign_revocation(ALICE[1], ALICE[0], svc, upgrade_id(env), "done", now_ms())
+        forged = sign_revocation(MALLORY[1], MALLORY[0], svc, upgrade_id(env), "x", now_ms())
+        refused_rev = await ask(nc, subjects.tools_revoke(svc), {"revocation": forged})
+        assert refused_rev["refused"]["reason"] == "unknown_key"
+        assert (await ask(nc, subjects.tools_revoke(svc), b"[]"))["error"]["code"]
+        assert (await ask(nc, subjects.tools_call(svc), {**upgraded, "args": {}}))["ok"] is True
+        assert await ask(nc, subjects.tools_revoke(svc), {"revocation": revocation}) == {
+            "ok": True, "revoked": upgrade_id(env), "revoked_by": ALICE[0]}
+        reply = await ask(nc, subjects.tools_call(svc), {**upgraded, "args": {}})
+        assert reply["refused"]["reason"] == "revoked"
+        assert len(body.calls) == 2
+
+
+# -- replicas, restarts and a hostile bus participant -------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def replicas(nats_url, name: str, n: int = 2):
+    """`n` instances of one runtime, each on a connection of its own, in one queue group."""
+    conns, services, made = [], [], []
+    try:
+        for i in range(n):
+            conn = await bus.connect(nats_url, f"tool-replica-{i}")
+            conns.append(conn)
+            rt, tools = runtime(name=name)
+            service = ToolRuntimeService(conn, rt, daemon_key())
+            await service.start()
+            services.append(service)
+            made.append((service, tools))
+        yield made
+    finally:
+        for service in services:
+            await service.stop()
+        for conn in conns:
+            await bus.close(conn)
+
+
+def calls_of(made, tool_name: str) -> list:
+    return [c for _, tools in made for c in tools[tool_name][1].calls]
+
+
+async def test_e2e_replicas_spend_a_grant_once_and_a_restart_keeps_it_spent(nc, nats_url, svc):
+    async with replicas(nats_url, svc) as made:
+        (a, tools_a), (b, _) = made
+        env = grant(tools_a["deploy"][0], now=now_ms(), runtime=svc)
+        request = to_json({"tool": "deploy", "args": ARGS, "grant": env})
+        answers = await asyncio.gather(a.answer(request), b.answer(request),
+                                       *(ask(nc, subjects.tools_call(svc), request)
+                                         for _ in range(4)))
+        replies = [a if isinstance(a, dict) else msgspec.json.decode(a) for a in answers]
+        assert sum(r.get("ok") is True for r in replies) == 1, replies
+        assert {r["refused"]["reason"] for r in replies if "refused" in r} == {"replayed"}
+        assert calls_of(made, "deploy") == [ARGS]
+    async with replicas(nats_url, svc, 1) as made:  # every instance gone: a restart
+        (c, _), = made
+        reply = msgspec.json.decode(await c.answer(request))
+        assert reply["refused"]["reason"] == "replayed"
+        assert calls_of(made, "deploy") == []
+
+
+async def test_e2e_an_acceptance_on_one_replica_holds_on_the_other(nc, nats_url, svc):
+    async with replicas(nats_url, svc) as made:
+        (a, tools_a), (b, _) = made
+        write = tools_a["write"][0]
+        first = msgspec.json.decode(await b.answer(to_json({"tool": "write", "args": ARGS})))
+        assert first["refused"]["reason"] == "acceptance_required"
+        env = grant(write, now=now_ms(), runtime=svc)
+        accepted = await a.answer(to_json({"tool": "write", "args": ARGS, "grant": env}))
+        assert msgspec.json.decode(accepted)["granted_by"] == ALICE[0]
+        later = msgspec.json.decode(await b.answer(to_json({"tool": "write", "args": {"n": 2}})))
+        assert later == {"ok": True, "result": "write ran"}
+        assert "needs_acceptance" not in by_name((await b.listing())["tools"])["write"]
+    async with replicas(nats_url, svc, 1) as made:
+        (c, _), = made
+        assert "needs_acceptance" not in by_name((await c.listing())["tools"])["write"]
+        again = msgspec.json.decode(await c.answer(to_json({"tool": "write", "args": {}})))
+        assert again["ok"] is True
+
+
+async def test_e2e_what_a_bus_participant_writes_in_the_bucket_allows_nothing(nc, svc):
+    """Anyone may publish on the bucket's subjects: delete or purge a spent grant, plant an
+    acceptance. None of it lets a call run that the signed acts do not allow."""
+    rt, tools = runtime(name=svc)
+    (deploy, deploy_body), (write, write_body) = tools["deploy"], tools["write"]
+    async with serving(nc, rt):
+        js = nc.jetstream()
+        kv = await js.key_value(subjects.BUCKET_TOOLS)
+        env = grant(deploy, now=now_ms(), runtime=svc)
+        assert (await call(nc, rt, "deploy", ARGS, env))["ok"] is True
+        spent = f"spent.{upgrade_id(env)}"  # a grant's act id is its payload's digest too
+        await kv.delete(spent)
+        assert (await call(nc, rt, "deploy", ARGS, env))["refused"]["reason"] == "replayed"
+        await kv.purge(spent)
+        assert (await call(nc, rt, "deploy", ARGS, env))["refused"]["reason"] == "replayed"
+        await nc.publish(f"$KV.{subjects.BUCKET_TOOLS}.{spent}", b"")
+        assert (await call(nc, rt, "deploy", ARGS, env))["refused"]["reason"] == "replayed"
+        assert deploy_body.calls == [ARGS]
+
+        key = f"accepted.{svc}.{grant_token(write).removeprefix('gt:')}"
+        for planted in (b"accepted", to_json(grant(write, key=MALLORY, runtime=svc)),
+                        to_json(grant(write, runtime="someone-else")),
+                        to_json(grant(write))):
+            await kv.put(key, planted)
+            reply = await call(nc, rt, "write", ARGS)
+            assert reply["refused"]["reason"] == "acceptance_required", planted
+            listed = by_name((await ask(nc, subjects.tools_list(svc), b""))["tools"])
+            assert listed["write"]["needs_acceptance"] is True
+        assert write_body.calls == []
+
+        # a key written before the grant is presented refuses it: failing closed, never open
+        early = grant(deploy, now=now_ms(), runtime=svc)
+        await kv.put(f"spent.{upgrade_id(early)}", b"{}")
+        assert (await call(nc, rt, "deploy", ARGS, early))["refused"]["reason"] == "replayed"
+
+
+# -- the audit chain ----------------------------------------------------------------------------
+
+
+def chain_trust():
+    daemon = signing.keyid_of(signing.raw_public(daemon_key().public_key()))
+    return evidence.ChainTrust(frozenset({daemon}), evidence.History(
+        fallback=evidence.KeySet(trust())))
+
+
+async def test_e2e_every_call_is_on_the_runtime_audit_chain(nc, svc):
+    rt, tools = runtime(name=svc)
+    deploy = tools["deploy"][0]
+    secret = {"token": "s3cr3t-value", "path": "/srv/data"}
+    async with serving(nc, rt):
+        await call(nc, rt, "read", secret)
+        await call(nc, rt, "deploy", secret)
+        await call(nc, rt, "deploy", secret, grant(deploy, secret, now=now_ms(), runtime=svc))
+        await ask(nc, subjects.tools_call(svc), {"tool": "deploy", "session": "s",
+                                                 "upgrade": upgrade(svc, "s", now=now_ms())})
+        await call(nc, rt, "nope")  # not a tool: nothing to record
+    cid = tools_chain_id(svc)
+    chain = await read_sequenced(nc.jetstream(), subjects.tools_audit(cid))
+    bodies = [b for _, b in chain]
+    assert audit.verify_chain(cid, bodies, chain_trust(), [s for s, _ in chain]) is None
+    assert [(b["verdict"], b["gate_class"]) for b in bodies] == [
+        ("tool_call", "L0"), ("refused", "L4"), ("tool_call", "L4"), ("tool_call", "L4")]
+    assert b"s3cr3t" not in msgspec.json.encode(bodies)
+    refs = [dict(r.split(":", 1) for r in b["refs"]) for b in bodies]
+    assert refs[0]["args"] == args_digest(secret) and refs[1]["refused"] == "authority_gated"
+    assert [r.get("via") for r in refs] == ["mounted", None, "grant", "upgrade"]
+    assert bodies[2]["actor"] == ALICE[0] and bodies[2]["envelope"]["signatures"]
+
+
+async def test_e2e_a_call_that_cannot_be_recorded_does_not_run(nc, svc):
+    rt, tools = runtime(name=svc)
+    deploy, body = tools["deploy"]
+    async with serving(nc, rt) as service:
+        async def broken(*a, **kw):
+            raise ConnectionError("audit stream unavailable")
+
+        service.store.append_sealed = broken
+        env = grant(deploy, now=now_ms(), runtime=svc)
+        reply = await call(nc, rt, "deploy", ARGS, env)
+        assert reply["refused"]["reason"] == "unaudited"
+        assert (await call(nc, rt, "read"))["refused"]["reason"] == "unaudited"
+        assert body.calls == [] and tools["read"][1].calls == []
+
+
+async def test_the_runtime_needs_an_audit_stream(own_server, svc):
+    conn = await bus.connect(own_server.url, "tool-runtime-no-stream")
+    try:
+        rt, _ = runtime(name=svc)
+        with pytest.raises(RuntimeError, match="audit stream IMPROVE_AUDIT does not exist"):
+            await ToolRuntimeService(conn, rt, daemon_key()).start()
+    finally:
+        await bus.close(conn)
+
+
+async def test_improved_audit_verify_checks_the_tools_chain(own_server, svc, tmp_path):
+    """A runtime with a key of its own, trusted as a writer (`[trust] daemons`): the command
+    verifies its chain, and names the break when someone appends a trailer of their own."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from improved.runtime.store import Store
+
+    key = Ed25519PrivateKey.generate()
+    conn = await bus.connect(own_server.url, "tool-runtime-verify")
+    try:
+        await Store(conn).ensure()
+        rt, tools = runtime(name=svc)
+        async with serving(conn, rt, key):
+            await call(conn, rt, "read", ARGS)
+            await call(conn, rt, "deploy", ARGS, grant(tools["deploy"][0], now=now_ms()))
+        b64 = base64.b64encode
+        cfg = tmp_path / "improved.toml"
+        cfg.write_text(f'data_dir = "{tmp_path / "data"}"\n[trust]\n'
+                       f'operators = {{ "{ALICE[0]}" = "'
+                       f'{b64(signing.raw_public(ALICE[1].public_key())).decode()}" }}\n'
+                       f'daemons = {{ "runtime:{svc}" = "'
+                       f'{b64(signing.raw_public(key.public_key())).decode()}" }}\n')
+        ok = await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
+                                     "--config", str(cfg))
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        assert "BROKEN" not in ok.stdout
+
+        cid = tools_chain_id(svc)
+        store = Store(conn)
+        seq, last = await store.chain_head(subjects.tools_audit(cid))
+        forged = dict(last, seq=last["seq"] + 1, prev=last["hash"], sig="", refs=[])
+        forged["hash"] = audit.trailer_hash(forged)
+        await conn.jetstream().publish(subjects.tools_audit(cid), to_json(forged))
+        broken = await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
+                                         "--config", str(cfg))
+        assert broken.returncode == 1
+        assert f"BROKEN {cid} trailer 2: not signed by a daemon" in broken.stdout
+    finally:
+        await bus.close(conn)

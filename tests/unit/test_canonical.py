@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from improved.protocol import canonical
 from improved.protocol.canonical import (
     FACT,
     INDEX_LAYER_FIELDS,
@@ -412,3 +413,29 @@ def test_skill_hash_changes_with_definition():
     no_domain = {k: v for k, v in SKILL_DEF.items() if k != "domain"}
     assert skill_hash(no_domain) != h
     assert set(SKILL_DEFINITION_FIELDS) >= {"name", "instructions", "domain"}
+
+
+# -- a Skill's dependencies are Skill grain addresses (OMS Skill grain) -------------------------
+
+_HEX64 = st.text(alphabet="0123456789abcdef", min_size=64, max_size=64)
+
+
+@given(_HEX64, st.booleans())
+def test_a_content_address_is_a_dependency_bare_or_prefixed(hexdigest, prefixed):
+    dep = ("mg:sha256:" if prefixed else "") + hexdigest
+    assert canonical.dependencies_problem({"dependencies": [dep]}) is None
+
+
+@given(st.text(max_size=80))
+def test_anything_else_is_refused_naming_the_entry(text):
+    if canonical.GRAIN_ADDRESS_RE.match(text):
+        return
+    field, why = canonical.dependencies_problem(
+        {"dependencies": ["a" * 64, text]})  # type: ignore[misc]
+    assert field == "dependencies[1]" and "content address" in why
+
+
+def test_uppercase_and_names_are_not_addresses():
+    for dep in ("A" * 64, "mg:sha256:" + "AB" * 32, "threat_modeling", "sha256:" + "a" * 64):
+        assert canonical.dependencies_problem({"dependencies": [dep]}) is not None
+    assert canonical.dependencies_problem({"dependencies": "x"})[0] == "dependencies"

@@ -388,3 +388,36 @@ def test_an_autonomous_origin_is_refused_even_off_the_constitution_file():
 def test_an_operator_origin_is_prepared_for_the_operator():
     d = decide(registered(charter()))
     assert (d.verdict, d.cause) == ("defer", "awaiting_operator")
+
+
+# -- schema changes carry their way back (SPEC 09 §7.4) ----------------------------------------
+
+HEADS = {"a": "sha256:" + "1" * 64, "b": "sha256:" + "2" * 64}
+
+
+def schema_change(**overrides) -> Proposal:
+    return l4(target_ref="schema:deploy", **overrides)
+
+
+@pytest.mark.parametrize("revert, why", [
+    (None, "schema_revert: a schema change carries its backward-compatible revert"),
+    ({"artefacts": {"a": "{}", "b": "{}"}}, "restores the prior schema"),
+    ({"restore": {"a": HEADS["a"]}}, "not the artefacts the change swaps"),
+])
+def test_a_schema_change_without_its_revert_is_rejected_invalid(revert, why):
+    d = decide(registered(schema_change(revert=revert)))
+    assert (d.verdict, d.cause) == ("reject", "invalid") and why in d.rationale
+
+
+def test_a_schema_change_with_its_revert_waits_for_the_operator_like_any_l4():
+    d = decide(registered(schema_change(revert={"restore": HEADS})))
+    assert (d.verdict, d.cause) == ("defer", "awaiting_operator")
+
+
+def test_a_claimed_base_other_than_the_owners_head_refuses_the_apply_before_any_order():
+    """The proposer says which schema it changes from; the owner's answer decides."""
+    assert lkg.report_problem(approved(schema_change(revert={"restore": HEADS})), report()) \
+        is None
+    lied = approved(schema_change(revert={"restore": {**HEADS, "b": "sha256:" + "7" * 64}}))
+    why = lkg.report_problem(lied, report())
+    assert why is not None and why.startswith("schema_base: the revert restores b to sha256:7")

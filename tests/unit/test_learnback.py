@@ -164,3 +164,25 @@ async def test_the_sdk_answers_a_bad_request_or_a_failing_handler_with_an_error_
     assert isinstance(failed, ErrorReply) and failed.error.message == "no metric ctr here"
     nan = await client.measure(good, junk)
     assert isinstance(nan, ErrorReply) and "not a finite number" in nan.error.message
+
+
+def test_the_measurement_index_gets_the_entry_at_the_apply_and_a_tombstone_at_the_verdict():
+    record = applied()
+    registered = record.replace(status="pending", outcome=None)
+    write = learnback.due_change(registered, record, republish=False)
+    assert write is not None and write.entry is not None
+    assert (write.entry.proposal_id, write.entry.review_after) == (record.proposal_id, NOW + 100)
+    assert learnback.due_change(record, record, republish=False) is None  # nothing moved
+    assert learnback.due_change(record, record, republish=True) == write  # a lost write mended
+    after, _ = learnback.measured(record, "held", learnback.Reading(value=0.6), None, TRIAGER,
+                                  NOW + 100)
+    gone = learnback.due_change(record, after, republish=False)
+    assert gone is not None and gone.entry is None
+    assert learnback.due_change(after, after, republish=True) == gone  # the tombstone again
+
+
+def test_a_proposal_without_review_after_never_costs_a_write():
+    record = applied(review_after=None)
+    for before in (None, record.replace(status="pending", outcome=None), record):
+        for republish in (False, True):
+            assert learnback.due_change(before, record, republish) is None

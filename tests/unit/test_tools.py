@@ -14,22 +14,45 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given
 from hypothesis import strategies as st
 
 from improved.core import signing
+from improved.core.scopes import CapabilityScope
 from improved.core.tools import (
     DEFAULT_CEILINGS,
+    ProcessLedger,
     Provider,
     Runtime,
     ToolGrant,
     args_digest,
+    call_draft,
     grant_token,
     sign_grant,
+    sign_revocation,
+    sign_upgrade,
+    upgrade_id,
 )
+from improved.core.tools import chain_id as tools_chain_id
 from improved.protocol.model import DsseSignature, Envelope, to_json
 from tests.keys import ALICE, MALLORY
-from tests.tool_surfaces import ARGS, NOW, by_name, grant, runtime, tool, trust
+from tests.tool_surfaces import (
+    ARGS,
+    NOW,
+    SCOPE,
+    SCOPED_ARGS,
+    by_name,
+    grant,
+    runtime,
+    scoped,
+    tool,
+    trust,
+    upgrade,
+)
+
+DAEMON = Ed25519PrivateKey.generate()  # the writer of the tools chain in these tests
+DAEMON_KEYID = signing.keyid_of(signing.raw_public(DAEMON.public_key()))
 
 # -- providers and grant tokens ------------------------------------------------------------------
 
@@ -145,7 +168,7 @@ async def test_l4_runs_once_per_grant():
     assert await rt.invoke("deploy", ARGS, None, NOW) == {"refused": {
         "reason": "authority_gated", "required": "L4",
         "detail": f"the tool is above this runtime's ceiling L2; present a grant signed for "
-                  f"{grant_token(deploy)}"}}
+                  f"{grant_token(deploy)} or a session upgrade"}}
     env = grant(deploy)
     assert await rt.invoke("deploy", ARGS, env, NOW + 1000) == {
         "ok": True, "result": "deploy ran", "granted_by": ALICE[0]}
@@ -240,12 +263,17 @@ async def test_l2_needs_acceptance_once():
     write, body = tools["write"]
     assert await rt.invoke("write", ARGS, None, NOW) == {"refused": {
         "reason": "acceptance_required", "required": "L2",
-        "detail": "the first call of this tool needs an operator's signed grant"}}
-    refusal = await rt.invoke("write", ARGS, grant(write, key=MALLORY), NOW)
+        "detail": "the first call of this tool needs an operator's signed grant naming this "
+                  "runtime"}}
+    refusal = await rt.invoke("write", ARGS, grant(write, key=MALLORY, runtime="agent"), NOW)
     assert refusal["refused"]["reason"] == "unknown_key"
+    # an acceptance is shared by every replica and outlives a restart: it names its runtime
+    refusal = await rt.invoke("write", ARGS, grant(write), NOW)
+    assert refusal["refused"]["reason"] == "wrong_runtime"
     assert by_name(rt.catalog())["write"]["needs_acceptance"] is True
     assert body.calls == []
-    assert (await rt.invoke("write", ARGS, grant(write), NOW))["granted_by"] == ALICE[0]
+    assert (await rt.invoke("write", ARGS, grant(write, runtime="agent"), NOW))["granted_by"] == (
+        ALICE[0])
     assert "needs_acceptance" not in by_name(rt.catalog())["write"]
     assert await rt.invoke("write", {"other": 1}, None, NOW) == {"ok": True,
                                                                 "result": "write ran"}
@@ -259,7 +287,7 @@ async def test_l2_over_a_lower_ceiling_is_gated_per_call():
     assert (await rt.invoke("write", ARGS, None, NOW))["refused"] == {
         "reason": "authority_gated", "required": "L2", "detail": (
             f"the tool is above this runtime's ceiling L0; present a grant signed for "
-            f"{grant_token(write)}")}
+            f"{grant_token(write)} or a session upgrade")}
     assert (await rt.invoke("write", ARGS, grant(write), NOW))["ok"] is True
     assert (await rt.invoke("write", ARGS, None, NOW))["refused"]["reason"] == "authority_gated"
     assert len(body.calls) == 1
@@ -296,3 +324,316 @@ async def test_async_tools_and_failing_tools():
     assert await rt.invoke("broken", {}, None, NOW) == {"ok": False, "error": "RuntimeError: disk full"}
     with pytest.raises(TypeError):
         await rt.invoke("fetch", [1], None, NOW)
+
+
+# -- capability scopes (paths, sets, origins), checked at every call ---------------------------
+
+
+@pytest.mark.parametrize("args", [
+    {"path": "/srv/data/a.csv"}, {"path": "/srv/data"}, {"path": "/srv/data/x/y/z"},
+    {"path": "/srv//data/./b"}, {"path": "/tmp/run.log"}, {"paths": ["/srv/data/1", "/tmp/a.log"]},
+    {"set": "blue"}, {"url": "https://api.example.com/v1/items?q=1"},
+    {"url": "HTTPS://API.example.com:443/"}, {"url": "http://localhost:8080/x"},
+    {"other": "/etc/passwd"}, {},
+])
+async def test_a_call_within_scope_runs(args):
+    rt, _ = runtime()
+    files, body = scoped()
+    rt.register(files)
+    assert (await rt.invoke("files", args, None, NOW))["ok"] is True
+    assert body.calls == [args]
+
+
+@pytest.mark.parametrize("args, reason, cause", [
+    ({"path": "/etc/passwd"}, "out_of_scope", "outside the tool scope"),
+    ({"path": "/srv/database"}, "out_of_scope", "outside"),
+    ({"path": "/srv/data/../../etc/shadow"}, "path_traversal", ".."),
+    ({"path": "/srv/data/..\\..\\etc"}, "path_traversal", ".."),
+    ({"path": "../srv/data/x"}, "path_traversal", ".."),
+    ({"path": "/srv/data/x\0"}, "out_of_scope", "NUL"),
+    ({"path": "/tmp/sub/run.log"}, "out_of_scope", "outside"),
+    ({"path": ""}, "out_of_scope", "names no path"),
+    ({"paths": ["/srv/data/ok", "/root/x"]}, "out_of_scope", "/root/x"),
+    ({"path": 7}, "out_of_scope", "string or a list of strings"),
+    ({"paths": ["/srv/data/a", 1]}, "out_of_scope", "string or a list of strings"),
+    ({"set": "red"}, "out_of_scope", "outside"),
+    ({"set": "Blue"}, "out_of_scope", "outside"),
+    ({"url": "https://evil.example.com/"}, "out_of_scope", "outside"),
+    ({"url": "https://api.example.com@evil.example.com/"}, "out_of_scope", "user info"),
+    ({"url": "http://api.example.com/"}, "out_of_scope", "outside"),
+    ({"url": "https://api.example.com:8443/"}, "out_of_scope", "outside"),
+    ({"url": "https://api.example.com.evil.net/"}, "out_of_scope", "outside"),
+    ({"url": "api.example.com"}, "out_of_scope", "not a URL"),
+    ({"url": "http://localhost:99999/"}, "out_of_scope", "valid host"),
+])
+async def test_a_call_outside_scope_is_refused_and_nothing_runs(args, reason, cause):
+    rt, tools = runtime()
+    files, body = scoped()
+    rt.register(files)
+    reply = await rt.invoke("files", args, None, NOW)
+    assert reply["refused"]["reason"] == reason, reply
+    assert cause in reply["refused"]["detail"]
+    assert "\n" not in reply["refused"]["detail"]
+    assert body.calls == []
+
+
+async def test_an_out_of_scope_call_does_not_spend_its_grant():
+    rt, _ = runtime()
+    files, body = scoped("push", "L4")
+    rt.register(files)
+    outside = {"path": "/etc/passwd"}
+    env = grant(files, outside)
+    assert (await rt.invoke("push", outside, env, NOW))["refused"]["reason"] == "out_of_scope"
+    inside = {"path": "/srv/data/x"}
+    env2 = grant(files, inside)
+    assert (await rt.invoke("push", inside, env2, NOW))["ok"] is True
+    assert body.calls == [inside]
+    # the refused grant was not spent: with the scope widened by a new runtime, it runs
+    wide = Runtime("agent", trust=trust(), ledger=rt.ledger)
+    wider, body2 = scoped("push", "L4", CapabilityScope(paths=["/**"], sets=[], origins=[]))
+    wide.register(wider)
+    assert (await wide.invoke("push", outside, env, NOW))["ok"] is True
+    assert (await wide.invoke("push", inside, env2, NOW))["refused"]["reason"] == "replayed"
+    assert body2.calls == [outside]
+
+
+async def test_the_runtime_policy_narrows_a_tool_scope():
+    rt, _ = runtime(scopes={"files": CapabilityScope(paths=["/srv/data/public/**"],
+                                                     origins=[])})
+    files, body = scoped()
+    rt.register(files)
+    assert (await rt.invoke("files", {"path": "/srv/data/public/a"}, None, NOW))["ok"] is True
+    reply = await rt.invoke("files", {"path": "/srv/data/private"}, None, NOW)
+    assert reply["refused"]["reason"] == "out_of_scope"
+    assert "runtime policy scope" in reply["refused"]["detail"]
+    reply = await rt.invoke("files", {"url": "https://api.example.com/"}, None, NOW)
+    assert "runtime policy scope (no origins)" in reply["refused"]["detail"]
+    assert (await rt.invoke("files", {"set": "green"}, None, NOW))["ok"] is True  # sets: tool's
+    entry = by_name(rt.catalog())["files"]
+    assert entry["scoped_args"] == SCOPED_ARGS and entry["scope"]["sets"] == ["blue", "green"]
+    assert entry["policy_scope"] == {"paths": ["/srv/data/public/**"], "origins": []}
+    assert body.calls == [{"path": "/srv/data/public/a"}, {"set": "green"}]
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"scoped_args": {"path": "path"}}, "declares no paths scope"),
+    ({"scoped_args": {"path": "file"}, "scope": SCOPE}, "not one of"),
+    ({"scoped_args": {"p": "path"}, "scope": CapabilityScope(paths=["/a/../b"])}, r"'\.\.'"),
+    ({"scoped_args": {"u": "origin"}, "scope": CapabilityScope(origins=["https://a.b/x"])},
+     "written"),
+    ({"scoped_args": {"u": "origin"}, "scope": CapabilityScope(origins=["a.b"])}, "not a URL"),
+])
+def test_a_scope_that_cannot_be_checked_does_not_register(kw, match):
+    with pytest.raises(ValueError, match=match):
+        Provider("t", "L0", "", print, **kw)
+
+
+def test_a_policy_scope_that_cannot_be_checked_is_refused():
+    with pytest.raises(ValueError, match="policy scope of files"):
+        Runtime("agent", scopes={"files": CapabilityScope(paths=["/../x"])})
+
+
+# -- session-scoped policy upgrades -------------------------------------------------------------
+
+
+async def test_an_upgrade_mounts_l4_for_its_session_until_it_lapses():
+    rt, tools = runtime()
+    deploy, body = tools["deploy"]
+    env = upgrade()
+    for n in range(3):  # no grant per call, any arguments
+        reply = await rt.invoke("deploy", {"n": n}, None, NOW + n, session="s-1", upgrade=env)
+        assert reply == {"ok": True, "result": "deploy ran", "granted_by": ALICE[0],
+                         "upgrade": upgrade_id(env)}
+    lapsed = await rt.invoke("deploy", {}, None, NOW + 600_000, session="s-1", upgrade=env)
+    assert lapsed["refused"]["reason"] == "expired"
+    assert len(body.calls) == 3
+
+
+def bad_upgrades() -> dict[str, Envelope]:
+    env = upgrade()
+    tampered = Envelope(payloadType=env.payloadType, signatures=env.signatures,
+                        payload=base64.b64encode(base64.b64decode(env.payload).replace(
+                            b'"s-1"', b'"s-2"')).decode())
+    unsigned = Envelope(payloadType=env.payloadType, payload=env.payload, signatures=[])
+    return {
+        "unsigned": unsigned,
+        "unknown_key": upgrade(key=MALLORY),
+        "bad_signature": tampered,
+        "principal_mismatch": sign_upgrade(ALICE[1], "operator:bob", "agent", "s-1", "r", NOW,
+                                           60_000, nonce="n" * 16, classes=["L4"]),
+        "wrong_type": signing.sign(signing.PAYLOAD_TYPES["tool_grant"],
+                                   base64.b64decode(env.payload), ALICE[1]),
+        "malformed": signing.sign(env.payloadType, b'{"runtime": "agent"}', ALICE[1]),
+        "expired": upgrade(now=NOW - 700_000),
+        "expired ": upgrade(now=NOW + 400_000),
+        "window_too_long": upgrade(now=NOW - 1000, ttl_ms=25 * 3600 * 1000),
+        "wrong_runtime": upgrade("other-agent"),
+        "wrong_session": upgrade(session="s-2"),
+        "wrong_tool": upgrade(tools=["read"]),
+        "wrong_tool ": upgrade(classes=["L2"]),
+    }
+
+
+async def test_bad_upgrades_are_refused_and_nothing_runs():
+    rt, tools = runtime()
+    deploy, body = tools["deploy"]
+    for reason, env in bad_upgrades().items():
+        reply = await rt.invoke("deploy", ARGS, None, NOW, session="s-1", upgrade=env)
+        assert reply["refused"]["reason"] == reason.strip(), (reason, reply)
+        assert reply["refused"]["detail"] and "\n" not in reply["refused"]["detail"]
+    no_session = await rt.invoke("deploy", ARGS, None, NOW, upgrade=upgrade())
+    assert no_session["refused"]["reason"] == "wrong_session"
+    assert body.calls == []
+
+
+async def test_a_bad_upgrade_falls_back_to_a_grant_and_a_good_one_leaves_it_unspent():
+    rt, tools = runtime()
+    deploy, body = tools["deploy"]
+    env = grant(deploy)
+    reply = await rt.invoke("deploy", ARGS, env, NOW, session="s-1", upgrade=upgrade(key=MALLORY))
+    assert reply["ok"] is True and "upgrade" not in reply
+    env2 = grant(deploy)
+    assert (await rt.invoke("deploy", ARGS, env2, NOW, session="s-1",
+                            upgrade=upgrade()))["upgrade"]
+    assert (await rt.invoke("deploy", ARGS, env2, NOW))["ok"] is True  # still unspent
+    assert len(body.calls) == 3
+
+
+async def test_an_upgrade_by_tool_name_and_its_scope():
+    rt, _ = runtime()
+    push, body = scoped("push", "L4")
+    rt.register(push)
+    env = upgrade(tools=["push"], scope=CapabilityScope(paths=["/srv/data/releases/**"]))
+    ok = await rt.invoke("push", {"path": "/srv/data/releases/v2"}, None, NOW, session="s-1",
+                         upgrade=env)
+    assert ok["ok"] is True
+    out = await rt.invoke("push", {"path": "/srv/data/other"}, None, NOW, session="s-1",
+                          upgrade=env)
+    assert out["refused"]["reason"] == "out_of_scope"
+    assert "session upgrade scope" in out["refused"]["detail"]
+    assert (await rt.invoke("deploy", {}, None, NOW, session="s-1",
+                            upgrade=env))["refused"]["reason"] == "wrong_tool"
+    assert body.calls == [{"path": "/srv/data/releases/v2"}]
+
+
+async def test_a_revoked_upgrade_is_refused_on_every_runtime_sharing_the_ledger():
+    rt, tools = runtime()
+    deploy, body = tools["deploy"]
+    env = upgrade()
+    assert (await rt.invoke("deploy", {}, None, NOW, session="s-1", upgrade=env))["ok"] is True
+    for bad, reason in ((sign_revocation(MALLORY[1], MALLORY[0], "agent", upgrade_id(env), "r",
+                                         NOW), "unknown_key"),
+                        (sign_revocation(ALICE[1], ALICE[0], "other", upgrade_id(env), "r",
+                                         NOW), "wrong_runtime"),
+                        (grant(deploy), "wrong_type")):
+        assert (await rt.revoke(bad))["refused"]["reason"] == reason
+    assert (await rt.invoke("deploy", {}, None, NOW, session="s-1", upgrade=env))["ok"] is True
+    done = await rt.revoke(sign_revocation(ALICE[1], ALICE[0], "agent", upgrade_id(env),
+                                           "session over", NOW + 5))
+    assert done == {"ok": True, "revoked": upgrade_id(env), "revoked_by": ALICE[0]}
+    replica, _ = runtime(ledger=rt.ledger)
+    for r in (rt, replica):
+        reply = await r.invoke("deploy", {}, None, NOW + 10, session="s-1", upgrade=env)
+        assert reply["refused"]["reason"] == "revoked"
+    assert len(body.calls) == 2
+
+
+# -- the ledger: what replicas share ------------------------------------------------------------
+
+
+async def test_replicas_sharing_a_ledger_spend_a_grant_once_and_share_acceptances():
+    ledger = ProcessLedger()
+    a, ta = runtime(ledger=ledger)
+    b, tb = runtime(ledger=ledger)
+    env = grant(ta["deploy"][0])
+    assert (await a.invoke("deploy", ARGS, env, NOW))["ok"] is True
+    assert (await b.invoke("deploy", ARGS, env, NOW))["refused"]["reason"] == "replayed"
+    accept = grant(ta["write"][0], runtime="agent")
+    assert (await a.invoke("write", ARGS, accept, NOW))["ok"] is True
+    assert by_name(b.catalog())["write"]["needs_acceptance"] is True  # not yet read
+    assert (await b.invoke("write", {"n": 1}, None, NOW))["ok"] is True
+    assert "needs_acceptance" not in by_name(b.catalog())["write"]
+    c, _ = runtime(ledger=ledger)
+    await c.refresh()
+    assert "needs_acceptance" not in by_name(c.catalog())["write"]
+    assert tb["write"][1].calls == [{"n": 1}]
+
+
+class ForgingLedger(ProcessLedger):
+    """A ledger anyone could have written: whatever acceptance the test plants."""
+
+
+async def test_a_forged_acceptance_in_the_ledger_accepts_nothing():
+    ledger = ForgingLedger()
+    rt, tools = runtime(ledger=ledger)
+    write, body = tools["write"]
+    token = grant_token(write)
+    other, _ = runtime(name="other-agent")
+    forged = {
+        "mallory's key": grant(write, key=MALLORY, runtime="agent"),
+        "another runtime's acceptance": grant(write, runtime="other-agent"),
+        "no runtime named": grant(write),
+        "another tool's grant": grant(tools["deploy"][0], runtime="agent"),
+        "not a grant": upgrade(),
+        "unsigned": Envelope(payloadType=signing.PAYLOAD_TYPES["tool_grant"],
+                             payload=grant(write, runtime="agent").payload, signatures=[]),
+    }
+    for what, env in forged.items():
+        ledger.accepted[("agent", token)] = env
+        await rt.refresh()
+        assert by_name(rt.catalog())["write"]["needs_acceptance"] is True, what
+        reply = await rt.invoke("write", ARGS, None, NOW)
+        assert reply["refused"]["reason"] == "acceptance_required", what
+    assert body.calls == []
+
+
+# -- the audit chain's trailers -----------------------------------------------------------------
+
+
+async def test_decisions_are_drafted_for_the_tools_chain_without_the_arguments():
+    from improved.core import audit, evidence
+    from improved.core.record import ChainHead
+
+    rt, tools = runtime()
+    deploy, _ = tools["deploy"]
+    secret = {"password": "hunter2", "path": "/srv/data"}
+    decisions = [
+        await rt.decide("read", secret, None, NOW),
+        await rt.decide("deploy", secret, None, NOW),
+        await rt.decide("deploy", secret, grant(deploy, secret, runtime="agent"), NOW),
+        await rt.decide("deploy", {}, None, NOW, session="s-1", upgrade=upgrade()),
+    ]
+    assert [d.allowed for d in decisions] == [True, False, True, True]
+    cid = tools_chain_id("agent")
+    head, trailers = ChainHead(), []
+    for n, d in enumerate(decisions):
+        draft = call_draft("agent", d)
+        t = audit.seal_next(draft, cid, head, d.provider.authority, "operation", NOW + n)
+        head = ChainHead(length=head.length + 1, last_hash=t.hash, stream_seq=n + 1)
+        trailers.append(evidence.sign(t, DAEMON))
+    bodies = [msgspec.to_builtins(t) for t in trailers]
+    assert all(b"hunter2" not in to_json(t) for t in trailers)
+    assert [t.verdict for t in trailers] == ["tool_call", "refused", "tool_call", "tool_call"]
+    assert [t.gate_class for t in trailers] == ["L0", "L4", "L4", "L4"]
+    refs = [dict(r.split(":", 1) for r in t.refs) for t in trailers]
+    assert refs[0]["args"] == args_digest(secret) and refs[0]["via"] == "mounted"
+    assert refs[1]["refused"] == "authority_gated"
+    assert (refs[2]["via"], trailers[2].actor) == ("grant", ALICE[0])
+    assert (refs[3]["via"], refs[3]["session"]) == ("upgrade", "s-1")
+    assert trailers[2].envelope is not None and trailers[1].envelope is None
+    readers = evidence.ChainTrust(frozenset({DAEMON_KEYID}),
+                                  evidence.History(fallback=evidence.KeySet(trust())))
+    assert audit.verify_chain(cid, bodies, readers) is None
+    # the signed act must say what the trailer says
+    for change in ({"args": "0" * 64}, {"tool": "read"}, {"session": "s-9"},
+                   {"runtime": "other"}):
+        at = 2 if "session" not in change else 3
+        forged = [dict(b) for b in bodies[:at + 1]]
+        forged[at]["refs"] = [f"{k}:{change.get(k, v)}" for k, v in refs[at].items()]
+        resealed = audit.seal_next(audit.Draft(
+            "apply", "apply", forged[at]["actor"], "human", forged[at]["reason"],
+            "tool_call", refs=tuple(forged[at]["refs"]), envelope=trailers[at].envelope),
+            cid, ChainHead(length=at, last_hash=bodies[at - 1]["hash"], stream_seq=at), "L4", "operation", NOW)
+        forged[at] = msgspec.to_builtins(evidence.sign(resealed, DAEMON))
+        brk = audit.verify_chain(cid, forged, readers)
+        assert brk is not None and brk.seq == at and "signed act says" in brk.problem, change

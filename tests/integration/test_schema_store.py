@@ -1,0 +1,148 @@
+"""Schema discipline in the owning service (SPEC 09 §7.4): the artefact store classifies a
+`schema:` change against the schema it holds, not the one the proposer claims. Orders are sent
+by hand, their acceptance trailers appended as in test_artefact_store (a server of this
+module's own)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest_asyncio
+
+from improved.core.lkg import REVERT_ANALYZER
+from improved.protocol.model import AnalyzerRef, Summary
+from improved_reference.artefact_store import digest_of
+from tests.bus import send
+from tests.integration.test_artefact_store import (  # noqa: F401  (fixtures)
+    OPERATOR,
+    append,
+    approved,
+    l4,
+    manifest_rev,
+    module_server,
+    nc,
+    order,
+    serving,
+)
+
+ORDERS = {"type": "object", "properties": {"sku": {"type": "string"},
+                                           "qty": {"type": "integer", "maximum": 100}},
+          "required": ["sku"], "additionalProperties": False}
+QUORUM = "quorum:0123456789abcdef"
+
+
+def text(schema: dict) -> str:
+    return json.dumps(schema, sort_keys=True)
+
+
+def with_qty(**qty) -> dict:
+    return {**ORDERS, "properties": {**ORDERS["properties"], "qty": qty}}
+
+
+WIDER = with_qty(type="integer", maximum=1000)  # forward-compatible
+NARROWER = with_qty(type="integer", maximum=10)  # backward: only takes away
+RETYPED = with_qty(type="string")  # breaking
+
+
+def change(svc: str, schema: dict, base: dict | None = ORDERS, **over):
+    """A proposal to make `orders` `schema`, whose revert restores `base` (None: no revert)."""
+    content = text(schema)
+    revert = None if base is None else {"restore": {"orders": digest_of(text(base).encode())}}
+    return l4(svc, {"artefacts": {"orders": content}},
+              [{"artefact": "orders", "digest": digest_of(content.encode()),
+                "smoke_test": "json_schema"}],
+              target_ref=f"schema:{svc}", revert=revert, **over)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def store(nc, svc):  # noqa: F811
+    async with serving(nc, svc, {"orders": text(ORDERS)}) as s:
+        yield s
+
+
+async def held(store) -> dict:
+    return json.loads(await store.content("orders"))
+
+
+# -- the attack first: a proposer's claims decide nothing ----------------------------------------
+
+
+async def test_a_breaking_change_claimed_forward_compatible_never_applies_without_the_operator(
+        nc, svc, store):  # noqa: F811
+    """The proposer says the change is forward-compatible and names as its base a schema under
+    which it would be (qty already a string). Neither claim is believed."""
+    js = nc.jetstream()
+    claimed_base = with_qty(type="string", maxLength=4)
+    lie = change(svc, RETYPED, base=claimed_base,
+                 summary=Summary(template_id="schema_change", args={"compat": "forward"}))
+    rev = await manifest_rev(store)
+    result, _ = await send(nc, svc, await approved(js, order(lie, QUORUM), ("quorum", QUORUM)))
+    assert not result.ok and result.error.startswith(
+        "schema_base: the revert restores orders to sha256:")
+    # the same change with its true base: classified against the store's head, breaking, and
+    # a quorum is not the operator
+    honest_base = change(svc, RETYPED,
+                         summary=Summary(template_id="schema_change", args={"compat": "forward"}))
+    result, _ = await send(nc, svc, await approved(js, order(honest_base, QUORUM),
+                                                   ("quorum", QUORUM)))
+    assert not result.ok
+    assert result.error.startswith("schema_breaking: orders at /properties/qty/type: no longer "
+                                   "admits integer; a breaking change needs an operator's own "
+                                   f"signed approval ({QUORUM} is not an operator)")
+    assert await held(store) == ORDERS and await manifest_rev(store) == rev
+    # the operator's own approval is what a breaking change rests on
+    await append(js, svc, order(honest_base).proposal_id, ("approve", OPERATOR))
+    result, _ = await send(nc, svc, order(honest_base))
+    assert result.ok, result.error
+    assert await held(store) == RETYPED
+    ledger = json.loads((await store.ledger.get(order(honest_base).proposal_id)).value)
+    assert ledger["schema"] == {"class": "breaking", "reasons": {
+        "orders": "/properties/qty/type: no longer admits integer"}}
+
+
+async def test_forward_compatible_applies_on_its_approval_and_backward_is_refused_whoever(
+        nc, svc, store):  # noqa: F811
+    js = nc.jetstream()
+    rev = await manifest_rev(store)
+    narrower = change(svc, NARROWER)
+    result, _ = await send(nc, svc, await approved(js, order(narrower)))
+    assert not result.ok and result.error.startswith(
+        "schema_backward: orders at /properties/qty/maximum: lowered to 10 (was maximum 100); "
+        "a change that only takes away is refused whoever approved it")
+    assert await manifest_rev(store) == rev
+
+    wider = change(svc, WIDER)
+    result, _ = await send(nc, svc, await approved(js, order(wider, QUORUM), ("quorum", QUORUM)))
+    assert result.ok, result.error
+    assert await held(store) == WIDER
+    assert result.inverse == {"restore": {"orders": digest_of(text(ORDERS).encode())}}
+
+    # its recorded reversal goes back although going back only takes away
+    back = l4(svc, result.inverse, None, target_ref=f"schema:{svc}",
+              analyzer=AnalyzerRef(id=REVERT_ANALYZER),
+              derived_from=[f"mg:sha256:{order(wider).proposal_id}"])
+    result, _ = await send(nc, svc, await approved(js, order(back)))
+    assert result.ok, result.error
+    assert await held(store) == ORDERS
+
+    # any other restore to the wider schema is a change like another, with its revert
+    again = l4(svc, {"restore": {"orders": digest_of(text(WIDER).encode())}}, None,
+               target_ref=f"schema:{svc}")
+    result, _ = await send(nc, svc, await approved(js, order(again)))
+    assert not result.ok and result.error.startswith("schema_revert: ")
+
+
+async def test_a_missing_revert_or_content_that_is_no_schema_is_refused(nc, svc, store):  # noqa: F811
+    js = nc.jetstream()
+    rev = await manifest_rev(store)
+    result, _ = await send(nc, svc, await approved(js, order(change(svc, WIDER, base=None))))
+    assert not result.ok and result.error.startswith(
+        "schema_revert: a schema change carries its backward-compatible revert")
+    bad = change(svc, WIDER)
+    bad.proposal_data["artefacts"]["orders"] = "[1, 2]"
+    bad.lkg[0]["digest"] = digest_of(b"[1, 2]")
+    bad.lkg[0]["smoke_test"] = "json"
+    result, _ = await send(nc, svc, await approved(js, order(bad)))
+    assert not result.ok and result.error.startswith(
+        "schema_invalid: orders: the proposed schema is not a JSON Schema")
+    assert await held(store) == ORDERS and await manifest_rev(store) == rev
