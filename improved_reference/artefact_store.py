@@ -844,18 +844,8 @@ async def run(url: str, service: str) -> int:
 
 def _seeds(given: list[str]) -> dict[str, tuple[str, str]]:
     """--seed NAME=FILE, each: name → (file, its UTF-8 text); ValueError in one line."""
-    seeds: dict[str, tuple[str, str]] = {}
-    for item in given:
-        name, sep, path = item.partition("=")
-        if not sep or not NAME_RE.match(name) or not path:
-            raise ValueError(f"--seed {item!r}: expected NAME=FILE, NAME matching "
-                             f"{NAME_RE.pattern}")
-        try:
-            seeds[name] = (path, Path(path).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-            raise ValueError(f"--seed {name}: cannot read {path} as UTF-8 text: {why}") from None
-    return seeds
+    return kv_service.seed_texts("--seed", given, f"NAME=FILE, NAME matching {NAME_RE.pattern}",
+                                 NAME_RE.match)
 
 
 def _commands(flag: str, given: list[str]) -> dict[str, str]:

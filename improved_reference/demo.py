@@ -2,10 +2,12 @@
 
 One call starts everything: a `nats-server` with JetStream on a free port in a temporary
 directory, the daemon (trusting a freshly generated key for `operator:demo`), the reference
-skills store as service `skills` and the reference ranking store as service `search`. Then it
-walks the loop step by step — L1 surfaces, L2 waits for a signed approval, a grant makes L3
-automatic for exactly one content hash, feedback collapse, a forbidden target, a rollback — and
-ends by verifying every audit chain. Each event is one line of a plain-text timeline.
+skills store as service `skills`, the reference ranking store as service `search`, the
+knowledge store as `memory`, the doc store as `docs` and the artefact store as `deploy`. Then
+it walks the loop step by step — L1 surfaces, L2 waits for a signed approval, a grant makes L3
+automatic for exactly one content hash, feedback collapse, a forbidden target, a rollback, a
+CAL batch and a doc edit undone by their stores' inverses, an L4 swap — and ends by verifying
+every audit chain. Each event is one line of a plain-text timeline.
 
 Every wait is bounded: a state that does not arrive prints a FAILED line and the walk goes on;
 `run` returns 1 if any step failed. Everything is stopped and the temporary directory removed
@@ -48,6 +50,7 @@ from improved.protocol.model import (
     MetricSnapshot,
     Origin,
     Proposal,
+    ProposalEdit,
     Review,
     Signal,
     Summary,
@@ -58,7 +61,11 @@ from improved.runtime import bus
 from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon, run_until_stopped
 from improved.runtime.store import Store
+from improved_reference import diffs
 from improved_reference.artefact_store import ArtefactStore, digest_of
+from improved_reference.doc_store import DocStore
+from improved_reference.doc_store import digest as doc_digest
+from improved_reference.knowledge_store import KnowledgeStore
 from improved_reference.ranking_store import RankingStore
 from improved_reference.skills_store import SkillsStore
 
@@ -90,6 +97,16 @@ DEPLOYER = "agentd:release-9c1e:1"  # proposes the L4 binary swap
 ARTEFACTS = {"app": '{"release": 1}', "config": '{"workers": 4}'}
 PRIOR, NEW = 1.0, 1.5
 FORBIDDEN = "notes/../_spec/2026-04-20-00-constitution.md"
+CURATOR = "mcp:curator-2b7d:1"  # proposes the CAL batch and the doc edit
+NAMESPACE = "agent:recommendations"
+DUPLICATES = "\n".join(  # what an extractor wrote twice: the OMS seed's example, small
+    f'ADD fact SET subject = "user:john-smith" SET relation = "preferred_activity" '
+    f'SET object = "{obj}" REASON "extracted from a chat"' for obj in ("morning run", "running"))
+MERGE = ('SUPERSEDE facts WHERE subject = "user:john-smith" AND relation = "preferred_activity" '
+         'SET object = "morning_run_5k" REASON "merge 2 duplicate extractions"')
+GUIDE = "docs/guide.md"
+GUIDE_V1 = "# Guide\n\nRun the demo.\n"
+GUIDE_V2 = "# Guide\n\nRun `improved demo`: the whole loop in ten seconds.\n"
 
 
 def orders_schema(qty_maximum: int) -> str:
@@ -237,10 +254,19 @@ class Demo:
         self.deploy = ArtefactStore(self.nc_deploy, "deploy")
         await self.deploy.start()
         await self.deploy.seed(ARTEFACTS)
+        self.nc_memory = await bus.connect(url, "demo-knowledge-doc-stores")
+        self.conns.append(self.nc_memory)
+        self.memory = KnowledgeStore(self.nc_memory, "memory")
+        await self.memory.start()
+        await self.memory.seed(NAMESPACE, DUPLICATES)
+        self.docs = DocStore(self.nc_memory, "docs")
+        await self.docs.start()
+        await self.docs.put(GUIDE, GUIDE_V1)
         self.event("services", f"skills (reference skills store), search (reference ranking "
-                   f"store, {RANK_KEY} = {PRIOR}) and deploy (reference L4 artefact store, "
-                   f"{', '.join(ARTEFACTS)} at their last-known-good) serve "
-                   "<svc>.improve.apply")
+                   f"store, {RANK_KEY} = {PRIOR}), deploy (reference L4 artefact store, "
+                   f"{', '.join(ARTEFACTS)} at their last-known-good), memory (reference "
+                   f"knowledge store, 2 duplicate facts in {NAMESPACE}) and docs (reference doc "
+                   f"store, {GUIDE}) serve <svc>.improve.apply")
 
         # The agents, the evaluator and the operator share one connection; so does the
         # audit reader, which reads the chains straight from the stream, not from the daemon.
@@ -250,13 +276,16 @@ class Demo:
         self.skills_client = MeshClient(self.nc, "skills", timeout=STEP_TIMEOUT)
         self.search_client = MeshClient(self.nc, "search", timeout=STEP_TIMEOUT)
         self.deploy_client = MeshClient(self.nc, "deploy", timeout=STEP_TIMEOUT)
+        self.memory_client = MeshClient(self.nc, "memory", timeout=STEP_TIMEOUT)
+        self.docs_client = MeshClient(self.nc, "docs", timeout=STEP_TIMEOUT)
         self.evaluator = MeshClient(self.nc, "evaluator", timeout=STEP_TIMEOUT)
         self.reader = Store(self.nc)
 
     async def stop(self) -> None:
         """Stop services, daemon, connections, server — each bounded, none allowed to raise."""
         for store in (getattr(self, "skills", None), getattr(self, "search", None),
-                      getattr(self, "deploy", None)):
+                      getattr(self, "deploy", None), getattr(self, "memory", None),
+                      getattr(self, "docs", None)):
             if store is not None:
                 with suppress(Exception):
                     await asyncio.wait_for(store.stop(), CLEANUP_TIMEOUT)
@@ -577,6 +606,80 @@ class Demo:
         self.event("value", f"{SNIPPET_KEY} is unset again: the recorded inverse was applied")
         self.ok("re-measured at review_after, regressed, rolled back by its recorded inverse")
 
+    def knowledge_proposal(self, service: str, target: str, template: str,
+                           **body: Any) -> Proposal:
+        return Proposal(
+            service=service, target_ref=target, change_class="L2", scope="knowledge",
+            origin=Origin(actor=CURATOR, service=service),
+            analyzer=AnalyzerRef(id="curator.duplicate_sweep/1"),
+            summary=Summary(template_id=template, args={"target": target}),
+            created_at=self.now_ms(), **body)
+
+    async def approved_and_undone(self, client: MeshClient, pid: str, show: Callable[[], Any],
+                                  what: str, inverse: Callable[[Any], str]) -> Any:
+        """Approve `pid`, wait for its outcome, show the change, then roll it back by the
+        inverse the service returned; the outcome."""
+        svc = client.service
+        await self.decision(client, pid)
+        await self.review(svc, pid, "approve", f"the {what} looks right")
+        try:
+            out = await self.wait(f"the apply outcome of {short(pid)}",
+                                  lambda: client.outcome(pid))
+        except StepFailed as exc:
+            raise await self.why_not(S.audit(svc, pid), exc) from None
+        self.expect(out.ok and out.rollbackable, f"the apply failed or is not rollbackable: "
+                    f"{out.error}")
+        self.event("apply", f"{svc}: {await show()}; authority {out.authority}")
+        self.event("inverse", inverse(out.inverse))
+        await self.review(svc, pid, "rollback", f"undo the {what}")
+        try:
+            await self.status(client, pid, "rolled_back")
+        except StepFailed as exc:
+            raise await self.why_not(S.audit(svc, pid), exc) from None
+        self.event("rollback", f"{svc}: {await show()}")
+        return out
+
+    async def step_knowledge(self) -> None:
+        async def facts() -> str:
+            live = await self.memory.recall(NAMESPACE)
+            return f"{len(live)} live fact(s): " + ", ".join(
+                sorted(repr(g["object"]) for g in live.values()))
+
+        self.event("memory", f"{NAMESPACE}: {await facts()}")
+        pid = await self.propose(self.memory_client, self.knowledge_proposal(
+            "memory", "entity:fitness/user:john-smith", "merge_duplicate_facts",
+            proposal_cal=MERGE, namespace=NAMESPACE))
+
+        def plan(inverse: Any) -> str:
+            [step] = inverse["cal_inverse"]
+            return (f"supersede {step['target'][:19]}… and reinstate "
+                    + ", ".join(a[:19] + "…" for a in step["restore_from"])
+                    + ": the grains the batch really wrote, so a rollback can replay it")
+
+        out = await self.approved_and_undone(self.memory_client, pid, facts, "merge", plan)
+        [step] = out.inverse["cal_inverse"]
+        live = await self.memory.recall(NAMESPACE)
+        self.expect(sorted(live) == sorted(step["restore_from"]),
+                    f"expected the 2 duplicates back, found {sorted(live)}")
+        pid = await self.propose(self.docs_client, self.knowledge_proposal(
+            "docs", f"doc:{GUIDE}", "edit_doc", proposal_edit=ProposalEdit(
+                format="unified", base_digest=doc_digest(GUIDE_V1),
+                diff=diffs.make(GUIDE_V1, GUIDE_V2, GUIDE))))
+
+        async def guide() -> str:
+            text = await self.docs.document(GUIDE) or ""
+            return f"{GUIDE} line 3 reads {text.splitlines()[2]!r}"
+
+        def reverse(inverse: Any) -> str:
+            edit = inverse["edit"]
+            return (f"the reverse diff on base {edit['base_digest'][:19]}… (the new head): a "
+                    "later edit would make it refused, never applied over")
+
+        await self.approved_and_undone(self.docs_client, pid, guide, "edit", reverse)
+        self.expect(await self.docs.document(GUIDE) == GUIDE_V1, f"{GUIDE} is not back")
+        self.ok("a CAL batch and a doc edit applied under the operator's approval, each undone "
+                "by the inverse its store returned")
+
     def swap_proposal(self, new: dict[str, str]) -> Proposal:
         return Proposal(
             service="deploy", target_ref="binary:deploy", change_class="L4", scope="operation",
@@ -711,6 +814,10 @@ class Demo:
          "A change carries the metric as it was and when to look again; at review_after the "
          "daemon asks the owning service to measure, and a regression proposes the inverse "
          "recorded at the apply."),
+        ("step_knowledge", "OMS knowledge: a CAL batch and a doc edit, applied and undone",
+         "A curator merges duplicate facts with a CAL batch and edits a guide with a diff; "
+         "each store applies it under the approver's capability, in its namespace or on the "
+         "doc's current head, and returns an inverse the rollback replays."),
         ("step_l4", "L4: last-known-good, all or none, and a reversal made in advance",
          "A binary swap lists its artefacts with digests and smoke tests; the owning service "
          "swaps all of them or none, and the reversal is recorded before the apply, so undoing "

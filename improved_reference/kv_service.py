@@ -28,6 +28,7 @@ import os
 import signal as signals
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -209,6 +210,16 @@ class KVService:
         entry, _ = await read_json(self.ledger, pid)
         return entry is not None and entry.get("revision") is not None
 
+    def surface(self) -> dict[str, Any]:
+        """What every such store's `spec.get` opens with: its service, where orders go, the
+        level it claims — L3 with the acceptance gate in the store (for a store holding no
+        skills L3 does not apply; for the skills store it is TOFU by hash), L1 trusting the
+        bus — and how acceptance is checked."""
+        return {"service": self.service, "improve": True,
+                "apply": S.apply_request(self.service),
+                "conformance": "L3" if self.verify_acceptance else "L1",
+                **self.acceptance_claim()}
+
     def acceptance_claim(self) -> dict[str, str]:
         """What `spec.get` says about the acceptance gate, for the capabilities."""
         if self.verify_acceptance:
@@ -274,6 +285,23 @@ class KVService:
                           revision=ack.seq)
         return ack.seq
 
+    async def _store(self, key: str, make: Callable[[Any], bytes | None]) -> bool:
+        """Write `make(current value)` to `key` outside the loop (seeding, an import): no
+        proposal, no ledger entry, compare-and-set on the revision read, read again on a
+        conflict. `make` returning None writes nothing (False); RuntimeError if the key kept
+        changing."""
+        for _ in range(ROUNDS):
+            current, rev = await self._current(key)
+            data = make(current)
+            if data is None:
+                return False
+            try:
+                await self._publish(key, data, rev)
+            except Conflict:
+                continue
+            return True
+        raise RuntimeError(f"could not store {key!r}: it kept changing ({ROUNDS} attempts)")
+
     async def _own_write(self, pid: str, key: str, after: int) -> int | None:
         """The revision of a write tagged `pid` on `key` after revision `after`, if any."""
         seq = after + 1
@@ -329,6 +357,32 @@ async def run(cls: type[KVService], url: str, service: str,
     await store.stop()
     await nc.drain()
     return 0
+
+
+def pairs(flag: str, given: list[str], shape: str,
+          valid: Callable[[str], object] = bool) -> list[tuple[str, str]]:
+    """Each `flag LEFT=RIGHT` argument split in two, or ValueError in one line naming the
+    bad one (`shape` says what was expected, e.g. "NAME=FILE")."""
+    out = []
+    for item in given:
+        left, sep, right = item.partition("=")
+        if not sep or not left or not valid(left) or not right.strip():
+            raise ValueError(f"{flag} {item!r}: expected {shape}")
+        out.append((left, right))
+    return out
+
+
+def seed_texts(flag: str, given: list[str], shape: str = "NAME=FILE",
+               valid: Callable[[str], object] = bool) -> dict[str, tuple[str, str]]:
+    """`flag NAME=FILE` arguments: name → (file, its UTF-8 text); ValueError in one line."""
+    seeds: dict[str, tuple[str, str]] = {}
+    for name, path in pairs(flag, given, shape, valid):
+        try:
+            seeds[name] = (path, Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise ValueError(f"{flag} {name}: cannot read {path} as UTF-8 text: {why}") from None
+    return seeds
 
 
 def parser(module: str, description: str) -> argparse.ArgumentParser:

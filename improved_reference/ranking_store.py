@@ -111,13 +111,9 @@ class RankingStore(KVService):
 
     def capabilities(self) -> dict[str, Any]:
         return {
-            "service": self.service,
-            "improve": True,
-            "apply": S.apply_request(self.service),
+            **self.surface(),
             "measure": S.measure_request(self.service),  # a metric is a key: the query names it
             "schemes": [f"{s}:" for s in SCHEMES],
-            "conformance": "L3" if self.verify_acceptance else "L1",  # L3: no skills held
-            **self.acceptance_claim(),
             "proposal_data": ['{"set": {"key": K, "value": scalar}}', '{"delete": K}'],
             "buckets": {"values": self.values_bucket, "ledger": self.ledger_bucket},
         }

@@ -80,7 +80,7 @@ from improved.protocol.model import (
     to_json,
 )
 from improved_reference import kv_service
-from improved_reference.kv_service import ROUNDS, Conflict, KVService, read_json
+from improved_reference.kv_service import ROUNDS, KVService, read_json
 from improved_reference.skill_competence import (
     NAMESPACE,
     NotPractice,
@@ -365,9 +365,7 @@ class SkillsStore(KVService):
 
     def capabilities(self) -> dict[str, Any]:
         return {
-            "service": self.service,
-            "improve": True,
-            "apply": S.apply_request(self.service),
+            **self.surface(),
             "schemes": ["skill:"],
             "proposal_data": ['{"skill": definition, "refines"?: identity}',
                               '{"retract": identity}'],
@@ -376,9 +374,6 @@ class SkillsStore(KVService):
             "practice": S.skills_practice(self.service),
             "competence": S.skills_competence(self.service),
             "transfer": S.skills_transfer(self.service),
-            # L2 and L3 need the acceptance gate in the store itself (SPEC 09 conformance)
-            "conformance": "L3" if self.verify_acceptance else "L1",
-            **self.acceptance_claim(),
             "buckets": {"definitions": self.defs_bucket, "competence": self.comp_bucket,
                         "ledger": self.ledger_bucket},
         }
@@ -395,16 +390,9 @@ class SkillsStore(KVService):
         """Store a definition under its hash (a no-op when it is already there); its identity."""
         record = definition_record(definition, now_ms())
         change = Change(op="put", name=record["name"], sha=record["sha256"], record=record)
-        for _ in range(ROUNDS):
-            current, rev = await self._current(change.key)
-            if verify(current, change.name, change.sha) is None:
-                return change.identity
-            try:
-                await self._publish(change.key, to_json(record), rev)
-            except Conflict:
-                continue
-            return change.identity
-        raise RuntimeError(f"could not store {change.identity}: the key kept changing")
+        await self._store(change.key, lambda current: None if verify(
+            current, change.name, change.sha) is None else to_json(record))
+        return change.identity
 
     async def record(self, identity: str) -> dict[str, Any]:
         """The stored record of exactly `identity`, verified against its hash; GrantMismatch

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import msgspec
@@ -223,6 +224,39 @@ async def approve(nc, client, svc, pid):
     """ALICE's signed approval of `pid`, once the daemon has decided it."""
     await eventually(lambda: client.decision(pid))
     await publish(nc, subjects.inbound_review(svc), review(pid))
+
+
+@asynccontextmanager
+async def serving(nc, store, buckets):
+    """`store` started for the test, then stopped and its KV `buckets` deleted."""
+    await store.start()
+    try:
+        yield store
+    finally:
+        await store.stop()
+        for bucket in buckets:
+            await nc.jetstream().delete_key_value(bucket)
+
+
+async def kv_revisions(nc, bucket: str, key: str) -> int:
+    """How many revisions KV `bucket` keeps of `key` (0 when it has none)."""
+    kv = await nc.jetstream().key_value(bucket)
+    try:
+        return len(await kv.history(key))
+    except Exception:  # no such key yet
+        return 0
+
+
+async def rolled_back(nc, client, svc, pid, reason: str = "undo it"):
+    """ALICE's signed rollback of the applied `pid`, then its status rolled_back."""
+    await publish(nc, subjects.inbound_review(svc), review(pid, verdict="rollback",
+                                                           reason=reason))
+
+    async def done():
+        state = await client.state(pid)
+        return state is not None and state.status == "rolled_back"
+
+    await eventually(done)
 
 
 async def outcome(client, pid):

@@ -71,10 +71,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     demo = sub.add_parser(
         "demo", help="walk through the whole loop in about ten seconds",
         description="Start everything embedded (a nats-server, the daemon, a skills store, a "
-                    "ranking store and an artefact store) and walk through the loop: a skill "
+                    "ranking store, a knowledge store, a doc store and an artefact store) and "
+                    "walk through the loop: a skill "
                     "proposed at L1, its first execution approved by a demo operator, a grant, a "
                     "trusted re-execution, a refinement sent back to L2, a self-confirmed change "
-                    "deferred, a forbidden target rejected, a rollback, an L4 binary swap "
+                    "deferred, a forbidden target rejected, a rollback, a CAL batch and a doc "
+                    "edit applied and undone by their inverses, an L4 binary swap "
                     "refused whole, then applied and reverted without a second approval — "
                     "printing a timeline and ending with every audit chain verified.")
     demo.add_argument("--pace", type=float, default=0.4, metavar="SECONDS",

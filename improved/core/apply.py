@@ -233,17 +233,30 @@ def order(record: ProposalRecord, policy: Policy, attempt: int) -> ApplyOrder:
                       authority=authority(record, policy), attempt=attempt)
 
 
+def replayable(inverse: object) -> bool:
+    """A rollback can send it: there is an inverse, and a CAL plan names a real grain in
+    every step (a `target: null` step says the applier did not tell which grain it wrote)."""
+    if inverse is None:
+        return False
+    if isinstance(inverse, dict) and "cal_inverse" in inverse:
+        steps = inverse["cal_inverse"]
+        return isinstance(steps, list) and bool(steps) and all(
+            isinstance(s, dict) and bool(s.get("target")) for s in steps)
+    return True
+
+
 def derived_inverse(record: ProposalRecord, result: ApplyResult) -> tuple[object, bool]:
-    """The inverse to record: the service's own, else — for a CAL batch, which is Tier-1 and
-    so always invertible — the plan derived from the batch (OMS §3.6); else none."""
-    if result.inverse is not None or not result.ok:
-        return result.inverse, result.rollbackable if result.ok else False
+    """The inverse to record, and whether a rollback can replay it: the service's own, else —
+    for a CAL batch — the plan derived from the batch (OMS §3.6). That fallback cannot know
+    the grains the batch wrote, so its targets are null: kept on the chain for the record,
+    never marked rollbackable. Only what can actually be replayed is."""
+    if not result.ok:
+        return result.inverse, False
+    inverse = result.inverse
     cal_text = record.proposal.proposal_cal
-    if cal_text is not None:
-        batch = cal.parse(cal_text)
-        if cal.rollbackable(batch):
-            return {"cal_inverse": cal.inverse(batch)}, True
-    return None, result.rollbackable
+    if inverse is None and cal_text is not None:
+        inverse = {"cal_inverse": cal.inverse(cal.parse(cal_text))}
+    return inverse, result.rollbackable and replayable(inverse)
 
 
 def recordable(result: ApplyResult) -> ApplyResult:

@@ -39,6 +39,9 @@ Text = Annotated[str, Meta(min_length=1)]
 YEARS_10_S = 10 * 365 * 86400  # upper bound of every span: far beyond use, well inside int64
 
 
+DEFAULT_DOC_ALLOWLIST: tuple[str, ...] = ("docs/**", "*.md")
+
+
 class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     # globs forbidden *in addition to* the constitution's Art. VI list (DEFAULT_FORBIDDEN),
     # which is always in force: see `forbidden`
@@ -48,7 +51,9 @@ class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     policy_principal: Text = "policy:auto"
     effect_window_ms: Annotated[int, Meta(ge=1, le=YEARS_10_S * 1000)] = 24 * 3600 * 1000
     autonomy: Autonomy = "on"  # "off" holds every autonomous apply back (constitution IV.6)
-    doc_allowlist: tuple[str, ...] = ()  # globs of the doc: targets that may be edited at all
+    # globs of the doc: targets that may be edited at all: by default the documentation
+    # (OMS's headline use case), never the forbidden list, which is checked first
+    doc_allowlist: tuple[str, ...] = DEFAULT_DOC_ALLOWLIST
     # relative change of a metric that counts as regression
     regression_tolerance: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.05
     metric_direction: dict[str, Direction] = field(default_factory=dict)  # metric → higher|lower

@@ -46,7 +46,7 @@ fallback_min_class = "L2"            # for schemes not listed anywhere (at least
 policy_principal = "policy:auto"     # authority of auto-applies (L0, L3 with grant)
 effect_window_ms = 86400000          # a world signal counts if it lands this soon after apply
 autonomy = "on"                      # "off": no autonomous apply (constitution IV.6)
-doc_allowlist = ["docs/**", "*.md"]  # doc: targets that may be edited (default: none)
+doc_allowlist = ["docs/**", "*.md"]  # doc: targets that may be edited (this is the default)
 regression_tolerance = 0.05          # at review_after, a metric worse by more than 5 % ...
 metric_direction = { error_rate = "lower" }  # ... regressed (default: higher is better)
 breaker_threshold = 3                # autonomous rollbacks within the window that trip ...

@@ -18,9 +18,12 @@ from improved.runtime.conformance import (
     probe,
     render,
 )
-from improved_reference import ranking_store, skills_store
+from improved_reference import doc_store, knowledge_store, ranking_store, skills_store
+from improved_reference.doc_store import DocStore
+from improved_reference.knowledge_store import KnowledgeStore
 from improved_reference.ranking_store import RankingStore
 from improved_reference.skills_store import SkillsStore
+from tests.bus import serving
 
 FAST = 0.5  # seconds per request where the probe is expected to wait for nothing
 
@@ -212,11 +215,22 @@ async def test_the_skills_store_trusting_the_bus_is_l1_and_says_so(nc, svc, skil
     assert skills.applies == 0
 
 
-@pytest.mark.parametrize("store_class", [SkillsStore, RankingStore])
+@pytest.mark.parametrize(("store_class", "module"), [(KnowledgeStore, knowledge_store),
+                                                    (DocStore, doc_store)])
+async def test_the_knowledge_and_doc_stores_trusting_the_bus_are_l1(nc, svc, store_class,
+                                                                     module):
+    async with serving(nc, store_class(nc, svc), module.bucket_names(svc)) as store:
+        report = await probe(nc, svc)
+        assert report.level == "L1" and report.claimed == "L1", render(report)
+        assert "not for lack of acceptance" in report.first_failure.detail
+        assert store.applies == 0
+
+
+@pytest.mark.parametrize("store_class", [SkillsStore, RankingStore, KnowledgeStore, DocStore])
 async def test_a_store_verifying_acceptance_is_l3(daemon, nc, svc, store_class):
     """With the gate in the store (the audit chain must show the acceptance), the skills store
-    meets L3 (TOFU by hash); the ranking store holds no skills, so L3 does not apply to it and
-    it stops short of L4 (no last-known-good check)."""
+    meets L3 (TOFU by hash); the ranking, knowledge and doc stores hold no skills, so L3 does
+    not apply to them and they stop short of L4 (no last-known-good check)."""
     store = store_class(nc, svc, verify_acceptance=True)
     await store.start()
     try:

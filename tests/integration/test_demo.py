@@ -61,15 +61,21 @@ async def test_the_walk_shows_every_outcome_and_verifies_the_chains():
         # 9. learn-back measures again at review_after, finds a regression, rolls it back
         "measured by asked search: value 0.22 against baseline 0.31 -> regressed",
         "search.snippet_weight is unset again",
-        # 10. L4: all or none, then reverted without a second approval
+        # 10. OMS knowledge: a CAL batch and a doc edit applied, then undone by their inverses
+        "memory: 1 live fact(s): 'morning_run_5k'; authority operator:demo",
+        "the grains the batch really wrote, so a rollback can replay it",
+        "memory: 2 live fact(s): 'morning run', 'running'",
+        "docs: docs/guide.md line 3 reads 'Run the demo.'",
+        "each undone by the inverse its store returned",
+        # 11. L4: all or none, then reverted without a second approval
         "smoke test json failed (rc 1); nothing swapped",
         "reversal recorded before the apply: revert_proposal_id",
         "inherited the approval of operator:demo: no second signature",
-        # 11. schema changes: no revert, backward, forward
+        # 12. schema changes: no revert, backward, forward
         "schema_revert: a schema change carries its backward-compatible revert",
         "ok=False: schema_backward: orders at /properties/qty/maximum: lowered to 10",
         "schema: no revert, rejected",
-        # 12. the audit
+        # 13. the audit
         "all verified",
         "RESULT: every step behaved as the loop promises",
         "improved review",

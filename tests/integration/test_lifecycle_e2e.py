@@ -168,7 +168,9 @@ async def test_an_operator_rejection_teaches_the_analyzer(daemon, nc, svc):
     await learned.put(analyzer, before or observe.encode(observe.NO_COUNTS))
 
 
-async def test_a_cal_batch_gets_its_inverse_derived_at_apply_time(daemon, nc, svc):
+async def test_a_cal_batch_whose_applier_returns_no_inverse_is_not_rollbackable(daemon, nc, svc):
+    """The plan derived from the batch is kept on the chain, but it names no grain (the
+    applier did not say what it wrote), so no rollback is offered that could not run."""
     from improved.protocol.model import ApplyResult
     from tests.factories import rank_proposal
 
@@ -183,9 +185,9 @@ async def test_a_cal_batch_gets_its_inverse_derived_at_apply_time(daemon, nc, sv
                       change_class="L0")
     pid = (await client.propose(p)).proposal_id
     outcome = await eventually(lambda: client.outcome(pid))
-    assert outcome.ok and outcome.rollbackable
+    assert outcome.ok and not outcome.rollbackable
     [step] = outcome.inverse["cal_inverse"]
-    assert step["op"] == "supersede"
+    assert step["op"] == "supersede" and step["target"] is None
     assert step["restore_from"] == {"grain_type": "facts",
                                     "where": {"subject": "user:jo", "relation": "prefers"}}
     chain = await trailers(daemon, svc, pid)

@@ -188,7 +188,7 @@ def test_defaults_are_unchanged(monkeypatch):
             p.effect_window_ms, p.autonomy, p.doc_allowlist, p.regression_tolerance,
             p.metric_direction, p.breaker_threshold, p.breaker_window_days,
             p.breaker_pause_hours, p.quorum) == (
-        (), {}, "L2", "policy:auto", 86400000, "on", (), 0.05, {}, 3, 14.0, 48.0,
+        (), {}, "L2", "policy:auto", 86400000, "on", ("docs/**", "*.md"), 0.05, {}, 3, 14.0, 48.0,
         False)
     assert p.forbidden == DEFAULT_FORBIDDEN and p.quorum_amendment is None
     assert (c.apply.timeout_s, c.apply.attempts, c.apply.max_deliveries) == (5.0, 3, 8)

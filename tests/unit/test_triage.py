@@ -116,7 +116,14 @@ def test_doc_targets_must_be_on_the_allowlist():
     sneaky = make_record(target_ref="doc:docs/../notes/guide.md", change_class="L2",
                          policy=narrow)
     assert decide(sneaky, policy=narrow).cause == "invalid"
-    assert decide(listed, policy=Policy()).cause == "invalid"  # the default lists nothing
+    # the default lists the documentation: docs/** and *.md at any depth, nothing else
+    assert decide(listed, policy=Policy()).cause == "awaiting_operator"
+    readme = make_record(target_ref="doc:service/README.md", change_class="L2")
+    assert decide(readme, policy=Policy()).cause == "awaiting_operator"
+    code = make_record(target_ref="doc:src/main.py", change_class="L2")
+    assert decide(code, policy=Policy()).cause == "invalid"
+    forbidden = make_record(target_ref="doc:_spec/CHANGELOG.md", change_class="L2")
+    assert decide(forbidden, policy=Policy()).cause == "forbidden_target"  # checked first
 
 
 def test_a_charter_proposal_below_l4_is_refused_as_malformed():
