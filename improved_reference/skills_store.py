@@ -46,7 +46,10 @@ stored record no longer matches the granted hash).
 
 Accepted proposal_data, target `skill:<name>`: `{"skill": definition}` (optionally with
 `"refines": "<name>:<sha256>"`), and `{"retract": "<name>:<sha256>"}` so that the inverse this
-store hands out can itself be applied; a retraction's inverse restores the same record.
+store hands out can itself be applied; a retraction's inverse restores the same record. A put
+that found exactly that definition stored already (an L3 re-execution of what an L2 stored)
+changed nothing, so its inverse is `{"keep": "<name>:<sha256>"}`, which changes nothing either:
+undoing a re-execution never retracts what an earlier proposal stored.
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ class NoCompetence(LookupError):
 
 @dataclass(frozen=True)
 class Change:
-    op: str  # "put" | "retract"
+    op: str  # "put" | "retract" | "keep"
     name: str
     sha: str
     record: dict[str, Any] | None = None  # put: the record to store
@@ -264,17 +267,19 @@ def parse_change(proposal: Proposal, pid: str | None = None) -> Change:
     data = proposal.proposal_data
     if data is None:
         raise Refused('proposal_data is missing; expected {"skill": definition}')
-    if set(data) == {"retract"}:
+    if set(data) in ({"retract"}, {"keep"}):
+        op = next(iter(data))
         try:
-            name, sha = split_identity(data["retract"])
+            name, sha = split_identity(data[op])
         except GrantMismatch as exc:
-            raise Refused(f"retract: {exc}") from None
+            raise Refused(f"{op}: {exc}") from None
         if name != target:
-            raise Refused(f"retract names skill {name!r}, not the target's {target!r}")
-        return Change(op="retract", name=name, sha=sha)
+            raise Refused(f"{op} names skill {name!r}, not the target's {target!r}")
+        return Change(op=op, name=name, sha=sha)
     if "skill" not in data or not set(data) <= {"skill", "refines"}:
         raise Refused('proposal_data must be {"skill": definition} (optionally with "refines", '
-                      f'or {{"retract": identity}}); got keys {sorted(data)}')
+                      f'or {{"retract": identity}} or {{"keep": identity}}); got keys '
+                      f'{sorted(data)}')
     record = definition_record(data["skill"], proposal.created_at)
     if record["name"] != target:
         raise Refused(f"skill name {record['name']!r} does not match the target's name "
@@ -599,14 +604,18 @@ class SkillsStore(KVService):
                    cur_rev: int) -> dict[str, Any]:
         if change.op == "retract" and current is None:
             raise Refused(f"{change.identity} is not stored (never, or already retracted)")
+        # a put of a definition already stored changes nothing, so its undo must not either
+        existed = change.op == "put" and verify(current, change.name, change.sha) is None
         return {"op": change.op, "key": change.key, "identity": change.identity,
                 "record": change.record, "prior": current if change.op == "retract" else None,
-                "prior_rev": cur_rev, "revision": None}
+                "prior_rev": cur_rev, "revision": None, "existed": existed}
 
     async def _write(self, pid: str, entry: dict[str, Any], current: dict[str, Any] | None,
                      cur_rev: int) -> int:
         """Make the key what the entry asks; a key already in that state is adopted unwritten
         (content addressing makes a second copy of the same definition pointless)."""
+        if entry["op"] == "keep":
+            return cur_rev
         if entry["op"] == "put":
             if verify(current, *split_identity(entry["identity"])) is None:
                 return cur_rev
@@ -618,8 +627,10 @@ class SkillsStore(KVService):
     def _result(self, entry: dict[str, Any]) -> ApplyResult:
         """The one result of a completed entry: the same every time it is asked for."""
         identity = entry["identity"]
-        if entry["op"] == "put":
+        if entry["op"] == "put" and not entry.get("existed"):
             inverse: dict[str, Any] = {"retract": identity}
+        elif entry["op"] in ("put", "keep"):  # it found the definition stored: nothing to undo
+            inverse = {"keep": identity}
         else:
             inverse = {"skill": restorable(entry["prior"])}
         return ApplyResult(ok=True, applied_id=identity, inverse=inverse, rollbackable=True)

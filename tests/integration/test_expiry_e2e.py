@@ -76,9 +76,10 @@ async def test_a_waiting_proposal_expires_at_valid_to_and_leaves_the_queue(daemo
     assert pid not in await _listed(nats_url, svc)
     assert await _shown_status(nats_url, pid) == ("expired", "expired")
 
-    # the daemon recorded it at valid_to (its sweep), not at some later pass
+    # the daemon recorded it from its sweep at valid_to, not at a later pass; the bound leaves
+    # room for a loaded machine, and is still under the periodic recount's CACHE_CHECK_S
     recorded = await eventually(lambda: _expiry_recorded(nc, svc, pid), timeout=5)
-    assert valid_to <= recorded["at"] <= valid_to + 2000, recorded["at"] - valid_to
+    assert valid_to <= recorded["at"] <= valid_to + 4000, recorded["at"] - valid_to
     assert recorded["observer_type"] == "rec:system"
     await eventually(lambda: _not(_indexed(nc, svc, pid)))
     state = await eventually(lambda: _status(client, pid, "expired"))

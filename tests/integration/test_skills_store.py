@@ -402,3 +402,22 @@ async def test_capabilities_advertise_the_read_and_stop_ends_it(nc, svc, store):
     await store.stop()
     with pytest.raises((NoRespondersError, NatsTimeout)):  # nobody serves it any more
         await nc.request(subjects.skills_get(svc), b'{"skill": "x"}', timeout=0.5)
+
+
+async def test_undoing_an_apply_that_found_the_definition_stored_keeps_it(nc, svc, store, name):
+    """An L3 re-execution of a definition an L2 stored writes nothing; its inverse is `keep`,
+    so rolling it back leaves the definition the earlier proposal stored. The first apply's
+    inverse still retracts."""
+    defn = skill(name)
+    identity, sha = canonical.skill_identity(defn), canonical.skill_hash(defn)
+    first, _ = await send(nc, svc, order(proposal(svc, {"skill": defn}, target=f"skill:{name}")))
+    assert first.inverse == {"retract": identity}
+    rerun, _ = await send(nc, svc, order(proposal(svc, {"skill": defn}, target=f"skill:{name}",
+                                                  at=AT + 1)))
+    assert rerun.ok and (rerun.inverse, rerun.rollbackable) == ({"keep": identity}, True)
+    undone, _ = await send(nc, svc, order(proposal(svc, rerun.inverse, target=f"skill:{name}",
+                                                   at=AT + 2)))
+    assert undone.ok and undone.inverse == {"keep": identity}
+    assert len(await kv_history(nc, svc, f"{name}.{sha}")) == 1  # stored once, still there
+    assert await store.get_by_identity(identity) == defn
+    assert store.applies == 1

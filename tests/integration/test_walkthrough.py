@@ -222,7 +222,7 @@ def test_the_operators_first_hour_runs_as_written(own_server, tmp_path):
 
     # the bob key added at the end was recorded and named in the one reload line
     assert "operator operator:bob" in reloaded and '"removed": []' in reloaded, reloaded
-    # the L0 change is in the ranking store; the rolled-back skill is retracted from the skills
+    # the L0 change is in the ranking store; the rolled-back L2 skill is retracted from the skills
     # store; the reverted swap left app at the seeded last-known-good
     assert effects["rank"] == 1.5
     assert effects["skill"] is None, effects
