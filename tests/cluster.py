@@ -27,6 +27,8 @@ PASSWORDS = {
     "operator": "dev-operator-pw",
     "svc-ranking": "dev-ranking-pw",
     "svc-skills": "dev-skills-pw",
+    "svc-knowledge": "dev-knowledge-pw",
+    "svc-docs": "dev-docs-pw",
     "svc-deploy": "dev-deploy-pw",
 }
 

@@ -27,7 +27,14 @@ from improved.client.sdk import MeshClient, inbox_prefix
 from improved.core import observe, propose, signing
 from improved.protocol import canonical
 from improved.protocol import subjects as S
-from improved.protocol.model import to_json
+from improved.protocol.model import (
+    AnalyzerRef,
+    Origin,
+    Proposal,
+    ProposalEdit,
+    Summary,
+    to_json,
+)
 from improved.runtime import bus
 from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon
@@ -674,6 +681,52 @@ async def test_other_service_users_start_their_reference_store(mesh):
         assert conn.violations() == []
     finally:
         await conn.nc.close()
+
+
+async def test_the_doc_and_knowledge_stores_run_under_their_own_users(mesh):
+    """svc-docs and svc-knowledge: each store starts, an operator-approved doc edit is applied
+    with its acceptance read from its own chain (--verify-acceptance), and neither user needed
+    a right it lacks. The knowledge store is only started: its grants fit its buckets."""
+    from improved_reference import diffs
+    from improved_reference.doc_store import DocStore
+    from improved_reference.doc_store import digest as doc_digest
+    from improved_reference.knowledge_store import KnowledgeStore
+    from tests.factories import unique_ms
+
+    docs, knowledge, op = [await connect_as(mesh["url"], user)
+                           for user in ("svc-docs", "svc-knowledge", "operator")]
+    doc_store = DocStore(docs.nc, "docs", verify_acceptance=True)
+    know_store = KnowledgeStore(knowledge.nc, "knowledge", verify_acceptance=True)
+    old, new = "# Guide\n\nRun it.\n", f"# Guide\n\nRun it ({time.time_ns()}).\n"
+    try:
+        await know_store.start()
+        await doc_store.start()
+        await doc_store.put("docs/guide.md", old)
+        client = MeshClient(docs.nc, "docs", timeout=5.0)
+        proposal = Proposal(
+            service="docs", target_ref="doc:docs/guide.md", change_class="L2",
+            scope="knowledge", origin=Origin(actor="mcp:docs-writer:1", service="docs"),
+            analyzer=AnalyzerRef(id="acme.docs/1"),
+            summary=Summary(template_id="edit_doc", args={}),
+            proposal_edit=ProposalEdit(format="unified", base_digest=doc_digest(old),
+                                       diff=diffs.make(old, new, "docs/guide.md")),
+            created_at=unique_ms())
+        pid = (await client.propose(proposal)).proposal_id
+        await eventually(lambda: client.decision(pid))
+        await op.nc.jetstream(timeout=5.0).publish(S.inbound_review("docs"),
+                                                   to_json(review(pid)),
+                                                   stream=S.STREAM_INBOUND)
+        outcome = await eventually(lambda: client.outcome(pid), timeout=15)
+        assert outcome.ok, outcome.error
+        assert await doc_store.document("docs/guide.md") == new
+    finally:
+        await doc_store.stop()
+        await know_store.stop()
+        for conn in (docs, knowledge, op):
+            await conn.nc.flush()
+            await conn.nc.close()
+    assert docs.violations() == [] and knowledge.violations() == [], (
+        docs.violations(), knowledge.violations())
 
 
 async def test_the_l4_artefact_store_runs_under_its_own_user(mesh):
