@@ -166,6 +166,21 @@ def status_after(status: Status, trailer: Transition) -> Status:
     return status
 
 
+def closed(record: ProposalRecord) -> bool:
+    """Nothing more is awaited of the proposal: rejected, expired, rolled back, superseded
+    before it ran, or applied with no measurement still to make. Its retained records may then
+    leave the bus after a while (docs/protocol.md "Records"); its chain keeps everything, and a
+    later transition (a rollback, a late signal) publishes them again."""
+    if record.status in ("rejected", "expired", "rolled_back"):
+        return True
+    if record.status == "pending":
+        return record.superseded_by is not None and not record.in_flight
+    if record.status == "applied":
+        snap = record.proposal.metric_snapshot
+        return snap is None or snap.review_after is None or record.measured is not None
+    return False
+
+
 def expired_at(valid_to: int | None, now: int) -> bool:
     """`valid_to` has passed at `now` (it is the first millisecond of expiry)."""
     return valid_to is not None and valid_to <= now

@@ -47,7 +47,15 @@ from improved.core import (
 )
 from improved.core.audit import Draft
 from improved.core.authority import Act
-from improved.core.record import ProposalRecord, ref, refs_of, same_state, status_at, with_trailer
+from improved.core.record import (
+    ProposalRecord,
+    closed,
+    ref,
+    refs_of,
+    same_state,
+    status_at,
+    with_trailer,
+)
 from improved.core.signing import PAYLOAD_TYPES, ActRefused
 from improved.protocol import subjects as S
 from improved.protocol.model import (
@@ -144,6 +152,7 @@ class Engine:
         self.nc = nc
         self.store = store
         self.config = config
+        self.records_ttl_s = int(config.records_ttl_days * 86400)  # 0: records kept for good
         self.policy = config.policy
         self.actor = actor
         self.trust = config.trust.store()
@@ -1265,13 +1274,19 @@ class Engine:
     async def publish(self, record: ProposalRecord,
                       since: ProposalRecord | None = None) -> None:
         """Publish the retained records of `record`; with `since` (the record as its records
-        were last published), only those that changed since."""
+        were last published), only those that changed since. Once the proposal is closed
+        (`record.closed`), every record carries the TTL `records_ttl_days` (the transition that
+        closes it sends all of them again, so none stays behind without one): the records
+        stream keeps what is open, not the history."""
         svc, pid = record.service, record.proposal_id
-        jobs = [self.store.publish(S.proposal_state(svc, pid), state_of(record))]
+        ttl = self.records_ttl_s if self.records_ttl_s and closed(record) else None
+        if ttl is not None and since is not None and not closed(since):
+            since = None
+        jobs = [self.store.publish(S.proposal_state(svc, pid), state_of(record), ttl)]
         if record.decision is not None and (since is None or record.decision != since.decision):
-            jobs.append(self.store.publish(S.triage_decision(svc, pid), record.decision))
+            jobs.append(self.store.publish(S.triage_decision(svc, pid), record.decision, ttl))
         if record.outcome is not None and (since is None or record.outcome != since.outcome):
-            jobs.append(self.store.publish(S.apply_outcome(svc, pid), record.outcome))
+            jobs.append(self.store.publish(S.apply_outcome(svc, pid), record.outcome, ttl))
         decided = quorum.quorum_record(record)
         if decided is not None and (since is None or decided != quorum.quorum_record(since)):
             jobs.append(self.store.publish_once(S.quorum_record(pid), decided))
@@ -1280,7 +1295,7 @@ class Engine:
                 since is None or record.signals != since.signals
                 or record.measured != since.measured):
             jobs.append(self.store.publish(S.learn_back(svc, pid),
-                                           learnback.summary(record, record.updated_at)))
+                                           learnback.summary(record, record.updated_at), ttl))
         await asyncio.gather(*jobs)
 
     async def publish_unreachable(self, record: ProposalRecord, error: str) -> None:

@@ -824,7 +824,8 @@ class Store:
 
     async def publish(self, subject: str, record: Any, ttl_s: int | None = None) -> None:
         """Publish a retained record, pipelined: sent at once, acknowledged when awaited. With
-        `ttl_s`, `record` is None and an empty message with that TTL (Nats-TTL) is sent."""
+        `ttl_s` it carries that TTL (Nats-TTL): the server removes it then, with its subject;
+        a None record is an empty message (a tombstone)."""
         ack = await self.js.publish_async(subject, b"" if record is None else to_json(record),
                                           stream=S.STREAM_RECORDS, msg_ttl=ttl_s)
         # an ack lost in a broker restart must not wedge the job: time out, nak, retry

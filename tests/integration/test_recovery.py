@@ -118,10 +118,10 @@ async def test_records_a_broker_outage_kept_from_being_published_are_published_a
     real_publish = daemon.store.publish
     failing = {"on": True}
 
-    async def outage(subject, record):
+    async def outage(subject, record, ttl_s=None):
         if failing["on"] and subject.startswith(S.PROPOSALS):
             raise ConnectionError("broker went away")
-        await real_publish(subject, record)
+        await real_publish(subject, record, ttl_s)
 
     daemon.store.publish = outage
     try:

@@ -186,3 +186,20 @@ def test_a_proposal_without_review_after_never_costs_a_write():
     for before in (None, record.replace(status="pending", outcome=None), record):
         for republish in (False, True):
             assert learnback.due_change(before, record, republish) is None
+
+
+def test_a_proposal_is_closed_once_nothing_more_is_awaited_of_it():
+    """What lets a proposal's retained records leave the bus (records_ttl_days)."""
+    from improved.core.record import closed
+
+    watched = applied()
+    assert not closed(watched)  # its measurement is still to make
+    measured, _ = learnback.measured(watched, "held", learnback.Reading(value=0.6), None,
+                                     TRIAGER, NOW + 100)
+    assert closed(measured)
+    assert closed(applied(review_after=None))
+    pending = watched.replace(status="pending", outcome=None)
+    assert not closed(pending) and not closed(pending.replace(status="approved"))
+    assert closed(pending.replace(superseded_by="f" * 64))
+    for status in ("rejected", "expired", "rolled_back"):
+        assert closed(watched.replace(status=status))
