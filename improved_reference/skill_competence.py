@@ -8,10 +8,11 @@ feedback-collapse guard): an outcome the daemon recorded on the proposal's chain
 `independent:true`, after the skill was applied and before any rollback. The chain is read and
 verified by the store itself; a retained learn-back record only says where to look.
 
-The holder whose competence an outcome describes is the proposal's `origin.actor`: the agent
-that proposed running the skill is the one practising it. (`origin` is recorded, not verified —
-but crediting another holder needs that holder's name on a proposal an operator or a grant let
-through, and outcomes only ever count as independent of the proposer.)
+The holder whose competence an outcome describes is the agent that proposed running the skill,
+named under the service that verifiably proposed it: `service:<svc>/<origin.actor>`
+(`holder_of`). `origin.actor` is only recorded, so a proposer could name any agent there; the
+verified service in front keeps that within its own service's holders — it can never move the
+competence of another service's agent.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import msgspec
 
 from improved.core import propose
 from improved.core.audit import Authenticity, verify_chain
+from improved.core.identity import of_subject as identity_of_subject
 from improved.core.record import APPLIED, ROLLED_BACK, SIGNAL, refs_of
 from improved.protocol import canonical, wire
-from improved.protocol.model import Trailer
+from improved.protocol.model import Proposal, Trailer
 
 ALPHA = 0.2  # weight of one independent outcome in the proficiency average
 NAMESPACE = "agent:skills"  # OMS: Skill grains SHOULD use it
@@ -82,6 +84,12 @@ def address_of(grain: dict[str, Any]) -> str:
     return canonical.content_address(grain, canonical.SKILL)
 
 
+def holder_of(proposal: Proposal) -> str:
+    """Whose competence a proposal's outcomes describe: its agent, under the service whose
+    subject carried it (the proposal's `service`, which must be the subject's)."""
+    return f"{identity_of_subject(proposal.service)}/{proposal.origin.actor}"
+
+
 def practice_on_chain(proposal_id: str, bodies: list[Any], service: str,
                       trust: Authenticity | None = None,
                       seqs: list[int] | None = None) -> Practice:
@@ -131,7 +139,7 @@ def practice_on_chain(proposal_id: str, bodies: list[Any], service: str,
                 at = refs.get("at", "")
                 outcomes.append(Outcome(seq=trailer.seq, positive=refs.get("positive") == "true",
                                         at=int(at) if at.isdigit() else trailer.at))
-    return Practice(proposal_id=proposal_id, identity=identity, holder=proposal.origin.actor,
+    return Practice(proposal_id=proposal_id, identity=identity, holder=holder_of(proposal),
                     outcomes=tuple(outcomes))
 
 

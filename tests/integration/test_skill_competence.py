@@ -17,7 +17,7 @@ from improved.core.audit import Draft
 from improved.core.record import ref
 from improved.protocol import canonical
 from improved.protocol import subjects as S
-from improved.protocol.model import to_json
+from improved.protocol.model import Origin, to_json
 from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from improved_reference.skill_competence import ALPHA
@@ -47,15 +47,15 @@ async def ask(nc, subject: str, body) -> dict:
 
 
 async def applied_skill(nc, svc) -> tuple[str, str, str]:
-    """An L2 skill proposed by `mcp:<svc>-agent:1`, approved and applied: (pid, identity,
-    holder)."""
+    """An L2 skill proposed by `mcp:<svc>-agent:1` of `svc`, approved and applied: (pid,
+    identity, holder)."""
     client = MeshClient(nc, svc)
     proposal = skill_proposal(svc, instructions=f"Summarise for {svc}.")
     pid = (await client.propose(proposal)).proposal_id
     await approve(nc, client, svc, pid)
     assert (await outcome(client, pid)).ok
-    return pid, canonical.skill_identity(proposal.proposal_data["skill"]), \
-        proposal.origin.actor
+    holder = f"service:{svc}/{proposal.origin.actor}"  # the agent, under its verified service
+    return pid, canonical.skill_identity(proposal.proposal_data["skill"]), holder
 
 
 async def competence(nc, svc, identity, holder, history=0) -> dict:
@@ -214,3 +214,27 @@ async def test_dependencies_must_be_skill_addresses(daemon, nc, svc):
     good = skill_proposal(svc, name="composite")
     good.proposal_data["skill"]["dependencies"] = ["mg:sha256:" + "a" * 64, "b" * 64]
     assert (await client.propose(good)).proposal_id
+
+
+async def test_a_proposer_cannot_move_another_services_agents_competence(daemon, nc, svc,
+                                                                          store):
+    """`origin.actor` is only recorded: a proposal of `svc` naming another service's agent
+    practises `service:<svc>/<that name>`, a holder of `svc`'s own, never the other agent's."""
+    other_agent = "mcp:billing-agent:1"
+    client = MeshClient(nc, svc)
+    proposal = skill_proposal(svc, instructions=f"Impersonate for {svc}.",
+                              origin=Origin(actor=other_agent, service=svc))
+    pid = (await client.propose(proposal)).proposal_id
+    await approve(nc, client, svc, pid)
+    assert (await outcome(client, pid)).ok
+    await client.refine(signal(svc, EVALUATOR[0], proposal_id=pid, positive=False),
+                        key=EVALUATOR[1])
+    reply = await eventually(lambda: _counted(nc, svc, pid))
+    assert reply["holder"] == f"service:{svc}/{other_agent}"
+    identity = canonical.skill_identity(proposal.proposal_data["skill"])
+    assert (await competence(nc, svc, identity, other_agent))["competence"] is None
+
+
+async def _counted(nc, svc, pid):
+    reply = await ask(nc, S.skills_practice(svc), {"proposal_id": pid})
+    return reply if reply.get("outcomes") else None
