@@ -225,6 +225,11 @@ def test_a_pending_schema_change_shows_the_class_its_store_gave_with_hostile_tex
                                                               "reason": HOSTILE}})
     assert shown.splitlines()[4] == ("  schema class: forward\\x1b[2J (<script>alert(1)"
                                      "</script>\\x1b[2J\\r\\u202eevil)")
+    html = console.proposal_page(view, {**facts, "schema_class": {"class": "breaking",
+                                                                  "reason": HOSTILE}},
+                                 "read-only (no operator key)", csrf=None)
+    assert "<dt>schema</dt><dd>schema class: breaking (&lt;script&gt;alert(1)" in html
+    assert "<script" not in html and "\x1b" not in html
 
 
 def test_show_text_says_the_schema_class_an_applied_change_recorded():
