@@ -22,7 +22,8 @@ Every order is first checked against the public evidence that it was accepted
 (`services.acceptance`). `<svc>.improve.lkg` answers the read-only pre-apply LKG check.
 A `schema:` target's artefacts are JSON Schemas under `schema_gate`'s discipline: classified
 against the store's own head, forward applied, backward refused, breaking only on an operator's
-own approval, the revert to the current schema required.
+own approval, the revert to the current schema required; the class found is answered as the
+ApplyResult's `schema_class`, and `<svc>.improve.classify` answers it for a pending proposal.
 
 Supervised artefacts (SPEC 08 §6, SPEC 09 §7): an artefact given a runner (`run={name: command}`,
 `--run NAME=COMMAND`) is materialised to a file of its own under the work directory and its
@@ -68,7 +69,7 @@ from nats.js.errors import (
 
 from improved.client.sdk import failed
 from improved.protocol import subjects as S
-from improved.protocol.model import ApplyOrder, ApplyResult, Proposal, to_json
+from improved.protocol.model import ApplyOrder, ApplyResult, ClassifyRequest, Proposal, to_json
 from improved_reference import kv_service, schema_gate
 from improved_reference.kv_service import Conflict, KVService, Refused, read_json
 
@@ -410,6 +411,9 @@ class ArtefactStore(KVService):
             await self._serve()
             self._subs.append(await self.nc.subscribe(S.lkg_request(self.service),
                                                       queue=self.service, cb=self._on_lkg))
+            self._subs.append(await self.nc.subscribe(S.classify_request(self.service),
+                                                      queue=self.service,
+                                                      cb=self._on_classify))
         except BaseException:
             await self._stop_runners()
             raise
@@ -478,6 +482,7 @@ class ArtefactStore(KVService):
             "conformance": "L4",
             "apply": S.apply_request(self.service),
             "lkg": S.lkg_request(self.service),
+            "classify": S.classify_request(self.service),
             "schemes": list(SCHEMES),
             "proposal_data": ['{"artefacts": {name: "<UTF-8 content>"}}',
                               '{"restore": {name: "sha256:<hex>"}}'],
@@ -618,6 +623,31 @@ class ArtefactStore(KVService):
             except Exception as exc:
                 self.log.warning("could not answer an lkg check", error=str(exc))
 
+    # -- classifying a pending schema change ---------------------------------------------------
+
+    async def _on_classify(self, msg: Msg) -> None:
+        """`<svc>.improve.classify`: `{"proposal"}` → `{"class", "reason"}` (schema_gate), or
+        an error reply in one line. Read only."""
+        reply: Any
+        try:
+            request = msgspec.json.decode(msg.data, type=ClassifyRequest)
+        except msgspec.MsgspecError as exc:
+            reply = _invalid(f'expected {{"proposal": <a schema: proposal>}}: {exc}')
+        else:
+            try:
+                reply = await schema_gate.classify(self, request.proposal)
+            except Refused as exc:
+                reply = _invalid(str(exc))
+            except Exception as exc:  # the store is briefly unreachable: say so, keep serving
+                self.log.warning("classify failed", service=self.service, error=repr(exc))
+                reply = {"error": {"code": "unavailable", "message": f"classify failed for "
+                                   f"now: {type(exc).__name__}: {exc}"[:500]}}
+        if msg.reply:
+            try:
+                await msg.respond(to_json(reply))
+            except Exception as exc:
+                self.log.warning("could not answer a classify request", error=str(exc))
+
     # -- applying (the protocol is kv_service's) -----------------------------------------------
 
     async def _prepare_change(self, order: ApplyOrder) -> Change:
@@ -717,9 +747,11 @@ class ArtefactStore(KVService):
             return failed(entry["error"])
         prior = entry["prior"]
         rollbackable = all(isinstance(d, str) for d in prior.values())
+        schema = entry.get("schema")
         return ApplyResult(ok=True, applied_id=f"{KEY}@{entry['revision']}",
                            inverse={"restore": prior} if rollbackable else None,
-                           rollbackable=rollbackable)
+                           rollbackable=rollbackable,
+                           schema_class=schema.get("class") if isinstance(schema, dict) else None)
 
 
     # -- the health window ---------------------------------------------------------------------

@@ -10,6 +10,12 @@ time, against the store's own head — never against a base or a class the propo
   not do (`schema_breaking`).
 The recorded reversal of a schema change this store applied, while the schema is still the one
 that change installed, is the sanctioned way back and is not classified.
+
+The class found is recorded on the ledger entry and answered as the ApplyResult's
+`schema_class` (forward, breaking or reversal), which the daemon copies onto the `applied`
+trailer: the store's claim, for auditors. `<svc>.improve.classify` answers the same
+classification, read only, for a pending proposal (`classify`), so an operator sees it before
+approving.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from improved.client import acceptance
 from improved.core import schemas
 from improved.core.apply import rolls_back
 from improved.protocol import wire
-from improved.protocol.model import ApplyOrder
+from improved.protocol.model import ApplyOrder, ClassifyReply, Proposal
 from improved_reference.kv_service import Refused, read_json
 
 if TYPE_CHECKING:
@@ -69,6 +75,25 @@ async def check(store: ArtefactStore, order: ApplyOrder, change: Change,
                           f"approval ({not_operator.removeprefix(acceptance.PREFIX)})")
     breaking = {n: c.line() for n, c in found.items() if c.kind == "breaking"}
     return {"class": "breaking", "reasons": breaking} if breaking else {"class": "forward"}
+
+
+async def classify(store: ArtefactStore, proposal: Proposal) -> ClassifyReply:
+    """The class of the `schema:` change `proposal` asks for, against the schema the store
+    holds now, as `check` would find it at apply time (read only: nothing is uploaded or
+    written); Refused in one line when there is nothing to classify."""
+    if not schemas.is_schema(proposal.target_ref):
+        raise Refused(f"{proposal.target_ref[:100]} is not a schema: target; only a schema "
+                      "change has a class")
+    change = store.parse_change(proposal)
+    manifest = await store.manifest()
+    found = {}
+    for name, digest in sorted(change.set.items()):
+        head = manifest.get(name)
+        if head is None:
+            raise Refused(f"artefact {name}: no current schema to classify against")
+        found[name] = await _classify(store, name, head, digest, change)
+    kind, reason = schemas.overall(found)
+    return ClassifyReply(class_=kind, reason=reason[:500])
 
 
 async def _classify(store: ArtefactStore, name: str, head: str, digest: str,

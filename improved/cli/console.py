@@ -137,6 +137,8 @@ def proposal_page(view: Mapping[str, Any], facts: Mapping[str, Any], mode: str,
     if isinstance(outcome, Mapping):
         applied = (f"{'applied' if outcome.get('ok') else 'failed'} under "
                    f"{outcome.get('authority')} at {render.stamp(outcome.get('at'))}"
+                   + (f", schema class {outcome['schema_class']} (the service's claim)"
+                      if outcome.get("schema_class") else "")
                    + (f": {outcome.get('error')}" if outcome.get("error") else ""))
     facts_rows = [
         ("id", f"<code>{esc(pid)}</code>"), ("service", esc(facts.get("service"))),
@@ -147,6 +149,8 @@ def proposal_page(view: Mapping[str, Any], facts: Mapping[str, Any], mode: str,
             f"{esc(render.short(str(facts['superseded_by'])))}</a>"
             if facts.get("superseded_by") else "")),
         ("waits for", esc(render.waits_for(*render.waiting(facts)))),
+        *([("schema", esc(schema))] if (schema := render.schema_line(
+            facts.get("schema_class"))) is not None else []),
         ("decision", esc(said) or "none yet"),
         ("outcome", esc(applied) or "none yet"),
     ]

@@ -24,7 +24,7 @@ from improved.cli.common import (
     url_of,
 )
 from improved.cli.errors import Failure
-from improved.cli.queries import review_view, status_view
+from improved.cli.queries import review_view, schema_class, status_view
 from improved.core import audit, authority
 from improved.protocol import canonical
 from improved.protocol import subjects as S
@@ -133,6 +133,8 @@ async def shown(store: Store, text: str, config: Config, readable: bool = True) 
         record = None  # a broken chain: nothing is looked up on its word
     if record is not None and readable:
         facts["replaced"] = await replaced(store, svc, record)
+        if facts["status"] == "pending":  # what an operator deciding on it should know
+            facts["schema_class"] = await schema_class(store.nc, record.proposal)
     return Shown(svc, pid, view, facts)
 
 

@@ -11,11 +11,12 @@ import msgspec
 from nats.js.errors import NotFoundError
 
 from improved.cli.common import deployment
-from improved.core import authority, queue
+from improved.core import authority, queue, schemas
 from improved.core.policy import Policy
 from improved.core.propose import rebuild_record
 from improved.core.record import ProposalRecord
 from improved.protocol import subjects as S
+from improved.protocol.model import ClassifyReply, ClassifyRequest, Proposal, to_json
 from improved.runtime.bus import Target
 from improved.runtime.store import Store, decode_trailer
 
@@ -31,8 +32,9 @@ async def review_view(url: str | Target, policy: Policy) -> tuple[list[dict[str,
     """The review queue, and where it was read: `index` or `chains`."""
     async with deployment(url, bind=False) as store:
         records, source = await queued_records(store, policy)
+        classes = await asyncio.gather(*(schema_class(store.nc, r.proposal) for r in records))
         rows = []
-        for record in records:
+        for record, found in zip(records, classes, strict=True):
             d, p = record.decision, record.proposal
             assert d is not None  # queued: deferred or accepted, so decided
             rows.append({
@@ -54,8 +56,53 @@ async def review_view(url: str | Target, policy: Policy) -> tuple[list[dict[str,
                 "waiting_since": d.at,
                 "will_run": authority.will_run(p),
                 "will_run_digest": authority.will_run_digest(p),
+                "schema_class": found,
             })
         return sorted(rows, key=lambda q: q["waiting_since"]), source
+
+
+CLASSIFY_TIMEOUT_S = 2.0  # how long `review` and `show` wait for a schema store's class
+SILENT = {"class": "unknown", "reason": "service did not answer"}
+classify_reply = msgspec.json.Decoder(ClassifyReply)
+
+
+async def schema_class(nc: Any, proposal: Proposal,
+                       timeout: float = CLASSIFY_TIMEOUT_S) -> dict[str, str] | None:
+    """What the owning schema store says of a `schema:` proposal (`<svc>.improve.classify`):
+    `{"class", "reason"}`, class `unknown` when it does not answer in time or answers anything
+    but a classification (`classified`); None for a proposal that is no schema change. The
+    store's claim, shown to the operator; nothing decides on it."""
+    from nats.errors import Error as NatsError
+
+    if not schemas.is_schema(proposal.target_ref):
+        return None
+    try:
+        reply = await nc.request(S.classify_request(proposal.service),
+                                 to_json(ClassifyRequest(proposal=proposal)), timeout=timeout)
+    except (NatsError, TimeoutError):  # no responders, no answer in time, connection gone
+        return dict(SILENT)
+    return classified(reply.data)
+
+
+def classified(data: bytes) -> dict[str, str]:
+    """A classify reply as `{"class", "reason"}`: the store's class and reason; for its error
+    reply, class `unknown` and its message; for anything else, `unknown` and one line saying
+    so. Never raises."""
+    try:
+        found = classify_reply.decode(data)
+    except msgspec.MsgspecError as exc:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    else:
+        return {"class": found.class_, "reason": found.reason}
+    try:
+        error = msgspec.json.decode(data).get("error")
+    except (msgspec.MsgspecError, AttributeError):
+        error = None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return {"class": "unknown", "reason": f"the service could not classify it: "
+                                              f"{error['message'][:500]}"}
+    return {"class": "unknown", "reason": f"the service's answer is not a classification "
+                                          f"({why[:200]})"}
 
 
 REBUILD_AT_ONCE = 32  # chains read at a time for the items the index lists

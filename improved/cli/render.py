@@ -151,6 +151,15 @@ def body_lines(run: Mapping[str, Any], digest: str | None,
     return lines
 
 
+def schema_line(found: object) -> str | None:
+    """The class the owning schema store gave a pending `schema:` change, as one line (its
+    claim, shown before an operator approves): `schema class: <class> (<reason>)`; None for a
+    proposal that is no schema change."""
+    if not isinstance(found, Mapping):
+        return None
+    return f"schema class: {clean(found.get('class'))} ({clean(found.get('reason'))})"
+
+
 # -- who signed --------------------------------------------------------------------------------
 
 AUTHORITY = {"approve", "reject", "rollback", "vote", "quorum", "inherit", "refused", "grant",
@@ -218,6 +227,9 @@ def review_text(rows: Sequence[Mapping[str, Any]]) -> str:
         out.append(f"  {clean(q['summary'])}")
         out.append(f"  target {clean(q['target'])}  scope {q['scope']}"
                    + (f"  skill {clean(q['skill'])}" if q.get("skill") else ""))
+        schema = schema_line(q.get("schema_class"))
+        if schema is not None:
+            out.append(f"  {schema}")
         out.append(f"  waits for {waits_for('pending', q['cause'])}, since "
                    f"{stamp(q['waiting_since'])}")
         out.append(f"  why waiting: {clean(q['rationale'])}")
@@ -291,6 +303,9 @@ def show_text(view: Mapping[str, Any], facts: Mapping[str, Any]) -> str:
               if facts.get("superseded_by") else "")
            + (f", valid to {stamp(facts['valid_to'])}" if facts.get("valid_to") else ""),
            f"  waits for {waits_for(*waiting(facts))}"]
+    schema = schema_line(facts.get("schema_class"))
+    if schema is not None:
+        out.insert(4, f"  {schema}")  # after the class line
     decision = view.get("decision") or facts.get("decision")
     if isinstance(decision, Mapping):
         said = decision.get("verdict")
@@ -302,6 +317,8 @@ def show_text(view: Mapping[str, Any], facts: Mapping[str, Any]) -> str:
     if isinstance(outcome, Mapping):
         out.append(f"  outcome   {'applied' if outcome.get('ok') else 'failed'} under "
                    f"{clean(outcome.get('authority'))} at {stamp(outcome.get('at'))}"
+                   + (f", schema class {clean(outcome['schema_class'])} (the service's claim)"
+                      if outcome.get("schema_class") else "")
                    + (f": {clean(outcome.get('error'))}" if outcome.get("error") else ""))
     learn = view.get("learn_back")
     if isinstance(learn, Mapping):

@@ -279,6 +279,7 @@ def transition(record: ProposalRecord, result: ApplyResult, by: str,
         applied_id=result.applied_id, authority=by, inverse=inverse,
         rollbackable=rollbackable, error=result.error, at=now,
         revert_proposal_id=record.revert_id if result.ok else None,
+        schema_class=result.schema_class if result.ok else None,
     )
     observer: ObserverType = "rec:policy" if auto_applies(record) else "human"
     if result.ok:
@@ -289,6 +290,8 @@ def transition(record: ProposalRecord, result: ApplyResult, by: str,
     refs = [ref("applied", outcome.applied_id), ref("rollbackable", outcome.rollbackable)]
     if outcome.revert_proposal_id is not None:
         refs.append(ref("revert_proposal_id", outcome.revert_proposal_id))
+    if outcome.schema_class is not None:  # the service's claim, recorded for auditors only
+        refs.append(ref("schema_class", outcome.schema_class))
     if outcome.inverse is not None:
         refs.append(ref("inverse", outcome.inverse, as_json=True))
     if outcome.error is not None:

@@ -9,7 +9,7 @@ of (record, input).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final, Protocol
+from typing import Final, Protocol, cast, get_args
 
 import msgspec
 from msgspec import Struct
@@ -18,6 +18,7 @@ from improved.protocol.model import (
     ApplyOutcome,
     ChangeClass,
     Proposal,
+    SchemaClass,
     Stage,
     Status,
     Trailer,
@@ -285,6 +286,15 @@ def ref(name: str, value: object, *, as_json: bool = False) -> str:
     return f"{name}:{value}"
 
 
+SCHEMA_CLASSES: Final = frozenset(get_args(SchemaClass))
+
+
+def schema_class(value: str | None) -> SchemaClass | None:
+    """The `schema_class` ref of an `applied` trailer as the outcome carries it; anything else
+    (no ref, an older chain) is none. Read back for auditors; nothing decides on it."""
+    return cast("SchemaClass", value) if value in SCHEMA_CLASSES else None
+
+
 class HasRefs(Protocol):
     """Anything that carries a trailer's refs: a Trailer, or a trailer decoded only as far."""
 
@@ -358,7 +368,8 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
                 inverse=msgspec.json.decode(refs["inverse"]) if "inverse" in refs else None,
                 rollbackable=refs.get("rollbackable") == "true",
                 error=refs.get("error"), at=trailer.at,
-                revert_proposal_id=record.revert_id if ok else None))
+                revert_proposal_id=record.revert_id if ok else None,
+                schema_class=schema_class(refs.get("schema_class"))))
         elif trailer.to_stage == "learn-back" and trailer.verdict == SIGNAL:
             record = record.replace(signals=(*record.signals, CountedSignal(
                 digest=refs["signal"], kind=refs.get("kind", ""), actor=trailer.actor,

@@ -68,6 +68,19 @@ def classify(old: Any, new: Any) -> Change:
     return Change("breaking", *lost)
 
 
+def overall(found: Mapping[str, Change]) -> tuple[Kind, str]:
+    """The class of one change to several schemas (artefact → its `Change`) and the line an
+    operator reads: `backward` when any artefact only takes away (refused whoever approves),
+    else `breaking` when any breaks, else `forward`; the line names the first artefact, by
+    name, that decided it."""
+    for kind in ("backward", "breaking"):
+        first = next(((n, c) for n, c in sorted(found.items()) if c.kind == kind), None)
+        if first is not None:
+            return first[1].kind, f"{first[0]} at {first[1].line()}"
+    names = ", ".join(sorted(found)) or "no artefact"
+    return "forward", f"{names}: every instance valid under the current schema stays valid"
+
+
 def parse(text: str) -> Any:
     """A JSON Schema document from its text; ValueError in one line when it is not one."""
     try:

@@ -50,6 +50,10 @@ Cause = Literal[
 ]
 
 Held = Literal["circuit_open", "autonomy_off"]  # the causes that hold autonomous applies back
+# The class a schema store says it found for a `schema:` change it applied (SPEC 09 §7.4):
+# forward-compatible, breaking (on an operator's own approval), or the recorded reversal of a
+# change it applied. Backward is refused, so never applied. A claim for readers, never an input.
+SchemaClass = Literal["forward", "breaking", "reversal"]
 
 Millis = Annotated[int, Meta(ge=0, le=2**53)]
 ServiceName = Annotated[str, Meta(pattern=r"^[a-z][a-z0-9_-]{0,62}\Z")]
@@ -200,6 +204,8 @@ class ApplyOutcome(_Out):
     error: str | None = None
     revert_proposal_id: str | None = None
     at: int = 0
+    # the owning service's claim (ApplyResult.schema_class), copied as it came: for readers only
+    schema_class: SchemaClass | None = None
 
 
 class LearnBack(_Out):
@@ -261,13 +267,19 @@ class ApplyOrder(_Out):
 
 
 class ApplyResult(Struct, omit_defaults=True, kw_only=True):
-    """The service's reply to an ApplyOrder (lenient: services may add fields)."""
+    """The service's reply to an ApplyOrder (lenient: services may add fields).
+
+    `schema_class`: for a `schema:` change it applied, the class the owning schema store says
+    it found against the schema it held (`forward`, `breaking`, `reversal`). A service's claim,
+    recorded on the `applied` trailer and in the ApplyOutcome for auditors to read; nothing in
+    the loop decides on it. A value outside those makes the reply invalid, like any bad field."""
 
     ok: bool
     applied_id: str = ""
     inverse: Any = None
     rollbackable: bool = False
     error: str | None = None
+    schema_class: SchemaClass | None = None
 
 
 class ApplyReport(_In):
@@ -281,6 +293,7 @@ class ApplyReport(_In):
     rollbackable: bool = False
     error: str | None = None
     at: Millis | None = None
+    schema_class: SchemaClass | None = None  # as ApplyResult's: a claim, never an input
 
 
 # -- request/reply bodies -----------------------------------------------------------------------
@@ -304,6 +317,22 @@ class MeasureReply(_In):
     reply, leaves the proposal unmeasured)."""
 
     value: float
+
+
+class ClassifyRequest(_In):
+    """Anyone → `<svc>.improve.classify` (a schema store's extension): the class of the
+    `schema:` change `proposal` asks for, against the schema the owning store holds now. Read
+    only: what `improved review` and `show` print before an operator approves."""
+
+    proposal: Proposal
+
+
+class ClassifyReply(_In):
+    """The schema store's answer to a ClassifyRequest (strict: anything else, or an error
+    reply, and the class is unknown). A claim shown to the operator, never an input."""
+
+    class_: Literal["forward", "backward", "breaking"] = msgspec.field(name="class")
+    reason: ShortText
 
 
 class ProposeReply(_Out):

@@ -205,6 +205,12 @@ def lkg_request(svc: str) -> str:
     return f"{svc}.improve.lkg"
 
 
+def classify_request(svc: str) -> str:
+    """A schema store's class of a pending `schema:` change (extension, docs/protocol.md):
+    `{"proposal"}` → `{"class", "reason"}`, read only, for the operator before approving."""
+    return f"{svc}.improve.classify"
+
+
 def measure_request(svc: str) -> str:
     """Learn-back at `metric_snapshot.review_after` (extension, docs/protocol.md): the owning
     service runs the snapshot's query and answers the metric's current value."""

@@ -736,7 +736,8 @@ class Daemon:
         """An asynchronous apply result: accepted only while the proposal awaits its apply."""
         result = apply_stage.recordable(ApplyResult(
             ok=report.ok, applied_id=report.applied_id, inverse=report.inverse,
-            rollbackable=report.rollbackable, error=report.error))
+            rollbackable=report.rollbackable, error=report.error,
+            schema_class=report.schema_class))
         handled, taken = await self.engine.report(report.service, report.proposal_id, result)
         if handled.record is None:
             raise _ProposalUnknown(f"no proposal {report.proposal_id} for {report.service}")

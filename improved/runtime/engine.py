@@ -45,7 +45,7 @@ from improved.core import (
     signing,
     triage,
 )
-from improved.core.audit import Draft
+from improved.core.audit import REASON_LIMIT, Draft
 from improved.core.authority import Act
 from improved.core.record import (
     ProposalRecord,
@@ -1312,15 +1312,15 @@ def parse_apply_reply(data: bytes) -> ApplyResult | None:
     anything else a failed result."""
     try:
         return apply_stage.recordable(apply_result_decoder.decode(data))
-    except msgspec.MsgspecError:
-        pass
+    except msgspec.MsgspecError as exc:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     try:
         if isinstance(msgspec.json.decode(data).get("error"), dict):
             return None
     except (msgspec.MsgspecError, AttributeError):
         pass
-    return ApplyResult(ok=False,
-                       error="the service answered with something that is not an ApplyResult")
+    return ApplyResult(ok=False, error=(f"the service answered with something that is not an "
+                                        f"ApplyResult: {why}")[:REASON_LIMIT])
 
 
 def parse_lkg_reply(data: bytes):

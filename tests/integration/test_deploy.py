@@ -732,9 +732,10 @@ async def test_the_doc_and_knowledge_stores_run_under_their_own_users(mesh):
 async def test_the_l4_artefact_store_runs_under_its_own_user(mesh):
     """svc-deploy's grants fit the reference artefact store: its object store and buckets, the
     last-known-good check, and reading the audit chain to refuse an unaccepted order."""
+    from improved.cli.queries import schema_class
     from improved.core.propose import identify
     from improved.protocol.model import AnalyzerRef, ApplyOrder, Origin, Proposal, Summary, to_json
-    from improved_reference.artefact_store import ArtefactStore
+    from improved_reference.artefact_store import ArtefactStore, digest_of
 
     conn = await connect_as(mesh["url"], "svc-deploy")
     try:
@@ -757,6 +758,18 @@ async def test_the_l4_artefact_store_runs_under_its_own_user(mesh):
             proposal_id=pid, proposal=proposal, authority="operator:alice", attempt=1)),
             timeout=5)
         assert b"not_accepted" in reply.data, reply.data
+        # the operator may ask the store's read-only class of a pending schema: change
+        op = await connect_as(mesh["url"], "operator")
+        try:
+            schema = msgspec.structs.replace(proposal, target_ref="schema:deploy", lkg=[
+                {"artefact": "app", "digest": digest_of(b'{"v": 2}'), "smoke_test": "json"}])
+            assert await schema_class(op.nc, schema) == {
+                "class": "breaking", "reason": "app at /: uses v, which the classifier does not "
+                                               "understand"}
+            await op.nc.flush()
+            assert op.violations() == []
+        finally:
+            await op.nc.close()
         await store.stop()
         await conn.nc.flush()
         assert conn.violations() == []

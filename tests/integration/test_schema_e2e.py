@@ -2,7 +2,9 @@
 artefact store owning a JSON Schema, and signed operator acts. Forward-compatible applies on
 its approval, backward is refused, breaking waits for the operator, a change without its
 revert — or with a revert to a schema the owner does not hold — never reaches the store, and a
-quorum cannot wave a breaking change through."""
+quorum cannot wave a breaking change through. The class the store found is on the `applied`
+trailer and in the ApplyOutcome, and an operator sees it in `improved review` and `show` before
+approving."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from improved.core.signing import PAYLOAD_TYPES, sign
 from improved.protocol import subjects as S
 from improved.protocol.model import Proposal, Review, Summary, to_json
 from tests.bus import eventually, outcome, publish, quorum_reads, started, trailers
+from tests.cli import improved
 from tests.factories import now_ms, sha, swap, vote
 from tests.keys import ALICE
 
@@ -67,6 +70,21 @@ async def held(store) -> dict:
     return json.loads(await store.content("orders"))
 
 
+async def applied_refs(daemon, svc: str, pid: str) -> list[str]:
+    """The refs of the proposal's `applied` trailer."""
+    [applied] = [t for t in await trailers(daemon, svc, pid) if t.get("verdict") == "applied"]
+    return applied["refs"]
+
+
+def cli(*args: str):
+    return asyncio.to_thread(improved, *args)
+
+
+def item(review_out: str, pid: str) -> str:
+    """One proposal's lines of `improved review`'s text (the queue is the session's)."""
+    return review_out.split(pid, 1)[1].split("decide:", 1)[0]
+
+
 async def test_a_forward_compatible_change_applies_on_its_approval_with_its_revert_recorded(
         daemon, nc, svc):
     wider = with_qty(type="integer", maximum=1000)
@@ -76,8 +94,11 @@ async def test_a_forward_compatible_change_applies_on_its_approval_with_its_reve
     out = await approved_outcome(nc, client, svc, pid, p)
     assert out.ok, out.error
     assert await held(store) == wider
+    assert out.schema_class == "forward"
+    assert "schema_class:forward" in await applied_refs(daemon, svc, pid)
     record, _ = await daemon.store.load(svc, pid)
     assert record.revert_id == out.revert_proposal_id
+    assert record.outcome.schema_class == "forward"
     assert record.revert.proposal_data == {"restore": {"orders": sha(text(ORDERS))}}
     await store.stop()
 
@@ -106,8 +127,41 @@ async def test_a_breaking_change_waits_for_the_operator_then_applies_on_the_sign
     out = await approved_outcome(nc, client, svc, pid, p)
     assert out.ok, out.error
     assert out.authority == ALICE[0]
+    assert out.schema_class == "breaking"
+    assert "schema_class:breaking" in await applied_refs(daemon, svc, pid)
     assert await held(store) == retyped
     await store.stop()
+
+
+async def test_the_operator_sees_the_class_of_a_pending_schema_change_before_approving(
+        daemon, nc, svc, nats_url):
+    """`improved review` and `improved show` ask the owning store; its class and reason are
+    printed, its hostile text inert; a silent store is one line, and nothing else changes."""
+    retyped = with_qty(type="string", description="\x1b[2J\r\u202eevil")
+    p = schema_change(svc, retyped)
+    store, client, pid, decision = await proposed(nc, svc, p)
+    assert (decision.verdict, decision.cause) == ("defer", "awaiting_operator")
+    shown = await cli("review", "--nats", nats_url)
+    assert shown.returncode == 0, shown.stderr
+    assert "\x1b" not in shown.stdout and "\u202e" not in shown.stdout
+    mine = item(shown.stdout, pid)
+    assert ("  schema class: breaking (orders at /properties/qty/type: no longer admits "
+            "integer)") in mine.splitlines()
+    one = await cli("show", pid, "--format", "text", "--nats", nats_url)
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.splitlines()[4].startswith("  schema class: breaking (orders at ")
+    listed = await cli("review", "--format", "json", "--nats", nats_url)
+    [row] = [r for r in json.loads(listed.stdout) if r["proposal_id"] == pid]
+    assert row["schema_class"]["class"] == "breaking"
+
+    await store.stop()  # silence: the class is unknown, and the rest is as it was
+    silent = await cli("review", "--nats", nats_url)
+    assert silent.returncode == 0, silent.stderr
+    quiet = item(silent.stdout, pid)
+    assert "  schema class: unknown (service did not answer)" in quiet.splitlines()
+    assert quiet.replace("unknown (service did not answer)", "") == mine.replace(
+        "breaking (orders at /properties/qty/type: no longer admits integer)", "")
+    assert (await client.state(pid)).status == "pending"
 
 
 async def test_a_change_without_its_revert_is_refused_at_triage(daemon, nc, svc):

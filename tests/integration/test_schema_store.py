@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest_asyncio
 
+from improved.cli import render
+from improved.cli.queries import classified, schema_class
 from improved.core.lkg import REVERT_ANALYZER
+from improved.protocol import subjects as S
 from improved.protocol.model import AnalyzerRef, Summary
 from improved_reference.artefact_store import digest_of
 from tests.bus import send
@@ -94,6 +98,9 @@ async def test_a_breaking_change_claimed_forward_compatible_never_applies_withou
     await append(js, svc, order(honest_base).proposal_id, ("approve", OPERATOR))
     result, _ = await send(nc, svc, order(honest_base))
     assert result.ok, result.error
+    assert result.schema_class == "breaking"  # the class found, answered for the chain
+    again, _ = await send(nc, svc, order(honest_base))  # a repeated order: the ledger's answer
+    assert again == result
     assert await held(store) == RETYPED
     ledger = json.loads((await store.ledger.get(order(honest_base).proposal_id)).value)
     assert ledger["schema"] == {"class": "breaking", "reasons": {
@@ -114,6 +121,7 @@ async def test_forward_compatible_applies_on_its_approval_and_backward_is_refuse
     wider = change(svc, WIDER)
     result, _ = await send(nc, svc, await approved(js, order(wider, QUORUM), ("quorum", QUORUM)))
     assert result.ok, result.error
+    assert result.schema_class == "forward"
     assert await held(store) == WIDER
     assert result.inverse == {"restore": {"orders": digest_of(text(ORDERS).encode())}}
 
@@ -123,6 +131,7 @@ async def test_forward_compatible_applies_on_its_approval_and_backward_is_refuse
               derived_from=[f"mg:sha256:{order(wider).proposal_id}"])
     result, _ = await send(nc, svc, await approved(js, order(back)))
     assert result.ok, result.error
+    assert result.schema_class == "reversal"
     assert await held(store) == ORDERS
 
     # any other restore to the wider schema is a change like another, with its revert
@@ -146,3 +155,55 @@ async def test_a_missing_revert_or_content_that_is_no_schema_is_refused(nc, svc,
     assert not result.ok and result.error.startswith(
         "schema_invalid: orders: the proposed schema is not a JSON Schema")
     assert await held(store) == ORDERS and await manifest_rev(store) == rev
+
+
+# -- the class of a pending change, asked before an operator approves ----------------------------
+
+
+async def test_the_store_classifies_a_pending_change_against_its_head_and_changes_nothing(
+        nc, svc, store):  # noqa: F811
+    rev = await manifest_rev(store)
+    assert await schema_class(nc, change(svc, WIDER)) == {
+        "class": "forward",
+        "reason": "orders: every instance valid under the current schema stays valid"}
+    assert await schema_class(nc, change(svc, NARROWER)) == {
+        "class": "backward",
+        "reason": "orders at /properties/qty/maximum: lowered to 10 (was maximum 100)"}
+    # the proposer's claims (a base, a class) are not read: the store's head decides
+    lie = change(svc, RETYPED, base=with_qty(type="string", maxLength=4),
+                 summary=Summary(template_id="schema_change", args={"compat": "forward"}))
+    assert await schema_class(nc, lie) == {
+        "class": "breaking", "reason": "orders at /properties/qty/type: no longer admits integer"}
+    assert await manifest_rev(store) == rev and await held(store) == ORDERS
+    assert store.orders == 0  # a classification is no apply
+
+
+async def test_a_bad_classify_request_is_one_line_and_the_cli_never_breaks_on_it(
+        nc, svc, store):  # noqa: F811
+    subject = S.classify_request(svc)
+    for body in (b"not json", b"{}", b'{"proposal": {"service": "x"}}'):
+        reply = msgspec.json.decode((await nc.request(subject, body, timeout=5)).data)
+        assert reply["error"]["code"] == "invalid_value"
+        assert "\n" not in reply["error"]["message"]
+    wider = change(svc, WIDER)
+    not_schema = msgspec.structs.replace(wider, target_ref=f"binary:{svc}")
+    found = await schema_class(nc, msgspec.structs.replace(wider, proposal_data={"nope": 1}))
+    assert found["class"] == "unknown" and found["reason"].startswith(
+        "the service could not classify it: proposal_data must be")
+    assert await schema_class(nc, not_schema) is None  # not a schema change: nothing asked
+    assert await schema_class(nc, change(f"{svc}-nobody", WIDER)) == {
+        "class": "unknown", "reason": "service did not answer"}
+
+
+async def test_a_hostile_name_in_the_schema_reaches_the_operator_inert(nc, svc, store):  # noqa: F811
+    hostile = "q\x1b[2J\r\u202e"
+    extra = {**ORDERS, "properties": {**ORDERS["properties"], hostile: {"type": "string"}},
+             "required": ["sku", hostile]}
+    reply = await nc.request(S.classify_request(svc),
+                             msgspec.json.encode({"proposal": change(svc, extra)}), timeout=5)
+    found = classified(reply.data)
+    assert found == {"class": "breaking", "reason": f"orders at /required: {hostile} became "
+                                                    "required"}  # the store's claim, as it is
+    line = render.schema_line(found)
+    assert line == ("schema class: breaking (orders at /required: q\\x1b[2J\\r\\u202e "
+                    "became required)")

@@ -206,3 +206,36 @@ def test_a_rendered_proposal_round_trips_the_json_view():
     view, facts = _shown()
     again = msgspec.json.decode(msgspec.json.encode(view))
     assert render.show_text(again, facts) == render.show_text(view, facts)
+
+
+def test_a_pending_schema_change_shows_the_class_its_store_gave_with_hostile_text_inert():
+    found = {"class": "breaking", "reason": f"orders at /qty/type: {HOSTILE}"}
+    text = render.review_text([_row(schema_class=found, target="schema:svc"), _row()])
+    lines = text.splitlines()
+    [line] = [ln for ln in lines if "schema class:" in ln]
+    assert line.startswith("  schema class: breaking (orders at /qty/type: <script>")
+    assert "\x1b" not in text and "\r" not in text and "\u202e" not in text
+    assert "\\x1b[2J\\r\\u202eevil)" in line
+    silent = render.review_text([_row(schema_class={"class": "unknown",
+                                                    "reason": "service did not answer"})])
+    assert "  schema class: unknown (service did not answer)" in silent.splitlines()
+    view, facts = _shown()
+    assert "schema class" not in render.show_text(view, facts)
+    shown = render.show_text(view, {**facts, "schema_class": {"class": "forward\x1b[2J",
+                                                              "reason": HOSTILE}})
+    assert shown.splitlines()[4] == ("  schema class: forward\\x1b[2J (<script>alert(1)"
+                                     "</script>\\x1b[2J\\r\\u202eevil)")
+    html = console.proposal_page(view, {**facts, "schema_class": {"class": "breaking",
+                                                                  "reason": HOSTILE}},
+                                 "read-only (no operator key)", csrf=None)
+    assert "<dt>schema</dt><dd>schema class: breaking (&lt;script&gt;alert(1)" in html
+    assert "<script" not in html and "\x1b" not in html
+
+
+def test_show_text_says_the_schema_class_an_applied_change_recorded():
+    view, facts = _shown()
+    view["outcome"] = {"ok": True, "authority": "operator:alice", "at": 1_796_000_000_000,
+                       "schema_class": "breaking"}
+    text = render.show_text(view, {**facts, "status": "applied"})
+    [line] = [ln for ln in text.splitlines() if ln.startswith("  outcome")]
+    assert line.endswith(", schema class breaking (the service's claim)")

@@ -208,3 +208,13 @@ def test_any_json_is_classified_without_raising(old, new):
     """Malformed keywords anywhere in either document: breaking, never a crash."""
     change = classify(old, new)
     assert change.kind in ("forward", "backward", "breaking")
+
+
+def test_the_class_of_a_change_to_several_schemas_is_its_worst_named_by_artefact():
+    fwd, brk = schemas.Change("forward"), schemas.Change("breaking", "/type", "retyped")
+    back = schemas.Change("backward", "/maximum", "lowered to 1 (was maximum 2)")
+    assert schemas.overall({"b": fwd, "a": fwd}) == (
+        "forward", "a, b: every instance valid under the current schema stays valid")
+    assert schemas.overall({"z": brk, "y": brk, "a": fwd}) == ("breaking", "y at /type: retyped")
+    assert schemas.overall({"a": brk, "b": back}) == (
+        "backward", "b at /maximum: lowered to 1 (was maximum 2)")
