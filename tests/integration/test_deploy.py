@@ -86,7 +86,7 @@ async def test_ensure_changes_only_what_is_missing_or_differs(own_server):
     try:
         store = Store(nc)
         made = await store.ensure()
-        assert {c.split(" ", 1)[0] for c in made} == {"created"} and len(made) == 10, made
+        assert {c.split(" ", 1)[0] for c in made} == {"created"} and len(made) == 11, made
         assert await Store(nc).ensure() == []  # nothing missing, nothing differs
         js = nc.jetstream()
         audit = (await js.stream_info(S.STREAM_AUDIT)).config
@@ -286,6 +286,7 @@ async def mesh(secured_url):
 
 
 LOOP_STREAMS = (S.STREAM_INBOUND, S.STREAM_RECORDS, S.STREAM_AUDIT, S.STREAM_REFUSED,
+                S.STREAM_TOOLS_AUDIT,
                 f"KV_{S.BUCKET_STATE}", f"KV_{S.BUCKET_DEDUP}", f"KV_{S.BUCKET_LEDGER}",
                 f"KV_{S.BUCKET_WINDOWS}", f"KV_{S.BUCKET_LEARNED}")
 
@@ -424,7 +425,8 @@ async def test_daemon_cannot_change_or_drop_the_other_loop_streams(mesh):
         forbidden = [f"$JS.API.STREAM.{api}.{name}" for name in LOOP_STREAMS
                      for api in ("UPDATE", "DELETE", "PURGE", "MSG.DELETE")]
         forbidden += [f"$JS.API.STREAM.CREATE.{name}"
-                      for name in (S.STREAM_INBOUND, S.STREAM_AUDIT, S.STREAM_REFUSED)]
+                      for name in (S.STREAM_INBOUND, S.STREAM_AUDIT, S.STREAM_REFUSED,
+                                   S.STREAM_TOOLS_AUDIT)]
         forbidden += [f"$JS.API.CONSUMER.DELETE.{S.STREAM_INBOUND}.{S.CONSUMER_INBOUND}",
                       f"$JS.API.CONSUMER.DURABLE.CREATE.{S.STREAM_INBOUND}.{S.CONSUMER_INBOUND}"]
         for subject in forbidden:
@@ -462,7 +464,7 @@ async def test_only_the_provisioning_user_provisions_and_the_daemon_says_so(secu
         "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"], out
 
     rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
-    assert rc == 0 and out.splitlines()[-1].endswith("10 changed"), out
+    assert rc == 0 and out.splitlines()[-1].endswith("11 changed"), out
     rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
     assert rc == 0 and out.splitlines()[-1].endswith("nothing changed"), out
 
@@ -1019,7 +1021,7 @@ async def test_the_daemon_never_logs_its_password_across_a_disconnect(secured_se
     admin = {"IMPROVED_NATS_USER": "improved-admin", "IMPROVED_NATS_PASSWORD_FILE":
              str(secret_file(tmp_path / "admin.pw", PASSWORDS["improved-admin"]))}
     rc, out = await cli("provision", "--nats", url, env=admin)
-    assert rc == 0 and out.splitlines()[-1].endswith("10 changed"), out
+    assert rc == 0 and out.splitlines()[-1].endswith("11 changed"), out
     config = tmp_path / "improved.toml"
     if form == "password_file":
         pw = secret_file(tmp_path / "improved.pw", PASSWORDS["improved"])
