@@ -731,6 +731,64 @@ async def test_the_doc_and_knowledge_stores_run_under_their_own_users(mesh):
         docs.violations(), knowledge.violations())
 
 
+async def test_a_tool_runtime_records_its_calls_under_its_own_user(mesh):
+    """rt-agent's grants fit the reference tool runtime `agent`: it starts (its ledger bucket
+    made), answers the operator's calls (`improved tools`), records a mounted call, an L2
+    acceptance and a granted L4 call on its own chain in
+    IMPROVE_TOOLS_AUDIT with no permission violation, and an operator's `audit verify` reads
+    that chain (verified under `[trust.runtimes]`). It cannot write the daemon's log nor
+    another runtime's chain, and the daemon's checkpoint is not affected."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from improved.core import evidence, tools
+    from improved.runtime.tool_chains import verify_tool_chains
+    from improved_reference.tool_runtime import ToolRuntimeService
+    from tests.tool_surfaces import ARGS, grant, runtime
+
+    key = Ed25519PrivateKey.generate()
+    conn, op = [await connect_as(mesh["url"], user) for user in ("rt-agent", "operator")]
+    rt, kit = runtime(name="agent")
+    service = ToolRuntimeService(conn.nc, rt, key)
+    now = int(time.time() * 1000)
+    try:
+        await service.start()
+        await conn.nc.flush()  # its subscriptions are in place before the first call
+
+        async def call(body):  # as `improved tools call` does, with the operator's rights
+            reply = await op.nc.request(S.tools_call("agent"), to_json(body), timeout=5)
+            return msgspec.json.decode(reply.data)
+
+        assert (await call({"tool": "read", "args": ARGS}))["ok"]
+        accept = grant(kit["write"][0], ARGS, now=now, runtime="agent")
+        assert (await call({"tool": "write", "args": ARGS, "grant": accept}))["ok"]
+        deploy = grant(kit["deploy"][0], ARGS, now=now)
+        assert (await call({"tool": "deploy", "args": ARGS, "grant": deploy}))["ok"]
+        await service.stop()
+        cid = tools.chain_id("agent")
+        js = mesh["daemon_conn"].nc.jetstream(timeout=1.0)  # counts: the daemon may look
+        assert await count(js, S.STREAM_TOOLS_AUDIT, S.tools_audit(cid)) == 3
+        # what the runtime may not write: the daemon's log, another runtime's chain
+        forbidden = (S.legacy_tools_audit(cid), S.tools_audit(tools.chain_id("other")))
+        for subject in forbidden:
+            await conn.nc.publish(subject, b"{}")
+            await conn.nc.flush()
+            await conn.violation(subject)
+        assert await count(js, S.STREAM_AUDIT, S.legacy_tools_audit(cid)) == 0
+        public = base64.b64encode(signing.raw_public(key.public_key())).decode()
+        found = await verify_tool_chains(op.nc, signing.TrustStore.from_config(
+            {"agent": public}), evidence.History(fallback=evidence.KeySet.from_config(
+                {ALICE[0]: base64.b64encode(signing.raw_public(ALICE[1].public_key()))
+                 .decode()}, {})))
+        assert (found.chains, found.verified, found.trailers) == (1, 1, 3), found.lines
+        assert await mesh["daemon"].engine.checkpoint(mesh["daemon"]._checkpoint_key) is None
+        unexpected = [v for v in conn.violations()
+                      if not any(f'"{subject}"' in v.lower() for subject in forbidden)]
+        assert unexpected == [] and op.violations() == [], (unexpected, op.violations())
+    finally:
+        for c in (conn, op):
+            await c.nc.close()
+
+
 async def test_the_l4_artefact_store_runs_under_its_own_user(mesh):
     """svc-deploy's grants fit the reference artefact store: its object store and buckets, the
     last-known-good check, and reading the audit chain to refuse an unaccepted order."""
