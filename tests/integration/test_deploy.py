@@ -89,6 +89,12 @@ async def test_ensure_changes_only_what_is_missing_or_differs(own_server):
         assert {c.split(" ", 1)[0] for c in made} == {"created"} and len(made) == 11, made
         assert await Store(nc).ensure() == []  # nothing missing, nothing differs
         js = nc.jetstream()
+        # the tool runtimes' chains are kept as durably as the daemon's log
+        durable = ("storage", "retention", "deny_delete", "deny_purge", "allow_direct",
+                   "num_replicas", "max_msgs", "max_bytes", "max_age", "max_msgs_per_subject")
+        logs = [(await js.stream_info(n)).config for n in (S.STREAM_AUDIT, S.STREAM_TOOLS_AUDIT)]
+        assert [{k: getattr(c, k) for k in durable} for c in logs] == \
+            [{k: getattr(logs[0], k) for k in durable}] * 2
         audit = (await js.stream_info(S.STREAM_AUDIT)).config
         await js.update_stream(audit.evolve(max_msgs_per_subject=1))  # what accounts forbid
         await js.delete_key_value(S.BUCKET_STATE)  # a broker restart loses this one anyway

@@ -2,10 +2,11 @@
 tool runtime service: listing, gating, acceptance, grants, scopes, session upgrades and bad
 input on the bus; spent grants and acceptances shared by replicas and kept across a restart in
 the `improved_tools` bucket, whatever a bus participant writes there; every call on the
-runtime's `_tools` audit chain. Every tool counts its calls, so "refused" is checked as "did
-not run", not only as the reply's shape. The session daemon (`daemon`) provides the audit
-stream; the runtime signs its trailers with the test daemons' key, so the session's whole-log
-check at the end verifies them too."""
+runtime's `_tools` audit chain, on the tool runtimes' own stream (IMPROVE_TOOLS_AUDIT), which
+no daemon checkpoints: a runtime nobody trusts cannot stop the loop. Every tool counts its
+calls, so "refused" is checked as "did not run", not only as the reply's shape. The session
+daemon (`daemon`) provides the streams; the runtime signs its trailers with the test daemons'
+key, so the session's whole-log check at the end verifies them too."""
 
 from __future__ import annotations
 
