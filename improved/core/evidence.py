@@ -19,6 +19,7 @@ import base64
 import binascii
 import functools
 import hashlib
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -364,6 +365,11 @@ class ChainTrust:
     # they carry): their signatures need no second check until the next checkpoint covers them
     written: AbstractSet[str] = frozenset()
     writer: str = "daemon"  # whose keys `daemons` are: "runtime" for a `_tools` chain
+    # chain id → the key id of the runtime whose `_tools` chain it is ([trust.runtimes]): for
+    # a verifier of the daemon's log, where such chains were written before they moved to
+    # their own stream; that key then counts for that one chain besides the daemons'. A
+    # daemon never sets it: no runtime key is one of its writers.
+    earlier_runtimes: Mapping[str, str] = field(default_factory=dict)
 
     def start(self) -> ChainActs:
         return ChainActs()
@@ -374,7 +380,9 @@ class ChainTrust:
             raise TypeError("ChainTrust.problem: state comes from ChainTrust.start")
         check = not 0 < stream_seq <= self.covered_to and body.get("hash") not in self.written
         if check:
-            problem = writer_problem(body, self.daemons, self.writer)
+            runtime = self.earlier_runtimes.get(chain_id)
+            writers = self.daemons if runtime is None else self.daemons | {runtime}
+            problem = writer_problem(body, writers, self.writer)
             if problem is not None:
                 return problem
         try:

@@ -511,3 +511,44 @@ async def test_an_untrusted_runtime_key_on_a_tools_chain_opens_no_crisis(own_ser
         await sub.unsubscribe()
         await daemon.stop()
         await bus.close(conn)
+
+
+async def test_a_chain_written_into_the_daemons_log_before_the_move_verifies_under_its_runtime(
+        own_server, tmp_path):
+    """A `_tools` chain a runtime wrote into IMPROVE_AUDIT before the chains moved: a full
+    `improved audit verify` accepts it under the runtime's key in `[trust.runtimes]`, so the
+    key need not stay among `[trust] daemons`; with neither, it is a break as before."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from improved.core.tools import call_draft
+    from improved.runtime.store import Store
+
+    key, name = Ed25519PrivateKey.generate(), "legacy"
+    conn = await bus.connect(own_server.url, "tool-runtime-legacy")
+    try:
+        store = Store(conn)
+        await store.ensure()
+        store.signer = key  # as a runtime wrote it then: on the daemon's log, with its own key
+        rt, _ = runtime(name=name)
+        draft = call_draft(name, await rt.decide("read", ARGS, None, now_ms()))
+        cid = tools_chain_id(name)
+        await store.append_sealed(subjects.legacy_tools_audit(cid), cid, "L0", "operation",
+                                  lambda chain, now: draft, clock=now_ms)
+    finally:
+        await bus.close(conn)
+    b64 = base64.b64encode
+    daemon_public = b64(signing.raw_public(daemon_key().public_key())).decode()
+    base = (f'data_dir = "{tmp_path / "verifier"}"\n[trust]\n'
+            f'daemons = {{ "improved:test" = "{daemon_public}" }}\n')
+    with_runtime, without = tmp_path / "with.toml", tmp_path / "without.toml"
+    with_runtime.write_text(base + f'[trust.runtimes]\n{name} = "'
+                            f'{b64(signing.raw_public(key.public_key())).decode()}"\n')
+    without.write_text(base)
+    ok = await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
+                                 "--config", str(with_runtime))
+    assert ok.returncode == 0 and "BROKEN" not in ok.stdout, ok.stdout + ok.stderr
+    broken = await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
+                                     "--config", str(without))
+    assert broken.returncode == 1
+    assert f"BROKEN {cid} trailer 0: signed by" in broken.stdout
+    assert "which is not a trusted daemon key" in broken.stdout
