@@ -17,10 +17,22 @@ the bus is exactly what the library decides:
   entry can refuse a call, never allow one. An acceptance read back counts only when the
   signed grant it holds verifies (`Runtime`).
 - Every call's decision is a trailer of the runtime's chain
-  `improve.audit._tools.<sha256("improved tools <runtime>")>` on the audit stream, appended
-  with the expected last sequence and signed with the runtime's key (which verifiers trust
-  as a writer, `[trust] daemons`), before the tool runs: a call whose decision cannot be
-  recorded does not run (the grant it spent stays spent).
+  `improve.tools.audit.<sha256("improved tools <runtime>")>` on the tool runtimes' audit
+  stream `IMPROVE_TOOLS_AUDIT`, appended with the expected last sequence and signed with the
+  runtime's key (which verifiers trust for that runtime's chain alone, `[trust.runtimes]`),
+  before the tool runs: a call whose decision cannot be recorded does not run (the grant it
+  spent stays spent).
+
+Why a stream of its own, not the daemon's `IMPROVE_AUDIT`: every trailer in the daemon's log
+must be signed by a trusted daemon key, or the daemon's next checkpoint opens a crisis and
+applies stop mesh-wide. A runtime writing there would have to hold a key every daemon trusts
+as one of its own (so it could also write any daemon trailer), and a runtime whose key one
+daemon lacks, or anyone allowed to write its subjects, could halt the loop. Kept apart, the
+daemon's log has daemons as its only writers, its checkpoints cover only what daemons
+decide, and a tool trailer is never an input to a loop decision; a runtime's chain that does
+not verify is that chain's problem, named by `improved audit verify` (the alternative, the
+chains staying in the daemon's log with the checkpoint told to excuse them, would have kept
+untrusted writers inside the log every checkpoint signs).
 
 Every message gets a reply and none can stop the subscription: bad input, a tool that raises,
 a result that is not JSON all become answers. Arguments are never logged nor recorded (only
@@ -153,7 +165,7 @@ class ToolRuntimeService:
                  replicas: int = 1):
         self.nc = nc
         self.runtime = runtime
-        self.store = Store(nc, replicas)
+        self.store = Store(nc, replicas, audit_stream=S.STREAM_TOOLS_AUDIT)
         self.store.signer = key
         self.replicas = replicas
         self.chain = chain_id(runtime.name)
@@ -172,14 +184,15 @@ class ToolRuntimeService:
 
     async def start(self) -> None:
         """Open the ledger and subscribe; RuntimeError, naming what is missing, when there is
-        no audit stream to record calls on."""
+        no audit stream to record calls on (the runtime does not make it: its durability is
+        the provisioning step's to set)."""
         name = self.runtime.name
         try:
-            await self.store.js.stream_info(S.STREAM_AUDIT)
+            await self.store.js.stream_info(S.STREAM_TOOLS_AUDIT)
         except NotFoundError:
-            raise RuntimeError(f"tool runtime {name}: the audit stream {S.STREAM_AUDIT} does "
-                               "not exist, so no call could be recorded; start the daemon (or "
-                               "run `improved provision`) first") from None
+            raise RuntimeError(f"tool runtime {name}: the audit stream {S.STREAM_TOOLS_AUDIT} "
+                               "does not exist, so no call could be recorded; run `improved "
+                               "provision` (or start a daemon without accounts) first") from None
         self.runtime.ledger = await JetStreamLedger.open(self.store.js, self.replicas)
         for subject, cb in ((S.tools_list(name), self._on_list),
                             (S.tools_call(name), self._on_call),

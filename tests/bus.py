@@ -275,7 +275,9 @@ async def quorum_case(nc, daemon, svc):
 
 async def whole_log_breaks(url: str) -> list[str]:
     """Every chain on the server verified as an auditor would, trusting the test daemons'
-    key and the test identities' keys: the breaks found (the first of each broken chain)."""
+    key and the test identities' keys: the breaks found (the first of each broken chain).
+    The tool runtimes' chains (their own stream) too: the session's runtimes sign with the
+    test daemons' key."""
     from improved.core import audit, evidence
 
     def b64(key) -> str:
@@ -289,6 +291,11 @@ async def whole_log_breaks(url: str) -> list[str]:
     nc = await bus.connect(url, "improved-test-audit")
     try:
         log, _ = await Store(nc).read_audit()
+        tools = Store(nc, audit_stream=subjects.STREAM_TOOLS_AUDIT)
+        view = await tools.audit_view()
+        log += [(seq, subject, body) async for seq, subject, body, _
+                in tools.follow(subjects.TOOLS_AUDIT_FILTER, 1, view.last_seq)
+                if body is not None]
     finally:
         await bus.close(nc)
     chains: dict[str, list[tuple[int, dict]]] = {}

@@ -30,6 +30,7 @@ PASSWORDS = {
     "svc-knowledge": "dev-knowledge-pw",
     "svc-docs": "dev-docs-pw",
     "svc-deploy": "dev-deploy-pw",
+    "rt-agent": "dev-rt-agent-pw",
 }
 
 

@@ -127,7 +127,27 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
                 say(f"checkpoint file {anchor_path} ({kept.count} trailers up to stream "
                     f"sequence {kept.last_seq}) holds: the stream is the one it was signed "
                     "over")
-        return 1 if problems or since.broken else 0
+        tools_ok = await _verify_tools(store, config, trust, say, note)
+        return 1 if problems or since.broken or not tools_ok else 0
+
+
+async def _verify_tools(store, config: Config, trust: evidence.ChainTrust,
+                        say: Callable[[str], None], note: Callable[[str], None]) -> bool:
+    """The tool runtimes' chains, outside the daemon's log, each against its runtime's key in
+    `[trust.runtimes]`: a line for each broken or unverified chain, then the counts. False
+    when any chain is either."""
+    from improved.runtime.tool_chains import verify_tool_chains
+
+    found = await verify_tool_chains(store.nc, config.trust.runtime_store(), trust.history)
+    if not found.exists:
+        note(f"note: no stream {S.STREAM_TOOLS_AUDIT}: no tool runtime has recorded a call "
+             "here (`improved provision` makes it)")
+        return True
+    for line in found.lines:
+        say(line)
+    if found.chains or not found.ok:
+        say(found.summary())
+    return found.ok
 
 
 _KEPT = "the last checkpoint kept in the data directory"
@@ -217,9 +237,16 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
 
 def chain_trust(log_: list, daemons: set[str], config: Config) -> evidence.ChainTrust:
     """Whom the verifier trusts: the daemon keys it was given, and the operator and voter keys
-    the trust chain recorded (verified against those daemon keys), else the configuration's."""
+    the trust chain recorded (verified against those daemon keys), else the configuration's.
+    A `_tools` chain written into the daemon's log before the runtimes' chains moved to their
+    own stream verifies under its runtime's key in `[trust.runtimes]` too, so that key need
+    not stay among the daemons'."""
+    from improved.core.tools import runtime_writers
+
     fallback = evidence.KeySet(config.trust.store(), config.trust.voters())
-    trust = evidence.ChainTrust(frozenset(daemons), evidence.History(fallback=fallback))
+    earlier = {cid: kid for cid, (_, kid) in runtime_writers(config.trust.runtime_store()).items()}
+    trust = evidence.ChainTrust(frozenset(daemons), evidence.History(fallback=fallback),
+                                earlier_runtimes=earlier)
     subject = S.trust_audit(evidence.TRUST_ID)
     chain = [(seq, body) for seq, subj, body in log_ if subj == subject]
     if chain and audit.verify_chain(evidence.TRUST_ID, [b for _, b in chain], trust,

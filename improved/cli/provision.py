@@ -67,8 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "provision", help="create or update the streams and buckets (admin credential)",
         description="Create what the loop needs on the NATS server and bring it to this "
-                    "configuration: the streams IMPROVE_IN, IMPROVE_RECORDS, IMPROVE_AUDIT and "
-                    "IMPROVED_REFUSED, the KV buckets improved_state, improved_dedup, "
+                    "configuration: the streams IMPROVE_IN, IMPROVE_RECORDS, IMPROVE_AUDIT, "
+                    "IMPROVED_REFUSED and IMPROVE_TOOLS_AUDIT (the tool runtimes' audit "
+                    "chains, durable as IMPROVE_AUDIT), the KV buckets improved_state, improved_dedup, "
                     "improved_ledger, improved_windows and improved_learned, and the inbound "
                     "durable consumer. It looks first and "
                     "changes only what is missing or differs, so running it again is safe; "

@@ -51,17 +51,18 @@ async def read_chain(js: JetStreamContext, subject: str) -> list[Any]:
     return [body for _, body in await read_sequenced(js, subject)]
 
 
-async def read_sequenced(js: JetStreamContext, subject: str) -> Sequenced:
+async def read_sequenced(js: JetStreamContext, subject: str, *,
+                         stream: str = S.STREAM_AUDIT) -> Sequenced:
     """`read_chain` with each trailer's stream sequence, through a consumer of the audit stream
-    filtered on `subject`, made with `$JS.API.CONSUMER.CREATE.IMPROVE_AUDIT.<name>.<subject>`
-    (the server refuses a configuration that filters anything else), which subject permissions
-    can scope. The server may place the consumer on any replica of the stream; a replica is
+    (or `stream`: a tool runtime's chain is on S.STREAM_TOOLS_AUDIT) filtered on `subject`,
+    made with `$JS.API.CONSUMER.CREATE.IMPROVE_AUDIT.<name>.<subject>` (the server refuses a
+    configuration that filters anything else), which subject permissions can scope. The server may place the consumer on any replica of the stream; a replica is
     told of each commit at once, so it follows the leader within a round trip."""
     nc = js._nc  # the JetStream context's own connection: replies come to its inboxes
     inbox = await nc.subscribe(nc.new_inbox())
     try:
         try:
-            info = await js.add_consumer(S.STREAM_AUDIT, ConsumerConfig(
+            info = await js.add_consumer(stream, ConsumerConfig(
                 name=uuid.uuid4().hex, filter_subject=subject, deliver_subject=inbox.subject,
                 deliver_policy=DeliverPolicy.ALL, ack_policy=AckPolicy.NONE, num_replicas=1,
                 mem_storage=True, inactive_threshold=CONSUMER_IDLE_S))

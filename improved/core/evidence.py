@@ -19,6 +19,7 @@ import base64
 import binascii
 import functools
 import hashlib
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -63,23 +64,25 @@ def _public(b64: str) -> tuple[str, Ed25519PublicKey]:
     return signing.keyid_of(raw), Ed25519PublicKey.from_public_bytes(raw)
 
 
-def writer_problem(body: dict[str, Any], daemons: frozenset[str]) -> str | None:
-    """Why the trailer was not written by a trusted daemon key, or None."""
+def writer_problem(body: dict[str, Any], daemons: frozenset[str],
+                   writer: str = "daemon") -> str | None:
+    """Why the trailer was not written by a trusted key (`daemons`, the key ids of a
+    `writer`: a daemon, or the runtime whose `_tools` chain it is), or None."""
     sig = body.get("sig")
     if not isinstance(sig, str) or not sig:
-        return "not signed by a daemon: a trailer anyone on the bus could have written"
+        return f"not signed by a {writer}: a trailer anyone on the bus could have written"
     public, _, signature = sig.partition(".")
     try:
         keyid, key = _public(public)
     except (ValueError, binascii.Error):
-        return "the daemon signature names no valid key"
+        return f"the {writer} signature names no valid key"
     if keyid not in daemons:
-        return f"signed by {keyid[:24]}…, which is not a trusted daemon key"
+        return f"signed by {keyid[:24]}…, which is not a trusted {writer} key"
     try:
         key.verify(base64.b64decode(signature, validate=True),
                    _DOMAIN + bytes.fromhex(str(body.get("hash"))))
     except (ValueError, binascii.Error, InvalidSignature):
-        return "the daemon signature does not match the trailer"
+        return f"the {writer} signature does not match the trailer"
     return None
 
 
@@ -161,6 +164,19 @@ def recorded(body: dict[str, Any] | None) -> Keys | None:
 
 class _Refs(msgspec.Struct):
     refs: list[str] = []
+
+
+def ever(history: History) -> KeySet:
+    """Every key the history ever trusted, in each role (and the fallback's): for acts on a
+    chain outside the daemon's log, whose stream sequences are not the trust chain's, so
+    "trusted at that trailer" cannot be told; such a chain's writer checked the act when it
+    was made."""
+    sets = [history.fallback, *(keys for _, keys in history.snapshots)]
+
+    def union(role: str) -> TrustStore:
+        return TrustStore({kid: k for ks in sets for kid, k in getattr(ks, role).keys.items()})
+
+    return KeySet(union("operators"), union("voters"), union("signers"))
 
 
 def history_of(chain: list[tuple[int, dict[str, Any]]], fallback: KeySet) -> History:
@@ -348,6 +364,12 @@ class ChainTrust:
     # hashes of trailers this very process appended (and so signed, after checking any act
     # they carry): their signatures need no second check until the next checkpoint covers them
     written: AbstractSet[str] = frozenset()
+    writer: str = "daemon"  # whose keys `daemons` are: "runtime" for a `_tools` chain
+    # chain id → the key id of the runtime whose `_tools` chain it is ([trust.runtimes]): for
+    # a verifier of the daemon's log, where such chains were written before they moved to
+    # their own stream; that key then counts for that one chain besides the daemons'. A
+    # daemon never sets it: no runtime key is one of its writers.
+    earlier_runtimes: Mapping[str, str] = field(default_factory=dict)
 
     def start(self) -> ChainActs:
         return ChainActs()
@@ -358,7 +380,9 @@ class ChainTrust:
             raise TypeError("ChainTrust.problem: state comes from ChainTrust.start")
         check = not 0 < stream_seq <= self.covered_to and body.get("hash") not in self.written
         if check:
-            problem = writer_problem(body, self.daemons)
+            runtime = self.earlier_runtimes.get(chain_id)
+            writers = self.daemons if runtime is None else self.daemons | {runtime}
+            problem = writer_problem(body, writers, self.writer)
             if problem is not None:
                 return problem
         try:

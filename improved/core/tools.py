@@ -146,6 +146,24 @@ def chain_id(runtime: str) -> str:
     return hashlib.sha256(f"improved tools {runtime}".encode()).hexdigest()
 
 
+def runtime_writers(runtimes: TrustStore) -> dict[str, tuple[str, str]]:
+    """Chain id → (runtime, key id): whose key may write which runtime's `_tools` chain, from
+    the `[trust.runtimes]` keys (each bound to its runtime's name). A runtime's key writes its
+    own chain and no other, and is never a daemon's."""
+    return {chain_id(k.principal): (k.principal, kid) for kid, k in runtimes.keys.items()}
+
+
+def claimed_runtime(body: Mapping[str, Any], chain: str) -> str | None:
+    """The runtime a `_tools` trailer names (`runtime:` ref) when its chain is that runtime's,
+    else None: what a verifier can say of a chain whose writer it has no key for."""
+    refs = body.get("refs")
+    for r in refs if isinstance(refs, list) else ():
+        if isinstance(r, str) and r.startswith("runtime:"):
+            name = r.removeprefix("runtime:")
+            return name if chain_id(name) == chain else None
+    return None
+
+
 class ToolGrant(_In):
     """An operator's signed permission for one call of one tool with exactly these arguments."""
 

@@ -52,12 +52,20 @@ DUE_FILTER = f"{DUE}.*.*"
 # [a-z]), and a purge of the review subjects takes it too.
 FILLED_MARKER = f"{REVIEW}._filled.records"
 AUDIT_FILTER = f"{AUDIT}.*.*"
+# The tool runtimes' audit chains (one per runtime, improved_reference/tool_runtime.py) live in
+# a stream of their own, which no daemon writes, reads or checkpoints: a runtime is not one of
+# the daemon log's writers, so nothing a runtime (or anyone who may write its subjects) puts
+# there can break the daemon's log or open a crisis. `improved audit verify` checks them
+# against `[trust.runtimes]`.
+TOOLS_AUDIT = "improve.tools.audit"
+TOOLS_AUDIT_FILTER = f"{TOOLS_AUDIT}.*"
 
 # -- streams, consumers and buckets -------------------------------------------------------------
 STREAM_INBOUND = "IMPROVE_IN"
 STREAM_RECORDS = "IMPROVE_RECORDS"
 STREAM_AUDIT = "IMPROVE_AUDIT"
 STREAM_REFUSED = "IMPROVED_REFUSED"
+STREAM_TOOLS_AUDIT = "IMPROVE_TOOLS_AUDIT"
 CONSUMER_INBOUND = "improved-loop"
 BUCKET_STATE = "improved_state"
 BUCKET_DEDUP = "improved_dedup"  # dedup_key → the newest proposal under it (supersession)
@@ -71,7 +79,9 @@ AUTONOMY_CHAIN = "_autonomy"  # the breaker and the autonomy switch (improved/br
 CHECKPOINT_CHAIN = "_checkpoints"  # signed checkpoints over the whole log (checkpoint.py)
 POLICY_CHAIN = "_policy"  # the effective policy, recorded when it changes (core/policy.py)
 TRUST_CHAIN = "_trust"  # the operator and voter keys, recorded when they change (core/evidence.py)
-TOOLS_CHAIN = "_tools"  # an agent runtime's tool calls, one chain per runtime (core/tools.py)
+# an agent runtime's tool calls, one chain per runtime (core/tools.py): in the daemon's log only
+# for chains written before they moved to STREAM_TOOLS_AUDIT (`tools_audit`)
+TOOLS_CHAIN = "_tools"
 MESH_CHAINS = frozenset({GRANT_CHAINS, AUTONOMY_CHAIN, CHECKPOINT_CHAIN, POLICY_CHAIN,
                          TRUST_CHAIN, TOOLS_CHAIN})
 
@@ -168,6 +178,13 @@ def trust_audit(chain_id: str) -> str:
 
 
 def tools_audit(chain_id: str) -> str:
+    """A tool runtime's audit chain, on STREAM_TOOLS_AUDIT (not the daemon's log)."""
+    return f"{TOOLS_AUDIT}.{chain_id}"
+
+
+def legacy_tools_audit(chain_id: str) -> str:
+    """Where a runtime's chain was written before it moved: the daemon's log, whose writers
+    must then trust the runtime's key as a daemon's."""
     return f"{AUDIT}.{TOOLS_CHAIN}.{chain_id}"
 
 

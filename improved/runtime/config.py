@@ -98,6 +98,7 @@ from improved.core.identity import IDENTITY_RE
 from improved.core.policy import YEARS_10_S as _YEARS_10_S
 from improved.core.policy import Policy, Positive, Text, loosening
 from improved.core.signing import TrustStore
+from improved.protocol import subjects as S
 
 
 class ConfigError(ValueError):
@@ -137,6 +138,9 @@ class Trust(_Section, kw_only=True):
     # the deployment's NATS permissions bind each service to its own subjects (as
     # deploy/accounts.conf does): then a subject `<svc>` proves the identity `service:<svc>`
     subjects_bound: bool = False
+    # `[trust.runtimes]`: tool runtime name → the Ed25519 public key that signs its `_tools`
+    # chain (IMPROVE_TOOLS_AUDIT). Only `improved audit verify` reads it; a daemon never does
+    runtimes: dict[str, str] = field(default_factory=dict)
 
     def store(self) -> TrustStore:
         return TrustStore.from_config(self.operators)
@@ -147,6 +151,10 @@ class Trust(_Section, kw_only=True):
 
     def signer_store(self) -> TrustStore:
         return TrustStore.from_config(self.signers)
+
+    def runtime_store(self) -> TrustStore:
+        """The tool runtimes' keys, each bound to its runtime's name."""
+        return TrustStore.from_config(self.runtimes)
 
     def daemon_keyids(self) -> set[str]:
         """The key ids of the daemon checkpoint keys trusted besides a daemon's own."""
@@ -236,7 +244,7 @@ def parse(doc: object) -> Config:
         except (LookupError, StopIteration, TypeError, AttributeError):  # not from TOML
             why = " ".join(str(exc).split())
         raise ConfigError(f"config error: {why}") from None
-    for name in ("operators", "quorum", "daemons", "signers"):
+    for name in ("operators", "quorum", "daemons", "signers", "runtimes"):
         for principal, key in getattr(config.trust, name).items():
             _check_key(("trust", name, principal), key)
     for principal in config.trust.operators:
@@ -249,6 +257,11 @@ def parse(doc: object) -> Config:
         if not IDENTITY_RE.match(principal) or principal.startswith("operator:"):
             raise ConfigError(f"config error: trust.signers.{principal}: not an identity "
                               "(`agent:<svc>:<name>`, `check:<name>` or `service:<svc>`)")
+    for runtime in config.trust.runtimes:
+        if not S.SERVICE_RE.match(runtime):
+            raise ConfigError(f"config error: {_dotted(('trust', 'runtimes', runtime))}: not a "
+                              f"tool runtime's name (it matches {S.SERVICE_RE.pattern}, as "
+                              "`<runtime>.tools.call` does)")
     loose = loosening(config.policy)
     if loose is not None:
         where, why = loose

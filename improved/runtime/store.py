@@ -225,6 +225,7 @@ def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsa
             # no limits, said out loud so that a limit set since is seen as a difference
             max_msgs=-1, max_bytes=-1, max_age=0, max_msgs_per_subject=-1,
         ),
+        tools_audit_config(replicas),
         jsapi.StreamConfig(
             name=S.STREAM_REFUSED, subjects=[S.REFUSED_FILTER],
             description="improved: refused inbound messages (what and why, never the payload)",
@@ -232,6 +233,20 @@ def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsa
             max_age=REFUSED_MAX_AGE_S, max_msgs=100_000, num_replicas=replicas,
         ),
     ]
+
+
+def tools_audit_config(replicas: int = 1) -> jsapi.StreamConfig:
+    """The tool runtimes' audit chains (`S.tools_audit`): durable as the daemon's log (file
+    storage, no limits, no message deletes), but a stream of its own that no daemon writes,
+    reads or checkpoints, so a runtime's chain (or a trailer someone forged on it) is never
+    part of the daemon's log: `improved audit verify` checks it against `[trust.runtimes]`."""
+    return jsapi.StreamConfig(
+        name=S.STREAM_TOOLS_AUDIT, subjects=[S.TOOLS_AUDIT_FILTER],
+        description="improved: the tool runtimes' hash-chained call trailers, append-only",
+        retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType.FILE,
+        deny_delete=True, deny_purge=False, allow_direct=True, num_replicas=replicas,
+        max_msgs=-1, max_bytes=-1, max_age=0, max_msgs_per_subject=-1,
+    )
 
 
 # The analyzers' windows: one key per (analyzer, service, target), one value each (history 1).
@@ -284,8 +299,12 @@ def inbound_consumer(ack_wait_s: float = INBOUND_ACK_WAIT_S) -> jsapi.ConsumerCo
 
 
 class Store:
-    def __init__(self, nc: Client, replicas: int = 1, records_storage: str = "file"):
+    def __init__(self, nc: Client, replicas: int = 1, records_storage: str = "file", *,
+                 audit_stream: str = S.STREAM_AUDIT):
         self.nc = nc
+        # the stream the chains this store appends to and reads live in: the daemon's log, or
+        # the tool runtimes' (S.STREAM_TOOLS_AUDIT)
+        self.audit_stream = audit_stream
         self.js: JetStreamContext = nc.jetstream(publish_async_max_pending=8192)
         # for the small status reads of a restore: a server still loading its streams after a
         # restart answers nothing, and the restore tries again sooner than the default 5 s
@@ -630,7 +649,7 @@ class Store:
         headers = {"Nats-Expected-Last-Subject-Sequence": str(expected_seq)}
         try:
             ack = await self.js.publish(subject, to_json(trailer), headers=headers,
-                                        stream=S.STREAM_AUDIT)
+                                        stream=self.audit_stream)
         except APIError as exc:
             if is_conflict(exc):
                 raise ChainConflict(subject) from exc
@@ -681,7 +700,7 @@ class Store:
         seq = start
         while True:
             try:
-                msg = await self.js.get_msg(S.STREAM_AUDIT, seq=seq, subject=subject,
+                msg = await self.js.get_msg(self.audit_stream, seq=seq, subject=subject,
                                             next=True, direct=True)
             except NotFoundError:
                 return out
@@ -691,7 +710,7 @@ class Store:
     async def chain_head(self, subject: str) -> tuple[int, dict[str, Any] | None]:
         """(stream sequence, body) of the last trailer on a chain; (0, None) when empty."""
         try:
-            msg = await self.js.get_msg(S.STREAM_AUDIT, subject=subject, direct=True)
+            msg = await self.js.get_msg(self.audit_stream, subject=subject, direct=True)
         except NotFoundError:
             return 0, None
         return msg.seq, msgspec.json.decode(msg.data)
@@ -747,7 +766,7 @@ class Store:
         config = jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.BY_START_SEQUENCE,
                                       opt_start_seq=start, ack_policy=jsapi.AckPolicy.NONE,
                                       inactive_threshold=READ_IDLE_S * 6, mem_storage=True)
-        sub = await self.js.pull_subscribe(subject, stream=S.STREAM_AUDIT, config=config)
+        sub = await self.js.pull_subscribe(subject, stream=self.audit_stream, config=config)
         try:
             while True:
                 try:
@@ -768,7 +787,7 @@ class Store:
                         return
         finally:
             with suppress(Exception):  # it goes by itself once inactive
-                await self.js.delete_consumer(S.STREAM_AUDIT, config.name)
+                await self.js.delete_consumer(self.audit_stream, config.name)
             await sub.unsubscribe()
 
     @staticmethod
@@ -787,7 +806,7 @@ class Store:
         """The audit stream as its state says, in O(1): creation time, first and last
         sequence and how many messages it holds (fewer than its sequences: some are gone)."""
         try:
-            info = await self.js.stream_info(S.STREAM_AUDIT)
+            info = await self.js.stream_info(self.audit_stream)
         except NotFoundError:
             return checkpoint.StreamView(None)
         state = info.state

@@ -90,7 +90,8 @@ def test_provision_makes_what_is_missing_then_nothing(own_server):
     lines = first.stdout.splitlines()
     assert "created stream IMPROVE_AUDIT" in lines and "created bucket improved_state" in lines
     assert "created bucket improved_windows" in lines and "created bucket improved_learned" in lines
-    assert lines[-1].endswith("10 changed")
+    assert "created stream IMPROVE_TOOLS_AUDIT" in lines  # the tool runtimes' chains
+    assert lines[-1].endswith("11 changed")
     again = improved("provision", "--nats", own_server.url)
     assert again.returncode == 0 and again.stdout.splitlines() == [
         f"provisioned {own_server.url}: the loop's streams, buckets and inbound consumer are in "

@@ -86,9 +86,15 @@ async def test_ensure_changes_only_what_is_missing_or_differs(own_server):
     try:
         store = Store(nc)
         made = await store.ensure()
-        assert {c.split(" ", 1)[0] for c in made} == {"created"} and len(made) == 10, made
+        assert {c.split(" ", 1)[0] for c in made} == {"created"} and len(made) == 11, made
         assert await Store(nc).ensure() == []  # nothing missing, nothing differs
         js = nc.jetstream()
+        # the tool runtimes' chains are kept as durably as the daemon's log
+        durable = ("storage", "retention", "deny_delete", "deny_purge", "allow_direct",
+                   "num_replicas", "max_msgs", "max_bytes", "max_age", "max_msgs_per_subject")
+        logs = [(await js.stream_info(n)).config for n in (S.STREAM_AUDIT, S.STREAM_TOOLS_AUDIT)]
+        assert [{k: getattr(c, k) for k in durable} for c in logs] == \
+            [{k: getattr(logs[0], k) for k in durable}] * 2
         audit = (await js.stream_info(S.STREAM_AUDIT)).config
         await js.update_stream(audit.evolve(max_msgs_per_subject=1))  # what accounts forbid
         await js.delete_key_value(S.BUCKET_STATE)  # a broker restart loses this one anyway
@@ -286,6 +292,7 @@ async def mesh(secured_url):
 
 
 LOOP_STREAMS = (S.STREAM_INBOUND, S.STREAM_RECORDS, S.STREAM_AUDIT, S.STREAM_REFUSED,
+                S.STREAM_TOOLS_AUDIT,
                 f"KV_{S.BUCKET_STATE}", f"KV_{S.BUCKET_DEDUP}", f"KV_{S.BUCKET_LEDGER}",
                 f"KV_{S.BUCKET_WINDOWS}", f"KV_{S.BUCKET_LEARNED}")
 
@@ -424,7 +431,8 @@ async def test_daemon_cannot_change_or_drop_the_other_loop_streams(mesh):
         forbidden = [f"$JS.API.STREAM.{api}.{name}" for name in LOOP_STREAMS
                      for api in ("UPDATE", "DELETE", "PURGE", "MSG.DELETE")]
         forbidden += [f"$JS.API.STREAM.CREATE.{name}"
-                      for name in (S.STREAM_INBOUND, S.STREAM_AUDIT, S.STREAM_REFUSED)]
+                      for name in (S.STREAM_INBOUND, S.STREAM_AUDIT, S.STREAM_REFUSED,
+                                   S.STREAM_TOOLS_AUDIT)]
         forbidden += [f"$JS.API.CONSUMER.DELETE.{S.STREAM_INBOUND}.{S.CONSUMER_INBOUND}",
                       f"$JS.API.CONSUMER.DURABLE.CREATE.{S.STREAM_INBOUND}.{S.CONSUMER_INBOUND}"]
         for subject in forbidden:
@@ -462,7 +470,7 @@ async def test_only_the_provisioning_user_provisions_and_the_daemon_says_so(secu
         "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"], out
 
     rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
-    assert rc == 0 and out.splitlines()[-1].endswith("10 changed"), out
+    assert rc == 0 and out.splitlines()[-1].endswith("11 changed"), out
     rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
     assert rc == 0 and out.splitlines()[-1].endswith("nothing changed"), out
 
@@ -727,6 +735,64 @@ async def test_the_doc_and_knowledge_stores_run_under_their_own_users(mesh):
             await conn.nc.close()
     assert docs.violations() == [] and knowledge.violations() == [], (
         docs.violations(), knowledge.violations())
+
+
+async def test_a_tool_runtime_records_its_calls_under_its_own_user(mesh):
+    """rt-agent's grants fit the reference tool runtime `agent`: it starts (its ledger bucket
+    made), answers the operator's calls (`improved tools`), records a mounted call, an L2
+    acceptance and a granted L4 call on its own chain in
+    IMPROVE_TOOLS_AUDIT with no permission violation, and an operator's `audit verify` reads
+    that chain (verified under `[trust.runtimes]`). It cannot write the daemon's log nor
+    another runtime's chain, and the daemon's checkpoint is not affected."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from improved.core import evidence, tools
+    from improved.runtime.tool_chains import verify_tool_chains
+    from improved_reference.tool_runtime import ToolRuntimeService
+    from tests.tool_surfaces import ARGS, grant, runtime
+
+    key = Ed25519PrivateKey.generate()
+    conn, op = [await connect_as(mesh["url"], user) for user in ("rt-agent", "operator")]
+    rt, kit = runtime(name="agent")
+    service = ToolRuntimeService(conn.nc, rt, key)
+    now = int(time.time() * 1000)
+    try:
+        await service.start()
+        await conn.nc.flush()  # its subscriptions are in place before the first call
+
+        async def call(body):  # as `improved tools call` does, with the operator's rights
+            reply = await op.nc.request(S.tools_call("agent"), to_json(body), timeout=5)
+            return msgspec.json.decode(reply.data)
+
+        assert (await call({"tool": "read", "args": ARGS}))["ok"]
+        accept = grant(kit["write"][0], ARGS, now=now, runtime="agent")
+        assert (await call({"tool": "write", "args": ARGS, "grant": accept}))["ok"]
+        deploy = grant(kit["deploy"][0], ARGS, now=now)
+        assert (await call({"tool": "deploy", "args": ARGS, "grant": deploy}))["ok"]
+        await service.stop()
+        cid = tools.chain_id("agent")
+        js = mesh["daemon_conn"].nc.jetstream(timeout=1.0)  # counts: the daemon may look
+        assert await count(js, S.STREAM_TOOLS_AUDIT, S.tools_audit(cid)) == 3
+        # what the runtime may not write: the daemon's log, another runtime's chain
+        forbidden = (S.legacy_tools_audit(cid), S.tools_audit(tools.chain_id("other")))
+        for subject in forbidden:
+            await conn.nc.publish(subject, b"{}")
+            await conn.nc.flush()
+            await conn.violation(subject)
+        assert await count(js, S.STREAM_AUDIT, S.legacy_tools_audit(cid)) == 0
+        public = base64.b64encode(signing.raw_public(key.public_key())).decode()
+        found = await verify_tool_chains(op.nc, signing.TrustStore.from_config(
+            {"agent": public}), evidence.History(fallback=evidence.KeySet.from_config(
+                {ALICE[0]: base64.b64encode(signing.raw_public(ALICE[1].public_key()))
+                 .decode()}, {})))
+        assert (found.chains, found.verified, found.trailers) == (1, 1, 3), found.lines
+        assert await mesh["daemon"].engine.checkpoint(mesh["daemon"]._checkpoint_key) is None
+        unexpected = [v for v in conn.violations()
+                      if not any(f'"{subject}"' in v.lower() for subject in forbidden)]
+        assert unexpected == [] and op.violations() == [], (unexpected, op.violations())
+    finally:
+        for c in (conn, op):
+            await c.nc.close()
 
 
 async def test_the_l4_artefact_store_runs_under_its_own_user(mesh):
@@ -1032,7 +1098,7 @@ async def test_the_daemon_never_logs_its_password_across_a_disconnect(secured_se
     admin = {"IMPROVED_NATS_USER": "improved-admin", "IMPROVED_NATS_PASSWORD_FILE":
              str(secret_file(tmp_path / "admin.pw", PASSWORDS["improved-admin"]))}
     rc, out = await cli("provision", "--nats", url, env=admin)
-    assert rc == 0 and out.splitlines()[-1].endswith("10 changed"), out
+    assert rc == 0 and out.splitlines()[-1].endswith("11 changed"), out
     config = tmp_path / "improved.toml"
     if form == "password_file":
         pw = secret_file(tmp_path / "improved.pw", PASSWORDS["improved"])

@@ -2,10 +2,11 @@
 tool runtime service: listing, gating, acceptance, grants, scopes, session upgrades and bad
 input on the bus; spent grants and acceptances shared by replicas and kept across a restart in
 the `improved_tools` bucket, whatever a bus participant writes there; every call on the
-runtime's `_tools` audit chain. Every tool counts its calls, so "refused" is checked as "did
-not run", not only as the reply's shape. The session daemon (`daemon`) provides the audit
-stream; the runtime signs its trailers with the test daemons' key, so the session's whole-log
-check at the end verifies them too."""
+runtime's `_tools` audit chain, on the tool runtimes' own stream (IMPROVE_TOOLS_AUDIT), which
+no daemon checkpoints: a runtime nobody trusts cannot stop the loop. Every tool counts its
+calls, so "refused" is checked as "did not run", not only as the reply's shape. The session
+daemon (`daemon`) provides the streams; the runtime signs its trailers with the test daemons'
+key, so the session's whole-log check at the end verifies them too."""
 
 from __future__ import annotations
 
@@ -341,7 +342,8 @@ async def test_e2e_every_call_is_on_the_runtime_audit_chain(nc, svc):
                                                  "upgrade": upgrade(svc, "s", now=now_ms())})
         await call(nc, rt, "nope")  # not a tool: nothing to record
     cid = tools_chain_id(svc)
-    chain = await read_sequenced(nc.jetstream(), subjects.tools_audit(cid))
+    chain = await read_sequenced(nc.jetstream(), subjects.tools_audit(cid),
+                                 stream=subjects.STREAM_TOOLS_AUDIT)
     bodies = [b for _, b in chain]
     assert audit.verify_chain(cid, bodies, chain_trust(), [s for s, _ in chain]) is None
     assert [(b["verdict"], b["gate_class"]) for b in bodies] == [
@@ -372,48 +374,181 @@ async def test_the_runtime_needs_an_audit_stream(own_server, svc):
     conn = await bus.connect(own_server.url, "tool-runtime-no-stream")
     try:
         rt, _ = runtime(name=svc)
-        with pytest.raises(RuntimeError, match="audit stream IMPROVE_AUDIT does not exist"):
+        with pytest.raises(RuntimeError,
+                           match="audit stream IMPROVE_TOOLS_AUDIT does not exist"):
             await ToolRuntimeService(conn, rt, daemon_key()).start()
     finally:
         await bus.close(conn)
 
 
 async def test_improved_audit_verify_checks_the_tools_chain(own_server, svc, tmp_path):
-    """A runtime with a key of its own, trusted as a writer (`[trust] daemons`): the command
-    verifies its chain, and names the break when someone appends a trailer of their own."""
+    """A runtime with a key of its own, trusted for its chain under `[trust.runtimes]`: the
+    command verifies the chain. Without that key the same chain is one UNVERIFIED line and a
+    non-zero exit, while the daemon's own log verifies and its checkpoint finds nothing
+    wrong; a trailer someone else appends is named BROKEN."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+    from improved.runtime.daemon import Daemon
     from improved.runtime.store import Store
+    from tests.bus import daemon_config
 
     key = Ed25519PrivateKey.generate()
     conn = await bus.connect(own_server.url, "tool-runtime-verify")
+    daemon = Daemon(conn, msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
+                                                  data_dir=tmp_path / "data"))
+    await daemon.start()
     try:
-        await Store(conn).ensure()
         rt, tools = runtime(name=svc)
         async with serving(conn, rt, key):
             await call(conn, rt, "read", ARGS)
             await call(conn, rt, "deploy", ARGS, grant(tools["deploy"][0], now=now_ms()))
         b64 = base64.b64encode
-        cfg = tmp_path / "improved.toml"
-        cfg.write_text(f'data_dir = "{tmp_path / "data"}"\n[trust]\n'
-                       f'operators = {{ "{ALICE[0]}" = "'
-                       f'{b64(signing.raw_public(ALICE[1].public_key())).decode()}" }}\n'
-                       f'daemons = {{ "runtime:{svc}" = "'
-                       f'{b64(signing.raw_public(key.public_key())).decode()}" }}\n')
-        ok = await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
-                                     "--config", str(cfg))
-        assert ok.returncode == 0, ok.stdout + ok.stderr
-        assert "BROKEN" not in ok.stdout
+        alice = b64(signing.raw_public(ALICE[1].public_key())).decode()
+        daemon_public = b64(signing.raw_public(daemon_key().public_key())).decode()
+        common = (f'data_dir = "{tmp_path / "verifier"}"\n[trust]\n'
+                  f'operators = {{ "{ALICE[0]}" = "{alice}" }}\n'
+                  f'daemons = {{ "improved:test" = "{daemon_public}" }}\n')
+        trusted, untrusted = tmp_path / "trusted.toml", tmp_path / "untrusted.toml"
+        trusted.write_text(common + f'[trust.runtimes]\n{svc} = "'
+                           f'{b64(signing.raw_public(key.public_key())).decode()}"\n')
+        untrusted.write_text(common)
+
+        async def verify(cfg):
+            return await asyncio.to_thread(improved, "audit", "verify", "--nats",
+                                           own_server.url, "--config", str(cfg))
 
         cid = tools_chain_id(svc)
-        store = Store(conn)
+        ok = await verify(trusted)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        assert "BROKEN" not in ok.stdout and "UNVERIFIED" not in ok.stdout
+        assert "tool runtimes (IMPROVE_TOOLS_AUDIT): 1/1 chains verified, 2 trailers" \
+            in ok.stdout
+
+        unknown = await verify(untrusted)
+        assert unknown.returncode == 1, unknown.stdout + unknown.stderr
+        lines = [line for line in unknown.stdout.splitlines() if cid in line]
+        assert lines == [f"UNVERIFIED {cid}: 2 trailers of tool runtime {svc} hash and link, "
+                         f"but [trust.runtimes] has no key for {svc}, so who wrote them is not "
+                         f'checked (add {svc} = "<base64 public key>" to verify them)'], \
+            unknown.stdout
+        assert "BROKEN" not in unknown.stdout  # the daemon's log verifies all the same
+        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+        assert not (await daemon.engine.autonomy(2**62)).crisis
+
+        store = Store(conn, audit_stream=subjects.STREAM_TOOLS_AUDIT)
         seq, last = await store.chain_head(subjects.tools_audit(cid))
         forged = dict(last, seq=last["seq"] + 1, prev=last["hash"], sig="", refs=[])
         forged["hash"] = audit.trailer_hash(forged)
         await conn.jetstream().publish(subjects.tools_audit(cid), to_json(forged))
-        broken = await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
-                                         "--config", str(cfg))
+        broken = await verify(trusted)
         assert broken.returncode == 1
-        assert f"BROKEN {cid} trailer 2: not signed by a daemon" in broken.stdout
+        assert (f"BROKEN {cid} trailer 2: not signed by a runtime: a trailer anyone on the bus "
+                f"could have written (tool runtime {svc}, IMPROVE_TOOLS_AUDIT)") in broken.stdout
+        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+    finally:
+        await daemon.stop()
+        await bus.close(conn)
+
+
+# -- a runtime nobody trusts cannot stop the loop -----------------------------------------------
+
+
+async def _applied(client, pid):
+    state = await client.state(pid)
+    return state if state is not None and state.status == "applied" else None
+
+
+async def test_an_untrusted_runtime_key_on_a_tools_chain_opens_no_crisis(own_server, tmp_path):
+    """The attack: a correctly hashed trailer of a runtime's `_tools` chain, signed by a key
+    nobody trusts, published on the chain's subject. The daemon's checkpoint finds nothing it
+    answers for (the chain is not in its log): no crisis, and an L0 proposal published after
+    it is still applied."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from improved.client.sdk import MeshClient
+    from improved.core.record import ChainHead
+    from improved.core.tools import call_draft
+    from improved.protocol.model import ApplyResult
+    from improved.runtime.daemon import Daemon
+    from tests.bus import daemon_config, eventually
+    from tests.factories import rank_proposal
+
+    config = msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
+                                     data_dir=tmp_path / "data")
+    conn = await bus.connect(own_server.url, "untrusted-runtime")
+    daemon = Daemon(conn, config)
+    await daemon.start()
+    client = MeshClient(conn, "rank")
+    orders: list[str] = []
+
+    async def applier(order):
+        orders.append(order.proposal_id)
+        return ApplyResult(ok=True, applied_id="x", rollbackable=False)
+
+    sub = await client.serve_apply(applier)
+    try:
+        first = (await client.propose(rank_proposal("rank", key="before"))).proposal_id
+        await eventually(lambda: _applied(client, first))
+        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+
+        rogue, name = Ed25519PrivateKey.generate(), "rogue"
+        rt, _ = runtime(name=name)
+        draft = call_draft(name, await rt.decide("read", ARGS, None, now_ms()))
+        assert draft is not None
+        cid = tools_chain_id(name)
+        sealed = audit.seal_next(draft, cid, ChainHead(length=0, last_hash=""), "L0",
+                                 "operation", now_ms())
+        signed = msgspec.to_builtins(evidence.sign(sealed, rogue))
+        assert audit.verify_chain(cid, [signed]) is None  # correctly hashed and linked
+        await conn.jetstream().publish(subjects.tools_audit(cid), to_json(signed))
+
+        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+        assert not (await daemon.engine.autonomy(2**62)).crisis
+        second = (await client.propose(rank_proposal("rank", key="after"))).proposal_id
+        await eventually(lambda: _applied(client, second))
+        assert orders == [first, second]
+    finally:
+        await sub.unsubscribe()
+        await daemon.stop()
+        await bus.close(conn)
+
+
+async def test_a_chain_written_into_the_daemons_log_before_the_move_verifies_under_its_runtime(
+        own_server, tmp_path):
+    """A `_tools` chain a runtime wrote into IMPROVE_AUDIT before the chains moved: a full
+    `improved audit verify` accepts it under the runtime's key in `[trust.runtimes]`, so the
+    key need not stay among `[trust] daemons`; with neither, it is a break as before."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from improved.core.tools import call_draft
+    from improved.runtime.store import Store
+
+    key, name = Ed25519PrivateKey.generate(), "legacy"
+    conn = await bus.connect(own_server.url, "tool-runtime-legacy")
+    try:
+        store = Store(conn)
+        await store.ensure()
+        store.signer = key  # as a runtime wrote it then: on the daemon's log, with its own key
+        rt, _ = runtime(name=name)
+        draft = call_draft(name, await rt.decide("read", ARGS, None, now_ms()))
+        cid = tools_chain_id(name)
+        await store.append_sealed(subjects.legacy_tools_audit(cid), cid, "L0", "operation",
+                                  lambda chain, now: draft, clock=now_ms)
     finally:
         await bus.close(conn)
+    b64 = base64.b64encode
+    daemon_public = b64(signing.raw_public(daemon_key().public_key())).decode()
+    base = (f'data_dir = "{tmp_path / "verifier"}"\n[trust]\n'
+            f'daemons = {{ "improved:test" = "{daemon_public}" }}\n')
+    with_runtime, without = tmp_path / "with.toml", tmp_path / "without.toml"
+    with_runtime.write_text(base + f'[trust.runtimes]\n{name} = "'
+                            f'{b64(signing.raw_public(key.public_key())).decode()}"\n')
+    without.write_text(base)
+    ok = await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
+                                 "--config", str(with_runtime))
+    assert ok.returncode == 0 and "BROKEN" not in ok.stdout, ok.stdout + ok.stderr
+    broken = await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
+                                     "--config", str(without))
+    assert broken.returncode == 1
+    assert f"BROKEN {cid} trailer 0: signed by" in broken.stdout
+    assert "which is not a trusted daemon key" in broken.stdout

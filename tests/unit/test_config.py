@@ -36,7 +36,7 @@ def b64_key() -> str:
     return base64.b64encode(raw_public(Ed25519PrivateKey.generate().public_key())).decode()
 
 
-KEY_A, KEY_B, KEY_C, KEY_D = b64_key(), b64_key(), b64_key(), b64_key()
+KEY_A, KEY_B, KEY_C, KEY_D, KEY_E = b64_key(), b64_key(), b64_key(), b64_key(), b64_key()
 
 
 def error_of(doc: dict) -> str:
@@ -250,7 +250,7 @@ def test_the_readme_example_loads_to_its_values(tmp_path):
     readme = (ROOT / "README.md").read_text()
     path = tmp_path / "improved.toml"
     path.write_text(_with_keys(_toml_block(readme.split("## Configuration", 1)[1]),
-                               (KEY_A, KEY_B, KEY_D, KEY_C)))
+                               (KEY_A, KEY_B, KEY_D, KEY_C, KEY_E)))
     config = load(path)
     assert config == Config(
         nats_url="nats://127.0.0.1:4222", data_dir=Path(".improved"), port=4222, sync="always",
@@ -265,9 +265,11 @@ def test_the_readme_example_loads_to_its_values(tmp_path):
                       regression_tolerance=0.05, metric_direction={"error_rate": "lower"},
                       quorum=False),
         trust=Trust(operators={"operator:alice": KEY_A}, quorum={"agent-a": KEY_B},
-                    signers={"check:ci": KEY_D}, daemons={"improved:b": KEY_C}),
+                    signers={"check:ci": KEY_D}, daemons={"improved:b": KEY_C},
+                    runtimes={"agent": KEY_E}),
         apply=ApplySettings(timeout_s=5.0, attempts=3, max_deliveries=8))
     assert len(config.trust.store().keys) == 1 and len(config.trust.voters().keys) == 1
+    assert [k.principal for k in config.trust.runtime_store().keys.values()] == ["agent"]
     assert len(config.trust.daemon_keyids()) == 1 and len(config.trust.signer_store().keys) == 1
     # copied as is, it weakens no invariant
     assert config.policy.forbidden[:len(DEFAULT_FORBIDDEN)] == DEFAULT_FORBIDDEN
@@ -369,6 +371,15 @@ def test_a_signer_must_be_an_identity(name):
     operator signs with an operator key, never as a signer."""
     assert error_of({"trust": {"signers": {name: KEY_A}}}).startswith(
         f"config error: trust.signers.{name}: not an identity")
+
+
+def test_trust_runtimes_names_runtimes_and_their_keys():
+    """[trust.runtimes]: runtime name → its key; a bad name or key is one line naming it."""
+    assert parse({"trust": {"runtimes": {"agent": KEY_A}}}).trust.runtimes == {"agent": KEY_A}
+    assert error_of({"trust": {"runtimes": {"Agent.x": KEY_A}}}).startswith(
+        'config error: trust.runtimes."Agent.x": not a tool runtime\'s name')
+    bad_key = error_of({"trust": {"runtimes": {"agent": "not-a-key"}}})
+    assert bad_key.startswith("config error: trust.runtimes.agent: ") and "\n" not in bad_key
 
 
 # -- NATS credentials: files, never the URL ----------------------------------------------------

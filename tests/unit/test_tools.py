@@ -637,3 +637,41 @@ async def test_decisions_are_drafted_for_the_tools_chain_without_the_arguments()
         forged[at] = msgspec.to_builtins(evidence.sign(resealed, DAEMON))
         brk = audit.verify_chain(cid, forged, readers)
         assert brk is not None and brk.seq == at and "signed act says" in brk.problem, change
+
+
+async def test_a_runtime_key_writes_its_own_chain_and_no_other():
+    """[trust.runtimes] → chain id → (runtime, key id): a key trusted for runtime `agent`
+    verifies `agent`'s chain only, as a runtime's (never a daemon's) signature."""
+    from improved.core import audit, evidence
+    from improved.core.record import ChainHead
+    from improved.core.tools import claimed_runtime, runtime_writers
+
+    key = Ed25519PrivateKey.generate()
+    public = base64.b64encode(signing.raw_public(key.public_key())).decode()
+    writers = runtime_writers(signing.TrustStore.from_config({"agent": public}))
+    kid = signing.keyid_of(signing.raw_public(key.public_key()))
+    assert writers == {tools_chain_id("agent"): ("agent", kid)}
+    rt, _ = runtime()
+    draft = call_draft("agent", await rt.decide("read", ARGS, None, NOW))
+    cid = tools_chain_id("agent")
+    body = msgspec.to_builtins(evidence.sign(audit.seal_next(
+        draft, cid, ChainHead(), "L0", "operation", NOW), key))
+    assert claimed_runtime(body, cid) == "agent"
+    assert claimed_runtime(body, tools_chain_id("other")) is None  # names another's chain
+    history = evidence.History(fallback=evidence.KeySet(trust()))
+    own = evidence.ChainTrust(frozenset({writers[cid][1]}), history, writer="runtime")
+    assert audit.verify_chain(cid, [body], own) is None
+    stranger = evidence.ChainTrust(frozenset({DAEMON_KEYID}), history, writer="runtime")
+    brk = audit.verify_chain(cid, [body], stranger)
+    assert brk is not None and "which is not a trusted runtime key" in brk.problem
+
+
+def test_acts_outside_the_daemons_log_count_under_any_key_the_history_held():
+    from improved.core import evidence
+
+    old, new = (signing.TrustStore.from_config(
+        {ALICE[0]: base64.b64encode(signing.raw_public(k.public_key())).decode()})
+        for k in (ALICE[1], MALLORY[1]))
+    history = evidence.History(((5, evidence.KeySet(old)), (9, evidence.KeySet(new))))
+    assert set(evidence.ever(history).operators.keys) == set(old.keys) | set(new.keys)
+
