@@ -233,16 +233,19 @@ class Engine:
         async def prepare() -> dict | None:
             """Under the proposal's lock, by whoever registers it: claim the dedup_key (a crash
             before the registration leaves the message unacknowledged, so it is claimed again
-            on redelivery) and read the rejection ledger when the key was seen before."""
+            on redelivery) and read the rejection ledger, both at once. The ledger is read
+            whatever the key held: a head leaves the bucket once its proposal has been closed
+            for `records_ttl_days` (`propose.head_may_expire`), a ledger entry never does."""
             if future:
                 return None
             # a key just read as absent is most likely still absent: create without a read
-            head = await self.store.set_dedup_head(svc, dedup, pid, proposal.created_at,
-                                                   absent=seen.get("head", 0) is None)
+            head, rejected = await asyncio.gather(
+                self.store.set_dedup_head(svc, dedup, pid, proposal.created_at,
+                                          absent=seen.get("head", 0) is None),
+                self.store.ledger_get(svc, dedup))
             if head and head["proposal_id"] != pid:
                 claim["head"] = head
-                return await self.store.ledger_get(svc, dedup)
-            return None
+            return rejected
 
         # A first delivery not in this process's cache is taken for new without a read: if
         # the chain exists after all, the append conflicts and the record is rebuilt.
