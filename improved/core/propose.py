@@ -12,9 +12,16 @@ import msgspec
 from improved.core import identity
 from improved.core.audit import Draft
 from improved.core.policy import Policy
-from improved.core.record import SUPERSEDED, CountedSignal, ProposalRecord, ref, replay
+from improved.core.record import (
+    SUPERSEDED,
+    CountedSignal,
+    ProposalRecord,
+    closed,
+    ref,
+    replay,
+)
 from improved.protocol import cal, canonical, wire
-from improved.protocol.model import ObserverType, Proposal, Signal, Trailer, to_json
+from improved.protocol.model import DedupHead, ObserverType, Proposal, Signal, Trailer, to_json
 from improved.protocol.subjects import SKILL_NAME_RE
 
 # Deterministic summary templates (OMS rule 4: never free prose). Unknown ids still render
@@ -255,3 +262,34 @@ def supersedes(head: ProposalRecord | None) -> bool:
     after it: not when it is gone (no record), was rejected, expired, or is itself superseded."""
     return (head is not None and head.superseded_by is None
             and head.status not in ("rejected", "expired"))
+
+
+def head_may_expire(record: ProposalRecord, head: DedupHead | None) -> bool:
+    """Whether the dedup head `head`, read under `record`'s dedup_key, may now carry the TTL a
+    closed proposal's retained records carry (`records_ttl_days`): it names `record`, and
+    `record` is closed (`core.record.closed`: rejected, expired, rolled back, superseded before
+    it ran, or applied with nothing left to measure). A head naming another proposal (newer,
+    open or not) is never touched by this one's close.
+
+    What the head of a closed proposal P is still read for, and what its absence changes:
+    - Claiming the key (`Store.set_dedup_head`) by a newcomer N dated after P: N becomes the
+      head and supersedes P, which leaves a closed P alone (`supersede` returns None). With no
+      head N claims an empty key: the same decisions, one supersede attempt fewer.
+    - The rejection ledger (`duplicate_rejected`): it is read at every registration, not only
+      when the key had a head, so an expired head changes nothing there. The ledger itself does
+      not expire: an operator's rejection of an idea on given evidence stands until the
+      evidence changes, however long that takes; it is written once per operator rejection, so
+      it grows with what operators do, not with the traffic.
+    - Content dated before P that arrives after it: P supersedes it when P still `supersedes`
+      (applied, rolled back: `Engine._standing_head`), and a review of it is refused
+      `superseded` whatever P's status (`Engine.review`). That is the one decision an expired
+      head changes: content dated before P that arrives, or is reviewed, more than
+      `records_ttl_days` after P closed is taken as new. Its `created_at` then lies at least that long (less
+      `FUTURE_SKEW_MS`) before the moment it is decided on, since P's own `created_at` lies
+      before P's close (plus the skew): every proposal decided within `records_ttl_days` of
+      its `created_at` is decided exactly as with the head kept. `records_ttl_days = 0` keeps
+      every head for good.
+    Pure: the caller reads the head and rewrites it compare-and-set (a newer head written
+    meanwhile wins, and keeps no TTL); a rewrite that fails leaves the head as it was, kept
+    for good as before."""
+    return head is not None and head.proposal_id == record.proposal_id and closed(record)

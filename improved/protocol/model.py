@@ -253,6 +253,14 @@ class IndexMarker(_Out):
     index: int  # the format version of the review and measurement indexes
 
 
+class DedupHead(Struct, kw_only=True, frozen=True):
+    """The value of a key of the dedup bucket (`improved_dedup`, `<svc>.<dedup_key>`): the
+    newest proposal registered under that dedup_key, by (`created_at`, `proposal_id`)."""
+
+    proposal_id: str
+    created_at: int  # ms, the proposal's own
+
+
 # -- apply dispatch -----------------------------------------------------------------------------
 
 

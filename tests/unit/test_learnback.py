@@ -203,3 +203,23 @@ def test_a_proposal_is_closed_once_nothing_more_is_awaited_of_it():
     assert closed(pending.replace(superseded_by="f" * 64))
     for status in ("rejected", "expired", "rolled_back"):
         assert closed(watched.replace(status=status))
+
+
+def test_a_dedup_head_may_expire_once_it_names_a_closed_proposal():
+    """What lets a dedup key leave the bucket: its head names this very proposal, closed."""
+    from improved.protocol.model import DedupHead
+
+    watched = applied()
+    mine = DedupHead(proposal_id=watched.proposal_id, created_at=watched.proposal.created_at)
+    newer = DedupHead(proposal_id="f" * 64, created_at=watched.proposal.created_at + 1)
+    assert not propose.head_may_expire(watched, mine)  # its measurement is still to make
+    done = applied(review_after=None)
+    done_head = DedupHead(proposal_id=done.proposal_id, created_at=done.proposal.created_at)
+    assert propose.head_may_expire(done, done_head)
+    assert not propose.head_may_expire(done, newer)  # a newer head is never this one's
+    assert not propose.head_may_expire(done, None)  # nothing to give a TTL
+    for status in ("rejected", "expired", "rolled_back"):
+        assert propose.head_may_expire(watched.replace(status=status), mine)
+    pending = watched.replace(status="pending", outcome=None)
+    assert not propose.head_may_expire(pending, mine)
+    assert not propose.head_may_expire(pending.replace(status="approved"), mine)
