@@ -27,7 +27,7 @@ ADMIN = "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"
 async def _provision(url: str | Target, replicas: int, records_storage: str) -> list[str]:
     nc = await bus.connect(url, "improved-provision", persistent=False)
     try:
-        return await Store(nc, replicas, records_storage).ensure()
+        return await Store(nc, replicas, records_storage).ensure(strict=True)
     finally:
         await bus.close(nc)
 

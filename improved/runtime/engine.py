@@ -573,6 +573,9 @@ class Engine:
         due = learnback.due_change(before, record, republish)
         if due is not None:
             jobs.append(self.store.mark_due(record.service, pid, due.entry))
+        if self.records_ttl_s and self.store.dedup_ttl and closed(record) and (
+                republish or before is None or not closed(before)):
+            jobs.append(self._expire_head(record))
         try:
             await asyncio.gather(*jobs)
         except Exception:
@@ -590,6 +593,20 @@ class Engine:
         moved = queue.queued(record) - queue.queued(before)
         if moved:
             self.set_queue_size(self.queue_size + moved)
+
+    async def _expire_head(self, record: ProposalRecord) -> None:
+        """At the close of `record` (or a republish of it closed), give its dedup head the TTL
+        its retained records carry, if the head still names it (`propose.head_may_expire`;
+        `Store.expire_dedup_head` writes it compare-and-set). Nothing is lost when this fails:
+        the head stays as it was, kept for good as before; logged, never raised, so the records
+        published beside it are not marked unpublished for it."""
+        try:
+            await self.store.expire_dedup_head(
+                record.service, record.dedup_key, self.records_ttl_s,
+                lambda head: propose.head_may_expire(record, head))
+        except Exception as exc:
+            log.info("dedup head kept without a TTL", proposal_id=record.proposal_id,
+                     error=f"{type(exc).__name__}: {exc}")
 
     def expect_review(self, record: ProposalRecord) -> None:
         """Remember when `record` is due for its measurement at review_after (or forget it)."""

@@ -60,6 +60,7 @@ from improved.core.authority import grant_covers
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
 from improved.protocol.model import (
+    DedupHead,
     Grant,
     IndexMarker,
     MeasureDue,
@@ -186,6 +187,7 @@ class StateConflict(Exception):
 
 trailer_decoder = msgspec.json.Decoder(Trailer)
 review_entry_decoder = msgspec.json.Decoder(ReviewEntry)
+dedup_head_decoder = msgspec.json.Decoder(DedupHead)
 due_entry_decoder = msgspec.json.Decoder(MeasureDue)
 
 
@@ -315,16 +317,20 @@ class Store:
         self.signer: Ed25519PrivateKey | None = None  # the daemon key every trailer is signed with
         self.written: set[str] = set()  # hashes this process appended since the last checkpoint
         self.tombstone_ttl_s = TOMBSTONE_TTL_S
+        # whether the dedup bucket's stream takes per-message TTLs (`ensure` finds out)
+        self.dedup_ttl = False
         # identity → (the trust it was verified under, the chain's last trailer (stream
         # sequence, hash), the grant that chain says): a chain re-read only when it has moved
         self._grants: OrderedDict[str, tuple[Any, tuple[int, str], Grant | None]] = \
             OrderedDict()
 
-    async def ensure(self) -> list[str]:
+    async def ensure(self, strict: bool = False) -> list[str]:
         """Bring every stream, the inbound consumer and the buckets to this configuration and
         say what was changed. It looks first and changes only what is missing or differs, so a
         provisioned deployment starts without a single create or update (which its daemon user
-        may not make: NeedsProvision). Safe to run twice, and by two replicas at once."""
+        may not make: NeedsProvision). Safe to run twice, and by two replicas at once. The one
+        change it goes without unless `strict` (`improved provision`): per-message TTLs on the
+        dedup bucket (`dedup_ttl`), without which its heads are simply kept for good."""
         done: list[str] = []
         for cfg in stream_configs(self.replicas, self.records_storage):
             done += await self._ensure_stream(cfg)
@@ -335,6 +341,7 @@ class Store:
                                      "from the chain)", done, jsapi.StorageType.MEMORY,
                                      ttl=STATE_TTL_S)
         self.dedup = await self._bucket(S.BUCKET_DEDUP, "newest proposal per dedup_key", done)
+        self.dedup_ttl = await self._allow_msg_ttl(S.BUCKET_DEDUP, done, strict)
         self.ledger = await self._bucket(S.BUCKET_LEDGER, "the rejection ledger by dedup_key",
                                          done)
         done += [c.replace(f"stream KV_{S.BUCKET_WINDOWS}", f"bucket {S.BUCKET_WINDOWS}")
@@ -428,6 +435,30 @@ class Store:
             refused="a memory bucket keeps its replicas only while the servers run")
         return [f"updated bucket {name} ({', '.join(changes)})"]
 
+    async def _allow_msg_ttl(self, bucket: str, done: list[str], strict: bool) -> bool:
+        """Whether the stream under `bucket` takes per-message TTLs (`allow_msg_ttl`: set on a
+        bucket nats-py 2.16 creates, not on one an earlier version made), turned on when it
+        does not. A change this user may not make, or that is refused, is one log line and
+        False (the caller goes without TTLs), or with `strict` the error it is."""
+        stream = f"KV_{bucket}"
+        have = await self._stream_config(stream)
+        if have is None:
+            return False
+        if have.allow_msg_ttl:
+            return True
+        try:
+            await self._change(f"bucket {bucket} does not allow per-message TTLs",
+                               lambda: self.js.update_stream(have.evolve(allow_msg_ttl=True)))
+        except StoreError as exc:
+            if strict:
+                raise
+            log.warning(f"bucket {bucket} does not allow per-message TTLs and this user could "
+                        f"not allow them: its keys are kept for good until {PROVISION_HINT}",
+                        error=str(exc))
+            return False
+        done.append(f"updated bucket {bucket} (allow_msg_ttl)")
+        return True
+
     async def _stream_config(self, name: str) -> jsapi.StreamConfig | None:
         try:
             return (await self._look(f"stream {name}", lambda: self.js.stream_info(name))).config
@@ -506,6 +537,39 @@ class Store:
 
         return await self.compare_and_set(self.dedup, S.BUCKET_DEDUP,
                                           S.dedup_key_of(svc, dedup), newest, absent=absent)
+
+    async def expire_dedup_head(self, svc: str, dedup: str, ttl_s: int,
+                                may_expire: Callable[[DedupHead], bool]) -> bool:
+        """Write the head under `dedup` again, as it is, with the per-message TTL `ttl_s`
+        (Nats-TTL: the server then removes the key, without a delete marker), when
+        `may_expire(head)` says so and it carries no TTL yet; True when it was written. The
+        write is a compare-and-set at the revision read (Nats-Expected-Last-Subject-Sequence),
+        so a head written meanwhile (a newer proposal's claim) stays as written, and this one
+        is left alone: not retried. nats-py's KeyValue.update takes no TTL, so this publishes to
+        the key's subject as that update does. Needs `dedup_ttl`."""
+        stream = f"KV_{S.BUCKET_DEDUP}"
+        subject = f"$KV.{S.BUCKET_DEDUP}.{S.dedup_key_of(svc, dedup)}"
+        try:  # from the bucket's stream leader (its buckets take no direct gets)
+            msg = await self.js.get_msg(stream, subject=subject)
+        except NotFoundError:
+            return False
+        headers = msg.headers or {}
+        if headers.get("KV-Operation") in ("DEL", "PURGE") or headers.get("Nats-TTL"):
+            return False
+        try:
+            head = dedup_head_decoder.decode(msg.data or b"")
+        except msgspec.MsgspecError:
+            return False
+        if not may_expire(head):
+            return False
+        try:
+            await self.js.publish(subject, msg.data or b"", stream=stream, msg_ttl=ttl_s,
+                                  headers={"Nats-Expected-Last-Subject-Sequence": str(msg.seq)})
+        except APIError as exc:
+            if is_conflict(exc):
+                return False
+            raise
+        return True
 
     async def compare_and_set(self, kv: Any, bucket: str, key: str,
                               decide: Callable[[bytes | None], tuple[bytes | None, T]], *,

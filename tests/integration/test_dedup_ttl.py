@@ -1,0 +1,172 @@
+"""A closed proposal's dedup head leaves the dedup bucket after `records_ttl_days`; an open
+one's stays, and so does a head a newer proposal wrote. A proposal under the same dedup_key
+after the head left is what its author expects: new, superseding nothing, and still refused
+when an operator rejected the same idea on the same evidence (the ledger does not expire)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+from nats.js import api as jsapi
+from nats.js.errors import NotFoundError
+
+from improved.client.sdk import MeshClient
+from improved.core import propose
+from improved.protocol import subjects as S
+from improved.protocol.model import ApplyResult
+from improved.runtime import bus
+from improved.runtime.daemon import Daemon
+from improved.runtime.store import Store
+from tests.bus import daemon_config, eventually, publish, trailers
+from tests.factories import rank_proposal, review, skill_proposal
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+SVC = "dedupttl"
+TTL_S = 2
+STREAM = f"KV_{S.BUCKET_DEDUP}"
+
+
+def dedup_of(proposal) -> str:
+    return propose.identify(proposal)[1]
+
+
+async def head(js, dedup: str) -> tuple[str, str] | None:
+    """(the proposal the head under `dedup` names, its Nats-TTL header or ""), or None when
+    the key is gone."""
+    try:
+        msg = await js.get_last_msg(STREAM, f"$KV.{S.BUCKET_DEDUP}.{S.dedup_key_of(SVC, dedup)}")
+    except NotFoundError:
+        return None
+    return msgspec.json.decode(msg.data)["proposal_id"], (msg.headers or {}).get("Nats-TTL", "")
+
+
+async def status_is(client, pid, status):
+    state = await client.state(pid)
+    return state is not None and state.status == status
+
+
+@pytest.fixture
+async def ttl_daemon(own_server):
+    nc = await bus.connect(own_server.url, "dedup-ttl")
+    config = msgspec.structs.replace(daemon_config(), records_ttl_days=TTL_S / 86400)
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    client = MeshClient(nc, SVC)
+
+    async def applier(order) -> ApplyResult:
+        return ApplyResult(ok=True, applied_id="x", inverse={"delete": "x"}, rollbackable=True)
+
+    sub = await client.serve_apply(applier)
+    try:
+        yield daemon, nc, client
+    finally:
+        await sub.unsubscribe()
+        await daemon.stop()
+        await bus.close(nc)
+
+
+async def test_a_closed_proposals_dedup_key_leaves_and_an_open_ones_stays(ttl_daemon):
+    daemon, nc, client = ttl_daemon
+    js = nc.jetstream()
+    first = rank_proposal(SVC, key="ttl.boost", value=1.0)
+    waiting = skill_proposal(SVC, name="ttlwait")
+    done = (await client.propose(first)).proposal_id
+    open_ = (await client.propose(waiting)).proposal_id
+    await eventually(lambda: client.outcome(done))
+    assert (await client.state(done)).status == "applied"
+
+    async def carries_the_ttl():
+        return await head(js, dedup_of(first)) == (done, str(TTL_S))
+
+    await eventually(carries_the_ttl)
+    assert await head(js, dedup_of(waiting)) == (open_, "")  # open: kept, no TTL
+
+    async def gone():
+        return await head(js, dedup_of(first)) is None
+
+    await eventually(gone, timeout=TTL_S + 5)
+    assert await head(js, dedup_of(waiting)) == (open_, "")
+
+    # new content under the same dedup_key: a new proposal, superseding nothing, applied
+    again = rank_proposal(SVC, key="ttl.boost", value=2.0)
+    assert dedup_of(again) == dedup_of(first)
+    before = len(await trailers(daemon, SVC, done))
+    reply = await client.propose(again)
+    assert reply.proposal_id != done
+    await eventually(lambda: client.outcome(reply.proposal_id))
+    assert (await client.state(reply.proposal_id)).status == "applied"
+    chain = await trailers(daemon, SVC, reply.proposal_id)
+    assert not any(t.get("verdict") in ("superseded", "reject") for t in chain)
+    assert len(await trailers(daemon, SVC, done)) == before  # the closed one is untouched
+    assert (await head(js, dedup_of(again)))[0] == reply.proposal_id
+
+
+async def test_a_rejection_outlives_its_dedup_head(ttl_daemon):
+    """The rejection ledger does not expire: the same idea on the same evidence is refused
+    after the rejected proposal's head left the bucket; new evidence is a new proposal."""
+    daemon, nc, client = ttl_daemon
+    js = nc.jetstream()
+    first = skill_proposal(SVC, name="ttlrej", derived_from=["sha256:" + "a" * 64])
+    pid = (await client.propose(first)).proposal_id
+    await client.triage(pid)
+    await publish(nc, S.inbound_review(SVC), review(pid, verdict="reject", reason="no"))
+    await eventually(lambda: status_is(client, pid, "rejected"))
+
+    async def gone():
+        return await head(js, dedup_of(first)) is None
+
+    await eventually(gone, timeout=TTL_S + 5)
+    same = skill_proposal(SVC, name="ttlrej", derived_from=["sha256:" + "a" * 64])
+    again = await client.propose(same)
+    assert again.proposal_id != pid
+    decision = await client.triage(again.proposal_id)
+    assert (decision.verdict, decision.cause) == ("reject", "duplicate_rejected")
+
+    refreshed = skill_proposal(SVC, name="ttlrej", derived_from=["sha256:" + "b" * 64])
+    reply = await client.propose(refreshed)
+    assert reply.status == "pending"
+    assert (await client.triage(reply.proposal_id)).cause == "awaiting_operator"
+    chain = await trailers(daemon, SVC, reply.proposal_id)
+    assert not any(t.get("verdict") == "superseded" for t in chain)
+
+
+async def test_a_head_a_newer_proposal_wrote_gets_no_ttl_from_the_olders_close(ttl_daemon):
+    daemon, nc, client = ttl_daemon
+    js = nc.jetstream()
+    old = (await client.propose(skill_proposal(SVC, name="ttlnew", instructions="a"))).proposal_id
+    newer = skill_proposal(SVC, name="ttlnew", instructions="b")
+    new = (await client.propose(newer)).proposal_id
+
+    async def superseded():
+        return any(t.get("verdict") == "superseded" for t in await trailers(daemon, SVC, old))
+
+    await eventually(superseded)  # the old one is closed: superseded before it ran
+    assert await head(js, dedup_of(newer)) == (new, "")
+    await eventually(lambda: status_is(client, new, "pending"))
+    await asyncio.sleep(TTL_S + 1)
+    assert await head(js, dedup_of(newer)) == (new, "")  # still there, and still no TTL
+
+
+async def test_a_bucket_without_message_ttls_is_given_them(own_server):
+    """An earlier version's dedup bucket (no allow_msg_ttl) is brought to take TTLs by a user
+    allowed to change it, as `improved provision` is."""
+    nc = await bus.connect(own_server.url, "dedup-ttl-ensure")
+    try:
+        js = nc.jetstream()
+        await js.add_stream(jsapi.StreamConfig(
+            name=STREAM, subjects=[f"$KV.{S.BUCKET_DEDUP}.>"], allow_rollup_hdrs=True,
+            deny_delete=True, discard=jsapi.DiscardPolicy.NEW, max_msgs_per_subject=1,
+            allow_direct=True, storage=jsapi.StorageType.FILE))
+        assert not (await js.stream_info(STREAM)).config.allow_msg_ttl
+        store = Store(nc)
+        done = await store.ensure()
+        assert f"updated bucket {S.BUCKET_DEDUP} (allow_msg_ttl)" in done
+        assert store.dedup_ttl and (await js.stream_info(STREAM)).config.allow_msg_ttl
+        again = Store(nc)
+        assert f"updated bucket {S.BUCKET_DEDUP} (allow_msg_ttl)" not in await again.ensure()
+        assert again.dedup_ttl
+    finally:
+        await bus.close(nc)
