@@ -452,9 +452,10 @@ class Store:
         except StoreError as exc:
             if strict:
                 raise
-            log.warning(f"bucket {bucket} does not allow per-message TTLs and this user could "
-                        f"not allow them: its keys are kept for good until {PROVISION_HINT}",
-                        error=str(exc))
+            log.warning(f"bucket {bucket} does not allow per-message TTLs, and this user could "
+                        "not allow them: the loop runs on, and its keys stay for good (a closed "
+                        f"proposal's dedup head gets no TTL); to allow them, {PROVISION_HINT}",
+                        **({} if isinstance(exc, NeedsProvision) else {"error": str(exc)}))
             return False
         done.append(f"updated bucket {bucket} (allow_msg_ttl)")
         return True

@@ -19,7 +19,9 @@ import msgspec
 import nats
 import pytest
 import pytest_asyncio
+import structlog.testing
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
 from improved.client import chains
@@ -38,7 +40,7 @@ from improved.protocol.model import (
 from improved.runtime import bus
 from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon
-from improved.runtime.store import Store
+from improved.runtime.store import STATE_TTL_S, Store, stream_configs, windows_config
 from improved_reference.ranking_store import RankingStore
 from tests.bus import scratch
 from tests.cluster import ACCOUNTS, CLUSTER, DEPLOY, PASSWORDS, Cluster, start_server, stop_server
@@ -489,6 +491,54 @@ async def test_only_the_provisioning_user_provisions_and_the_daemon_says_so(secu
         assert conn.violations() == []
     finally:
         await conn.nc.close()
+
+
+async def test_a_dedup_bucket_without_ttls_is_kept_by_the_daemon_and_fixed_by_provision(
+        secured_server):
+    """An earlier deployment's dedup bucket, whose stream takes no per-message TTLs: the
+    daemon's user may not allow them, so the daemon says so in one line and runs the loop
+    without them (its heads kept, as before); `improved provision` allows them."""
+    url = secured_server.url
+    admin = await connect_as(url, "improved-admin")
+    try:
+        store = Store(admin.nc)  # everything as provisioned, but that bucket as it was made
+        await admin.nc.jetstream().add_stream(StreamConfig(
+            name=f"KV_{S.BUCKET_DEDUP}", subjects=[f"$KV.{S.BUCKET_DEDUP}.>"],
+            allow_rollup_hdrs=True, deny_delete=True, discard=DiscardPolicy.NEW,
+            max_msgs_per_subject=1, storage=StorageType.FILE))
+        for cfg in stream_configs():
+            await store._ensure_stream(cfg)
+        await store._ensure_consumer()
+        await store._bucket(S.BUCKET_STATE, "cache", [], StorageType.MEMORY, ttl=STATE_TTL_S)
+        for bucket in (S.BUCKET_LEDGER, S.BUCKET_LEARNED):
+            await store._bucket(bucket, bucket, [])
+        await store._ensure_stream(windows_config())
+    finally:
+        await admin.nc.close()
+    conn = await connect_as(url, "improved")
+    config = msgspec.structs.replace(daemon_config(), records_ttl_days=2 / 86400)
+    daemon = Daemon(conn.nc, config)
+    ranking = await connect_as(url, "svc-ranking")
+    client = MeshClient(ranking.nc, "ranking", timeout=5.0)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            await daemon.start()
+        assert not daemon.store.dedup_ttl
+        said = [e["event"] for e in logs if "per-message" in e["event"]]
+        assert len(said) == 1 and "run `improved provision`" in said[0], logs
+        proposal = rank_proposal("ranking", key="old.bucket")
+        pid = (await client.propose(proposal)).proposal_id  # the daemon answers, as before
+        assert (await client.triage(pid)).verdict == "accept"
+        dedup = S.dedup_key_of("ranking", propose.identify(proposal)[1])
+        msg = await conn.nc.jetstream().get_msg(f"KV_{S.BUCKET_DEDUP}",
+                                                subject=f"$KV.{S.BUCKET_DEDUP}.{dedup}")
+        assert "Nats-TTL" not in (msg.headers or {})
+    finally:
+        await ranking.nc.close()
+        await daemon.stop()
+        await conn.nc.close()
+    rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
+    assert rc == 0 and f"updated bucket {S.BUCKET_DEDUP} (allow_msg_ttl)" in out, out
 
 
 FORBIDDEN_TO_SERVICES = [
