@@ -564,7 +564,8 @@ class Store:
         if not may_expire(head):
             return False
         try:
-            await self.js.publish(subject, msg.data or b"", stream=stream, msg_ttl=ttl_s,
+            # no Nats-Expected-Stream: the bucket's stream keeps every header, for the TTL
+            await self.js.publish(subject, msg.data or b"", msg_ttl=ttl_s,
                                   headers={"Nats-Expected-Last-Subject-Sequence": str(msg.seq)})
         except APIError as exc:
             if is_conflict(exc):
