@@ -26,8 +26,9 @@ max_message_bytes = 262144
 replicas = 1                         # JetStream replicas of every stream (3 on a cluster)
 records_storage = "file"             # retained records: "file", or "memory" as ABP kept them
                                      # (rebuilt from the chains after a broker restart)
-records_ttl_days = 30                # a closed proposal's retained records leave this long
-                                     # after their last publish (0: kept for good); chains stay
+records_ttl_days = 30                # a closed proposal's retained records and dedup key
+                                     # leave this long after their last publish (0: kept for
+                                     # good); chains and the rejection ledger stay
 metrics_port = 9464                  # Prometheus /metrics, /healthz, /readyz (default: off)
 metrics_host = "127.0.0.1"
 checkpoint_interval_s = 300          # sign a checkpoint over the whole audit log this often
@@ -210,7 +211,8 @@ class Config(_Section, kw_only=True):
     max_message_bytes: Annotated[int, Meta(ge=1, le=64 * 1024 * 1024)] = 256 * 1024
     replicas: Replicas = 1
     records_storage: RecordsStorage = "file"
-    # how long a closed proposal's retained records stay (Nats-TTL); 0 keeps them for good
+    # how long a closed proposal's retained records and dedup key stay (Nats-TTL); 0 keeps
+    # them for good
     records_ttl_days: Annotated[float, Meta(ge=0.0, le=3660.0)] = 30.0
     metrics_port: Port | None = None  # Prometheus /metrics, /healthz, /readyz (off when unset)
     # 0: no periodic checkpoint (one at start and stop)
