@@ -219,6 +219,38 @@ async def test_e2e_scopes_and_a_session_upgrade(nc, svc):
         assert len(body.calls) == 2
 
 
+@pytest.mark.xfail(strict=True, reason="a session upgrade is a bearer token: the session id is "
+                   "the caller's word, and the envelope is on the public chain")
+async def test_e2e_an_upgrade_copied_off_the_chain_runs_nothing_for_another_party(nc, svc):
+    """The attack: a session makes one upgraded L4 call, so the upgrade envelope and the
+    session id are on the runtime's public `_tools` chain. A second party reads them off the
+    stream, as anyone allowed to read it can, and calls an upgraded tool with them. It is
+    refused, with one line saying why; nothing runs and nothing is spent."""
+    rt, tools = runtime(name=svc)
+    deploy, body = tools["deploy"]
+    async with serving(nc, rt):
+        env = upgrade(svc, "sess-legit", now=now_ms())
+        legit = {"tool": "deploy", "args": ARGS, "session": "sess-legit", "upgrade": env}
+        assert (await ask(nc, subjects.tools_call(svc), legit))["ok"] is True
+        assert body.calls == [ARGS]
+
+        # the attacker: read the chain from the stream, take the upgrade and the session
+        cid = tools_chain_id(svc)
+        chain = await read_sequenced(nc.jetstream(), subjects.tools_audit(cid),
+                                     stream=subjects.STREAM_TOOLS_AUDIT)
+        upgraded = [b for _, b in chain if "via:upgrade" in b["refs"]]
+        assert upgraded, chain
+        stolen = upgraded[-1]["envelope"]
+        session = next(r.removeprefix("session:") for r in upgraded[-1]["refs"]
+                       if r.startswith("session:"))
+        attack = {"tool": "deploy", "args": {"path": "/srv/data/x"}, "session": session,
+                  "upgrade": stolen}
+        reply = await ask(nc, subjects.tools_call(svc), attack)
+        assert "refused" in reply, reply
+        assert reply["refused"]["detail"] and "\n" not in reply["refused"]["detail"]
+        assert body.calls == [ARGS]  # nothing ran
+
+
 # -- replicas, restarts and a hostile bus participant -------------------------------------------
 
 
