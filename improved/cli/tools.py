@@ -251,8 +251,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     tls = sub.add_parser(
         "tools", help="an agent runtime's tool surface (SPEC 09 §3.1)",
-        description="List a runtime's tool catalog, or sign a per-call grant that mounts one "
-                    "gated tool for exactly one call.")
+        description="List a runtime's tool catalog, sign a per-call grant that mounts one "
+                    "gated tool for exactly one call or a session upgrade bound to the "
+                    "session's key, call a tool, revoke an upgrade.")
     tls_sub = tls.add_subparsers(dest="tools_command", required=True, metavar="ACTION")
     tlist = tls_sub.add_parser(
         "list", help="the catalog: every tool, its class, whether it is mounted",
