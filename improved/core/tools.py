@@ -357,8 +357,8 @@ def check_proof(act: SessionUpgrade, upgrade: str, runtime: str, tool: str,
         raise ActRefused("malformed", f"cannot check the proof: {exc}") from None
     message = proof_message(runtime, tool, digest, upgrade, proof.at, proof.nonce)
     try:
-        key.verify(base64.b64decode(proof.sig), message)
-    except InvalidSignature:
+        key.verify(base64.b64decode(proof.sig, validate=True), message)
+    except (InvalidSignature, binascii.Error, ValueError):
         raise ActRefused("session_proof_invalid", "the proof is not the upgrade's session "
                          f"key's signature for {tool} on {runtime} with these arguments, "
                          "this upgrade, at and nonce") from None

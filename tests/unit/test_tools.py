@@ -32,6 +32,7 @@ from improved.core.tools import (
     ToolGrant,
     args_digest,
     call_draft,
+    canonical_json,
     check_proof,
     grant_token,
     proof_digest,
@@ -577,6 +578,7 @@ def bad_proofs(env: Envelope) -> dict[str, SessionProof | None]:
         "session_proof_invalid    ": proof(upgrade(), "deploy", ARGS),  # another upgrade's
         "session_proof_invalid     ": msgspec.structs.replace(good, at=good.at + 1),
         "session_proof_invalid      ": msgspec.structs.replace(good, nonce=good.nonce + "x"),
+        "session_proof_invalid       ": msgspec.structs.replace(good, sig="not base64!"),
         "session_proof_stale": proof(env, "deploy", ARGS, now=NOW - PROOF_SKEW_MS - 1),
         "session_proof_stale ": proof(env, "deploy", ARGS, now=NOW + PROOF_SKEW_MS + 1),
     }
@@ -690,7 +692,7 @@ def test_a_proof_verifies_only_for_the_call_it_was_made_for(made, other, which):
         made["runtime"], made["tool"], args_digest(made["args"]), made["upgrade"], made["at"],
         made["nonce"]))
     changed = {**made, which: other[which]}
-    if to_json(changed[which]) == to_json(made[which]):
+    if canonical_json(changed[which]) == canonical_json(made[which]):
         return  # the same call, or one the canonical JSON cannot tell apart
     presented = msgspec.structs.replace(signed, at=changed["at"], nonce=changed["nonce"])
     with pytest.raises(ActRefused) as refused:
