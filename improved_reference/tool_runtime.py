@@ -9,10 +9,13 @@ the bus is exactly what the library decides:
   tokens and scopes); `<runtime>.tools.call` answers one invocation, a refusal or the error
   reply of DESIGN §3.1; `<runtime>.tools.revoke` takes an operator's signed revocation of a
   session upgrade. Instances of one runtime share a queue group named after it.
-- Spent grants, L2 acceptances and revocations live in the `improved_tools` bucket
-  (`JetStreamLedger`), shared by every replica and kept across restarts. A grant is spent by
-  a publish that JetStream accepts only while its key has never held anything, so the first
-  replica wins, and a delete marker or purge someone publishes later leaves the key spent.
+- Spent grants and session proofs, L2 acceptances and revocations live in the
+  `improved_tools` bucket (`JetStreamLedger`), shared by every replica and kept across
+  restarts. A call under a session upgrade carries a proof signed by the session's key
+  (`proof`), spent like a grant, so an upgrade read off the chain calls nothing. A grant or
+  a proof is spent by a publish that JetStream accepts only while its key has never held
+  anything, so the first replica wins, and a delete marker or purge someone publishes later
+  leaves the key spent.
   Anything ever written under a spent or revoked key counts as spent or revoked: a forged
   entry can refuse a call, never allow one. An acceptance read back counts only when the
   signed grant it holds verifies (`Runtime`).
@@ -59,6 +62,7 @@ from improved.core.tools import (
     Decision,
     Runtime,
     SessionId,
+    SessionProof,
     ToolName,
     call_draft,
     chain_id,
@@ -79,6 +83,7 @@ class ToolCall(_In):
     grant: Envelope | None = None
     session: SessionId | None = None
     upgrade: Envelope | None = None
+    proof: SessionProof | None = None  # by the upgrade's session key, for this very call
 
 
 class Revoke(_In):
@@ -92,8 +97,9 @@ def now_ms() -> int:
 
 
 class JetStreamLedger:
-    """`improved.core.tools.Ledger` on the `improved_tools` bucket: keys `spent.<act id>`,
-    `accepted.<runtime>.<token hex>` and `revoked.<upgrade act id>`."""
+    """`improved.core.tools.Ledger` on the `improved_tools` bucket: keys `spent.<act id>` (a
+    grant) or `spent.<proof digest>` (a session proof), `accepted.<runtime>.<token hex>` and
+    `revoked.<upgrade act id>`."""
 
     def __init__(self, js: JetStreamContext, kv: KeyValue):
         self.js, self.kv = js, kv
@@ -221,7 +227,8 @@ class ToolRuntimeService:
             return err.reply()
         try:
             decision = await self.runtime.decide(call.tool, call.args, call.grant, now_ms(),
-                                                 session=call.session, upgrade=call.upgrade)
+                                                 session=call.session, upgrade=call.upgrade,
+                                                 proof=call.proof)
             recorded = await self._record(decision)
             if decision.allowed and not recorded:
                 reply: dict[str, Any] = {"refused": {

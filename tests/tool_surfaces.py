@@ -7,14 +7,26 @@ from __future__ import annotations
 import base64
 import secrets
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from improved.core import signing
 from improved.core.scopes import CapabilityScope
-from improved.core.tools import Provider, Runtime, sign_grant, sign_upgrade
+from improved.core.tools import (
+    Provider,
+    Runtime,
+    SessionProof,
+    public_key_b64,
+    sign_grant,
+    sign_proof,
+    sign_upgrade,
+    upgrade_id,
+)
 from improved.protocol.model import Envelope
 from tests.keys import ALICE
 
 NOW = 1768471200000
 ARGS = {"path": "/srv/data", "force": True}
+SESSION = Ed25519PrivateKey.generate()  # the key an upgraded session holds
 
 
 def trust() -> signing.TrustStore:
@@ -71,9 +83,21 @@ def by_name(catalog: list[dict]) -> dict[str, dict]:
 
 
 def upgrade(runtime_name: str = "agent", session: str = "s-1", *, key=ALICE, now: int = NOW,
-            ttl_ms: int = 600_000, **kw) -> Envelope:
-    """ALICE's upgrade of one session: by default every L4 tool, for ten minutes."""
+            ttl_ms: int = 600_000, session_key: Ed25519PrivateKey | None = SESSION,
+            **kw) -> Envelope:
+    """ALICE's upgrade of one session, bound to `session_key` (SESSION; None: unbound): by
+    default every L4 tool, for ten minutes."""
     if "tools" not in kw:
         kw.setdefault("classes", ["L4"])
     kw.setdefault("nonce", secrets.token_hex(16))
-    return sign_upgrade(key[1], key[0], runtime_name, session, "incident 7", now, ttl_ms, **kw)
+    bound = public_key_b64(session_key) if session_key is not None else None
+    return sign_upgrade(key[1], key[0], runtime_name, session, "incident 7", now, ttl_ms,
+                        session_key=bound, **kw)
+
+
+def proof(env: Envelope, tool_name: str, args=None, *, runtime_name: str = "agent",
+          key: Ed25519PrivateKey = SESSION, now: int = NOW, nonce: str | None = None,
+          ) -> SessionProof:
+    """The session's proof for one call of `tool_name(args)` under the upgrade `env`."""
+    return sign_proof(key, runtime_name, tool_name, {} if args is None else args,
+                      upgrade_id(env), now, nonce=nonce or secrets.token_hex(16))

@@ -1,14 +1,17 @@
-"""Agent tool surfaces and service conformance: `tools list|grant|upgrade|revoke`,
+"""Agent tool surfaces and service conformance: `tools list|grant|upgrade|call|revoke`,
 `conformance`."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import secrets
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -16,14 +19,50 @@ from improved.cli.common import (
     add_connection_args,
     add_signer_args,
     config_of,
+    load_signing_key,
     out,
+    read_input,
     request,
     signer_of,
     url_of,
 )
+from improved.cli.errors import USAGE, Failure
 from improved.protocol import subjects as S
-from improved.protocol.model import to_json
+from improved.protocol.model import Envelope, to_json
 from improved.runtime import bus
+
+SESSION_KEY_HELP = ("the session's own Ed25519 key (`improved keys new` makes one; `improved "
+                    "keys show FILE` prints its public half): the upgrade is bound to it, and "
+                    "each call under the upgrade must carry a proof signed by it, so the "
+                    "upgrade is useless to anyone who only copies the envelope")
+
+
+def session_public_key(text: str) -> str:
+    """`--session-key FILE|PUBKEY` of `tools upgrade`: base64 of the raw public key, from the
+    session's key file or given as such; a Failure (usage) saying which it is not."""
+    from improved.core import tools
+
+    if Path(text).is_file():
+        return tools.public_key_b64(load_signing_key(Path(text)))
+    try:
+        tools.parse_public_key(text)
+    except ValueError as exc:
+        raise Failure(f"--session-key {text!r} is neither a key file nor a public key: {exc} "
+                      "(`improved keys show FILE` prints one)", USAGE) from None
+    return text
+
+
+def _envelope(path: str, what: str) -> Envelope:
+    """A DSSE envelope from FILE (or `-`): bare, or as `tools upgrade` prints it."""
+    raw = read_input(path, what)
+    try:
+        obj: Any = json.loads(raw)
+        if isinstance(obj, dict) and "envelope" in obj:
+            obj = obj["envelope"]
+        return msgspec.convert(obj, Envelope)
+    except (ValueError, msgspec.ValidationError) as exc:
+        raise Failure(f"the {what} {path} is not a DSSE envelope (as `improved tools upgrade` "
+                      f"or `tools grant` prints it): {exc}", USAGE) from None
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
@@ -112,17 +151,66 @@ def cmd_tools_upgrade(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"improved tools upgrade: {exc}", file=sys.stderr)
             return 2
+    session_key = session_public_key(args.session_key)
     principal, key = signer_of(args)
     try:
         env = tools.sign_upgrade(key, principal, args.runtime, args.session, args.reason,
                                  int(time.time() * 1000), int(args.ttl * 1000),
                                  nonce=secrets.token_hex(16), tools=args.tool,
-                                 classes=args.cls, scope=scope)
+                                 classes=args.cls, scope=scope, session_key=session_key)
     except msgspec.ValidationError as exc:
         print(f"improved tools upgrade: {exc}", file=sys.stderr)
         return 2
     out({"upgrade_id": tools.upgrade_id(env), "envelope": msgspec.to_builtins(env)})
     return 0
+
+
+def cmd_tools_call(args: argparse.Namespace) -> int:
+    """Call one tool of a runtime, with a grant, or under a session upgrade with a proof
+    signed by the session's key; print the reply."""
+    from improved.core import tools
+
+    try:
+        call_args = json.loads(args.args)
+    except json.JSONDecodeError as exc:
+        raise Failure(f"--args is not JSON: {exc}", USAGE) from None
+    if not isinstance(call_args, dict):
+        raise Failure("--args is a JSON object", USAGE)
+    if (args.upgrade is None) != (args.session_key is None):
+        raise Failure("--upgrade and --session-key go together: the proof of a call under an "
+                      "upgrade is signed by the session's key", USAGE)
+    body: dict[str, Any] = {"tool": args.tool, "args": call_args}
+    if args.grant is not None:
+        body["grant"] = _envelope(args.grant, "grant file")
+    if args.upgrade is not None:
+        env = _envelope(args.upgrade, "upgrade file")
+        if not Path(args.session_key).is_file():
+            raise Failure(f"--session-key {args.session_key}: give the session's private key "
+                          "file (`improved keys new` wrote it); a public key cannot sign the "
+                          "proof", USAGE)
+        key = load_signing_key(Path(args.session_key))
+        try:
+            act = msgspec.json.decode(base64.b64decode(env.payload), type=tools.SessionUpgrade)
+        except (ValueError, msgspec.MsgspecError) as exc:
+            raise Failure(f"the upgrade file {args.upgrade} does not hold a session upgrade: "
+                          f"{exc}", USAGE) from None
+        if act.session_key is not None and act.session_key != tools.public_key_b64(key):
+            raise Failure(f"--session-key {args.session_key} is not the key the upgrade is "
+                          f"bound to ({act.session_key})", USAGE)
+        body.update(session=args.session or act.session, upgrade=env,
+                    proof=tools.sign_proof(key, args.runtime, args.tool, call_args,
+                                           tools.upgrade_id(env), int(time.time() * 1000),
+                                           nonce=secrets.token_hex(16)))
+    elif args.session is not None:
+        body["session"] = args.session
+    try:
+        payload = to_json(body)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise Failure(f"the call cannot be sent: {exc}", USAGE) from None
+    reply = asyncio.run(request(url_of(args, config_of(args)), S.tools_call(args.runtime),
+                                payload, args.timeout))
+    out(reply)
+    return 0 if reply.get("ok") else 1
 
 
 def cmd_tools_revoke(args: argparse.Namespace) -> int:
@@ -163,8 +251,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     tls = sub.add_parser(
         "tools", help="an agent runtime's tool surface (SPEC 09 §3.1)",
-        description="List a runtime's tool catalog, or sign a per-call grant that mounts one "
-                    "gated tool for exactly one call.")
+        description="List a runtime's tool catalog, sign a per-call grant that mounts one "
+                    "gated tool for exactly one call or a session upgrade bound to the "
+                    "session's key, call a tool, revoke an upgrade.")
     tls_sub = tls.add_subparsers(dest="tools_command", required=True, metavar="ACTION")
     tlist = tls_sub.add_parser(
         "list", help="the catalog: every tool, its class, whether it is mounted",
@@ -195,12 +284,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Sign (DSSE, your operator key) a policy upgrade that lets one session of "
                     "one runtime call the tools (--tool) or classes (--class) it names without "
                     "a per-call grant, optionally within a narrower scope (--path, --set, "
-                    "--origin), for --ttl seconds (at most 24 h) or until revoked. Prints "
-                    "{upgrade_id, envelope}: the agent sends the envelope as `upgrade` with "
-                    "its `session` on each call.")
+                    "--origin), for --ttl seconds (at most 24 h) or until revoked, bound to "
+                    "the session's own key (--session-key): each call under the upgrade "
+                    "carries a proof signed by that key for that very call, so the envelope "
+                    "alone (it is on the runtime's public chain once used) calls nothing. "
+                    "Prints {upgrade_id, envelope}: the agent sends the envelope as `upgrade` "
+                    "with its `session` and a `proof` on each call (`improved tools call`).")
     add_connection_args(tup)
     tup.add_argument("runtime", metavar="RUNTIME")
     tup.add_argument("--session", required=True, help="the session id the upgrade is for")
+    tup.add_argument("--session-key", required=True, metavar="FILE|PUBKEY",
+                     help=SESSION_KEY_HELP + "; give its key file or its base64 public key")
     tup.add_argument("--tool", action="append", help="a tool it covers (repeatable)")
     tup.add_argument("--class", dest="cls", action="append", choices=["L2", "L4"],
                      help="a class of tools it covers (repeatable)")
@@ -210,6 +304,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     tup.add_argument("--ttl", type=float, default=3600.0, help="seconds it lives (3600)")
     add_signer_args(tup)
     tup.set_defaults(func=cmd_tools_upgrade)
+    tcall = tls_sub.add_parser(
+        "call", help="call one tool of a runtime (with a grant, or under a session upgrade)",
+        description="Send one call to <runtime>.tools.call and print the reply: a mounted "
+                    "tool as is, a gated one with --grant FILE (as `tools grant` printed it), "
+                    "or under a session upgrade with --upgrade FILE (as `tools upgrade` "
+                    "printed it) and --session-key FILE, the session's private key, which "
+                    "signs the call's proof (this runtime, this tool, these arguments, the "
+                    "upgrade, now, a random nonce; used once). Exit 1 when the call is "
+                    "refused or the tool fails.")
+    add_connection_args(tcall)
+    tcall.add_argument("runtime", metavar="RUNTIME")
+    tcall.add_argument("tool", metavar="TOOL")
+    tcall.add_argument("--args", default="{}", help="the call's arguments, a JSON object")
+    tcall.add_argument("--grant", metavar="FILE", help="a grant envelope for this call")
+    tcall.add_argument("--upgrade", metavar="FILE",
+                       help="a session upgrade (`tools upgrade` output, or - for stdin)")
+    tcall.add_argument("--session-key", metavar="FILE",
+                       help=SESSION_KEY_HELP + "; the private key file, to sign the proof")
+    tcall.add_argument("--session", help="the session id (default: the upgrade's)")
+    tcall.add_argument("--timeout", type=float, default=5.0, help="seconds (5)")
+    tcall.set_defaults(func=cmd_tools_call)
     trev = tls_sub.add_parser(
         "revoke", help="end a session upgrade before it lapses",
         description="Sign the revocation of the upgrade UPGRADE_ID (as `tools upgrade` "

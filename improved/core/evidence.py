@@ -341,6 +341,9 @@ def _mismatch(kind: str, body: Any, t: Trailer, refs: dict[str, str], chain_id: 
         else:
             claims += [("runtime", body.runtime, runtime),
                        ("session", body.session, refs.get("session"))]
+            if body.session_key is not None:  # an upgrade bound to a key names who proved
+                claims.append(("session key", signing.keyid_of(
+                    base64.b64decode(body.session_key)), refs.get("session_key")))
     else:  # a signed signal: the signer is the emitter the trailer names
         return (None if (body.actor, principal) == (t.actor, refs.get("emitter"))
                 else f"the signed signal is {body.actor!r} by {principal!r}, the trailer says "

@@ -14,7 +14,12 @@ to stand behind an L4 call, so each one needs its own signed `ToolGrant` or a si
 `SessionUpgrade`. The grant binds the tool, its token (so a reclassified or re-versioned tool
 needs a new grant), the digest of the exact arguments, and a time window; it runs once. The
 upgrade lets one session of one runtime call the tools (or classes) it names, without a grant
-per call, until it lapses or an operator's signed `UpgradeRevocation` revokes it. In an
+per call, until it lapses or an operator's signed `UpgradeRevocation` revokes it. The upgrade
+names the session's public key (`session_key`), and each call under it carries a
+`SessionProof`: that key's signature over the runtime, the tool, the digest of the exact
+arguments, the upgrade's act id and the call's own time and nonce, used once. The upgrade is
+on the runtime's public chain after its first use; without the session's private key it
+calls nothing. An upgrade signed without a `session_key` is refused (`upgrade_unbound`). In an
 autonomous runtime an L2 provider's first call also needs a grant naming the runtime
 (operator acceptance); after one accepted call, it runs freely.
 
@@ -35,6 +40,7 @@ nothing: the tool is not called and the grant is not spent.
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import inspect
 import re
@@ -43,7 +49,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Protocol
 
 import msgspec
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from msgspec import Meta
 
 from improved.core.audit import Draft
@@ -56,7 +63,15 @@ from improved.core.scopes import (
     scope_problem,
     to_wire,
 )
-from improved.core.signing import PAYLOAD_TYPES, ActRefused, TrustStore, Verified, sign
+from improved.core.signing import (
+    PAYLOAD_TYPES,
+    ActRefused,
+    TrustStore,
+    Verified,
+    keyid_of,
+    raw_public,
+    sign,
+)
 from improved.protocol import subjects as S
 from improved.protocol.model import Actor, Envelope, Millis, ServiceName, ShortText, _In, to_json
 
@@ -69,6 +84,8 @@ MAX_CEILING: dict[str, str] = {"interactive": "L4", "autonomous": "L2"}
 NAME_RE = re.compile(r"^[a-z][a-z0-9_.-]{0,127}\Z")
 CLOCK_SKEW_MS = 5 * 60 * 1000  # how far a grant's `at` may lie ahead; its default lifetime too
 MAX_UPGRADE_MS = 24 * 3600 * 1000  # the longest window a session upgrade may span
+PROOF_SKEW_MS = 60 * 1000  # how far a session proof's `at` may lie from the runtime's clock
+PROOF_DOMAIN = b"improved session proof v1\n"  # what a session key's signature is about
 ERROR_LIMIT = 500  # characters of a failed tool's error text
 
 ToolName = Annotated[str, Meta(pattern=NAME_RE.pattern)]
@@ -76,6 +93,10 @@ GrantToken = Annotated[str, Meta(pattern=r"^gt:[0-9a-f]{64}\Z")]
 Sha256Hex = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}\Z")]
 SessionId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}\Z")]
 Nonce = Annotated[str, Meta(min_length=8, max_length=128)]
+PublicKeyB64 = Annotated[str, Meta(pattern=r"^[A-Za-z0-9+/]{43}=\Z",
+                                   description="base64 of a raw 32-byte Ed25519 public key")]
+SignatureB64 = Annotated[str, Meta(pattern=r"^[A-Za-z0-9+/]{86}==\Z",
+                                   description="base64 of a 64-byte Ed25519 signature")]
 
 
 def _rank(authority: str) -> int:
@@ -181,7 +202,9 @@ class ToolGrant(_In):
 class SessionUpgrade(_In):
     """An operator's signed policy upgrade: session `session` of runtime `runtime` may call the
     tools named in `tools`, or of a class in `classes`, without a per-call grant, within
-    `scope` when given, from `at` until `expires_at` (at most MAX_UPGRADE_MS) or revocation."""
+    `scope` when given, from `at` until `expires_at` (at most MAX_UPGRADE_MS) or revocation;
+    each call proven by the holder of `session_key` (a `SessionProof`). Optional only so that
+    an upgrade signed before the field existed decodes, to be refused `upgrade_unbound`."""
 
     runtime: ServiceName
     session: SessionId
@@ -193,6 +216,18 @@ class SessionUpgrade(_In):
     tools: list[ToolName] | None = None
     classes: list[Literal["L2", "L4"]] | None = None
     scope: CapabilityScope | None = None
+    session_key: PublicKeyB64 | None = None
+
+
+class SessionProof(_In):
+    """A call's proof that its caller holds the upgrade's `session_key`: `sig` is that key's
+    Ed25519 signature over `proof_message` (this runtime, this tool, the digest of these
+    exact arguments, the upgrade's act id, `at` and `nonce`). `at` (ms) must lie within
+    PROOF_SKEW_MS of the runtime's clock; a proof runs one call."""
+
+    at: Millis
+    nonce: Nonce
+    sig: SignatureB64
 
 
 class UpgradeRevocation(_In):
@@ -222,13 +257,19 @@ def sign_grant(key: Ed25519PrivateKey, principal: str, provider_or_token: Provid
 
 def sign_upgrade(key: Ed25519PrivateKey, principal: str, runtime: str, session: str,
                  reason: str, now_ms: int, ttl_ms: int, *, nonce: str,
-                 tools: list[str] | None = None, classes: list[str] | None = None,
+                 session_key: str | None, tools: list[str] | None = None,
+                 classes: list[str] | None = None,
                  scope: CapabilityScope | None = None) -> Envelope:
-    """A DSSE envelope upgrading one session of one runtime for `ttl_ms` from `now_ms`."""
+    """A DSSE envelope upgrading one session of one runtime for `ttl_ms` from `now_ms`, for
+    calls proven by `session_key` (base64 raw Ed25519 public key, `public_key_b64`); None
+    signs an unbound upgrade, which a runtime refuses (kept for tests of that refusal)."""
+    if session_key is not None:
+        parse_public_key(session_key)
     act = msgspec.convert({"runtime": runtime, "session": session, "principal": principal,
                            "reason": reason, "at": now_ms, "expires_at": now_ms + ttl_ms,
                            "nonce": nonce, "tools": tools, "classes": classes,
-                           "scope": to_wire(scope)}, SessionUpgrade)
+                           "scope": to_wire(scope), "session_key": session_key},
+                          SessionUpgrade)
     return sign(PAYLOAD_TYPES["tool_upgrade"], to_json(act), key)
 
 
@@ -243,6 +284,85 @@ def sign_revocation(key: Ed25519PrivateKey, principal: str, runtime: str, upgrad
 def upgrade_id(env: Envelope) -> str:
     """The act id of an upgrade envelope, as a revocation names it (no signature checked)."""
     return hashlib.sha256(base64.b64decode(env.payload)).hexdigest()
+
+
+# -- the session's proof of key -------------------------------------------------------------------
+
+
+def public_key_b64(key: Ed25519PrivateKey | Ed25519PublicKey) -> str:
+    """base64 of the raw 32-byte public key: what `session_key` (and a trust store) holds."""
+    public = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    return base64.b64encode(raw_public(public)).decode()
+
+
+def parse_public_key(text: str) -> Ed25519PublicKey:
+    """An Ed25519 public key from base64 of its raw 32 bytes; ValueError saying why not."""
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("a session key is base64 of a raw 32-byte Ed25519 public key; "
+                         "this is not base64") from None
+    if len(raw) != 32:
+        raise ValueError(f"a session key is base64 of a raw 32-byte Ed25519 public key; "
+                         f"this is {len(raw)} bytes")
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
+def proof_message(runtime: str, tool: str, digest: str, upgrade: str, at: int,
+                  nonce: str) -> bytes:
+    """The bytes a session key signs for one call: a domain tag (so the signature means
+    nothing elsewhere, a DSSE envelope included), then sorted-key JSON of the runtime, the
+    tool, the SHA-256 of the arguments (`args_digest`), the upgrade's act id, `at`, `nonce`."""
+    return PROOF_DOMAIN + canonical_json({"runtime": runtime, "tool": tool,
+                                          "args_digest": digest, "upgrade": upgrade,
+                                          "at": at, "nonce": nonce})
+
+
+def proof_digest(message: bytes) -> str:
+    """The identity of one proof: SHA-256 of the message signed. What the ledger spends (as
+    `spent.<digest>`) and the call's trailer names (`proof:`)."""
+    return hashlib.sha256(message).hexdigest()
+
+
+def sign_proof(key: Ed25519PrivateKey, runtime: str, tool: str, args: dict[str, Any],
+               upgrade: str, now_ms: int, *, nonce: str) -> SessionProof:
+    """The proof for one call of `tool(args)` on `runtime` under the upgrade whose act id is
+    `upgrade`; `nonce` random (secrets.token_hex(16)), a new one for each call."""
+    message = proof_message(runtime, tool, args_digest(args), upgrade, now_ms, nonce)
+    return msgspec.convert({"at": now_ms, "nonce": nonce,
+                            "sig": base64.b64encode(key.sign(message)).decode()}, SessionProof)
+
+
+def check_proof(act: SessionUpgrade, upgrade: str, runtime: str, tool: str,
+                args: dict[str, Any], proof: SessionProof | None, now: int) -> str:
+    """The digest of a call's proof under a verified upgrade (act id `upgrade`), or ActRefused:
+    `upgrade_unbound` (no session_key: re-issue it), `session_proof_missing`,
+    `session_proof_stale` (`at` beyond PROOF_SKEW_MS of `now`), `session_proof_invalid` (not
+    the session key's signature for this runtime, tool, arguments, upgrade, at and nonce).
+    Whether it was used before is the ledger's to say (`spend` of the digest)."""
+    if act.session_key is None:
+        raise ActRefused("upgrade_unbound", "the upgrade names no session_key, so whoever "
+                         "holds the envelope could use it; have an operator re-issue it with "
+                         "the session's key (`improved tools upgrade --session-key`)")
+    if proof is None:
+        raise ActRefused("session_proof_missing", "a call under a session upgrade carries a "
+                         "proof signed by the upgrade's session key")
+    if abs(now - proof.at) > PROOF_SKEW_MS:
+        raise ActRefused("session_proof_stale", f"the proof was made at {proof.at}, more than "
+                         f"{PROOF_SKEW_MS} ms from the runtime's clock ({now}); sign a new one")
+    try:
+        digest = args_digest(args)
+        key = parse_public_key(act.session_key)
+    except (TypeError, ValueError, msgspec.EncodeError) as exc:
+        raise ActRefused("malformed", f"cannot check the proof: {exc}") from None
+    message = proof_message(runtime, tool, digest, upgrade, proof.at, proof.nonce)
+    try:
+        key.verify(base64.b64decode(proof.sig, validate=True), message)
+    except (InvalidSignature, binascii.Error, ValueError):
+        raise ActRefused("session_proof_invalid", "the proof is not the upgrade's session "
+                         f"key's signature for {tool} on {runtime} with these arguments, "
+                         "this upgrade, at and nonce") from None
+    return proof_digest(message)
 
 
 def refused(reason: str, required: str, detail: str | None = None) -> dict[str, Any]:
@@ -260,7 +380,9 @@ def not_found(name: str) -> dict[str, Any]:
 
 
 class Ledger(Protocol):
-    """Spent grants, L2 acceptances and upgrade revocations, shared by whoever shares the ledger.
+    """Spent grants and session proofs, L2 acceptances and upgrade revocations, shared by
+    whoever shares the ledger (a proof's digest and a grant's act id hash different bytes, so
+    they share the spent keys).
 
     `spend` is create-only: True for the one caller that spends `act`, False for every later
     one, whatever was written under the key in between. `acceptance` answers the signed grant
@@ -324,6 +446,8 @@ class Decision:
     act: Verified | None = None
     principal: str | None = None
     session: str | None = None
+    proof: str | None = None  # the digest of the session proof an upgraded call carried
+    session_key: str | None = None  # the key id of the session key that made it
 
     @property
     def allowed(self) -> bool:
@@ -350,6 +474,10 @@ def call_draft(runtime: str, decision: Decision) -> Draft | None:
         refs.append(ref("via", decision.via or "mounted"))
         if decision.act is not None:
             refs += [ref("act", decision.act.digest), ref("act_id", act_id(decision.act))]
+        if decision.proof is not None:
+            refs.append(ref("proof", decision.proof))
+        if decision.session_key is not None:
+            refs.append(ref("session_key", decision.session_key))
         who = decision.principal or runtime
         return Draft(from_stage="apply", to_stage="apply", actor=who,
                      observer_type="human" if decision.act is not None else "rec:agent",
@@ -438,7 +566,8 @@ class Runtime:
 
     async def invoke(self, name: str, args: dict[str, Any] | None,
                      grant: Envelope | None, now_ms: int, *, session: str | None = None,
-                     upgrade: Envelope | None = None) -> dict[str, Any]:
+                     upgrade: Envelope | None = None,
+                     proof: SessionProof | None = None) -> dict[str, Any]:
         """`{"ok": true, "result"}`, `{"ok": false, "error"}` (the tool raised), `{"refused"}`
         (nothing ran), or the not_found error reply for a name not in the catalog.
 
@@ -446,14 +575,16 @@ class Runtime:
         ignored, unspent. `decide` and `run` are the two halves, for a caller that records
         the decision in between."""
         decision = await self.decide(name, args, grant, now_ms, session=session,
-                                     upgrade=upgrade)
+                                     upgrade=upgrade, proof=proof)
         return await self.run(decision)
 
     async def decide(self, name: str, args: dict[str, Any] | None, grant: Envelope | None,
                      now_ms: int, *, session: str | None = None,
-                     upgrade: Envelope | None = None) -> Decision:
-        """Whether this call may run, spending the grant (or recording the acceptance) that
-        lets it; for a refused call nothing is spent and no acceptance recorded."""
+                     upgrade: Envelope | None = None,
+                     proof: SessionProof | None = None) -> Decision:
+        """Whether this call may run, spending the grant or the session proof (or recording
+        the acceptance) that lets it; for a refused call nothing is spent and no acceptance
+        recorded."""
         provider = self._providers.get(name)
         args = {} if args is None else args
         if not isinstance(args, dict):
@@ -475,6 +606,8 @@ class Runtime:
         if upgrade is not None:
             try:
                 act, verified = await self._check_upgrade(provider, upgrade, session, now_ms)
+                proved = check_proof(act, act_id(verified), self.name, name, args, proof,
+                                     now_ms)
             except ActRefused as exc:
                 if grant is None:
                     return _refuse(base, exc.code, exc.reason)
@@ -483,8 +616,17 @@ class Runtime:
                 problem = scope_problem(provider.scoped_args, args, layers)
                 if problem is not None:
                     return _refuse(base, problem.code, problem.reason)
+                assert proof is not None and act.session_key is not None  # check_proof
+                # kept past the proof's window by the skew, so a clock step cannot revive it
+                lapse = proof.at + PROOF_SKEW_MS + CLOCK_SKEW_MS
+                if not await self.ledger.spend(proved, lapse, now_ms):
+                    return _refuse(base, "session_proof_replayed", "this proof was already "
+                                   "used; a proof runs one call, sign a new one (new at and "
+                                   "nonce) for each")
                 return Decision(name, args, provider, via="upgrade", act=verified,
-                                principal=act.principal, session=session)
+                                principal=act.principal, session=session, proof=proved,
+                                session_key=keyid_of(raw_public(
+                                    parse_public_key(act.session_key))))
         if grant is None:
             if gated:
                 return _refuse(base, "authority_gated", "the tool is above this runtime's "

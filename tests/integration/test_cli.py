@@ -27,12 +27,21 @@ from tests.factories import rank_proposal, skill_proposal
                                      ["status"], ["crisis", "resolve"], ["demo"], ["bench"],
                                      ["audit", "rebuild"], ["revert"], ["vote"],
                                      ["conformance"], ["tools", "list"], ["tools", "grant"],
+                                     ["tools", "upgrade"], ["tools", "call"],
                                      ["console"]])
 def test_every_command_explains_itself(command):
     result = improved(*command, "--help")
     assert result.returncode == 0
     assert "usage: improved" in result.stdout
     assert len(result.stdout.split()) > 20
+
+
+@pytest.mark.parametrize("action", ["upgrade", "call"])
+def test_tools_help_says_what_the_session_key_is_for(action):
+    result = improved("tools", action, "--help")
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "--session-key" in text and "proof signed by it" in text
 
 
 def test_a_missing_config_file_is_a_clear_error():

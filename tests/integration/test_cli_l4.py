@@ -162,34 +162,74 @@ async def _refused(nc, svc: str, pid: str) -> str | None:
 
 
 async def test_a_session_upgrade_signed_and_revoked_from_the_terminal(daemon, nc, nats_url,
-                                                                      alice_key, svc):
+                                                                      alice_key, svc,
+                                                                      tmp_path):
+    """The session makes its key (`keys new`), the operator binds the upgrade to its public
+    half (`keys show`), the session calls under it (`tools call`, which signs each call's
+    proof with the session key); the envelope alone calls nothing; then a revocation."""
     from tests.tool_surfaces import runtime as tool_runtime
 
     rt, tools = tool_runtime(name=svc)
     service = ToolRuntimeService(nc, rt, daemon_key())
     await service.start()
     signer = ("--key", alice_key, "--principal", ALICE[0])
+    made_key = await cli("keys", "new", "--signer", f"agent:{svc}:s1", "--dir", str(tmp_path))
+    assert made_key.returncode == 0, made_key.stderr
+    session_key = str(tmp_path / f"agent_{svc}_s1.pem")
+    shown = await cli("keys", "show", session_key)
+    public = shown.stdout.split("public key: ")[1].split()[0]
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("hello")
     try:
-        bad = await cli("tools", "upgrade", svc, "--session", "s1", "--reason", "r", *signer)
+        bad = await cli("tools", "upgrade", svc, "--session", "s1", "--session-key", public,
+                        "--reason", "r", *signer)
         assert bad.returncode == 2 and "--tool" in bad.stderr
-        bad = await cli("tools", "upgrade", svc, "--session", "s1", "--class", "L4",
-                        "--path", "/a/../b", "--reason", "r", *signer)
+        bad = await cli("tools", "upgrade", svc, "--session", "s1", "--session-key", public,
+                        "--class", "L4", "--path", "/a/../b", "--reason", "r", *signer)
         assert bad.returncode == 2 and "'..'" in bad.stderr
+        for wrong, says in (("nope", "neither a key file nor a public key"),
+                            (public[:-4] + "====", "neither a key file nor a public key"),
+                            (str(not_pem), "is not a PEM private key")):
+            bad = await cli("tools", "upgrade", svc, "--session", "s1", "--session-key", wrong,
+                            "--class", "L4", "--reason", "r", *signer)
+            assert bad.returncode == 2 and says in bad.stderr, bad.stderr
+            assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
         made = await cli("tools", "upgrade", svc, "--session", "s1", "--class", "L4",
-                         "--ttl", "60", "--reason", "incident 7", *signer)
+                         "--session-key", public, "--ttl", "60", "--reason", "incident 7",
+                         *signer)
         assert made.returncode == 0, made.stderr
         printed = json.loads(made.stdout)
-        call = {"tool": "deploy", "session": "s1", "upgrade": printed["envelope"]}
-        reply = json.loads((await nc.request(S.tools_call(svc), json.dumps(call).encode(),
+        by_file = await cli("tools", "upgrade", svc, "--session", "s1", "--class", "L4",
+                            "--session-key", session_key, "--reason", "r", *signer)
+        assert by_file.returncode == 0, by_file.stderr  # the key file gives the same key
+        up_file = tmp_path / "upgrade.json"
+        up_file.write_text(made.stdout)
+
+        bearer = {"tool": "deploy", "session": "s1", "upgrade": printed["envelope"]}
+        reply = json.loads((await nc.request(S.tools_call(svc), json.dumps(bearer).encode(),
                                              timeout=5)).data)
+        assert reply["refused"]["reason"] == "session_proof_missing"
+        called = await cli("tools", "call", svc, "deploy", "--upgrade", str(up_file),
+                           "--session-key", session_key, "--nats", nats_url)
+        assert called.returncode == 0, called.stderr + called.stdout
+        reply = json.loads(called.stdout)
         assert reply["ok"] is True and reply["upgrade"] == printed["upgrade_id"]
+        for wrong, says in ((("--session-key", alice_key), "is not the key the upgrade is "
+                                                            "bound to"),
+                            (("--session-key", public), "a public key cannot sign"),
+                            ((), "--upgrade and --session-key go together")):
+            bad = await cli("tools", "call", svc, "deploy", "--upgrade", str(up_file), *wrong,
+                            "--nats", nats_url)
+            assert bad.returncode == 2 and says in bad.stderr, bad.stderr
+            assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
         revoked = await cli("tools", "revoke", svc, printed["upgrade_id"], "--reason", "over",
                             "--nats", nats_url, *signer)
         assert revoked.returncode == 0, revoked.stderr + revoked.stdout
         assert json.loads(revoked.stdout)["revoked"] == printed["upgrade_id"]
-        reply = json.loads((await nc.request(S.tools_call(svc), json.dumps(call).encode(),
-                                             timeout=5)).data)
-        assert reply["refused"]["reason"] == "revoked"
+        after = await cli("tools", "call", svc, "deploy", "--upgrade", str(up_file),
+                          "--session-key", session_key, "--nats", nats_url)
+        assert after.returncode == 1
+        assert json.loads(after.stdout)["refused"]["reason"] == "revoked"
         assert len(tools["deploy"][1].calls) == 1
     finally:
         await service.stop()

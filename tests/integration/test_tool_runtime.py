@@ -18,6 +18,8 @@ import time
 
 import msgspec
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from nats.js.errors import NotFoundError
 
 from improved.client.chains import read_sequenced
 from improved.core import audit, evidence, signing
@@ -26,6 +28,8 @@ from improved.core.tools import (
     Runtime,
     args_digest,
     grant_token,
+    proof_digest,
+    proof_message,
     sign_grant,
     sign_revocation,
     upgrade_id,
@@ -41,8 +45,10 @@ from tests.keys import ALICE, MALLORY
 from tests.tool_surfaces import (
     ARGS,
     SCOPED_ARGS,
+    SESSION,
     by_name,
     grant,
+    proof,
     runtime,
     scoped,
     trust,
@@ -79,6 +85,12 @@ async def call(nc, rt: Runtime, tool_name: str, args=None, grant_env=None) -> di
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def upgraded(svc: str, env, tool_name: str, args: dict, session: str, key=SESSION) -> dict:
+    """A call under the upgrade `env`, with a fresh proof by `key` (the session's, SESSION)."""
+    return {"tool": tool_name, "args": args, "session": session, "upgrade": env,
+            "proof": proof(env, tool_name, args, runtime_name=svc, key=key, now=now_ms())}
 
 
 async def test_e2e_autonomous_gates_l4(nc, svc):
@@ -191,19 +203,24 @@ async def test_e2e_scopes_and_a_session_upgrade(nc, svc):
         entry = by_name((await ask(nc, subjects.tools_list(svc), b""))["tools"])["push"]
         assert entry["scoped_args"] == SCOPED_ARGS and entry["gated_authority"] == "L4"
         env = upgrade(svc, "sess-9", now=now_ms(), tools=["push"])
-        upgraded = {"tool": "push", "session": "sess-9", "upgrade": env}
-        ok = await ask(nc, subjects.tools_call(svc), {**upgraded, "args": {"path": "/srv/data/a"}})
+
+        def push_call(args: dict, session: str = "sess-9") -> dict:
+            return upgraded(svc, env, "push", args, session)
+
+        ok = await ask(nc, subjects.tools_call(svc), push_call({"path": "/srv/data/a"}))
         assert ok == {"ok": True, "result": "push ran", "granted_by": ALICE[0],
                       "upgrade": upgrade_id(env)}
         for args, reason in (({"path": "/srv/data/../../etc/passwd"}, "path_traversal"),
                              ({"url": "https://evil.example.com/"}, "out_of_scope"),
                              ({"set": "red"}, "out_of_scope")):
-            reply = await ask(nc, subjects.tools_call(svc), {**upgraded, "args": args})
+            reply = await ask(nc, subjects.tools_call(svc), push_call(args))
             assert reply["refused"]["reason"] == reason
-        other = await ask(nc, subjects.tools_call(svc), {**upgraded, "session": "sess-10"})
+        other = await ask(nc, subjects.tools_call(svc), push_call({}, "sess-10"))
         assert other["refused"]["reason"] == "wrong_session"
-        bad = await ask(nc, subjects.tools_call(svc), {**upgraded, "session": "no spaces"})
+        bad = await ask(nc, subjects.tools_call(svc), push_call({}, "no spaces"))
         assert bad["error"]["field"] == "session"
+        bad = await ask(nc, subjects.tools_call(svc), {**push_call({}), "proof": {"at": 1}})
+        assert bad["error"]["code"] == "missing_field" and "proof" in bad["error"]["field"]
         assert body.calls == [{"path": "/srv/data/a"}]
 
         revocation = sign_revocation(ALICE[1], ALICE[0], svc, upgrade_id(env), "done", now_ms())
@@ -211,12 +228,76 @@ async def test_e2e_scopes_and_a_session_upgrade(nc, svc):
         refused_rev = await ask(nc, subjects.tools_revoke(svc), {"revocation": forged})
         assert refused_rev["refused"]["reason"] == "unknown_key"
         assert (await ask(nc, subjects.tools_revoke(svc), b"[]"))["error"]["code"]
-        assert (await ask(nc, subjects.tools_call(svc), {**upgraded, "args": {}}))["ok"] is True
+        assert (await ask(nc, subjects.tools_call(svc), push_call({})))["ok"] is True
         assert await ask(nc, subjects.tools_revoke(svc), {"revocation": revocation}) == {
             "ok": True, "revoked": upgrade_id(env), "revoked_by": ALICE[0]}
-        reply = await ask(nc, subjects.tools_call(svc), {**upgraded, "args": {}})
+        reply = await ask(nc, subjects.tools_call(svc), push_call({}))
         assert reply["refused"]["reason"] == "revoked"
         assert len(body.calls) == 2
+
+
+async def test_e2e_an_upgrade_copied_off_the_chain_runs_nothing_for_another_party(nc, svc):
+    """The attack: a session makes one upgraded L4 call, so the upgrade envelope and the
+    session id are on the runtime's public `_tools` chain. A second party reads them off the
+    stream, as anyone allowed to read it can, and calls an upgraded tool with them: with no
+    proof, with a proof by a key of its own, and with the legitimate call's proof (seen on the
+    bus) replayed or moved to other arguments. Each is refused with one line saying why;
+    nothing runs and nothing is spent: the session's next proof still works."""
+    rt, tools = runtime(name=svc)
+    deploy, body = tools["deploy"]
+    async with serving(nc, rt):
+        env = upgrade(svc, "sess-legit", now=now_ms())
+        legit = upgraded(svc, env, "deploy", ARGS, "sess-legit")
+        assert (await ask(nc, subjects.tools_call(svc), legit))["ok"] is True
+        assert body.calls == [ARGS]
+
+        # the attacker: read the chain from the stream, take the upgrade and the session
+        cid = tools_chain_id(svc)
+        chain = await read_sequenced(nc.jetstream(), subjects.tools_audit(cid),
+                                     stream=subjects.STREAM_TOOLS_AUDIT)
+        used = [b for _, b in chain if "via:upgrade" in b["refs"]]
+        assert used, chain
+        stolen = used[-1]["envelope"]
+        session = next(r.removeprefix("session:") for r in used[-1]["refs"]
+                       if r.startswith("session:"))
+        assert (stolen, session) == (msgspec.to_builtins(env), "sess-legit")
+        target = {"path": "/srv/data/x"}
+        attack = {"tool": "deploy", "args": target, "session": session, "upgrade": stolen}
+        mallory_session = Ed25519PrivateKey.generate()
+        own_key = upgraded(svc, env, "deploy", target, session, key=mallory_session)
+        attempts = {
+            "session_proof_missing": attack,
+            "session_proof_invalid": {**attack, "proof": own_key["proof"]},
+            "session_proof_replayed": {**attack, "args": ARGS, "proof": legit["proof"]},
+            "session_proof_invalid ": {**attack, "proof": legit["proof"]},
+        }
+        js = nc.jetstream()
+        for reason, request in attempts.items():
+            reply = await ask(nc, subjects.tools_call(svc), request)
+            assert reply["refused"]["reason"] == reason.strip(), (reason, reply)
+            assert reply["refused"]["detail"] and "\n" not in reply["refused"]["detail"]
+        assert body.calls == [ARGS]  # nothing ran
+        # nothing spent: the attacker's proof left no key in the bucket
+        attacker_proof = own_key["proof"]
+        digest = proof_digest(proof_message(svc, "deploy", args_digest(target),
+                                            upgrade_id(env), attacker_proof.at,
+                                            attacker_proof.nonce))
+        with pytest.raises(NotFoundError):
+            await js.get_msg(f"KV_{subjects.BUCKET_TOOLS}",
+                             subject=f"$KV.{subjects.BUCKET_TOOLS}.spent.{digest}")
+        # the refusals are on the chain, each naming its reason
+        chain = await read_sequenced(js, subjects.tools_audit(cid),
+                                     stream=subjects.STREAM_TOOLS_AUDIT)
+        assert [r for _, b in chain[-4:] for r in b["refs"] if r.startswith("refused:")] == [
+            f"refused:{reason.strip()}" for reason in attempts]
+        # the session itself goes on: a fresh proof of its own key
+        again = await ask(nc, subjects.tools_call(svc),
+                          upgraded(svc, env, "deploy", target, "sess-legit"))
+        assert again["ok"] is True and body.calls == [ARGS, target]
+        refs = dict(r.split(":", 1) for r in (await read_sequenced(
+            js, subjects.tools_audit(cid), stream=subjects.STREAM_TOOLS_AUDIT))[-1][1]["refs"])
+        assert refs["session_key"] == signing.keyid_of(signing.raw_public(SESSION.public_key()))
+        assert len(refs["proof"]) == 64
 
 
 # -- replicas, restarts and a hostile bus participant -------------------------------------------
@@ -338,8 +419,8 @@ async def test_e2e_every_call_is_on_the_runtime_audit_chain(nc, svc):
         await call(nc, rt, "read", secret)
         await call(nc, rt, "deploy", secret)
         await call(nc, rt, "deploy", secret, grant(deploy, secret, now=now_ms(), runtime=svc))
-        await ask(nc, subjects.tools_call(svc), {"tool": "deploy", "session": "s",
-                                                 "upgrade": upgrade(svc, "s", now=now_ms())})
+        await ask(nc, subjects.tools_call(svc),
+                  upgraded(svc, upgrade(svc, "s", now=now_ms()), "deploy", {}, "s"))
         await call(nc, rt, "nope")  # not a tool: nothing to record
     cid = tools_chain_id(svc)
     chain = await read_sequenced(nc.jetstream(), subjects.tools_audit(cid),

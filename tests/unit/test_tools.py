@@ -20,16 +20,25 @@ from hypothesis import strategies as st
 
 from improved.core import signing
 from improved.core.scopes import CapabilityScope
+from improved.core.signing import ActRefused
 from improved.core.tools import (
     DEFAULT_CEILINGS,
+    PROOF_SKEW_MS,
     ProcessLedger,
     Provider,
     Runtime,
+    SessionProof,
+    SessionUpgrade,
     ToolGrant,
     args_digest,
     call_draft,
+    canonical_json,
+    check_proof,
     grant_token,
+    proof_digest,
+    proof_message,
     sign_grant,
+    sign_proof,
     sign_revocation,
     sign_upgrade,
     upgrade_id,
@@ -42,8 +51,10 @@ from tests.tool_surfaces import (
     NOW,
     SCOPE,
     SCOPED_ARGS,
+    SESSION,
     by_name,
     grant,
+    proof,
     runtime,
     scoped,
     tool,
@@ -440,11 +451,13 @@ async def test_an_upgrade_mounts_l4_for_its_session_until_it_lapses():
     rt, tools = runtime()
     deploy, body = tools["deploy"]
     env = upgrade()
-    for n in range(3):  # no grant per call, any arguments
-        reply = await rt.invoke("deploy", {"n": n}, None, NOW + n, session="s-1", upgrade=env)
+    for n in range(3):  # no grant per call, any arguments: a proof by the session's key
+        reply = await rt.invoke("deploy", {"n": n}, None, NOW + n, session="s-1", upgrade=env,
+                                proof=proof(env, "deploy", {"n": n}, now=NOW + n))
         assert reply == {"ok": True, "result": "deploy ran", "granted_by": ALICE[0],
                          "upgrade": upgrade_id(env)}
-    lapsed = await rt.invoke("deploy", {}, None, NOW + 600_000, session="s-1", upgrade=env)
+    lapsed = await rt.invoke("deploy", {}, None, NOW + 600_000, session="s-1", upgrade=env,
+                             proof=proof(env, "deploy", now=NOW + 600_000))
     assert lapsed["refused"]["reason"] == "expired"
     assert len(body.calls) == 3
 
@@ -460,7 +473,8 @@ def bad_upgrades() -> dict[str, Envelope]:
         "unknown_key": upgrade(key=MALLORY),
         "bad_signature": tampered,
         "principal_mismatch": sign_upgrade(ALICE[1], "operator:bob", "agent", "s-1", "r", NOW,
-                                           60_000, nonce="n" * 16, classes=["L4"]),
+                                           60_000, nonce="n" * 16, classes=["L4"],
+                                           session_key=None),
         "wrong_type": signing.sign(signing.PAYLOAD_TYPES["tool_grant"],
                                    base64.b64decode(env.payload), ALICE[1]),
         "malformed": signing.sign(env.payloadType, b'{"runtime": "agent"}', ALICE[1]),
@@ -478,10 +492,13 @@ async def test_bad_upgrades_are_refused_and_nothing_runs():
     rt, tools = runtime()
     deploy, body = tools["deploy"]
     for reason, env in bad_upgrades().items():
-        reply = await rt.invoke("deploy", ARGS, None, NOW, session="s-1", upgrade=env)
+        reply = await rt.invoke("deploy", ARGS, None, NOW, session="s-1", upgrade=env,
+                                proof=proof(env, "deploy", ARGS))
         assert reply["refused"]["reason"] == reason.strip(), (reason, reply)
         assert reply["refused"]["detail"] and "\n" not in reply["refused"]["detail"]
-    no_session = await rt.invoke("deploy", ARGS, None, NOW, upgrade=upgrade())
+    env = upgrade()
+    no_session = await rt.invoke("deploy", ARGS, None, NOW, upgrade=env,
+                                 proof=proof(env, "deploy", ARGS))
     assert no_session["refused"]["reason"] == "wrong_session"
     assert body.calls == []
 
@@ -490,11 +507,13 @@ async def test_a_bad_upgrade_falls_back_to_a_grant_and_a_good_one_leaves_it_unsp
     rt, tools = runtime()
     deploy, body = tools["deploy"]
     env = grant(deploy)
-    reply = await rt.invoke("deploy", ARGS, env, NOW, session="s-1", upgrade=upgrade(key=MALLORY))
+    evil = upgrade(key=MALLORY)
+    reply = await rt.invoke("deploy", ARGS, env, NOW, session="s-1", upgrade=evil,
+                            proof=proof(evil, "deploy", ARGS))
     assert reply["ok"] is True and "upgrade" not in reply
-    env2 = grant(deploy)
-    assert (await rt.invoke("deploy", ARGS, env2, NOW, session="s-1",
-                            upgrade=upgrade()))["upgrade"]
+    env2, good = grant(deploy), upgrade()
+    assert (await rt.invoke("deploy", ARGS, env2, NOW, session="s-1", upgrade=good,
+                            proof=proof(good, "deploy", ARGS)))["upgrade"]
     assert (await rt.invoke("deploy", ARGS, env2, NOW))["ok"] is True  # still unspent
     assert len(body.calls) == 3
 
@@ -504,15 +523,16 @@ async def test_an_upgrade_by_tool_name_and_its_scope():
     push, body = scoped("push", "L4")
     rt.register(push)
     env = upgrade(tools=["push"], scope=CapabilityScope(paths=["/srv/data/releases/**"]))
-    ok = await rt.invoke("push", {"path": "/srv/data/releases/v2"}, None, NOW, session="s-1",
-                         upgrade=env)
+    inside, outside = {"path": "/srv/data/releases/v2"}, {"path": "/srv/data/other"}
+    ok = await rt.invoke("push", inside, None, NOW, session="s-1", upgrade=env,
+                         proof=proof(env, "push", inside))
     assert ok["ok"] is True
-    out = await rt.invoke("push", {"path": "/srv/data/other"}, None, NOW, session="s-1",
-                          upgrade=env)
+    out = await rt.invoke("push", outside, None, NOW, session="s-1", upgrade=env,
+                          proof=proof(env, "push", outside))
     assert out["refused"]["reason"] == "out_of_scope"
     assert "session upgrade scope" in out["refused"]["detail"]
-    assert (await rt.invoke("deploy", {}, None, NOW, session="s-1",
-                            upgrade=env))["refused"]["reason"] == "wrong_tool"
+    assert (await rt.invoke("deploy", {}, None, NOW, session="s-1", upgrade=env,
+                            proof=proof(env, "deploy")))["refused"]["reason"] == "wrong_tool"
     assert body.calls == [{"path": "/srv/data/releases/v2"}]
 
 
@@ -520,22 +540,170 @@ async def test_a_revoked_upgrade_is_refused_on_every_runtime_sharing_the_ledger(
     rt, tools = runtime()
     deploy, body = tools["deploy"]
     env = upgrade()
-    assert (await rt.invoke("deploy", {}, None, NOW, session="s-1", upgrade=env))["ok"] is True
+    assert (await rt.invoke("deploy", {}, None, NOW, session="s-1", upgrade=env,
+                            proof=proof(env, "deploy")))["ok"] is True
     for bad, reason in ((sign_revocation(MALLORY[1], MALLORY[0], "agent", upgrade_id(env), "r",
                                          NOW), "unknown_key"),
                         (sign_revocation(ALICE[1], ALICE[0], "other", upgrade_id(env), "r",
                                          NOW), "wrong_runtime"),
                         (grant(deploy), "wrong_type")):
         assert (await rt.revoke(bad))["refused"]["reason"] == reason
-    assert (await rt.invoke("deploy", {}, None, NOW, session="s-1", upgrade=env))["ok"] is True
+    assert (await rt.invoke("deploy", {}, None, NOW, session="s-1", upgrade=env,
+                            proof=proof(env, "deploy")))["ok"] is True
     done = await rt.revoke(sign_revocation(ALICE[1], ALICE[0], "agent", upgrade_id(env),
                                            "session over", NOW + 5))
     assert done == {"ok": True, "revoked": upgrade_id(env), "revoked_by": ALICE[0]}
     replica, _ = runtime(ledger=rt.ledger)
     for r in (rt, replica):
-        reply = await r.invoke("deploy", {}, None, NOW + 10, session="s-1", upgrade=env)
+        reply = await r.invoke("deploy", {}, None, NOW + 10, session="s-1", upgrade=env,
+                               proof=proof(env, "deploy", now=NOW + 10))
         assert reply["refused"]["reason"] == "revoked"
     assert len(body.calls) == 2
+
+
+# -- the session's proof of key: an upgrade is not a bearer token -----------------------------
+
+
+OTHER_SESSION = Ed25519PrivateKey.generate()  # a key the upgrade does not name
+
+
+def bad_proofs(env: Envelope) -> dict[str, SessionProof | None]:
+    good = proof(env, "deploy", ARGS)
+    return {
+        "session_proof_missing": None,
+        "session_proof_invalid": proof(env, "deploy", ARGS, key=OTHER_SESSION),  # wrong key
+        "session_proof_invalid ": proof(env, "read", ARGS),  # made for another tool
+        "session_proof_invalid  ": proof(env, "deploy", {"path": "/"}),  # other arguments
+        "session_proof_invalid   ": proof(env, "deploy", ARGS, runtime_name="other-agent"),
+        "session_proof_invalid    ": proof(upgrade(), "deploy", ARGS),  # another upgrade's
+        "session_proof_invalid     ": msgspec.structs.replace(good, at=good.at + 1),
+        "session_proof_invalid      ": msgspec.structs.replace(good, nonce=good.nonce + "x"),
+        "session_proof_invalid       ": msgspec.structs.replace(good, sig="not base64!"),
+        "session_proof_stale": proof(env, "deploy", ARGS, now=NOW - PROOF_SKEW_MS - 1),
+        "session_proof_stale ": proof(env, "deploy", ARGS, now=NOW + PROOF_SKEW_MS + 1),
+    }
+
+
+async def test_a_call_under_an_upgrade_needs_the_session_keys_proof_used_once():
+    rt, tools = runtime()
+    deploy, body = tools["deploy"]
+    env = upgrade()
+    assert isinstance(rt.ledger, ProcessLedger)
+    for reason, bad in bad_proofs(env).items():
+        reply = await rt.invoke("deploy", ARGS, None, NOW, session="s-1", upgrade=env,
+                                proof=bad)
+        assert reply["refused"]["reason"] == reason.strip(), (reason, reply)
+        assert reply["refused"]["detail"] and "\n" not in reply["refused"]["detail"]
+    assert body.calls == [] and rt.ledger.spent == {}  # nothing ran, nothing spent
+    edge = proof(env, "deploy", ARGS, now=NOW - PROOF_SKEW_MS)  # the window's edge holds
+    reply = await rt.invoke("deploy", ARGS, None, NOW, session="s-1", upgrade=env, proof=edge)
+    assert reply == {"ok": True, "result": "deploy ran", "granted_by": ALICE[0],
+                     "upgrade": upgrade_id(env)}
+    digest = proof_digest(proof_message("agent", "deploy", args_digest(ARGS), upgrade_id(env),
+                                        edge.at, edge.nonce))
+    assert set(rt.ledger.spent) == {digest}
+    replica, replica_tools = runtime(ledger=rt.ledger)
+    for r in (rt, replica):  # used once, on every runtime sharing the ledger
+        again = await r.invoke("deploy", ARGS, None, NOW, session="s-1", upgrade=env,
+                               proof=edge)
+        assert again["refused"]["reason"] == "session_proof_replayed"
+    fresh = proof(env, "deploy", ARGS, now=NOW + 2)
+    assert (await replica.invoke("deploy", ARGS, None, NOW + 2, session="s-1", upgrade=env,
+                                 proof=fresh))["ok"] is True
+    assert body.calls == [ARGS] and replica_tools["deploy"][1].calls == [ARGS]
+
+
+async def test_a_refused_upgraded_call_spends_no_proof():
+    rt, _ = runtime()
+    push, body = scoped("push", "L4")
+    rt.register(push)
+    env = upgrade(tools=["push"])
+    outside = {"path": "/etc/passwd"}
+    reply = await rt.invoke("push", outside, None, NOW, session="s-1", upgrade=env,
+                            proof=proof(env, "push", outside))
+    assert reply["refused"]["reason"] == "out_of_scope"
+    revoked = upgrade(tools=["push"])
+    await rt.revoke(sign_revocation(ALICE[1], ALICE[0], "agent", upgrade_id(revoked), "r", NOW))
+    reply = await rt.invoke("push", {}, None, NOW, session="s-1", upgrade=revoked,
+                            proof=proof(revoked, "push"))
+    assert reply["refused"]["reason"] == "revoked"
+    assert isinstance(rt.ledger, ProcessLedger) and rt.ledger.spent == {}
+    assert body.calls == []
+
+
+async def test_an_upgrade_signed_without_a_session_key_is_refused_unbound():
+    """An upgrade from before `session_key` existed is a bearer token: refused, with the fix
+    in the reason; a grant sent alongside still runs its one call."""
+    rt, tools = runtime()
+    deploy, body = tools["deploy"]
+    env = upgrade(session_key=None)
+    assert b"session_key" not in base64.b64decode(env.payload)  # as one signed before it
+    for with_proof in (proof(env, "deploy", ARGS), None):
+        reply = await rt.invoke("deploy", ARGS, None, NOW, session="s-1", upgrade=env,
+                                proof=with_proof)
+        assert reply["refused"]["reason"] == "upgrade_unbound"
+        assert "re-issue" in reply["refused"]["detail"]
+    assert body.calls == []
+    reply = await rt.invoke("deploy", ARGS, grant(deploy), NOW, session="s-1", upgrade=env)
+    assert reply["ok"] is True and "upgrade" not in reply
+
+
+async def test_a_proof_written_into_the_ledger_beforehand_refuses_it():
+    """Anyone who can write the ledger can refuse a proof (failing closed), never allow one."""
+    ledger = ForgingLedger()
+    rt, tools = runtime(ledger=ledger)
+    env = upgrade()
+    made = proof(env, "deploy", ARGS)
+    digest = proof_digest(proof_message("agent", "deploy", args_digest(ARGS), upgrade_id(env),
+                                        made.at, made.nonce))
+    ledger.spent[digest] = NOW + 10 * PROOF_SKEW_MS
+    reply = await rt.invoke("deploy", ARGS, None, NOW, session="s-1", upgrade=env, proof=made)
+    assert reply["refused"]["reason"] == "session_proof_replayed"
+    assert tools["deploy"][1].calls == []
+
+
+def test_signing_an_upgrade_for_a_key_that_is_not_one_fails():
+    for bad in ("not base64!", base64.b64encode(b"x" * 31).decode(),
+                base64.b64encode(b"x" * 33).decode()):
+        with pytest.raises((ValueError, msgspec.ValidationError)):
+            sign_upgrade(ALICE[1], ALICE[0], "agent", "s-1", "r", NOW, 60_000, nonce="n" * 16,
+                         classes=["L4"], session_key=bad)
+
+
+BOUND = msgspec.json.decode(base64.b64decode(upgrade().payload), type=SessionUpgrade)
+PROOF_FIELDS = ("runtime", "tool", "args", "upgrade", "at", "nonce")
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.text(max_size=6))
+a_call = st.fixed_dictionaries({
+    "runtime": st.from_regex(r"[a-z][a-z0-9_-]{0,12}", fullmatch=True),
+    "tool": st.from_regex(r"[a-z][a-z0-9_.-]{0,12}", fullmatch=True),
+    "args": st.dictionaries(st.text(max_size=6), json_leaf, max_size=4),
+    "upgrade": st.binary(min_size=32, max_size=32).map(bytes.hex),
+    "at": st.integers(0, 2**45),
+    "nonce": st.text(st.characters(codec="ascii", categories=["L", "N"]), min_size=8,
+                     max_size=24),
+})
+
+
+@given(made=a_call, other=a_call, which=st.sampled_from(PROOF_FIELDS))
+def test_a_proof_verifies_only_for_the_call_it_was_made_for(made, other, which):
+    signed = proof_for(made)
+    assert check_proof(BOUND, made["upgrade"], made["runtime"], made["tool"], made["args"],
+                       signed, made["at"]) == proof_digest(proof_message(
+        made["runtime"], made["tool"], args_digest(made["args"]), made["upgrade"], made["at"],
+        made["nonce"]))
+    changed = {**made, which: other[which]}
+    if canonical_json(changed[which]) == canonical_json(made[which]):
+        return  # the same call, or one the canonical JSON cannot tell apart
+    presented = msgspec.structs.replace(signed, at=changed["at"], nonce=changed["nonce"])
+    with pytest.raises(ActRefused) as refused:
+        check_proof(BOUND, changed["upgrade"], changed["runtime"], changed["tool"],
+                    changed["args"], presented, changed["at"])
+    assert refused.value.code == "session_proof_invalid", which
+
+
+def proof_for(call: dict) -> SessionProof:
+    return sign_proof(SESSION, call["runtime"], call["tool"], call["args"], call["upgrade"],
+                      call["at"], nonce=call["nonce"])
 
 
 # -- the ledger: what replicas share ------------------------------------------------------------
@@ -601,7 +769,8 @@ async def test_decisions_are_drafted_for_the_tools_chain_without_the_arguments()
         await rt.decide("read", secret, None, NOW),
         await rt.decide("deploy", secret, None, NOW),
         await rt.decide("deploy", secret, grant(deploy, secret, runtime="agent"), NOW),
-        await rt.decide("deploy", {}, None, NOW, session="s-1", upgrade=upgrade()),
+        await rt.decide("deploy", {}, None, NOW, session="s-1", upgrade=(up := upgrade()),
+                        proof=proof(up, "deploy", nonce="nonce-of-the-call")),
     ]
     assert [d.allowed for d in decisions] == [True, False, True, True]
     cid = tools_chain_id("agent")
@@ -620,14 +789,18 @@ async def test_decisions_are_drafted_for_the_tools_chain_without_the_arguments()
     assert refs[1]["refused"] == "authority_gated"
     assert (refs[2]["via"], trailers[2].actor) == ("grant", ALICE[0])
     assert (refs[3]["via"], refs[3]["session"]) == ("upgrade", "s-1")
+    assert refs[3]["proof"] == proof_digest(proof_message(
+        "agent", "deploy", args_digest({}), upgrade_id(up), NOW, "nonce-of-the-call"))
+    assert refs[3]["session_key"] == signing.keyid_of(signing.raw_public(SESSION.public_key()))
+    assert "proof" not in refs[2] and "session_key" not in refs[2]
     assert trailers[2].envelope is not None and trailers[1].envelope is None
     readers = evidence.ChainTrust(frozenset({DAEMON_KEYID}),
                                   evidence.History(fallback=evidence.KeySet(trust())))
     assert audit.verify_chain(cid, bodies, readers) is None
     # the signed act must say what the trailer says
     for change in ({"args": "0" * 64}, {"tool": "read"}, {"session": "s-9"},
-                   {"runtime": "other"}):
-        at = 2 if "session" not in change else 3
+                   {"runtime": "other"}, {"session_key": "ed25519:" + "0" * 64}):
+        at = 3 if {"session", "session_key"} & change.keys() else 2
         forged = [dict(b) for b in bodies[:at + 1]]
         forged[at]["refs"] = [f"{k}:{change.get(k, v)}" for k, v in refs[at].items()]
         resealed = audit.seal_next(audit.Draft(
