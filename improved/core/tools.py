@@ -30,7 +30,10 @@ What must outlive one process — spent grants, acceptances, revocations — is 
 `Ledger`: `ProcessLedger` here (one process), a JetStream bucket shared by every replica of a
 runtime in `improved_reference.tool_runtime`. A ledger is never believed on its own: an
 acceptance read from it counts only when the signed grant it holds verifies for this runtime
-and tool, and anything ever written under a spent or revoked key counts as spent or revoked.
+and tool, and anything ever written under a spent or revoked key counts as spent or revoked
+(a spent key is kept until its act's own time check refuses it on every replica,
+`spent_until`; then it may go, so the spent keys follow the calls of the acts' windows, not
+the history).
 Each call's decision is drafted as a trailer of the runtime's `_tools` chain (`call_draft`).
 
 Pure: no NATS, no clock of its own (`now_ms` is passed in), no logging. A refusal changes
@@ -86,6 +89,13 @@ CLOCK_SKEW_MS = 5 * 60 * 1000  # how far a grant's `at` may lie ahead; its defau
 MAX_UPGRADE_MS = 24 * 3600 * 1000  # the longest window a session upgrade may span
 PROOF_SKEW_MS = 60 * 1000  # how far a session proof's `at` may lie from the runtime's clock
 PROOF_DOMAIN = b"improved session proof v1\n"  # what a session key's signature is about
+SPENT_MARGIN_MS = 5 * 60 * 1000
+"""How long a `spent.` key is kept past the lapse of the act it spends (`spent_until`): the
+clock skew allowed between the replicas of a runtime. The replica that spends an act sets the
+key's time to live by its own clock; another replica whose clock runs behind still accepts the
+act until the lapse by *its* clock, up to this much later, and must still find the key then. A
+key gone after that belongs to an act every replica refuses by its own time check. Five
+minutes, as far as a signed act's `at` may lie ahead (CLOCK_SKEW_MS)."""
 ERROR_LIMIT = 500  # characters of a failed tool's error text
 
 ToolName = Annotated[str, Meta(pattern=NAME_RE.pattern)]
@@ -365,6 +375,39 @@ def check_proof(act: SessionUpgrade, upgrade: str, runtime: str, tool: str,
     return proof_digest(message)
 
 
+# -- how long a spent key is kept ----------------------------------------------------------------
+#
+# Only `spent.` keys expire. An acceptance (`accepted.*`) lasts: it is the operator's acceptance
+# of a tool on a runtime, one key per (runtime, tool), not per call. A revocation (`revoked.*`)
+# names its upgrade by act id alone, so the runtime cannot tell from it when that upgrade's
+# window (which may begin after the revocation) ends; it is kept, and grows with operators'
+# acts, not with calls.
+
+
+def grant_lapse(act: ToolGrant) -> int:
+    """The first instant (ms) a grant is refused by its own time check: `expires_at`, or `at`
+    + CLOCK_SKEW_MS for a grant that names none."""
+    return act.expires_at if act.expires_at is not None else act.at + CLOCK_SKEW_MS
+
+
+def proof_lapse(proof: SessionProof) -> int:
+    """The first instant (ms) a session proof is refused as stale: a proof is accepted while
+    `now` lies within PROOF_SKEW_MS of its `at`, that last millisecond included."""
+    return proof.at + PROOF_SKEW_MS + 1
+
+
+def spent_until(lapse: int, margin_ms: int = SPENT_MARGIN_MS) -> int:
+    """Until when (ms) the `spent.` key of an act whose lapse is `lapse` must be kept: the
+    lapse, plus the replicas' clock skew (SPENT_MARGIN_MS)."""
+    return lapse + margin_ms
+
+
+def spent_ttl_s(until: int, now: int) -> int:
+    """The key's time to live in whole seconds (what `Nats-TTL` takes), rounded up so the key
+    lasts at least until `until`; one second at least (the shortest TTL a server keeps)."""
+    return max(1, -(-(until - now) // 1000))
+
+
 def refused(reason: str, required: str, detail: str | None = None) -> dict[str, Any]:
     body = {"reason": reason, "required": required}
     if detail:
@@ -385,10 +428,11 @@ class Ledger(Protocol):
     they share the spent keys).
 
     `spend` is create-only: True for the one caller that spends `act`, False for every later
-    one, whatever was written under the key in between. `acceptance` answers the signed grant
+    one, whatever was written under the key in between, until `until` (ms, `spent_until`):
+    after that the ledger may forget the act, whose own time check refuses it by then. `acceptance` answers the signed grant
     recorded for (runtime, token), which the runtime verifies again before believing it."""
 
-    async def spend(self, act: str, lapse: int, now: int) -> bool: ...
+    async def spend(self, act: str, until: int, now: int) -> bool: ...
 
     async def acceptance(self, runtime: str, token: str) -> Envelope | None: ...
 
@@ -407,11 +451,11 @@ class ProcessLedger:
         self.accepted: dict[tuple[str, str], Envelope] = {}
         self.revocations: dict[str, Envelope] = {}
 
-    async def spend(self, act: str, lapse: int, now: int) -> bool:
-        self.spent = {a: until for a, until in self.spent.items() if until > now}
+    async def spend(self, act: str, until: int, now: int) -> bool:
+        self.spent = {a: kept for a, kept in self.spent.items() if kept > now}
         if act in self.spent:
             return False
-        self.spent[act] = lapse
+        self.spent[act] = until
         return True
 
     async def acceptance(self, runtime: str, token: str) -> Envelope | None:
@@ -498,7 +542,8 @@ class Runtime:
 
     def __init__(self, name: str, ceiling: str | None = None, trust: TrustStore | None = None,
                  mode: Mode = "autonomous", *, ledger: Ledger | None = None,
-                 scopes: Mapping[str, CapabilityScope] | None = None):
+                 scopes: Mapping[str, CapabilityScope] | None = None,
+                 spent_margin_ms: int = SPENT_MARGIN_MS):
         if not isinstance(name, str) or not S.SERVICE_RE.match(name):
             raise ValueError(f"runtime name {name!r} must match {S.SERVICE_RE.pattern}")
         if mode not in DEFAULT_CEILINGS:
@@ -512,7 +557,12 @@ class Runtime:
             if not isinstance(scope, CapabilityScope):
                 raise ValueError(f"policy scope of {tool_name}: not a CapabilityScope")
             check_scope(scope, f"policy scope of {tool_name}")
+        if (not isinstance(spent_margin_ms, int) or isinstance(spent_margin_ms, bool)
+                or spent_margin_ms < 0):
+            raise ValueError(f"spent_margin_ms {spent_margin_ms!r} must be a whole number of "
+                             "milliseconds, 0 or more")
         self.name, self.ceiling, self.mode = name, ceiling, mode
+        self.spent_margin_ms = spent_margin_ms  # SPENT_MARGIN_MS; shorter only in tests
         self.trust = trust or TrustStore()
         self.ledger: Ledger = ledger if ledger is not None else ProcessLedger()
         self.scopes = dict(scopes or {})  # the runtime policy's narrowing, by tool name
@@ -617,9 +667,8 @@ class Runtime:
                 if problem is not None:
                     return _refuse(base, problem.code, problem.reason)
                 assert proof is not None and act.session_key is not None  # check_proof
-                # kept past the proof's window by the skew, so a clock step cannot revive it
-                lapse = proof.at + PROOF_SKEW_MS + CLOCK_SKEW_MS
-                if not await self.ledger.spend(proved, lapse, now_ms):
+                until = spent_until(proof_lapse(proof), self.spent_margin_ms)
+                if not await self.ledger.spend(proved, until, now_ms):
                     return _refuse(base, "session_proof_replayed", "this proof was already "
                                    "used; a proof runs one call, sign a new one (new at and "
                                    "nonce) for each")
@@ -729,7 +778,7 @@ class Runtime:
         """Verify a grant for this very call and spend it; ActRefused (nothing spent) if not."""
         verified = self.trust.verify(env, PAYLOAD_TYPES["tool_grant"])
         act = _decode(verified, ToolGrant, "a ToolGrant")
-        lapse = act.expires_at if act.expires_at is not None else act.at + CLOCK_SKEW_MS
+        lapse = grant_lapse(act)
         _window(act.at, lapse, now, "grant")
         if act.runtime is not None and act.runtime != self.name:
             raise ActRefused("wrong_runtime", f"the grant is for runtime {act.runtime!r}, "
@@ -749,8 +798,8 @@ class Runtime:
         if for_acceptance and act.runtime is None:
             raise ActRefused("wrong_runtime", "an L2 acceptance holds on every replica and "
                              "after a restart, so its grant must name the runtime")
-        # kept past the lapse by the skew, so a clock step back cannot revive it
-        if not await self.ledger.spend(act_id(verified), lapse + CLOCK_SKEW_MS, now):
+        if not await self.ledger.spend(act_id(verified), spent_until(lapse,
+                                                                   self.spent_margin_ms), now):
             raise ActRefused("replayed", "this grant was already used; a grant runs one call")
         return act, verified
 
