@@ -15,9 +15,12 @@ the bus is exactly what the library decides:
   (`proof`), spent like a grant, so an upgrade read off the chain calls nothing. A grant or
   a proof is spent by a publish that JetStream accepts only while its key has never held
   anything, so the first replica wins, and a delete marker or purge someone publishes later
-  leaves the key spent.
-  Anything ever written under a spent or revoked key counts as spent or revoked: a forged
-  entry can refuse a call, never allow one. An acceptance read back counts only when the
+  leaves the key spent. A `spent.` key carries a per-message TTL (`Nats-TTL`, from
+  `spent_until`: the act's lapse plus the replicas' clock skew), so the server removes it once
+  its act is refused by its own time check anyway; the bucket's stream must allow such TTLs
+  (`open` turns them on; a runtime whose user may not keeps its spent keys for good).
+  Anything ever written under a spent or revoked key counts as spent or revoked while it is
+  there: a forged entry can refuse a call, never allow one. An acceptance read back counts only when the
   signed grant it holds verifies (`Runtime`).
 - Every call's decision is a trailer of the runtime's chain
   `improve.tools.audit.<sha256("improved tools <runtime>")>` on the tool runtimes' audit
@@ -66,11 +69,12 @@ from improved.core.tools import (
     ToolName,
     call_draft,
     chain_id,
+    spent_ttl_s,
 )
 from improved.protocol import subjects as S
 from improved.protocol import wire
 from improved.protocol.model import Envelope, _In, to_json
-from improved.runtime.store import Store, is_conflict
+from improved.runtime.store import PROVISION_HINT, NeedsProvision, Store, StoreError, is_conflict
 
 log = structlog.get_logger("improved_reference.tool_runtime")
 
@@ -98,16 +102,21 @@ def now_ms() -> int:
 
 class JetStreamLedger:
     """`improved.core.tools.Ledger` on the `improved_tools` bucket: keys `spent.<act id>` (a
-    grant) or `spent.<proof digest>` (a session proof), `accepted.<runtime>.<token hex>` and
-    `revoked.<upgrade act id>`."""
+    grant) or `spent.<proof digest>` (a session proof), each with a per-message TTL when the
+    bucket's stream allows them (`ttl`), `accepted.<runtime>.<token hex>` and
+    `revoked.<upgrade act id>`, kept for good."""
 
-    def __init__(self, js: JetStreamContext, kv: KeyValue):
+    def __init__(self, js: JetStreamContext, kv: KeyValue, *, ttl: bool = True):
         self.js, self.kv = js, kv
         self.stream = f"KV_{S.BUCKET_TOOLS}"
+        self.ttl = ttl  # whether spent keys are written with their TTL
 
     @classmethod
     async def open(cls, js: JetStreamContext, replicas: int = 1) -> JetStreamLedger:
-        """The bucket, created when missing (by whichever replica comes first)."""
+        """The bucket, created when missing (by whichever replica comes first), its stream
+        allowing per-message TTLs: a bucket made without them (before nats-py 2.16) has them
+        turned on. When this user may not change the stream, one warning, and the ledger
+        spends without TTLs (its spent keys then stay for good, as before)."""
         try:
             kv = await js.key_value(S.BUCKET_TOOLS)
         except BucketNotFoundError:
@@ -119,16 +128,38 @@ class JetStreamLedger:
                 if exc.err_code != 10058:  # another replica created it meanwhile
                     raise
                 kv = await js.key_value(S.BUCKET_TOOLS)
-        return cls(js, kv)
+        return cls(js, kv, ttl=await cls._allow_msg_ttl(js))
+
+    @staticmethod
+    async def _allow_msg_ttl(js: JetStreamContext) -> bool:
+        stream = f"KV_{S.BUCKET_TOOLS}"
+        have = (await js.stream_info(stream)).config
+        if have.allow_msg_ttl:
+            return True
+        try:
+            await Store._change(f"bucket {S.BUCKET_TOOLS} does not allow per-message TTLs",
+                                lambda: js.update_stream(have.evolve(allow_msg_ttl=True)))
+        except StoreError as exc:
+            log.warning(f"bucket {S.BUCKET_TOOLS} does not allow per-message TTLs, and this "
+                        "user could not allow them: grants and proofs are spent as before, "
+                        "but their spent keys stay for good; to allow them, "
+                        f"{PROVISION_HINT}, or `nats stream edit KV_{S.BUCKET_TOOLS} "
+                        "--allow-msg-ttl` as a user who may",
+                        **({} if isinstance(exc, NeedsProvision) else {"error": str(exc)}))
+            return False
+        log.info(f"updated bucket {S.BUCKET_TOOLS} (allow_msg_ttl)")
+        return True
 
     def _subject(self, key: str) -> str:
         return f"$KV.{S.BUCKET_TOOLS}.{key}"
 
-    async def _first(self, key: str, value: dict[str, Any]) -> bool:
-        """Write `key` only if it has never held anything; False when it has."""
+    async def _first(self, key: str, value: dict[str, Any], ttl_s: int | None = None) -> bool:
+        """Write `key` only if it holds nothing (with the TTL `ttl_s`, seconds, when given);
+        False when it does."""
         try:
             await self.js.publish(self._subject(key), to_json(value), stream=self.stream,
-                                  headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+                                  headers={"Nats-Expected-Last-Subject-Sequence": "0"},
+                                  msg_ttl=ttl_s)
         except APIError as exc:
             if is_conflict(exc):
                 return False
@@ -143,8 +174,9 @@ class JetStreamLedger:
             return False
         return True
 
-    async def spend(self, act: str, lapse: int, now: int) -> bool:
-        return await self._first(f"spent.{act}", {"at": now, "lapse": lapse})
+    async def spend(self, act: str, until: int, now: int) -> bool:
+        return await self._first(f"spent.{act}", {"at": now, "until": until},
+                                 spent_ttl_s(until, now) if self.ttl else None)
 
     async def acceptance(self, runtime: str, token: str) -> Envelope | None:
         try:
