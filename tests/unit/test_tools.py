@@ -4,6 +4,7 @@ nats-server are in tests/integration/test_tool_runtime.py. Every tool counts its
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -22,8 +23,10 @@ from improved.core import signing
 from improved.core.scopes import CapabilityScope
 from improved.core.signing import ActRefused
 from improved.core.tools import (
+    CLOCK_SKEW_MS,
     DEFAULT_CEILINGS,
     PROOF_SKEW_MS,
+    SPENT_MARGIN_MS,
     ProcessLedger,
     Provider,
     Runtime,
@@ -34,13 +37,17 @@ from improved.core.tools import (
     call_draft,
     canonical_json,
     check_proof,
+    grant_lapse,
     grant_token,
     proof_digest,
+    proof_lapse,
     proof_message,
     sign_grant,
     sign_proof,
     sign_revocation,
     sign_upgrade,
+    spent_ttl_s,
+    spent_until,
     upgrade_id,
 )
 from improved.core.tools import chain_id as tools_chain_id
@@ -725,6 +732,87 @@ async def test_replicas_sharing_a_ledger_spend_a_grant_once_and_share_acceptance
     await c.refresh()
     assert "needs_acceptance" not in by_name(c.catalog())["write"]
     assert tb["write"][1].calls == [{"n": 1}]
+
+
+# -- how long a spent key is kept ----------------------------------------------------------------
+#
+# The spending replica gives the key a TTL from its own clock `now`; the key is there until
+# `now + ttl` on that clock. Another replica's clock may run up to the margin behind (a replica
+# ahead only refuses sooner). Whenever the key is gone, every such replica refuses the act by its
+# own time check: the TTL reaches past the last instant the act could be accepted anywhere.
+
+margins = st.integers(0, 2 * SPENT_MARGIN_MS)
+
+
+@given(at=st.integers(CLOCK_SKEW_MS, 2**45), ttl=st.integers(1, 30 * 86400 * 1000),
+       into=st.floats(0, 1), margin=margins, skew=st.floats(0, 1), after=st.integers(0, 10**7))
+def test_a_spent_grants_key_outlives_every_replicas_acceptance(at, ttl, into, margin, skew,
+                                                                after):
+    rt, tools = runtime(spent_margin_ms=margin)
+    env = grant(tools["deploy"][0], now=at, ttl_ms=ttl)
+    act = msgspec.json.decode(base64.b64decode(env.payload), type=ToolGrant)
+    now = at + min(int(ttl * into), ttl - 1)  # an instant the spender accepts the grant
+    key_gone = now + spent_ttl_s(spent_until(grant_lapse(act), margin), now) * 1000
+    other = key_gone + after - int(margin * skew)  # a replica behind by skew * margin
+    reply = asyncio.run(rt.invoke("deploy", ARGS, env, other))
+    assert reply["refused"]["reason"] == "expired"
+    assert tools["deploy"][1].calls == []
+
+
+@given(call=a_call, drift=st.integers(-PROOF_SKEW_MS, PROOF_SKEW_MS), margin=margins,
+       skew=st.integers(-1, 1), behind=st.floats(0, 1), after=st.integers(0, 10**7))
+def test_a_spent_proofs_key_outlives_every_replicas_acceptance(call, drift, margin, skew,
+                                                               behind, after):
+    signed = proof_for(call)
+    now = call["at"] + drift  # the spender accepts it: within PROOF_SKEW_MS of its clock
+    check_proof(BOUND, call["upgrade"], call["runtime"], call["tool"], call["args"], signed,
+                now)
+    key_gone = now + spent_ttl_s(spent_until(proof_lapse(signed), margin), now) * 1000
+    other = key_gone + after + skew * int(margin * behind)  # behind or ahead by the margin
+    with pytest.raises(ActRefused) as refused:
+        check_proof(BOUND, call["upgrade"], call["runtime"], call["tool"], call["args"],
+                    signed, other)
+    assert refused.value.code == "session_proof_stale"
+
+
+@given(until=st.integers(0, 2**53), now=st.integers(0, 2**53))
+def test_a_spent_keys_ttl_is_whole_seconds_rounded_up(until, now):
+    ttl = spent_ttl_s(until, now)
+    assert ttl >= 1 and now + ttl * 1000 >= until
+    assert ttl == 1 or now + (ttl - 1) * 1000 < until  # and no longer than that
+
+
+def test_the_rule_in_numbers():
+    assert SPENT_MARGIN_MS == 5 * 60 * 1000
+    assert spent_until(NOW) == NOW + SPENT_MARGIN_MS
+    assert spent_ttl_s(NOW + 1, NOW) == 1 and spent_ttl_s(NOW + 1001, NOW) == 2
+    assert spent_ttl_s(NOW - 5000, NOW) == 1  # already past: the shortest a server keeps
+    env = sign_grant(ALICE[1], ALICE[0], "gt:" + "0" * 64, "deploy", ARGS, "r", NOW,
+                     nonce="n" * 16)
+    act = msgspec.json.decode(base64.b64decode(env.payload), type=ToolGrant)
+    assert grant_lapse(act) == NOW + CLOCK_SKEW_MS  # sign_grant's default window
+    assert grant_lapse(msgspec.structs.replace(act, expires_at=None)) == NOW + CLOCK_SKEW_MS
+    assert proof_lapse(proof(upgrade(), "deploy", now=NOW)) == NOW + PROOF_SKEW_MS + 1
+
+
+async def test_the_runtime_hands_the_ledger_the_keep_until_of_each_act():
+    ledger = ProcessLedger()
+    rt, tools = runtime("interactive", ceiling="L2", ledger=ledger, spent_margin_ms=7)
+    env = grant(tools["deploy"][0], ttl_ms=1000)
+    assert (await rt.invoke("deploy", ARGS, env, NOW))["ok"] is True
+    assert ledger.spent == {upgrade_id(env): NOW + 1000 + 7}
+    up = upgrade("agent", "s-1")
+    signed = proof(up, "deploy", ARGS, now=NOW - 5)
+    reply = await rt.invoke("deploy", ARGS, None, NOW, session="s-1", upgrade=up, proof=signed)
+    assert reply["ok"] is True
+    assert ledger.spent[next(a for a in ledger.spent if a != upgrade_id(env))] == (
+        NOW - 5 + PROOF_SKEW_MS + 1 + 7)
+
+
+@pytest.mark.parametrize("margin", [-1, 1.5, "300000", True, None])
+def test_a_bad_spent_margin_is_refused_in_one_line(margin):
+    with pytest.raises(ValueError, match="spent_margin_ms .* must be a whole number"):
+        runtime(spent_margin_ms=margin)
 
 
 class ForgingLedger(ProcessLedger):
