@@ -18,7 +18,9 @@ import time
 
 import msgspec
 import pytest
+import structlog.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from nats.js import api as jsapi
 from nats.js.errors import NotFoundError
 
 from improved.client.chains import read_sequenced
@@ -38,8 +40,8 @@ from improved.core.tools import chain_id as tools_chain_id
 from improved.protocol import subjects
 from improved.protocol.model import to_json
 from improved.runtime import bus
-from improved_reference.tool_runtime import ToolRuntimeService
-from tests.bus import daemon_key
+from improved_reference.tool_runtime import JetStreamLedger, ToolRuntimeService
+from tests.bus import daemon_key, eventually
 from tests.cli import improved
 from tests.keys import ALICE, MALLORY
 from tests.tool_surfaces import (
@@ -400,6 +402,125 @@ async def test_e2e_what_a_bus_participant_writes_in_the_bucket_allows_nothing(nc
         early = grant(deploy, now=now_ms(), runtime=svc)
         await kv.put(f"spent.{upgrade_id(early)}", b"{}")
         assert (await call(nc, rt, "deploy", ARGS, early))["refused"]["reason"] == "replayed"
+
+
+# -- how long a spent key stays ------------------------------------------------------------------
+
+TOOLS_STREAM = f"KV_{subjects.BUCKET_TOOLS}"
+
+
+async def spent_key(js, act: str):
+    """The message under `spent.<act>` (its headers say its TTL), or None when it is gone."""
+    try:
+        return await js.get_msg(TOOLS_STREAM, subject=f"$KV.{subjects.BUCKET_TOOLS}.spent.{act}")
+    except NotFoundError:
+        return None
+
+
+async def test_e2e_a_spent_key_carries_its_ttl_and_leaves_and_the_replay_is_refused_by_time(
+        nc, svc):
+    """A grant's spent key lives its window plus the margin (one second here), then the server
+    removes it; presented again, inside its window, the grant is refused as replayed, and
+    after the key left, as lapsed: nothing runs either time. A session proof's key carries
+    its TTL too (its minute either way, plus the margin)."""
+    margin_ms, window_ms = 1000, 2000
+    rt, tools = runtime(name=svc, spent_margin_ms=margin_ms)
+    deploy, body = tools["deploy"]
+    js = nc.jetstream()
+    async with serving(nc, rt):
+        start = now_ms()
+        env = grant(deploy, now=start, ttl_ms=window_ms, runtime=svc)
+        assert (await call(nc, rt, "deploy", ARGS, env))["ok"] is True
+        held = await spent_key(js, upgrade_id(env))
+        assert held is not None
+        ttl = int(held.headers["Nats-TTL"])
+        assert 1 <= ttl <= (window_ms + margin_ms) // 1000 + 1, held.headers
+        assert (await call(nc, rt, "deploy", ARGS, env))["refused"]["reason"] == "replayed"
+        assert body.calls == [ARGS]
+
+        async def gone():
+            return await spent_key(js, upgrade_id(env)) is None
+
+        await eventually(gone, timeout=ttl + 5)
+        assert now_ms() >= start + window_ms  # it left only after the grant's window
+        reply = await call(nc, rt, "deploy", ARGS, env)
+        assert reply["refused"]["reason"] == "expired", reply
+        assert "lapsed" in reply["refused"]["detail"]
+        assert body.calls == [ARGS]  # nothing ran
+
+        up = upgrade(svc, "s-ttl", now=now_ms())
+        request = upgraded(svc, up, "deploy", {"n": 1}, "s-ttl")
+        assert (await ask(nc, subjects.tools_call(svc), request))["ok"] is True
+        digest = proof_digest(proof_message(svc, "deploy", args_digest({"n": 1}),
+                                            upgrade_id(up), request["proof"].at,
+                                            request["proof"].nonce))
+        held = await spent_key(js, digest)
+        assert held is not None
+        assert 1 <= int(held.headers["Nats-TTL"]) <= (60_000 + 1 + margin_ms) // 1000 + 2
+        again = await ask(nc, subjects.tools_call(svc), request)
+        assert again["refused"]["reason"] == "session_proof_replayed"
+
+
+async def test_open_allows_ttls_on_a_bucket_made_without_them(own_server):
+    """A bucket made before its stream allowed per-message TTLs (nats-py before 2.16) gets
+    them when a runtime opens it; what it held stays, and a spend is still create-only."""
+    conn = await bus.connect(own_server.url, "tool-ledger-old-bucket")
+    try:
+        js = conn.jetstream()
+        await js.add_stream(jsapi.StreamConfig(
+            name=TOOLS_STREAM, subjects=[f"$KV.{subjects.BUCKET_TOOLS}.>"],
+            allow_direct=True, allow_rollup_hdrs=True, deny_delete=True,
+            discard=jsapi.DiscardPolicy.NEW, max_msgs_per_subject=1, max_msgs=-1,
+            max_consumers=-1, duplicate_window=120.0))
+        assert not (await js.stream_info(TOOLS_STREAM)).config.allow_msg_ttl
+        old = "b" * 64
+        await js.publish(f"$KV.{subjects.BUCKET_TOOLS}.spent.{old}", b"{}")
+        ledger = await JetStreamLedger.open(js)
+        assert ledger.ttl is True
+        assert (await js.stream_info(TOOLS_STREAM)).config.allow_msg_ttl
+        now = now_ms()
+        assert await ledger.spend("a" * 64, now + 1500, now) is True
+        assert (await spent_key(js, "a" * 64)).headers["Nats-TTL"] == "2"
+        assert await ledger.spend("a" * 64, now + 1500, now) is False
+        assert await ledger.spend(old, now + 1500, now) is False  # spent before: still spent
+        assert await JetStreamLedger.open(js) is not None  # a second open changes nothing
+    finally:
+        await bus.close(conn)
+
+
+async def test_a_runtime_that_may_not_change_the_bucket_spends_without_ttls(tmp_path):
+    """A runtime whose user may not update the bucket's stream says so in one line and spends
+    as before, create-only, its keys kept for good: never a crash, never a double spend."""
+    users = ('authorization {\n  users = [\n'
+             '    {user: admin, password: a}\n'
+             '    {user: rt, password: r, permissions: {publish: {deny: '
+             '["$JS.API.STREAM.UPDATE.*"]}}}\n  ]\n}\n')
+    server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="2m", extra=users)
+    url = server.start()
+    admin = await bus.connect(url.replace("nats://", "nats://admin:a@"), "tool-ledger-admin")
+    user = await bus.connect(url.replace("nats://", "nats://rt:r@"), "tool-ledger-rt")
+    try:
+        await admin.jetstream().add_stream(jsapi.StreamConfig(
+            name=TOOLS_STREAM, subjects=[f"$KV.{subjects.BUCKET_TOOLS}.>"],
+            allow_direct=True, allow_rollup_hdrs=True, deny_delete=True,
+            discard=jsapi.DiscardPolicy.NEW, max_msgs_per_subject=1, max_msgs=-1,
+            max_consumers=-1, duplicate_window=120.0))
+        js = user.jetstream(timeout=1)
+        with structlog.testing.capture_logs() as logs:
+            ledger = await JetStreamLedger.open(js)
+        assert ledger.ttl is False
+        # the connection names the permission the server refused; the ledger, what follows
+        warned = [e for e in logs if "per-message TTLs" in e["event"]]
+        assert len(warned) == 1 and warned[0]["log_level"] == "warning", logs
+        assert "improved provision" in warned[0]["event"]
+        now = now_ms()
+        assert await ledger.spend("c" * 64, now + 1500, now) is True
+        assert "Nats-TTL" not in ((await spent_key(js, "c" * 64)).headers or {})
+        assert await ledger.spend("c" * 64, now + 1500, now) is False
+    finally:
+        await bus.close(user)
+        await bus.close(admin)
+        server.stop()
 
 
 # -- the audit chain ----------------------------------------------------------------------------
