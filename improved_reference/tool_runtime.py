@@ -20,7 +20,8 @@ the bus is exactly what the library decides:
   its act is refused by its own time check anyway; the bucket's stream must allow such TTLs
   (`open` turns them on; a runtime whose user may not keeps its spent keys for good).
   Anything ever written under a spent or revoked key counts as spent or revoked while it is
-  there: a forged entry can refuse a call, never allow one. An acceptance read back counts only when the
+  there: a forged entry can refuse a call (but see docs/protocol.md, "Shared state", for
+  the known gap: a roll-up with a short TTL written over a spent key erases it). An acceptance read back counts only when the
   signed grant it holds verifies (`Runtime`).
 - Every call's decision is a trailer of the runtime's chain
   `improve.tools.audit.<sha256("improved tools <runtime>")>` on the tool runtimes' audit
@@ -74,7 +75,7 @@ from improved.core.tools import (
 from improved.protocol import subjects as S
 from improved.protocol import wire
 from improved.protocol.model import Envelope, _In, to_json
-from improved.runtime.store import PROVISION_HINT, NeedsProvision, Store, StoreError, is_conflict
+from improved.runtime.store import NeedsProvision, Store, StoreError, is_conflict
 
 log = structlog.get_logger("improved_reference.tool_runtime")
 
@@ -142,9 +143,9 @@ class JetStreamLedger:
         except StoreError as exc:
             log.warning(f"bucket {S.BUCKET_TOOLS} does not allow per-message TTLs, and this "
                         "user could not allow them: grants and proofs are spent as before, "
-                        "but their spent keys stay for good; to allow them, "
-                        f"{PROVISION_HINT}, or `nats stream edit KV_{S.BUCKET_TOOLS} "
-                        "--allow-msg-ttl` as a user who may",
+                        "but their spent keys stay for good; to allow them, have the "
+                        "provisioning user (improved-admin) set allow_msg_ttl on the stream "
+                        f"{stream} (`improved provision` does not make this bucket)",
                         **({} if isinstance(exc, NeedsProvision) else {"error": str(exc)}))
             return False
         log.info(f"updated bucket {S.BUCKET_TOOLS} (allow_msg_ttl)")

@@ -530,7 +530,7 @@ async def test_a_runtime_that_may_not_change_the_bucket_spends_without_ttls(tmp_
         # the connection names the permission the server refused; the ledger, what follows
         warned = [e for e in logs if "per-message TTLs" in e["event"]]
         assert len(warned) == 1 and warned[0]["log_level"] == "warning", logs
-        assert "improved provision" in warned[0]["event"]
+        assert "set allow_msg_ttl on the stream KV_improved_tools" in warned[0]["event"]
         now = now_ms()
         assert await ledger.spend("c" * 64, now + 1500, now) is True
         assert "Nats-TTL" not in ((await spent_key(js, "c" * 64)).headers or {})
