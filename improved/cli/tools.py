@@ -248,7 +248,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="probe every service that advertises, and report the mesh's level")
     conf.add_argument("--timeout", type=float, default=2.0, help="per request (2 s)")
     conf.set_defaults(func=cmd_conformance)
+    _register_tools(sub)
 
+
+def _register_tools(sub: argparse._SubParsersAction) -> None:
+    """`improved tools list|grant|upgrade|call|revoke`."""
     tls = sub.add_parser(
         "tools", help="an agent runtime's tool surface (SPEC 09 §3.1)",
         description="List a runtime's tool catalog, sign a per-call grant that mounts one "
@@ -279,6 +283,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     tgrant.add_argument("--timeout", type=float, default=5.0, help="seconds (5)")
     add_signer_args(tgrant)
     tgrant.set_defaults(func=cmd_tools_grant)
+    _register_session_commands(tls_sub)
+
+
+def _register_session_commands(tls_sub: argparse._SubParsersAction) -> None:
+    """`improved tools upgrade|call|revoke`: what a session upgrade and its calls need."""
     tup = tls_sub.add_parser(
         "upgrade", help="sign a session-scoped upgrade: gated tools without per-call grants",
         description="Sign (DSSE, your operator key) a policy upgrade that lets one session of "
