@@ -51,7 +51,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -606,47 +606,47 @@ class ArtefactStore(KVService):
         return reply
 
     async def _on_lkg(self, msg: Msg) -> None:
-        try:
-            request = msgspec.json.decode(msg.data)
-        except msgspec.DecodeError as exc:
-            reply = _invalid(f"not JSON: {exc}")
-        else:
+        async def check(data: bytes) -> Any:
             try:
-                reply = await self.check_lkg(request)
-            except Exception as exc:  # the store is briefly unreachable: say so, keep serving
-                self.log.warning("lkg check failed", service=self.service, error=repr(exc))
-                reply = {"error": {"code": "unavailable", "message": f"lkg check failed for "
-                                   f"now: {type(exc).__name__}: {exc}"[:500]}}
-        if msg.reply:
-            try:
-                await msg.respond(to_json(reply))
-            except Exception as exc:
-                self.log.warning("could not answer an lkg check", error=str(exc))
+                request = msgspec.json.decode(data)
+            except msgspec.DecodeError as exc:
+                raise Refused(f"not JSON: {exc}") from None
+            return await self.check_lkg(request)
+
+        await self._answer(msg, "lkg check", check)
 
     # -- classifying a pending schema change ---------------------------------------------------
 
     async def _on_classify(self, msg: Msg) -> None:
         """`<svc>.improve.classify`: `{"proposal"}` → `{"class", "reason"}` (schema_gate), or
         an error reply in one line. Read only."""
+        async def classify(data: bytes) -> Any:
+            try:
+                request = msgspec.json.decode(data, type=ClassifyRequest)
+            except msgspec.MsgspecError as exc:
+                raise Refused(f'expected {{"proposal": <a schema: proposal>}}: {exc}') from None
+            return await schema_gate.classify(self, request.proposal)
+
+        await self._answer(msg, "classify", classify)
+
+    async def _answer(self, msg: Msg, what: str, work: Callable[[bytes], Awaitable[Any]]
+                      ) -> None:
+        """Answer a read-only request with `work`'s reply: a bad request (Refused) in one
+        line; a store briefly unreachable says so and the subscription keeps serving."""
         reply: Any
         try:
-            request = msgspec.json.decode(msg.data, type=ClassifyRequest)
-        except msgspec.MsgspecError as exc:
-            reply = _invalid(f'expected {{"proposal": <a schema: proposal>}}: {exc}')
-        else:
-            try:
-                reply = await schema_gate.classify(self, request.proposal)
-            except Refused as exc:
-                reply = _invalid(str(exc))
-            except Exception as exc:  # the store is briefly unreachable: say so, keep serving
-                self.log.warning("classify failed", service=self.service, error=repr(exc))
-                reply = {"error": {"code": "unavailable", "message": f"classify failed for "
-                                   f"now: {type(exc).__name__}: {exc}"[:500]}}
+            reply = await work(msg.data)
+        except Refused as exc:
+            reply = _invalid(str(exc))
+        except Exception as exc:
+            self.log.warning(f"{what} failed", service=self.service, error=repr(exc))
+            reply = {"error": {"code": "unavailable", "message": f"{what} failed for "
+                               f"now: {type(exc).__name__}: {exc}"[:500]}}
         if msg.reply:
             try:
                 await msg.respond(to_json(reply))
             except Exception as exc:
-                self.log.warning("could not answer a classify request", error=str(exc))
+                self.log.warning(f"could not answer a {what} request", error=str(exc))
 
     # -- applying (the protocol is kv_service's) -----------------------------------------------
 
