@@ -1,10 +1,9 @@
-"""What the tool ledger (`improved_tools`) keeps per granted call. `python
+"""What the tool runtimes' spent marks (`IMPROVE_TOOLS_SPENT`) keep per granted call. `python
 benchmarks/tools_spent_cost.py 2000 [window=SECONDS]` runs N calls of an L4 tool on an
 autonomous runtime, each under a grant of its own living SECONDS (default 1) with a margin of
-one second for the replicas' clocks, against an embedded server: once with spent keys kept for
-good (the behaviour before they carried a TTL) and once with their TTL, and prints, for each,
-the keys and bytes the bucket holds per call right after the calls, and again once window +
-margin (and a few seconds for the server's sweep) have passed. Leaves nothing behind."""
+one second for the replicas' clocks, against an embedded server, and prints the marks and bytes
+the stream holds per call right after the calls, and again once window + margin (and a few
+seconds for the server's sweep) have passed. Leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -23,18 +22,19 @@ from improved.core import signing
 from improved.core.tools import Provider, Runtime, grant_token, sign_grant
 from improved.protocol import subjects as S
 from improved.runtime import bus
+from improved.runtime.store import tools_ledger_configs
 from improved_reference.tool_runtime import JetStreamLedger
 
-STREAM = f"KV_{S.BUCKET_TOOLS}"
+STREAM = S.STREAM_TOOLS_SPENT
 MARGIN_MS = 1000
-SWEEP_S = 3  # how long past the last TTL the server is given to remove the keys
+SWEEP_S = 3  # how long past the last TTL the server is given to remove the marks
 
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-async def measure(n: int, window_s: float, ttl: bool) -> dict[str, float]:
+async def measure(n: int, window_s: float) -> dict[str, float]:
     tmp = Path(tempfile.mkdtemp(prefix="improved-tools-"))
     server = bus.EmbeddedServer(tmp / "nats", bus.free_port(), sync="2m")
     try:
@@ -48,9 +48,9 @@ async def measure(n: int, window_s: float, ttl: bool) -> dict[str, float]:
         deploy = Provider("deploy", "L4", "", lambda args: "ran", "1")
         token = rt.register(deploy)
         assert token == grant_token(deploy)
-        ledger = await JetStreamLedger.open(js)
-        ledger.ttl = ttl
-        rt.ledger = ledger
+        for cfg in tools_ledger_configs():
+            await js.add_stream(cfg)
+        rt.ledger = await JetStreamLedger.open(js, "agent")
         started = time.monotonic()
         for i in range(n):
             args = {"n": i}
@@ -61,11 +61,11 @@ async def measure(n: int, window_s: float, ttl: bool) -> dict[str, float]:
         took = time.monotonic() - started
         state = (await js.stream_info(STREAM)).state
         row = {"calls per second": n / took,
-               "keys kept per call, after the calls": state.messages / n,
+               "marks kept per call, after the calls": state.messages / n,
                "bytes kept per call, after the calls": state.bytes / n}
         await asyncio.sleep(window_s + MARGIN_MS / 1000 + SWEEP_S)
         state = (await js.stream_info(STREAM)).state
-        row["keys kept per call, once window + margin passed"] = state.messages / n
+        row["marks kept per call, once window + margin passed"] = state.messages / n
         row["bytes kept per call, once window + margin passed"] = state.bytes / n
         await nc.close()
         return row
@@ -80,14 +80,11 @@ def main() -> None:
     for arg in sys.argv[2:]:
         if arg.startswith("window="):
             window_s = float(arg.removeprefix("window="))
-    rows = {"spent keys kept for good (before)": asyncio.run(measure(n, window_s, ttl=False)),
-            f"spent keys with their TTL ({window_s:g} s window + {MARGIN_MS / 1000:g} s)":
-                asyncio.run(measure(n, window_s, ttl=True))}
-    print(f"{n} granted calls")
-    for label, row in rows.items():
-        print(f"\n{label}")
-        for what, value in row.items():
-            print(f"  {what}: {value:.2f}")
+    row = asyncio.run(measure(n, window_s))
+    print(f"{n} granted calls, spent marks with their TTL ({window_s:g} s window + "
+          f"{MARGIN_MS / 1000:g} s)")
+    for what, value in row.items():
+        print(f"  {what}: {value:.2f}")
 
 
 if __name__ == "__main__":

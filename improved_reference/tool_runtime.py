@@ -9,20 +9,19 @@ the bus is exactly what the library decides:
   tokens and scopes); `<runtime>.tools.call` answers one invocation, a refusal or the error
   reply of DESIGN §3.1; `<runtime>.tools.revoke` takes an operator's signed revocation of a
   session upgrade. Instances of one runtime share a queue group named after it.
-- Spent grants and session proofs, L2 acceptances and revocations live in the
-  `improved_tools` bucket (`JetStreamLedger`), shared by every replica and kept across
-  restarts. A call under a session upgrade carries a proof signed by the session's key
-  (`proof`), spent like a grant, so an upgrade read off the chain calls nothing. A grant or
-  a proof is spent by a publish that JetStream accepts only while its key has never held
-  anything, so the first replica wins, and a delete marker or purge someone publishes later
-  leaves the key spent. A `spent.` key carries a per-message TTL (`Nats-TTL`, from
-  `spent_until`: the act's lapse plus the replicas' clock skew), so the server removes it once
-  its act is refused by its own time check anyway; the bucket's stream must allow such TTLs
-  (`open` turns them on; a runtime whose user may not keeps its spent keys for good).
-  Anything ever written under a spent or revoked key counts as spent or revoked while it is
-  there: a forged entry can refuse a call (but see docs/protocol.md, "Shared state", for
-  the known gap: a roll-up with a short TTL written over a spent key erases it). An acceptance read back counts only when the
-  signed grant it holds verifies (`Runtime`).
+- Spent grants and session proofs and revoked upgrades are marks on two streams of their own,
+  `IMPROVE_TOOLS_SPENT` and `IMPROVE_TOOLS_REVOKED` (`JetStreamLedger`), shared by every
+  replica and kept across restarts; L2 acceptances live in the `improved_tools` bucket. A
+  call under a session upgrade carries a proof signed by the session's key (`proof`), spent
+  like a grant, so an upgrade read off the chain calls nothing. A grant or a proof is spent by
+  a publish that the server refuses when its subject holds a mark, so the first replica wins.
+  The streams take one message per subject, refuse a second, and allow no delete, purge or
+  roll-up: nobody can erase a mark (as a roll-up purge with a short TTL erased a KV key). A
+  spent mark carries a per-message TTL (`Nats-TTL`, from `spent_until`: the act's lapse plus
+  the replicas' clock skew), so the server removes it once its act is refused by its own time
+  check anyway; a revocation carries none (its stream refuses TTLs). A forged mark can refuse
+  a call, never allow one. An acceptance read back counts only when the signed grant it holds
+  verifies (`Runtime`); an erased one only refuses (the runtime asks for a grant again).
 - Every call's decision is a trailer of the runtime's chain
   `improve.tools.audit.<sha256("improved tools <runtime>")>` on the tool runtimes' audit
   stream `IMPROVE_TOOLS_AUDIT`, appended with the expected last sequence and signed with the
@@ -75,9 +74,11 @@ from improved.core.tools import (
 from improved.protocol import subjects as S
 from improved.protocol import wire
 from improved.protocol.model import Envelope, _In, to_json
-from improved.runtime.store import NeedsProvision, Store, StoreError, is_conflict
+from improved.runtime.store import Store, StoreError, is_conflict, tools_ledger_configs
 
 log = structlog.get_logger("improved_reference.tool_runtime")
+
+MAX_PER_SUBJECT = 10077  # JetStream: "maximum messages per subject exceeded" (discard new)
 
 
 class ToolCall(_In):
@@ -102,82 +103,69 @@ def now_ms() -> int:
 
 
 class JetStreamLedger:
-    """`improved.core.tools.Ledger` on the `improved_tools` bucket: keys `spent.<act id>` (a
-    grant) or `spent.<proof digest>` (a session proof), each with a per-message TTL when the
-    bucket's stream allows them (`ttl`), `accepted.<runtime>.<token hex>` and
-    `revoked.<upgrade act id>`, kept for good."""
+    """`improved.core.tools.Ledger` for the runtime `runtime`: a grant (its act id) or a session
+    proof (its digest) is spent by a mark on `IMPROVE_TOOLS_SPENT`
+    (`improve.tools.spent.<act>`, with its per-message TTL, `spent_until`), an upgrade revoked
+    by one on `IMPROVE_TOOLS_REVOKED` (`improve.tools.revoked.<runtime>.<upgrade act id>`, for
+    good): streams that take one message per subject, refuse a second, and allow no delete,
+    purge or roll-up, so nobody can erase a mark. L2 acceptances stay in the `improved_tools`
+    bucket (an erased one only refuses: the runtime asks for a grant again). A `spent.` or
+    `revoked.` key left in the bucket by an earlier version still counts (`_legacy`)."""
 
-    def __init__(self, js: JetStreamContext, kv: KeyValue, *, ttl: bool = True):
-        self.js, self.kv = js, kv
-        self.stream = f"KV_{S.BUCKET_TOOLS}"
-        self.ttl = ttl  # whether spent keys are written with their TTL
+    def __init__(self, js: JetStreamContext, kv: KeyValue, runtime: str):
+        self.js, self.kv, self.runtime = js, kv, runtime
+        self.bucket_stream = f"KV_{S.BUCKET_TOOLS}"
 
     @classmethod
-    async def open(cls, js: JetStreamContext, replicas: int = 1) -> JetStreamLedger:
-        """The bucket, created when missing (by whichever replica comes first), its stream
-        allowing per-message TTLs: a bucket made without them (before nats-py 2.16) has them
-        turned on. When this user may not change the stream, one warning, and the ledger
-        spends without TTLs (its spent keys then stay for good, as before)."""
+    async def open(cls, js: JetStreamContext, runtime: str,
+                   replicas: int = 1) -> JetStreamLedger:
+        """The acceptances' bucket, created when missing (by whichever replica comes first).
+        The mark streams are the caller's to ensure (`tools_ledger_configs`)."""
         try:
             kv = await js.key_value(S.BUCKET_TOOLS)
         except BucketNotFoundError:
             try:
                 kv = await js.create_key_value(
                     bucket=S.BUCKET_TOOLS, history=1, replicas=replicas,
-                    description="improved: spent tool grants, L2 acceptances, revocations")
+                    description="improved: the tool runtimes' L2 acceptances")
             except APIError as exc:
                 if exc.err_code != 10058:  # another replica created it meanwhile
                     raise
                 kv = await js.key_value(S.BUCKET_TOOLS)
-        return cls(js, kv, ttl=await cls._allow_msg_ttl(js))
+        return cls(js, kv, runtime)
 
-    @staticmethod
-    async def _allow_msg_ttl(js: JetStreamContext) -> bool:
-        stream = f"KV_{S.BUCKET_TOOLS}"
-        have = (await js.stream_info(stream)).config
-        if have.allow_msg_ttl:
-            return True
+    async def _first(self, stream: str, subject: str, value: dict[str, Any],
+                     ttl_s: int | None = None) -> bool:
+        """Write the mark `subject` only if none is there (with the TTL `ttl_s`, seconds, when
+        given); False when one is: the server refuses a second message on a subject."""
         try:
-            await Store._change(f"bucket {S.BUCKET_TOOLS} does not allow per-message TTLs",
-                                lambda: js.update_stream(have.evolve(allow_msg_ttl=True)))
-        except StoreError as exc:
-            log.warning(f"bucket {S.BUCKET_TOOLS} does not allow per-message TTLs, and this "
-                        "user could not allow them: grants and proofs are spent as before, "
-                        "but their spent keys stay for good; to allow them, have the "
-                        "provisioning user (improved-admin) set allow_msg_ttl on the stream "
-                        f"{stream} (`improved provision` does not make this bucket)",
-                        **({} if isinstance(exc, NeedsProvision) else {"error": str(exc)}))
-            return False
-        log.info(f"updated bucket {S.BUCKET_TOOLS} (allow_msg_ttl)")
-        return True
-
-    def _subject(self, key: str) -> str:
-        return f"$KV.{S.BUCKET_TOOLS}.{key}"
-
-    async def _first(self, key: str, value: dict[str, Any], ttl_s: int | None = None) -> bool:
-        """Write `key` only if it holds nothing (with the TTL `ttl_s`, seconds, when given);
-        False when it does."""
-        try:
-            await self.js.publish(self._subject(key), to_json(value), stream=self.stream,
+            await self.js.publish(subject, to_json(value), stream=stream,
                                   headers={"Nats-Expected-Last-Subject-Sequence": "0"},
                                   msg_ttl=ttl_s)
         except APIError as exc:
-            if is_conflict(exc):
+            if is_conflict(exc) or exc.err_code == MAX_PER_SUBJECT:
                 return False
             raise
         return True
 
-    async def _ever(self, key: str) -> bool:
-        """Whether `key` holds anything: a value, a delete marker, a purge."""
+    async def _held(self, stream: str, subject: str) -> bool:
+        """Whether a message is on `subject` (read from the stream's leader)."""
         try:
-            await self.js.get_msg(self.stream, subject=self._subject(key))
+            await self.js.get_last_msg(stream, subject)
         except NotFoundError:
             return False
         return True
 
+    async def _legacy(self, key: str) -> bool:
+        """Whether the bucket's `key` holds anything (a value, a delete marker, a purge): a
+        spent or revoked key an earlier version wrote there."""
+        return await self._held(self.bucket_stream, f"$KV.{S.BUCKET_TOOLS}.{key}")
+
     async def spend(self, act: str, until: int, now: int) -> bool:
-        return await self._first(f"spent.{act}", {"at": now, "until": until},
-                                 spent_ttl_s(until, now) if self.ttl else None)
+        if await self._legacy(f"spent.{act}"):
+            return False
+        return await self._first(S.STREAM_TOOLS_SPENT, S.tools_spent(act),
+                                 {"at": now, "until": until}, spent_ttl_s(until, now))
 
     async def acceptance(self, runtime: str, token: str) -> Envelope | None:
         try:
@@ -190,10 +178,12 @@ class JetStreamLedger:
         await self.kv.put(f"accepted.{runtime}.{token.removeprefix('gt:')}", to_json(grant))
 
     async def revoked(self, upgrade: str) -> bool:
-        return await self._ever(f"revoked.{upgrade}")
+        return (await self._held(S.STREAM_TOOLS_REVOKED, S.tools_revoked(self.runtime, upgrade))
+                or await self._legacy(f"revoked.{upgrade}"))
 
     async def revoke(self, upgrade: str, revocation: Envelope) -> None:
-        await self._first(f"revoked.{upgrade}", msgspec.to_builtins(revocation))
+        await self._first(S.STREAM_TOOLS_REVOKED, S.tools_revoked(self.runtime, upgrade),
+                          msgspec.to_builtins(revocation))
 
 
 class ToolRuntimeService:
@@ -224,7 +214,8 @@ class ToolRuntimeService:
     async def start(self) -> None:
         """Open the ledger and subscribe; RuntimeError, naming what is missing, when there is
         no audit stream to record calls on (the runtime does not make it: its durability is
-        the provisioning step's to set)."""
+        the provisioning step's to set), or when the mark streams are missing or differ and
+        this user may not make them (`improved provision` does)."""
         name = self.runtime.name
         try:
             await self.store.js.stream_info(S.STREAM_TOOLS_AUDIT)
@@ -232,7 +223,13 @@ class ToolRuntimeService:
             raise RuntimeError(f"tool runtime {name}: the audit stream {S.STREAM_TOOLS_AUDIT} "
                                "does not exist, so no call could be recorded; run `improved "
                                "provision` (or start a daemon without accounts) first") from None
-        self.runtime.ledger = await JetStreamLedger.open(self.store.js, self.replicas)
+        for cfg in tools_ledger_configs(self.replicas):
+            try:
+                for change in await self.store.ensure_stream(cfg):
+                    log.info(change, runtime=name)
+            except StoreError as exc:
+                raise RuntimeError(f"tool runtime {name}: {exc}") from None
+        self.runtime.ledger = await JetStreamLedger.open(self.store.js, name, self.replicas)
         for subject, cb in ((S.tools_list(name), self._on_list),
                             (S.tools_call(name), self._on_call),
                             (S.tools_revoke(name), self._on_revoke)):

@@ -59,6 +59,16 @@ AUDIT_FILTER = f"{AUDIT}.*.*"
 # against `[trust.runtimes]`.
 TOOLS_AUDIT = "improve.tools.audit"
 TOOLS_AUDIT_FILTER = f"{TOOLS_AUDIT}.*"
+# The tool runtimes' spent grants and proofs, and their revoked upgrades: marks on streams that
+# allow no delete, purge nor roll-up, one message per subject, a second refused, so that no bus
+# participant can erase one (as a roll-up purge with a short TTL erases a KV key). Spent marks
+# are by act id alone (a grant that names no runtime is spent once for the mesh) and carry a
+# TTL; revocations are per runtime and carry none (their stream refuses TTLs, so a forged
+# mark that would expire cannot stand in for a revocation).
+TOOLS_SPENT = "improve.tools.spent"
+TOOLS_SPENT_FILTER = f"{TOOLS_SPENT}.*"
+TOOLS_REVOKED = "improve.tools.revoked"
+TOOLS_REVOKED_FILTER = f"{TOOLS_REVOKED}.*.*"
 
 # -- streams, consumers and buckets -------------------------------------------------------------
 STREAM_INBOUND = "IMPROVE_IN"
@@ -66,13 +76,15 @@ STREAM_RECORDS = "IMPROVE_RECORDS"
 STREAM_AUDIT = "IMPROVE_AUDIT"
 STREAM_REFUSED = "IMPROVED_REFUSED"
 STREAM_TOOLS_AUDIT = "IMPROVE_TOOLS_AUDIT"
+STREAM_TOOLS_SPENT = "IMPROVE_TOOLS_SPENT"
+STREAM_TOOLS_REVOKED = "IMPROVE_TOOLS_REVOKED"
 CONSUMER_INBOUND = "improved-loop"
 BUCKET_STATE = "improved_state"
 BUCKET_DEDUP = "improved_dedup"  # dedup_key → the newest proposal under it (supersession)
 BUCKET_LEDGER = "improved_ledger"  # dedup_key → the operator's rejection (the rejection ledger)
 BUCKET_WINDOWS = "improved_windows"  # analyzer, service, target → its window (stage 1, observe)
 BUCKET_LEARNED = "improved_learned"  # analyzer id → its accepted/rejected counts (its weight)
-BUCKET_TOOLS = "improved_tools"  # spent tool grants, L2 acceptances, upgrade revocations
+BUCKET_TOOLS = "improved_tools"  # L2 acceptances (once also spent marks, revocations)
 # Grant acts are chained per skill hash under a token no service can have (services start [a-z]).
 GRANT_CHAINS = "_grants"
 AUTONOMY_CHAIN = "_autonomy"  # the breaker and the autonomy switch (improved/breaker.py)
@@ -180,6 +192,16 @@ def trust_audit(chain_id: str) -> str:
 def tools_audit(chain_id: str) -> str:
     """A tool runtime's audit chain, on STREAM_TOOLS_AUDIT (not the daemon's log)."""
     return f"{TOOLS_AUDIT}.{chain_id}"
+
+
+def tools_spent(act: str) -> str:
+    """The spent mark of a grant (its act id) or a session proof (its digest)."""
+    return f"{TOOLS_SPENT}.{act}"
+
+
+def tools_revoked(runtime: str, upgrade: str) -> str:
+    """The revocation of one of `runtime`'s session upgrades (its act id)."""
+    return f"{TOOLS_REVOKED}.{runtime}.{upgrade}"
 
 
 def legacy_tools_audit(chain_id: str) -> str:

@@ -228,6 +228,7 @@ def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsa
             max_msgs=-1, max_bytes=-1, max_age=0, max_msgs_per_subject=-1,
         ),
         tools_audit_config(replicas),
+        *tools_ledger_configs(replicas),
         jsapi.StreamConfig(
             name=S.STREAM_REFUSED, subjects=[S.REFUSED_FILTER],
             description="improved: refused inbound messages (what and why, never the payload)",
@@ -249,6 +250,28 @@ def tools_audit_config(replicas: int = 1) -> jsapi.StreamConfig:
         deny_delete=True, deny_purge=False, allow_direct=True, num_replicas=replicas,
         max_msgs=-1, max_bytes=-1, max_age=0, max_msgs_per_subject=-1,
     )
+
+
+def tools_ledger_configs(replicas: int = 1) -> list[jsapi.StreamConfig]:
+    """The tool runtimes' spent marks (`S.tools_spent`, each with its per-message TTL) and
+    upgrade revocations (`S.tools_revoked`, kept for good): one message per subject, a second
+    refused (discard new per subject), and no delete, purge or roll-up, so a mark once written
+    stays until its own TTL ends it. A forged mark can refuse a call, never allow one. The
+    revocations' stream refuses TTLs: a forged mark written first with a short one would
+    otherwise stand in for the operator's revocation and then expire."""
+    def config(name: str, subject: str, what: str, ttl: bool) -> jsapi.StreamConfig:
+        return jsapi.StreamConfig(
+            name=name, subjects=[subject], description=f"improved: {what}, never erased",
+            retention=jsapi.RetentionPolicy.LIMITS, storage=jsapi.StorageType.FILE,
+            max_msgs_per_subject=1, discard=jsapi.DiscardPolicy.NEW,
+            discard_new_per_subject=True, allow_rollup_hdrs=False, deny_delete=True,
+            deny_purge=True, allow_msg_ttl=ttl, allow_direct=False, num_replicas=replicas,
+            max_msgs=-1, max_bytes=-1, max_age=0)
+
+    return [config(S.STREAM_TOOLS_SPENT, S.TOOLS_SPENT_FILTER,
+                   "the tool runtimes' spent grants and session proofs", True),
+            config(S.STREAM_TOOLS_REVOKED, S.TOOLS_REVOKED_FILTER,
+                   "the tool runtimes' revoked session upgrades", False)]
 
 
 # The analyzers' windows: one key per (analyzer, service, target), one value each (history 1).
@@ -373,6 +396,11 @@ class Store:
         await self._change(what, lambda: self.js.update_stream(cfg),
                            refused="keep its storage and replicas, or remove it first")
         return [f"updated stream {name} ({', '.join(diff)})"]
+
+    async def ensure_stream(self, cfg: jsapi.StreamConfig) -> list[str]:
+        """One stream brought to `cfg` (created or updated), as `ensure` brings each of the
+        loop's: what was changed; NeedsProvision when this user may not change it."""
+        return await self._ensure_stream(cfg)
 
     async def _ensure_consumer(self) -> list[str]:
         want = inbound_consumer()

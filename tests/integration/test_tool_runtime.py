@@ -18,10 +18,9 @@ import time
 
 import msgspec
 import pytest
-import structlog.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.js import api as jsapi
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from improved.client.chains import read_sequenced
 from improved.core import audit, evidence, signing
@@ -40,6 +39,7 @@ from improved.core.tools import chain_id as tools_chain_id
 from improved.protocol import subjects
 from improved.protocol.model import to_json
 from improved.runtime import bus
+from improved.runtime.store import tools_audit_config, tools_ledger_configs
 from improved_reference.tool_runtime import JetStreamLedger, ToolRuntimeService
 from tests.bus import daemon_key, eventually
 from tests.cli import improved
@@ -279,14 +279,12 @@ async def test_e2e_an_upgrade_copied_off_the_chain_runs_nothing_for_another_part
             assert reply["refused"]["reason"] == reason.strip(), (reason, reply)
             assert reply["refused"]["detail"] and "\n" not in reply["refused"]["detail"]
         assert body.calls == [ARGS]  # nothing ran
-        # nothing spent: the attacker's proof left no key in the bucket
+        # nothing spent: the attacker's proof left no spent mark
         attacker_proof = own_key["proof"]
         digest = proof_digest(proof_message(svc, "deploy", args_digest(target),
                                             upgrade_id(env), attacker_proof.at,
                                             attacker_proof.nonce))
-        with pytest.raises(NotFoundError):
-            await js.get_msg(f"KV_{subjects.BUCKET_TOOLS}",
-                             subject=f"$KV.{subjects.BUCKET_TOOLS}.spent.{digest}")
+        assert await spent_key(js, digest) is None
         # the refusals are on the chain, each naming its reason
         chain = await read_sequenced(js, subjects.tools_audit(cid),
                                      stream=subjects.STREAM_TOOLS_AUDIT)
@@ -369,8 +367,10 @@ async def test_e2e_an_acceptance_on_one_replica_holds_on_the_other(nc, nats_url,
 
 
 async def test_e2e_what_a_bus_participant_writes_in_the_bucket_allows_nothing(nc, svc):
-    """Anyone may publish on the bucket's subjects: delete or purge a spent grant, plant an
-    acceptance. None of it lets a call run that the signed acts do not allow."""
+    """Anyone may publish on the bucket's subjects: delete or purge a `spent.` key an earlier
+    version kept there, plant an acceptance. None of it lets a call run that the signed acts
+    do not allow (the spent mark is on its own stream; a `spent.` key in the bucket still
+    refuses)."""
     rt, tools = runtime(name=svc)
     (deploy, deploy_body), (write, write_body) = tools["deploy"], tools["write"]
     async with serving(nc, rt):
@@ -410,9 +410,9 @@ TOOLS_STREAM = f"KV_{subjects.BUCKET_TOOLS}"
 
 
 async def spent_key(js, act: str):
-    """The message under `spent.<act>` (its headers say its TTL), or None when it is gone."""
+    """The spent mark of `act` (its headers say its TTL), or None when it is gone."""
     try:
-        return await js.get_msg(TOOLS_STREAM, subject=f"$KV.{subjects.BUCKET_TOOLS}.spent.{act}")
+        return await js.get_last_msg(subjects.STREAM_TOOLS_SPENT, subjects.tools_spent(act))
     except NotFoundError:
         return None
 
@@ -461,27 +461,123 @@ async def test_e2e_a_spent_key_carries_its_ttl_and_leaves_and_the_replay_is_refu
         assert again["refused"]["reason"] == "session_proof_replayed"
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: a stream that allows per-message TTLs (every "
-                   "bucket nats-py 2.16 creates) lets a publisher replace a spent key by one that "
-                   "expires at once; closing it needs the bucket's writes restricted, see "
-                   "docs/protocol.md, Tool-surface authority, Shared state")
-async def test_a_short_ttl_written_over_a_spent_key_allows_no_replay(nc, svc):
+ERASERS = (  # what a bus participant publishes to erase a mark: a roll-up purge expiring at once
+    {"headers": {"KV-Operation": "PURGE", "Nats-Rollup": "sub"}, "msg_ttl": 1},
+    {"headers": {"Nats-Rollup": "sub"}},
+    {"headers": {"Nats-TTL": "1"}},
+    {},
+)
+
+
+async def erase(js, subject: str, stream: str) -> list[str]:
+    """Every way a publisher has to erase the mark on `subject`: roll-ups, a message that
+    would replace it, a delete and a purge of the stream. What the server answered each."""
+    answers = []
+    for kw in ERASERS:
+        try:
+            await js.publish(subject, b"", **kw)
+            answers.append("accepted")
+        except APIError as exc:
+            answers.append(exc.description or str(exc.err_code))
+    held = (await js.get_last_msg(stream, subject)).seq
+    for attempt in (lambda: js.delete_msg(stream, held),
+                    lambda: js.purge_stream(stream, subject=subject),
+                    lambda: js.purge_stream(stream)):
+        try:
+            await attempt()
+            answers.append("accepted")
+        except APIError as exc:
+            answers.append(exc.description or str(exc.err_code))
+    return answers
+
+
+async def test_a_roll_up_with_a_short_ttl_erases_no_spent_mark(nc, svc):
+    """The attack: a grant runs once; a bus participant then writes a roll-up purge with a
+    one-second TTL over its spent mark (where the bucket kept it before, and on the mark
+    stream), replaces it, deletes it, purges it. The bucket is no longer where a grant is
+    spent, and the mark stream refuses every one of those: the grant, presented again within
+    its window, is refused as replayed and does not run."""
     rt, tools = runtime(name=svc)
     deploy, body = tools["deploy"]
     async with serving(nc, rt):
+        js = nc.jetstream()
         env = grant(deploy, now=now_ms(), runtime=svc)
         assert (await call(nc, rt, "deploy", ARGS, env))["ok"] is True
-        subject = f"$KV.{subjects.BUCKET_TOOLS}.spent.{upgrade_id(env)}"
-        await nc.jetstream().publish(subject, b"", msg_ttl=1,
-                                     headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub"})
+        await js.publish(f"$KV.{subjects.BUCKET_TOOLS}.spent.{upgrade_id(env)}", b"", msg_ttl=1,
+                         headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub"})
+        answers = await erase(js, subjects.tools_spent(upgrade_id(env)),
+                              subjects.STREAM_TOOLS_SPENT)
+        assert answers == ["rollup not permitted"] * 2 + [
+            "maximum messages per subject exceeded"] * 2 + [
+            "message delete not permitted"] + ["stream purge not permitted"] * 2, answers
         await asyncio.sleep(2.2)
-        await call(nc, rt, "deploy", ARGS, env)
+        assert (await spent_key(js, upgrade_id(env))) is not None
+        reply = await call(nc, rt, "deploy", ARGS, env)
+        assert reply["refused"]["reason"] == "replayed", reply
         assert body.calls == [ARGS]
 
 
-async def test_open_allows_ttls_on_a_bucket_made_without_them(own_server):
-    """A bucket made before its stream allowed per-message TTLs (nats-py before 2.16) gets
-    them when a runtime opens it; what it held stays, and a spend is still create-only."""
+async def test_a_roll_up_with_a_short_ttl_erases_no_revocation(nc, svc):
+    """The same attack on a revocation: an operator revokes a session upgrade; a bus
+    participant writes a roll-up purge with a one-second TTL over it (in the bucket, where it
+    was kept before, and on the revocations' stream), replaces, deletes or purges it. Erased, it
+    would let the revoked upgrade call again; the stream refuses all of it (a TTL too: a mark
+    there is for good), and the upgrade stays revoked."""
+    rt, tools = runtime(name=svc)
+    deploy, body = tools["deploy"]
+    async with serving(nc, rt):
+        js = nc.jetstream()
+        env = upgrade(svc, "s-revoked", now=now_ms())
+        assert (await ask(nc, subjects.tools_call(svc),
+                          upgraded(svc, env, "deploy", ARGS, "s-revoked")))["ok"] is True
+        revocation = sign_revocation(ALICE[1], ALICE[0], svc, upgrade_id(env), "done", now_ms())
+        assert (await ask(nc, subjects.tools_revoke(svc), {"revocation": revocation}))["ok"]
+        await js.publish(f"$KV.{subjects.BUCKET_TOOLS}.revoked.{upgrade_id(env)}", b"",
+                         msg_ttl=1, headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub"})
+        answers = await erase(js, subjects.tools_revoked(svc, upgrade_id(env)),
+                              subjects.STREAM_TOOLS_REVOKED)
+        assert answers == ["per-message TTL is disabled", "rollup not permitted",
+                           "per-message TTL is disabled", "maximum messages per subject exceeded",
+                           "message delete not permitted"] + [
+            "stream purge not permitted"] * 2, answers
+        await asyncio.sleep(2.2)
+        reply = await ask(nc, subjects.tools_call(svc),
+                          upgraded(svc, env, "deploy", {"n": 2}, "s-revoked"))
+        assert reply["refused"]["reason"] == "revoked", reply
+        assert body.calls == [ARGS]
+
+
+async def test_a_forged_mark_refuses_and_never_allows(nc, svc):
+    """Whoever may publish a mark can refuse a call: a spent mark written before the grant is
+    presented refuses it; a mark with a short TTL refuses it until it expires, and then the
+    grant runs once. A revocation cannot be forged to expire: the revocations' stream refuses
+    a TTL, so the operator's revocation, or a forged one kept for good, stands."""
+    rt, tools = runtime(name=svc)
+    deploy, body = tools["deploy"]
+    async with serving(nc, rt):
+        js = nc.jetstream()
+        env = grant(deploy, now=now_ms(), runtime=svc)
+        await js.publish(subjects.tools_spent(upgrade_id(env)), b"{}", msg_ttl=1)
+        assert (await call(nc, rt, "deploy", ARGS, env))["refused"]["reason"] == "replayed"
+        assert body.calls == []
+
+        async def gone():
+            return await spent_key(js, upgrade_id(env)) is None
+
+        await eventually(gone, timeout=5)
+        assert (await call(nc, rt, "deploy", ARGS, env))["ok"] is True
+        assert (await call(nc, rt, "deploy", ARGS, env))["refused"]["reason"] == "replayed"
+        assert body.calls == [ARGS]
+        up = upgrade(svc, "s-forged", now=now_ms())
+        with pytest.raises(APIError):
+            await js.publish(subjects.tools_revoked(svc, upgrade_id(up)), b"{}", msg_ttl=1)
+
+
+async def test_an_earlier_versions_spent_and_revoked_keys_still_refuse(own_server):
+    """A bucket an earlier version kept its spent and revoked keys in (made before its stream
+    allowed TTLs): opened, it is not changed, and each of its `spent.`/`revoked.` keys still
+    counts, so a grant spent or an upgrade revoked before the upgrade stays so; a new spend
+    is a mark, with its TTL, on the mark stream, create-only."""
     conn = await bus.connect(own_server.url, "tool-ledger-old-bucket")
     try:
         js = conn.jetstream()
@@ -490,51 +586,50 @@ async def test_open_allows_ttls_on_a_bucket_made_without_them(own_server):
             allow_direct=True, allow_rollup_hdrs=True, deny_delete=True,
             discard=jsapi.DiscardPolicy.NEW, max_msgs_per_subject=1, max_msgs=-1,
             max_consumers=-1, duplicate_window=120.0))
-        assert not (await js.stream_info(TOOLS_STREAM)).config.allow_msg_ttl
-        old = "b" * 64
+        for cfg in tools_ledger_configs():
+            await js.add_stream(cfg)
+        old, revoked = "b" * 64, "d" * 64
         await js.publish(f"$KV.{subjects.BUCKET_TOOLS}.spent.{old}", b"{}")
-        ledger = await JetStreamLedger.open(js)
-        assert ledger.ttl is True
-        assert (await js.stream_info(TOOLS_STREAM)).config.allow_msg_ttl
+        await js.publish(f"$KV.{subjects.BUCKET_TOOLS}.revoked.{revoked}", b"{}")
+        ledger = await JetStreamLedger.open(js, "agent")
+        assert not (await js.stream_info(TOOLS_STREAM)).config.allow_msg_ttl  # unchanged
         now = now_ms()
         assert await ledger.spend("a" * 64, now + 1500, now) is True
         assert (await spent_key(js, "a" * 64)).headers["Nats-TTL"] == "2"
         assert await ledger.spend("a" * 64, now + 1500, now) is False
         assert await ledger.spend(old, now + 1500, now) is False  # spent before: still spent
-        assert await JetStreamLedger.open(js) is not None  # a second open changes nothing
+        assert await ledger.revoked(revoked) is True
+        assert await ledger.revoked("e" * 64) is False
     finally:
         await bus.close(conn)
 
 
-async def test_a_runtime_that_may_not_change_the_bucket_spends_without_ttls(tmp_path):
-    """A runtime whose user may not update the bucket's stream says so in one line and spends
-    as before, create-only, its keys kept for good: never a crash, never a double spend."""
+async def test_a_runtime_that_may_not_create_the_mark_streams_does_not_start(tmp_path, svc):
+    """Where the provisioning user has made the tool runtimes' audit stream but not the mark
+    streams, a runtime whose user may not create them refuses to start with one line naming
+    `improved provision`; nothing is served. Provisioned, it starts."""
     users = ('authorization {\n  users = [\n'
              '    {user: admin, password: a}\n'
-             '    {user: rt, password: r, permissions: {publish: {deny: '
-             '["$JS.API.STREAM.UPDATE.*"]}}}\n  ]\n}\n')
+             '    {user: rt, password: r, permissions: {publish: {deny: ['
+             '"$JS.API.STREAM.CREATE.*", "$JS.API.STREAM.UPDATE.*"]}}}\n  ]\n}\n')
     server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="2m", extra=users)
     url = server.start()
     admin = await bus.connect(url.replace("nats://", "nats://admin:a@"), "tool-ledger-admin")
     user = await bus.connect(url.replace("nats://", "nats://rt:r@"), "tool-ledger-rt")
     try:
-        await admin.jetstream().add_stream(jsapi.StreamConfig(
-            name=TOOLS_STREAM, subjects=[f"$KV.{subjects.BUCKET_TOOLS}.>"],
-            allow_direct=True, allow_rollup_hdrs=True, deny_delete=True,
-            discard=jsapi.DiscardPolicy.NEW, max_msgs_per_subject=1, max_msgs=-1,
-            max_consumers=-1, duplicate_window=120.0))
-        js = user.jetstream(timeout=1)
-        with structlog.testing.capture_logs() as logs:
-            ledger = await JetStreamLedger.open(js)
-        assert ledger.ttl is False
-        # the connection names the permission the server refused; the ledger, what follows
-        warned = [e for e in logs if "per-message TTLs" in e["event"]]
-        assert len(warned) == 1 and warned[0]["log_level"] == "warning", logs
-        assert "set allow_msg_ttl on the stream KV_improved_tools" in warned[0]["event"]
-        now = now_ms()
-        assert await ledger.spend("c" * 64, now + 1500, now) is True
-        assert "Nats-TTL" not in ((await spent_key(js, "c" * 64)).headers or {})
-        assert await ledger.spend("c" * 64, now + 1500, now) is False
+        await admin.jetstream().add_stream(tools_audit_config())
+        rt, _ = runtime(name=svc)
+        with pytest.raises(RuntimeError) as refused:
+            await ToolRuntimeService(user, rt, daemon_key()).start()
+        line = str(refused.value)
+        assert line.startswith(f"tool runtime {svc}: stream IMPROVE_TOOLS_SPENT is missing, "
+                               "and this user may not change it"), line
+        assert "improved provision" in line and "\n" not in line
+        for cfg in tools_ledger_configs():
+            await admin.jetstream().add_stream(cfg)
+        await admin.jetstream().create_key_value(bucket=subjects.BUCKET_TOOLS, history=1)
+        async with serving(user, rt):
+            assert (await call(user, rt, "read"))["ok"] is True
     finally:
         await bus.close(user)
         await bus.close(admin)
