@@ -68,8 +68,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "provision", help="create or update the streams and buckets (admin credential)",
         description="Create what the loop needs on the NATS server and bring it to this "
                     "configuration: the streams IMPROVE_IN, IMPROVE_RECORDS, IMPROVE_AUDIT, "
-                    "IMPROVED_REFUSED and IMPROVE_TOOLS_AUDIT (the tool runtimes' audit "
-                    "chains, durable as IMPROVE_AUDIT), the KV buckets improved_state, improved_dedup, "
+                    "IMPROVED_REFUSED, IMPROVE_TOOLS_AUDIT (the tool runtimes' audit "
+                    "chains, durable as IMPROVE_AUDIT), IMPROVE_TOOLS_SPENT and "
+                    "IMPROVE_TOOLS_REVOKED (the tool runtimes' spent grants and proofs and "
+                    "revoked upgrades: marks nobody can delete, purge or replace), the KV buckets improved_state, improved_dedup, "
                     "improved_ledger, improved_windows and improved_learned, and the inbound "
                     "durable consumer. It looks first and "
                     "changes only what is missing or differs, so running it again is safe; "

@@ -100,7 +100,10 @@ def test_provision_makes_what_is_missing_then_nothing(own_server):
     assert "created stream IMPROVE_AUDIT" in lines and "created bucket improved_state" in lines
     assert "created bucket improved_windows" in lines and "created bucket improved_learned" in lines
     assert "created stream IMPROVE_TOOLS_AUDIT" in lines  # the tool runtimes' chains
-    assert lines[-1].endswith("11 changed")
+    # and their marks: spent grants and proofs, revoked upgrades
+    assert {"created stream IMPROVE_TOOLS_SPENT", "created stream IMPROVE_TOOLS_REVOKED"} <= {
+        *lines}
+    assert lines[-1].endswith("13 changed")
     again = improved("provision", "--nats", own_server.url)
     assert again.returncode == 0 and again.stdout.splitlines() == [
         f"provisioned {own_server.url}: the loop's streams, buckets and inbound consumer are in "

@@ -88,7 +88,7 @@ async def test_ensure_changes_only_what_is_missing_or_differs(own_server):
     try:
         store = Store(nc)
         made = await store.ensure()
-        assert {c.split(" ", 1)[0] for c in made} == {"created"} and len(made) == 11, made
+        assert {c.split(" ", 1)[0] for c in made} == {"created"} and len(made) == 13, made
         assert await Store(nc).ensure() == []  # nothing missing, nothing differs
         js = nc.jetstream()
         # the tool runtimes' chains are kept as durably as the daemon's log
@@ -294,7 +294,7 @@ async def mesh(secured_url):
 
 
 LOOP_STREAMS = (S.STREAM_INBOUND, S.STREAM_RECORDS, S.STREAM_AUDIT, S.STREAM_REFUSED,
-                S.STREAM_TOOLS_AUDIT,
+                S.STREAM_TOOLS_AUDIT, S.STREAM_TOOLS_SPENT, S.STREAM_TOOLS_REVOKED,
                 f"KV_{S.BUCKET_STATE}", f"KV_{S.BUCKET_DEDUP}", f"KV_{S.BUCKET_LEDGER}",
                 f"KV_{S.BUCKET_WINDOWS}", f"KV_{S.BUCKET_LEARNED}")
 
@@ -434,7 +434,8 @@ async def test_daemon_cannot_change_or_drop_the_other_loop_streams(mesh):
                      for api in ("UPDATE", "DELETE", "PURGE", "MSG.DELETE")]
         forbidden += [f"$JS.API.STREAM.CREATE.{name}"
                       for name in (S.STREAM_INBOUND, S.STREAM_AUDIT, S.STREAM_REFUSED,
-                                   S.STREAM_TOOLS_AUDIT)]
+                                   S.STREAM_TOOLS_AUDIT, S.STREAM_TOOLS_SPENT,
+                                   S.STREAM_TOOLS_REVOKED)]
         forbidden += [f"$JS.API.CONSUMER.DELETE.{S.STREAM_INBOUND}.{S.CONSUMER_INBOUND}",
                       f"$JS.API.CONSUMER.DURABLE.CREATE.{S.STREAM_INBOUND}.{S.CONSUMER_INBOUND}"]
         for subject in forbidden:
@@ -788,18 +789,21 @@ async def test_the_doc_and_knowledge_stores_run_under_their_own_users(mesh):
 
 
 async def test_a_tool_runtime_records_its_calls_under_its_own_user(mesh):
-    """rt-agent's grants fit the reference tool runtime `agent`: it starts (its ledger bucket
-    made), answers the operator's calls (`improved tools`), records a mounted call, an L2
-    acceptance and a granted L4 call on its own chain in
-    IMPROVE_TOOLS_AUDIT with no permission violation, and an operator's `audit verify` reads
-    that chain (verified under `[trust.runtimes]`). It cannot write the daemon's log nor
-    another runtime's chain, and the daemon's checkpoint is not affected."""
+    """rt-agent's grants fit the reference tool runtime `agent`: it starts (its acceptances'
+    bucket made, the provisioned mark streams looked at), answers the operator's calls
+    (`improved tools`), records a mounted call, an L2 acceptance, a granted L4 call and its
+    refused replay on its own chain in IMPROVE_TOOLS_AUDIT with no permission violation, spends
+    the grant and records an operator's revocation as marks it cannot erase, and an operator's
+    `audit verify` reads that chain (verified under `[trust.runtimes]`). It cannot write the
+    daemon's log, another runtime's chain or revocations, nor create, change or purge a mark
+    stream, and the daemon's checkpoint is not affected."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from nats.js.errors import APIError
 
     from improved.core import evidence, tools
     from improved.runtime.tool_chains import verify_tool_chains
     from improved_reference.tool_runtime import ToolRuntimeService
-    from tests.tool_surfaces import ARGS, grant, runtime
+    from tests.tool_surfaces import ARGS, grant, runtime, upgrade
 
     key = Ed25519PrivateKey.generate()
     conn, op = [await connect_as(mesh["url"], user) for user in ("rt-agent", "operator")]
@@ -819,12 +823,34 @@ async def test_a_tool_runtime_records_its_calls_under_its_own_user(mesh):
         assert (await call({"tool": "write", "args": ARGS, "grant": accept}))["ok"]
         deploy = grant(kit["deploy"][0], ARGS, now=now)
         assert (await call({"tool": "deploy", "args": ARGS, "grant": deploy}))["ok"]
+        # its marks: the grant spent, which not even the runtime's user can erase
+        rjs = conn.nc.jetstream(timeout=2.0)
+        spent = S.tools_spent(tools.upgrade_id(deploy))
+        assert (await rjs.get_last_msg(S.STREAM_TOOLS_SPENT, spent)).headers["Nats-TTL"]
+        with pytest.raises(APIError, match="rollup not permitted"):
+            await rjs.publish(spent, b"", msg_ttl=1,
+                              headers={"KV-Operation": "PURGE", "Nats-Rollup": "sub"})
+        replay = await call({"tool": "deploy", "args": ARGS, "grant": deploy})
+        assert replay["refused"]["reason"] == "replayed", replay
+        up = upgrade("agent", "s-1", now=now)
+        revocation = tools.sign_revocation(ALICE[1], ALICE[0], "agent", tools.upgrade_id(up),
+                                           "done", now)
+        reply = await op.nc.request(S.tools_revoke("agent"), to_json({"revocation": revocation}),
+                                    timeout=5)
+        assert msgspec.json.decode(reply.data)["ok"] is True
+        assert await rjs.get_last_msg(S.STREAM_TOOLS_REVOKED,
+                                      S.tools_revoked("agent", tools.upgrade_id(up)))
         await service.stop()
         cid = tools.chain_id("agent")
         js = mesh["daemon_conn"].nc.jetstream(timeout=1.0)  # counts: the daemon may look
-        assert await count(js, S.STREAM_TOOLS_AUDIT, S.tools_audit(cid)) == 3
-        # what the runtime may not write: the daemon's log, another runtime's chain
-        forbidden = (S.legacy_tools_audit(cid), S.tools_audit(tools.chain_id("other")))
+        assert await count(js, S.STREAM_TOOLS_AUDIT, S.tools_audit(cid)) == 4
+        # what the runtime may not write: the daemon's log, another runtime's chain, another
+        # runtime's revocations, the mark streams' configuration
+        forbidden = (S.legacy_tools_audit(cid), S.tools_audit(tools.chain_id("other")),
+                     S.tools_revoked("other", "f" * 64),
+                     f"$JS.API.STREAM.CREATE.{S.STREAM_TOOLS_SPENT}",
+                     f"$JS.API.STREAM.UPDATE.{S.STREAM_TOOLS_REVOKED}",
+                     f"$JS.API.STREAM.PURGE.{S.STREAM_TOOLS_SPENT}")
         for subject in forbidden:
             await conn.nc.publish(subject, b"{}")
             await conn.nc.flush()
@@ -835,10 +861,10 @@ async def test_a_tool_runtime_records_its_calls_under_its_own_user(mesh):
             {"agent": public}), evidence.History(fallback=evidence.KeySet.from_config(
                 {ALICE[0]: base64.b64encode(signing.raw_public(ALICE[1].public_key()))
                  .decode()}, {})))
-        assert (found.chains, found.verified, found.trailers) == (1, 1, 3), found.lines
+        assert (found.chains, found.verified, found.trailers) == (1, 1, 4), found.lines
         assert await mesh["daemon"].engine.checkpoint(mesh["daemon"]._checkpoint_key) is None
         unexpected = [v for v in conn.violations()
-                      if not any(f'"{subject}"' in v.lower() for subject in forbidden)]
+                      if not any(f'"{subject.lower()}"' in v.lower() for subject in forbidden)]
         assert unexpected == [] and op.violations() == [], (unexpected, op.violations())
     finally:
         for c in (conn, op):
