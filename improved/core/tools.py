@@ -27,12 +27,12 @@ Orthogonal to the class, every call's arguments are checked against the capabili
 (`improved.core.scopes`): the tool's own, the runtime policy's, the upgrade's.
 
 What must outlive one process — spent grants, acceptances, revocations — is kept in a
-`Ledger`: `ProcessLedger` here (one process), a JetStream bucket shared by every replica of a
-runtime in `improved_reference.tool_runtime`. A ledger is never believed on its own: an
-acceptance read from it counts only when the signed grant it holds verifies for this runtime
-and tool, and anything ever written under a spent or revoked key counts as spent or revoked
-(a spent key is kept until its act's own time check refuses it on every replica,
-`spent_until`; then it may go, so the spent keys follow the calls of the acts' windows, not
+`Ledger`: `ProcessLedger` here (one process), JetStream marks and a bucket shared by every
+replica of a runtime in `improved_reference.tool_runtime`. A ledger is never believed on its
+own: an acceptance read from it counts only when the signed grant it holds verifies for this
+runtime and tool, and anything written as a spent or revoked mark counts as spent or revoked
+(a spent mark is kept until its act's own time check refuses it on every replica,
+`spent_until`; then it may go, so the spent marks follow the calls of the acts' windows, not
 the history).
 Each call's decision is drafted as a trailer of the runtime's `_tools` chain (`call_draft`).
 
@@ -90,7 +90,7 @@ MAX_UPGRADE_MS = 24 * 3600 * 1000  # the longest window a session upgrade may sp
 PROOF_SKEW_MS = 60 * 1000  # how far a session proof's `at` may lie from the runtime's clock
 PROOF_DOMAIN = b"improved session proof v1\n"  # what a session key's signature is about
 SPENT_MARGIN_MS = 5 * 60 * 1000
-"""How long a `spent.` key is kept past the lapse of the act it spends (`spent_until`): the
+"""How long a spent mark is kept past the lapse of the act it spends (`spent_until`): the
 clock skew allowed between the replicas of a runtime. The replica that spends an act sets the
 key's time to live by its own clock; another replica whose clock runs behind still accepts the
 act until the lapse by *its* clock, up to this much later, and must still find the key then. A
@@ -329,8 +329,8 @@ def proof_message(runtime: str, tool: str, digest: str, upgrade: str, at: int,
 
 
 def proof_digest(message: bytes) -> str:
-    """The identity of one proof: SHA-256 of the message signed. What the ledger spends (as
-    `spent.<digest>`) and the call's trailer names (`proof:`)."""
+    """The identity of one proof: SHA-256 of the message signed. What the ledger spends (a
+    mark `improve.tools.spent.<digest>`) and the call's trailer names (`proof:`)."""
     return hashlib.sha256(message).hexdigest()
 
 
@@ -375,10 +375,10 @@ def check_proof(act: SessionUpgrade, upgrade: str, runtime: str, tool: str,
     return proof_digest(message)
 
 
-# -- how long a spent key is kept ----------------------------------------------------------------
+# -- how long a spent mark is kept ---------------------------------------------------------------
 #
-# Only `spent.` keys expire. An acceptance (`accepted.*`) lasts: it is the operator's acceptance
-# of a tool on a runtime, one key per (runtime, tool), not per call. A revocation (`revoked.*`)
+# Only spent marks expire. An acceptance (`accepted.*`) lasts: it is the operator's acceptance
+# of a tool on a runtime, one key per (runtime, tool), not per call. A revocation
 # names its upgrade by act id alone, so the runtime cannot tell from it when that upgrade's
 # window (which may begin after the revocation) ends; it is kept, and grows with operators'
 # acts, not with calls.
@@ -397,7 +397,7 @@ def proof_lapse(proof: SessionProof) -> int:
 
 
 def spent_until(lapse: int, margin_ms: int = SPENT_MARGIN_MS) -> int:
-    """Until when (ms) the `spent.` key of an act whose lapse is `lapse` must be kept: the
+    """Until when (ms) the spent mark of an act whose lapse is `lapse` must be kept: the
     lapse, plus the replicas' clock skew (SPENT_MARGIN_MS)."""
     return lapse + margin_ms
 
@@ -425,7 +425,7 @@ def not_found(name: str) -> dict[str, Any]:
 class Ledger(Protocol):
     """Spent grants and session proofs, L2 acceptances and upgrade revocations, shared by
     whoever shares the ledger (a proof's digest and a grant's act id hash different bytes, so
-    they share the spent keys).
+    they share the spent marks).
 
     `spend` is create-only: True for the one caller that spends `act`, False for every later
     one, whatever was written under the key in between, until `until` (ms, `spent_until`):
