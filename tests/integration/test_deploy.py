@@ -473,7 +473,7 @@ async def test_only_the_provisioning_user_provisions_and_the_daemon_says_so(secu
         "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"], out
 
     rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
-    assert rc == 0 and out.splitlines()[-1].endswith("11 changed"), out
+    assert rc == 0 and out.splitlines()[-1].endswith("13 changed"), out
     rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
     assert rc == 0 and out.splitlines()[-1].endswith("nothing changed"), out
 
@@ -1174,7 +1174,7 @@ async def test_the_daemon_never_logs_its_password_across_a_disconnect(secured_se
     admin = {"IMPROVED_NATS_USER": "improved-admin", "IMPROVED_NATS_PASSWORD_FILE":
              str(secret_file(tmp_path / "admin.pw", PASSWORDS["improved-admin"]))}
     rc, out = await cli("provision", "--nats", url, env=admin)
-    assert rc == 0 and out.splitlines()[-1].endswith("11 changed"), out
+    assert rc == 0 and out.splitlines()[-1].endswith("13 changed"), out
     config = tmp_path / "improved.toml"
     if form == "password_file":
         pw = secret_file(tmp_path / "improved.pw", PASSWORDS["improved"])
