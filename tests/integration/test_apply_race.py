@@ -117,6 +117,7 @@ async def _round(nc, client: MeshClient, applier: SlowApplier, svc: str, n: int)
     return "rejected"
 
 
+@pytest.mark.slow  # half a minute of a deliberately slow service: with the fault suites
 @pytest.mark.timeout(180)
 async def test_approve_then_reject_with_two_replicas_and_a_slow_service(own_server):
     conns = [await bus.connect(own_server.url, f"race-replica-{i}") for i in range(2)]

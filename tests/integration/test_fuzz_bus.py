@@ -328,6 +328,7 @@ async def fuzz(body, **strategies) -> None:
 # -- the tests -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a fuzz suite: run after the default suite
 async def test_fuzz_request_subjects(daemon, nc):
     valid: set[str] = set()
     seen: list[str] = []
@@ -347,6 +348,7 @@ async def test_fuzz_request_subjects(daemon, nc):
           f"cases, {len(valid)} valid proposals among them; total so far {sum(CASES.values())}")
 
 
+@pytest.mark.slow  # a fuzz suite: run after the default suite
 async def test_fuzz_inbound_subjects(daemon, nc):
     js = nc.jetstream()
     inbound = Inbound()

@@ -28,6 +28,7 @@ async def _applied(client, pid):
     return state if state is not None and state.status == "applied" else None
 
 
+@pytest.mark.slow  # a broker restart and the refill after it: with the fault suites
 async def test_memory_records_come_back_after_a_broker_restart(own_server):
     config = msgspec.structs.replace(daemon_config(), records_storage="memory")
     nc = await bus.connect(own_server.url, "recovery-daemon")

@@ -58,6 +58,7 @@ async def _propose_during_reconnect(client: MeshClient, svc: str, n: int) -> str
             await asyncio.sleep(0.02)
 
 
+@pytest.mark.slow  # broker restarts, one after another: with the fault suites
 @pytest.mark.timeout(150)
 @pytest.mark.asyncio(loop_scope="session")
 async def test_review_lists_every_waiting_proposal_after_each_broker_restart(own_server):
