@@ -264,6 +264,27 @@ def supersedes(head: ProposalRecord | None) -> bool:
             and head.status not in ("rejected", "expired"))
 
 
+def stands_over(head: ProposalRecord | None, proposal: Proposal, pid: str, dedup: str) -> bool:
+    """Whether `head`, the record the dedup bucket names under `dedup` as read from its own
+    chain, supersedes `proposal` (id `pid`): newer content under the very same dedup_key, by
+    the chain's word (the bucket is a cache anyone on the bus could write, so its claims of
+    which proposal and how new are not believed), that still supersedes (`supersedes`).
+    Registration and review ask the same question."""
+    return (head is not None and head.proposal_id != pid and head.dedup_key == dedup
+            and (head.proposal.created_at, head.proposal_id) > (proposal.created_at, pid)
+            and supersedes(head))
+
+
+def older_under_key(head: ProposalRecord | None, proposal: Proposal, pid: str,
+                    dedup: str) -> bool:
+    """Whether `head`, the record the dedup bucket named under `dedup` as read from its own
+    chain, is older content under the very same dedup_key than `proposal` (id `pid`), which
+    then supersedes it. By the chain's word, as `stands_over`: a head forged in the bucket
+    can name no proposal of another key, nor make one look older than it is."""
+    return (head is not None and head.proposal_id != pid and head.dedup_key == dedup
+            and (head.proposal.created_at, head.proposal_id) < (proposal.created_at, pid))
+
+
 def head_may_expire(record: ProposalRecord, head: DedupHead | None) -> bool:
     """Whether the dedup head `head`, read under `record`'s dedup_key, may now carry the TTL a
     closed proposal's retained records carry (`records_ttl_days`): it names `record`, and

@@ -252,26 +252,27 @@ class Engine:
         handled = await self.handle(svc, pid, ingest, proposal, republish, dispatch_now,
                                     fresh, optimistic=not (fresh or republish), prepare=prepare)
         head = claim.get("head")
-        other = head["proposal_id"] if head else None
-        if other is not None and (head["created_at"], other) < (proposal.created_at, pid):
-            await self.supersede(svc, other, pid)
-        elif other is not None and propose.supersedes(await self._truth(svc, other)):
+        other = await self._truth(svc, str(head["proposal_id"])) if head else None
+        if other is not None and propose.older_under_key(other, proposal, pid, dedup):
+            await self.supersede(svc, other.proposal_id, pid)
+        elif other is not None and propose.stands_over(other, proposal, pid, dedup):
             # this content arrived after newer content under the same key that still stands
-            return await self.supersede(svc, pid, other)
+            return await self.supersede(svc, pid, other.proposal_id)
         if dispatch and not dispatch_now:  # held back for nothing: carry it on now
             handled = await self.advance(svc, pid)
         return handled
 
     async def _standing_head(self, svc: str, dedup: str, pid: str,
                              proposal: Proposal, seen: dict) -> str | None:
-        """The newer content under `dedup` that still supersedes `proposal`, if any; the head
-        read is left in `seen["head"]`."""
+        """The newer content under `dedup` that still supersedes `proposal`, if any, as the
+        chain of the proposal the bucket names says (`propose.stands_over`); the head read is
+        left in `seen["head"]`."""
         head = seen["head"] = await self.store.dedup_head(svc, dedup)
-        if head is None or head["proposal_id"] == pid \
-                or (head["created_at"], head["proposal_id"]) < (proposal.created_at, pid):
+        if head is None or head.get("proposal_id") in (None, pid):
             return None
-        other = head["proposal_id"]
-        return other if propose.supersedes(await self._truth(svc, other)) else None
+        other = await self._truth(svc, str(head["proposal_id"]))
+        return other.proposal_id if other is not None and propose.stands_over(
+            other, proposal, pid, dedup) else None
 
     async def supersede(self, svc: str, old: str, new: str) -> Handled:
         """Mark `old` superseded by `new` (same dedup_key, new content)."""
@@ -344,9 +345,8 @@ class Engine:
         record = await self._truth(svc, pid)
         if record is None:
             return Handled(None, False)
-        head = await self.store.dedup_head(svc, record.dedup_key)
-        superseded = (head is not None and head["proposal_id"] != pid
-                      and head["created_at"] >= record.proposal.created_at)
+        superseded = await self._standing_head(svc, record.dedup_key, pid, record.proposal,
+                                               {}) is not None
 
         ingest = self._signed_act(
             act, env, self.trust, "review", Review,

@@ -8,7 +8,9 @@ import asyncio
 import time
 
 from improved.client.sdk import MeshClient
+from improved.core import propose
 from improved.protocol import subjects as S
+from improved.protocol.model import to_json
 from improved_reference.ranking_store import RankingStore
 from tests.bus import eventually, publish, trailers
 from tests.factories import rank_proposal, review, skill_proposal
@@ -78,3 +80,62 @@ async def test_older_content_published_after_newer_is_superseded_and_never_appli
         assert await client.outcome(late) is None
     finally:
         await store.stop()
+
+
+async def test_late_older_content_under_a_rejected_head_can_be_approved(daemon, nc, svc):
+    """A rejected head supersedes nothing (`propose.supersedes`): older content with new
+    evidence, arriving after the rejection, waits for the operator and an approval holds, as
+    registration already decided."""
+    client = MeshClient(nc, svc)
+    t = now_ms()
+    newer = skill_proposal(svc, created_at=t)
+    first = (await client.propose(newer)).proposal_id
+    await publish(nc, S.inbound_review(svc), review(first, verdict="reject"))
+    await eventually(lambda: _status_is(client, first, "rejected"))
+    older = skill_proposal(svc, created_at=t - 60_000,
+                           evidence_query="SELECT ctr FROM clicks WHERE day = 'yesterday'")
+    late = (await client.propose(older)).proposal_id
+    decision = await client.triage(late)
+    assert (decision.verdict, decision.cause) == ("defer", "awaiting_operator")
+    await publish(nc, S.inbound_review(svc), review(late))
+    await eventually(lambda: _status_is(client, late, "approved"))
+    assert not any(t.get("verdict") in ("superseded", "refused")
+                   for t in await trailers(daemon, svc, late))
+
+
+async def test_a_forged_dedup_head_naming_another_proposal_supersedes_nothing(daemon, nc,
+                                                                             svc):
+    """The dedup bucket is a cache anyone on the bus could write: a head naming a real, newer
+    proposal under another dedup_key must neither supersede a newcomer nor block its
+    approval."""
+    client = MeshClient(nc, svc)
+    t = now_ms()
+    unrelated = (await client.propose(skill_proposal(svc, name="other", created_at=t)))
+    victim = skill_proposal(svc, created_at=t - 60_000)
+    dedup = propose.identify(victim)[1]
+    kv = await nc.jetstream().key_value(S.BUCKET_DEDUP)
+    await kv.put(S.dedup_key_of(svc, dedup), to_json(
+        {"proposal_id": unrelated.proposal_id, "created_at": t}))
+    pid = (await client.propose(victim)).proposal_id
+    decision = await client.triage(pid)
+    assert (decision.verdict, decision.cause) == ("defer", "awaiting_operator")
+    await publish(nc, S.inbound_review(svc), review(pid))
+    await eventually(lambda: _status_is(client, pid, "approved"))
+    assert not any(t.get("verdict") == "superseded" for t in await trailers(daemon, svc, pid))
+
+
+async def test_a_forged_dedup_head_cannot_make_a_newcomer_supersede_another_keys_proposal(
+        daemon, nc, svc):
+    """A head forged under one dedup_key, naming a pending proposal of another key as if it
+    were old content there: a newcomer under that key supersedes nothing of the victim's."""
+    client = MeshClient(nc, svc)
+    victim = (await client.propose(skill_proposal(svc, name="victim"))).proposal_id
+    newcomer = skill_proposal(svc, name="newcomer")
+    dedup = propose.identify(newcomer)[1]
+    kv = await nc.jetstream().key_value(S.BUCKET_DEDUP)
+    await kv.put(S.dedup_key_of(svc, dedup), to_json({"proposal_id": victim, "created_at": 0}))
+    pid = (await client.propose(newcomer)).proposal_id
+    assert (await client.triage(pid)).cause == "awaiting_operator"
+    await publish(nc, S.inbound_review(svc), review(victim))
+    await eventually(lambda: _status_is(client, victim, "approved"))
+    assert not any(t.get("verdict") == "superseded" for t in await trailers(daemon, svc, victim))

@@ -3,6 +3,7 @@ when a proposal needs (re-)triage."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -422,3 +423,40 @@ def test_only_standing_content_supersedes(status, superseded_by, stands):
     head = make_record().replace(status=status, superseded_by=superseded_by)
     assert propose.supersedes(head) is stands
     assert propose.supersedes(None) is False
+
+
+def _registered(created_at: int, **over) -> ProposalRecord:
+    p = make_proposal(created_at=created_at, **over)
+    pid, dedup = propose.identify(p)
+    return propose.register(p, pid, dedup, POLICY, NOW)[0]
+
+
+@given(a=st.integers(0, 10**12), b=st.integers(0, 10**12),
+       status=st.sampled_from(["pending", "approved", "applied", "rejected", "expired"]))
+def test_which_of_two_contents_under_one_key_supersedes_the_other(a, b, status):
+    """By the chains' own records: exactly one of two different contents under one dedup_key
+    is the older (`older_under_key`), and the newer stands over it while it still stands."""
+    head = _registered(a).replace(status=status)
+    mine = _registered(b)
+    if head.proposal_id == mine.proposal_id:
+        return
+    dedup = mine.dedup_key
+    assert head.dedup_key == dedup
+    older = propose.older_under_key(head, mine.proposal, mine.proposal_id, dedup)
+    stands = propose.stands_over(head, mine.proposal, mine.proposal_id, dedup)
+    assert older is not ((a, head.proposal_id) > (b, mine.proposal_id))
+    assert stands is (not older and propose.supersedes(head))
+
+
+def test_a_head_of_another_key_neither_stands_over_nor_is_older():
+    """The bucket is a cache anyone could write: a head it names that the chain files under
+    another dedup_key decides nothing, however old or new it claims to be."""
+    other = _registered(NOW - 10**6, target_ref="skill:other")
+    mine = _registered(NOW)
+    assert other.dedup_key != mine.dedup_key
+    newer = msgspec.structs.replace(other.proposal, created_at=NOW + 10**6)
+    for head in (other, other.replace(proposal=newer)):
+        assert not propose.older_under_key(head, mine.proposal, mine.proposal_id,
+                                           mine.dedup_key)
+        assert not propose.stands_over(head, mine.proposal, mine.proposal_id, mine.dedup_key)
+    assert not propose.stands_over(None, mine.proposal, mine.proposal_id, mine.dedup_key)
