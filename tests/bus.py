@@ -360,3 +360,27 @@ async def record_grant(nc, identity: str, *, active: bool = True,
 def daemon_key():
     """The test daemons' one key (`daemon_config`'s checkpoint key), created on first use."""
     return keys.load_or_create_key(_KEYS / "checkpoint.pem")
+
+
+@asynccontextmanager
+async def daemon_with_records_ttl(url: str, svc: str, ttl_s: float, name: str):
+    """A daemon whose closed proposals' records and dedup keys carry a TTL of `ttl_s`
+    (`records_ttl_days`), and an owning service of `svc` that applies every order at once:
+    (daemon, connection, the service's MeshClient)."""
+    from improved.runtime.daemon import Daemon
+
+    nc = await bus.connect(url, name)
+    daemon = Daemon(nc, msgspec.structs.replace(daemon_config(), records_ttl_days=ttl_s / 86400))
+    await daemon.start()
+    client = MeshClient(nc, svc)
+
+    async def applier(order) -> ApplyResult:
+        return ApplyResult(ok=True, applied_id="x", inverse={"delete": "x"}, rollbackable=True)
+
+    sub = await client.serve_apply(applier)
+    try:
+        yield daemon, nc, client
+    finally:
+        await sub.unsubscribe()
+        await daemon.stop()
+        await bus.close(nc)

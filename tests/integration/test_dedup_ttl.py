@@ -12,14 +12,11 @@ import pytest
 from nats.js import api as jsapi
 from nats.js.errors import NotFoundError
 
-from improved.client.sdk import MeshClient
 from improved.core import propose
 from improved.protocol import subjects as S
-from improved.protocol.model import ApplyResult
 from improved.runtime import bus
-from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
-from tests.bus import daemon_config, eventually, publish, trailers
+from tests.bus import daemon_with_records_ttl, eventually, publish, trailers
 from tests.factories import rank_proposal, review, skill_proposal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -50,22 +47,8 @@ async def status_is(client, pid, status):
 
 @pytest.fixture
 async def ttl_daemon(own_server):
-    nc = await bus.connect(own_server.url, "dedup-ttl")
-    config = msgspec.structs.replace(daemon_config(), records_ttl_days=TTL_S / 86400)
-    daemon = Daemon(nc, config)
-    await daemon.start()
-    client = MeshClient(nc, SVC)
-
-    async def applier(order) -> ApplyResult:
-        return ApplyResult(ok=True, applied_id="x", inverse={"delete": "x"}, rollbackable=True)
-
-    sub = await client.serve_apply(applier)
-    try:
-        yield daemon, nc, client
-    finally:
-        await sub.unsubscribe()
-        await daemon.stop()
-        await bus.close(nc)
+    async with daemon_with_records_ttl(own_server.url, SVC, TTL_S, "dedup-ttl") as running:
+        yield running
 
 
 async def test_a_closed_proposals_dedup_key_leaves_and_an_open_ones_stays(ttl_daemon):

@@ -9,12 +9,8 @@ import msgspec
 import pytest
 from nats.js.errors import NotFoundError
 
-from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
-from improved.protocol.model import ApplyResult
-from improved.runtime import bus
-from improved.runtime.daemon import Daemon
-from tests.bus import daemon_config, eventually
+from tests.bus import daemon_with_records_ttl, eventually
 from tests.cli import improved
 from tests.factories import rank_proposal, skill_proposal
 
@@ -35,18 +31,9 @@ async def ttl_of(js, subject: str) -> str | None:
 
 
 async def test_records_of_a_closed_proposal_expire_and_an_open_ones_stay(own_server):
-    nc = await bus.connect(own_server.url, "records-ttl")
-    config = msgspec.structs.replace(daemon_config(), records_ttl_days=TTL_S / 86400)
-    daemon = Daemon(nc, config)
-    await daemon.start()
-    client = MeshClient(nc, SVC)
-
-    async def applier(order) -> ApplyResult:
-        return ApplyResult(ok=True, applied_id="x", inverse={"delete": "x"}, rollbackable=True)
-
-    sub = await client.serve_apply(applier)
-    js = nc.jetstream()
-    try:
+    async with daemon_with_records_ttl(own_server.url, SVC, TTL_S, "records-ttl") as (
+            _, nc, client):
+        js = nc.jetstream()
         done = (await client.propose(rank_proposal(SVC))).proposal_id
         waiting = (await client.propose(skill_proposal(SVC))).proposal_id
         await eventually(lambda: client.outcome(done))
@@ -70,7 +57,3 @@ async def test_records_of_a_closed_proposal_expire_and_an_open_ones_stay(own_ser
                                         own_server.url)
         assert shown.returncode == 0, shown.stderr
         assert msgspec.json.decode(shown.stdout)["status"] == "applied"  # from its chain
-    finally:
-        await sub.unsubscribe()
-        await daemon.stop()
-        await bus.close(nc)
