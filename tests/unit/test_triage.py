@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from improved.core import gradient, guards, learnback, propose, triage
@@ -333,8 +333,9 @@ def expected_cause(p: Proposal, grant: bool, now: int) -> tuple[str, str | None]
         return "defer", "feedback_collapse"
     if p.change_class in ("L0", "L1"):
         return "accept", None
-    if p.change_class == "L3":
-        return ("accept", None) if grant else ("defer", "no_grant")
+    if p.change_class == "L3":  # a grant covers the definition it hashes, at skill:<name>
+        covered = grant and triage.grant_scope_problem(p) is None
+        return ("accept", None) if covered else ("defer", "no_grant")
     return "defer", "awaiting_operator"
 
 
@@ -349,6 +350,9 @@ def expected_cause(p: Proposal, grant: bool, now: int) -> tuple[str, str | None]
     signals=st.lists(SIGNAL_SPEC, max_size=4),
     grant=st.booleans(),
 )
+# a grant covers only the definition it hashes, targeted at skill:<its name>
+@example(cls="L3", scheme="skill", rest="notes/a.md", files=None, scope="knowledge",
+         valid_to=None, signals=[], grant=True)
 def test_cause_is_the_first_failing_check(cls, scheme, rest, files, scope, valid_to, signals,
                                           grant):
     sigs = [signal(f"mcp:aaa:{i + 2}" if own else f"mcp:s{i}:1", positive=pos, kind=kind,
