@@ -86,6 +86,7 @@ from improved.runtime.store import (
     StateConflict,
     Store,
     decode_trailer,
+    pause_after_conflict,
 )
 
 log = structlog.get_logger("improved.engine")
@@ -459,7 +460,9 @@ class Engine:
         lock = await self._acquire(pid)
         self._started[pid] = time.perf_counter()
         try:
-            for _ in range(MAX_CONFLICT_RETRIES):
+            for attempt in range(MAX_CONFLICT_RETRIES):
+                if attempt:
+                    await pause_after_conflict(attempt - 1)
                 try:
                     if optimistic and pid not in self._cache:
                         record, rev = None, 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -175,6 +176,20 @@ class ChainKeptMoving(RuntimeError):
 
 
 MAX_APPEND_ATTEMPTS = 8
+
+# A clustered stream refuses a compare-and-set at once ("wrong last sequence") while another
+# write to the same subject is still being replicated, before the winner is readable anywhere.
+# Read again at once and every attempt may fall inside that window; so the n-th retry waits
+# between half and all of CONFLICT_PAUSE_S * 2**n (at most CONFLICT_PAUSE_MAX_S): about 0.25 s
+# over all attempts at the most, and the random half keeps racing writers from meeting again.
+CONFLICT_PAUSE_S = 0.002
+CONFLICT_PAUSE_MAX_S = 0.128
+
+
+async def pause_after_conflict(attempt: int) -> None:
+    """Wait before the retry that follows lost attempt number `attempt` (0 for the first)."""
+    ceiling = min(CONFLICT_PAUSE_MAX_S, CONFLICT_PAUSE_S * 2 ** attempt)
+    await asyncio.sleep(random.uniform(ceiling / 2, ceiling))
 
 # What to add to a mesh chain, decided from the chain as read: (sealed trailers so far, now) →
 # the next draft, or None when there is nothing to add.
@@ -620,7 +635,9 @@ class Store:
                     if not is_conflict(exc):
                         raise
         leader = False
-        for _ in range(MAX_APPEND_ATTEMPTS):
+        for attempt in range(MAX_APPEND_ATTEMPTS):
+            if leader:
+                await pause_after_conflict(attempt - 1)
             current, revision = await self.kv_read(kv, bucket, key, leader)
             value, result = decide(current)
             if value is None:
@@ -760,7 +777,9 @@ class Store:
         with `whole`, all of it), let `next_draft` decide, seal and append with the expected
         sequence; on a conflict read and decide again. The appended trailer, or None when
         `next_draft` had nothing to add; ChainKeptMoving when every attempt lost the race."""
-        for _ in range(MAX_APPEND_ATTEMPTS):
+        for attempt in range(MAX_APPEND_ATTEMPTS):
+            if attempt:
+                await pause_after_conflict(attempt - 1)
             if whole:
                 chain = await self.read_chain_at(subject)
             else:

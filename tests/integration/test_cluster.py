@@ -188,6 +188,26 @@ async def test_racing_first_writes_to_the_buckets_give_one_conflict(cluster, on_
         await eventually(newest)
 
 
+async def test_writers_racing_on_one_key_each_get_an_answer(cluster, on_cluster):
+    """A clustered stream refuses a compare-and-set at once while another write to the same
+    subject is still being replicated ("wrong last sequence", before the winner is readable
+    anywhere). Four writers claiming one dedup_key at once: every one gets an answer, none
+    gives up, and the newest is left as the head."""
+    store = on_cluster.store
+    for round_ in range(15):
+        key = f"crowd{round_}"
+        pids = [f"{4 * round_ + i:064x}" for i in range(4)]
+        heads = await asyncio.gather(*(store.set_dedup_head("clustersave", key, pid, i + 1)
+                                       for i, pid in enumerate(pids)),
+                                     return_exceptions=True)
+        assert not [h for h in heads if isinstance(h, BaseException)], (round_, heads)
+
+        async def newest(key=key, want=pids[-1]):
+            return (await store.dedup_head("clustersave", key))["proposal_id"] == want
+
+        await eventually(newest)
+
+
 # -- a cluster that restarts, a raised replica count ------------------------------------------
 
 
