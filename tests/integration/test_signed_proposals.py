@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import uuid
 
 import msgspec
 import pytest
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from improved.client.sdk import MeshClient
@@ -23,6 +25,7 @@ from improved.protocol import subjects as S
 from improved.protocol.model import Envelope, to_json
 from improved_reference.skills_store import SkillsStore
 from tests.bus import approve, eventually, outcome
+from tests.cli import improved
 from tests.factories import signal, skill_proposal
 from tests.keys import AGENT_A, AGENT_B, CHECK, EVALUATOR, SIGNED
 
@@ -202,3 +205,29 @@ async def test_a_signed_skill_proposals_competence_is_its_verified_proposers(dae
         assert body["skill"] == identity
     finally:
         await store.stop()
+
+
+async def test_the_cli_signs_a_proposal_with_its_key_file(daemon, nats_url, tmp_path):
+    def pem(key, name):
+        path = tmp_path / name
+        path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+        return str(path)
+
+    proposal = unique_skill()
+    file = tmp_path / "proposal.json"
+    file.write_bytes(to_json(proposal))
+    run = await asyncio.to_thread(improved, "propose", "--json", "--nats", nats_url,
+                                  "--key", pem(AGENT_A[1], "a.pem"), str(file))
+    assert run.returncode == 0, run.stdout + run.stderr
+    pid = json.loads(run.stdout)["proposal_id"]
+    assert pid == propose.identify(proposal)[0]
+    assert f"proposer:{AGENT_A[0]}" in (await chain(daemon, SIGNED, pid))[0]["refs"]
+
+    other = unique_skill()
+    file.write_bytes(to_json(other))
+    run = await asyncio.to_thread(improved, "propose", "--json", "--nats", nats_url, "--key",
+                                  pem(Ed25519PrivateKey.generate(), "x.pem"), str(file))
+    assert run.returncode == 1
+    assert json.loads(run.stdout)["error"]["code"] == "unknown_signer"
