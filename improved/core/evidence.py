@@ -8,6 +8,8 @@ rejection or rollback request, a grant or a revoke, a quorum vote, a crisis reso
 call a per-call grant or a session upgrade allowed —
 carries the DSSE envelope of the act itself, checked against the keys that were trusted when it
 was written, so the chain alone proves who authorised what, for as long as the chain exists.
+So do a signed signal's trailer (its emitter) and a signed proposal's registration (its
+proposer: the `proposer:` ref is the signer, the payload the chain's proposal).
 Those keys are on the trust chain (`improve.audit._trust.<TRUST_ID>`), where a daemon records
 the operator and voter keys whenever it starts (or reloads, on SIGHUP) with a different trust
 store. A quorum decision is backed by the verified approving votes before it on its chain. Pure.
