@@ -71,12 +71,17 @@ def proposer_problem(identity: str, svc: str) -> str | None:
 
 
 def same_party(emitter: str, proposer: Proposer) -> bool:
-    """Whether `emitter` may be the proposer: the proposing service itself always; for an
-    unsigned proposal every identity of that service; for a signed one also the very
-    principal that signed it."""
+    """Whether `emitter` may be the proposer: the proposing service itself and the very
+    principal that signed always. Unsigned, or signed by `service:<svc>` (the service as a
+    whole), every identity of the proposing services. Signed by one agent, the other agents
+    of its service are other parties; those of a service the origin declares besides stay the
+    proposer's (a declared string only ever makes evidence less independent)."""
     if emitter in {of_subject(s) for s in proposer.services} or emitter == proposer.principal:
         return True
-    return proposer.principal is None and service_of(emitter) in proposer.services
+    home = service_of(emitter)
+    if proposer.principal is None or proposer.principal.startswith("service:"):
+        return home in proposer.services
+    return home in proposer.services - {proposer.service}
 
 
 def independent(kind: str, emitter: str, proposer: Proposer, at: int, applied_at: int | None,

@@ -16,7 +16,7 @@ from improved.core import audit, evidence, identity, propose, signing
 from improved.core.policy import Policy
 from improved.core.record import ref
 from improved.protocol import wire
-from improved.protocol.model import Envelope, Trailer, to_json
+from improved.protocol.model import Envelope, Origin, Trailer, to_json
 from improved_reference.skill_competence import holder_of, practice_on_chain
 from tests.builders import NOW, make_proposal
 from tests.keys import AGENT_A, AGENT_B, EVALUATOR
@@ -151,6 +151,20 @@ def test_a_signed_proposer_is_one_agent_an_unsigned_one_the_whole_service():
     # a world signal must still come from another service
     assert not identity.independent("world", AGENT_B[0], mine, NOW + 1, NOW, 1000)
     assert identity.independent("world", EVALUATOR[0], mine, NOW + 1, NOW, 1000)
+
+
+def test_signed_by_the_service_itself_the_proposer_is_still_the_whole_service():
+    p = proposal()
+    whole = propose.proposer_of(p, f"service:{SVC}")
+    assert not identity.independent("refine", AGENT_B[0], whole, NOW, None, 1000)
+    assert identity.independent("refine", EVALUATOR[0], whole, NOW, None, 1000)
+
+
+def test_a_declared_origin_service_keeps_its_agents_the_proposers_when_signed():
+    p = proposal(origin=Origin(actor="mcp:x:1", service="evaluators"))
+    mine = propose.proposer_of(p, AGENT_A[0])
+    assert not identity.independent("refine", EVALUATOR[0], mine, NOW, None, 1000)
+    assert identity.independent("refine", AGENT_B[0], mine, NOW, None, 1000)
 
 
 def test_a_skills_holder_is_its_verified_proposer_when_signed():
