@@ -19,14 +19,17 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from improved.client.sdk import MeshClient
-from improved.core import propose, signing
+from improved.core import audit, propose, signing
+from improved.core.record import ChainHead
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import Envelope, to_json
+from improved.runtime.store import Store
 from improved_reference.skills_store import SkillsStore
-from tests.bus import approve, eventually, outcome
+from tests.bus import approve, daemon_key, eventually, outcome
 from tests.cli import improved
-from tests.factories import signal, skill_proposal
+from tests.factories import now_ms, signal, skill_proposal
+from tests.integration.test_forgery import _config, _running, _verify
 from tests.keys import AGENT_A, AGENT_B, CHECK, EVALUATOR, SIGNED
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -231,3 +234,33 @@ async def test_the_cli_signs_a_proposal_with_its_key_file(daemon, nats_url, tmp_
                                   pem(Ed25519PrivateKey.generate(), "x.pem"), str(file))
     assert run.returncode == 1
     assert json.loads(run.stdout)["error"]["code"] == "unknown_signer"
+
+
+async def test_audit_verify_names_a_registration_whose_envelope_was_swapped(own_server,
+                                                                             tmp_path):
+    """Even with the daemon's key (compromised), a chain cannot claim a signed proposer the
+    envelope beside it does not prove: `improved audit verify` names it, and the daemon
+    decides nothing on it."""
+    config = _config(tmp_path)
+    async with _running(own_server.url, config) as (nc, daemon, _, _):
+        client = MeshClient(nc, SIGNED)
+        seen = unique_skill()  # honestly signed by AGENT_A: its envelope is on the bus
+        env = signing.sign(PROPOSAL_TYPE, to_json(seen), AGENT_A[1])
+        assert (await client.propose_raw(to_json(env)))["proposal_id"]
+
+        forged = unique_skill()  # never proposed: a chain made up around AGENT_A's envelope
+        pid, dedup = propose.identify(forged)
+        _, draft = propose.register(forged, pid, dedup, config.policy, now_ms(),
+                                    proposer=AGENT_A[0], envelope=env)
+        t = audit.seal_next(draft, pid, ChainHead(), "L2", "knowledge", now_ms())
+        store = Store(nc)
+        store.signer = daemon_key()
+        await store.append_to(S.audit(SIGNED, pid), t, 0)
+
+        run = await _verify(own_server.url, config)
+        assert run.returncode != 0, run.stdout
+        assert f"{pid}" in run.stdout and "not the one the trailer names" in run.stdout, \
+            run.stdout
+        reply = msgspec.json.decode((await nc.request(
+            S.triage_request(SIGNED), to_json({"proposal_id": pid}), timeout=5)).data)
+        assert reply["error"]["code"] == "chain_broken"
