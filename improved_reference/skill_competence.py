@@ -8,11 +8,14 @@ feedback-collapse guard): an outcome the daemon recorded on the proposal's chain
 `independent:true`, after the skill was applied and before any rollback. The chain is read and
 verified by the store itself; a retained learn-back record only says where to look.
 
-The holder whose competence an outcome describes is the agent that proposed running the skill,
-named under the service that verifiably proposed it: `service:<svc>/<origin.actor>`
-(`holder_of`). `origin.actor` is only recorded, so a proposer could name any agent there; the
+The holder whose competence an outcome describes is the agent that proposed running the skill.
+A signed proposal names it verifiably: the holder is the identity whose key signed it
+(`agent:<svc>:<name>` or `service:<svc>`), as its registration trailer records it beside the
+envelope (`propose.signed_proposer`). An unsigned one names it only by its own word, under the
+service that verifiably proposed it: `service:<svc>/<origin.actor>` (`holder_of`).
+`origin.actor` is only recorded, so an unsigned proposer could name any agent there; the
 verified service in front keeps that within its own service's holders — it can never move the
-competence of another service's agent.
+competence of another service's agent, nor of a signed holder (whose name has no `/`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import msgspec
 from improved.core import propose
 from improved.core.audit import Authenticity, verify_chain
 from improved.core.identity import of_subject as identity_of_subject
+from improved.core.identity import proposer_problem
 from improved.core.record import APPLIED, ROLLED_BACK, SIGNAL, refs_of
 from improved.protocol import canonical, wire
 from improved.protocol.model import Proposal, Trailer
@@ -85,8 +89,9 @@ def address_of(grain: dict[str, Any]) -> str:
 
 
 def holder_of(proposal: Proposal) -> str:
-    """Whose competence a proposal's outcomes describe: its agent, under the service whose
-    subject carried it (the proposal's `service`, which must be the subject's)."""
+    """Whose competence an unsigned proposal's outcomes describe: the agent it declares, under
+    the service whose subject carried it (the proposal's `service`, which must be the
+    subject's) — only as good as that service's own word."""
     return f"{identity_of_subject(proposal.service)}/{proposal.origin.actor}"
 
 
@@ -139,8 +144,22 @@ def practice_on_chain(proposal_id: str, bodies: list[Any], service: str,
                 at = refs.get("at", "")
                 outcomes.append(Outcome(seq=trailer.seq, positive=refs.get("positive") == "true",
                                         at=int(at) if at.isdigit() else trailer.at))
-    return Practice(proposal_id=proposal_id, identity=identity, holder=holder_of(proposal),
-                    outcomes=tuple(outcomes))
+    return Practice(proposal_id=proposal_id, identity=identity,
+                    holder=holder_on_chain(trailers[0], proposal), outcomes=tuple(outcomes))
+
+
+def holder_on_chain(registration: Trailer, proposal: Proposal) -> str:
+    """The holder a registration names: its verified proposer when the proposal came signed
+    (the chain's verification checks the envelope beside it), else `holder_of` the proposal.
+    NotPractice for a signer the registration says is of another service."""
+    signer = propose.signed_proposer(registration)
+    if signer is None:
+        return holder_of(proposal)
+    problem = proposer_problem(signer, proposal.service)
+    if problem is not None or registration.envelope is None:
+        raise NotPractice(f"the registration of {registration.proposal_id[:12]} names a "
+                          f"proposer it does not prove: {problem or 'no envelope'}")
+    return signer
 
 
 def already_counted(head: dict[str, Any] | None, proposal_id: str, seq: int) -> bool:

@@ -26,8 +26,8 @@ Competence rules (the pure ones in `skill_competence`):
   whatever its sign. Over the bus the outcomes are read from the verified audit chain of an
   applied skill proposal (`practise_proposal`): `<svc>.skills.practice` `{"proposal_id"}`, or
   woken by the daemon's learn-back record `improve.outcomes.<svc>.<id>` (a wake-up only), each
-  outcome counted once through the head's `counted` map; the holder is
-  `service:<svc>/<origin.actor>` (`skill_competence.holder_of`). `<svc>.skills.competence` and `<svc>.skills.transfer` read and hand on a
+  outcome counted once through the head's `counted` map; the holder is a signed proposal's
+  verified proposer, else `service:<svc>/<origin.actor>` (`skill_competence.holder_on_chain`). `<svc>.skills.competence` and `<svc>.skills.transfer` read and hand on a
   holder's chain (docs/protocol.md "Skill competence").
 - An independent positive outcome moves proficiency toward 1.0, a negative one toward 0.0, as an
   exponential moving average with weight `ALPHA` (p + α(1-p), or p(1-α)). Both are practice, so

@@ -40,7 +40,7 @@ from improved.runtime.store import Store
 from improved_reference.artefact_store import ArtefactStore
 from tests.builders import CHANGELOG_DIFF, CONSTITUTION
 from tests.factories import now_ms, review, sha, swap
-from tests.keys import ALICE, CHECK, EVALUATOR, VOTERS
+from tests.keys import AGENT_A, AGENT_B, ALICE, CHECK, EVALUATOR, VOTERS
 
 # The run's scratch space (the test daemons' checkpoint key and data directories, and what
 # `scratch` hands out), removed when the run ends: nothing is left under the temp dir.
@@ -62,7 +62,7 @@ def daemon_config(**overrides) -> Config:
     apply = overrides.pop("apply", ApplySettings(timeout_s=1.0, attempts=2, max_deliveries=3))
     public = base64.b64encode(signing.raw_public(ALICE[1].public_key())).decode()
     signers = {name: base64.b64encode(signing.raw_public(key.public_key())).decode()
-               for name, key in (CHECK, EVALUATOR)}
+               for name, key in (CHECK, EVALUATOR, AGENT_A, AGENT_B)}
     trust = overrides.pop("trust", Trust(operators={ALICE[0]: public}, signers=signers))
     # kept out of the work tree: a data directory left behind would hold the last checkpoint
     # of a server that is gone, and the next run's daemon would rightly call that a loss
@@ -286,7 +286,7 @@ async def whole_log_breaks(url: str) -> list[str]:
     daemon = signing.keyid_of(signing.raw_public(daemon_key().public_key()))
     keyset = evidence.KeySet.from_config(
         {ALICE[0]: b64(ALICE[1])}, {name: b64(k) for name, k in VOTERS.items()},
-        {name: b64(k) for name, k in (CHECK, EVALUATOR)})
+        {name: b64(k) for name, k in (CHECK, EVALUATOR, AGENT_A, AGENT_B)})
     trust = evidence.ChainTrust(frozenset({daemon}), evidence.History(fallback=keyset))
     nc = await bus.connect(url, "improved-test-audit")
     try:

@@ -4,6 +4,9 @@
 - ``MALLORY``: an operator whose key no test daemon trusts.
 - ``CHECK``, ``EVALUATOR``: identities (a CI check, an agent of another service) whose signed
   signals every test daemon verifies (`[trust.signers]`);
+- ``SIGNED``, ``AGENT_A``, ``AGENT_B``: a service whose two agents sign their proposals and
+  signals; every test daemon trusts both keys (`[trust.signers]`). Tests that use the service
+  isolate themselves by target, not by service name;
 - ``VOTERS``: quorum voters' keys by name; ``quorum_daemon`` trusts them as voters, and
   ``TRUST`` is the same trust store for the pure quorum tests.
 """
@@ -21,6 +24,9 @@ ALICE = ("operator:alice", Ed25519PrivateKey.generate())
 MALLORY = ("operator:mallory", Ed25519PrivateKey.generate())
 CHECK = ("check:ci", Ed25519PrivateKey.generate())
 EVALUATOR = ("agent:evaluators:e7", Ed25519PrivateKey.generate())
+SIGNED = "signed"
+AGENT_A = (f"agent:{SIGNED}:a", Ed25519PrivateKey.generate())
+AGENT_B = (f"agent:{SIGNED}:b", Ed25519PrivateKey.generate())
 VOTERS = {name: Ed25519PrivateKey.generate() for name in ("agent-a", "agent-b", "agent-c",
                                                           "agent-d")}
 TRUST = TrustStore.from_config({

@@ -236,14 +236,16 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
 
 
 def chain_trust(log_: list, daemons: set[str], config: Config) -> evidence.ChainTrust:
-    """Whom the verifier trusts: the daemon keys it was given, and the operator and voter keys
-    the trust chain recorded (verified against those daemon keys), else the configuration's.
+    """Whom the verifier trusts: the daemon keys it was given, and the operator, voter and
+    signer keys the trust chain recorded (verified against those daemon keys), else the
+    configuration's.
     A `_tools` chain written into the daemon's log before the runtimes' chains moved to their
     own stream verifies under its runtime's key in `[trust.runtimes]` too, so that key need
     not stay among the daemons'."""
     from improved.core.tools import runtime_writers
 
-    fallback = evidence.KeySet(config.trust.store(), config.trust.voters())
+    fallback = evidence.KeySet(config.trust.store(), config.trust.voters(),
+                               config.trust.signer_store())
     earlier = {cid: kid for cid, (_, kid) in runtime_writers(config.trust.runtime_store()).items()}
     trust = evidence.ChainTrust(frozenset(daemons), evidence.History(fallback=fallback),
                                 earlier_runtimes=earlier)

@@ -7,6 +7,7 @@ import asyncio
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -17,6 +18,7 @@ from improved.cli.common import (
     add_connection_args,
     config_of,
     deployment,
+    load_signing_key,
     located,
     out,
     read_input,
@@ -25,6 +27,7 @@ from improved.cli.common import (
 )
 from improved.cli.errors import Failure
 from improved.cli.queries import review_view, schema_class, status_view
+from improved.client.sdk import signed
 from improved.core import audit, authority
 from improved.protocol import canonical
 from improved.protocol import subjects as S
@@ -48,6 +51,8 @@ def cmd_propose(args: argparse.Namespace) -> int:
     if not isinstance(svc, str) or not S.SERVICE_RE.match(svc):
         print("improved propose: the proposal needs a valid `service`", file=sys.stderr)
         return 2
+    if args.key:  # signed: the key's [trust.signers] identity is the verified proposer
+        data = signed("proposal", data, load_signing_key(Path(args.key)))
     url = url_of(args, config)
     reply = asyncio.run(request(url, S.propose_request(svc), data, args.timeout))
     if "error" in reply:
@@ -359,6 +364,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_connection_args(prop)
     prop.add_argument("file", metavar="FILE|-", help="the proposal JSON, or - for stdin")
     prop.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (10)")
+    prop.add_argument("--key", metavar="FILE",
+                      help="sign the proposal with this private key (an agent:<svc>:<name> or "
+                           "service:<svc> key in the daemon's [trust.signers]): its identity "
+                           "is then the verified proposer; the id stays the proposal's")
     prop.add_argument("--json", action="store_true",
                       help="print the reply and the decision as JSON")
     prop.set_defaults(func=cmd_propose)

@@ -118,12 +118,13 @@ def checked(reply: dict[str, Any], type_: type[T]) -> T:
 _order_decoder = msgspec.json.Decoder(ApplyOrder)
 
 
-def signed_signal(signal: SignalLike, key: Ed25519PrivateKey | None) -> bytes:
-    """The signal's bytes, or with `key` a DSSE envelope signing them."""
-    data = encode(signal)
+def signed(kind: str, message: Any, key: Ed25519PrivateKey | None) -> bytes:
+    """The message's bytes, or with `key` a DSSE envelope signing them as `kind` (a
+    signing.PAYLOAD_TYPES key: "signal", "proposal")."""
+    data = encode(message)
     if key is None:
         return data
-    return encode(signing.sign(signing.PAYLOAD_TYPES["signal"], data, key))
+    return encode(signing.sign(signing.PAYLOAD_TYPES[kind], data, key))
 
 
 def decode_order(data: bytes) -> ApplyOrder:
@@ -202,9 +203,14 @@ class MeshClient:
         svc = proposal.service if isinstance(proposal, Proposal) else proposal.get("service")
         return svc if isinstance(svc, str) and S.SERVICE_RE.match(svc) else self.service
 
-    async def propose(self, proposal: ProposalLike) -> ProposeReply:
-        """Propose and wait for the daemon to register it: `{proposal_id, status}`."""
-        reply = await self.propose_raw(encode(proposal), self._target(proposal))
+    async def propose(self, proposal: ProposalLike,
+                      key: Ed25519PrivateKey | None = None) -> ProposeReply:
+        """Propose and wait for the daemon to register it: `{proposal_id, status}`. With `key`
+        it is signed (a DSSE envelope): the identity that key is bound to in the daemon's
+        `[trust.signers]`, `agent:<svc>:<name>` or `service:<svc>` of the proposal's service,
+        is then its verified proposer. The id is the proposal's, signed or not."""
+        reply = await self.propose_raw(signed("proposal", proposal, key),
+                                       self._target(proposal))
         return checked(reply, ProposeReply)
 
     async def propose_raw(self, data: bytes, service: str | None = None) -> dict[str, Any]:
@@ -224,23 +230,25 @@ class MeshClient:
         another; with `key` it is signed (a DSSE envelope), and the principal that key is bound
         to in the daemon's trust store — the signal's `actor` — is who verifiably sent it."""
         reply = await self._request(S.refine_request(service or self.service),
-                                    signed_signal(signal, key))
+                                    signed("signal", signal, key))
         return checked(reply, RefineReply)
 
     # -- durable, fire-and-forget (JetStream) ------------------------------------------------------
 
-    async def publish(self, proposal: ProposalLike) -> str:
-        """Publish a proposal into the inbound stream, deduplicated by its id; the id.
+    async def publish(self, proposal: ProposalLike,
+                      key: Ed25519PrivateKey | None = None) -> str:
+        """Publish a proposal into the inbound stream, deduplicated by its id; the id. With
+        `key` it is signed (see `propose`); a signature that does not verify is refused by
+        the daemon, out of sight (on `improved.refused.<svc>`).
 
         Publishing needs the id, so the proposal is validated here first: a bad one raises
         ImproveError instead of being refused later, out of sight."""
-        data = encode(proposal)
         try:
-            parsed = propose_stage.validate(data, None, MAX_MESSAGE_BYTES)
+            parsed = propose_stage.validate(encode(proposal), None, MAX_MESSAGE_BYTES)
             pid, _ = propose_stage.identify(parsed)
         except wire.WireError as err:
             raise ImproveError.from_wire(err) from None
-        await enqueue(self.js, parsed.service, data, pid)
+        await enqueue(self.js, parsed.service, signed("proposal", proposal, key), pid)
         return pid
 
     async def signal(self, signal: SignalLike, service: str | None = None,
@@ -253,7 +261,7 @@ class MeshClient:
         except wire.WireError as err:
             raise ImproveError.from_wire(err) from None
         digest = propose_stage.signal_digest(parsed)
-        data = signed_signal(signal, key)
+        data = signed("signal", signal, key)
         await publish_deduplicated(self.js, S.inbound_outcome(service or self.service), data,
                                    S.message_id(digest, data), S.STREAM_INBOUND)
         return digest

@@ -8,6 +8,8 @@ rejection or rollback request, a grant or a revoke, a quorum vote, a crisis reso
 call a per-call grant or a session upgrade allowed —
 carries the DSSE envelope of the act itself, checked against the keys that were trusted when it
 was written, so the chain alone proves who authorised what, for as long as the chain exists.
+So do a signed signal's trailer (its emitter) and a signed proposal's registration (its
+proposer: the `proposer:` ref is the signer, the payload the chain's proposal).
 Those keys are on the trust chain (`improve.audit._trust.<TRUST_ID>`), where a daemon records
 the operator and voter keys whenever it starts (or reloads, on SIGHUP) with a different trust
 store. A quorum decision is backed by the verified approving votes before it on its chain. Pure.
@@ -28,14 +30,23 @@ import msgspec
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from improved.core import signing, tools
+from improved.core import identity, propose, signing, tools
 from improved.core.audit import REASON_LIMIT, Draft
 from improved.core.quorum import SIZE as QUORUM_SIZE
 from improved.core.record import ref, refs_of
 from improved.core.signing import PAYLOAD_TYPES, ActRefused, TrustStore
 from improved.core.tools import SessionUpgrade, ToolGrant
 from improved.protocol import canonical
-from improved.protocol.model import CrisisAct, GrantCommand, Review, Signal, Trailer, Vote
+from improved.protocol.model import (
+    CrisisAct,
+    GrantCommand,
+    Proposal,
+    Review,
+    Signal,
+    Trailer,
+    Vote,
+)
+from improved.protocol.wire import WireError
 
 TRUST_ID: Final = hashlib.sha256(b"improved trust").hexdigest()  # the one `_trust` chain
 _DOMAIN: Final = b"improved trailer v1\n"  # what a daemon signs: this, then the hash's bytes
@@ -262,6 +273,9 @@ def act_kind(t: Trailer) -> str | None:
         return "crisis"
     if v == "signal" and t.envelope is not None:  # a signed signal: its emitter is proven
         return "signal"
+    if t.to_stage == "propose" and v is None and (
+            t.envelope is not None or "proposer" in refs_of(t)):  # a signed proposal
+        return "proposal"
     if v == "tool_call" and t.envelope is not None:  # a call a grant or an upgrade allowed
         return _TOOL_ACTS.get(t.envelope.payloadType, "tool_grant")
     return None
@@ -269,9 +283,11 @@ def act_kind(t: Trailer) -> str | None:
 
 _PAYLOADS: Final[dict[str, type]] = {"review": Review, "grant": GrantCommand, "vote": Vote,
                                      "crisis": CrisisAct, "signal": Signal,
-                                     "tool_grant": ToolGrant, "tool_upgrade": SessionUpgrade}
+                                     "proposal": Proposal, "tool_grant": ToolGrant,
+                                     "tool_upgrade": SessionUpgrade}
 _TOOL_ACTS: Final = {PAYLOAD_TYPES[k]: k for k in ("tool_grant", "tool_upgrade")}
-_STORES: Final = {"vote": lambda k: k.voters, "signal": lambda k: k.emitters()}
+_STORES: Final = {"vote": lambda k: k.voters, "signal": lambda k: k.emitters(),
+                  "proposal": lambda k: k.signers}
 
 
 def act_problem(t: Trailer, chain_id: str, keys: KeySet, acts: ChainActs,
@@ -302,14 +318,27 @@ def act_problem(t: Trailer, chain_id: str, keys: KeySet, acts: ChainActs,
         return f"the signed act of the {t.verdict} does not verify ({exc.code}): {exc.reason}"
     except msgspec.MsgspecError as exc:
         return f"the signed act of the {t.verdict} is not a valid act: {exc}"
-    named = (refs.get("signal"), canonical.digest(msgspec.to_builtins(body))) \
-        if kind == "signal" else (refs.get("act"), verified.digest)
+    named = _named(kind, body, refs, chain_id, verified.digest)
     if named[0] != named[1]:
         return "the signed act is not the one the trailer names"
     problem = _mismatch(kind, body, t, refs, chain_id, verified.principal)
     if problem is None and kind == "vote" and refs.get("vote") == "approve":
         acts.approvals.add(verified.keyid)
     return problem
+
+
+def _named(kind: str, body: Any, refs: dict[str, str], chain_id: str,
+           digest: str) -> tuple[str | None, str]:
+    """(what the trailer names, what the act is): a signal by its digest, a proposal by its
+    id (the chain's: the content's address, whoever signed it), any other act by its own."""
+    if kind == "signal":
+        return refs.get("signal"), canonical.digest(msgspec.to_builtins(body))
+    if kind == "proposal":
+        try:
+            return chain_id, propose.identify(body)[0]
+        except WireError as exc:
+            return chain_id, f"no proposal id ({exc.message})"
+    return refs.get("act"), digest
 
 
 def _mismatch(kind: str, body: Any, t: Trailer, refs: dict[str, str], chain_id: str,
@@ -344,6 +373,13 @@ def _mismatch(kind: str, body: Any, t: Trailer, refs: dict[str, str], chain_id: 
             if body.session_key is not None:  # an upgrade bound to a key names who proved
                 claims.append(("session key", signing.keyid_of(
                     base64.b64decode(body.session_key)), refs.get("session_key")))
+    elif kind == "proposal":  # the signer is the proposer the registration names
+        problem = identity.proposer_problem(principal, body.service)
+        if problem is not None:
+            return f"the signed proposal's signer may not propose: {problem}"
+        return (None if refs.get("proposer") == principal
+                else f"the signed proposal's signer is {principal!r}, the trailer says the "
+                     f"proposer is {refs.get('proposer')!r}")
     else:  # a signed signal: the signer is the emitter the trailer names
         return (None if (body.actor, principal) == (t.actor, refs.get("emitter"))
                 else f"the signed signal is {body.actor!r} by {principal!r}, the trailer says "

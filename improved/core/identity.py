@@ -13,7 +13,10 @@ actor or session string is recorded but proves nothing. An identity is one of
 compared exactly in this form. An unsigned proposal is the whole proposing service's: every
 identity of that service (its subject, its agents) is the proposer, and so is every identity
 of the service its origin declares (a declared string may only ever make evidence *less*
-independent). Pure.
+independent). A signed proposal (a DSSE envelope by `agent:<svc>:<name>` or `service:<svc>`,
+`proposer_problem`) is its signer's and the service's: another verified agent of the same
+service is then independent evidence (SPEC 09 §5: "a different agent"), except for `world`
+signals, which must come from another service. Pure.
 """
 
 from __future__ import annotations
@@ -55,13 +58,30 @@ class Proposer:
         return frozenset(s for s in (self.service, self.declared) if s)
 
 
+def proposer_problem(identity: str, svc: str) -> str | None:
+    """Why `identity` may not sign a proposal of service `svc`, or None: only the service
+    itself (`service:<svc>`) and its agents (`agent:<svc>:<name>`) propose for it."""
+    if identity.partition(":")[0] not in ("service", "agent"):
+        return (f"{identity} is not an agent or a service: a proposal is signed by "
+                f"agent:{svc}:<name> or service:{svc}")
+    if service_of(identity) != svc:
+        return (f"{identity} belongs to another service than {svc!r}: a proposal of {svc} is "
+                f"signed by agent:{svc}:<name> or service:{svc}")
+    return None
+
+
 def same_party(emitter: str, proposer: Proposer) -> bool:
-    """Whether `emitter` may be the proposer: the proposing service itself always; for an
-    unsigned proposal every identity of that service; for a signed one also the very
-    principal that signed it."""
+    """Whether `emitter` may be the proposer: the proposing service itself and the very
+    principal that signed always. Unsigned, or signed by `service:<svc>` (the service as a
+    whole), every identity of the proposing services. Signed by one agent, the other agents
+    of its service are other parties; those of a service the origin declares besides stay the
+    proposer's (a declared string only ever makes evidence less independent)."""
     if emitter in {of_subject(s) for s in proposer.services} or emitter == proposer.principal:
         return True
-    return proposer.principal is None and service_of(emitter) in proposer.services
+    home = service_of(emitter)
+    if proposer.principal is None or proposer.principal.startswith("service:"):
+        return home in proposer.services
+    return home in proposer.services - {proposer.service}
 
 
 def independent(kind: str, emitter: str, proposer: Proposer, at: int, applied_at: int | None,

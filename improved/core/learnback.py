@@ -46,7 +46,8 @@ def observe_signal(record: ProposalRecord, signal: Signal, policy: Policy, now: 
     digest = signal_digest(signal)
     if any(s.digest == digest for s in record.signals):
         return None
-    counted = count(signal, digest, record.proposal, record.applied_at, policy, emitter)
+    counted = count(signal, digest, record.proposal, record.applied_at, policy, emitter,
+                    record.proposer)
     observer: ObserverType = ("human" if envelope is not None and emitter.startswith("operator:")
                               else "rec:agent")
     sign = "positive" if signal.positive else "negative"

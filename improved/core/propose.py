@@ -18,10 +18,20 @@ from improved.core.record import (
     ProposalRecord,
     closed,
     ref,
+    refs_of,
     replay,
 )
+from improved.core.signing import PAYLOAD_TYPES, ActRefused, TrustStore, Verified
 from improved.protocol import cal, canonical, wire
-from improved.protocol.model import DedupHead, ObserverType, Proposal, Signal, Trailer, to_json
+from improved.protocol.model import (
+    DedupHead,
+    Envelope,
+    ObserverType,
+    Proposal,
+    Signal,
+    Trailer,
+    to_json,
+)
 from improved.protocol.subjects import SKILL_NAME_RE
 
 # Deterministic summary templates (OMS rule 4: never free prose). Unknown ids still render
@@ -79,6 +89,29 @@ def validate(data: bytes, subject_service: str | None, limit: int) -> Proposal:
                              "definition it re-executes in proposal_data.skill",
                              "proposal_data.skill")
     return proposal
+
+
+# why a signed proposal is refused: the signature's ActRefused code → the error reply's code
+_REFUSED_AS = {"unknown_key": wire.UNKNOWN_SIGNER, "wrong_type": wire.INVALID_VALUE,
+               "malformed": wire.INVALID_VALUE}
+
+
+def verify_signed(signers: TrustStore, env: Envelope, proposal: Proposal) -> Verified:
+    """Who verifiably proposed `proposal`, the Proposal the payload of `env` decodes to: a key
+    in `[trust.signers]` whose identity is `agent:<svc>:<name>` or `service:<svc>` of the
+    proposal's service (the subject's, `validate` checked) signed the payload's exact bytes.
+    WireError otherwise: `bad_signature`, `unknown_signer` or `signer_mismatch`."""
+    try:
+        verified = signers.verify(env, PAYLOAD_TYPES["proposal"])
+    except ActRefused as refused:
+        code = _REFUSED_AS.get(refused.code, wire.BAD_SIGNATURE)
+        field = "payloadType" if refused.code == "wrong_type" else "signatures"
+        raise wire.WireError(code, f"signed proposal refused: {refused.reason}", field) from None
+    problem = identity.proposer_problem(verified.principal, proposal.service)
+    if problem is not None:
+        raise wire.WireError(wire.SIGNER_MISMATCH, f"signed proposal refused: {problem}",
+                             "signatures")
+    return verified
 
 
 def surface_problem(service: str, spec: object) -> str | None:
@@ -166,30 +199,36 @@ def wire_field(path: str) -> str | None:
 
 
 def count(signal: Signal, digest: str, proposal: Proposal, applied_at: int | None,
-          policy: Policy, emitter: str = identity.UNVERIFIED) -> CountedSignal:
-    """A signal as counted for `proposal`, its independence decided by `emitter` — the
-    verified identity that sent it — alone; a signal inside the proposal is the proposer's."""
+          policy: Policy, emitter: str = identity.UNVERIFIED,
+          proposer: str | None = None) -> CountedSignal:
+    """A signal as counted for `proposal` (signed by `proposer`, None: unsigned), its
+    independence decided by `emitter` — the verified identity that sent it — alone; a signal
+    inside the proposal is the proposer's."""
     return CountedSignal(
         digest=digest, kind=signal.kind, actor=signal.actor, service=signal.service,
         positive=signal.positive, at=signal.at, name=signal.name, value=signal.value,
         emitter=emitter,
-        independent=identity.independent(signal.kind, emitter, proposer_of(proposal),
+        independent=identity.independent(signal.kind, emitter, proposer_of(proposal, proposer),
                                          signal.at, applied_at, policy.effect_window_ms),
     )
 
 
-def proposer_of(proposal: Proposal) -> identity.Proposer:
-    """Who made `proposal`, as far as it can be told (core/identity.py)."""
-    return identity.Proposer(proposal.service, proposal.origin.service)
+def proposer_of(proposal: Proposal, signer: str | None = None) -> identity.Proposer:
+    """Who made `proposal`, as far as it can be told (core/identity.py): `signer` is the
+    verified identity that signed it, None when it came unsigned."""
+    return identity.Proposer(proposal.service, proposal.origin.service, signer)
 
 
 def signal_digest(signal: Signal) -> str:
     return canonical.digest(msgspec.to_builtins(signal))
 
 
-def register(proposal: Proposal, pid: str, dedup: str, policy: Policy,
-             now: int) -> tuple[ProposalRecord, Draft]:
-    """A new record, `pending`, and the trailer that registers it."""
+def register(proposal: Proposal, pid: str, dedup: str, policy: Policy, now: int,
+             proposer: str | None = None,
+             envelope: Envelope | None = None) -> tuple[ProposalRecord, Draft]:
+    """A new record, `pending`, and the trailer that registers it. A signed proposal's
+    verified `proposer` (`verify_signed`) goes on it as the `proposer:` ref, with the
+    `envelope` itself, so the chain alone proves who proposed (core/evidence.py)."""
     skill = skill_definition(proposal)
     signals = tuple(count(s, signal_digest(s), proposal, None, policy)
                     for s in proposal.signals or ())
@@ -203,14 +242,18 @@ def register(proposal: Proposal, pid: str, dedup: str, policy: Policy,
         skill=canonical.skill_identity(skill) if skill is not None else None,
         gate_class=proposal.change_class,
         signals=signals,
+        proposer=proposer,
         updated_at=now,
     )
-    observer: ObserverType = "rec:agent"  # an unsigned origin proves no operator
+    observer: ObserverType = "rec:agent"  # an origin, signed or not, proves no operator
+    signed = (ref("proposer", proposer),) if proposer is not None else ()
     draft = Draft(
         from_stage="observe", to_stage="propose", actor=proposal.origin.actor,
-        observer_type=observer, reason=f"proposed: {summary}",
+        observer_type=observer, reason=f"proposed: {summary}"
+        + (f" (signed by {proposer})" if proposer is not None else ""),
         refs=(f"analyzer:{proposal.analyzer.id}", f"dedup_key:{dedup}",
-              "proposal:" + to_json(proposal).decode()),
+              "proposal:" + to_json(proposal).decode(), *signed),
+        envelope=envelope if proposer is not None else None,
     )
     return record, draft
 
@@ -244,8 +287,15 @@ def rebuild_record(trailers: list[Trailer], seqs: list[int], policy: Policy) -> 
     if pid != trailers[0].proposal_id:
         raise ValueError(f"chain {trailers[0].proposal_id}: its registration carries the "
                          f"content of {pid}")
-    start, _ = register(proposal, pid, dedup, policy, 0)
+    start, _ = register(proposal, pid, dedup, policy, 0, signed_proposer(trailers[0]))
     return replay(start, trailers, seqs)
+
+
+def signed_proposer(registration: Trailer) -> str | None:
+    """The verified proposer a registration trailer records (its `proposer:` ref), None for
+    an unsigned proposal. As good as the chain's verification: `improved audit verify` and
+    the daemon check the envelope beside it against the trust store (core/evidence.py)."""
+    return refs_of(registration).get("proposer")
 
 
 FUTURE_SKEW_MS = 5 * 60 * 1000  # how far a proposal's created_at may lie ahead of our clock

@@ -86,6 +86,9 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
     ballots: tuple[Ballot, ...] = ()  # quorum votes counted so far
     acts: tuple[tuple[str, int], ...] = ()  # (envelope digest, stream sequence) of signed acts seen
     signals: tuple[CountedSignal, ...] = ()
+    # the verified identity that signed the proposal (its registration's envelope), None when
+    # unsigned: then the proposer is the whole service (core/identity.py)
+    proposer: str | None = None
     chain: ChainHead = ChainHead()
     updated_at: int = 0
 

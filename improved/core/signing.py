@@ -27,6 +27,7 @@ PAYLOAD_TYPES = {
     "tool_upgrade": "application/vnd.improved.tool-upgrade+json",  # one session's tools
     "tool_revoke": "application/vnd.improved.tool-revoke+json",  # an upgrade's early end
     "signal": "application/vnd.improved.signal+json",  # learn-back evidence from a verified emitter
+    "proposal": "application/vnd.improved.proposal+json",  # a proposal from a verified proposer
 }
 
 

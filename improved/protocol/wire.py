@@ -30,6 +30,10 @@ NOT_FOUND = "not_found"
 NO_SURFACE = "no_surface"  # the service advertises `"improve": false`: it takes no proposals
 CHAIN_BROKEN = "chain_broken"  # the proposal's chain does not verify: a crisis is open
 INTERNAL = "internal"
+# a signed proposal that does not verify (docs/protocol.md "Identity"); it changes nothing
+BAD_SIGNATURE = "bad_signature"  # no signature, or one that does not match the payload
+UNKNOWN_SIGNER = "unknown_signer"  # signed by no key in [trust.signers]
+SIGNER_MISMATCH = "signer_mismatch"  # a trusted key, but not an agent of the subject's service
 
 # Refusals of a `schema:` change (SPEC 09 §7.4), each the start of an ApplyResult's or an
 # ApplyOutcome's `error` (`<code>: <pointer>: <what changed>`), and of triage's rationale.

@@ -575,10 +575,10 @@ class Daemon:
             if svc is None or not S.SERVICE_RE.match(svc):
                 raise wire.WireError(wire.INVALID_VALUE, f"bad service token in {msg.subject}")
             if kind == "proposals":
-                proposal = propose.validate(msg.data, svc, limit)
+                proposal, env = proposal_of(msg.data, svc, limit)
                 pid, dedup = propose.identify(proposal)
                 await self._check_surface(svc, pid, proposal)
-                return Job(pid, lambda: self.engine.submit(proposal, pid, dedup, redelivered),
+                return Job(pid, lambda: self._propose(proposal, pid, dedup, env, redelivered),
                            msg)
             if kind == "outcomes":
                 sig, env = signal_of(msg.data, limit)
@@ -706,6 +706,15 @@ class Daemon:
             return True
         return True
 
+    async def _propose(self, proposal: Proposal, pid: str, dedup: str, env: Envelope | None,
+                       republish: bool) -> None:
+        """Register a proposal from the inbound stream; a signed one only once its signature
+        verified (a WireError otherwise: refused, and nothing changes)."""
+        async with self.engine.acting():  # the signer's key is checked, then recorded
+            proposer = self.engine.verified_proposer(proposal, env)
+            await self.engine.submit(proposal, pid, dedup, republish, proposer=proposer,
+                                     envelope=env)
+
     async def _signal(self, svc: str, sig: Signal, env: Envelope | None, msg: Msg) -> None:
         handled = await self._count(svc, sig, env, republish=msg.metadata.num_delivered > 1)
         if handled.record is None:
@@ -805,14 +814,18 @@ class Daemon:
             raise wire.WireError(wire.NO_SURFACE, problem, "service")
 
     async def on_propose(self, svc: str, msg: Msg) -> bytes:
-        proposal = propose.validate(msg.data, svc, self.config.max_message_bytes)
+        proposal, env = proposal_of(msg.data, svc, self.config.max_message_bytes)
         pid, dedup = propose.identify(proposal)
         await self._check_surface(svc, pid, proposal)
-        # Durable first: once the stream has it, a crash cannot lose it.
-        await enqueue(self.store.js, svc, msg.data, pid)
-        # Register and triage now, so the reply carries the status; the inbound consumer,
-        # which has the message too, carries the apply with its retries.
-        handled = await self.engine.submit(proposal, pid, dedup, dispatch=False, fresh=True)
+        async with self.engine.acting():
+            # a signed proposal that does not verify is refused before anything is kept
+            proposer = self.engine.verified_proposer(proposal, env)
+            # Durable first: once the stream has it, a crash cannot lose it.
+            await enqueue(self.store.js, svc, msg.data, pid)
+            # Register and triage now, so the reply carries the status; the inbound consumer,
+            # which has the message too, carries the apply with its retries.
+            handled = await self.engine.submit(proposal, pid, dedup, dispatch=False,
+                                               fresh=True, proposer=proposer, envelope=env)
         status = (status_at(handled.record, int(time.time() * 1000)) if handled.record
                   else "pending")
         return to_json(ProposeReply(proposal_id=pid, status=status))
@@ -875,22 +888,35 @@ class _Probe(msgspec.Struct):
     payloadType: str | None = None  # noqa: N815 - DSSE field name
 
 
-def signal_of(data: bytes, limit: int) -> tuple[Signal, Envelope | None]:
-    """A bare Signal, or a signed one (a DSSE envelope): its Signal and the envelope, whose
-    signature the engine checks."""
+def unwrapped(data: bytes, limit: int) -> tuple[bytes, Envelope | None]:
+    """A bare message's bytes, or a signed one's (a DSSE envelope): its payload's bytes and
+    the envelope, whose signature the engine checks."""
     try:
         signed = msgspec.json.decode(data, type=_Probe).payloadType is not None
     except (msgspec.MsgspecError, RecursionError):
-        signed = False  # wire.decode names what is wrong with it
+        signed = False  # the caller's decode names what is wrong with it
     if not signed:
-        return wire.decode(data, Signal, limit), None
+        return data, None
     env = wire.decode(data, Envelope, limit)
     try:
         payload = base64.b64decode(env.payload, validate=True)
     except ValueError:
         raise wire.WireError(wire.INVALID_VALUE, "the envelope's payload is not base64",
                              "payload") from None
+    return payload, env
+
+
+def signal_of(data: bytes, limit: int) -> tuple[Signal, Envelope | None]:
+    """A bare Signal, or a signed one (a DSSE envelope): its Signal and the envelope."""
+    payload, env = unwrapped(data, limit)
     return wire.decode(payload, Signal, limit), env
+
+
+def proposal_of(data: bytes, svc: str, limit: int) -> tuple[Proposal, Envelope | None]:
+    """A bare Proposal, or a signed one (a DSSE envelope): the Proposal, validated against the
+    subject's service `svc`, and the envelope."""
+    payload, env = unwrapped(data, limit)
+    return propose.validate(payload, svc, limit), env
 
 
 def review_target(data: bytes, limit: int) -> tuple[Envelope | None, str]:

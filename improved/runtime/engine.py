@@ -212,14 +212,19 @@ class Engine:
 
     async def submit(self, proposal: Proposal, pid: str, dedup: str,
                      republish: bool = False, dispatch: bool = True,
-                     fresh: bool = False) -> Handled:
+                     fresh: bool = False, proposer: str | None = None,
+                     envelope: Envelope | None = None) -> Handled:
         """Register a proposal (once) and carry it as far as its gate allows (short of the
-        apply when `dispatch` is False: the inbound consumer then carries the apply)."""
+        apply when `dispatch` is False: the inbound consumer then carries the apply). A
+        signed one's `proposer` (`verified_proposer`) and `envelope` go on its registration;
+        the first registration decides, so a later signed copy of registered content, or a
+        later bare one, changes nothing."""
 
         def ingest(record: ProposalRecord | None, now: int):
             if record is not None:
                 return None
-            return propose.register(proposal, pid, dedup, self.policy, now)
+            return propose.register(proposal, pid, dedup, self.policy, now, proposer,
+                                    envelope)
 
         svc = proposal.service
         claim: dict = {}
@@ -280,6 +285,15 @@ class Engine:
         return await self.handle(
             svc, old, lambda record, now: propose.supersede(record, new, self.actor)
             if record is not None else None, None, False)
+
+    def verified_proposer(self, proposal: Proposal, env: Envelope | None) -> str | None:
+        """Who verifiably proposed `proposal` (the payload of `env`): None when it came
+        unsigned; the identity of the `[trust.signers]` key that signed it, an agent of its
+        service or the service itself; WireError when it does not verify (nothing changes)."""
+        if env is None:
+            return None
+        signers = self.chain_trust.history.fallback.signers
+        return propose.verify_signed(signers, env, proposal).principal
 
     def emitter_of(self, svc: str, signal: Signal, env: Envelope | None
                    ) -> tuple[str, Envelope | None]:
