@@ -11,25 +11,66 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
 
 import nats
 from nats.js.errors import ServiceUnavailableError
 
 from improved.cli.common import add_connection_args, config_of, url_of
+from improved.core import audit, propose
+from improved.core.policy import Policy
 from improved.runtime import bus
 from improved.runtime.bus import Target
-from improved.runtime.store import NeedsProvision, Store, StoreError
+from improved.runtime.store import NeedsProvision, Store, StoreError, decode_trailer
 
 ADMIN = "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"
 
 
-async def _provision(url: str | Target, replicas: int, records_storage: str) -> list[str]:
+async def _provision(url: str | Target, replicas: int, records_storage: str,
+                     sweep_ttl_s: int | None = None) -> list[str]:
     nc = await bus.connect(url, "improved-provision", persistent=False)
     try:
-        return await Store(nc, replicas, records_storage).ensure(strict=True)
+        store = Store(nc, replicas, records_storage)
+        changes = await store.ensure(strict=True)
+        if sweep_ttl_s is not None:
+            changes.append(await sweep_dedup(store, sweep_ttl_s))
+        return changes
     finally:
         await bus.close(nc)
+
+
+async def sweep_dedup(store: Store, ttl_s: int) -> str:
+    """Give every dedup key whose proposal is closed the TTL a daemon gives it at the close
+    (`records_ttl_days`): a key closed before daemons did so is otherwise kept for good. A
+    one-off after upgrading: it reads every key and the chain of the proposal each names, so
+    its cost follows the bucket's size. Only a chain whose links verify is believed, and
+    `propose.head_may_expire` decides, as at a close; the write is a compare-and-set, so a
+    head a newer proposal claims meanwhile is left alone."""
+    try:
+        keys = await store.dedup.keys()
+    except Exception:  # nats-py raises NoKeysError on an empty bucket
+        keys = []
+    given = 0
+    for key in keys:
+        svc, _, dedup = key.partition(".")
+        head = await store.dedup_head(svc, dedup)
+        if head is None or not isinstance(head.get("proposal_id"), str):
+            continue
+        chain = await store.read_chain(svc, head["proposal_id"])
+        if not chain or audit.verify_links(head["proposal_id"],
+                                           [body for _, body in chain]) is not None:
+            continue
+        try:
+            record = propose.rebuild_record([decode_trailer(body) for _, body in chain],
+                                            [seq for seq, _ in chain], Policy())
+        except ValueError:  # no registration it can read: not a proposal it can judge
+            continue
+        if await store.expire_dedup_head(svc, dedup, ttl_s,
+                                         functools.partial(propose.head_may_expire, record)):
+            given += 1
+    return (f"dedup keys: {given} of {len(keys)} (their proposals closed) given the TTL "
+            f"of {ttl_s} s")
 
 
 def cmd_provision(args: argparse.Namespace) -> int:
@@ -37,8 +78,16 @@ def cmd_provision(args: argparse.Namespace) -> int:
     replicas = args.replicas or config.replicas
     url = url_of(args, config)
     where = url.where  # never print a password
+    sweep = None
+    if args.sweep_dedup:
+        if config.records_ttl_days <= 0:
+            print("improved provision: --sweep-dedup gives closed proposals' dedup keys the "
+                  "TTL records_ttl_days; it is 0 (kept for good) in this configuration, so "
+                  "there is nothing to give", file=sys.stderr)
+            return 2
+        sweep = int(config.records_ttl_days * 86400)
     try:
-        changes = asyncio.run(_provision(url, replicas, config.records_storage))
+        changes = asyncio.run(_provision(url, replicas, config.records_storage, sweep))
     except NeedsProvision as exc:
         print(f"improved provision: {exc.what}, and these credentials may not change it "
               f"(JetStream did not answer): connect as the provisioning user, e.g. "
@@ -86,4 +135,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, choices=(1, 3, 5), metavar="N",
                    help="JetStream replicas of every stream and new bucket: 1, 3 or 5 "
                         "(default: config replicas, else 1)")
+    p.add_argument("--sweep-dedup", action="store_true",
+                   help="also give the dedup keys of closed proposals the TTL "
+                        "records_ttl_days (daemons do so at each close; keys closed before "
+                        "they did are otherwise kept for good): once, after upgrading; it "
+                        "reads every key and its proposal's chain")
     p.set_defaults(func=cmd_provision)

@@ -17,6 +17,7 @@ from improved.protocol import subjects as S
 from improved.runtime import bus
 from improved.runtime.store import Store
 from tests.bus import daemon_with_records_ttl, eventually, publish, trailers
+from tests.cli import improved
 from tests.factories import rank_proposal, review, skill_proposal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -153,3 +154,53 @@ async def test_a_bucket_without_message_ttls_is_given_them(own_server):
         assert again.dedup_ttl
     finally:
         await bus.close(nc)
+
+
+async def test_provision_sweep_gives_keys_closed_before_ttls_theirs(own_server, tmp_path):
+    """Keys of proposals closed while daemons kept them for good (records_ttl_days 0) stay
+    forever unless swept: `improved provision --sweep-dedup` gives a closed proposal's key the
+    configured TTL, leaves an open one's as it is, and believes no head whose chain is missing.
+    A second sweep finds nothing more to give."""
+    async with daemon_with_records_ttl(own_server.url, SVC, 0, "dedup-sweep") as running:
+        _, nc, client = running
+        js = nc.jetstream()
+        first = rank_proposal(SVC, key="sweep.boost", value=1.0)
+        waiting = skill_proposal(SVC, name="sweepwait")
+        done = (await client.propose(first)).proposal_id
+        open_ = (await client.propose(waiting)).proposal_id
+        await eventually(lambda: client.outcome(done))
+        await eventually(lambda: status_is(client, done, "applied"))
+        forged = "f" * 64  # a head naming a proposal no chain holds
+        await js.publish(f"$KV.{S.BUCKET_DEDUP}.{S.dedup_key_of(SVC, 'forged')}",
+                         msgspec.json.encode({"proposal_id": forged, "created_at": 1}))
+        assert await head(js, dedup_of(first)) == (done, "")  # closed, kept for good
+
+        config = tmp_path / "improved.toml"
+        config.write_text(f"records_ttl_days = {TTL_S / 86400!r}\n")
+        swept = await asyncio.to_thread(improved, "provision", "--nats", own_server.url,
+                                        "--config", str(config), "--sweep-dedup")
+        assert swept.returncode == 0, swept.stderr
+        assert f"dedup keys: 1 of 3 (their proposals closed) given the TTL of {TTL_S} s" \
+            in swept.stdout
+        assert await head(js, dedup_of(first)) == (done, str(TTL_S))
+        assert await head(js, dedup_of(waiting)) == (open_, "")
+        assert await head(js, "forged") == (forged, "")
+
+        again = await asyncio.to_thread(improved, "provision", "--nats", own_server.url,
+                                        "--config", str(config), "--sweep-dedup")
+        assert "dedup keys: 0 of 3" in again.stdout, again.stdout
+
+        async def gone():
+            return await head(js, dedup_of(first)) is None
+
+        await eventually(gone, timeout=TTL_S + 5)
+        assert await head(js, dedup_of(waiting)) == (open_, "")
+
+
+async def test_a_sweep_with_records_kept_for_good_is_refused(own_server, tmp_path):
+    config = tmp_path / "improved.toml"
+    config.write_text("records_ttl_days = 0\n")
+    refused = await asyncio.to_thread(improved, "provision", "--nats", own_server.url,
+                                      "--config", str(config), "--sweep-dedup")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().count("\n") == 0 and "records_ttl_days" in refused.stderr
