@@ -180,6 +180,10 @@ class ProposalState(_Out):
     status: Status
     summary_text: str
     updated_at: int
+    # the verified identity that signed the proposal (`agent:<svc>:<name>` or `service:<svc>`,
+    # the registration trailer's `proposer:` ref); absent when unsigned. For readers only:
+    # nothing decides on a retained record, the chain says who proposed
+    proposer: str | None = None
 
 
 class TriageDecision(_Out):
