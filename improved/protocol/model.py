@@ -343,7 +343,8 @@ class ClassifyReply(_In):
     """The schema store's answer to a ClassifyRequest (strict: anything else, or an error
     reply, and the class is unknown). A claim shown to the operator, never an input."""
 
-    class_: Literal["forward", "backward", "breaking"] = msgspec.field(name="class")
+    # reversal: the recorded way back of a change the store applied, which it does not classify
+    class_: Literal["forward", "backward", "breaking", "reversal"] = msgspec.field(name="class")
     reason: ShortText
 
 
