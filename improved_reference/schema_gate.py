@@ -15,7 +15,7 @@ The class found is recorded on the ledger entry and answered as the ApplyResult'
 `schema_class` (forward, breaking or reversal), which the daemon copies onto the `applied`
 trailer: the store's claim, for auditors. `<svc>.improve.classify` answers the same
 classification, read only, for a pending proposal (`classify`), so an operator sees it before
-approving.
+approving: `reversal` too, for a pending recorded reversal the apply would not classify.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ async def check(store: ArtefactStore, order: ApplyOrder, change: Change,
     p = order.proposal
     if not schemas.is_schema(p.target_ref):
         return None
-    if change.op == "restore" and await _undoes(store, order, change, manifest):
+    if change.op == "restore" and await _undoes(store, order.proposal, change, manifest):
         return {"class": "reversal"}
     bad = schemas.revert_problem(list(change.set), p.revert)
     if bad is not None:
@@ -86,6 +86,11 @@ async def classify(store: ArtefactStore, proposal: Proposal) -> ClassifyReply:
                       "change has a class")
     change = store.parse_change(proposal)
     manifest = await store.manifest()
+    if change.op == "restore" and await _undoes(store, proposal, change, manifest):
+        names = ", ".join(sorted(change.set))
+        return ClassifyReply(class_="reversal", reason=(
+            f"{names}: the recorded reversal of {rolls_back(proposal)[:12]} (it puts back "
+            "what that change replaced; not classified, as at apply time)")[:500])
     found = {}
     for name, digest in sorted(change.set.items()):
         head = manifest.get(name)
@@ -115,11 +120,11 @@ async def _classify(store: ArtefactStore, name: str, head: str, digest: str,
     return schemas.classify(old, new)
 
 
-async def _undoes(store: ArtefactStore, order: ApplyOrder, change: Change,
+async def _undoes(store: ArtefactStore, proposal: Proposal, change: Change,
                   manifest: dict[str, str]) -> bool:
     """The restore puts back exactly what a change this store applied replaced, and the schema
     is still the one that change installed: the reversal the original's approval covers."""
-    original = rolls_back(order.proposal)
+    original = rolls_back(proposal)
     if original is None:
         return False
     entry, _ = await read_json(store.ledger, original)

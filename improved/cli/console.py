@@ -144,6 +144,9 @@ def proposal_page(view: Mapping[str, Any], facts: Mapping[str, Any], mode: str,
         ("id", f"<code>{esc(pid)}</code>"), ("service", esc(facts.get("service"))),
         ("target", f"<code>{esc(facts.get('target'))}</code> (scope {esc(facts.get('scope'))})"),
         ("class", f"{esc(facts.get('class'))}, gated {esc(facts.get('gate'))}"),
+        ("proposer", html.escape(render.proposer_text(
+            facts.get("proposer"), facts.get("origin"), bool(facts.get("verified"))),
+            quote=True)),
         ("state", esc(f"{facts.get('status')} at stage {facts.get('stage')}")
          + (f", superseded by <a href=\"/p/{esc(facts['superseded_by'])}\">"
             f"{esc(render.short(str(facts['superseded_by'])))}</a>"

@@ -124,6 +124,7 @@ async def shown(store: Store, text: str, config: Config, readable: bool = True) 
         view["will_run"] = authority.will_run(p)
         view["will_run_digest"] = authority.will_run_digest(p)
         facts.update(_facts(record))
+        view["proposer"] = record.proposer  # the verified signer; null when unsigned
         view["status"] = facts["status"]  # as of now, from the chain: the retained state may lag
     except (ValueError, KeyError, msgspec.MsgspecError) as exc:
         record = None
@@ -171,6 +172,7 @@ def _facts(record: Any) -> dict[str, Any]:
         "decision": msgspec.to_builtins(d) if d is not None else None,
         "superseded_by": record.superseded_by, "in_flight": record.in_flight,
         "dedup_key": record.dedup_key, "created_at": p.created_at,
+        "proposer": record.proposer, "origin": p.origin.actor,
     }
 
 

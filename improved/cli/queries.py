@@ -46,6 +46,7 @@ async def review_view(url: str | Target, policy: Policy) -> tuple[list[dict[str,
                 "cause": "surfaced" if queue.surfaced(record) else d.cause,
                 "rationale": d.rationale, "scope": p.scope,
                 "origin": p.origin.actor, "analyzer": p.analyzer.id, "skill": record.skill,
+                "proposer": record.proposer,  # the verified signer; None when unsigned
                 "signals": {"counted": len(record.signals), "positive": record.positives,
                             "independent_positive": record.independent_positives},
                 "evidence": {"derived_from": len(p.derived_from or ()),

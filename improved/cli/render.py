@@ -160,6 +160,17 @@ def schema_line(found: object) -> str | None:
     return f"schema class: {clean(found.get('class'))} ({clean(found.get('reason'))})"
 
 
+def proposer_text(proposer: object, origin_actor: object, verified: bool = True) -> str:
+    """Who proposed, as the chain says: the verified signer of a signed proposal
+    (`agent:svc:a (signed)`), else `unsigned` with the origin the sender declared, which proves
+    nothing. `verified`: the chain's signatures were checked; otherwise the signer is only
+    the chain's word."""
+    if proposer:
+        return f"{clean(proposer)} (signed" + ("" if verified else
+                                                  "; the chain is not verified") + ")"
+    return f"unsigned (origin.actor {clean(origin_actor)}, declared)"
+
+
 # -- who signed --------------------------------------------------------------------------------
 
 AUTHORITY = {"approve", "reject", "rollback", "vote", "quorum", "inherit", "refused", "grant",
@@ -234,6 +245,7 @@ def review_text(rows: Sequence[Mapping[str, Any]]) -> str:
                    f"{stamp(q['waiting_since'])}")
         out.append(f"  why waiting: {clean(q['rationale'])}")
         out.append(f"  from {clean(q['origin'])} via {clean(q['analyzer'])}")
+        out.append(f"  proposer: {proposer_text(q.get('proposer'), q['origin'])}")
         out.append(f"  signals: {s['counted']} counted, {s['positive']} positive, "
                    f"{s['independent_positive']} independent positive")
         if ev["derived_from"] or ev["evidence_query"] or ev["metric"]:
@@ -298,6 +310,8 @@ def show_text(view: Mapping[str, Any], facts: Mapping[str, Any]) -> str:
            f"  id        {pid}",
            f"  target    {clean(facts.get('target'))}  scope {clean(facts.get('scope'))}",
            f"  class     {clean(facts.get('class'))}, gated {clean(facts.get('gate'))}",
+           "  proposer: " + proposer_text(facts.get("proposer"), facts.get("origin"),
+                                          bool(facts.get("verified"))),
            f"  state     {clean(facts.get('status'))} at stage {clean(facts.get('stage'))}"
            + (f", superseded by {short(str(facts['superseded_by']))}"
               if facts.get("superseded_by") else "")

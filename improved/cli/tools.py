@@ -116,6 +116,11 @@ def cmd_tools_grant(args: argparse.Namespace) -> int:
     if not isinstance(call_args, dict):
         print("improved tools grant: --args is a JSON object", file=sys.stderr)
         return 2
+    if args.ttl * 1000 > tools.MAX_GRANT_MS:  # every runtime would refuse it window_too_long
+        print(f"improved tools grant: --ttl {args.ttl:g} is too long: a grant lives at most "
+              f"{tools.MAX_GRANT_MS // 1000} s ({tools.MAX_GRANT_MS // 3_600_000} h); "
+              "nothing signed", file=sys.stderr)
+        return 2
     principal, key = signer_of(args)
     catalog = asyncio.run(request(url, S.tools_list(args.runtime), b"{}", args.timeout))
     entry = next((t for t in catalog.get("tools", []) if t.get("name") == args.tool), None)
@@ -278,7 +283,8 @@ def _register_tools(sub: argparse._SubParsersAction) -> None:
     tgrant.add_argument("runtime", metavar="RUNTIME")
     tgrant.add_argument("tool", metavar="TOOL")
     tgrant.add_argument("--args", default="{}", help="the call's arguments, a JSON object")
-    tgrant.add_argument("--ttl", type=float, default=300.0, help="seconds the grant lives (300)")
+    tgrant.add_argument("--ttl", type=float, default=300.0,
+                        help="seconds the grant lives (300; at most 86400, 24 h)")
     tgrant.add_argument("--call", action="store_true", help="make the call now with the grant")
     tgrant.add_argument("--timeout", type=float, default=5.0, help="seconds (5)")
     add_signer_args(tgrant)

@@ -87,6 +87,10 @@ MAX_CEILING: dict[str, str] = {"interactive": "L4", "autonomous": "L2"}
 NAME_RE = re.compile(r"^[a-z][a-z0-9_.-]{0,127}\Z")
 CLOCK_SKEW_MS = 5 * 60 * 1000  # how far a grant's `at` may lie ahead; its default lifetime too
 MAX_UPGRADE_MS = 24 * 3600 * 1000  # the longest window a session upgrade may span
+MAX_GRANT_MS = MAX_UPGRADE_MS
+"""The longest a per-call grant may live, `at` to `expires_at`: the upgrades' cap. A grant's
+spent mark is kept until its lapse plus SPENT_MARGIN_MS, so with the cap (and `at` at most
+CLOCK_SKEW_MS ahead) every mark leaves within a day and ten minutes of its spending."""
 PROOF_SKEW_MS = 60 * 1000  # how far a session proof's `at` may lie from the runtime's clock
 PROOF_DOMAIN = b"improved session proof v1\n"  # what a session key's signature is about
 SPENT_MARGIN_MS = 5 * 60 * 1000
@@ -255,7 +259,11 @@ def sign_grant(key: Ed25519PrivateKey, principal: str, provider_or_token: Provid
                ttl_ms: int = CLOCK_SKEW_MS, *, nonce: str,
                runtime: str | None = None) -> Envelope:
     """A DSSE envelope granting one call of `tool(args)`, valid for `ttl_ms` from `now_ms`;
-    `nonce` (random, e.g. secrets.token_hex(16)) makes two grants for the same call differ."""
+    `nonce` (random, e.g. secrets.token_hex(16)) makes two grants for the same call differ.
+    ValueError for a `ttl_ms` over MAX_GRANT_MS: every runtime would refuse the grant."""
+    if ttl_ms > MAX_GRANT_MS:
+        raise ValueError(f"a grant lives at most {MAX_GRANT_MS // 1000} s "
+                         f"({MAX_GRANT_MS // 3_600_000} h); {ttl_ms / 1000:g} s asked")
     token = (grant_token(provider_or_token) if isinstance(provider_or_token, Provider)
              else provider_or_token)
     grant = ToolGrant(tool=tool, grant_token=token, args_digest=args_digest(args),
@@ -780,6 +788,10 @@ class Runtime:
         act = _decode(verified, ToolGrant, "a ToolGrant")
         lapse = grant_lapse(act)
         _window(act.at, lapse, now, "grant")
+        if lapse - act.at > MAX_GRANT_MS:
+            raise ActRefused("window_too_long", f"the grant's expires_at lies {lapse - act.at}"
+                             f" ms after its at; a grant lives at most {MAX_GRANT_MS // 3_600_000} h "
+                             f"({MAX_GRANT_MS} ms)")
         if act.runtime is not None and act.runtime != self.name:
             raise ActRefused("wrong_runtime", f"the grant is for runtime {act.runtime!r}, "
                              f"not {self.name!r}")

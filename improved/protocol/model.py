@@ -180,6 +180,10 @@ class ProposalState(_Out):
     status: Status
     summary_text: str
     updated_at: int
+    # the verified identity that signed the proposal (`agent:<svc>:<name>` or `service:<svc>`,
+    # the registration trailer's `proposer:` ref); absent when unsigned. For readers only:
+    # nothing decides on a retained record, the chain says who proposed
+    proposer: str | None = None
 
 
 class TriageDecision(_Out):
@@ -339,7 +343,8 @@ class ClassifyReply(_In):
     """The schema store's answer to a ClassifyRequest (strict: anything else, or an error
     reply, and the class is unknown). A claim shown to the operator, never an input."""
 
-    class_: Literal["forward", "backward", "breaking"] = msgspec.field(name="class")
+    # reversal: the recorded way back of a change the store applied, which it does not classify
+    class_: Literal["forward", "backward", "breaking", "reversal"] = msgspec.field(name="class")
     reason: ShortText
 
 

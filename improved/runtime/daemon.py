@@ -944,7 +944,10 @@ def capabilities(quorum: bool = False) -> dict[str, Any]:
         "service": "improved",
         "spec": "cosmix SPEC 09 self-improve",
         "capabilities": {
-            "<svc>.improve.propose": "Proposal -> {proposal_id, status}",
+            "<svc>.improve.propose": "Proposal, or a DSSE envelope of it signed by "
+                                     "agent:<svc>:<name> or service:<svc> (payloadType "
+                                     f"{PAYLOAD_TYPES['proposal']}) "
+                                     "-> {proposal_id, status}",
             "<svc>.improve.triage": "{proposal_id} -> TriageDecision (idempotent)",
             "<svc>.improve.refine": "Signal -> {proposal_id, counted, independent}",
         },

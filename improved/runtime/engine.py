@@ -1407,4 +1407,5 @@ def state_of(record: ProposalRecord, now: int | None = None) -> ProposalState:
         dedup_key=record.dedup_key, stage=record.stage,
         status=status_at(record, now_ms() if now is None else now),
         summary_text=record.summary_text, updated_at=record.updated_at,
+        proposer=record.proposer,
     )

@@ -91,6 +91,13 @@ async def test_tools_list_and_a_granted_call_from_the_terminal(daemon, nc, nats_
         listed = await cli("tools", "list", svc, "--nats", nats_url)
         tool = json.loads(listed.stdout)["tools"][0]
         assert tool["gated_authority"] == "L4" and tool["mountable"] is False
+        forever = await cli("tools", "grant", svc, "swap.binary", "--args", '{"to": "v2"}',
+                            "--call", "--ttl", "90000", "--reason", "a year", "--key",
+                            alice_key, "--principal", ALICE[0], "--nats", nats_url)
+        assert forever.returncode == 2 and forever.stdout == ""  # nothing signed, no call
+        assert forever.stderr == ("improved tools grant: --ttl 90000 is too long: a grant "
+                                  "lives at most 86400 s (24 h); nothing signed\n")
+        assert calls == []
         granted = await cli("tools", "grant", svc, "swap.binary", "--args", '{"to": "v2"}',
                             "--call", "--reason", "release 2", "--key", alice_key,
                             "--principal", ALICE[0], "--nats", nats_url)

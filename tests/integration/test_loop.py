@@ -245,6 +245,8 @@ async def test_the_daemon_advertises_its_capabilities(daemon, nc):
     reply = await nc.request("improved.spec.get", b"{}", timeout=5)
     spec = msgspec.json.decode(reply.data)
     assert "<svc>.improve.propose" in spec["capabilities"]
+    # a proposal may come signed: the advertisement says how
+    assert "DSSE envelope" in spec["capabilities"]["<svc>.improve.propose"]
     assert spec["topics"]["audit"] == "improve.audit.*.*"
 
 

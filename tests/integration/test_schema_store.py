@@ -178,6 +178,26 @@ async def test_the_store_classifies_a_pending_change_against_its_head_and_change
     assert store.orders == 0  # a classification is no apply
 
 
+async def test_a_pending_reversal_is_classified_as_the_apply_will_record_it(
+        nc, svc, store):  # noqa: F811
+    """The recorded way back of an applied change only takes away, yet it is no `backward`
+    change: classify says `reversal`, as the apply's `schema_class` will."""
+    js = nc.jetstream()
+    wider = change(svc, WIDER)
+    result, _ = await send(nc, svc, await approved(js, order(wider)))
+    assert result.ok, result.error
+    back = l4(svc, result.inverse, None, target_ref=f"schema:{svc}",
+              analyzer=AnalyzerRef(id=REVERT_ANALYZER),
+              derived_from=[f"mg:sha256:{order(wider).proposal_id}"])
+    found = await schema_class(nc, back)
+    assert found is not None and found["class"] == "reversal", found
+    assert found["reason"].startswith(
+        f"orders: the recorded reversal of {order(wider).proposal_id[:12]}")
+    assert await held(store) == WIDER  # asked, not applied
+    result, _ = await send(nc, svc, await approved(js, order(back)))
+    assert result.ok and result.schema_class == found["class"]
+
+
 async def test_a_bad_classify_request_is_one_line_and_the_cli_never_breaks_on_it(
         nc, svc, store):  # noqa: F811
     subject = S.classify_request(svc)

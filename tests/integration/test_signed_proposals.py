@@ -264,3 +264,49 @@ async def test_audit_verify_names_a_registration_whose_envelope_was_swapped(own_
         reply = msgspec.json.decode((await nc.request(
             S.triage_request(SIGNED), to_json({"proposal_id": pid}), timeout=5)).data)
         assert reply["error"]["code"] == "chain_broken"
+
+
+def _trusting_toml(tmp_path) -> str:
+    """A configuration trusting the test daemons' key: `show` then checks who wrote each
+    trailer and the registration's envelope."""
+    from tests.bus import daemon_config
+
+    path = tmp_path / "improved.toml"
+    path.write_text(f'data_dir = "{tmp_path / "data"}"\n'
+                    f'checkpoint_key = "{daemon_config().checkpoint_key}"\n')
+    return str(path)
+
+
+async def test_the_operator_sees_who_verifiably_proposed(daemon, nc, nats_url, tmp_path):
+    client = MeshClient(nc, SIGNED)
+    signed = unique_skill()
+    signed_pid = (await client.propose(signed, key=AGENT_A[1])).proposal_id
+    unsigned = unique_skill(origin=msgspec.structs.replace(signed.origin, actor="agent-x"))
+    unsigned_pid = (await client.propose(unsigned)).proposal_id
+    cfg = _trusting_toml(tmp_path)
+
+    def cli(*args):
+        return asyncio.to_thread(improved, *args, "--nats", nats_url, "--config", cfg)
+
+    shown = await cli("show", signed_pid, "--format", "text")
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    assert f"  proposer: {AGENT_A[0]} (signed)\n" in shown.stdout
+    other = await cli("show", unsigned_pid, "--format", "text")
+    assert "  proposer: unsigned (origin.actor agent-x, declared)\n" in other.stdout
+    as_json = json.loads((await cli("show", signed_pid, "--format", "json")).stdout)
+    assert as_json["proposer"] == AGENT_A[0]
+    assert as_json["state"]["proposer"] == AGENT_A[0]  # the retained ProposalState says it too
+    assert json.loads((await cli("show", unsigned_pid, "--format", "json")).stdout)[
+        "proposer"] is None
+    assert (await client.state(signed_pid)).proposer == AGENT_A[0]
+    assert (await client.state(unsigned_pid)).proposer is None
+
+    queue = (await cli("review")).stdout
+    assert f"  proposer: {AGENT_A[0]} (signed)" in queue.split(signed_pid, 1)[1].split(
+        "decide:", 1)[0]
+    assert "  proposer: unsigned (origin.actor agent-x, declared)" in \
+        queue.split(unsigned_pid, 1)[1].split("decide:", 1)[0]
+    rows = {r["proposal_id"]: r for r in json.loads((await cli("review", "--format",
+                                                                "json")).stdout)}
+    assert rows[signed_pid]["proposer"] == AGENT_A[0]
+    assert rows[unsigned_pid]["proposer"] is None

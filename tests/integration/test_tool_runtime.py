@@ -461,6 +461,32 @@ async def test_e2e_a_spent_key_carries_its_ttl_and_leaves_and_the_replay_is_refu
         assert again["refused"]["reason"] == "session_proof_replayed"
 
 
+async def test_e2e_a_grant_living_longer_than_a_day_is_refused_runs_nothing_spends_nothing(
+        nc, svc):
+    """A signed grant whose `expires_at` lies a year after its `at` would have its spent mark
+    kept a year (its TTL is the lapse plus the margin): refused `window_too_long` in one line,
+    the tool does not run, no mark is written, and the same call under a day's grant runs."""
+    rt, tools = runtime(name=svc)
+    deploy, body = tools["deploy"]
+    js = nc.jetstream()
+    async with serving(nc, rt):
+        start = now_ms()
+        day = grant(deploy, now=start, ttl_ms=24 * 3600 * 1000, runtime=svc)
+        payload = msgspec.json.decode(base64.b64decode(day.payload))  # signed by hand: the
+        year = signing.sign(day.payloadType, to_json(  # `tools grant` command refuses it
+            {**payload, "expires_at": start + 365 * 24 * 3600 * 1000}), ALICE[1])
+        reply = await call(nc, rt, "deploy", ARGS, year)
+        assert reply["refused"]["reason"] == "window_too_long", reply
+        assert "at most 24 h" in reply["refused"]["detail"]
+        assert "\n" not in reply["refused"]["detail"]
+        assert body.calls == []
+        assert await spent_key(js, upgrade_id(year)) is None
+        assert (await call(nc, rt, "deploy", ARGS, day))["ok"] is True
+        held = await spent_key(js, upgrade_id(day))
+        assert int(held.headers["Nats-TTL"]) <= 24 * 3600 + 5 * 60 + 1
+        assert body.calls == [ARGS]
+
+
 ERASERS = (  # what a bus participant publishes to erase a mark: a roll-up purge expiring at once
     {"headers": {"KV-Operation": "PURGE", "Nats-Rollup": "sub"}, "msg_ttl": 1},
     {"headers": {"Nats-Rollup": "sub"}},

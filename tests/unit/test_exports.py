@@ -23,6 +23,16 @@ def test_nothing_public_is_exported_by_accident():
     assert public - layers == set(improved.__all__) - {"__version__"}
 
 
+def test_a_schema_store_writes_its_classify_surface_against_the_top_package():
+    """A schema store answers `<svc>.improve.classify`: it decodes a ClassifyRequest and
+    replies a ClassifyReply, both importable from `improved` like the other wire Structs."""
+    from improved import ClassifyReply, ClassifyRequest
+    from improved.protocol import model
+
+    assert {"ClassifyReply", "ClassifyRequest"} <= set(improved.__all__)
+    assert (ClassifyRequest, ClassifyReply) == (model.ClassifyRequest, model.ClassifyReply)
+
+
 def test_the_client_imports_without_the_daemons_extras():
     """A mesh service installs the base package only: importing the client, the protocol and
     the core must not need the broker binary, prometheus_client or anyio."""

@@ -239,3 +239,22 @@ def test_show_text_says_the_schema_class_an_applied_change_recorded():
     text = render.show_text(view, {**facts, "status": "applied"})
     [line] = [ln for ln in text.splitlines() if ln.startswith("  outcome")]
     assert line.endswith(", schema class breaking (the service's claim)")
+
+
+def test_who_proposed_is_the_verified_signer_or_a_declared_origin_shown_inert():
+    view, facts = _shown()
+    signed = render.show_text(view, {**facts, "verified": True, "proposer": "agent:svc:a",
+                                     "origin": "mcp:svc-agent:1"})
+    assert "  proposer: agent:svc:a (signed)\n" in signed
+    unchecked = render.show_text(view, {**facts, "proposer": "agent:svc:a"})
+    assert "  proposer: agent:svc:a (signed; the chain is not verified)\n" in unchecked
+    hostile = render.show_text(view, {**facts, "verified": True, "origin": HOSTILE})
+    assert "  proposer: unsigned (origin.actor <script>alert(1)</script>\\x1b[2J\\r\\u202eevil" \
+           ", declared)\n" in hostile
+    queue = render.review_text([_row(proposer="agent:svc:b\x1b[2J"), _row(origin=HOSTILE)])
+    assert "  proposer: agent:svc:b\\x1b[2J (signed)\n" in queue
+    assert "\x1b" not in queue and "\u202e" not in queue
+    html = console.proposal_page(view, {**facts, "verified": True, "origin": HOSTILE}, "ro",
+                                 csrf=None)
+    assert "<dt>proposer</dt><dd>unsigned (origin.actor &lt;script&gt;" in html
+    assert "<script" not in html and "\x1b" not in html

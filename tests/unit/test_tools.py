@@ -25,6 +25,7 @@ from improved.core.signing import ActRefused
 from improved.core.tools import (
     CLOCK_SKEW_MS,
     DEFAULT_CEILINGS,
+    MAX_GRANT_MS,
     PROOF_SKEW_MS,
     SPENT_MARGIN_MS,
     ProcessLedger,
@@ -226,6 +227,8 @@ def bad_grants(deploy: Provider, read: Provider) -> dict[str, Envelope]:
         "expired  ": grant(deploy, now=NOW + 400_000),
         "expired   ": resigned(env, lambda g: msgspec.structs.replace(g, expires_at=None,
                                                                        at=NOW - 300_001)),
+        "window_too_long": resigned(env, lambda g: msgspec.structs.replace(
+            g, expires_at=g.at + MAX_GRANT_MS + 1)),
     }
 
 
@@ -744,7 +747,7 @@ async def test_replicas_sharing_a_ledger_spend_a_grant_once_and_share_acceptance
 margins = st.integers(0, 2 * SPENT_MARGIN_MS)
 
 
-@given(at=st.integers(CLOCK_SKEW_MS, 2**45), ttl=st.integers(1, 30 * 86400 * 1000),
+@given(at=st.integers(CLOCK_SKEW_MS, 2**45), ttl=st.integers(1, MAX_GRANT_MS),
        into=st.floats(0, 1), margin=margins, skew=st.floats(0, 1), after=st.integers(0, 10**7))
 def test_a_spent_grants_key_outlives_every_replicas_acceptance(at, ttl, into, margin, skew,
                                                                 after):
@@ -753,6 +756,7 @@ def test_a_spent_grants_key_outlives_every_replicas_acceptance(at, ttl, into, ma
     act = msgspec.json.decode(base64.b64decode(env.payload), type=ToolGrant)
     now = at + min(int(ttl * into), ttl - 1)  # an instant the spender accepts the grant
     key_gone = now + spent_ttl_s(spent_until(grant_lapse(act), margin), now) * 1000
+    assert key_gone - now <= MAX_GRANT_MS + margin + 1000  # a mark never outlives a day much
     other = key_gone + after - int(margin * skew)  # a replica behind by skew * margin
     reply = asyncio.run(rt.invoke("deploy", ARGS, env, other))
     assert reply["refused"]["reason"] == "expired"
@@ -936,3 +940,11 @@ def test_acts_outside_the_daemons_log_count_under_any_key_the_history_held():
     history = evidence.History(((5, evidence.KeySet(old)), (9, evidence.KeySet(new))))
     assert set(evidence.ever(history).operators.keys) == set(old.keys) | set(new.keys)
 
+
+
+def test_a_grant_is_signed_for_a_day_at_most():
+    sign_grant(ALICE[1], ALICE[0], "gt:" + "0" * 64, "deploy", ARGS, "r", NOW, MAX_GRANT_MS,
+               nonce="n" * 16)
+    with pytest.raises(ValueError, match="a grant lives at most 86400 s"):
+        sign_grant(ALICE[1], ALICE[0], "gt:" + "0" * 64, "deploy", ARGS, "r", NOW,
+                   MAX_GRANT_MS + 1, nonce="n" * 16)
