@@ -116,10 +116,7 @@ def cmd_tools_grant(args: argparse.Namespace) -> int:
     if not isinstance(call_args, dict):
         print("improved tools grant: --args is a JSON object", file=sys.stderr)
         return 2
-    if args.ttl * 1000 > tools.MAX_GRANT_MS:  # every runtime would refuse it window_too_long
-        print(f"improved tools grant: --ttl {args.ttl:g} is too long: a grant lives at most "
-              f"{tools.MAX_GRANT_MS // 1000} s ({tools.MAX_GRANT_MS // 3_600_000} h); "
-              "nothing signed", file=sys.stderr)
+    if too_long("grant", args.ttl, tools.MAX_GRANT_MS):
         return 2
     principal, key = signer_of(args)
     catalog = asyncio.run(request(url, S.tools_list(args.runtime), b"{}", args.timeout))
@@ -140,6 +137,17 @@ def cmd_tools_grant(args: argparse.Namespace) -> int:
     return 0 if reply.get("ok") else 1
 
 
+def too_long(what: str, ttl_s: float, most_ms: int) -> bool:
+    """Whether `--ttl` asks for a grant or upgrade every runtime would refuse
+    `window_too_long`; if so, say so in one line: nothing is signed."""
+    if ttl_s * 1000 <= most_ms:
+        return False
+    print(f"improved tools {what}: --ttl {ttl_s:g} is too long: a{'n' if what[0] in 'aeiou' else ''} "
+          f"{what} lives at most {most_ms // 1000} s ({most_ms // 3_600_000} h); nothing signed",
+          file=sys.stderr)
+    return True
+
+
 def cmd_tools_upgrade(args: argparse.Namespace) -> int:
     """Sign a session-scoped policy upgrade of a runtime; print it with its id."""
     from improved.core import scopes, tools
@@ -156,6 +164,8 @@ def cmd_tools_upgrade(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"improved tools upgrade: {exc}", file=sys.stderr)
             return 2
+    if too_long("upgrade", args.ttl, tools.MAX_UPGRADE_MS):
+        return 2
     session_key = session_public_key(args.session_key)
     principal, key = signer_of(args)
     try:

@@ -201,6 +201,11 @@ async def test_a_session_upgrade_signed_and_revoked_from_the_terminal(daemon, nc
                             "--class", "L4", "--reason", "r", *signer)
             assert bad.returncode == 2 and says in bad.stderr, bad.stderr
             assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+        bad = await cli("tools", "upgrade", svc, "--session", "s1", "--session-key", public,
+                        "--class", "L4", "--ttl", "90000", "--reason", "r", *signer)
+        assert bad.returncode == 2 and bad.stdout == ""  # nothing signed
+        assert bad.stderr == ("improved tools upgrade: --ttl 90000 is too long: an upgrade "
+                              "lives at most 86400 s (24 h); nothing signed\n")
         made = await cli("tools", "upgrade", svc, "--session", "s1", "--class", "L4",
                          "--session-key", public, "--ttl", "60", "--reason", "incident 7",
                          *signer)
