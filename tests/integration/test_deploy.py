@@ -824,7 +824,7 @@ async def test_a_tool_runtime_records_its_calls_under_its_own_user(mesh):
         deploy = grant(kit["deploy"][0], ARGS, now=now)
         assert (await call({"tool": "deploy", "args": ARGS, "grant": deploy}))["ok"]
         # its marks: the grant spent, which not even the runtime's user can erase
-        rjs = conn.nc.jetstream(timeout=2.0)
+        rjs = conn.nc.jetstream(timeout=5.0)
         spent = S.tools_spent(tools.upgrade_id(deploy))
         assert (await rjs.get_last_msg(S.STREAM_TOOLS_SPENT, spent)).headers["Nats-TTL"]
         with pytest.raises(APIError, match="rollup not permitted"):
@@ -842,7 +842,7 @@ async def test_a_tool_runtime_records_its_calls_under_its_own_user(mesh):
                                       S.tools_revoked("agent", tools.upgrade_id(up)))
         await service.stop()
         cid = tools.chain_id("agent")
-        js = mesh["daemon_conn"].nc.jetstream(timeout=1.0)  # counts: the daemon may look
+        js = mesh["daemon_conn"].nc.jetstream(timeout=5.0)  # counts: the daemon may look
         assert await count(js, S.STREAM_TOOLS_AUDIT, S.tools_audit(cid)) == 4
         # what the runtime may not write: the daemon's log, another runtime's chain, another
         # runtime's revocations, the mark streams' configuration
