@@ -867,3 +867,70 @@ async def test_a_chain_written_into_the_daemons_log_before_the_move_verifies_und
     assert broken.returncode == 1
     assert f"BROKEN {cid} trailer 0: signed by" in broken.stdout
     assert "which is not a trusted daemon key" in broken.stdout
+
+
+# -- a session proof re-checked from the chain alone ---------------------------------------------
+
+
+def _resigned(body: dict, key, **changes) -> dict:
+    """`body` changed, re-hashed and re-signed by `key`: a trailer its chain's writer made."""
+    from improved.protocol.model import Trailer
+
+    changed = {k: v for k, v in dict(body, **changes).items() if k not in ("hash", "sig")}
+    changed["hash"] = audit.trailer_hash(changed)
+    return msgspec.to_builtins(evidence.sign(msgspec.convert(changed, Trailer), key))
+
+
+def _verifier_config(tmp_path, runtime_name: str, key) -> str:
+    b64 = base64.b64encode
+    alice = b64(signing.raw_public(ALICE[1].public_key())).decode()
+    daemon_public = b64(signing.raw_public(daemon_key().public_key())).decode()
+    path = tmp_path / "verifier.toml"
+    path.write_text(f'data_dir = "{tmp_path / "verifier"}"\n[trust]\n'
+                    f'operators = {{ "{ALICE[0]}" = "{alice}" }}\n'
+                    f'daemons = {{ "improved:test" = "{daemon_public}" }}\n'
+                    f'[trust.runtimes]\n{runtime_name} = "'
+                    f'{b64(signing.raw_public(key.public_key())).decode()}"\n')
+    return str(path)
+
+
+async def test_audit_verify_rechecks_the_session_proof_a_trailer_records(own_server, svc,
+                                                                         tmp_path):
+    """The attack: the runtime's key (or whoever holds it) appends an upgraded call the
+    session never proved — a copy of a real one whose recorded proof is altered — hashed,
+    linked and signed by the runtime's key, so the chain itself verifies. `improved audit
+    verify` re-checks the recorded proof against the upgrade's session key and names it."""
+    from improved.runtime.store import Store
+
+    key = Ed25519PrivateKey.generate()
+    conn = await bus.connect(own_server.url, "tool-runtime-proof")
+    try:
+        await Store(conn).ensure()
+        rt, _ = runtime(name=svc)
+        env = upgrade(svc, "sess-p", now=now_ms())
+        async with serving(conn, rt, key):
+            reply = await ask(conn, subjects.tools_call(svc),
+                              upgraded(svc, env, "deploy", ARGS, "sess-p"))
+            assert reply["ok"] is True
+        cfg = _verifier_config(tmp_path, svc, key)
+        ok = await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
+                                     "--config", cfg)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        assert "tool runtimes (IMPROVE_TOOLS_AUDIT): 1/1 chains verified, 1 trailers" \
+            in ok.stdout
+
+        cid = tools_chain_id(svc)
+        store = Store(conn, audit_stream=subjects.STREAM_TOOLS_AUDIT)
+        _, last = await store.chain_head(subjects.tools_audit(cid))
+        refs = [r if not r.startswith("proof_nonce:") else "proof_nonce:" + "f" * 32
+                for r in last["refs"]]
+        forged = _resigned(last, key, seq=last["seq"] + 1, prev=last["hash"], refs=refs)
+        await conn.jetstream().publish(subjects.tools_audit(cid), to_json(forged))
+        broken = await asyncio.to_thread(improved, "audit", "verify", "--nats",
+                                         own_server.url, "--config", cfg)
+        assert broken.returncode == 1, broken.stdout + broken.stderr
+        assert (f"BROKEN {cid} trailer 1: the recorded session proof does not verify "
+                f"(session_proof_invalid)") in broken.stdout, broken.stdout
+        assert "Traceback" not in broken.stdout + broken.stderr
+    finally:
+        await bus.close(conn)
