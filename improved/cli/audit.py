@@ -50,10 +50,9 @@ async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
         chains: dict[tuple[str | None, str | None], list[tuple[int, dict]]] = {}
         for seq, subject, body in log_:
             chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append((seq, body))
-        if not chains:
-            print(f"improved audit verify: no chain for {pid}", file=sys.stderr)
-            return 1
         trust = chain_trust(trust_log, trusted, config)
+        if not chains:
+            return await _verify_tool_chain(store, config, trust, pid)
         if not trusted:
             print("note: no trusted daemon key (configure [trust] daemons, run where the "
                   "daemon's key is, or pass --checkpoint): no trailer's writer can be trusted",
@@ -132,13 +131,15 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
 
 
 async def _verify_tools(store, config: Config, trust: evidence.ChainTrust,
-                        say: Callable[[str], None], note: Callable[[str], None]) -> bool:
+                        say: Callable[[str], None], note: Callable[[str], None], *,
+                        since_ms: int | None = None) -> bool:
     """The tool runtimes' chains, outside the daemon's log, each against its runtime's key in
-    `[trust.runtimes]`: a line for each broken or unverified chain, then the counts. False
-    when any chain is either."""
+    `[trust.runtimes]` (with `since_ms`, only the trailers stored from then on): a line for
+    each broken or unverified chain, then the counts. False when any chain is either."""
     from improved.runtime.tool_chains import verify_tool_chains
 
-    found = await verify_tool_chains(store.nc, config.trust.runtime_store(), trust.history)
+    found = await verify_tool_chains(store.nc, config.trust.runtime_store(), trust.history,
+                                     since_ms=since_ms)
     if not found.exists:
         note(f"note: no stream {S.STREAM_TOOLS_AUDIT}: no tool runtime has recorded a call "
              "here (`improved provision` makes it)")
@@ -146,8 +147,26 @@ async def _verify_tools(store, config: Config, trust: evidence.ChainTrust,
     for line in found.lines:
         say(line)
     if found.chains or not found.ok:
-        say(found.summary())
+        say(found.summary() + (" since the checkpoint" if since_ms is not None else ""))
     return found.ok
+
+
+async def _verify_tool_chain(store, config: Config, trust: evidence.ChainTrust,
+                             cid: str) -> int:
+    """`audit verify <chain id>` of a tool runtime's chain (on IMPROVE_TOOLS_AUDIT), as the
+    whole-log verify checks it; exit 1 when it is broken or unverified, or there is none."""
+    from improved.runtime.tool_chains import verify_tool_chains
+
+    found = await verify_tool_chains(store.nc, config.trust.runtime_store(), trust.history,
+                                     chain=cid)
+    if not found.chains:
+        print(f"improved audit verify: no chain for {cid} (neither a proposal's nor a tool "
+              "runtime's)", file=sys.stderr)
+        return 1
+    for line in found.lines:
+        print(line)
+    print(found.summary())
+    return 0 if found.ok else 1
 
 
 _KEPT = "the last checkpoint kept in the data directory"
@@ -225,14 +244,16 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
             problems = since.problems
         for problem in problems:
             print(f"BROKEN {problem}")
-        if problems or since is None:
-            return 1
-        seconds = time.perf_counter() - started
-        print(f"{since.read} trailers after the checkpoint of {base.count} trailers (stream "
-              f"sequence {base.last_seq}) verified in {seconds:.2f} s; the stream still holds "
-              "what that checkpoint covered (the same stream, no sequence lost, the same last "
-              "trailer). A full `improved audit verify` re-derives the covered part too.")
-        return 0
+        if not problems and since is not None:
+            seconds = time.perf_counter() - started
+            print(f"{since.read} trailers after the checkpoint of {base.count} trailers "
+                  f"(stream sequence {base.last_seq}) verified in {seconds:.2f} s; the stream "
+                  "still holds what that checkpoint covered (the same stream, no sequence "
+                  "lost, the same last trailer). A full `improved audit verify` re-derives "
+                  "the covered part too.")
+        tools_ok = await _verify_tools(store, config, trust, print, _to_stderr,
+                                       since_ms=base.at if base.count else None)
+        return 1 if problems or since is None or not tools_ok else 0
 
 
 def chain_trust(log_: list, daemons: set[str], config: Config) -> evidence.ChainTrust:
@@ -477,16 +498,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "missing, re-created, shorter, rewritten or unreadable stream is named. "
                     "Exits 1 if anything is broken.")
     add_connection_args(verify)
-    verify.add_argument("id", metavar="ID", nargs="?", type=ids.id_arg,
-                        help="only this proposal's chain (its id, or a unique prefix of it)")
+    verify.add_argument("id", metavar="ID", nargs="?", type=ids.chain_arg,
+                        help="only this proposal's chain (its id, or a unique prefix of it), "
+                             "or one tool runtime's (its chain id, or runtime:NAME)")
     verify.add_argument("--checkpoint", metavar="FILE",
                         help="the last checkpoint a daemon kept outside the stream, to verify "
                              "against (default: <data_dir>/last-checkpoint.json when present)")
     verify.add_argument("--since", action="store_true",
                         help="verify only what was appended since the last trusted checkpoint "
                              "(the file's or the stream's), checking in O(1) that the stream "
-                             "still holds what it covered; without it, everything is "
-                             "re-derived from the first trailer")
+                             "still holds what it covered, and the tool runtimes' trailers "
+                             "stored since; without it, everything is re-derived from the "
+                             "first trailer")
     verify.add_argument("--archive", metavar="DIR",
                         help="read the sealed epochs exported to DIR (`improved audit "
                              "archive`) and verify them with the rest of the log")

@@ -934,3 +934,68 @@ async def test_audit_verify_rechecks_the_session_proof_a_trailer_records(own_ser
         assert "Traceback" not in broken.stdout + broken.stderr
     finally:
         await bus.close(conn)
+
+
+async def test_audit_verify_since_and_by_chain_check_the_runtime_chains(own_server, svc,
+                                                                        tmp_path):
+    """`improved audit verify --since` checks the runtime chains' trailers stored since the
+    last checkpoint, each chain continued from the trailer before its first one there, by the
+    same rules as the whole-log verify; `improved audit verify runtime:NAME` (or the chain's
+    id) checks that one chain. A trailer appended unsigned after the checkpoint is named by
+    both, exit 1."""
+    from improved.runtime.daemon import Daemon
+    from improved.runtime.store import Store
+    from tests.bus import daemon_config
+
+    key = Ed25519PrivateKey.generate()
+    conn = await bus.connect(own_server.url, "tool-runtime-since")
+    daemon = Daemon(conn, msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
+                                                  data_dir=tmp_path / "data"))
+    await daemon.start()
+    try:
+        rt, tools = runtime(name=svc)
+        async with serving(conn, rt, key):
+            await call(conn, rt, "read", ARGS)
+            await call(conn, rt, "read", {"path": "/srv/data/1"})
+            await asyncio.sleep(0.05)
+            assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+            await asyncio.sleep(0.05)
+            await call(conn, rt, "deploy", ARGS, grant(tools["deploy"][0], now=now_ms()))
+        cfg = _verifier_config(tmp_path, svc, key)
+        cid = tools_chain_id(svc)
+
+        async def verify(*args: str):
+            return await asyncio.to_thread(improved, "audit", "verify", *args, "--nats",
+                                           own_server.url, "--config", cfg)
+
+        since = await verify("--since")
+        assert since.returncode == 0, since.stdout + since.stderr
+        assert ("tool runtimes (IMPROVE_TOOLS_AUDIT): 1/1 chains verified, 1 trailers since "
+                "the checkpoint") in since.stdout
+        for target in (f"runtime:{svc}", cid):
+            one = await verify(target)
+            assert one.returncode == 0, one.stdout + one.stderr
+            assert one.stdout.splitlines() == [
+                "tool runtimes (IMPROVE_TOOLS_AUDIT): 1/1 chains verified, 3 trailers"]
+
+        store = Store(conn, audit_stream=subjects.STREAM_TOOLS_AUDIT)
+        _, last = await store.chain_head(subjects.tools_audit(cid))
+        forged = dict(last, seq=last["seq"] + 1, prev=last["hash"], sig="", refs=[])
+        forged["hash"] = audit.trailer_hash(forged)
+        await conn.jetstream().publish(subjects.tools_audit(cid), to_json(forged))
+        line = (f"BROKEN {cid} trailer 3: not signed by a runtime: a trailer anyone on the bus "
+                f"could have written (tool runtime {svc}, IMPROVE_TOOLS_AUDIT)")
+        for args in (("--since",), (f"runtime:{svc}",), (cid,)):
+            broken = await verify(*args)
+            assert broken.returncode == 1, (args, broken.stdout + broken.stderr)
+            assert line in broken.stdout, (args, broken.stdout)
+
+        bad = await verify("runtime:Not A Name")
+        assert bad.returncode == 2 and "is not a runtime name" in bad.stderr
+        assert "Traceback" not in bad.stderr
+        nothing = await verify(tools_chain_id("nobody"))
+        assert nothing.returncode == 1 and "no chain for" in nothing.stderr
+        assert "Traceback" not in nothing.stderr
+    finally:
+        await daemon.stop()
+        await bus.close(conn)
