@@ -126,21 +126,24 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
                 say(f"checkpoint file {anchor_path} ({kept.count} trailers up to stream "
                     f"sequence {kept.last_seq}) holds: the stream is the one it was signed "
                     "over")
-        tools_ok = await _verify_tools(store, config, trust, say, note)
+        tools_ok = await _verify_tools(store, config, trust, say, note,
+                                       witnessed=since.witnessed)
         return 1 if problems or since.broken or not tools_ok else 0
 
 
 async def _verify_tools(store, config: Config, trust: evidence.ChainTrust,
                         say: Callable[[str], None], note: Callable[[str], None], *,
-                        since_ms: int | None = None) -> bool:
+                        since_ms: int | None = None,
+                        witnessed: checkpoint.Witness | None = None) -> bool:
     """The tool runtimes' chains, outside the daemon's log, each against its runtime's key in
-    `[trust.runtimes]` (with `since_ms`, only the trailers stored from then on): a line for
-    each broken or unverified chain, then the counts. False when any chain is either."""
+    `[trust.runtimes]` (with `since_ms`, only the trailers stored from then on) and against
+    the heads the daemon's checkpoints `witnessed`: a line for each broken or unverified
+    chain, then the counts. False when any chain is either."""
     from improved.runtime.tool_chains import verify_tool_chains
 
     found = await verify_tool_chains(store.nc, config.trust.runtime_store(), trust.history,
-                                     since_ms=since_ms)
-    if not found.exists:
+                                     since_ms=since_ms, witnessed=witnessed)
+    if not found.exists and found.ok:
         note(f"note: no stream {S.STREAM_TOOLS_AUDIT}: no tool runtime has recorded a call "
              "here (`improved provision` makes it)")
         return True
@@ -155,11 +158,16 @@ async def _verify_tool_chain(store, config: Config, trust: evidence.ChainTrust,
                              cid: str) -> int:
     """`audit verify <chain id>` of a tool runtime's chain (on IMPROVE_TOOLS_AUDIT), as the
     whole-log verify checks it; exit 1 when it is broken or unverified, or there is none."""
+    from improved.runtime import checkpointing
     from improved.runtime.tool_chains import verify_tool_chains
 
+    witnessed: checkpoint.Witness = {}
+    _, last = await store.chain_head(checkpointing.CP_SUBJECT)
+    if last is not None and evidence.writer_problem(last, trust.daemons) is None:
+        checkpoint.witness(witnessed, checkpoint.runtime_heads(last), last.get("at", 0))
     found = await verify_tool_chains(store.nc, config.trust.runtime_store(), trust.history,
-                                     chain=cid)
-    if not found.chains:
+                                     chain=cid, witnessed=witnessed)
+    if not found.chains and found.ok:
         print(f"improved audit verify: no chain for {cid} (neither a proposal's nor a tool "
               "runtime's)", file=sys.stderr)
         return 1
@@ -252,7 +260,8 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
                   "lost, the same last trailer). A full `improved audit verify` re-derives "
                   "the covered part too.")
         tools_ok = await _verify_tools(store, config, trust, print, _to_stderr,
-                                       since_ms=base.at if base.count else None)
+                                       since_ms=base.at if base.count else None,
+                                       witnessed=since.witnessed if since else None)
         return 1 if problems or since is None or not tools_ok else 0
 
 

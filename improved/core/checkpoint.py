@@ -31,6 +31,10 @@ from improved.protocol import canonical
 
 CHECKPOINT_ID = hashlib.sha256(b"improved checkpoints").hexdigest()
 
+RuntimeHead = tuple[str, int, str]
+"""A tool runtime's chain as a checkpoint witnessed it on IMPROVE_TOOLS_AUDIT: (chain id,
+length, the hash of its last trailer)."""
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -45,6 +49,9 @@ class Checkpoint:
     # daemon signature; what the next checkpoint continues from
     frontier: Frontier = ()
     last_hash: str = ""  # the hash of the trailer at last_seq
+    # a witness only, outside the statement too: the tool runtimes' chain heads the daemon
+    # read when it signed (their stream is not the log this checkpoint covers)
+    runtimes: tuple[RuntimeHead, ...] = ()
 
     def statement(self) -> bytes:
         """The signed bytes: canonical MessagePack of what the checkpoint commits to."""
@@ -58,14 +65,15 @@ def make(hashes: Sequence[str], last_seq: int, at: int, key: Ed25519PrivateKey) 
 
 
 def make_from(frontier: Frontier, count: int, last_seq: int, last_hash: str, at: int,
-              key: Ed25519PrivateKey) -> Checkpoint:
-    """The checkpoint over `count` trailers whose Merkle frontier is `frontier`."""
+              key: Ed25519PrivateKey, runtimes: Sequence[RuntimeHead] = ()) -> Checkpoint:
+    """The checkpoint over `count` trailers whose Merkle frontier is `frontier`, witnessing
+    the tool runtimes' chain heads `runtimes`."""
     cp = Checkpoint(count=count, root=merkle.root(frontier), last_seq=last_seq, at=at)
     public = signing.raw_public(key.public_key())
     return Checkpoint(cp.count, cp.root, cp.last_seq, cp.at, signing.keyid_of(public),
                       base64.b64encode(public).decode(),
                       base64.b64encode(key.sign(cp.statement())).decode(),
-                      tuple(frontier), last_hash)
+                      tuple(frontier), last_hash, tuple(sorted(runtimes)))
 
 
 def continues(cp: Checkpoint) -> bool:
@@ -92,7 +100,9 @@ def draft(cp: Checkpoint, actor: str) -> Draft:
                  refs=(ref("count", cp.count), ref("root", cp.root), ref("last_seq", cp.last_seq),
                        ref("checkpoint_at", cp.at), ref("keyid", cp.keyid),
                        ref("public", cp.public), ref("sig", cp.sig),
-                       ref("frontier", list(cp.frontier)), ref("last_hash", cp.last_hash)))
+                       ref("frontier", list(cp.frontier)), ref("last_hash", cp.last_hash))
+                 + ((ref("runtime_heads", {cid: [n, h] for cid, n, h in cp.runtimes}),)
+                    if cp.runtimes else ()))
 
 
 def from_trailer(body: dict[str, Any]) -> Checkpoint:
@@ -104,7 +114,59 @@ def from_trailer(body: dict[str, Any]) -> Checkpoint:
     return Checkpoint(count=int(refs["count"]), root=refs["root"],
                       last_seq=int(refs["last_seq"]), at=int(refs["checkpoint_at"]),
                       keyid=refs["keyid"], public=refs["public"], sig=refs["sig"],
-                      frontier=frontier, last_hash=refs.get("last_hash", ""))
+                      frontier=frontier, last_hash=refs.get("last_hash", ""),
+                      runtimes=_heads(refs.get("runtime_heads")))
+
+
+def _heads(text: str | None) -> tuple[RuntimeHead, ...]:
+    """The `runtime_heads:` ref, `{chain id: [length, last hash]}`; what is not well formed
+    is left out (a witness only)."""
+    try:
+        doc = json.loads(text) if text else {}
+    except ValueError:
+        return ()
+    if not isinstance(doc, dict):
+        return ()
+    return tuple(sorted((cid, v[0], v[1]) for cid, v in doc.items()
+                        if isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)
+                        and not isinstance(v[0], bool) and v[0] > 0 and isinstance(v[1], str)))
+
+
+def runtime_heads(body: dict[str, Any]) -> tuple[RuntimeHead, ...]:
+    """The tool runtimes' chain heads a checkpoint trailer witnessed (none when it is not a
+    checkpoint or witnessed none)."""
+    refs = refs_of(_Refs(body.get("refs", []) if isinstance(body.get("refs"), list) else []))
+    return _heads(refs.get("runtime_heads"))
+
+
+Witness = dict[str, tuple[int, str, int]]
+"""Chain id → (length, last hash, the checkpoint's `at`): the longest head of each tool
+runtime's chain that a checkpoint witnessed."""
+
+
+def witness(seen: Witness, heads: Sequence[RuntimeHead], at: int) -> None:
+    """Fold one checkpoint's witnessed heads into `seen`, keeping each chain's longest (a
+    hash chain's head at length n fixes every trailer before it)."""
+    for cid, length, last in heads:
+        if cid not in seen or length > seen[cid][0]:
+            seen[cid] = (length, last, at)
+
+
+def runtime_chain_problem(cid: str, witnessed: tuple[int, str, int], length: int | None,
+                          hash_at: str | None) -> str | None:
+    """Why a tool runtime's chain no longer holds the head a checkpoint witnessed, or None:
+    it is missing (`length` None), shorter, or its trailer at the witnessed position has
+    another hash (`hash_at`; None when the reader did not see that trailer: not judged)."""
+    n, last, at = witnessed
+    what = f"the checkpoint at {at} witnessed {n} trailers ending in {last[:16]}…"
+    if length is None:
+        return f"{cid}: the chain is missing; {what}: the whole chain was removed"
+    if length < n:
+        return f"{cid}: the chain holds {length} trailers; {what}: trailers were removed"
+    if hash_at is not None and hash_at != last:
+        return (f"{cid} trailer {n - 1}: it is not the trailer {what}: the chain was "
+                "replaced or rewritten")
+    return None
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ class Since:
     broken: int = 0  # chains that stopped verifying (only counted when reading on past one)
     verify_s: float = 0.0  # seconds spent verifying, reading excluded
     writers_s: float = 0.0  # of which: daemon signatures and signed acts
+    # the longest head of each tool runtime's chain the checkpoints read witnessed
+    witnessed: checkpoint.Witness = field(default_factory=dict)
 
 
 MAX_RUNS = 10_000  # chains whose state a reader holds at once; one evicted is re-read if met
@@ -177,6 +179,10 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
             runs.pop(subject, None)
             if report is not None:
                 report(problem)
+        if subject == CP_SUBJECT and problem is None:
+            at = body.get("at")
+            checkpoint.witness(since.witnessed, checkpoint.runtime_heads(body),
+                               at if isinstance(at, int) else 0)
         if subject != CP_SUBJECT:
             leaf = body.get("hash")
             since.tree.add(leaf if isinstance(leaf, str) else "")

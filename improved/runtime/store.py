@@ -256,8 +256,8 @@ def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsa
 
 def tools_audit_config(replicas: int = 1) -> jsapi.StreamConfig:
     """The tool runtimes' audit chains (`S.tools_audit`): durable as the daemon's log (file
-    storage, no limits, no message deletes), but a stream of its own that no daemon writes,
-    reads or checkpoints, so a runtime's chain (or a trailer someone forged on it) is never
+    storage, no limits, no message deletes), but a stream of its own that no daemon writes
+    or checkpoints (a checkpoint witnesses each chain's last trailer, no more), so a runtime's chain (or a trailer someone forged on it) is never
     part of the daemon's log: `improved audit verify` checks it against `[trust.runtimes]`."""
     return jsapi.StreamConfig(
         name=S.STREAM_TOOLS_AUDIT, subjects=[S.TOOLS_AUDIT_FILTER],

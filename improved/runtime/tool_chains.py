@@ -2,7 +2,8 @@
 stream by, for `improved audit verify`.
 
 A runtime's chain lives outside the daemon's log (see `improved_reference.tool_runtime` for
-why): no daemon reads it and no checkpoint covers it, so this is the one place it is checked.
+why): no daemon checks it and no checkpoint covers it, so this is the one place it is checked
+(a checkpoint only witnesses each chain's head, `runtime_heads`, which it is checked against).
 Each chain is verified on its own — hash, link, lifecycle, and, when `[trust.runtimes]` names
 the runtime whose chain it is, that every trailer is signed by that runtime's key and the
 signed act under it (a grant, an upgrade) verifies. A chain whose runtime has no key there is
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client
 
-from improved.core import audit, evidence
+from improved.core import audit, checkpoint, evidence
 from improved.core.signing import TrustStore
 from improved.core.tools import claimed_runtime, runtime_writers
 from improved.protocol import subjects as S
@@ -33,6 +34,7 @@ class _Chain:
     runtime: str | None  # trusted, or as its first trailer names it
     trailers: int = 0
     broken: audit.Break | str | None = None
+    hash_at: str | None = None  # the hash of its trailer at the witnessed head, when read
 
 
 @dataclass
@@ -60,21 +62,44 @@ class ToolChains:
                 + (f", {self.broken} broken" if self.broken else ""))
 
 
+async def runtime_heads(nc: Client) -> tuple[checkpoint.RuntimeHead, ...]:
+    """Each tool runtime's chain head on `IMPROVE_TOOLS_AUDIT` — (chain id, length, last
+    hash) — for a checkpoint to witness: one stream-info listing its subjects, then the last
+    message of each, so the cost follows the number of runtimes, not their history. Raises
+    when the stream cannot be read (it may not exist, or this user may not read it)."""
+    store = Store(nc, audit_stream=S.STREAM_TOOLS_AUDIT)
+    info = await store.js.stream_info(S.STREAM_TOOLS_AUDIT,
+                                      subjects_filter=S.TOOLS_AUDIT_FILTER)
+    heads = []
+    for subject in sorted(info.state.subjects or {}):
+        _, body = await store.chain_head(subject)
+        cid = S.token(subject, 3) or ""
+        if isinstance(body, dict) and isinstance(body.get("seq"), int) \
+                and isinstance(body.get("hash"), str):
+            heads.append((cid, body["seq"] + 1, body["hash"]))
+    return tuple(heads)
+
+
 async def verify_tool_chains(nc: Client, runtimes: TrustStore, history: evidence.History, *,
                              since_ms: int | None = None, chain: str | None = None,
-                             ) -> ToolChains:
+                             witnessed: checkpoint.Witness | None = None) -> ToolChains:
     """Every chain of `IMPROVE_TOOLS_AUDIT`, each against the key `runtimes` gives the runtime
     whose chain it is; signed acts against every operator key `history` ever trusted (the
     stream's sequences are not the trust chain's).
 
     `since_ms`: only the trailers the server stored from that time on (`audit verify
     --since`), each chain met there continued from the trailer before it. `chain`: only that
-    chain, read from its first trailer (`audit verify <chain id>`)."""
+    chain, read from its first trailer (`audit verify <chain id>`). `witnessed`: the heads
+    the daemon's checkpoints witnessed; a chain missing, shorter or not the same at its
+    witnessed head is BROKEN (`core.checkpoint.runtime_chain_problem`)."""
     store = Store(nc, audit_stream=S.STREAM_TOOLS_AUDIT)
     view = await store.audit_view()
-    if view.created is None:
-        return ToolChains(exists=False)
     writers = runtime_writers(runtimes)
+    heads = {cid: w for cid, w in (witnessed or {}).items() if chain in (None, cid)}
+    if view.created is None:
+        return ToolChains(exists=False, lines=[
+            f"BROKEN {checkpoint.runtime_chain_problem(cid, head, None, None)} "
+            f"({S.STREAM_TOOLS_AUDIT} does not exist)" for cid, head in sorted(heads.items())])
     acts = evidence.History(fallback=evidence.ever(history))
     found = ToolChains(exists=True)
     chains: dict[str, _Chain] = {}
@@ -100,7 +125,11 @@ async def verify_tool_chains(nc: Client, runtimes: TrustStore, history: evidence
                     ch.broken = run
                 else:
                     ch.run = run
+                    if run.position == heads.get(cid, (0,))[0]:
+                        ch.hash_at = run.prev
         ch.trailers += 1
+        if isinstance(body, dict) and body.get("seq") == heads.get(cid, (0,))[0] - 1:
+            ch.hash_at = body.get("hash") if isinstance(body.get("hash"), str) else ""
         if ch.broken is not None:
             continue
         if body is None:
@@ -108,6 +137,41 @@ async def verify_tool_chains(nc: Client, runtimes: TrustStore, history: evidence
             continue
         ch.broken = audit.verify_next(ch.run, body, ch.trust, 0)
     found.trailers, found.chains = read, len(chains)
+    _report(found, chains)
+    for cid, head in sorted(heads.items()):
+        problem = await _witnessed_problem(store, cid, head, chains.get(cid))
+        if problem is not None:
+            runtime = writers[cid][0] if cid in writers else (
+                chains[cid].runtime if cid in chains else None)
+            who = f"tool runtime {runtime}" if runtime else "a tool runtime"
+            found.lines.append(f"BROKEN {problem} ({who}, {S.STREAM_TOOLS_AUDIT})")
+    if chain is not None:
+        return found  # a chain's own links name what is missing inside it
+    start = view.first_seq if since_ms is None else (first or view.last_seq + 1)
+    expected = view.last_seq - start + 1 if view.last_seq else 0
+    if (since_ms is None and view.first_seq > 1) or read < expected:
+        found.lines.append(
+            f"BROKEN {S.STREAM_TOOLS_AUDIT} holds {read} readable trailers at sequences "
+            f"{start}..{view.last_seq}: trailers were removed, lost or are unreadable")
+    return found
+
+
+async def _witnessed_problem(store: Store, cid: str, head: tuple[int, str, int],
+                             read: _Chain | None) -> str | None:
+    """Whether the chain `cid` still holds the head a checkpoint witnessed: its length from
+    its last message (one direct get), its trailer at the witnessed position from the read
+    (or from that last message when it is the one)."""
+    _, last = await store.chain_head(S.tools_audit(cid))
+    length = last.get("seq") if isinstance(last, dict) else None
+    length = length + 1 if isinstance(length, int) else None
+    hash_at: str | None = read.hash_at if read is not None else None
+    if isinstance(last, dict) and length == head[0]:
+        hash_at = last.get("hash") if isinstance(last.get("hash"), str) else ""
+    return checkpoint.runtime_chain_problem(cid, head, length, hash_at)
+
+
+def _report(found: ToolChains, chains: dict[str, _Chain]) -> None:
+    """A BROKEN or UNVERIFIED line for each chain that is either, by runtime; the counts."""
     for cid, ch in sorted(chains.items(), key=lambda kv: kv[1].runtime or kv[0]):
         who = f"tool runtime {ch.runtime}" if ch.runtime else "a tool runtime"
         if ch.broken is not None:
@@ -126,12 +190,3 @@ async def verify_tool_chains(nc: Client, runtimes: TrustStore, history: evidence
                 "wrote them is not checked")
         else:
             found.verified += 1
-    if chain is not None:
-        return found  # a chain's own links name what is missing inside it
-    start = view.first_seq if since_ms is None else (first or view.last_seq + 1)
-    expected = view.last_seq - start + 1 if view.last_seq else 0
-    if (since_ms is None and view.first_seq > 1) or read < expected:
-        found.lines.append(
-            f"BROKEN {S.STREAM_TOOLS_AUDIT} holds {read} readable trailers at sequences "
-            f"{start}..{view.last_seq}: trailers were removed, lost or are unreadable")
-    return found

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import secrets
 import time
 
@@ -999,3 +1000,91 @@ async def test_audit_verify_since_and_by_chain_check_the_runtime_chains(own_serv
     finally:
         await daemon.stop()
         await bus.close(conn)
+
+
+# -- a runtime chain removed is named against the heads the checkpoints witnessed ----------------
+
+
+async def test_a_removed_or_replaced_runtime_chain_is_named_against_the_checkpoints_witness(
+        own_server, svc, tmp_path):
+    """The attack: IMPROVE_TOOLS_AUDIT has no checkpoint of its own, so a runtime's whole
+    chain purged (or the stream re-created and the chain written anew) left nothing to tell.
+    The daemon's checkpoint now witnesses each runtime chain's head; `improved audit verify`
+    names a chain missing, shorter than or diverging from it (exit 1). The daemon itself
+    never goes into crisis over it: its next checkpoint is signed as before."""
+    from improved.runtime.daemon import Daemon
+    from improved.runtime.store import Store
+    from tests.bus import daemon_config
+
+    key = Ed25519PrivateKey.generate()
+    conn = await bus.connect(own_server.url, "tool-runtime-witness")
+    daemon = Daemon(conn, msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
+                                                  data_dir=tmp_path / "data"))
+    await daemon.start()
+    js = conn.jetstream()
+    cid = tools_chain_id(svc)
+    subject = subjects.tools_audit(cid)
+    cfg = _verifier_config(tmp_path, svc, key)
+
+    async def verify():
+        return await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
+                                       "--config", cfg)
+
+    async def calls(n: int, tag: str) -> None:
+        rt, _ = runtime(name=svc)
+        async with serving(conn, rt, key):
+            for k in range(n):
+                await call(conn, rt, "read", {"path": f"/srv/data/{tag}{k}"})
+
+    async def checkpoint_witnesses() -> str:
+        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+        assert not (await daemon.engine.autonomy(2**62)).crisis
+        _, cp = await daemon.store.chain_head(checkpointing_subject())
+        return next((r for r in cp["refs"] if r.startswith("runtime_heads:")), "")
+
+    try:
+        await calls(2, "a")
+        witnessed = await checkpoint_witnesses()
+        ok = await verify()
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        store = Store(conn, audit_stream=subjects.STREAM_TOOLS_AUDIT)
+        _, head = await store.chain_head(subject)
+
+        await js.delete_stream(subjects.STREAM_TOOLS_AUDIT)  # every runtime chain with it
+        missing = await verify()
+        assert missing.returncode == 1, missing.stdout + missing.stderr
+        assert (f"BROKEN {cid}: the chain is missing; the checkpoint at") in missing.stdout
+        assert f"witnessed 2 trailers ending in {head['hash'][:16]}…: the whole chain was " \
+               "removed (IMPROVE_TOOLS_AUDIT does not exist)" in missing.stdout
+        assert witnessed == "runtime_heads:" + json.dumps({cid: [2, head["hash"]]},
+                                                          separators=(",", ":"))
+
+        await js.add_stream(tools_audit_config())  # re-created: the chain written anew
+        await calls(1, "b")
+        short = await verify()
+        assert short.returncode == 1
+        assert f"BROKEN {cid}: the chain holds 1 trailers; the checkpoint at" in short.stdout
+        await calls(2, "c")
+        other = await verify()
+        assert other.returncode == 1
+        assert (f"BROKEN {cid} trailer 1: it is not the trailer the checkpoint at"
+                in other.stdout), other.stdout
+        assert "the chain was replaced or rewritten" in other.stdout
+
+        await js.purge_stream(subjects.STREAM_TOOLS_AUDIT, subject=subject)  # the whole chain
+        gone = await verify()
+        assert gone.returncode == 1
+        assert (f"BROKEN {cid}: the chain is missing; the checkpoint at") in gone.stdout
+        assert f"the whole chain was removed (tool runtime {svc}, IMPROVE_TOOLS_AUDIT)" \
+            in gone.stdout
+        assert "Traceback" not in gone.stdout + gone.stderr
+        assert await checkpoint_witnesses() == ""  # nothing left to witness, and no crisis
+    finally:
+        await daemon.stop()
+        await bus.close(conn)
+
+
+def checkpointing_subject() -> str:
+    from improved.runtime.checkpointing import CP_SUBJECT
+
+    return CP_SUBJECT

@@ -171,3 +171,47 @@ def test_the_stream_still_holds_what_the_last_checkpoint_covered_in_o1(view, fou
         assert problem is None
     else:
         assert problem is not None and named in problem and "10 trailers" in problem, problem
+
+
+def test_a_checkpoint_witnesses_the_runtime_chain_heads_outside_its_statement():
+    """The tool runtimes' chain heads ride on the checkpoint trailer (`runtime_heads:`), not
+    in the signed statement: a checkpoint with or without them signs the same bytes, and a
+    malformed ref witnesses nothing."""
+    from improved.core import audit
+    from improved.core.record import ChainHead
+
+    key = Ed25519PrivateKey.generate()
+    heads = [("b" * 64, 3, "c" * 64), ("a" * 64, 1, "d" * 64)]
+    cp = checkpoint.make_from((), 0, 0, "", 1000, key, heads)
+    bare = checkpoint.make_from((), 0, 0, "", 1000, key)
+    assert cp.statement() == bare.statement() and checkpoint.signature_ok(cp)
+    body = msgspec_body(audit.seal_next(checkpoint.draft(cp, "improved:x"),
+                                        checkpoint.CHECKPOINT_ID, ChainHead(), "L0",
+                                        "operation", 1000))
+    assert checkpoint.runtime_heads(body) == tuple(sorted(heads))
+    assert checkpoint.from_trailer(body).runtimes == tuple(sorted(heads))
+    assert not any(r.startswith("runtime_heads:") for r in checkpoint.draft(bare, "x").refs)
+    for bad in ("runtime_heads:[1]", "runtime_heads:{", 'runtime_heads:{"a":[0,"x"]}',
+                'runtime_heads:{"a":[true,"x"]}'):
+        assert checkpoint.runtime_heads({"refs": [bad]}) == ()
+
+
+def test_the_longest_witnessed_head_is_what_a_runtime_chain_must_still_hold():
+    seen: checkpoint.Witness = {}
+    checkpoint.witness(seen, [("c", 2, "h2")], 10)
+    checkpoint.witness(seen, [("c", 5, "h5")], 20)
+    checkpoint.witness(seen, [("c", 4, "h4")], 30)  # a shorter witness later: kept the longest
+    assert seen == {"c": (5, "h5", 20)}
+    problem = checkpoint.runtime_chain_problem
+    assert problem("c", seen["c"], 5, "h5") is None
+    assert problem("c", seen["c"], 9, "h5") is None
+    assert problem("c", seen["c"], 9, None) is None  # that trailer not seen: not judged
+    assert "the chain is missing" in problem("c", seen["c"], None, None)
+    assert "the chain holds 4 trailers" in problem("c", seen["c"], 4, None)
+    assert problem("c", seen["c"], 9, "other").startswith("c trailer 4: it is not the trailer")
+
+
+def msgspec_body(trailer) -> dict:
+    import msgspec
+
+    return msgspec.to_builtins(trailer)
