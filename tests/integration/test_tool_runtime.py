@@ -71,6 +71,24 @@ async def serving(nc, rt: Runtime, key=None):
         await service.stop()
 
 
+@contextlib.asynccontextmanager
+async def own_daemon(server, tmp_path, name: str):
+    """A connection to `server` and a daemon of its own on it, whose checkpoints the test
+    signs when it wants them (`daemon.engine.checkpoint`)."""
+    from improved.runtime.daemon import Daemon
+    from tests.bus import daemon_config
+
+    conn = await bus.connect(server.url, name)
+    daemon = Daemon(conn, msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
+                                                  data_dir=tmp_path / "data"))
+    await daemon.start()
+    try:
+        yield conn, daemon
+    finally:
+        await daemon.stop()
+        await bus.close(conn)
+
+
 async def ask(nc, subject: str, body) -> dict:
     msg = await nc.request(subject, body if isinstance(body, bytes) else to_json(body),
                            timeout=5)
@@ -704,16 +722,10 @@ async def test_improved_audit_verify_checks_the_tools_chain(own_server, svc, tmp
     wrong; a trailer someone else appends is named BROKEN."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from improved.runtime.daemon import Daemon
     from improved.runtime.store import Store
-    from tests.bus import daemon_config
 
     key = Ed25519PrivateKey.generate()
-    conn = await bus.connect(own_server.url, "tool-runtime-verify")
-    daemon = Daemon(conn, msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
-                                                  data_dir=tmp_path / "data"))
-    await daemon.start()
-    try:
+    async with own_daemon(own_server, tmp_path, "tool-runtime-verify") as (conn, daemon):
         rt, tools = runtime(name=svc)
         async with serving(conn, rt, key):
             await call(conn, rt, "read", ARGS)
@@ -761,9 +773,6 @@ async def test_improved_audit_verify_checks_the_tools_chain(own_server, svc, tmp
         assert (f"BROKEN {cid} trailer 2: not signed by a runtime: a trailer anyone on the bus "
                 f"could have written (tool runtime {svc}, IMPROVE_TOOLS_AUDIT)") in broken.stdout
         assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
-    finally:
-        await daemon.stop()
-        await bus.close(conn)
 
 
 # -- a runtime nobody trusts cannot stop the loop -----------------------------------------------
@@ -944,16 +953,10 @@ async def test_audit_verify_since_and_by_chain_check_the_runtime_chains(own_serv
     same rules as the whole-log verify; `improved audit verify runtime:NAME` (or the chain's
     id) checks that one chain. A trailer appended unsigned after the checkpoint is named by
     both, exit 1."""
-    from improved.runtime.daemon import Daemon
     from improved.runtime.store import Store
-    from tests.bus import daemon_config
 
     key = Ed25519PrivateKey.generate()
-    conn = await bus.connect(own_server.url, "tool-runtime-since")
-    daemon = Daemon(conn, msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
-                                                  data_dir=tmp_path / "data"))
-    await daemon.start()
-    try:
+    async with own_daemon(own_server, tmp_path, "tool-runtime-since") as (conn, daemon):
         rt, tools = runtime(name=svc)
         async with serving(conn, rt, key):
             await call(conn, rt, "read", ARGS)
@@ -997,9 +1000,6 @@ async def test_audit_verify_since_and_by_chain_check_the_runtime_chains(own_serv
         nothing = await verify(tools_chain_id("nobody"))
         assert nothing.returncode == 1 and "no chain for" in nothing.stderr
         assert "Traceback" not in nothing.stderr
-    finally:
-        await daemon.stop()
-        await bus.close(conn)
 
 
 # -- a runtime chain removed is named against the heads the checkpoints witnessed ----------------
@@ -1012,37 +1012,31 @@ async def test_a_removed_or_replaced_runtime_chain_is_named_against_the_checkpoi
     The daemon's checkpoint now witnesses each runtime chain's head; `improved audit verify`
     names a chain missing, shorter than or diverging from it (exit 1). The daemon itself
     never goes into crisis over it: its next checkpoint is signed as before."""
-    from improved.runtime.daemon import Daemon
     from improved.runtime.store import Store
-    from tests.bus import daemon_config
 
     key = Ed25519PrivateKey.generate()
-    conn = await bus.connect(own_server.url, "tool-runtime-witness")
-    daemon = Daemon(conn, msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
-                                                  data_dir=tmp_path / "data"))
-    await daemon.start()
-    js = conn.jetstream()
     cid = tools_chain_id(svc)
     subject = subjects.tools_audit(cid)
     cfg = _verifier_config(tmp_path, svc, key)
+    async with own_daemon(own_server, tmp_path, "tool-runtime-witness") as (conn, daemon):
+        js = conn.jetstream()
 
-    async def verify():
-        return await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
-                                       "--config", cfg)
+        async def verify():
+            return await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
+                                           "--config", cfg)
 
-    async def calls(n: int, tag: str) -> None:
-        rt, _ = runtime(name=svc)
-        async with serving(conn, rt, key):
-            for k in range(n):
-                await call(conn, rt, "read", {"path": f"/srv/data/{tag}{k}"})
+        async def calls(n: int, tag: str) -> None:
+            rt, _ = runtime(name=svc)
+            async with serving(conn, rt, key):
+                for k in range(n):
+                    await call(conn, rt, "read", {"path": f"/srv/data/{tag}{k}"})
 
-    async def checkpoint_witnesses() -> str:
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
-        assert not (await daemon.engine.autonomy(2**62)).crisis
-        _, cp = await daemon.store.chain_head(checkpointing_subject())
-        return next((r for r in cp["refs"] if r.startswith("runtime_heads:")), "")
+        async def checkpoint_witnesses() -> str:
+            assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+            assert not (await daemon.engine.autonomy(2**62)).crisis
+            _, cp = await daemon.store.chain_head(checkpointing_subject())
+            return next((r for r in cp["refs"] if r.startswith("runtime_heads:")), "")
 
-    try:
         await calls(2, "a")
         witnessed = await checkpoint_witnesses()
         ok = await verify()
@@ -1079,9 +1073,6 @@ async def test_a_removed_or_replaced_runtime_chain_is_named_against_the_checkpoi
             in gone.stdout
         assert "Traceback" not in gone.stdout + gone.stderr
         assert await checkpoint_witnesses() == ""  # nothing left to witness, and no crisis
-    finally:
-        await daemon.stop()
-        await bus.close(conn)
 
 
 def checkpointing_subject() -> str:
