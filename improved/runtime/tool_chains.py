@@ -15,6 +15,7 @@ and `core.evidence`.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client
@@ -25,6 +26,8 @@ from improved.core.tools import claimed_runtime, runtime_writers
 from improved.protocol import subjects as S
 from improved.runtime import checkpointing
 from improved.runtime.store import Store
+
+HEADS_AT_ONCE = 64  # chain heads a checkpoint asks for at once
 
 
 @dataclass
@@ -70,13 +73,15 @@ async def runtime_heads(nc: Client) -> tuple[checkpoint.RuntimeHead, ...]:
     store = Store(nc, audit_stream=S.STREAM_TOOLS_AUDIT)
     info = await store.js.stream_info(S.STREAM_TOOLS_AUDIT,
                                       subjects_filter=S.TOOLS_AUDIT_FILTER)
+    subjects = sorted(info.state.subjects or {})
     heads = []
-    for subject in sorted(info.state.subjects or {}):
-        _, body = await store.chain_head(subject)
-        cid = S.token(subject, 3) or ""
-        if isinstance(body, dict) and isinstance(body.get("seq"), int) \
-                and isinstance(body.get("hash"), str):
-            heads.append((cid, body["seq"] + 1, body["hash"]))
+    for at in range(0, len(subjects), HEADS_AT_ONCE):
+        batch = subjects[at:at + HEADS_AT_ONCE]
+        for subject, (_, body) in zip(batch, await asyncio.gather(
+                *(store.chain_head(subject) for subject in batch)), strict=True):
+            if isinstance(body, dict) and isinstance(body.get("seq"), int) \
+                    and isinstance(body.get("hash"), str):
+                heads.append((S.token(subject, 3) or "", body["seq"] + 1, body["hash"]))
     return tuple(heads)
 
 
