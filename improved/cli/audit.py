@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Coroutine
 from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -23,6 +23,9 @@ from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
 from improved.runtime.bus import Target
 from improved.runtime.config import Config
+
+if TYPE_CHECKING:
+    from improved.runtime.tool_chains import Witnesses
 
 
 def _to_stderr(line: str) -> None:
@@ -73,7 +76,7 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
     the data directory. Memory stays flat however long the log. Sealed epochs removed from
     the stream are read from their export in `archive_dir`, each checked against its seal;
     without it, what the stream still holds is verified and the tree goes on from the seal."""
-    from improved.runtime import archive, checkpointing
+    from improved.runtime import archive, checkpointing, tool_chains
 
     async with deployment(url, bind=False) as store:
         view = await store.audit_view()
@@ -100,10 +103,11 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
                 source = archive.chained(archive.entries(files),
                                          store.follow(S.AUDIT_FILTER, upto + 1, view.last_seq))
         started = time.perf_counter()
+        witnesses = tool_chains.Witnesses(store.nc)
         since = await checkpointing.verify_since(
             store, checkpointing.empty_base(view), view, trust, trusted, claims,
             every_chain=True, report=lambda brk: say(f"BROKEN {brk}"), archived=last,
-            source=source)
+            source=source, on_checkpoint=witnesses.fold)
         problems += since.problems
         for problem in problems:
             say(f"BROKEN {problem}")
@@ -126,23 +130,24 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
                 say(f"checkpoint file {anchor_path} ({kept.count} trailers up to stream "
                     f"sequence {kept.last_seq}) holds: the stream is the one it was signed "
                     "over")
-        tools_ok = await _verify_tools(store, config, trust, say, note,
-                                       witnessed=since.witnessed)
+        tools_ok = await _verify_tools(store, config, trust, say, note, witnesses)
         return 1 if problems or since.broken or not tools_ok else 0
 
 
 async def _verify_tools(store, config: Config, trust: evidence.ChainTrust,
-                        say: Callable[[str], None], note: Callable[[str], None], *,
-                        since_ms: int | None = None,
-                        witnessed: checkpoint.Witness | None = None) -> bool:
+                        say: Callable[[str], None], note: Callable[[str], None],
+                        witnesses: Witnesses, *, since_ms: int | None = None) -> bool:
     """The tool runtimes' chains, outside the daemon's log, each against its runtime's key in
     `[trust.runtimes]` (with `since_ms`, only the trailers stored from then on) and against
-    the heads the daemon's checkpoints `witnessed`: a line for each broken or unverified
-    chain, then the counts. False when any chain is either."""
+    the heads the daemon's checkpoints witnessed (`witnesses`, as the read of the log met
+    them): a line for each broken or unverified chain, then the counts. False when any
+    chain is either."""
     from improved.runtime.tool_chains import verify_tool_chains
 
-    found = await verify_tool_chains(store.nc, config.trust.runtime_store(), trust.history,
-                                     since_ms=since_ms, witnessed=witnessed)
+    found = await verify_tool_chains(
+        store.nc, config.trust.runtime_store(), trust.history, since_ms=since_ms,
+        witnessed={c: w for c, w in witnesses.seen.items() if c not in witnesses.named})
+    found.lines[:0] = witnesses.lines
     if not found.exists and found.ok:
         note(f"note: no stream {S.STREAM_TOOLS_AUDIT}: no tool runtime has recorded a call "
              "here (`improved provision` makes it)")
@@ -158,15 +163,15 @@ async def _verify_tool_chain(store, config: Config, trust: evidence.ChainTrust,
                              cid: str) -> int:
     """`audit verify <chain id>` of a tool runtime's chain (on IMPROVE_TOOLS_AUDIT), as the
     whole-log verify checks it; exit 1 when it is broken or unverified, or there is none."""
-    from improved.runtime import checkpointing
+    from improved.runtime import checkpointing, tool_chains
     from improved.runtime.tool_chains import verify_tool_chains
 
-    witnessed: checkpoint.Witness = {}
+    witnesses = tool_chains.Witnesses(store.nc)  # the last checkpoint's alone
     _, last = await store.chain_head(checkpointing.CP_SUBJECT)
     if last is not None and evidence.writer_problem(last, trust.daemons) is None:
-        checkpoint.witness(witnessed, checkpoint.runtime_heads(last), last.get("at", 0))
+        await witnesses.fold(last)
     found = await verify_tool_chains(store.nc, config.trust.runtime_store(), trust.history,
-                                     chain=cid, witnessed=witnessed)
+                                     chain=cid, witnessed=witnesses.seen)
     if not found.chains and found.ok:
         print(f"improved audit verify: no chain for {cid} (neither a proposal's nor a tool "
               "runtime's)", file=sys.stderr)
@@ -220,7 +225,7 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
     checkpoint does (`runtime.checkpointing`): in O(1) that the stream still holds what that
     checkpoint covered, then every trailer after it in its chain. Without a checkpoint to
     continue from, the whole log is read once, one trailer at a time."""
-    from improved.runtime import anchor, archive, checkpointing
+    from improved.runtime import anchor, archive, checkpointing, tool_chains
 
     kept = None
     if anchor_path is not None:
@@ -245,10 +250,11 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
             store, kept, view, trust, trusted, seal.removable if seal else 0)
         problems += [unsealed] if unsealed else []
         since = None
+        witnesses = tool_chains.Witnesses(store.nc)
         if not problems:
             since = await checkpointing.verify_since(
                 store, base, view, dataclasses.replace(trust, covered_to=base.last_seq),
-                trusted, claims, archived=seal)
+                trusted, claims, archived=seal, on_checkpoint=witnesses.fold)
             problems = since.problems
         for problem in problems:
             print(f"BROKEN {problem}")
@@ -259,9 +265,8 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
                   "still holds what that checkpoint covered (the same stream, no sequence "
                   "lost, the same last trailer). A full `improved audit verify` re-derives "
                   "the covered part too.")
-        tools_ok = await _verify_tools(store, config, trust, print, _to_stderr,
-                                       since_ms=base.at if base.count else None,
-                                       witnessed=since.witnessed if since else None)
+        tools_ok = await _verify_tools(store, config, trust, print, _to_stderr, witnesses,
+                                       since_ms=base.at if base.count else None)
         return 1 if problems or since is None or not tools_ok else 0
 
 

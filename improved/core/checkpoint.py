@@ -31,9 +31,9 @@ from improved.protocol import canonical
 
 CHECKPOINT_ID = hashlib.sha256(b"improved checkpoints").hexdigest()
 
-RuntimeHead = tuple[str, int, str]
+RuntimeHead = tuple[str, int, str, int]
 """A tool runtime's chain as a checkpoint witnessed it on IMPROVE_TOOLS_AUDIT: (chain id,
-length, the hash of its last trailer)."""
+length, the hash of its last trailer, that trailer's stream sequence)."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def draft(cp: Checkpoint, actor: str) -> Draft:
                        ref("checkpoint_at", cp.at), ref("keyid", cp.keyid),
                        ref("public", cp.public), ref("sig", cp.sig),
                        ref("frontier", list(cp.frontier)), ref("last_hash", cp.last_hash))
-                 + ((ref("runtime_heads", {cid: [n, h] for cid, n, h in cp.runtimes}),)
+                 + ((ref("runtime_heads", {cid: [n, h, q] for cid, n, h, q in cp.runtimes}),)
                     if cp.runtimes else ()))
 
 
@@ -119,17 +119,18 @@ def from_trailer(body: dict[str, Any]) -> Checkpoint:
 
 
 def _heads(text: str | None) -> tuple[RuntimeHead, ...]:
-    """The `runtime_heads:` ref, `{chain id: [length, last hash]}`; what is not well formed
-    is left out (a witness only)."""
+    """The `runtime_heads:` ref, `{chain id: [length, last hash, its stream sequence]}`; what
+    is not well formed is left out (a witness only)."""
     try:
         doc = json.loads(text) if text else {}
     except ValueError:
         return ()
     if not isinstance(doc, dict):
         return ()
-    return tuple(sorted((cid, v[0], v[1]) for cid, v in doc.items()
-                        if isinstance(v, list) and len(v) == 2 and isinstance(v[0], int)
-                        and not isinstance(v[0], bool) and v[0] > 0 and isinstance(v[1], str)))
+    return tuple(sorted((cid, v[0], v[1], v[2]) for cid, v in doc.items()
+                        if isinstance(v, list) and len(v) == 3 and isinstance(v[1], str)
+                        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                for n in (v[0], v[2]))))
 
 
 def runtime_heads(body: dict[str, Any]) -> tuple[RuntimeHead, ...]:
@@ -139,25 +140,62 @@ def runtime_heads(body: dict[str, Any]) -> tuple[RuntimeHead, ...]:
     return _heads(refs.get("runtime_heads"))
 
 
-Witness = dict[str, tuple[int, str, int]]
-"""Chain id → (length, last hash, the checkpoint's `at`): the longest head of each tool
-runtime's chain that a checkpoint witnessed."""
+Witnessed = tuple[int, str, int, int]
+"""One chain's witnessed head: (length, last hash, its stream sequence, the checkpoint's
+`at`)."""
+Witness = dict[str, Witnessed]
+"""Chain id → the longest head of that tool runtime's chain a checkpoint witnessed."""
 
 
-def witness(seen: Witness, heads: Sequence[RuntimeHead], at: int) -> None:
+def witness(seen: Witness, heads: Sequence[RuntimeHead], at: int,
+            ) -> tuple[list[tuple[str, Witnessed]], list[tuple[str, str]]]:
     """Fold one checkpoint's witnessed heads into `seen`, keeping each chain's longest (a
-    hash chain's head at length n fixes every trailer before it)."""
-    for cid, length, last in heads:
-        if cid not in seen or length > seen[cid][0]:
-            seen[cid] = (length, last, at)
+    hash chain's head at length n fixes every trailer before it). Returns the heads it
+    replaced by longer ones — each still to be found at its stream sequence
+    (`witnessed_trailer_problem`), since the longer head says nothing of them — and what the
+    witnesses say themselves: a later one shorter than, or as long as but other than, an
+    earlier one (the chain was cut or replaced in between), by chain id."""
+    superseded: list[tuple[str, Witnessed]] = []
+    problems: list[tuple[str, str]] = []
+    for cid, length, last, seq in heads:
+        kept = seen.get(cid)
+        if kept is not None and (length, last) != kept[:2] and length <= kept[0]:
+            problems.append((cid,
+                f"{cid}: the checkpoint at {at} witnessed {length} trailers ending in "
+                f"{last[:16]}…, the one at {kept[3]} {kept[0]} ending in {kept[1][:16]}…: the "
+                "chain was " + ("cut short" if length < kept[0] else "replaced") +
+                " between them"))
+            continue
+        if kept is None or length > kept[0]:
+            if kept is not None:
+                superseded.append((cid, kept))
+            seen[cid] = (length, last, seq, at)
+    return superseded, problems
 
 
-def runtime_chain_problem(cid: str, witnessed: tuple[int, str, int], length: int | None,
+def witnessed_trailer_problem(cid: str, subject: str, witnessed: Witnessed,
+                              found: tuple[str, dict[str, Any] | None] | None) -> str | None:
+    """Whether the message `found` (subject, body) at a witnessed head's stream sequence is
+    still that trailer of the chain `cid` (on `subject`), or why not."""
+    n, last, seq, at = witnessed
+    what = (f"the checkpoint at {at} witnessed trailer {n - 1} ({last[:16]}…) at stream "
+            f"sequence {seq}")
+    if found is None:
+        return f"{cid} trailer {n - 1}: {what}; it is gone: the chain was removed or replaced"
+    got, body = found
+    if got != subject or not isinstance(body, dict) or body.get("seq") != n - 1 \
+            or body.get("hash") != last:
+        return (f"{cid} trailer {n - 1}: {what}; another message is there: the chain was "
+                "removed or replaced")
+    return None
+
+
+def runtime_chain_problem(cid: str, witnessed: Witnessed, length: int | None,
                           hash_at: str | None) -> str | None:
     """Why a tool runtime's chain no longer holds the head a checkpoint witnessed, or None:
     it is missing (`length` None), shorter, or its trailer at the witnessed position has
     another hash (`hash_at`; None when the reader did not see that trailer: not judged)."""
-    n, last, at = witnessed
+    n, last, _, at = witnessed
     what = f"the checkpoint at {at} witnessed {n} trailers ending in {last[:16]}…"
     if length is None:
         return f"{cid}: the chain is missing; {what}: the whole chain was removed"

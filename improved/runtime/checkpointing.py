@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from improved.core import audit, checkpoint, evidence, merkle
@@ -44,8 +44,6 @@ class Since:
     broken: int = 0  # chains that stopped verifying (only counted when reading on past one)
     verify_s: float = 0.0  # seconds spent verifying, reading excluded
     writers_s: float = 0.0  # of which: daemon signatures and signed acts
-    # the longest head of each tool runtime's chain the checkpoints read witnessed
-    witnessed: checkpoint.Witness = field(default_factory=dict)
 
 
 MAX_RUNS = 10_000  # chains whose state a reader holds at once; one evicted is re-read if met
@@ -124,7 +122,9 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
                        claims: list[tuple[int, str, str]], every_chain: bool = False,
                        report: Callable[[str], None] | None = None,
                        archived: Seal | None = None,
-                       source: AsyncIterator[Entry] | None = None) -> Since:
+                       source: AsyncIterator[Entry] | None = None,
+                       on_checkpoint: Callable[[dict], Awaitable[None]] | None = None,
+                       ) -> Since:
     """Read and verify every trailer after `base` up to the stream's last sequence: each in its
     chain (hash, link, lifecycle, writer, signed act), each checkpoint met on the way by its
     signature, its key and its root, and every trailer the stream holds given back.
@@ -137,7 +137,8 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
     `archived`, the last seal: up to its `removable` trailers at or below its `upto` may be
     missing (exported and removed, `runtime.archive`); when some are, the tree goes on from
     the seal's frontier, and the roots it covered are the export's to check. `source`: the
-    trailers to read instead of the stream's (exported epochs, then the stream)."""
+    trailers to read instead of the stream's (exported epochs, then the stream).
+    `on_checkpoint`: given each checkpoint trailer that verifies, as it is read."""
     since = Since(merkle.Tree(base.frontier, base.count), base.last_seq, base.last_hash)
     timed = _Timed(trust, since)
     roots: dict[int, list[tuple[str, str]]] = {}
@@ -179,10 +180,8 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
             runs.pop(subject, None)
             if report is not None:
                 report(problem)
-        if subject == CP_SUBJECT and problem is None:
-            at = body.get("at")
-            checkpoint.witness(since.witnessed, checkpoint.runtime_heads(body),
-                               at if isinstance(at, int) else 0)
+        if subject == CP_SUBJECT and problem is None and on_checkpoint is not None:
+            await on_checkpoint(body)
         if subject != CP_SUBJECT:
             leaf = body.get("hash")
             since.tree.add(leaf if isinstance(leaf, str) else "")

@@ -65,6 +65,38 @@ class ToolChains:
                 + (f", {self.broken} broken" if self.broken else ""))
 
 
+@dataclass
+class Witnesses:
+    """The heads of the runtime chains the daemon's checkpoints witnessed, folded in as a
+    reader meets each checkpoint (`fold`): the longest of each chain (`seen`), and a BROKEN
+    line for each chain that no longer holds one of them — a head a longer one replaced is
+    looked up at its stream sequence then, one direct get, so memory stays one head per
+    chain however many checkpoints there are."""
+
+    nc: Client
+    seen: checkpoint.Witness = field(default_factory=dict)
+    lines: list[str] = field(default_factory=list)
+    named: set[str] = field(default_factory=set)
+
+    async def fold(self, body: dict) -> None:
+        at = body.get("at")
+        superseded, problems = checkpoint.witness(self.seen, checkpoint.runtime_heads(body),
+                                                  at if isinstance(at, int) else 0)
+        store = Store(self.nc, audit_stream=S.STREAM_TOOLS_AUDIT)
+        for cid, head in superseded:
+            if cid in self.named:
+                continue
+            found = await store.trailer_at(head[2])
+            problem = checkpoint.witnessed_trailer_problem(
+                cid, S.tools_audit(cid), head, found[:2] if found else None)
+            if problem is not None:
+                problems.append((cid, problem))
+        for cid, problem in problems:
+            if cid not in self.named:
+                self.named.add(cid)
+                self.lines.append(f"BROKEN {problem} ({S.STREAM_TOOLS_AUDIT})")
+
+
 async def runtime_heads(nc: Client) -> tuple[checkpoint.RuntimeHead, ...]:
     """Each tool runtime's chain head on `IMPROVE_TOOLS_AUDIT` — (chain id, length, last
     hash) — for a checkpoint to witness: one stream-info listing its subjects, then the last
@@ -77,11 +109,11 @@ async def runtime_heads(nc: Client) -> tuple[checkpoint.RuntimeHead, ...]:
     heads = []
     for at in range(0, len(subjects), HEADS_AT_ONCE):
         batch = subjects[at:at + HEADS_AT_ONCE]
-        for subject, (_, body) in zip(batch, await asyncio.gather(
+        for subject, (seq, body) in zip(batch, await asyncio.gather(
                 *(store.chain_head(subject) for subject in batch)), strict=True):
             if isinstance(body, dict) and isinstance(body.get("seq"), int) \
                     and isinstance(body.get("hash"), str):
-                heads.append((S.token(subject, 3) or "", body["seq"] + 1, body["hash"]))
+                heads.append((S.token(subject, 3) or "", body["seq"] + 1, body["hash"], seq))
     return tuple(heads)
 
 
@@ -161,7 +193,7 @@ async def verify_tool_chains(nc: Client, runtimes: TrustStore, history: evidence
     return found
 
 
-async def _witnessed_problem(store: Store, cid: str, head: tuple[int, str, int],
+async def _witnessed_problem(store: Store, cid: str, head: checkpoint.Witnessed,
                              read: _Chain | None) -> str | None:
     """Whether the chain `cid` still holds the head a checkpoint witnessed: its length from
     its last message (one direct get), its trailer at the witnessed position from the read

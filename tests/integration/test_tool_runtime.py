@@ -1042,7 +1042,7 @@ async def test_a_removed_or_replaced_runtime_chain_is_named_against_the_checkpoi
         ok = await verify()
         assert ok.returncode == 0, ok.stdout + ok.stderr
         store = Store(conn, audit_stream=subjects.STREAM_TOOLS_AUDIT)
-        _, head = await store.chain_head(subject)
+        head_seq, head = await store.chain_head(subject)
 
         await js.delete_stream(subjects.STREAM_TOOLS_AUDIT)  # every runtime chain with it
         missing = await verify()
@@ -1050,8 +1050,8 @@ async def test_a_removed_or_replaced_runtime_chain_is_named_against_the_checkpoi
         assert (f"BROKEN {cid}: the chain is missing; the checkpoint at") in missing.stdout
         assert f"witnessed 2 trailers ending in {head['hash'][:16]}…: the whole chain was " \
                "removed (IMPROVE_TOOLS_AUDIT does not exist)" in missing.stdout
-        assert witnessed == "runtime_heads:" + json.dumps({cid: [2, head["hash"]]},
-                                                          separators=(",", ":"))
+        assert witnessed == "runtime_heads:" + json.dumps(
+            {cid: [2, head["hash"], head_seq]}, separators=(",", ":"))
 
         await js.add_stream(tools_audit_config())  # re-created: the chain written anew
         await calls(1, "b")
@@ -1064,15 +1064,28 @@ async def test_a_removed_or_replaced_runtime_chain_is_named_against_the_checkpoi
         assert (f"BROKEN {cid} trailer 1: it is not the trailer the checkpoint at"
                 in other.stdout), other.stdout
         assert "the chain was replaced or rewritten" in other.stdout
+        # a later checkpoint witnesses the chain written anew, longer: the earlier head is
+        # still looked for where it was, and is not there
+        assert await checkpoint_witnesses() != ""
+        rewitnessed = await verify()
+        assert rewitnessed.returncode == 1, rewitnessed.stdout
+        assert (f"BROKEN {cid} trailer 1: the checkpoint at" in rewitnessed.stdout
+                and f"witnessed trailer 1 ({head['hash'][:16]}…) at stream sequence "
+                    f"{head_seq}" in rewitnessed.stdout
+                and "the chain was removed or replaced (IMPROVE_TOOLS_AUDIT)"
+                    in rewitnessed.stdout), rewitnessed.stdout
 
         await js.purge_stream(subjects.STREAM_TOOLS_AUDIT, subject=subject)  # the whole chain
         gone = await verify()
         assert gone.returncode == 1
-        assert (f"BROKEN {cid}: the chain is missing; the checkpoint at") in gone.stdout
-        assert f"the whole chain was removed (tool runtime {svc}, IMPROVE_TOOLS_AUDIT)" \
-            in gone.stdout
+        assert (f"BROKEN {cid} trailer 1: the checkpoint at" in gone.stdout
+                and "it is gone: the chain was removed or replaced" in gone.stdout), gone.stdout
         assert "Traceback" not in gone.stdout + gone.stderr
         assert await checkpoint_witnesses() == ""  # nothing left to witness, and no crisis
+        # a checkpoint that witnessed nothing (as a daemon that may not read the stream) takes
+        # nothing away from the earlier ones
+        still = await verify()
+        assert still.returncode == 1 and f"BROKEN {cid} trailer" in still.stdout
 
 
 def checkpointing_subject() -> str:

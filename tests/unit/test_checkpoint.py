@@ -181,7 +181,7 @@ def test_a_checkpoint_witnesses_the_runtime_chain_heads_outside_its_statement():
     from improved.core.record import ChainHead
 
     key = Ed25519PrivateKey.generate()
-    heads = [("b" * 64, 3, "c" * 64), ("a" * 64, 1, "d" * 64)]
+    heads = [("b" * 64, 3, "c" * 64, 9), ("a" * 64, 1, "d" * 64, 4)]
     cp = checkpoint.make_from((), 0, 0, "", 1000, key, heads)
     bare = checkpoint.make_from((), 0, 0, "", 1000, key)
     assert cp.statement() == bare.statement() and checkpoint.signature_ok(cp)
@@ -191,17 +191,26 @@ def test_a_checkpoint_witnesses_the_runtime_chain_heads_outside_its_statement():
     assert checkpoint.runtime_heads(body) == tuple(sorted(heads))
     assert checkpoint.from_trailer(body).runtimes == tuple(sorted(heads))
     assert not any(r.startswith("runtime_heads:") for r in checkpoint.draft(bare, "x").refs)
-    for bad in ("runtime_heads:[1]", "runtime_heads:{", 'runtime_heads:{"a":[0,"x"]}',
-                'runtime_heads:{"a":[true,"x"]}'):
+    for bad in ("runtime_heads:[1]", "runtime_heads:{", 'runtime_heads:{"a":[0,"x",1]}',
+                'runtime_heads:{"a":[true,"x",1]}', 'runtime_heads:{"a":[1,"x"]}',
+                'runtime_heads:{"a":[1,"x",0]}'):
         assert checkpoint.runtime_heads({"refs": [bad]}) == ()
 
 
 def test_the_longest_witnessed_head_is_what_a_runtime_chain_must_still_hold():
+    """Each chain's longest witnessed head is kept; one a longer head replaces is handed back
+    to be looked up where it was, and a later witness shorter than, or as long as but other
+    than, an earlier one is named at once."""
     seen: checkpoint.Witness = {}
-    checkpoint.witness(seen, [("c", 2, "h2")], 10)
-    checkpoint.witness(seen, [("c", 5, "h5")], 20)
-    checkpoint.witness(seen, [("c", 4, "h4")], 30)  # a shorter witness later: kept the longest
-    assert seen == {"c": (5, "h5", 20)}
+    assert checkpoint.witness(seen, [("c", 2, "h2", 7)], 10) == ([], [])
+    assert checkpoint.witness(seen, [("c", 2, "h2", 7)], 15) == ([], [])  # the same again
+    assert checkpoint.witness(seen, [("c", 5, "h5", 9)], 20) == ([("c", (2, "h2", 7, 10))], [])
+    superseded, problems = checkpoint.witness(seen, [("c", 4, "h4", 8), ("d", 1, "x", 3)], 30)
+    assert superseded == [] and [cid for cid, _ in problems] == ["c"]
+    assert "the chain was cut short between them" in problems[0][1]
+    _, problems = checkpoint.witness(seen, [("c", 5, "other", 9)], 40)
+    assert "the chain was replaced between them" in problems[0][1]
+    assert seen == {"c": (5, "h5", 9, 20), "d": (1, "x", 3, 30)}
     problem = checkpoint.runtime_chain_problem
     assert problem("c", seen["c"], 5, "h5") is None
     assert problem("c", seen["c"], 9, "h5") is None
@@ -209,6 +218,12 @@ def test_the_longest_witnessed_head_is_what_a_runtime_chain_must_still_hold():
     assert "the chain is missing" in problem("c", seen["c"], None, None)
     assert "the chain holds 4 trailers" in problem("c", seen["c"], 4, None)
     assert problem("c", seen["c"], 9, "other").startswith("c trailer 4: it is not the trailer")
+    found = checkpoint.witnessed_trailer_problem
+    assert found("c", "s.c", seen["c"], ("s.c", {"seq": 4, "hash": "h5"})) is None
+    assert "it is gone" in found("c", "s.c", seen["c"], None)
+    for other in (("s.d", {"seq": 4, "hash": "h5"}), ("s.c", {"seq": 3, "hash": "h5"}),
+                  ("s.c", {"seq": 4, "hash": "h4"}), ("s.c", None)):
+        assert "another message is there" in found("c", "s.c", seen["c"], other)
 
 
 def msgspec_body(trailer) -> dict:
