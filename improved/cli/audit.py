@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Coroutine
 from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -23,6 +23,9 @@ from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
 from improved.runtime.bus import Target
 from improved.runtime.config import Config
+
+if TYPE_CHECKING:
+    from improved.runtime.tool_chains import Witnesses
 
 
 def _to_stderr(line: str) -> None:
@@ -50,10 +53,9 @@ async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
         chains: dict[tuple[str | None, str | None], list[tuple[int, dict]]] = {}
         for seq, subject, body in log_:
             chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append((seq, body))
-        if not chains:
-            print(f"improved audit verify: no chain for {pid}", file=sys.stderr)
-            return 1
         trust = chain_trust(trust_log, trusted, config)
+        if not chains:
+            return await _verify_tool_chain(store, config, trust, pid)
         if not trusted:
             print("note: no trusted daemon key (configure [trust] daemons, run where the "
                   "daemon's key is, or pass --checkpoint): no trailer's writer can be trusted",
@@ -74,7 +76,7 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
     the data directory. Memory stays flat however long the log. Sealed epochs removed from
     the stream are read from their export in `archive_dir`, each checked against its seal;
     without it, what the stream still holds is verified and the tree goes on from the seal."""
-    from improved.runtime import archive, checkpointing
+    from improved.runtime import archive, checkpointing, tool_chains
 
     async with deployment(url, bind=False) as store:
         view = await store.audit_view()
@@ -101,10 +103,11 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
                 source = archive.chained(archive.entries(files),
                                          store.follow(S.AUDIT_FILTER, upto + 1, view.last_seq))
         started = time.perf_counter()
+        witnesses = tool_chains.Witnesses(store.nc)
         since = await checkpointing.verify_since(
             store, checkpointing.empty_base(view), view, trust, trusted, claims,
             every_chain=True, report=lambda brk: say(f"BROKEN {brk}"), archived=last,
-            source=source)
+            source=source, on_checkpoint=witnesses.fold)
         problems += since.problems
         for problem in problems:
             say(f"BROKEN {problem}")
@@ -127,27 +130,56 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
                 say(f"checkpoint file {anchor_path} ({kept.count} trailers up to stream "
                     f"sequence {kept.last_seq}) holds: the stream is the one it was signed "
                     "over")
-        tools_ok = await _verify_tools(store, config, trust, say, note)
+        tools_ok = await _verify_tools(store, config, trust, say, note, witnesses)
         return 1 if problems or since.broken or not tools_ok else 0
 
 
 async def _verify_tools(store, config: Config, trust: evidence.ChainTrust,
-                        say: Callable[[str], None], note: Callable[[str], None]) -> bool:
+                        say: Callable[[str], None], note: Callable[[str], None],
+                        witnesses: Witnesses, *, since_ms: int | None = None) -> bool:
     """The tool runtimes' chains, outside the daemon's log, each against its runtime's key in
-    `[trust.runtimes]`: a line for each broken or unverified chain, then the counts. False
-    when any chain is either."""
+    `[trust.runtimes]` (with `since_ms`, only the trailers stored from then on) and against
+    the heads the daemon's checkpoints witnessed (`witnesses`, as the read of the log met
+    them): a line for each broken or unverified chain, then the counts. False when any
+    chain is either."""
     from improved.runtime.tool_chains import verify_tool_chains
 
-    found = await verify_tool_chains(store.nc, config.trust.runtime_store(), trust.history)
-    if not found.exists:
+    found = await verify_tool_chains(
+        store.nc, config.trust.runtime_store(), trust.history, since_ms=since_ms,
+        witnessed={c: w for c, w in witnesses.seen.items() if c not in witnesses.named})
+    found.lines[:0] = witnesses.lines
+    if not found.exists and found.ok:
         note(f"note: no stream {S.STREAM_TOOLS_AUDIT}: no tool runtime has recorded a call "
              "here (`improved provision` makes it)")
         return True
     for line in found.lines:
         say(line)
     if found.chains or not found.ok:
-        say(found.summary())
+        say(found.summary() + (" since the checkpoint" if since_ms is not None else ""))
     return found.ok
+
+
+async def _verify_tool_chain(store, config: Config, trust: evidence.ChainTrust,
+                             cid: str) -> int:
+    """`audit verify <chain id>` of a tool runtime's chain (on IMPROVE_TOOLS_AUDIT), as the
+    whole-log verify checks it; exit 1 when it is broken or unverified, or there is none."""
+    from improved.runtime import checkpointing, tool_chains
+    from improved.runtime.tool_chains import verify_tool_chains
+
+    witnesses = tool_chains.Witnesses(store.nc)  # the last checkpoint's alone
+    _, last = await store.chain_head(checkpointing.CP_SUBJECT)
+    if last is not None and evidence.writer_problem(last, trust.daemons) is None:
+        await witnesses.fold(last)
+    found = await verify_tool_chains(store.nc, config.trust.runtime_store(), trust.history,
+                                     chain=cid, witnessed=witnesses.seen)
+    if not found.chains and found.ok:
+        print(f"improved audit verify: no chain for {cid} (neither a proposal's nor a tool "
+              "runtime's)", file=sys.stderr)
+        return 1
+    for line in found.lines:
+        print(line)
+    print(found.summary())
+    return 0 if found.ok else 1
 
 
 _KEPT = "the last checkpoint kept in the data directory"
@@ -193,7 +225,7 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
     checkpoint does (`runtime.checkpointing`): in O(1) that the stream still holds what that
     checkpoint covered, then every trailer after it in its chain. Without a checkpoint to
     continue from, the whole log is read once, one trailer at a time."""
-    from improved.runtime import anchor, archive, checkpointing
+    from improved.runtime import anchor, archive, checkpointing, tool_chains
 
     kept = None
     if anchor_path is not None:
@@ -218,21 +250,24 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
             store, kept, view, trust, trusted, seal.removable if seal else 0)
         problems += [unsealed] if unsealed else []
         since = None
+        witnesses = tool_chains.Witnesses(store.nc)
         if not problems:
             since = await checkpointing.verify_since(
                 store, base, view, dataclasses.replace(trust, covered_to=base.last_seq),
-                trusted, claims, archived=seal)
+                trusted, claims, archived=seal, on_checkpoint=witnesses.fold)
             problems = since.problems
         for problem in problems:
             print(f"BROKEN {problem}")
-        if problems or since is None:
-            return 1
-        seconds = time.perf_counter() - started
-        print(f"{since.read} trailers after the checkpoint of {base.count} trailers (stream "
-              f"sequence {base.last_seq}) verified in {seconds:.2f} s; the stream still holds "
-              "what that checkpoint covered (the same stream, no sequence lost, the same last "
-              "trailer). A full `improved audit verify` re-derives the covered part too.")
-        return 0
+        if not problems and since is not None:
+            seconds = time.perf_counter() - started
+            print(f"{since.read} trailers after the checkpoint of {base.count} trailers "
+                  f"(stream sequence {base.last_seq}) verified in {seconds:.2f} s; the stream "
+                  "still holds what that checkpoint covered (the same stream, no sequence "
+                  "lost, the same last trailer). A full `improved audit verify` re-derives "
+                  "the covered part too.")
+        tools_ok = await _verify_tools(store, config, trust, print, _to_stderr, witnesses,
+                                       since_ms=base.at if base.count else None)
+        return 1 if problems or since is None or not tools_ok else 0
 
 
 def chain_trust(log_: list, daemons: set[str], config: Config) -> evidence.ChainTrust:
@@ -479,16 +514,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "missing, re-created, shorter, rewritten or unreadable stream is named. "
                     "Exits 1 if anything is broken.")
     add_connection_args(verify)
-    verify.add_argument("id", metavar="ID", nargs="?", type=ids.id_arg,
-                        help="only this proposal's chain (its id, or a unique prefix of it)")
+    verify.add_argument("id", metavar="ID", nargs="?", type=ids.chain_arg,
+                        help="only this proposal's chain (its id, or a unique prefix of it), "
+                             "or one tool runtime's (its chain id, or runtime:NAME)")
     verify.add_argument("--checkpoint", metavar="FILE",
                         help="the last checkpoint a daemon kept outside the stream, to verify "
                              "against (default: <data_dir>/last-checkpoint.json when present)")
     verify.add_argument("--since", action="store_true",
                         help="verify only what was appended since the last trusted checkpoint "
                              "(the file's or the stream's), checking in O(1) that the stream "
-                             "still holds what it covered; without it, everything is "
-                             "re-derived from the first trailer")
+                             "still holds what it covered, and the tool runtimes' trailers "
+                             "stored since; without it, everything is re-derived from the "
+                             "first trailer")
     verify.add_argument("--archive", metavar="DIR",
                         help="read the sealed epochs exported to DIR (`improved audit "
                              "archive`) and verify them with the rest of the log")

@@ -34,6 +34,20 @@ def id_arg(text: str) -> str:
     return lowered
 
 
+def chain_arg(text: str) -> str:
+    """argparse `type=` of `audit verify`: `runtime:NAME`, the id of that tool runtime's
+    chain; else a proposal id or prefix (or a chain's full id) as `id_arg` takes it."""
+    if text.startswith("runtime:"):
+        from improved.core.tools import chain_id
+
+        name = text.removeprefix("runtime:")
+        if not S.SERVICE_RE.match(name):
+            raise argparse.ArgumentTypeError(
+                f"{name!r} is not a runtime name (it must match {S.SERVICE_RE.pattern})")
+        return chain_id(name)
+    return id_arg(text)
+
+
 def is_full(text: str) -> bool:
     return S.ID_RE.match(text) is not None
 

@@ -31,6 +31,10 @@ from improved.protocol import canonical
 
 CHECKPOINT_ID = hashlib.sha256(b"improved checkpoints").hexdigest()
 
+RuntimeHead = tuple[str, int, str, int]
+"""A tool runtime's chain as a checkpoint witnessed it on IMPROVE_TOOLS_AUDIT: (chain id,
+length, the hash of its last trailer, that trailer's stream sequence)."""
+
 
 @dataclass(frozen=True)
 class Checkpoint:
@@ -45,6 +49,9 @@ class Checkpoint:
     # daemon signature; what the next checkpoint continues from
     frontier: Frontier = ()
     last_hash: str = ""  # the hash of the trailer at last_seq
+    # a witness only, outside the statement too: the tool runtimes' chain heads the daemon
+    # read when it signed (their stream is not the log this checkpoint covers)
+    runtimes: tuple[RuntimeHead, ...] = ()
 
     def statement(self) -> bytes:
         """The signed bytes: canonical MessagePack of what the checkpoint commits to."""
@@ -58,14 +65,15 @@ def make(hashes: Sequence[str], last_seq: int, at: int, key: Ed25519PrivateKey) 
 
 
 def make_from(frontier: Frontier, count: int, last_seq: int, last_hash: str, at: int,
-              key: Ed25519PrivateKey) -> Checkpoint:
-    """The checkpoint over `count` trailers whose Merkle frontier is `frontier`."""
+              key: Ed25519PrivateKey, runtimes: Sequence[RuntimeHead] = ()) -> Checkpoint:
+    """The checkpoint over `count` trailers whose Merkle frontier is `frontier`, witnessing
+    the tool runtimes' chain heads `runtimes`."""
     cp = Checkpoint(count=count, root=merkle.root(frontier), last_seq=last_seq, at=at)
     public = signing.raw_public(key.public_key())
     return Checkpoint(cp.count, cp.root, cp.last_seq, cp.at, signing.keyid_of(public),
                       base64.b64encode(public).decode(),
                       base64.b64encode(key.sign(cp.statement())).decode(),
-                      tuple(frontier), last_hash)
+                      tuple(frontier), last_hash, tuple(sorted(runtimes)))
 
 
 def continues(cp: Checkpoint) -> bool:
@@ -92,7 +100,9 @@ def draft(cp: Checkpoint, actor: str) -> Draft:
                  refs=(ref("count", cp.count), ref("root", cp.root), ref("last_seq", cp.last_seq),
                        ref("checkpoint_at", cp.at), ref("keyid", cp.keyid),
                        ref("public", cp.public), ref("sig", cp.sig),
-                       ref("frontier", list(cp.frontier)), ref("last_hash", cp.last_hash)))
+                       ref("frontier", list(cp.frontier)), ref("last_hash", cp.last_hash))
+                 + ((ref("runtime_heads", {cid: [n, h, q] for cid, n, h, q in cp.runtimes}),)
+                    if cp.runtimes else ()))
 
 
 def from_trailer(body: dict[str, Any]) -> Checkpoint:
@@ -104,7 +114,97 @@ def from_trailer(body: dict[str, Any]) -> Checkpoint:
     return Checkpoint(count=int(refs["count"]), root=refs["root"],
                       last_seq=int(refs["last_seq"]), at=int(refs["checkpoint_at"]),
                       keyid=refs["keyid"], public=refs["public"], sig=refs["sig"],
-                      frontier=frontier, last_hash=refs.get("last_hash", ""))
+                      frontier=frontier, last_hash=refs.get("last_hash", ""),
+                      runtimes=_heads(refs.get("runtime_heads")))
+
+
+def _heads(text: str | None) -> tuple[RuntimeHead, ...]:
+    """The `runtime_heads:` ref, `{chain id: [length, last hash, its stream sequence]}`; what
+    is not well formed is left out (a witness only)."""
+    try:
+        doc = json.loads(text) if text else {}
+    except ValueError:
+        return ()
+    if not isinstance(doc, dict):
+        return ()
+    return tuple(sorted((cid, v[0], v[1], v[2]) for cid, v in doc.items()
+                        if isinstance(v, list) and len(v) == 3 and isinstance(v[1], str)
+                        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                for n in (v[0], v[2]))))
+
+
+def runtime_heads(body: dict[str, Any]) -> tuple[RuntimeHead, ...]:
+    """The tool runtimes' chain heads a checkpoint trailer witnessed (none when it is not a
+    checkpoint or witnessed none)."""
+    refs = refs_of(_Refs(body.get("refs", []) if isinstance(body.get("refs"), list) else []))
+    return _heads(refs.get("runtime_heads"))
+
+
+Witnessed = tuple[int, str, int, int]
+"""One chain's witnessed head: (length, last hash, its stream sequence, the checkpoint's
+`at`)."""
+Witness = dict[str, Witnessed]
+"""Chain id → the longest head of that tool runtime's chain a checkpoint witnessed."""
+
+
+def witness(seen: Witness, heads: Sequence[RuntimeHead], at: int,
+            ) -> tuple[list[tuple[str, Witnessed]], list[tuple[str, str]]]:
+    """Fold one checkpoint's witnessed heads into `seen`, keeping each chain's longest (a
+    hash chain's head at length n fixes every trailer before it). Returns the heads it
+    replaced by longer ones — each still to be found at its stream sequence
+    (`witnessed_trailer_problem`), since the longer head says nothing of them — and what the
+    witnesses say themselves: a later one shorter than, or as long as but other than, an
+    earlier one (the chain was cut or replaced in between), by chain id."""
+    superseded: list[tuple[str, Witnessed]] = []
+    problems: list[tuple[str, str]] = []
+    for cid, length, last, seq in heads:
+        kept = seen.get(cid)
+        if kept is not None and (length, last) != kept[:2] and length <= kept[0]:
+            problems.append((cid,
+                f"{cid}: the checkpoint at {at} witnessed {length} trailers ending in "
+                f"{last[:16]}…, the one at {kept[3]} {kept[0]} ending in {kept[1][:16]}…: the "
+                "chain was " + ("cut short" if length < kept[0] else "replaced") +
+                " between them"))
+            continue
+        if kept is None or length > kept[0]:
+            if kept is not None:
+                superseded.append((cid, kept))
+            seen[cid] = (length, last, seq, at)
+    return superseded, problems
+
+
+def witnessed_trailer_problem(cid: str, subject: str, witnessed: Witnessed,
+                              found: tuple[str, dict[str, Any] | None] | None) -> str | None:
+    """Whether the message `found` (subject, body) at a witnessed head's stream sequence is
+    still that trailer of the chain `cid` (on `subject`), or why not."""
+    n, last, seq, at = witnessed
+    what = (f"the checkpoint at {at} witnessed trailer {n - 1} ({last[:16]}…) at stream "
+            f"sequence {seq}")
+    if found is None:
+        return f"{cid} trailer {n - 1}: {what}; it is gone: the chain was removed or replaced"
+    got, body = found
+    if got != subject or not isinstance(body, dict) or body.get("seq") != n - 1 \
+            or body.get("hash") != last:
+        return (f"{cid} trailer {n - 1}: {what}; another message is there: the chain was "
+                "removed or replaced")
+    return None
+
+
+def runtime_chain_problem(cid: str, witnessed: Witnessed, length: int | None,
+                          hash_at: str | None) -> str | None:
+    """Why a tool runtime's chain no longer holds the head a checkpoint witnessed, or None:
+    it is missing (`length` None), shorter, or its trailer at the witnessed position has
+    another hash (`hash_at`; None when the reader did not see that trailer: not judged)."""
+    n, last, _, at = witnessed
+    what = f"the checkpoint at {at} witnessed {n} trailers ending in {last[:16]}…"
+    if length is None:
+        return f"{cid}: the chain is missing; {what}: the whole chain was removed"
+    if length < n:
+        return f"{cid}: the chain holds {length} trailers; {what}: trailers were removed"
+    if hash_at is not None and hash_at != last:
+        return (f"{cid} trailer {n - 1}: it is not the trailer {what}: the chain was "
+                "replaced or rewritten")
+    return None
 
 
 @dataclass(frozen=True)

@@ -258,6 +258,9 @@ class ChainActs:
     """What one pass over a chain has seen so far: the keys of its verified approving votes."""
 
     approvals: set[str] = field(default_factory=set)
+    # a trailer of this chain recorded its session proof (tools.PROOF_REFS): from then on,
+    # every upgraded call bound to a session key must record its own
+    proofs: bool = False
 
 
 def act_kind(t: Trailer) -> str | None:
@@ -307,6 +310,7 @@ def act_problem(t: Trailer, chain_id: str, keys: KeySet, acts: ChainActs,
     if not check:
         if kind == "vote" and refs.get("vote") == "approve":
             acts.approvals.add(refs.get("keyid", ""))
+        acts.proofs = acts.proofs or any(name in refs for name in tools.PROOF_REFS)
         return None
     if t.envelope is None:
         return f"the {t.verdict} carries no signed act"
@@ -324,6 +328,8 @@ def act_problem(t: Trailer, chain_id: str, keys: KeySet, acts: ChainActs,
     problem = _mismatch(kind, body, t, refs, chain_id, verified.principal)
     if problem is None and kind == "vote" and refs.get("vote") == "approve":
         acts.approvals.add(verified.keyid)
+    if problem is None and kind == "tool_upgrade" and body.session_key is not None:
+        problem = _proof_problem(body, tools.act_id(verified), refs, acts)
     return problem
 
 
@@ -339,6 +345,20 @@ def _named(kind: str, body: Any, refs: dict[str, str], chain_id: str,
         except WireError as exc:
             return chain_id, f"no proposal id ({exc.message})"
     return refs.get("act"), digest
+
+
+def _proof_problem(body: SessionUpgrade, upgrade: str, refs: dict[str, str],
+                   acts: ChainActs) -> str | None:
+    """The session proof an upgraded call's trailer records, re-checked against the upgrade's
+    session key (`tools.recorded_proof_problem`). A trailer recording none was written before
+    proofs were recorded, unless an earlier trailer of its chain recorded one."""
+    if any(name in refs for name in tools.PROOF_REFS):
+        acts.proofs = True
+        return tools.recorded_proof_problem(body, upgrade, refs)
+    if acts.proofs:
+        return ("the session proof is not recorded (no proof_at, proof_nonce, proof_sig), "
+                "though earlier trailers of this chain record theirs")
+    return None
 
 
 def _mismatch(kind: str, body: Any, t: Trailer, refs: dict[str, str], chain_id: str,

@@ -370,8 +370,20 @@ def check_proof(act: SessionUpgrade, upgrade: str, runtime: str, tool: str,
                          f"{PROOF_SKEW_MS} ms from the runtime's clock ({now}); sign a new one")
     try:
         digest = args_digest(args)
-        key = parse_public_key(act.session_key)
-    except (TypeError, ValueError, msgspec.EncodeError) as exc:
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise ActRefused("malformed", f"cannot check the proof: {exc}") from None
+    return verify_proof(act.session_key, runtime, tool, digest, upgrade, proof)
+
+
+def verify_proof(session_key: str, runtime: str, tool: str, digest: str, upgrade: str,
+                 proof: SessionProof) -> str:
+    """The digest of `proof` when it is the signature of `session_key` (base64 raw Ed25519)
+    over `proof_message` of this runtime, tool, arguments' digest, upgrade id, `at` and
+    `nonce`; else ActRefused `malformed` (not a key) or `session_proof_invalid`. What the
+    runtime checks at the call and an auditor re-checks from the call's trailer."""
+    try:
+        key = parse_public_key(session_key)
+    except ValueError as exc:
         raise ActRefused("malformed", f"cannot check the proof: {exc}") from None
     message = proof_message(runtime, tool, digest, upgrade, proof.at, proof.nonce)
     try:
@@ -381,6 +393,45 @@ def check_proof(act: SessionUpgrade, upgrade: str, runtime: str, tool: str,
                          f"key's signature for {tool} on {runtime} with these arguments, "
                          "this upgrade, at and nonce") from None
     return proof_digest(message)
+
+
+PROOF_REFS: tuple[str, ...] = ("proof_at", "proof_nonce", "proof_sig")
+"""The refs of an upgraded call's trailer that carry its session proof (`at`, `nonce`,
+`sig`), beside `proof:` (its digest): enough to re-check the proof from the chain alone."""
+
+
+def proof_refs(proof: SessionProof) -> list[str]:
+    """The refs that record `proof` on its call's trailer (PROOF_REFS)."""
+    return [ref("proof_at", str(proof.at)), ref("proof_nonce", proof.nonce),
+            ref("proof_sig", proof.sig)]
+
+
+def recorded_proof_problem(act: SessionUpgrade, upgrade: str, refs: Mapping[str, str],
+                           ) -> str | None:
+    """Why the session proof an upgraded call's trailer records (`refs`, by name) does not
+    hold, or None: it must be the signature of the upgrade's `session_key` over this runtime,
+    tool, arguments' digest and upgrade (act id `upgrade`), as `verify_proof` checks it at
+    the call, and hash to the `proof:` digest. A trailer with none of PROOF_REFS was written
+    before they were recorded: None (its digest and key id are all it says)."""
+    present = [name for name in PROOF_REFS if name in refs]
+    if not present or act.session_key is None:
+        return None
+    if len(present) < len(PROOF_REFS):
+        missing = ", ".join(name for name in PROOF_REFS if name not in present)
+        return f"the session proof is recorded without {missing}"
+    try:
+        proof = msgspec.convert({"at": int(refs["proof_at"]), "nonce": refs["proof_nonce"],
+                                 "sig": refs["proof_sig"]}, SessionProof)
+        digest = verify_proof(act.session_key, refs.get("runtime", ""), refs.get("tool", ""),
+                              refs.get("args", ""), upgrade, proof)
+    except (ValueError, msgspec.ValidationError) as exc:
+        return f"the recorded session proof is not a proof: {exc}"
+    except ActRefused as exc:
+        return f"the recorded session proof does not verify ({exc.code}): {exc.reason}"
+    if digest != refs.get("proof"):
+        return (f"the recorded session proof has digest {digest}, the trailer names "
+                f"{refs.get('proof')!r}")
+    return None
 
 
 # -- how long a spent mark is kept ---------------------------------------------------------------
@@ -500,6 +551,7 @@ class Decision:
     session: str | None = None
     proof: str | None = None  # the digest of the session proof an upgraded call carried
     session_key: str | None = None  # the key id of the session key that made it
+    signed_proof: SessionProof | None = None  # that proof itself, recorded with its digest
 
     @property
     def allowed(self) -> bool:
@@ -528,6 +580,8 @@ def call_draft(runtime: str, decision: Decision) -> Draft | None:
             refs += [ref("act", decision.act.digest), ref("act_id", act_id(decision.act))]
         if decision.proof is not None:
             refs.append(ref("proof", decision.proof))
+        if decision.signed_proof is not None:
+            refs += proof_refs(decision.signed_proof)
         if decision.session_key is not None:
             refs.append(ref("session_key", decision.session_key))
         who = decision.principal or runtime
@@ -682,6 +736,7 @@ class Runtime:
                                    "nonce) for each")
                 return Decision(name, args, provider, via="upgrade", act=verified,
                                 principal=act.principal, session=session, proof=proved,
+                                signed_proof=proof,
                                 session_key=keyid_of(raw_public(
                                     parse_public_key(act.session_key))))
         if grant is None:

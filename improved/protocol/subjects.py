@@ -53,7 +53,8 @@ DUE_FILTER = f"{DUE}.*.*"
 FILLED_MARKER = f"{REVIEW}._filled.records"
 AUDIT_FILTER = f"{AUDIT}.*.*"
 # The tool runtimes' audit chains (one per runtime, improved_reference/tool_runtime.py) live in
-# a stream of their own, which no daemon writes, reads or checkpoints: a runtime is not one of
+# a stream of their own, which no daemon writes or checkpoints (a checkpoint only witnesses each
+# chain's last trailer, `runtime_heads:`): a runtime is not one of
 # the daemon log's writers, so nothing a runtime (or anyone who may write its subjects) puts
 # there can break the daemon's log or open a crisis. `improved audit verify` checks them
 # against `[trust.runtimes]`.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from improved.core import audit, checkpoint, evidence, merkle
@@ -122,7 +122,9 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
                        claims: list[tuple[int, str, str]], every_chain: bool = False,
                        report: Callable[[str], None] | None = None,
                        archived: Seal | None = None,
-                       source: AsyncIterator[Entry] | None = None) -> Since:
+                       source: AsyncIterator[Entry] | None = None,
+                       on_checkpoint: Callable[[dict], Awaitable[None]] | None = None,
+                       ) -> Since:
     """Read and verify every trailer after `base` up to the stream's last sequence: each in its
     chain (hash, link, lifecycle, writer, signed act), each checkpoint met on the way by its
     signature, its key and its root, and every trailer the stream holds given back.
@@ -135,7 +137,8 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
     `archived`, the last seal: up to its `removable` trailers at or below its `upto` may be
     missing (exported and removed, `runtime.archive`); when some are, the tree goes on from
     the seal's frontier, and the roots it covered are the export's to check. `source`: the
-    trailers to read instead of the stream's (exported epochs, then the stream)."""
+    trailers to read instead of the stream's (exported epochs, then the stream).
+    `on_checkpoint`: given each checkpoint trailer that verifies, as it is read."""
     since = Since(merkle.Tree(base.frontier, base.count), base.last_seq, base.last_hash)
     timed = _Timed(trust, since)
     roots: dict[int, list[tuple[str, str]]] = {}
@@ -177,6 +180,8 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
             runs.pop(subject, None)
             if report is not None:
                 report(problem)
+        if subject == CP_SUBJECT and problem is None and on_checkpoint is not None:
+            await on_checkpoint(body)
         if subject != CP_SUBJECT:
             leaf = body.get("hash")
             since.tree.add(leaf if isinstance(leaf, str) else "")
@@ -324,18 +329,21 @@ def _checkpoint_problem(body: dict | None, trusted: set[str], base: Anchor,
 
 
 async def _open(store: Store, subject: str, body: dict, headers: dict[str, str], seq: int,
-                trust: audit.Authenticity, base_seq: int) -> tuple[audit.ChainRun, bool] | str:
+                trust: audit.Authenticity | None, base_seq: int, *, by_header: bool = False,
+                ) -> tuple[audit.ChainRun, bool] | str:
     """The run of a chain met at `body` (stream sequence `seq`) with no run held: new when it
     is the chain's first trailer, else continued after its earlier trailers (all before
     `seq`); and whether this read meets the chain for the first time (it began at or before
-    `base_seq`, so none of it was read yet), not again after its run was dropped."""
+    `base_seq`, so none of it was read yet), not again after its run was dropped. The
+    checkpoint chain, and with `by_header` any chain (one that grows with time), continues
+    from its predecessor alone when the append's header finds it."""
     chain_id = S.token(subject, 3) or ""
     position = body.get("seq")
     if position == 0:
         return audit.ChainRun.start(chain_id, trust), True
     if not isinstance(position, int) or position < 0:
         return f"{chain_id} trailer {position!r}: not a chain position"
-    if subject == CP_SUBJECT:
+    if subject == CP_SUBJECT or by_header:
         pred = await _predecessor(store, subject, headers, position, seq)
         if pred is not None:
             return (audit.ChainRun.after(chain_id, position - 1, pred[1], "pending", trust),
@@ -350,6 +358,16 @@ async def _open(store: Store, subject: str, body: dict, headers: dict[str, str],
         if brk is not None:
             return str(brk)
     return run, began <= base_seq
+
+
+async def continue_run(store: Store, subject: str, body: dict, headers: dict[str, str],
+                       seq: int, trust: audit.Authenticity | None) -> audit.ChainRun | str:
+    """The run of a long chain (a tool runtime's) met at `body` in the middle of a read that
+    starts after its beginning: continued from the trailer before it (found by the append's
+    `Nats-Expected-Last-Subject-Sequence`), else from the chain's first trailer, every one
+    before `seq` verified; or why it cannot be."""
+    opened = await _open(store, subject, body, headers, seq, trust, 0, by_header=True)
+    return opened if isinstance(opened, str) else opened[0]
 
 
 async def _predecessor(store: Store, subject: str, headers: dict[str, str], position: int,

@@ -24,6 +24,7 @@ import structlog
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NotFoundError
 
 from improved.client.sdk import enqueue
 from improved.core import apply as apply_stage
@@ -77,7 +78,7 @@ from improved.protocol.model import (
     to_json,
 )
 from improved.runtime import anchor as anchor_file
-from improved.runtime import archive, checkpointing
+from improved.runtime import archive, checkpointing, tool_chains
 from improved.runtime.config import Config, Trust
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import (
@@ -95,6 +96,8 @@ MAX_CONFLICT_RETRIES = 8
 MAX_STEPS = 8  # planner steps in one pass; the next message or retry carries on
 AUTONOMY_TTL_MS = 1000  # how stale this process's view of the breaker may be
 CACHE_SIZE = 10_000  # records kept in memory per process (the KV bucket holds all of them)
+WITNESS_TIMEOUT_S = 2.0  # how long a checkpoint waits for the runtime chains' heads
+WITNESS_RETRY_MS = 3600 * 1000  # after a failed read of them, when to try again
 apply_result_decoder = msgspec.json.Decoder(ApplyResult)
 measure_reply_decoder = msgspec.json.Decoder(MeasureReply)
 
@@ -176,6 +179,7 @@ class Engine:
         # observe's learn-back, once per committed trailer: (analyzer id, accepted, its hash)
         self.learn: Callable[[str, bool, str], Awaitable[None]] | None = None
         self.checkpointed_to = 0  # the stream sequence this process's last checkpoint covered
+        self._witness_retry_at = 0  # when to try reading the runtime chains' heads again
         # the operator's queue as the review index counts it: recounted from the index by the
         # daemon (`set_queue_size`), moved by this replica's own passes in between
         self.queue_size = 0
@@ -1025,7 +1029,7 @@ class Engine:
             await self._crisis(problems, crisis, kept, view, path, now)
             return "; ".join(problems)
         cp = checkpoint.make_from(since.tree.frontier(), since.tree.count, since.last_seq,
-                                  since.last_hash, now, key)
+                                  since.last_hash, now, key, await self._runtime_heads(now))
         await self.store.append_sealed(
             checkpointing.CP_SUBJECT, checkpoint.CHECKPOINT_ID, "L0", "operation",
             lambda chain, at: checkpoint.draft(cp, self.actor), clock=lambda: now)
@@ -1037,6 +1041,25 @@ class Engine:
         log.info("checkpoint signed", trailers=cp.count, root=cp.root, read=since.read)
         self.checkpointed_to = cp.last_seq
         return None
+
+    async def _runtime_heads(self, now: int) -> tuple[checkpoint.RuntimeHead, ...]:
+        """The tool runtimes' chain heads for the checkpoint to witness — for `improved audit
+        verify` to tell a runtime chain removed or cut short — or none. A witness only: this
+        daemon decides nothing by them, and nothing about them stops a checkpoint. A user
+        that may not read IMPROVE_TOOLS_AUDIT (the server drops the request, so it times out)
+        records none, and is asked again only after WITNESS_RETRY_MS."""
+        if now < self._witness_retry_at:
+            return ()
+        try:
+            return await asyncio.wait_for(tool_chains.runtime_heads(self.nc),
+                                          WITNESS_TIMEOUT_S)
+        except NotFoundError:  # no such stream (yet): no runtime chain to witness
+            return ()
+        except Exception as exc:
+            self._witness_retry_at = now + WITNESS_RETRY_MS
+            log.info("the tool runtimes' chain heads were not witnessed",
+                     stream=S.STREAM_TOOLS_AUDIT, error=f"{type(exc).__name__}: {exc}")
+            return ()
 
     async def seal_if_due(self, key) -> None:
         """Seal the next epoch of the log, up to what the last checkpoint of this process

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import random
 import time
 from collections import OrderedDict
@@ -255,8 +256,8 @@ def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsa
 
 def tools_audit_config(replicas: int = 1) -> jsapi.StreamConfig:
     """The tool runtimes' audit chains (`S.tools_audit`): durable as the daemon's log (file
-    storage, no limits, no message deletes), but a stream of its own that no daemon writes,
-    reads or checkpoints, so a runtime's chain (or a trailer someone forged on it) is never
+    storage, no limits, no message deletes), but a stream of its own that no daemon writes
+    or checkpoints (a checkpoint witnesses each chain's last trailer, no more), so a runtime's chain (or a trailer someone forged on it) is never
     part of the daemon's log: `improved audit verify` checks it against `[trust.runtimes]`."""
     return jsapi.StreamConfig(
         name=S.STREAM_TOOLS_AUDIT, subjects=[S.TOOLS_AUDIT_FILTER],
@@ -866,18 +867,24 @@ class Store:
         return [(seq, subj, body) async for seq, subj, body, _ in self.follow(subject, 1, last_seq)
                 if body is not None]
 
-    async def follow(self, subject: str, start: int, upto: int
+    async def follow(self, subject: str, start: int, upto: int, *,
+                     start_ms: int | None = None,
                      ) -> AsyncIterator[tuple[int, str, dict | None, dict[str, str]]]:
         """(stream sequence, subject, body or None when it is not JSON, headers) of every
         trailer on `subject` from stream sequence `start` to `upto`, one at a time: a reader of
         the whole log holds one batch (FOLLOW_BATCH trailers), not the log. It pulls each
         batch when the one before is read, so a slow reader never makes the server push the
         log into its buffers. Ends early when nothing arrives for READ_IDLE_S (a message the
-        server holds but cannot read)."""
+        server holds but cannot read). `start_ms` (epoch ms): from the first trailer the
+        server stored at or after that time instead of from `start`."""
         if upto < start:
             return
-        config = jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.BY_START_SEQUENCE,
-                                      opt_start_seq=start, ack_policy=jsapi.AckPolicy.NONE,
+        by_time = {"deliver_policy": jsapi.DeliverPolicy.BY_START_TIME,
+                   "opt_start_time": datetime.datetime.fromtimestamp(start_ms / 1000,
+                                                                     datetime.UTC)} \
+            if start_ms is not None else {
+                "deliver_policy": jsapi.DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": start}
+        config = jsapi.ConsumerConfig(**by_time, ack_policy=jsapi.AckPolicy.NONE,
                                       inactive_threshold=READ_IDLE_S * 6, mem_storage=True)
         sub = await self.js.pull_subscribe(subject, stream=self.audit_stream, config=config)
         try:
@@ -927,9 +934,10 @@ class Store:
                                      first_seq=state.first_seq, messages=state.messages)
 
     async def trailer_at(self, seq: int) -> tuple[str, dict | None, dict[str, str]] | None:
-        """(subject, body or None when not JSON, headers) of the audit message at `seq`."""
+        """(subject, body or None when not JSON, headers) of the message at `seq` of this
+        store's audit stream."""
         try:
-            msg = await self.js.get_msg(S.STREAM_AUDIT, seq=seq, direct=True)
+            msg = await self.js.get_msg(self.audit_stream, seq=seq, direct=True)
         except NotFoundError:
             return None
         try:

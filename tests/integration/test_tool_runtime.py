@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import secrets
 import time
 
@@ -68,6 +69,24 @@ async def serving(nc, rt: Runtime, key=None):
         yield service
     finally:
         await service.stop()
+
+
+@contextlib.asynccontextmanager
+async def own_daemon(server, tmp_path, name: str):
+    """A connection to `server` and a daemon of its own on it, whose checkpoints the test
+    signs when it wants them (`daemon.engine.checkpoint`)."""
+    from improved.runtime.daemon import Daemon
+    from tests.bus import daemon_config
+
+    conn = await bus.connect(server.url, name)
+    daemon = Daemon(conn, msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
+                                                  data_dir=tmp_path / "data"))
+    await daemon.start()
+    try:
+        yield conn, daemon
+    finally:
+        await daemon.stop()
+        await bus.close(conn)
 
 
 async def ask(nc, subject: str, body) -> dict:
@@ -729,16 +748,10 @@ async def test_improved_audit_verify_checks_the_tools_chain(own_server, svc, tmp
     wrong; a trailer someone else appends is named BROKEN."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from improved.runtime.daemon import Daemon
     from improved.runtime.store import Store
-    from tests.bus import daemon_config
 
     key = Ed25519PrivateKey.generate()
-    conn = await bus.connect(own_server.url, "tool-runtime-verify")
-    daemon = Daemon(conn, msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
-                                                  data_dir=tmp_path / "data"))
-    await daemon.start()
-    try:
+    async with own_daemon(own_server, tmp_path, "tool-runtime-verify") as (conn, daemon):
         rt, tools = runtime(name=svc)
         async with serving(conn, rt, key):
             await call(conn, rt, "read", ARGS)
@@ -786,9 +799,6 @@ async def test_improved_audit_verify_checks_the_tools_chain(own_server, svc, tmp
         assert (f"BROKEN {cid} trailer 2: not signed by a runtime: a trailer anyone on the bus "
                 f"could have written (tool runtime {svc}, IMPROVE_TOOLS_AUDIT)") in broken.stdout
         assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
-    finally:
-        await daemon.stop()
-        await bus.close(conn)
 
 
 # -- a runtime nobody trusts cannot stop the loop -----------------------------------------------
@@ -893,3 +903,218 @@ async def test_a_chain_written_into_the_daemons_log_before_the_move_verifies_und
     assert broken.returncode == 1
     assert f"BROKEN {cid} trailer 0: signed by" in broken.stdout
     assert "which is not a trusted daemon key" in broken.stdout
+
+
+# -- a session proof re-checked from the chain alone ---------------------------------------------
+
+
+def _resigned(body: dict, key, **changes) -> dict:
+    """`body` changed, re-hashed and re-signed by `key`: a trailer its chain's writer made."""
+    from improved.protocol.model import Trailer
+
+    changed = {k: v for k, v in dict(body, **changes).items() if k not in ("hash", "sig")}
+    changed["hash"] = audit.trailer_hash(changed)
+    return msgspec.to_builtins(evidence.sign(msgspec.convert(changed, Trailer), key))
+
+
+def _verifier_config(tmp_path, runtime_name: str, key) -> str:
+    b64 = base64.b64encode
+    alice = b64(signing.raw_public(ALICE[1].public_key())).decode()
+    daemon_public = b64(signing.raw_public(daemon_key().public_key())).decode()
+    path = tmp_path / "verifier.toml"
+    path.write_text(f'data_dir = "{tmp_path / "verifier"}"\n[trust]\n'
+                    f'operators = {{ "{ALICE[0]}" = "{alice}" }}\n'
+                    f'daemons = {{ "improved:test" = "{daemon_public}" }}\n'
+                    f'[trust.runtimes]\n{runtime_name} = "'
+                    f'{b64(signing.raw_public(key.public_key())).decode()}"\n')
+    return str(path)
+
+
+async def test_audit_verify_rechecks_the_session_proof_a_trailer_records(own_server, svc,
+                                                                         tmp_path):
+    """The attack: the runtime's key (or whoever holds it) appends an upgraded call the
+    session never proved — a copy of a real one whose recorded proof is altered — hashed,
+    linked and signed by the runtime's key, so the chain itself verifies. `improved audit
+    verify` re-checks the recorded proof against the upgrade's session key and names it."""
+    from improved.runtime.store import Store
+
+    key = Ed25519PrivateKey.generate()
+    conn = await bus.connect(own_server.url, "tool-runtime-proof")
+    try:
+        await Store(conn).ensure()
+        rt, _ = runtime(name=svc)
+        env = upgrade(svc, "sess-p", now=now_ms())
+        async with serving(conn, rt, key):
+            reply = await ask(conn, subjects.tools_call(svc),
+                              upgraded(svc, env, "deploy", ARGS, "sess-p"))
+            assert reply["ok"] is True
+        cfg = _verifier_config(tmp_path, svc, key)
+        ok = await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
+                                     "--config", cfg)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        assert "tool runtimes (IMPROVE_TOOLS_AUDIT): 1/1 chains verified, 1 trailers" \
+            in ok.stdout
+
+        cid = tools_chain_id(svc)
+        store = Store(conn, audit_stream=subjects.STREAM_TOOLS_AUDIT)
+        _, last = await store.chain_head(subjects.tools_audit(cid))
+        refs = [r if not r.startswith("proof_nonce:") else "proof_nonce:" + "f" * 32
+                for r in last["refs"]]
+        forged = _resigned(last, key, seq=last["seq"] + 1, prev=last["hash"], refs=refs)
+        await conn.jetstream().publish(subjects.tools_audit(cid), to_json(forged))
+        broken = await asyncio.to_thread(improved, "audit", "verify", "--nats",
+                                         own_server.url, "--config", cfg)
+        assert broken.returncode == 1, broken.stdout + broken.stderr
+        assert (f"BROKEN {cid} trailer 1: the recorded session proof does not verify "
+                f"(session_proof_invalid)") in broken.stdout, broken.stdout
+        assert "Traceback" not in broken.stdout + broken.stderr
+    finally:
+        await bus.close(conn)
+
+
+async def test_audit_verify_since_and_by_chain_check_the_runtime_chains(own_server, svc,
+                                                                        tmp_path):
+    """`improved audit verify --since` checks the runtime chains' trailers stored since the
+    last checkpoint, each chain continued from the trailer before its first one there, by the
+    same rules as the whole-log verify; `improved audit verify runtime:NAME` (or the chain's
+    id) checks that one chain. A trailer appended unsigned after the checkpoint is named by
+    both, exit 1."""
+    from improved.runtime.store import Store
+
+    key = Ed25519PrivateKey.generate()
+    async with own_daemon(own_server, tmp_path, "tool-runtime-since") as (conn, daemon):
+        rt, tools = runtime(name=svc)
+        async with serving(conn, rt, key):
+            await call(conn, rt, "read", ARGS)
+            await call(conn, rt, "read", {"path": "/srv/data/1"})
+            await asyncio.sleep(0.05)
+            assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+            await asyncio.sleep(0.05)
+            await call(conn, rt, "deploy", ARGS, grant(tools["deploy"][0], now=now_ms()))
+        cfg = _verifier_config(tmp_path, svc, key)
+        cid = tools_chain_id(svc)
+
+        async def verify(*args: str):
+            return await asyncio.to_thread(improved, "audit", "verify", *args, "--nats",
+                                           own_server.url, "--config", cfg)
+
+        since = await verify("--since")
+        assert since.returncode == 0, since.stdout + since.stderr
+        assert ("tool runtimes (IMPROVE_TOOLS_AUDIT): 1/1 chains verified, 1 trailers since "
+                "the checkpoint") in since.stdout
+        for target in (f"runtime:{svc}", cid):
+            one = await verify(target)
+            assert one.returncode == 0, one.stdout + one.stderr
+            assert one.stdout.splitlines() == [
+                "tool runtimes (IMPROVE_TOOLS_AUDIT): 1/1 chains verified, 3 trailers"]
+
+        store = Store(conn, audit_stream=subjects.STREAM_TOOLS_AUDIT)
+        _, last = await store.chain_head(subjects.tools_audit(cid))
+        forged = dict(last, seq=last["seq"] + 1, prev=last["hash"], sig="", refs=[])
+        forged["hash"] = audit.trailer_hash(forged)
+        await conn.jetstream().publish(subjects.tools_audit(cid), to_json(forged))
+        line = (f"BROKEN {cid} trailer 3: not signed by a runtime: a trailer anyone on the bus "
+                f"could have written (tool runtime {svc}, IMPROVE_TOOLS_AUDIT)")
+        for args in (("--since",), (f"runtime:{svc}",), (cid,)):
+            broken = await verify(*args)
+            assert broken.returncode == 1, (args, broken.stdout + broken.stderr)
+            assert line in broken.stdout, (args, broken.stdout)
+
+        bad = await verify("runtime:Not A Name")
+        assert bad.returncode == 2 and "is not a runtime name" in bad.stderr
+        assert "Traceback" not in bad.stderr
+        nothing = await verify(tools_chain_id("nobody"))
+        assert nothing.returncode == 1 and "no chain for" in nothing.stderr
+        assert "Traceback" not in nothing.stderr
+
+
+# -- a runtime chain removed is named against the heads the checkpoints witnessed ----------------
+
+
+async def test_a_removed_or_replaced_runtime_chain_is_named_against_the_checkpoints_witness(
+        own_server, svc, tmp_path):
+    """The attack: IMPROVE_TOOLS_AUDIT has no checkpoint of its own, so a runtime's whole
+    chain purged (or the stream re-created and the chain written anew) left nothing to tell.
+    The daemon's checkpoint now witnesses each runtime chain's head; `improved audit verify`
+    names a chain missing, shorter than or diverging from it (exit 1). The daemon itself
+    never goes into crisis over it: its next checkpoint is signed as before."""
+    from improved.runtime.store import Store
+
+    key = Ed25519PrivateKey.generate()
+    cid = tools_chain_id(svc)
+    subject = subjects.tools_audit(cid)
+    cfg = _verifier_config(tmp_path, svc, key)
+    async with own_daemon(own_server, tmp_path, "tool-runtime-witness") as (conn, daemon):
+        js = conn.jetstream()
+
+        async def verify():
+            return await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
+                                           "--config", cfg)
+
+        async def calls(n: int, tag: str) -> None:
+            rt, _ = runtime(name=svc)
+            async with serving(conn, rt, key):
+                for k in range(n):
+                    await call(conn, rt, "read", {"path": f"/srv/data/{tag}{k}"})
+
+        async def checkpoint_witnesses() -> str:
+            assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+            assert not (await daemon.engine.autonomy(2**62)).crisis
+            _, cp = await daemon.store.chain_head(checkpointing_subject())
+            return next((r for r in cp["refs"] if r.startswith("runtime_heads:")), "")
+
+        await calls(2, "a")
+        witnessed = await checkpoint_witnesses()
+        ok = await verify()
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        store = Store(conn, audit_stream=subjects.STREAM_TOOLS_AUDIT)
+        head_seq, head = await store.chain_head(subject)
+
+        await js.delete_stream(subjects.STREAM_TOOLS_AUDIT)  # every runtime chain with it
+        missing = await verify()
+        assert missing.returncode == 1, missing.stdout + missing.stderr
+        assert (f"BROKEN {cid}: the chain is missing; the checkpoint at") in missing.stdout
+        assert f"witnessed 2 trailers ending in {head['hash'][:16]}…: the whole chain was " \
+               "removed (IMPROVE_TOOLS_AUDIT does not exist)" in missing.stdout
+        assert witnessed == "runtime_heads:" + json.dumps(
+            {cid: [2, head["hash"], head_seq]}, separators=(",", ":"))
+
+        await js.add_stream(tools_audit_config())  # re-created: the chain written anew
+        await calls(1, "b")
+        short = await verify()
+        assert short.returncode == 1
+        assert f"BROKEN {cid}: the chain holds 1 trailers; the checkpoint at" in short.stdout
+        await calls(2, "c")
+        other = await verify()
+        assert other.returncode == 1
+        assert (f"BROKEN {cid} trailer 1: it is not the trailer the checkpoint at"
+                in other.stdout), other.stdout
+        assert "the chain was replaced or rewritten" in other.stdout
+        # a later checkpoint witnesses the chain written anew, longer: the earlier head is
+        # still looked for where it was, and is not there
+        assert await checkpoint_witnesses() != ""
+        rewitnessed = await verify()
+        assert rewitnessed.returncode == 1, rewitnessed.stdout
+        assert (f"BROKEN {cid} trailer 1: the checkpoint at" in rewitnessed.stdout
+                and f"witnessed trailer 1 ({head['hash'][:16]}…) at stream sequence "
+                    f"{head_seq}" in rewitnessed.stdout
+                and "the chain was removed or replaced (IMPROVE_TOOLS_AUDIT)"
+                    in rewitnessed.stdout), rewitnessed.stdout
+
+        await js.purge_stream(subjects.STREAM_TOOLS_AUDIT, subject=subject)  # the whole chain
+        gone = await verify()
+        assert gone.returncode == 1
+        assert (f"BROKEN {cid} trailer 1: the checkpoint at" in gone.stdout
+                and "it is gone: the chain was removed or replaced" in gone.stdout), gone.stdout
+        assert "Traceback" not in gone.stdout + gone.stderr
+        assert await checkpoint_witnesses() == ""  # nothing left to witness, and no crisis
+        # a checkpoint that witnessed nothing (as a daemon that may not read the stream) takes
+        # nothing away from the earlier ones
+        still = await verify()
+        assert still.returncode == 1 and f"BROKEN {cid} trailer" in still.stdout
+
+
+def checkpointing_subject() -> str:
+    from improved.runtime.checkpointing import CP_SUBJECT
+
+    return CP_SUBJECT

@@ -171,3 +171,62 @@ def test_the_stream_still_holds_what_the_last_checkpoint_covered_in_o1(view, fou
         assert problem is None
     else:
         assert problem is not None and named in problem and "10 trailers" in problem, problem
+
+
+def test_a_checkpoint_witnesses_the_runtime_chain_heads_outside_its_statement():
+    """The tool runtimes' chain heads ride on the checkpoint trailer (`runtime_heads:`), not
+    in the signed statement: a checkpoint with or without them signs the same bytes, and a
+    malformed ref witnesses nothing."""
+    from improved.core import audit
+    from improved.core.record import ChainHead
+
+    key = Ed25519PrivateKey.generate()
+    heads = [("b" * 64, 3, "c" * 64, 9), ("a" * 64, 1, "d" * 64, 4)]
+    cp = checkpoint.make_from((), 0, 0, "", 1000, key, heads)
+    bare = checkpoint.make_from((), 0, 0, "", 1000, key)
+    assert cp.statement() == bare.statement() and checkpoint.signature_ok(cp)
+    body = msgspec_body(audit.seal_next(checkpoint.draft(cp, "improved:x"),
+                                        checkpoint.CHECKPOINT_ID, ChainHead(), "L0",
+                                        "operation", 1000))
+    assert checkpoint.runtime_heads(body) == tuple(sorted(heads))
+    assert checkpoint.from_trailer(body).runtimes == tuple(sorted(heads))
+    assert not any(r.startswith("runtime_heads:") for r in checkpoint.draft(bare, "x").refs)
+    for bad in ("runtime_heads:[1]", "runtime_heads:{", 'runtime_heads:{"a":[0,"x",1]}',
+                'runtime_heads:{"a":[true,"x",1]}', 'runtime_heads:{"a":[1,"x"]}',
+                'runtime_heads:{"a":[1,"x",0]}'):
+        assert checkpoint.runtime_heads({"refs": [bad]}) == ()
+
+
+def test_the_longest_witnessed_head_is_what_a_runtime_chain_must_still_hold():
+    """Each chain's longest witnessed head is kept; one a longer head replaces is handed back
+    to be looked up where it was, and a later witness shorter than, or as long as but other
+    than, an earlier one is named at once."""
+    seen: checkpoint.Witness = {}
+    assert checkpoint.witness(seen, [("c", 2, "h2", 7)], 10) == ([], [])
+    assert checkpoint.witness(seen, [("c", 2, "h2", 7)], 15) == ([], [])  # the same again
+    assert checkpoint.witness(seen, [("c", 5, "h5", 9)], 20) == ([("c", (2, "h2", 7, 10))], [])
+    superseded, problems = checkpoint.witness(seen, [("c", 4, "h4", 8), ("d", 1, "x", 3)], 30)
+    assert superseded == [] and [cid for cid, _ in problems] == ["c"]
+    assert "the chain was cut short between them" in problems[0][1]
+    _, problems = checkpoint.witness(seen, [("c", 5, "other", 9)], 40)
+    assert "the chain was replaced between them" in problems[0][1]
+    assert seen == {"c": (5, "h5", 9, 20), "d": (1, "x", 3, 30)}
+    problem = checkpoint.runtime_chain_problem
+    assert problem("c", seen["c"], 5, "h5") is None
+    assert problem("c", seen["c"], 9, "h5") is None
+    assert problem("c", seen["c"], 9, None) is None  # that trailer not seen: not judged
+    assert "the chain is missing" in problem("c", seen["c"], None, None)
+    assert "the chain holds 4 trailers" in problem("c", seen["c"], 4, None)
+    assert problem("c", seen["c"], 9, "other").startswith("c trailer 4: it is not the trailer")
+    found = checkpoint.witnessed_trailer_problem
+    assert found("c", "s.c", seen["c"], ("s.c", {"seq": 4, "hash": "h5"})) is None
+    assert "it is gone" in found("c", "s.c", seen["c"], None)
+    for other in (("s.d", {"seq": 4, "hash": "h5"}), ("s.c", {"seq": 3, "hash": "h5"}),
+                  ("s.c", {"seq": 4, "hash": "h4"}), ("s.c", None)):
+        assert "another message is there" in found("c", "s.c", seen["c"], other)
+
+
+def msgspec_body(trailer) -> dict:
+    import msgspec
+
+    return msgspec.to_builtins(trailer)

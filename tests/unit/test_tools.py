@@ -904,6 +904,101 @@ async def test_decisions_are_drafted_for_the_tools_chain_without_the_arguments()
         assert brk is not None and brk.seq == at and "signed act says" in brk.problem, change
 
 
+async def _upgraded_chain(n: int = 2) -> tuple[str, list[dict], list]:
+    """`n` upgraded calls of `deploy` on runtime `agent`, each with its own proof, as the
+    runtime records them: the chain id, the signed trailers' bodies and their envelopes."""
+    from improved.core import audit, evidence
+    from improved.core.record import ChainHead
+
+    rt, _ = runtime()
+    up = upgrade()
+    cid, head, bodies = tools_chain_id("agent"), ChainHead(), []
+    for k in range(n):
+        args = {"path": f"/srv/data/{k}"}
+        d = await rt.decide("deploy", args, None, NOW + k, session="s-1", upgrade=up,
+                            proof=proof(up, "deploy", args, now=NOW + k))
+        assert d.allowed, d.reply
+        t = evidence.sign(audit.seal_next(call_draft("agent", d), cid, head, "L4",
+                                          "operation", NOW + k), DAEMON)
+        head = ChainHead(length=head.length + 1, last_hash=t.hash, stream_seq=k + 1)
+        bodies.append(msgspec.to_builtins(t))
+    return cid, bodies, up
+
+
+def _relinked(cid: str, bodies: list[dict], at: int, refs: list[str]) -> list[dict]:
+    """The chain with trailer `at`'s refs replaced, it and every later one re-hashed, re-linked
+    and re-signed by the chain's writer: only what the refs say can be wrong."""
+    from improved.core import audit, evidence
+    from improved.protocol.model import Trailer
+
+    out = [dict(b) for b in bodies]
+    out[at]["refs"] = refs
+    for k in range(at, len(out)):
+        body = {key: v for key, v in out[k].items() if key not in ("hash", "sig")}
+        if k:
+            body["prev"] = out[k - 1]["hash"]
+        body["hash"] = audit.trailer_hash(body)
+        out[k] = msgspec.to_builtins(evidence.sign(msgspec.convert(body, Trailer), DAEMON))
+    return out
+
+
+def _readers():
+    from improved.core import evidence
+
+    return evidence.ChainTrust(frozenset({DAEMON_KEYID}),
+                               evidence.History(fallback=evidence.KeySet(trust())))
+
+
+async def test_an_upgraded_calls_trailer_records_its_proof_and_a_verifier_rechecks_it():
+    """The session proof is on the trailer (`proof_at`, `proof_nonce`, `proof_sig`, beside the
+    `proof:` digest), so a verifier holding the chain alone re-checks it against the upgrade's
+    session key. A trailer whose recorded proof was altered — re-hashed and re-signed by the
+    chain's own writer, so hashes, links and signatures all hold — is a break."""
+    from improved.core import audit
+
+    cid, bodies, up = await _upgraded_chain()
+    assert audit.verify_chain(cid, bodies, _readers()) is None
+    refs = dict(r.split(":", 1) for r in bodies[1]["refs"])
+    made = proof(up, "deploy", {"path": "/srv/data/1"}, now=NOW + 1, nonce=refs["proof_nonce"])
+    assert (int(refs["proof_at"]), refs["proof_sig"]) == (made.at, made.sig)
+    other = Ed25519PrivateKey.generate()
+    forged_sig = proof(up, "deploy", {"path": "/srv/data/1"}, key=other, now=NOW + 1,
+                       nonce=refs["proof_nonce"]).sig
+    cases = {
+        "proof_nonce": ({"proof_nonce": "n" * 32}, "does not verify (session_proof_invalid)"),
+        "proof_at": ({"proof_at": str(NOW + 2)}, "does not verify (session_proof_invalid)"),
+        "proof_sig": ({"proof_sig": forged_sig}, "does not verify (session_proof_invalid)"),
+        "args": ({"args": args_digest({"path": "/etc"})}, "does not verify"),
+        "tool": ({"tool": "read"}, "does not verify"),
+        "proof": ({"proof": "0" * 64}, "the recorded session proof has digest"),
+        "a field left out": ({"proof_sig": None}, "recorded without proof_sig"),
+        "not a number": ({"proof_at": "soon"}, "is not a proof"),
+        "the whole proof left out after one was recorded": (
+            {"proof_at": None, "proof_nonce": None, "proof_sig": None},
+            "the session proof is not recorded"),
+    }
+    for what, (change, says) in cases.items():
+        changed = [f"{k}:{change.get(k, v)}" for k, v in refs.items()
+                   if change.get(k, v) is not None]
+        brk = audit.verify_chain(cid, _relinked(cid, bodies, 1, changed), _readers())
+        assert brk is not None and brk.seq == 1 and says in brk.problem, (what, brk)
+
+
+async def test_a_trailer_written_before_proofs_were_recorded_still_verifies():
+    """A chain whose upgraded calls carry only the proof's digest and the session key's id,
+    as the runtime wrote them before the proof itself was recorded, verifies as before."""
+    from improved.core import audit
+
+    cid, bodies, _ = await _upgraded_chain()
+    old = bodies
+    for k in range(len(bodies)):
+        old = _relinked(cid, old, k, [r for r in old[k]["refs"]
+                                      if not r.startswith(("proof_at:", "proof_nonce:",
+                                                           "proof_sig:"))])
+    assert all("proof_sig" not in str(b["refs"]) for b in old)
+    assert audit.verify_chain(cid, old, _readers()) is None
+
+
 async def test_a_runtime_key_writes_its_own_chain_and_no_other():
     """[trust.runtimes] → chain id → (runtime, key id): a key trusted for runtime `agent`
     verifies `agent`'s chain only, as a runtime's (never a daemon's) signature."""
