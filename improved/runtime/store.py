@@ -141,6 +141,16 @@ PROBE_TIMEOUT_S = 1.0  # a status read during a restore (Store._probe)
 # (`Daemon._keep_alive`), however long the job takes.
 INBOUND_ACK_WAIT_S = 5.0
 READ_IDLE_S = 5.0  # a read of the audit log that receives nothing this long has ended
+
+
+async def _nothing_pending(sub: Any) -> bool:
+    """Whether a consumer just made has nothing to deliver, so a read need not wait
+    READ_IDLE_S to find out; False when its info does not come (a clustered consumer whose
+    leader is not elected yet): the read then finds out by waiting."""
+    try:
+        return (await sub.consumer_info()).num_pending == 0
+    except Exception:
+        return False
 # How long an index tombstone (an item that left the queue) stays before its subject is gone:
 # long enough for every reader to see the entry replaced, short enough that tombstones do not
 # pile up with the history.
@@ -888,10 +898,12 @@ class Store:
                                       inactive_threshold=READ_IDLE_S * 6, mem_storage=True)
         sub = await self.js.pull_subscribe(subject, stream=self.audit_stream, config=config)
         try:
+            if await _nothing_pending(sub):
+                return  # nothing there (a purged chain, a window past the end): no wait
             while True:
                 try:
                     msgs = await self._pull(sub)
-                except NatsTimeoutError:
+                except TimeoutError:  # nats-py raises its own or asyncio's, by timing
                     return
                 for msg in msgs:
                     seq = msg.metadata.sequence.stream
@@ -1013,7 +1025,7 @@ class Store:
             while True:
                 try:
                     msg = await sub.next_msg(timeout=READ_IDLE_S)
-                except NatsTimeoutError:
+                except TimeoutError:  # nats-py raises its own or asyncio's, by timing
                     return out
                 svc, pid = S.token(msg.subject, 2) or "", S.token(msg.subject, 3) or ""
                 if msg.data and S.SERVICE_RE.match(svc) and S.ID_RE.match(pid):
