@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 
 from improved.client.sdk import MeshClient
 from improved.core import propose
+from improved.core.signing import TrustStore
 from improved.protocol import subjects as S
 from improved.protocol import wire
 from improved.protocol.model import (
@@ -44,7 +45,7 @@ from improved.protocol.model import (
     to_json,
 )
 from improved.runtime import bus
-from improved.runtime.daemon import Daemon, signal_of
+from improved.runtime.daemon import Daemon, proposal_of, signal_of
 from tests.bus import daemon_config, eventually
 from tests.factories import rank_proposal, signal, skill_proposal
 
@@ -174,6 +175,9 @@ def escaping(svc: str) -> list[tuple[str, bytes]]:
 REPLY_TYPES = {"propose": ProposeReply, "triage": TriageDecision, "refine": RefineReply}
 
 
+SIGNERS = TrustStore.from_config(daemon_config().trust.signers)  # the test daemons' signers
+
+
 def local_verdict(kind: str, svc: str, data: bytes) -> str | None:
     """The error code the pure validation gives these bytes on this request, or None when
     they are valid (the daemon may still answer not_found for an unknown proposal)."""
@@ -181,7 +185,10 @@ def local_verdict(kind: str, svc: str, data: bytes) -> str | None:
         if not S.SERVICE_RE.match(svc):
             return "invalid_value"
         if kind == "propose":
-            propose.identify(propose.validate(data, svc, LIMIT))
+            proposal, env = proposal_of(data, svc, LIMIT)  # a bare Proposal, or a signed one
+            propose.identify(proposal)
+            if env is not None:  # refused unless a trusted agent of `svc` signed it
+                propose.verify_signed(SIGNERS, env, proposal)
         elif kind == "triage":
             wire.decode(data, TriageRequest, LIMIT)
         elif kind == "refine":
