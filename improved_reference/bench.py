@@ -75,6 +75,7 @@ SVC = "bench"
 OPERATOR = "operator:bench"
 KINDS = ("l0", "l3", "l2", "reject")
 FINAL = {"l0": "applied", "l3": "applied", "l2": "applied", "reject": "rejected"}
+INTERRUPT_AGAIN_S = 0.2  # a Ctrl-C cancels the run again this often until it is stopping
 
 
 def parse_mix(text: str) -> dict[str, float]:
@@ -267,6 +268,8 @@ class Bench:
         self.server: bus.EmbeddedServer | None = None
         self.daemons: list[subprocess.Popen] = []
         self.children: list[subprocess.Popen] = []  # the publisher process, while it runs
+        self.stopping = False  # the run reached its cleanup: a Ctrl-C need not cancel it again
+        self.interrupted = False  # a Ctrl-C or SIGTERM came
         self.publisher_cpu_s: dict[int, float] = {}  # its CPU seconds while publishing, by run
         self.key = Ed25519PrivateKey.generate()
         self.config = self.tmp / "bench.toml"
@@ -468,10 +471,21 @@ class Bench:
 
     async def run(self) -> dict[str, Any]:
         a = self.args
-        # SIGTERM ends the run as Ctrl-C does: the task is cancelled, `finally` stops everything
+        # Ctrl-C and SIGTERM cancel the task; `finally` stops everything. nats-py swallows a
+        # cancellation that lands while a publish waits on its flusher (Client._flush_pending),
+        # so one cancel can be lost and the run goes on: cancel again until `finally` is reached
         task = asyncio.current_task()
         assert task is not None
-        asyncio.get_running_loop().add_signal_handler(signals.SIGTERM, task.cancel)
+        loop = asyncio.get_running_loop()
+
+        def interrupt() -> None:
+            self.interrupted = True
+            if not self.stopping and not task.done():
+                task.cancel()
+                loop.call_later(INTERRUPT_AGAIN_S, interrupt)
+
+        for sig in (signals.SIGINT, signals.SIGTERM):
+            loop.add_signal_handler(sig, interrupt)
         url = self.start_server()
         nc = await bus.connect(url, "improved-bench")
         service = await bus.connect(url, "improved-bench-applier")  # the owning service's own
@@ -526,9 +540,12 @@ class Bench:
             result["machine"] = machine()
             return result
         finally:
+            self.stopping = True
             try:  # an interrupted close (Ctrl-C cancels this task) must not skip the stop
-                await bus.close(service)
-                await bus.close(nc)
+                for conn in (service, nc):
+                    # interrupted, nothing is left to flush: a drain would wait on callbacks
+                    # the cancel cut short, up to nats-py's drain timeout (30 s)
+                    await (conn.close() if self.interrupted else bus.close(conn))
             finally:
                 self.stop()
 
