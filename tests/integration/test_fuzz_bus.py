@@ -32,8 +32,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from improved.client.sdk import MeshClient
-from improved.core import propose
-from improved.core.signing import TrustStore
+from improved.core import propose, signing
 from improved.protocol import subjects as S
 from improved.protocol import wire
 from improved.protocol.model import (
@@ -48,6 +47,7 @@ from improved.runtime import bus
 from improved.runtime.daemon import Daemon, proposal_of, signal_of
 from tests.bus import daemon_config, eventually
 from tests.factories import rank_proposal, signal, skill_proposal
+from tests.keys import AGENT_A
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -87,6 +87,11 @@ def base_messages(svc: str) -> dict[str, dict[str, Any]]:
         "report": {"proposal_id": pid, "service": svc, "ok": True, "applied_id": "x"},
         "envelope": {"payloadType": "application/vnd.improved.review+json",
                      "payload": "e30=", "signatures": [{"keyid": "k", "sig": "c2ln"}]},
+        # a proposal signed by a trusted agent of another service (signer_mismatch as it is;
+        # a changed payload or signature, bad_signature; a changed type, invalid_value)
+        "signed": msgspec.to_builtins(signing.sign(
+            signing.PAYLOAD_TYPES["proposal"],
+            to_json(rank_proposal(svc, key=f"fzs{RUN}")), AGENT_A[1])),
     }
 
 
@@ -175,7 +180,7 @@ def escaping(svc: str) -> list[tuple[str, bytes]]:
 REPLY_TYPES = {"propose": ProposeReply, "triage": TriageDecision, "refine": RefineReply}
 
 
-SIGNERS = TrustStore.from_config(daemon_config().trust.signers)  # the test daemons' signers
+SIGNERS = signing.TrustStore.from_config(daemon_config().trust.signers)  # the test daemons' signers
 
 
 def local_verdict(kind: str, svc: str, data: bytes) -> str | None:
