@@ -106,23 +106,32 @@ def read_input(path: str, what: str) -> bytes:
                       f"of a {what}, or - to read it from stdin", USAGE) from None
 
 
-async def locate(url: str | Target, text: str) -> tuple[str, Any] | None:
-    """(service, record) of the proposal `text` names (a full id or a unique prefix,
-    `cli.ids`) as its chain says — never the state cache, since what an operator or a voter
-    signs names it: None without a chain whose links verify. The record carries the full id."""
+async def chain_record(store: Any, svc: str, pid: str) -> Any:
+    """The record of proposal `pid` as its chain says — never the state cache: None without a
+    chain whose links verify, or with one whose registration cannot be read."""
     from improved.core import audit
     from improved.core.policy import Policy
     from improved.core.propose import rebuild_record
     from improved.runtime.store import decode_trailer
 
+    chain = await store.read_chain(svc, pid)
+    if not chain or audit.verify_links(pid, [body for _, body in chain]) is not None:
+        return None
+    try:
+        return rebuild_record([decode_trailer(body) for _, body in chain],
+                              [seq for seq, _ in chain], Policy())
+    except ValueError:  # no registration it can read
+        return None
+
+
+async def locate(url: str | Target, text: str) -> tuple[str, Any] | None:
+    """(service, record) of the proposal `text` names (a full id or a unique prefix,
+    `cli.ids`) as its chain says (`chain_record`), since what an operator or a voter signs
+    names it: None without a chain whose links verify. The record carries the full id."""
     async with deployment(url) as store:
         svc, pid = await ids.resolve(store, text)
-        chain = await store.read_chain(svc, pid)
-        if not chain or audit.verify_links(pid, [body for _, body in chain]) is not None:
-            return None
-        record = rebuild_record([decode_trailer(body) for _, body in chain],
-                                [seq for seq, _ in chain], Policy())
-        return svc, record
+        record = await chain_record(store, svc, pid)
+        return None if record is None else (svc, record)
 
 
 def located(url: str | Target, text: str) -> tuple[str, Any]:

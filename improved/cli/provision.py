@@ -17,12 +17,11 @@ import sys
 import nats
 from nats.js.errors import ServiceUnavailableError
 
-from improved.cli.common import add_connection_args, config_of, url_of
-from improved.core import audit, propose
-from improved.core.policy import Policy
+from improved.cli.common import add_connection_args, chain_record, config_of, url_of
+from improved.core import propose
 from improved.runtime import bus
 from improved.runtime.bus import Target
-from improved.runtime.store import NeedsProvision, Store, StoreError, decode_trailer
+from improved.runtime.store import NeedsProvision, Store, StoreError
 
 ADMIN = "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"
 
@@ -57,14 +56,8 @@ async def sweep_dedup(store: Store, ttl_s: int) -> str:
         head = await store.dedup_head(svc, dedup)
         if head is None or not isinstance(head.get("proposal_id"), str):
             continue
-        chain = await store.read_chain(svc, head["proposal_id"])
-        if not chain or audit.verify_links(head["proposal_id"],
-                                           [body for _, body in chain]) is not None:
-            continue
-        try:
-            record = propose.rebuild_record([decode_trailer(body) for _, body in chain],
-                                            [seq for seq, _ in chain], Policy())
-        except ValueError:  # no registration it can read: not a proposal it can judge
+        record = await chain_record(store, svc, head["proposal_id"])
+        if record is None:  # no chain, or one whose links do not verify: not believed
             continue
         if await store.expire_dedup_head(svc, dedup, ttl_s,
                                          functools.partial(propose.head_may_expire, record)):
