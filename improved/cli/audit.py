@@ -25,6 +25,8 @@ from improved.runtime.bus import Target
 from improved.runtime.config import Config
 
 if TYPE_CHECKING:
+    from improved.runtime.checkpointing import Since
+    from improved.runtime.store import Store
     from improved.runtime.tool_chains import Witnesses
 
 
@@ -134,7 +136,7 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
         return 1 if problems or since.broken or not tools_ok else 0
 
 
-async def _verify_tools(store, config: Config, trust: evidence.ChainTrust,
+async def _verify_tools(store: Store, config: Config, trust: evidence.ChainTrust,
                         say: Callable[[str], None], note: Callable[[str], None],
                         witnesses: Witnesses, *, since_ms: int | None = None) -> bool:
     """The tool runtimes' chains, outside the daemon's log, each against its runtime's key in
@@ -159,7 +161,7 @@ async def _verify_tools(store, config: Config, trust: evidence.ChainTrust,
     return found.ok
 
 
-async def _verify_tool_chain(store, config: Config, trust: evidence.ChainTrust,
+async def _verify_tool_chain(store: Store, config: Config, trust: evidence.ChainTrust,
                              cid: str) -> int:
     """`audit verify <chain id>` of a tool runtime's chain (on IMPROVE_TOOLS_AUDIT), as the
     whole-log verify checks it; exit 1 when it is broken or unverified, or there is none."""
@@ -185,7 +187,7 @@ async def _verify_tool_chain(store, config: Config, trust: evidence.ChainTrust,
 _KEPT = "the last checkpoint kept in the data directory"
 
 
-async def _expected(store, view, kept: Anchor | str | None, trust: evidence.ChainTrust,
+async def _expected(store: Store, view: checkpoint.StreamView, kept: Anchor | str | None, trust: evidence.ChainTrust,
                     trusted: set[str]) -> tuple[list, list[str], list[tuple[int, str, str]]]:
     """What the log must hold: the seals on the stream, what is already wrong (an unreadable
     checkpoint file, a seal chain that does not hold, a stream the file does not find in
@@ -208,7 +210,7 @@ async def _expected(store, view, kept: Anchor | str | None, trust: evidence.Chai
     return seals, problems, claims
 
 
-def _print_counts(since, seconds: float, say: Callable[[str], None] = print) -> None:
+def _print_counts(since: Since, seconds: float, say: Callable[[str], None] = print) -> None:
     ok = since.chains - since.broken
     say(f"{ok}/{since.chains} chains verified, {since.read} trailers"
         + (f", {since.broken} broken" if since.broken else ""))

@@ -4,12 +4,13 @@ are found through the `improved.commands` entry points, so nothing in `improved`
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from improved.cli.errors import USAGE, Failure
 
 
-def reference_command(name: str):
+def reference_command(name: str) -> Callable[..., int]:
     """`demo` and `bench` live with the reference services they run (improved_reference);
     they are found through the `improved.commands` entry points, so nothing in `improved`
     imports them."""

@@ -78,7 +78,7 @@ def cmd_conformance(args: argparse.Namespace) -> int:
               f"{S.SERVICE_RE.pattern}", file=sys.stderr)
         return 2
 
-    async def probe():
+    async def probe() -> conformance.Report | conformance.MeshReport:
         nc = await bus.connect(url_of(args, config_of(args)), "improved-conformance")
         try:
             if args.mesh:

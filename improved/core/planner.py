@@ -57,6 +57,7 @@ class _Unread:
 
 
 UNREAD: Final = _Unread()
+GrantRead = bool | _Unread  # the L3 grant as the view holds it: active or not, or not read yet
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class View:
     autonomy: Autonomy = field(default_factory=Autonomy)
     dispatch: bool = True  # False: decide, but leave sending orders to the inbound consumer
     rejected: dict[str, Any] | None = None  # the rejection-ledger entry under the dedup_key
-    grant: bool | _Unread = UNREAD  # is the L3 skill's grant active
+    grant: GrantRead = UNREAD  # is the L3 skill's grant active
     original: ProposalRecord | None | _Unread = UNREAD  # the record a reversal reverts
 
     def held(self, record: ProposalRecord) -> Held | None:

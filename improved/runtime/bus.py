@@ -18,6 +18,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,10 +212,14 @@ def split_credentials(url: str) -> tuple[list[str], dict[str, str]]:
     """`nats://user:pass@h1:4222,nats://h2:4222` → servers without credentials, and the
     credentials as options: nats-py sends URL credentials only to the server they were written
     on, so after a failover to a discovered cluster node it would connect without them."""
-    servers, creds = [], {}
+    servers: list[str] = []
+    creds: dict[str, str] = {}
     for part in url.split(","):
         parsed = urlsplit(part.strip())
         if parsed.username:
+            if not parsed.hostname:
+                raise BusError(f"the NATS URL {parsed.scheme or 'nats'}://…@ names no server "
+                               "after its credentials")
             if parsed.password is None:  # nats://TOKEN@host
                 creds.setdefault("token", unquote(parsed.username))
             else:
@@ -313,10 +318,10 @@ def target(url: str | Target, settings: NatsSettings | None = None) -> Target:
     return Target(tuple(servers), opts)
 
 
-_reconnect_hooks: dict[int, list] = {}
+_reconnect_hooks: dict[int, list[Callable[[], Awaitable[None]]]] = {}
 
 
-def on_reconnect(nc: Client, callback) -> None:
+def on_reconnect(nc: Client, callback: Callable[[], Awaitable[None]]) -> None:
     """Run `callback()` (a coroutine function) each time `nc` reconnects."""
     _reconnect_hooks.setdefault(id(nc), []).append(callback)
 

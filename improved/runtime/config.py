@@ -120,7 +120,7 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     keyword only (`kw_only` is per class in msgspec, not inherited)."""
 
 
-class ApplySettings(_Section, kw_only=True):
+class ApplySettings(_Section, frozen=True, kw_only=True):
     timeout_s: Annotated[float, Meta(gt=0.0, le=86400.0)] = 5.0
     attempts: Positive = 3
     max_deliveries: Positive = 8
@@ -128,7 +128,7 @@ class ApplySettings(_Section, kw_only=True):
     retry_max_s: Annotated[float, Meta(gt=0.0, le=86400.0)] = 300.0
 
 
-class Trust(_Section, kw_only=True):
+class Trust(_Section, frozen=True, kw_only=True):
     operators: dict[str, str] = field(default_factory=dict)
     act_max_age_s: Annotated[float, Meta(gt=0.0, le=float(_YEARS_10_S))] = 24 * 3600.0
     quorum: dict[str, str] = field(default_factory=dict)  # voter principal → public key
@@ -162,7 +162,7 @@ class Trust(_Section, kw_only=True):
         return set(TrustStore.from_config(self.daemons).keys)
 
 
-class AuditSettings(_Section, kw_only=True):
+class AuditSettings(_Section, frozen=True, kw_only=True):
     """`[audit]`: when the daemon seals an epoch of the audit log (`core.epochs`), and how
     long an applied change stays in the hot log before its chain may be archived."""
 
@@ -171,7 +171,7 @@ class AuditSettings(_Section, kw_only=True):
     retention_days: Annotated[float, Meta(ge=0.0, le=3660.0)] = 30.0
 
 
-class NatsSettings(_Section, kw_only=True):
+class NatsSettings(_Section, frozen=True, kw_only=True):
     """How the daemon and the CLI authenticate to NATS (`[nats]`), each key also given by an
     environment variable (NATS_ENV, which wins over the file). Secrets live in files, read at
     start: never in the URL, the config file or a log line."""
@@ -202,7 +202,7 @@ NATS_ENV = {
 }
 
 
-class Config(_Section, kw_only=True):
+class Config(_Section, frozen=True, kw_only=True):
     nats_url: Text | None = None
     nats: NatsSettings = field(default_factory=NatsSettings)
     data_dir: Path = Path(".improved")

@@ -67,6 +67,7 @@ from improved.protocol.model import (
     AnalyzerRef,
     ApplyOrder,
     ApplyResult,
+    ChangeClass,
     Origin,
     Proposal,
     Summary,
@@ -214,7 +215,7 @@ def probe_scheme(spec: dict[str, Any]) -> str:
     return DEFAULT_SCHEME
 
 
-def probe_order(service: str, spec: dict[str, Any], change_class: str = "L2",
+def probe_order(service: str, spec: dict[str, Any], change_class: ChangeClass = "L2",
                 lkg: list[dict[str, Any]] | None = None) -> ApplyOrder:
     """A well-formed order a conformant service must refuse: its proposal, made fresh by a random
     nonce, has no audit chain and so no operator acceptance."""
@@ -367,7 +368,7 @@ async def _l3(nc: Client, service: str, spec: dict[str, Any], timeout: float,
         return True
     problem = _advertised_subject(spec, "get", None)
     checks.append(Check("L3", "get advertised", problem is None,
-                        spec.get("get") if problem is None else
+                        str(spec.get("get")) if problem is None else
                         f"{problem}: a skills read under a grant"))
     identity = spec.get("identity")
     checks.append(Check("L3", "identity advertised", identity == IDENTITY, (

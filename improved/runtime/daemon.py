@@ -71,7 +71,7 @@ from improved.protocol.model import (
 )
 from improved.runtime import bus, keys, metrics, notify
 from improved.runtime.config import Config, ConfigError
-from improved.runtime.engine import ChainBroken, Engine, ServiceUnreachable
+from improved.runtime.engine import ChainBroken, Engine, Handled, ServiceUnreachable
 from improved.runtime.observing import Observing
 from improved.runtime.store import Store
 from improved.runtime.surfaces import Surfaces
@@ -550,54 +550,13 @@ class Daemon:
     async def _decode(self, msg: Msg) -> Job | None:
         """Turn one inbound message into a Job, or refuse it (term + refusal record)."""
         kind, svc = S.token(msg.subject, 1), S.token(msg.subject, 2)
-        limit = self.config.max_message_bytes
-        redelivered = msg.metadata.num_delivered > 1
         act = Act(hashlib.sha256(msg.data).hexdigest(), msg.metadata.sequence.stream)
         try:
-            if msg.subject == S.GRANTS:
-                env, payload = signed_act(msg.data, limit)
-                claimed = payload.get("skill")
-                act = Act(envelope_digest(env), act.stream_seq)
-                if env.payloadType == PAYLOAD_TYPES["crisis"]:  # improve.grants carries both
-                    return Job("crisis", lambda: self.engine.resolve_crisis(env, act), msg)
-                if not isinstance(claimed, str) or not GRANT_SKILL_RE.match(claimed):
-                    raise wire.WireError(wire.INVALID_VALUE, "a grant names `<name>:<sha256>`",
-                                         "skill")
-                return Job(f"grant:{claimed}", lambda: self.engine.grant(env, claimed, act), msg)
-            if msg.subject == S.QUORUM:
-                env, payload = signed_act(msg.data, limit)
-                pid = payload.get("proposal_id")
-                if not isinstance(pid, str) or not S.ID_RE.match(pid):
-                    raise wire.WireError(wire.INVALID_VALUE, "a vote names a 64-hex proposal_id",
-                                         "proposal_id")
-                act = Act(envelope_digest(env), act.stream_seq)
-                return Job(pid, lambda: self._vote(pid, env, act), msg)
+            if msg.subject in (S.GRANTS, S.QUORUM):
+                return self._signed_job(msg, act)
             if svc is None or not S.SERVICE_RE.match(svc):
                 raise wire.WireError(wire.INVALID_VALUE, f"bad service token in {msg.subject}")
-            if kind == "proposals":
-                proposal, env = proposal_of(msg.data, svc, limit)
-                pid, dedup = propose.identify(proposal)
-                await self._check_surface(svc, pid, proposal)
-                return Job(pid, lambda: self._propose(proposal, pid, dedup, env, redelivered),
-                           msg)
-            if kind == "outcomes":
-                sig, env = signal_of(msg.data, limit)
-                if sig.proposal_id is None:  # one target's signals in order, targets at once
-                    return Job(f"observe:{svc}:{sig.target_ref or ''}",
-                               lambda: self._observe(svc, sig), msg)
-                return Job(sig.proposal_id, lambda: self._signal(svc, sig, env, msg), msg)
-            if kind == "applied":
-                report = wire.decode(msg.data, ApplyReport, limit)
-                if report.service != svc:
-                    raise wire.WireError(wire.SUBJECT_MISMATCH, f"service {report.service!r} "
-                                         f"disagrees with the subject's {svc!r}", "service")
-                return Job(report.proposal_id, lambda: self._report(report), msg)
-            if kind == "triage":
-                env, pid = review_target(msg.data, limit)
-                if env is not None:
-                    act = Act(envelope_digest(env), act.stream_seq)
-                return Job(pid, lambda: self._review(svc, pid, env, act, msg), msg)
-            raise wire.WireError(wire.INVALID_VALUE, f"no inbound subject {msg.subject}")
+            return await self._service_job(kind or "", svc, msg, act)
         except RecursionError:
             err = wire.WireError(wire.TOO_DEEP, "message nests too deeply")
             await self._refuse(svc or "_", msg.subject, err, len(msg.data))
@@ -607,6 +566,53 @@ class Daemon:
             await self._refuse(svc or "_", msg.subject, err, len(msg.data))
             await msg.term()
             return None
+
+    def _signed_job(self, msg: Msg, act: Act) -> Job:
+        """A signed act on a mesh subject: a grant, a revoke or a crisis resolution on
+        `improve.grants`, a vote on `improve.quorum`, routed by its (not yet verified)
+        payload; the engine checks the signature."""
+        env, payload = signed_act(msg.data, self.config.max_message_bytes)
+        act = Act(envelope_digest(env), act.stream_seq)
+        if msg.subject == S.QUORUM:
+            pid = payload.get("proposal_id")
+            if not isinstance(pid, str) or not S.ID_RE.match(pid):
+                raise wire.WireError(wire.INVALID_VALUE, "a vote names a 64-hex proposal_id",
+                                     "proposal_id")
+            return Job(pid, lambda: self._vote(pid, env, act), msg)
+        if env.payloadType == PAYLOAD_TYPES["crisis"]:  # improve.grants carries both
+            return Job("crisis", lambda: self.engine.resolve_crisis(env, act), msg)
+        claimed = payload.get("skill")
+        if not isinstance(claimed, str) or not GRANT_SKILL_RE.match(claimed):
+            raise wire.WireError(wire.INVALID_VALUE, "a grant names `<name>:<sha256>`", "skill")
+        return Job(f"grant:{claimed}", lambda: self.engine.grant(env, claimed, act), msg)
+
+    async def _service_job(self, kind: str, svc: str, msg: Msg, act: Act) -> Job:
+        """A message on one of `svc`'s inbound subjects (`improve.<kind>.<svc>`)."""
+        limit = self.config.max_message_bytes
+        if kind == "proposals":
+            proposal, penv = proposal_of(msg.data, svc, limit)
+            pid, dedup = propose.identify(proposal)
+            await self._check_surface(svc, pid, proposal)
+            redelivered = msg.metadata.num_delivered > 1
+            return Job(pid, lambda: self._propose(proposal, pid, dedup, penv, redelivered), msg)
+        if kind == "outcomes":
+            sig, senv = signal_of(msg.data, limit)
+            if sig.proposal_id is None:  # one target's signals in order, targets at once
+                return Job(f"observe:{svc}:{sig.target_ref or ''}",
+                           lambda: self._observe(svc, sig), msg)
+            return Job(sig.proposal_id, lambda: self._signal(svc, sig, senv, msg), msg)
+        if kind == "applied":
+            report = wire.decode(msg.data, ApplyReport, limit)
+            if report.service != svc:
+                raise wire.WireError(wire.SUBJECT_MISMATCH, f"service {report.service!r} "
+                                     f"disagrees with the subject's {svc!r}", "service")
+            return Job(report.proposal_id, lambda: self._report(report), msg)
+        if kind == "triage":
+            renv, target = review_target(msg.data, limit)
+            if renv is not None:
+                act = Act(envelope_digest(renv), act.stream_seq)
+            return Job(target, lambda: self._review(svc, target, renv, act, msg), msg)
+        raise wire.WireError(wire.INVALID_VALUE, f"no inbound subject {msg.subject}")
 
     async def _run(self, job: Job) -> None:
         parked = False
@@ -720,7 +726,8 @@ class Daemon:
         if handled.record is None:
             raise _ProposalUnknown(f"no proposal {sig.proposal_id} for service {svc}")
 
-    async def _count(self, svc: str, sig: Signal, env: Envelope | None, **kw: Any):
+    async def _count(self, svc: str, sig: Signal, env: Envelope | None,
+                     **kw: Any) -> Handled:
         """Count a signal that arrived on `svc`'s subject for the proposal it names, whichever
         service that proposal is of (a world signal comes on its emitter's own subject)."""
         owner = await self.engine.service_of(sig.proposal_id or "") or svc
@@ -775,7 +782,8 @@ class Daemon:
 
     # -- request/reply -------------------------------------------------------------------------------
 
-    def _guarded(self, handler):
+    def _guarded(self, handler: Callable[[str, Msg], Awaitable[bytes]]
+                 ) -> Callable[[Msg], Awaitable[None]]:
         """Every request gets a reply: a record, or the error reply of DESIGN §3.1."""
 
         async def run(msg: Msg) -> None:

@@ -18,9 +18,12 @@ from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import msgspec
 import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -32,7 +35,6 @@ from improved.core import (
     audit,
     authority,
     breaker,
-    checkpoint,
     evidence,
     identity,
     learnback,
@@ -46,9 +48,12 @@ from improved.core import (
     signing,
     triage,
 )
+from improved.core import checkpoint as checkpoints
 from improved.core.audit import REASON_LIMIT, Draft
 from improved.core.authority import Act
+from improved.core.merkle import merkle_root
 from improved.core.record import (
+    CountedSignal,
     ProposalRecord,
     closed,
     ref,
@@ -69,11 +74,13 @@ from improved.protocol.model import (
     GrantCommand,
     MeasureReply,
     MeasureRequest,
+    ObserverType,
     Proposal,
     ProposalState,
     Review,
     Signal,
     Trailer,
+    TrailerVerdict,
     Vote,
     to_json,
 )
@@ -126,6 +133,13 @@ class ServiceUnreachable(Exception):
         self.maybe_delivered = maybe_delivered
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+B = TypeVar("B", bound=authority.SignedBody)
+# Before each attempt of an order: (attempt, whether an earlier one may have been delivered);
+# raises to stop the send (GrantRevoked).
+Allowed = Callable[[int, bool], Awaitable[None]]
 # An ingest step: (record or None) → (new record, draft) or None when there is nothing to do.
 Ingest = Callable[[ProposalRecord | None, int], tuple[ProposalRecord, Draft] | None]
 
@@ -134,21 +148,27 @@ Ingest = Callable[[ProposalRecord | None, int], tuple[ProposalRecord, Draft] | N
 class Handled:
     record: ProposalRecord | None
     changed: bool
-    counted: object = None  # what the ingest step reported (e.g. a CountedSignal)
+    counted: CountedSignal | None = None  # the signal a `signal` pass counted
 
 
 RETRUST_WAIT_S = 30.0  # how long a reload waits for acts checked under the keys it replaces
 
 
-def _acting(method):
+def _acting(method: Callable[Concatenate[Engine, P], Awaitable[R]]
+            ) -> Callable[Concatenate[Engine, P], Awaitable[R]]:
     """A method that checks a signed act and records it: run inside `Engine.acting`."""
 
     @functools.wraps(method)
-    async def run(self, *args, **kw):
+    async def run(self: Engine, *args: P.args, **kw: P.kwargs) -> R:
         async with self.acting():
             return await method(self, *args, **kw)
 
     return run
+
+
+def _principal(body: Any) -> str:
+    """Whom a signed act speaks for, by default: its `principal` field."""
+    return str(body.principal)
 
 
 class Engine:
@@ -224,7 +244,7 @@ class Engine:
         the first registration decides, so a later signed copy of registered content, or a
         later bare one, changes nothing."""
 
-        def ingest(record: ProposalRecord | None, now: int):
+        def ingest(record: ProposalRecord | None, now: int) -> tuple[ProposalRecord, Draft] | None:
             if record is not None:
                 return None
             return propose.register(proposal, pid, dedup, self.policy, now, proposer,
@@ -323,9 +343,9 @@ class Engine:
                      envelope: Envelope | None = None) -> Handled:
         """Count a learn-back signal for its proposal, then re-triage if it now may proceed.
         `emitter`: who verifiably sent it (`emitter_of`)."""
-        box: dict[str, object] = {}
+        box: dict[str, CountedSignal] = {}
 
-        def ingest(record: ProposalRecord | None, now: int):
+        def ingest(record: ProposalRecord | None, now: int) -> tuple[ProposalRecord, Draft] | None:
             if record is None:
                 return None
             step = learnback.observe_signal(record, signal, self.policy, now, emitter, envelope)
@@ -337,7 +357,7 @@ class Engine:
             box["counted"] = counted
             return new, draft
 
-        handled = await self.handle(svc, signal.proposal_id, ingest, None, republish,
+        handled = await self.handle(svc, signal.proposal_id or "", ingest, None, republish,
                                     dispatch=dispatch, fresh=fresh)
         handled.counted = box.get("counted")
         return handled
@@ -346,7 +366,7 @@ class Engine:
         """An asynchronous ApplyReport; (handled, whether it was taken as the apply result)."""
         taken = False
 
-        def ingest(record: ProposalRecord | None, now: int):
+        def ingest(record: ProposalRecord | None, now: int) -> tuple[ProposalRecord, Draft] | None:
             nonlocal taken
             if record is None or not apply_stage.needs_apply(record):
                 return None
@@ -387,7 +407,8 @@ class Engine:
         """A signed quorum vote (SPEC 09 §6): counted on the proposal's chain or refused there
         with its reason; the quorum's decision follows in the same pass."""
 
-        def count(record: ProposalRecord, verified, vote: Vote, now: int):
+        def count(record: ProposalRecord, verified: signing.Verified, vote: Vote,
+                  now: int) -> tuple[ProposalRecord, Draft]:
             sig = next(s.sig for s in env.signatures if s.keyid == verified.keyid)
             return quorum.count(record, act, verified, vote, sig, self.actor)
 
@@ -395,13 +416,16 @@ class Engine:
                                   principal_of=lambda v: v.voter)
         return await self.handle(svc, pid, ingest, None, False)
 
-    def _signed_act(self, act: Act, env: Envelope | None, trust, kind: str, decode_as, step,
-                    principal_of=lambda body: body.principal) -> Ingest:
+    def _signed_act(self, act: Act, env: Envelope | None, trust: signing.TrustStore, kind: str,
+                    decode_as: type[B],
+                    step: Callable[[ProposalRecord, signing.Verified, B, int],
+                                   tuple[ProposalRecord, Draft]],
+                    principal_of: Callable[[B], str] | None = None) -> Ingest:
         """The ingest of a signed act on a proposal's chain: a redelivery changes nothing; a
         replay, a bare (unsigned) act or one that does not verify is refused there with its
         reason; a verified one goes to `step(record, verified, body, now)`."""
 
-        def ingest(record: ProposalRecord | None, now: int):
+        def ingest(record: ProposalRecord | None, now: int) -> tuple[ProposalRecord, Draft] | None:
             if record is None:
                 return None
             seen = authority.seen(record, act)
@@ -414,7 +438,7 @@ class Engine:
                     raise ActRefused("unsigned", f"a {kind} must be a signed DSSE envelope")
                 verified, body = authority.check_signed(
                     trust, env, PAYLOAD_TYPES[kind], decode_as, now, self.max_act_age_ms,
-                    principal_of)
+                    principal_of or _principal)
             except ActRefused as refused:
                 skip = authority.unrecorded(record, act, False)
                 if skip is not None:
@@ -472,7 +496,10 @@ class Engine:
 
     async def handle(self, svc: str, pid: str, ingest: Ingest, proposal: Proposal | None,
                      republish: bool, dispatch: bool = True, fresh: bool = False,
-                     optimistic: bool = False, prepare=None, on_change=None) -> Handled:
+                     optimistic: bool = False,
+                     prepare: Callable[[], Awaitable[dict[str, Any] | None]] | None = None,
+                     on_change: Callable[[ProposalRecord], Awaitable[None]] | None = None,
+                     ) -> Handled:
         """Load, ingest, advance, then cache and publish once. `fresh` skips this process's
         cache (a request's reply should see what other replicas did)."""
         lock = await self._acquire(pid)
@@ -692,7 +719,7 @@ class Engine:
                        rejected: dict | None = None) -> ProposalRecord:
         """Carry the proposal on, one planner step at a time, until the planner has nothing
         more to do now. Each step is one effect; the decision is the planner's."""
-        grant = planner.UNREAD  # an L3's grant, once read by this very pass, an instant ago
+        grant: planner.GrantRead = planner.UNREAD  # an L3's grant, read by this very pass
         intended = False  # this pass recorded the order's dispatch
         for _ in range(MAX_STEPS):
             now = now_ms()
@@ -737,7 +764,8 @@ class Engine:
                 raise
         return record
 
-    async def _read(self, record: ProposalRecord, step, now: int):
+    async def _read(self, record: ProposalRecord, step: planner.ReadGrant | planner.ReadOriginal,
+                    now: int) -> bool | ProposalRecord | None:
         """Carry out a planner read: the grant of an L3 skill, the original of a reversal."""
         if isinstance(step, planner.ReadGrant):
             return await self.store.grant_active(step.skill, now, self.chain_trust)
@@ -813,14 +841,15 @@ class Engine:
             return learnback.Reading(cause=str(exc))
 
     async def _send(self, record: ProposalRecord, order: ApplyOrder,
-                    allowed=None) -> ApplyResult:
+                    allowed: Allowed | None = None) -> ApplyResult:
         """One order to the owning service: timeout, bounded retries, then ServiceUnreachable."""
         return await self._ask(
             record, S.apply_request(record.service),
             lambda attempt: to_json(msgspec.structs.replace(order, attempt=attempt)),
             parse_apply_reply, allowed)
 
-    async def _ask(self, record: ProposalRecord, subject: str, body, parse, allowed=None):
+    async def _ask(self, record: ProposalRecord, subject: str, body: Callable[[int], bytes],
+                   parse: Callable[[bytes], T | None], allowed: Allowed | None = None) -> T:
         """A request to the owning service with a timeout and bounded retries: `parse` turns
         a reply into a result, or None for an error reply ("not now", retried). All attempts
         unanswered or not now: ServiceUnreachable (the proposal stays retryable)."""
@@ -863,7 +892,7 @@ class Engine:
         handled = await self.handle(
             svc, original, lambda record, now: apply_stage.rolled_back_by(record, inverse, now)
             if record is not None else None, None, False)
-        if handled.changed and handled.record.approved_by is None:
+        if handled.changed and handled.record is not None and handled.record.approved_by is None:
             await self.count_autonomous_rollback(handled.record, now_ms())
 
     # -- the breaker and the autonomy switch (constitution IV.5, IV.6) ---------------------------
@@ -886,7 +915,9 @@ class Engine:
             self.metrics.set_autonomy(self._autonomy[0].blocks(now) or "on")
         return self._autonomy[0]
 
-    async def _append_autonomy(self, change, verdict: str, actor: str, observer: str,
+    async def _append_autonomy(self, change: Callable[[breaker.Autonomy], breaker.Autonomy],
+                               verdict: TrailerVerdict, actor: str,
+                               observer: ObserverType,
                                reason: str, extra: tuple[str, ...] = (),
                                envelope: Envelope | None = None) -> breaker.Autonomy:
         """Append the next state (`change(state)`) to the autonomy chain, retrying on a race."""
@@ -923,7 +954,8 @@ class Engine:
             return current
         log.warning("autonomy switched by configuration", autonomy=wanted)
         return await self._append_autonomy(
-            lambda s: breaker.switched(s, wanted), f"autonomy_{wanted}", self.actor,
+            lambda s: breaker.switched(s, wanted),
+            "autonomy_on" if wanted == "on" else "autonomy_off", self.actor,
             "rec:system", f"autonomy switched {wanted} in the configuration")
 
     # -- the policy in force (DESIGN §9: invariants are floors) ------------------------------------
@@ -971,7 +1003,7 @@ class Engine:
 
     # -- checkpoints and crisis (constitution V.4) -------------------------------------------------
 
-    async def checkpoint(self, key) -> str | None:
+    async def checkpoint(self, key: Ed25519PrivateKey) -> str | None:
         """Verify what the log gained since the last checkpoint — every new trailer in its
         chain, every checkpoint met on the way, and in O(1) that the stream still holds what
         the last one (on the stream or kept in the data directory) covered — then sign a new
@@ -1020,7 +1052,7 @@ class Engine:
                     base.last_seq, max(checkpointing.SCRUB_SLICE, since.read))
                 problems += damaged
         else:
-            problems.append(checkpoint.prefix_problem(kept or checkpointing.empty_base(view),
+            problems.append(checkpoints.prefix_problem(kept or checkpointing.empty_base(view),
                                                       view, None) or "")
         if crisis and not problems:
             problems = [f"{crisis} is still open (kept in {path}) until an operator resolves it"]
@@ -1028,12 +1060,12 @@ class Engine:
         if problems or since is None:
             await self._crisis(problems, crisis, kept, view, path, now)
             return "; ".join(problems)
-        cp = checkpoint.make_from(since.tree.frontier(), since.tree.count, since.last_seq,
+        cp = checkpoints.make_from(since.tree.frontier(), since.tree.count, since.last_seq,
                                   since.last_hash, now, key, await self._runtime_heads(now))
         await self.store.append_sealed(
-            checkpointing.CP_SUBJECT, checkpoint.CHECKPOINT_ID, "L0", "operation",
-            lambda chain, at: checkpoint.draft(cp, self.actor), clock=lambda: now)
-        anchor_file.write(path, checkpoint.anchor_of(cp, view.created or "",
+            checkpointing.CP_SUBJECT, checkpoints.CHECKPOINT_ID, "L0", "operation",
+            lambda chain, at: checkpoints.draft(cp, self.actor), clock=lambda: now)
+        anchor_file.write(path, checkpoints.anchor_of(cp, view.created or "",
                                                       scrubbed_to=scrubbed))
         self.chain_trust = dataclasses.replace(self.chain_trust, covered_to=cp.last_seq)
         self.store.written.difference_update(written)  # the checkpoint vouches for them now
@@ -1042,7 +1074,7 @@ class Engine:
         self.checkpointed_to = cp.last_seq
         return None
 
-    async def _runtime_heads(self, now: int) -> tuple[checkpoint.RuntimeHead, ...]:
+    async def _runtime_heads(self, now: int) -> tuple[checkpoints.RuntimeHead, ...]:
         """The tool runtimes' chain heads for the checkpoint to witness — for `improved audit
         verify` to tell a runtime chain removed or cut short — or none. A witness only: this
         daemon decides nothing by them, and nothing about them stops a checkpoint. A user
@@ -1061,7 +1093,7 @@ class Engine:
                      stream=S.STREAM_TOOLS_AUDIT, error=f"{type(exc).__name__}: {exc}")
             return ()
 
-    async def seal_if_due(self, key) -> None:
+    async def seal_if_due(self, key: Ed25519PrivateKey) -> None:
         """Seal the next epoch of the log, up to what the last checkpoint of this process
         verified, when it is due (`runtime.archive`). It reads the epoch, so it runs after a
         periodic checkpoint, never on the way to ready or out; a failure is logged and tried
@@ -1086,7 +1118,7 @@ class Engine:
 
     # -- who writes and who authorises: the daemon key and the trust history ---------------------
 
-    def use_key(self, key) -> None:
+    def use_key(self, key: Ed25519PrivateKey) -> None:
         """Sign every trailer with `key` and trust what it signed."""
         self.store.signer = key
         own = signing.keyid_of(signing.raw_public(key.public_key()))
@@ -1185,22 +1217,22 @@ class Engine:
             kept = anchor_file.read(path)
         except ValueError:
             kept = None
-        view = checkpoint.StreamView(kept.stream_created if kept else None)
+        view = checkpoints.StreamView(kept.stream_created if kept else None)
         await self._crisis([problem], kept.crisis if kept else "", kept, view, path, now_ms())
 
-    def _trusted_daemons(self, key) -> set[str]:
+    def _trusted_daemons(self, key: Ed25519PrivateKey) -> set[str]:
         """Whose checkpoints count: the daemon keys whose trailers count (`[trust] daemons` and
         this daemon's own, `use_key`), and the key this checkpoint is signed with."""
         return set(self.chain_trust.daemons) | {signing.keyid_of(signing.raw_public(
             key.public_key()))}
 
-    async def _crisis(self, problems: list[str], crisis: str, kept: checkpoint.Anchor | None,
-                      view: checkpoint.StreamView, path, now: int) -> None:
+    async def _crisis(self, problems: list[str], crisis: str, kept: checkpoints.Anchor | None,
+                      view: checkpoints.StreamView, path: Path, now: int) -> None:
         """Open a crisis (or keep the open one) on the autonomy chain and in the data
         directory: the file first, so a crisis survives even if the chain append fails."""
         state = await self.autonomy(now + AUTONOMY_TTL_MS + 1)
         crisis = crisis or state.crisis or f"crisis-{now}"
-        baseline = kept or checkpoint.Anchor(view.created or "", 0, 0, checkpoint.merkle_root([]),
+        baseline = kept or checkpoints.Anchor(view.created or "", 0, 0, merkle_root([]),
                                              "", now)
         if baseline.crisis != crisis:
             anchor_file.write(path, dataclasses.replace(baseline, crisis=crisis))
@@ -1383,7 +1415,7 @@ def parse_apply_reply(data: bytes) -> ApplyResult | None:
                                         f"ApplyResult: {why}")[:REASON_LIMIT])
 
 
-def parse_lkg_reply(data: bytes):
+def parse_lkg_reply(data: bytes) -> lkg.LkgReport | None:
     """The service's LKG report; None for an error reply (retried); anything else a report
     that confirms nothing."""
     try:

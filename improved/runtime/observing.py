@@ -67,7 +67,7 @@ class Observing:
             if target is None:
                 continue
 
-            def step(current: bytes | None, analyzer=analyzer
+            def step(current: bytes | None, analyzer: observe.Analyzer = analyzer
                      ) -> tuple[bytes | None, list[Candidate]]:
                 window: Window = observe.decode(current, observe.EMPTY)
                 new, candidates = analyzer.step(svc, window, signal)

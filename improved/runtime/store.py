@@ -54,6 +54,7 @@ from nats.js.errors import (
     NotFoundError,
     ServiceUnavailableError,
 )
+from nats.js.kv import KeyValue
 
 from improved.client import chains
 from improved.core import audit, checkpoint, evidence, observe, queue
@@ -62,11 +63,13 @@ from improved.core.authority import grant_covers
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
 from improved.protocol.model import (
+    ChangeClass,
     DedupHead,
     Grant,
     IndexMarker,
     MeasureDue,
     ReviewEntry,
+    Scope,
     Trailer,
     to_json,
 )
@@ -116,10 +119,11 @@ async def _patiently(what: str, call: Callable[[], Awaitable[Any]],
     while JetStream answers 503 (not ready) or one of `silent` (no answer); the last such
     exception is raised. No responders at all (a 503 without a code) means no JetStream here:
     raised at once, not waited out."""
+    caught: tuple[type[BaseException], ...] = (ServiceUnavailableError, *silent)
     for attempt in range(1, LOOK_ATTEMPTS + 1):
         try:
             return await call()
-        except (ServiceUnavailableError, *silent) as exc:
+        except caught as exc:
             if isinstance(exc, ServiceUnavailableError) and exc.err_code is None:
                 raise
             if attempt == LOOK_ATTEMPTS:
@@ -220,6 +224,11 @@ due_entry_decoder = msgspec.json.Decoder(MeasureDue)
 GRANT_MEMO_SIZE = 4096  # grant chains whose verified end each process remembers
 FOLLOW_BATCH = 512  # trailers a reader of the log pulls at once
 STATE_TTL_S = 3600.0  # the state cache keeps a record this long after its last write
+
+
+def _chain_key(subject: str) -> tuple[str, str]:
+    """(service token, chain id) of an audit subject `improve.audit.<svc>.<id>`."""
+    return S.token(subject, 2) or "", S.token(subject, 3) or ""
 
 
 def decode_trailer(body: dict[str, Any]) -> Trailer:
@@ -350,6 +359,13 @@ def inbound_consumer(ack_wait_s: float = INBOUND_ACK_WAIT_S) -> jsapi.ConsumerCo
 
 
 class Store:
+    # the buckets, opened by `ensure` (or `bind`, for the first three)
+    kv: KeyValue
+    dedup: KeyValue
+    ledger: KeyValue
+    windows: KeyValue
+    learned: KeyValue
+
     def __init__(self, nc: Client, replicas: int = 1, records_storage: str = "file", *,
                  audit_stream: str = S.STREAM_AUDIT):
         self.nc = nc
@@ -362,7 +378,6 @@ class Store:
         self._probe: JetStreamContext = nc.jetstream(timeout=PROBE_TIMEOUT_S)
         self.replicas = replicas
         self.records_storage = records_storage
-        self.kv = None
         self.signer: Ed25519PrivateKey | None = None  # the daemon key every trailer is signed with
         self.written: set[str] = set()  # hashes this process appended since the last checkpoint
         self.tombstone_ttl_s = TOMBSTONE_TTL_S
@@ -402,7 +417,7 @@ class Store:
         return done
 
     async def _ensure_stream(self, cfg: jsapi.StreamConfig) -> list[str]:
-        name = cfg.name
+        name = cfg.name or ""
         have = await self._stream_config(name)
         if have is None:
             if await self._change(f"stream {name} is missing", lambda: self.js.add_stream(cfg),
@@ -450,7 +465,7 @@ class Store:
 
     async def _bucket(self, name: str, what: str, done: list[str],
                       storage: jsapi.StorageType = jsapi.StorageType.FILE,
-                      ttl: float | None = None):
+                      ttl: float | None = None) -> KeyValue:
         """Open a bucket, brought to the configured replicas (an R1 bucket of an earlier
         deployment becomes R3 when `replicas = 3`) and `ttl`, or create it when missing."""
         try:
@@ -704,7 +719,7 @@ class Store:
             return None, 0
         if entry.value is None:
             return None, entry.revision or 0
-        return record_decoder.decode(entry.value), entry.revision
+        return record_decoder.decode(entry.value), entry.revision or 0
 
     async def save(self, record: ProposalRecord, revision: int) -> int:
         key = S.state_key(record.service, record.proposal_id)
@@ -780,7 +795,8 @@ class Store:
             self.written.add(trailer.hash)
         return ack.seq
 
-    async def append_sealed(self, subject: str, chain_id: str, gate_class: str, scope: str,
+    async def append_sealed(self, subject: str, chain_id: str, gate_class: ChangeClass,
+                            scope: Scope,
                             next_draft: NextDraft, *, whole: bool = False,
                             clock: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
                             ) -> Trailer | None:
@@ -828,8 +844,9 @@ class Store:
                                             next=True, direct=True)
             except NotFoundError:
                 return out
-            out.append((msg.seq, msgspec.json.decode(msg.data)))
-            seq = msg.seq + 1
+            seq = msg.seq or seq
+            out.append((seq, msgspec.json.decode(msg.data or b"null")))
+            seq += 1
 
     async def chain_head(self, subject: str) -> tuple[int, dict[str, Any] | None]:
         """(stream sequence, body) of the last trailer on a chain; (0, None) when empty."""
@@ -837,7 +854,7 @@ class Store:
             msg = await self.js.get_msg(self.audit_stream, subject=subject, direct=True)
         except NotFoundError:
             return 0, None
-        return msg.seq, msgspec.json.decode(msg.data)
+        return msg.seq or 0, msgspec.json.decode(msg.data or b"null")
 
     async def audit_log(self, pid: str | None = None) -> list[tuple[int, str, dict]]:
         """Every trailer (or one proposal's) as (stream sequence, subject, body), in stream
@@ -889,13 +906,14 @@ class Store:
         server stored at or after that time instead of from `start`."""
         if upto < start:
             return
-        by_time = {"deliver_policy": jsapi.DeliverPolicy.BY_START_TIME,
-                   "opt_start_time": datetime.datetime.fromtimestamp(start_ms / 1000,
-                                                                     datetime.UTC)} \
-            if start_ms is not None else {
-                "deliver_policy": jsapi.DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": start}
-        config = jsapi.ConsumerConfig(**by_time, ack_policy=jsapi.AckPolicy.NONE,
+        config = jsapi.ConsumerConfig(ack_policy=jsapi.AckPolicy.NONE,
                                       inactive_threshold=READ_IDLE_S * 6, mem_storage=True)
+        if start_ms is not None:
+            config.deliver_policy = jsapi.DeliverPolicy.BY_START_TIME
+            config.opt_start_time = datetime.datetime.fromtimestamp(start_ms / 1000, datetime.UTC)
+        else:
+            config.deliver_policy = jsapi.DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = start
         sub = await self.js.pull_subscribe(subject, stream=self.audit_stream, config=config)
         try:
             if await _nothing_pending(sub):
@@ -919,7 +937,7 @@ class Store:
                         return
         finally:
             with suppress(Exception):  # it goes by itself once inactive
-                await self.js.delete_consumer(self.audit_stream, config.name)
+                await self.js.delete_consumer(self.audit_stream, config.name or "")
             await sub.unsubscribe()
 
     @staticmethod
@@ -953,23 +971,24 @@ class Store:
         except NotFoundError:
             return None
         try:
-            body = msgspec.json.decode(msg.data)
+            body = msgspec.json.decode(msg.data or b"")
         except msgspec.DecodeError:
             body = None
-        return msg.subject, body if isinstance(body, dict) else None, dict(msg.headers or {})
+        return (msg.subject or "", body if isinstance(body, dict) else None,
+                dict(msg.headers or {}))
 
     async def all_chains(self, pid: str | None = None) -> dict[tuple[str, str], list[dict]]:
         """Every chain (or one proposal's), keyed by (service token, chain id), in order."""
         chains: dict[tuple[str, str], list[dict]] = {}
         for _, subject, body in await self.audit_log(pid):
-            chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append(body)
+            chains.setdefault(_chain_key(subject), []).append(body)
         return chains
 
     async def sequenced_chains(self) -> dict[tuple[str, str], list[tuple[int, dict]]]:
         """Every chain as (stream sequence, body) pairs, keyed like `all_chains`."""
         chains: dict[tuple[str, str], list[tuple[int, dict]]] = {}
         for seq, subject, body in await self.audit_log():
-            chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append((seq, body))
+            chains.setdefault(_chain_key(subject), []).append((seq, body))
         return chains
 
     # -- retained records ------------------------------------------------------------------------
@@ -1020,7 +1039,7 @@ class Store:
         out: list[Any] = []
         try:
             info = await sub.consumer_info()
-            if info.num_pending == 0 and not info.delivered.consumer_seq:
+            if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
                 return out  # nothing to deliver: do not wait for it
             while True:
                 try:
