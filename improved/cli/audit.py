@@ -309,15 +309,39 @@ def _verify_chains(chains: dict, trust: evidence.ChainTrust, trailers: int) -> i
     for key, entries in sorted(chains.items(), key=lambda kv: str(kv[0])):
         brk = linked[key] or audit.verify_writers(key[1] or "", [b for _, b in entries], trust,
                                                   [seq for seq, _ in entries])
-        if brk is not None:
+        problem = str(brk) if brk is not None else _index_refs_problem(key, entries)
+        if problem is not None:
             broken += 1
-            print(f"BROKEN {brk}")
+            print(f"BROKEN {problem}")
     sigs_s = time.perf_counter() - started
     print(f"{len(chains) - broken}/{len(chains)} chains verified, {trailers} trailers"
           + (f", {broken} broken" if broken else ""))
     print(f"hashes and links: {_rate(trailers, links_s)}; daemon signatures and signed acts: "
           f"{_rate(trailers, sigs_s)}")
     return broken
+
+
+def _index_refs_problem(key: tuple[str | None, str | None],
+                        entries: list[tuple[int, dict]]) -> str | None:
+    """Whether a proposal's chain says rightly which indexes each trailer moved it in or out
+    of (`index:` refs, what the checkpoints count): its replay, trailer by trailer, decides."""
+    from improved.core import indexes
+    from improved.core.policy import Policy
+    from improved.core.propose import rebuild_record
+    from improved.core.record import replay
+    from improved.runtime.store import decode_trailer
+
+    if key[0] in S.MESH_CHAINS:
+        return None
+    try:
+        trailers = [decode_trailer(body) for _, body in entries]
+        records = [rebuild_record(trailers[:1], [entries[0][0]], Policy())]
+        for trailer, (seq, _) in zip(trailers[1:], entries[1:], strict=True):
+            records.append(replay(records[-1], [trailer], [seq]))
+    except (ValueError, KeyError, msgspec.MsgspecError):
+        return None  # not replayable: `audit rebuild` names it
+    problem = indexes.refs_problem(records, [t.refs for t in trailers])
+    return f"{key[1]} {problem}" if problem is not None else None
 
 
 def _rate(n: int, seconds: float) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,9 @@ from improved.core.record import ref, refs_of
 from improved.protocol import canonical
 
 CHECKPOINT_ID = hashlib.sha256(b"improved checkpoints").hexdigest()
+
+Members = tuple[tuple[str, int], ...]
+"""How many members each index had as of a checkpoint's last sequence, by index name."""
 
 RuntimeHead = tuple[str, int, str, int]
 """A tool runtime's chain as a checkpoint witnessed it on IMPROVE_TOOLS_AUDIT: (chain id,
@@ -52,6 +55,9 @@ class Checkpoint:
     # a witness only, outside the statement too: the tool runtimes' chain heads the daemon
     # read when it signed (their stream is not the log this checkpoint covers)
     runtimes: tuple[RuntimeHead, ...] = ()
+    # outside the statement too: the members of each index (core.indexes) as of last_seq,
+    # carried on from the checkpoint before; None in one written before they were counted
+    members: Members | None = None
 
     def statement(self) -> bytes:
         """The signed bytes: canonical MessagePack of what the checkpoint commits to."""
@@ -65,15 +71,17 @@ def make(hashes: Sequence[str], last_seq: int, at: int, key: Ed25519PrivateKey) 
 
 
 def make_from(frontier: Frontier, count: int, last_seq: int, last_hash: str, at: int,
-              key: Ed25519PrivateKey, runtimes: Sequence[RuntimeHead] = ()) -> Checkpoint:
+              key: Ed25519PrivateKey, runtimes: Sequence[RuntimeHead] = (),
+              members: Mapping[str, int] | None = None) -> Checkpoint:
     """The checkpoint over `count` trailers whose Merkle frontier is `frontier`, witnessing
-    the tool runtimes' chain heads `runtimes`."""
+    the tool runtimes' chain heads `runtimes`, counting `members` of each index."""
     cp = Checkpoint(count=count, root=merkle.root(frontier), last_seq=last_seq, at=at)
     public = signing.raw_public(key.public_key())
     return Checkpoint(cp.count, cp.root, cp.last_seq, cp.at, signing.keyid_of(public),
                       base64.b64encode(public).decode(),
                       base64.b64encode(key.sign(cp.statement())).decode(),
-                      tuple(frontier), last_hash, tuple(sorted(runtimes)))
+                      tuple(frontier), last_hash, tuple(sorted(runtimes)),
+                      None if members is None else tuple(sorted(members.items())))
 
 
 def continues(cp: Checkpoint) -> bool:
@@ -102,7 +110,8 @@ def draft(cp: Checkpoint, actor: str) -> Draft:
                        ref("public", cp.public), ref("sig", cp.sig),
                        ref("frontier", list(cp.frontier)), ref("last_hash", cp.last_hash))
                  + ((ref("runtime_heads", {cid: [n, h, q] for cid, n, h, q in cp.runtimes}),)
-                    if cp.runtimes else ()))
+                    if cp.runtimes else ())
+                 + ((ref("members", dict(cp.members)),) if cp.members is not None else ()))
 
 
 def from_trailer(body: dict[str, Any]) -> Checkpoint:
@@ -115,7 +124,21 @@ def from_trailer(body: dict[str, Any]) -> Checkpoint:
                       last_seq=int(refs["last_seq"]), at=int(refs["checkpoint_at"]),
                       keyid=refs["keyid"], public=refs["public"], sig=refs["sig"],
                       frontier=frontier, last_hash=refs.get("last_hash", ""),
-                      runtimes=_heads(refs.get("runtime_heads")))
+                      runtimes=_heads(refs.get("runtime_heads")),
+                      members=_members(refs.get("members")))
+
+
+def _members(text: str | None) -> Members | None:
+    """The `members:` ref, `{index name: count}`; None when absent or not well formed."""
+    try:
+        doc = json.loads(text) if text else None
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for k, v in doc.items()):
+        return None
+    return tuple(sorted(doc.items()))
 
 
 def _heads(text: str | None) -> tuple[RuntimeHead, ...]:
@@ -247,6 +270,7 @@ class Anchor:
     frontier: Frontier = ()  # empty in an anchor written before frontiers were kept
     last_hash: str = ""
     scrubbed_to: int = 0  # how far the current scrub pass has re-read the covered log
+    members: Members | None = None  # the checkpoint's counts of each index's members
 
 
 ANCHOR_FIELDS = ("stream_created", "last_seq", "count", "root", "keyid", "at", "crisis")
@@ -255,13 +279,15 @@ ANCHOR_FIELDS = ("stream_created", "last_seq", "count", "root", "keyid", "at", "
 def anchor_of(cp: Checkpoint, stream_created: str, crisis: str = "",
               scrubbed_to: int = 0) -> Anchor:
     return Anchor(stream_created, cp.last_seq, cp.count, cp.root, cp.keyid, cp.at, crisis,
-                  cp.frontier, cp.last_hash, scrubbed_to)
+                  cp.frontier, cp.last_hash, scrubbed_to, cp.members)
 
 
 def anchor_dict(anchor: Anchor) -> dict[str, Any]:
     doc = {name: getattr(anchor, name) for name in ANCHOR_FIELDS}
     doc.update(frontier=list(anchor.frontier), last_hash=anchor.last_hash,
                scrubbed_to=anchor.scrubbed_to)
+    if anchor.members is not None:
+        doc["members"] = dict(anchor.members)
     return doc
 
 
@@ -285,8 +311,12 @@ def anchor_from(doc: Any) -> Anchor:
     scrubbed = doc.get("scrubbed_to", 0)
     if not isinstance(scrubbed, int) or isinstance(scrubbed, bool) or scrubbed < 0:
         raise ValueError("'scrubbed_to' is not a sequence number")
+    members = doc.get("members")
+    counts = None if members is None else _members(json.dumps(members))
+    if members is not None and counts is None:
+        raise ValueError("'members' is not a count per index")
     return Anchor(**fields, frontier=tuple(frontier), last_hash=doc.get("last_hash", ""),
-                  scrubbed_to=scrubbed)
+                  scrubbed_to=scrubbed, members=counts)
 
 
 def anchor_continues(anchor: Anchor) -> bool:

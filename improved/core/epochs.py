@@ -31,7 +31,7 @@ from typing import Any
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from improved.core import merkle, signing
+from improved.core import indexes, merkle, signing
 from improved.core.audit import Draft
 from improved.core.merkle import Frontier
 from improved.core.record import lifecycle_step, ref, refs_of
@@ -136,6 +136,7 @@ class _Chain:
     status: Status = "pending"
     last_at: int = 0
     position: int = 0
+    indexed: dict[str, int] = field(default_factory=dict)  # its index refs, added up
 
 
 @dataclass
@@ -155,13 +156,16 @@ class Scan:
         chain.status, chain.position = status, chain.position + 1
         at = body.get("at")
         chain.last_at = at if isinstance(at, int) else chain.last_at
+        refs = body.get("refs")
+        indexes.add(chain.indexed, refs if isinstance(refs, list) else ())
 
     def cut(self, candidate: int, now: int, retention_days: float) -> int:
         """The last stream sequence the epoch may end at, at most `candidate`: just before
-        the first trailer of the oldest proposal chain that is not closed."""
+        the first trailer of the oldest proposal chain that is not closed, or that an index
+        still lists (an applied change whose measurement is owed: its chain will grow)."""
         horizon = now - int(retention_days * DAY_MS)
         held = [c.first_seq for c in self.chains.values()
-                if not closed(c.status, c.last_at, horizon)]
+                if not closed(c.status, c.last_at, horizon) or any(n > 0 for n in c.indexed.values())]
         return min([candidate, *(seq - 1 for seq in held)])
 
 

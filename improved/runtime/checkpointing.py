@@ -19,9 +19,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-from improved.core import audit, checkpoint, evidence, merkle
+from improved.core import audit, checkpoint, evidence, indexes, merkle
 from improved.core.checkpoint import Anchor, Checkpoint, StreamView
-from improved.core.epochs import Seal
+from improved.core.epochs import Seal, is_proposal_chain
 from improved.protocol import subjects as S
 from improved.runtime.store import Store
 
@@ -33,11 +33,14 @@ EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 @dataclass
 class Since:
     """The outcome of reading the log after `base`: the tree over every trailer so far, the
-    last one's stream sequence and hash, and what did not verify."""
+    last one's stream sequence and hash, the members of each index as of it (carried on
+    from the base's counts by the trailers' index refs; None when the base has none), and
+    what did not verify."""
 
     tree: merkle.Tree
     last_seq: int
     last_hash: str
+    members: dict[str, int] | None = None
     problems: list[str] = field(default_factory=list)
     read: int = 0  # trailers read after the base
     chains: int = 0  # chains met (begun after the base, or picked up where they stood)
@@ -139,7 +142,8 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
     the seal's frontier, and the roots it covered are the export's to check. `source`: the
     trailers to read instead of the stream's (exported epochs, then the stream).
     `on_checkpoint`: given each checkpoint trailer that verifies, as it is read."""
-    since = Since(merkle.Tree(base.frontier, base.count), base.last_seq, base.last_hash)
+    since = Since(merkle.Tree(base.frontier, base.count), base.last_seq, base.last_hash,
+                  indexes.counted(dict(base.members) if base.members is not None else None))
     timed = _Timed(trust, since)
     roots: dict[int, list[tuple[str, str]]] = {}
     for count, root, what in claims:
@@ -183,18 +187,28 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
         if subject == CP_SUBJECT and problem is None and on_checkpoint is not None:
             await on_checkpoint(body)
         if subject != CP_SUBJECT:
-            leaf = body.get("hash")
-            since.tree.add(leaf if isinstance(leaf, str) else "")
-            since.last_seq, since.last_hash = seq, leaf if isinstance(leaf, str) else ""
-            for root, what in roots.pop(since.tree.count, ()):
-                if since.tree.root() != root:
-                    since.problems.append(
-                        f"{what}: the first {since.tree.count} trailers no longer hash to its "
-                        "root: trailers were removed, altered or reordered")
+            _cover(since, subject, seq, body, roots)
     if gaps.reach(view.last_seq + 1):  # the read ended at or below the seal
         _continue_from(since, archived, gaps.gone, roots)
     since.problems += _at_the_end(since, view, gaps, archived, roots)
     return since
+
+
+def _cover(since: Since, subject: str, seq: int, body: dict,
+           roots: dict[int, list[tuple[str, str]]]) -> None:
+    """Add one trailer (not a checkpoint) to what the next checkpoint covers: its hash to the
+    tree, its index refs to the members' counts; check any root claimed at this count."""
+    if is_proposal_chain(subject):
+        refs = body.get("refs")
+        indexes.add(since.members, refs if isinstance(refs, list) else ())
+    leaf = body.get("hash")
+    since.tree.add(leaf if isinstance(leaf, str) else "")
+    since.last_seq, since.last_hash = seq, leaf if isinstance(leaf, str) else ""
+    for root, what in roots.pop(since.tree.count, ()):
+        if since.tree.root() != root:
+            since.problems.append(
+                f"{what}: the first {since.tree.count} trailers no longer hash to its "
+                "root: trailers were removed, altered or reordered")
 
 
 def _at_the_end(since: Since, view: StreamView, gaps: _Gaps, archived: Seal | None,

@@ -16,7 +16,7 @@ import functools
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -37,6 +37,7 @@ from improved.core import (
     breaker,
     evidence,
     identity,
+    indexes,
     learnback,
     lkg,
     observe,
@@ -51,6 +52,7 @@ from improved.core import (
 from improved.core import checkpoint as checkpoints
 from improved.core.audit import REASON_LIMIT, Draft
 from improved.core.authority import Act
+from improved.core.epochs import Seal
 from improved.core.merkle import merkle_root
 from improved.core.record import (
     CountedSignal,
@@ -85,7 +87,7 @@ from improved.protocol.model import (
     to_json,
 )
 from improved.runtime import anchor as anchor_file
-from improved.runtime import archive, checkpointing, tool_chains
+from improved.runtime import archive, checkpointing, indexing, tool_chains
 from improved.runtime.config import Config, Trust
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import (
@@ -216,8 +218,40 @@ class Engine:
         # applied proposals awaiting their measurement: proposal id → (review_after, service);
         # only a wake-up call (the pass it makes decides from the chain), see `due_reviews`
         self.reviews: dict[str, tuple[int, str]] = {}
+        # proposal id → the indexes the trailers of its pass in progress moved
+        self._moved: dict[str, set[str]] = {}
+        self._checkpointing = asyncio.Lock()  # one checkpoint at a time in this process
+        # the members of each index as the last checkpoint this process signed counted them
+        self.counted: indexing.Counted | None = None
+        self._recount = False  # count them from the chains at the next checkpoint
 
     # -- per-proposal serialisation within this process -------------------------------------------
+
+    def busy(self, pid: str) -> bool:
+        """Whether a pass of this process is on `pid` now (it writes the indexes after)."""
+        return pid in self._locks
+
+    async def passes_done(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) until every pass in progress now has ended, so that what
+        their trailers moved is in the indexes too."""
+        with suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(self._through(pid)
+                                                    for pid in list(self._locks))), timeout_s)
+
+    async def _through(self, pid: str) -> None:
+        """Queue behind the passes on `pid` and let the next one go at once."""
+        lock = self._locks.get(pid)
+        if lock is None:
+            return
+        self._waiters[pid] += 1
+        try:
+            async with lock:
+                pass
+        finally:
+            self._waiters[pid] -= 1
+            if self._waiters[pid] == 0:
+                del self._waiters[pid]
+                del self._locks[pid]
 
     async def _acquire(self, pid: str) -> asyncio.Lock:
         lock = self._locks.setdefault(pid, asyncio.Lock())
@@ -523,7 +557,7 @@ class Engine:
                     now = now_ms()
                     step = ingest(record, now)
                     if step is not None:
-                        record = await self._commit(*step, now)
+                        record = await self._commit(before, *step, now)
                     if record is None:
                         return Handled(None, False)
                     try:
@@ -548,6 +582,7 @@ class Engine:
                                f"{MAX_CONFLICT_RETRIES} attempts")
         finally:
             self._started.pop(pid, None)
+            self._moved.pop(pid, None)
             self._release(pid, lock)
 
     async def _load(self, svc: str, pid: str, fresh: bool) -> tuple[ProposalRecord | None, int]:
@@ -612,13 +647,18 @@ class Engine:
             jobs.append(self._save(record, rev))
         if record != before or republish:
             jobs.append(self.publish(record, since=None if republish else self._shown.get(pid)))
+        touched = self._moved.pop(pid, set())
         write = queue.change(before, record, republish)
+        if write is None and "review" in touched and queue.entry_of(record) is None:
+            write = queue.Write(None)  # queued and out again within this pass: say it left
         if write is not None:
             jobs.append(self.store.index(record.service, pid, write.entry))
             if write.entry is not None and write.entry.valid_to is not None \
                     and self.on_indexed is not None:
                 self.on_indexed(write.entry.valid_to)
         due = learnback.due_change(before, record, republish)
+        if due is None and "due" in touched and learnback.due_entry(record) is None:
+            due = learnback.DueWrite(None)  # measured within the pass that applied it
         if due is not None:
             jobs.append(self.store.mark_due(record.service, pid, due.entry))
         if self.records_ttl_s and self.store.dedup_ttl and closed(record) and (
@@ -695,10 +735,17 @@ class Engine:
 
     # -- the steps -----------------------------------------------------------------------------------
 
-    async def _commit(self, record: ProposalRecord, draft: Draft, at: int) -> ProposalRecord:
-        """Seal `draft` at `at` (the instant the stage decided) and append it: the commit."""
+    async def _commit(self, before: ProposalRecord | None, record: ProposalRecord,
+                      draft: Draft, at: int) -> ProposalRecord:
+        """Seal `draft` at `at` (the instant the stage decided) and append it: the commit.
+        `before` is the record at the chain's end (None: the chain begins), `record` what the
+        stage made of it; the trailer says which indexes it moves (`indexes.with_moves`)."""
+        draft = indexes.with_moves(before, record, draft)
         trailer = audit.seal(draft, record, at)
         seq = await self.store.append(record, trailer)
+        moved = indexes.moves(draft.refs)
+        if moved:  # what this pass moved, for `_settle`'s index writes
+            self._moved.setdefault(record.proposal_id, set()).update(moved)
         log.info("transition", proposal_id=record.proposal_id, stage=trailer.to_stage,
                  **{"class": record.gate_class}, verdict=trailer.verdict, cause=trailer.cause,
                  seq=trailer.seq)
@@ -733,12 +780,13 @@ class Engine:
             try:
                 match step:
                     case planner.Commit(record=after, draft=draft, why=why):
-                        record = await self._commit(after, draft, now)
+                        record = await self._commit(record, after, draft, now)
                         intended = intended or why == "dispatched"
                     case planner.SendRollback():
                         record = await self._rollback(record, step)
                     case planner.CheckLkg():
-                        record = await self._commit(*await self._lkg_check(record), now_ms())
+                        record = await self._commit(record, *await self._lkg_check(record),
+                                                    now_ms())
                     case planner.SendApply():
                         record = await self._apply(record, step, intended)
                     case planner.AskMeasure(request=request):
@@ -748,8 +796,8 @@ class Engine:
                                                         self.actor, at)
                         if measure.rollback is not None:
                             await self.propose_rollback(record, measure.rollback)
-                        record = await self._commit(measure.commit.record, measure.commit.draft,
-                                                    at)
+                        record = await self._commit(record, measure.commit.record,
+                                                    measure.commit.draft, at)
                     case planner.FinishRollback(original_id=original):
                         await self.rolled_back(record.service, original, record)
                         break
@@ -777,7 +825,7 @@ class Engine:
         result = await self._send(record, step.order)
         at = now_ms()
         record = await self._commit(
-            *apply_stage.rollback_transition(record, step.inverse_id, result, at), at)
+            record, *apply_stage.rollback_transition(record, step.inverse_id, result, at), at)
         if result.ok and record.approved_by is None:
             await self.count_autonomous_rollback(record, at)
         return record
@@ -799,17 +847,18 @@ class Engine:
             result = await self._send(record, step.order, allowed)
         except GrantRevoked:
             commit = planner.revoked(record, self.policy, now_ms(), self.actor)
-            return await self._commit(commit.record, commit.draft, commit.record.updated_at)
+            return await self._commit(record, commit.record, commit.draft,
+                                      commit.record.updated_at)
         except ServiceUnreachable as exc:
             at = now_ms()
             void = planner.unreachable(record, intended, exc.maybe_delivered, str(exc),
                                        self.actor, at)
             if void is not None:
-                exc.record = await self._commit(void.record, void.draft, at)
+                exc.record = await self._commit(record, void.record, void.draft, at)
             raise
         at = now_ms()
-        return await self._commit(*apply_stage.transition(record, result, step.authority, at),
-                                  at)
+        return await self._commit(
+            record, *apply_stage.transition(record, result, step.authority, at), at)
 
     async def _original(self, svc: str, pid: str) -> ProposalRecord | None:
         """The record of the proposal a reversal reverts, as its chain says."""
@@ -1003,15 +1052,24 @@ class Engine:
 
     # -- checkpoints and crisis (constitution V.4) -------------------------------------------------
 
-    async def checkpoint(self, key: Ed25519PrivateKey) -> str | None:
+    async def checkpoint(self, key: Ed25519PrivateKey,
+                         count_limit: int | None = None) -> str | None:
         """Verify what the log gained since the last checkpoint — every new trailer in its
         chain, every checkpoint met on the way, and in O(1) that the stream still holds what
         the last one (on the stream or kept in the data directory) covered — then sign a new
-        checkpoint that carries its Merkle frontier on, and keep it in the data directory too
-        (`runtime.checkpointing`). The cost follows what is new, not the history; only a first
-        checkpoint reads the whole log. On a break, enter crisis instead (recorded on the
-        autonomy chain and in the data directory, so a lost stream cannot take the crisis
-        with it); return the break."""
+        checkpoint that carries its Merkle frontier on, and the members of each index
+        (`core.indexes`: the last one's counts and the index refs of what is new), and keep it
+        in the data directory too (`runtime.checkpointing`). The cost follows what is new,
+        not the history; only a first checkpoint reads the whole log, and only one whose base
+        has no counts (the first after an upgrade) counts the members from the chains after
+        the last seal — unless that is more than `count_limit` trailers: it is then signed
+        without counts (`counted` says so), for a later one to count. On a break, enter crisis
+        instead (recorded on the autonomy chain and in the data directory, so a lost stream
+        cannot take the crisis with it); return the break."""
+        async with self._checkpointing:
+            return await self._checkpoint(key, count_limit)
+
+    async def _checkpoint(self, key: Ed25519PrivateKey, count_limit: int | None) -> str | None:
         path = anchor_file.path_in(self.config.data_dir)
         problems: list[str] = []
         try:  # before the stream: whatever it covered was on the stream before it was written
@@ -1032,7 +1090,7 @@ class Engine:
         if crisis and await self._resolved(crisis):
             crisis, kept = "", None  # an operator accepted the log as it is: the new baseline
         trusted = self._trusted_daemons(key)
-        since, scrubbed = None, 0
+        since, scrubbed, seal, covered = None, 0, None, 0
         if view.created is not None:
             seal, unsealed = await archive.last_seal(self.store, trusted)
             problems += [unsealed] if unsealed else []
@@ -1040,6 +1098,7 @@ class Engine:
                 self.store, kept, view, self.chain_trust, trusted,
                 seal.removable if seal else 0)
             problems += found
+            covered = base.count
             if not problems:
                 # what the base covers was fully verified before it was signed
                 trust = dataclasses.replace(self.chain_trust, covered_to=base.last_seq)
@@ -1060,8 +1119,10 @@ class Engine:
         if problems or since is None:
             await self._crisis(problems, crisis, kept, view, path, now)
             return "; ".join(problems)
+        members = await self._members(since, seal, count_limit, first=covered == 0)
         cp = checkpoints.make_from(since.tree.frontier(), since.tree.count, since.last_seq,
-                                  since.last_hash, now, key, await self._runtime_heads(now))
+                                  since.last_hash, now, key, await self._runtime_heads(now),
+                                  members)
         await self.store.append_sealed(
             checkpointing.CP_SUBJECT, checkpoints.CHECKPOINT_ID, "L0", "operation",
             lambda chain, at: checkpoints.draft(cp, self.actor), clock=lambda: now)
@@ -1070,9 +1131,44 @@ class Engine:
         self.chain_trust = dataclasses.replace(self.chain_trust, covered_to=cp.last_seq)
         self.store.written.difference_update(written)  # the checkpoint vouches for them now
         self.checkpoint_read = since.read
-        log.info("checkpoint signed", trailers=cp.count, root=cp.root, read=since.read)
+        log.info("checkpoint signed", trailers=cp.count, root=cp.root, read=since.read,
+                 **({"members": members} if members is not None else {}))
         self.checkpointed_to = cp.last_seq
+        self.counted = indexing.Counted(cp.last_seq, cp.at, members)
         return None
+
+    async def _members(self, since: checkpointing.Since, seal: Seal | None,
+                       count_limit: int | None, first: bool) -> dict[str, int] | None:
+        """The members of each index as of `since.last_seq`: carried on from the base's
+        counts, or — when the base has none (`first`: there is no base, the log's first
+        checkpoint), or the last index check found the counts off the chains (`recount`) —
+        counted from the chains after the last seal, at most `count_limit` trailers of them
+        (None: more; the checkpoint goes without)."""
+        members = since.members
+        if members is not None and not self._recount and min(members.values(), default=0) >= 0:
+            return members
+        start = seal.upto + 1 if seal is not None else 1
+        if count_limit is not None and since.last_seq - start + 1 > count_limit:
+            return None
+        say = log.info if first else log.warning
+        say("counting the members of the indexes from the audit chains, once: the log's first "
+            "checkpoint" if first else "counting the members of the indexes from the audit "
+            "chains, once: the last checkpoint has no counts to carry on" if members is None
+            else "counting the members of the indexes from the audit chains again: the last "
+            "counts were off the chains", from_seq=start, to_seq=since.last_seq)
+        started = time.perf_counter()
+        records, _ = await indexing.from_chains(self.store, start, since.last_seq, None,
+                                                self.policy)
+        counts = indexing.counts_of(records)
+        log.info("index members counted from the chains", members=counts,
+                 seconds=round(time.perf_counter() - started, 2))
+        self._recount = False
+        return counts
+
+    def recount(self) -> None:
+        """Count the index members from the chains at the next checkpoint: the last counts
+        did not match what the chains say (an index check found it)."""
+        self._recount = True
 
     async def _runtime_heads(self, now: int) -> tuple[checkpoints.RuntimeHead, ...]:
         """The tool runtimes' chain heads for the checkpoint to witness — for `improved audit
@@ -1345,12 +1441,9 @@ class Engine:
             if head != seqs[-1]:  # the chain moved on since the snapshot: read it again
                 record = await self.rebuild(svc, pid) or record
             jobs = [self.publish(record)]
-            entry = queue.entry_of(record)
-            if entry is not None:  # the index was lost with the records: no tombstones needed
-                jobs.append(self.store.index(svc, pid, entry))
-            due = learnback.due_entry(record)
-            if due is not None:
-                jobs.append(self.store.mark_due(svc, pid, due))
+            for name, index in indexes.INDEXES.items():
+                if index.member(record):  # lost with the records: no tombstones needed
+                    jobs.append(self.store.index_entry(name, svc, pid, index.entry(record)))
             await asyncio.gather(*jobs)
         finally:
             self._release(pid, lock)

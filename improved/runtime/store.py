@@ -57,7 +57,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from improved.client import chains
-from improved.core import audit, checkpoint, evidence, observe, queue
+from improved.core import audit, checkpoint, evidence, indexes, observe, queue
 from improved.core.audit import Draft
 from improved.core.authority import grant_covers
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
@@ -155,10 +155,11 @@ async def _nothing_pending(sub: Any) -> bool:
         return (await sub.consumer_info()).num_pending == 0
     except Exception:
         return False
-# How long an index tombstone (an item that left the queue) stays before its subject is gone:
-# long enough for every reader to see the entry replaced, short enough that tombstones do not
-# pile up with the history.
-TOMBSTONE_TTL_S = 60
+# How long an index tombstone (an item that left the index) stays before its subject is gone,
+# with checkpoints every 300 s (`indexes.tombstone_ttl_s`; the daemon sets its own from its
+# checkpoint interval): past the next two checkpoints, so a reader finds every member of the
+# last one among the subjects, and short enough that tombstones do not pile up with the history.
+TOMBSTONE_TTL_S = indexes.tombstone_ttl_s(300)
 INBOUND_MAX_AGE_S = 30 * 24 * 3600
 REFUSED_MAX_AGE_S = 30 * 24 * 3600
 
@@ -219,6 +220,11 @@ trailer_decoder = msgspec.json.Decoder(Trailer)
 review_entry_decoder = msgspec.json.Decoder(ReviewEntry)
 dedup_head_decoder = msgspec.json.Decoder(DedupHead)
 due_entry_decoder = msgspec.json.Decoder(MeasureDue)
+# index name (core.indexes.INDEXES) → (its subjects, an entry's subject, its entries' decoder)
+INDEX_SUBJECTS: dict[str, tuple[str, Callable[[str, str], str], Any]] = {
+    "review": (S.REVIEW_FILTER, S.review_entry, review_entry_decoder),
+    "due": (S.DUE_FILTER, S.due_entry, due_entry_decoder),
+}
 
 
 GRANT_MEMO_SIZE = 4096  # grant chains whose verified end each process remembers
@@ -1020,6 +1026,22 @@ class Store:
         else:
             await self.publish(subject, None, ttl_s=self.tombstone_ttl_s)
 
+    async def index_entry(self, index: str, svc: str, pid: str, entry: Any) -> None:
+        """Put `pid` in the index named `index` (`entry`), or take it out (None)."""
+        await self._retain(INDEX_SUBJECTS[index][1](svc, pid), entry)
+
+    async def index_subject(self, index: str, svc: str, pid: str) -> Any:
+        """The entry the subject of `pid` in the index named `index` holds: None when there
+        is none, a tombstone, or anything that is no entry of its own."""
+        _, subject, decoder = INDEX_SUBJECTS[index]
+        data = await self.last(subject(svc, pid))
+        try:
+            entry = decoder.decode(data) if data else None
+        except msgspec.MsgspecError:
+            return None
+        return entry if entry is not None and (entry.service, entry.proposal_id) == (svc, pid) \
+            else None
+
     async def read_index(self) -> list[ReviewEntry]:
         """Every entry of the review index, tombstones and anything malformed left out."""
         return await self._read_entries(S.REVIEW_FILTER, review_entry_decoder)
@@ -1030,13 +1052,26 @@ class Store:
 
     async def _read_entries(self, subjects: str, decoder: Any) -> list[Any]:
         """The entries on `subjects` (`improve.<index>.<svc>.<id>`) whose service and id are
-        their subject's: the last message per subject, read once through an ordered consumer
-        (O(open items and recent tombstones), never the history). An entry only says where to
+        their subject's (`_read_named`, tombstones left out). An entry only says where to
         look."""
+        return [n.entry for n in await self._read_named(subjects, decoder)
+                if n.entry is not None]
+
+    async def read_named(self, index: str) -> list[indexes.Named]:
+        """Every subject of the index named `index` (core.indexes), tombstones included: a
+        tombstone still names the proposal that left."""
+        subjects, _, decoder = INDEX_SUBJECTS[index]
+        return await self._read_named(subjects, decoder)
+
+    async def _read_named(self, subjects: str, decoder: Any) -> list[indexes.Named]:
+        """What each subject on `subjects` (`improve.<index>.<svc>.<id>`) names: the last
+        message per subject, read once through an ordered consumer (O(open items and recent
+        tombstones), never the history); its entry when it holds one for its own service and
+        id, else None (a tombstone, or anything else)."""
         config = jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.LAST_PER_SUBJECT)
         sub = await self.js.subscribe(subjects, ordered_consumer=True,
                                       stream=S.STREAM_RECORDS, config=config)
-        out: list[Any] = []
+        out: list[indexes.Named] = []
         try:
             info = await sub.consumer_info()
             if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
@@ -1047,13 +1082,14 @@ class Store:
                 except TimeoutError:  # nats-py raises its own or asyncio's, by timing
                     return out
                 svc, pid = S.token(msg.subject, 2) or "", S.token(msg.subject, 3) or ""
-                if msg.data and S.SERVICE_RE.match(svc) and S.ID_RE.match(pid):
+                if S.SERVICE_RE.match(svc) and S.ID_RE.match(pid):
                     try:
-                        entry = decoder.decode(msg.data)
+                        entry = decoder.decode(msg.data) if msg.data else None
                     except msgspec.MsgspecError:
                         entry = None
-                    if entry is not None and (entry.service, entry.proposal_id) == (svc, pid):
-                        out.append(entry)
+                    if entry is not None and (entry.service, entry.proposal_id) != (svc, pid):
+                        entry = None
+                    out.append(indexes.Named(svc, pid, entry))
                 if msg.metadata.num_pending == 0:
                     return out
         finally:
