@@ -82,8 +82,9 @@ def page(title: str, body: str, mode: str) -> str:
 def queue_page(rows: Sequence[Mapping[str, Any]], source: str, mode: str) -> str:
     """The review queue: one row per waiting proposal, oldest first, each linking to its page."""
     note = ("" if source == "index" else
-            "<p class=warn>The review index is not known complete (the daemon refills it after "
-            "a loss of the retained records): this list was read from the audit chains.</p>")
+            "<p class=warn>The review index does not hold every proposal the last checkpoint "
+            "counted waiting (lost, purged, or not yet counted): this list was read from the "
+            "audit chains.</p>")
     if not rows:
         return page("review queue", f"<h1>Review queue</h1>{note}"
                     "<p id=empty>Nothing waits for an operator.</p>", mode)
@@ -302,7 +303,7 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/":
             from improved.cli.queries import review_view
 
-            rows, source = asyncio.run(review_view(c.url, c.config.policy))
+            rows, source = asyncio.run(review_view(c.url, c.config.policy, c.config))
             return 200, queue_page(rows, source, c.mode)
         if path == "/audit":
             from improved.cli.audit import verify_log

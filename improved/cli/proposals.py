@@ -26,7 +26,7 @@ from improved.cli.common import (
     url_of,
 )
 from improved.cli.errors import Failure
-from improved.cli.queries import review_view, schema_class, status_view
+from improved.cli.queries import review_read, schema_class, status_view
 from improved.client.sdk import signed
 from improved.core import audit, authority
 from improved.protocol import canonical
@@ -313,11 +313,9 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_review(args: argparse.Namespace) -> int:
     config = config_of(args)
-    queue, source = asyncio.run(review_view(url_of(args, config), config.policy))
-    if source == "chains":
-        print("improved review: the review index is not known complete (the daemon refills it "
-              "after a loss of the retained records); this list was read from the audit "
-              "chains", file=sys.stderr)
+    queue, found = asyncio.run(review_read(url_of(args, config), config.policy, config))
+    if found.source == "chains":
+        print(f"improved review: {found.why}", file=sys.stderr)
     if not text_wanted(args):
         out(queue)
         return 0

@@ -8,17 +8,19 @@ import time
 from typing import Any
 
 import msgspec
-from nats.js.errors import NotFoundError
 
+from improved.cli.audit import trusted_daemons
 from improved.cli.common import deployment
-from improved.core import authority, queue, schemas
+from improved.core import authority, indexes, queue, schemas
 from improved.core.policy import Policy
-from improved.core.propose import rebuild_record
 from improved.core.record import ProposalRecord
 from improved.protocol import subjects as S
 from improved.protocol.model import ClassifyReply, ClassifyRequest, Proposal, to_json
+from improved.runtime import indexing
 from improved.runtime.bus import Target
-from improved.runtime.store import Store, decode_trailer
+from improved.runtime.config import Config
+from improved.runtime.indexing import IndexRead
+from improved.runtime.store import TOMBSTONE_TTL_S, Store
 
 
 async def review_queue(url: str | Target, policy: Policy | None = None) -> list[dict[str, Any]]:
@@ -28,10 +30,22 @@ async def review_queue(url: str | Target, policy: Policy | None = None) -> list[
     return listed
 
 
-async def review_view(url: str | Target, policy: Policy) -> tuple[list[dict[str, Any]], str]:
+async def review_view(url: str | Target, policy: Policy,
+                      config: Config | None = None) -> tuple[list[dict[str, Any]], str]:
     """The review queue, and where it was read: `index` or `chains`."""
+    rows, found = await review_read(url, policy, config)
+    return rows, found.source
+
+
+async def review_read(url: str | Target, policy: Policy, config: Config | None = None,
+                      ) -> tuple[list[dict[str, Any]], IndexRead]:
+    """The review queue, and how the review index was read (`queued_records`): with
+    `config`, its trusted daemon keys and its checkpoint interval."""
     async with deployment(url, bind=False) as store:
-        records, source = await queued_records(store, policy)
+        records, index_read = await queued_records(
+            store, policy, trusted_daemons(config) if config is not None else set(),
+            indexes.tombstone_ttl_s(config.checkpoint_interval_s) if config is not None
+            else TOMBSTONE_TTL_S)
         classes = await asyncio.gather(*(schema_class(store.nc, r.proposal) for r in records))
         rows = []
         for record, found in zip(records, classes, strict=True):
@@ -59,7 +73,7 @@ async def review_view(url: str | Target, policy: Policy) -> tuple[list[dict[str,
                 "will_run_digest": authority.will_run_digest(p),
                 "schema_class": found,
             })
-        return sorted(rows, key=lambda q: q["waiting_since"]), source
+        return sorted(rows, key=lambda q: q["waiting_since"]), index_read
 
 
 CLASSIFY_TIMEOUT_S = 2.0  # how long `review` and `show` wait for a schema store's class
@@ -106,54 +120,21 @@ def classified(data: bytes) -> dict[str, str]:
                                           f"({why[:200]})"}
 
 
-REBUILD_AT_ONCE = 32  # chains read at a time for the items the index lists
-
-
-async def queued_records(store: Store, policy: Policy) -> tuple[list[ProposalRecord], str]:
-    """The records of the operator's queue, each rebuilt from its chain, and where the list
-    came from. From the review index when the daemon marked it whole (`Store.filled`): it
-    says where to look, in O(open items), and only what its chain says is queued is listed
-    (anyone who can publish on the records stream could write an entry). Else — while the
-    daemon refills lost records (memory storage across a broker restart, a purge, an
-    upgrade) — from every chain."""
+async def queued_records(store: Store, policy: Policy, trusted: set[str] | None = None,
+                         ttl_s: int = TOMBSTONE_TTL_S) -> tuple[list[ProposalRecord], IndexRead]:
+    """The records of the operator's queue, each rebuilt from its chain, and how the review
+    index was read. The index only says where to look (anyone who can publish on the records
+    stream can write, tombstone or purge an entry): what it lists is listed only when its
+    chain says it is queued, and what it omits is found from the chains — when its subjects
+    do not hold every member the last checkpoint counted, the chains after the last epoch
+    seal are read instead (`runtime.indexing`). Chains and the checkpoint are believed only
+    when written by one of `trusted` (daemon keys), when given; else by hashes and links."""
     now = int(time.time() * 1000)  # as of now: an expired proposal left at its valid_to
-    try:
-        whole = await store.filled()
-    except NotFoundError:
-        whole = False
-    if not whole:
-        return [r for r in await _every_record(store, policy) if queue.queued(r, now)], "chains"
-    limit = asyncio.Semaphore(REBUILD_AT_ONCE)
-
-    async def rebuilt(svc: str, pid: str) -> ProposalRecord | None:
-        async with limit:
-            chain = await store.read_chain(svc, pid)
-        return _replayed(chain, policy)
-
-    entries = await store.read_index()
-    records = await asyncio.gather(*(rebuilt(e.service, e.proposal_id) for e in entries))
-    return [r for r in records if r is not None and queue.queued(r, now)], "index"
-
-
-async def _every_record(store: Store, policy: Policy) -> list[ProposalRecord]:
-    """Every proposal's record, rebuilt from the whole audit log."""
-    records = []
-    for (svc, _), entries in (await store.sequenced_chains()).items():
-        if svc not in S.MESH_CHAINS and (record := _replayed(entries, policy)) is not None:
-            records.append(record)
-    return records
-
-
-def _replayed(chain: list[tuple[int, dict]], policy: Policy) -> ProposalRecord | None:
-    """A record from its chain as (stream sequence, body) pairs; None when there is none or it
-    is not replayable (`improved audit verify` names it)."""
-    if not chain:
-        return None
-    try:
-        trailers = [decode_trailer(body) for _, body in chain]
-        return rebuild_record(trailers, [seq for seq, _ in chain], policy)
-    except (ValueError, KeyError, msgspec.MsgspecError):
-        return None
+    keys = trusted or set()
+    counted, why_not = await indexing.last_counted(store, keys)
+    found = await indexing.read(store, "review", counted, why_not, indexing.trust_of(keys),
+                                policy, now, ttl_s, keys)
+    return [r for r in found.members if queue.queued(r, now)], found
 
 
 async def status_view(url: str | Target) -> dict[str, Any]:

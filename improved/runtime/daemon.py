@@ -50,7 +50,7 @@ from nats.js.errors import FetchTimeoutError
 
 from improved.client.sdk import enqueue, publish_deduplicated
 from improved.core import apply as apply_stage
-from improved.core import policy, propose, queue
+from improved.core import indexes, policy, propose, queue
 from improved.core.authority import Act
 from improved.core.observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
 from improved.core.record import status_at
@@ -69,7 +69,7 @@ from improved.protocol.model import (
     TriageRequest,
     to_json,
 )
-from improved.runtime import bus, keys, metrics, notify
+from improved.runtime import bus, indexing, keys, metrics, notify
 from improved.runtime.config import Config, ConfigError
 from improved.runtime.engine import ChainBroken, Engine, Handled, ServiceUnreachable
 from improved.runtime.observing import Observing
@@ -89,6 +89,10 @@ ACK_PROGRESS_S = 1.5  # a third of the inbound consumer's ack wait (store.INBOUN
 ACK_QUIET_S = 2.0
 REVIEW_TICK_S = 1.0  # the longest the review_after wake-up sleeps before looking again
 REVIEW_RETRY_S = 5.0  # a measurement pass that failed (an outage) is tried again after this
+# at start, the index members are counted from the chains before ready (when the last
+# checkpoint has no counts) only if that reads at most this many trailers; else after ready
+START_COUNT_LIMIT = 20_000
+SETTLE_S = 10.0  # how long an index check waits for the passes in progress to write them
 MAX_PARKED = 256  # given-up applies kept on a slow retry, per daemon (max_ack_pending is 1024)
 PROBE_ORDER = b'{"proposal_id":"probe"}'  # answered as malformed by whatever serves applies
 
@@ -123,6 +127,8 @@ class Daemon:
         self.config = config
         self.actor = actor or instance_actor()
         self.store = Store(nc, config.replicas, config.records_storage)
+        # tombstones outlive the next two checkpoints: a reader finds what left since the last
+        self.store.tombstone_ttl_s = indexes.tombstone_ttl_s(config.checkpoint_interval_s)
         self.engine = Engine(nc, self.store, config, self.actor)
         self.surfaces = Surfaces(nc)  # what each service advertises: none refuses proposals
         self.observer = Observing(self.store,
@@ -164,7 +170,9 @@ class Daemon:
         await self.engine.record_trust()
         await self._policy_in_force()
         await self.engine.sync_switch()
-        await self.engine.checkpoint(self._checkpoint_key)  # verifies the log as it was left
+        # verifies the log as it was left; counting the index members from the chains, when
+        # the last checkpoint has no counts, waits until after ready unless the log is short
+        await self.engine.checkpoint(self._checkpoint_key, count_limit=START_COUNT_LIMIT)
         bus.on_reconnect(self.nc, self._reconnected)
         for subject, handler in (
             (S.PROPOSE_REQUESTS, self.on_propose),
@@ -222,29 +230,100 @@ class Daemon:
 
     async def _after_ready(self) -> None:
         """What may cost as much as the history does, after ready rather than before: refill
-        the retained records and the review index when the broker lost them (memory storage
-        across a restart, a purge, an upgrade from a version without the index), then count
-        the queue from the index. Neither is read by a decision (every decision replays its
-        chain), only by watchers, `review` and the metric."""
+        the retained records and the indexes when the broker lost them (memory storage
+        across a restart, a purge, an upgrade from a version without the index); count the
+        index members from the chains when the start's checkpoint could not (the first start
+        after an upgrade, over a long log); then count the queue from the index and check
+        both indexes against the checkpoint (`_check_indexes`: the measurements still owed are
+        remembered from it). None of it is read by a decision (every decision replays its
+        chain), only by watchers, `review`, the metric and the wake-ups."""
         await self._restore(ensure=False)
+        counted = self.engine.counted
+        if counted is None or counted.members is None:
+            try:
+                await self.engine.checkpoint(self._checkpoint_key)
+            except Exception as exc:  # an outage: the checkpoint timer counts them
+                log.warning("checkpoint failed", error=f"{type(exc).__name__}: {exc}")
         await self._recount()
-        await self._find_reviews()
+        await self._check_indexes()
 
     async def _find_reviews(self) -> None:
-        """Remember every measurement still to make, as the measurement index lists them (a
-        wake-up list only: each pass decides from the chain), so a restart wakes each at its
-        review_after, whoever applied it and however long ago; O(open measurements)."""
+        """Remember every measurement still to make: the measurement index read against the
+        last checkpoint (`_check_index`), so a restart wakes each at the review_after its
+        chain says, whoever applied it and however long ago, whatever was done to its entry;
+        O(open measurements) while the index holds every one."""
+        await self._check_index("due")
+
+    async def _check_indexes(self) -> None:
+        """Each index read against the last checkpoint this process signed: at start, and
+        after every checkpoint (so at most once per checkpoint), once the passes in progress
+        here have written what their trailers moved."""
+        await self.engine.passes_done(SETTLE_S)
+        for name in indexes.INDEXES:
+            await self._check_index(name)
+
+    async def _check_index(self, name: str) -> None:
+        """Read the index `name` as a reader does (`indexing.read`), against the counts of the
+        last checkpoint this process signed; what it omitted (or holds wrongly) is rewritten
+        from the chains, named in an error; counts the chains do not bear out are counted
+        again at the next checkpoint. For the measurement index, every member is remembered
+        with the review_after its chain says. Never raises: the next checkpoint tries again."""
+        daemons = set(self.engine.chain_trust.daemons)
+        counted = self.engine.counted
         try:
-            entries = await self.store.read_due()
-        except Exception as exc:  # an outage: what this replica applies from now is remembered
-            log.warning("could not list the proposals awaiting their measurement",
+            found = await indexing.read(
+                self.store, name, counted, "this daemon has signed no checkpoint yet",
+                indexing.trust_of(daemons), self.config.policy, int(time.time() * 1000),
+                self.store.tombstone_ttl_s, daemons)
+            if name == "due":
+                for record in found.members:
+                    self.engine.expect_review(record)
+                if found.members:
+                    log.info("measurements to make", count=len(found.members))
+            await self._repair(found, counted)
+        except Exception as exc:
+            log.warning("could not check an index against the chains", index=name,
                         error=f"{type(exc).__name__}: {exc}")
-            return
-        for entry in entries:
-            self.engine.reviews.setdefault(entry.proposal_id,
-                                           (entry.review_after, entry.service))
-        if entries:
-            log.info("measurements to make", count=len(entries))
+
+    async def _repair(self, found: indexing.IndexRead, counted: indexing.Counted | None) -> None:
+        """Write again the entry of every member whose subject lost it or holds another one,
+        unless a pass of this process is on it or the entry came meanwhile; the lost ones
+        named in an error. When the chains were read and do not bear out the checkpoint's
+        count, the next checkpoint counts from the chains."""
+        index = indexes.INDEXES[found.index]
+        lost: list[str] = []
+        rewritten: list[str] = []
+        for record in found.wrong:
+            pid = record.proposal_id
+            if self.engine.busy(pid):
+                continue
+            entry = index.entry(record)
+            held = await self.store.index_subject(found.index, record.service, pid)
+            if held == entry:
+                continue
+            await self.store.index_entry(found.index, record.service, pid, entry)
+            if found.index == "review" and entry.valid_to is not None:
+                self._indexed(entry.valid_to)
+            (lost if held is None else rewritten).append(pid)
+        if found.source == "chains":
+            count = counted.members.get(found.index) if counted and counted.members else None
+            if count is not None and found.chains_counted is not None \
+                    and found.chains_counted != count:
+                log.error("an index count is off the chains; counting again at the next "
+                          "checkpoint", index=found.index, counted=count,
+                          chains=found.chains_counted)
+                self.engine.recount()
+        why = {"why": found.why} if found.source == "chains" else {}
+        if lost:
+            log.error("index entries of members lost (tombstoned, purged or never written); "
+                      "rewritten from their chains", index=found.index, lost=lost,
+                      rewritten=rewritten, shortfall=found.short, **why)
+        elif rewritten:
+            log.warning("index entries differed from their chains; rewritten",
+                        index=found.index, rewritten=rewritten, **why)
+        elif found.source == "chains":
+            log.warning("an index was read from the audit chains; it lists every member now",
+                        index=found.index, shortfall=found.short, **why)
 
     async def _reviews(self) -> None:
         """Learn-back at review_after: when an applied proposal's `metric_snapshot.review_after`
@@ -341,6 +420,7 @@ class Daemon:
             try:
                 if await self.engine.checkpoint(self._checkpoint_key) is None \
                         and not self._stopping.is_set():  # a seal reads its epoch: not on the way out
+                    await self._check_indexes()
                     await self.engine.seal_if_due(self._checkpoint_key)
             except Exception as exc:  # a broker outage: the next interval tries again
                 log.warning("checkpoint failed", error=str(exc))
