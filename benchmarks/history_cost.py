@@ -36,7 +36,7 @@ from improved.cli.queries import review_view
 from improved.client.sdk import MeshClient
 from improved.core.policy import Policy
 from improved.protocol.model import ApplyResult
-from improved.runtime import archive, bus, keys
+from improved.runtime import archive, bus, indexing, keys
 from improved.runtime.config import Config
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
@@ -173,6 +173,19 @@ async def after_restart(url: str, started: float) -> dict[str, float]:
     return seen
 
 
+async def purged_review(url: str, config: Path, n: int) -> float:
+    """`improved review` once the review index is purged (a subject-filtered purge, as any bus
+    participant may ask for): it falls short of the checkpoint's count and reads the chains
+    after the last seal instead; every waiting proposal is still listed."""
+    nc = await bus.connect(url, "measure-purge")
+    await nc.jetstream().purge_stream("IMPROVE_RECORDS", subject="improve.review.m.*")
+    await nc.close()
+    seconds, _, out = run_cli("review", "--nats", url, "--config", str(config),
+                              "--format", "json")
+    assert len(json.loads(out)) == n // 100, (out[:200], n)
+    return seconds
+
+
 async def measure(n: int, records: str) -> dict[str, float]:
     tmp = Path(tempfile.mkdtemp(prefix="improved-history-"))
     server = bus.EmbeddedServer(tmp / "nats", bus.free_port(), sync="2m")
@@ -182,6 +195,8 @@ async def measure(n: int, records: str) -> dict[str, float]:
         url = server.start()
         nc = await bus.connect(url, "measure")
         cfg = Config(data_dir=tmp / "d", checkpoint_interval_s=0, records_storage=records)
+        keyed = tmp / "keyed.toml"  # an operator's config on the daemon's host: its key
+        keyed.write_text(f'data_dir = "{cfg.data_dir}"\n')
         d = Daemon(nc, cfg)
         await d.start()
         await fill(nc, n)
@@ -194,7 +209,10 @@ async def measure(n: int, records: str) -> dict[str, float]:
         await d2.start()
         row["checkpoint after a restart (s)"] = await timed(
             d2.engine.checkpoint(d2._checkpoint_key))
-        row["start-up list of measurements due (s)"] = await timed(d2._find_reviews())
+        row["start-up check of both indexes against the checkpoint (s)"] = await timed(
+            d2._check_indexes())
+        row["index members read from every chain, no seal (the upgrade's count) (s)"] = \
+            await timed(indexing.from_chains(d2.store, 1, None, None, Policy()))
         await d2.stop()
         js = nc.jetstream()
         per_stream = {info.config.name: info.state.bytes for info in await js.streams_info()}
@@ -215,6 +233,8 @@ async def measure(n: int, records: str) -> dict[str, float]:
                                                                   pid[:12])[0]
         seconds, rss, _ = run_cli("review", "--nats", url)
         row["`improved review` (s)"], row["`improved review` peak RSS (MB)"] = seconds, rss
+        row["  … with the daemon's key (signatures checked) (s)"] = run_cli(
+            "review", "--nats", url, "--config", str(keyed))[0]
         anchor = str(cfg.data_dir / "last-checkpoint.json")
         seconds, rss, _ = run_cli("audit", "verify", "--nats", url, "--checkpoint", anchor)
         row["`audit verify`, full (s)"], row["`audit verify`, full, peak RSS (MB)"] = seconds, rss
@@ -231,6 +251,8 @@ async def measure(n: int, records: str) -> dict[str, float]:
         row["  records known whole, after the spawn (s)"] = run["whole_s"]
         row["  refills of the records"] = run["refills"]
         assert run["listed"] == n // 100, (run["listed"], n)
+        row["`improved review`, its index purged: the chains after the seal (s)"] = \
+            await purged_review(url, keyed, n)
         row["trailers"] = trailers
         row["bytes on disk per proposal, all streams"] = total / n
         for name in sorted(per_stream):
