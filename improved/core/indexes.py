@@ -139,18 +139,24 @@ def vouched(age_ms: int, ttl_s: int) -> bool:
 
 @dataclass(frozen=True)
 class Named:
-    """One subject of an index: who it names, and its entry (None: a tombstone, or anything
-    that is no entry). The name is all a reader takes from it."""
+    """One subject of an index: who it names, its entry (None: a tombstone, or anything that
+    is no entry), and when the server stored it (ms). The name is all a reader takes from it."""
 
     service: str
     proposal_id: str
     entry: Any = None
+    at: int = 0
 
 
-def to_read(named: Iterable[Named]) -> list[tuple[str, str]]:
-    """The chains a reader reads for an index: one per proposal a subject names, so its cost
-    follows the open items and what left within the tombstones' TTL, never the history."""
-    return list(dict.fromkeys((n.service, n.proposal_id) for n in named))
+def to_read(named: Iterable[Named], checkpoint_at: int | None = None) -> list[tuple[str, str]]:
+    """The chains a reader reads for an index: one per proposal a subject names — but for a
+    tombstone stored before the checkpoint signed at `checkpoint_at` began its read (less the
+    margin): what it names had left by then, so it is no member as of that checkpoint. Its
+    cost follows the open items and what left since the checkpoint, never the history.
+    Leaving out one that still counts could only make the index look short, never whole."""
+    before = None if checkpoint_at is None else checkpoint_at - MARGIN_S * 1000
+    return list(dict.fromkeys((n.service, n.proposal_id) for n in named
+                              if n.entry is not None or before is None or n.at >= before))
 
 
 @dataclass(frozen=True)

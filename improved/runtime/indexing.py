@@ -93,7 +93,7 @@ async def read(store: Store, name: str, counted: Counted | None, why_not: str,
     chains after the last seal (`from_chains`)."""
     index = indexes.INDEXES[name]
     named = await store.read_named(name)
-    keys = indexes.to_read(named)
+    keys = indexes.to_read(named, counted.at if counted else None)
     replayed = await _replayed(store, keys, counted.last_seq if counted else 0, trust, policy)
     count = counted.members.get(name) if counted and counted.members is not None else None
     fresh = counted is not None and (indexes.vouched(now - counted.at, ttl_s)

@@ -1089,7 +1089,8 @@ class Store:
                         entry = None
                     if entry is not None and (entry.service, entry.proposal_id) != (svc, pid):
                         entry = None
-                    out.append(indexes.Named(svc, pid, entry))
+                    out.append(indexes.Named(svc, pid, entry,
+                                             int(msg.metadata.timestamp.timestamp() * 1000)))
                 if msg.metadata.num_pending == 0:
                     return out
         finally:

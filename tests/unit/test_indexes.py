@@ -197,6 +197,12 @@ def test_a_reader_reads_one_chain_per_subject_however_long_the_history():
     named = [indexes.Named(c.record.service, c.record.proposal_id, queue_entry(c.record))
              for c in open_items] + [indexes.Named("svc", left.record.proposal_id, None)]
     assert len(indexes.to_read(named)) == 4  # one chain per subject, none of the 50
+    # tombstones stored before the checkpoint began its read name no member of it: not read
+    checkpoint_at = NOW + 3_600_000
+    old = [indexes.Named("svc", c.record.proposal_id, None, at=NOW) for c in history]
+    recent = indexes.Named("svc", left.record.proposal_id, None, at=checkpoint_at - 1000)
+    assert indexes.to_read([*named[:3], *old, recent], checkpoint_at) == \
+        indexes.to_read(named)
 
     def replayed(of: list[Chain]) -> dict[tuple[str, str], indexes.Replayed]:
         out = {}
