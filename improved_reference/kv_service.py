@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import Header
@@ -93,6 +94,7 @@ class KVService:
         # off, the store trusts the bus permissions: only the daemon may send it orders.
         self.verify_acceptance = verify_acceptance
         self.client = MeshClient(nc, service)
+        self.key: Ed25519PrivateKey | None = None  # signs every answer (`use_key`)
         self.js = nc.jetstream()
         self.bucket, self.ledger_bucket = bucket, ledger_bucket
         self.stream = f"KV_{bucket}"
@@ -101,6 +103,14 @@ class KVService:
         self.ledger = None
         self.log = structlog.get_logger(type(self).__module__)
         self._subs: list[Served] = []
+
+    def use_key(self, key: Ed25519PrivateKey | None) -> None:
+        """Sign every answer to the daemon (ApplyResults, measurements, the spec) with `key`,
+        the one the daemon's `[trust.signers]` binds to `service:<svc>`: on a bus without
+        accounts only such answers are attributable to this store (improved.core.boundary).
+        Before `start`."""
+        self.key = key
+        self.client.key = key
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -117,7 +127,8 @@ class KVService:
 
     async def _serve(self) -> None:
         self._subs.append(await self.client.serve_apply(self.apply))
-        self._subs.append(await serve_spec(self.nc, self.service, self.capabilities()))
+        self._subs.append(await serve_spec(self.nc, self.service, self.capabilities(),
+                                           key=self.key))
         self.log.info(f"{self.KIND} ready", service=self.service,
                       subject=S.apply_request(self.service), bucket=self.bucket)
 

@@ -302,7 +302,7 @@ class Handler(BaseHTTPRequestHandler):
         if path == "/":
             from improved.cli.queries import review_view
 
-            rows, source = asyncio.run(review_view(c.url, c.config.policy))
+            rows, source = asyncio.run(review_view(c.url, c.config.policy, c.config.trust))
             return 200, queue_page(rows, source, c.mode)
         if path == "/audit":
             from improved.cli.audit import verify_log

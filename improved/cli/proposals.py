@@ -140,7 +140,8 @@ async def shown(store: Store, text: str, config: Config, readable: bool = True) 
     if record is not None and readable:
         facts["replaced"] = await replaced(store, svc, record)
         if facts["status"] == "pending":  # what an operator deciding on it should know
-            facts["schema_class"] = await schema_class(store.nc, record.proposal)
+            facts["schema_class"] = await schema_class(store.nc, record.proposal,
+                                                       trust=config.trust)
     return Shown(svc, pid, view, facts)
 
 
@@ -313,7 +314,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_review(args: argparse.Namespace) -> int:
     config = config_of(args)
-    queue, source = asyncio.run(review_view(url_of(args, config), config.policy))
+    queue, source = asyncio.run(review_view(url_of(args, config), config.policy,
+                                            config.trust))
     if source == "chains":
         print("improved review: the review index is not known complete (the daemon refills it "
               "after a loss of the retained records); this list was read from the audit "

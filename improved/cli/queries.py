@@ -11,13 +11,15 @@ import msgspec
 from nats.js.errors import NotFoundError
 
 from improved.cli.common import deployment
-from improved.core import authority, queue, schemas
+from improved.core import authority, boundary, queue, schemas
 from improved.core.policy import Policy
 from improved.core.propose import rebuild_record
 from improved.core.record import ProposalRecord
 from improved.protocol import subjects as S
 from improved.protocol.model import ClassifyReply, ClassifyRequest, Proposal, to_json
+from improved.runtime.answers import Answers
 from improved.runtime.bus import Target
+from improved.runtime.config import Trust
 from improved.runtime.store import Store, decode_trailer
 
 
@@ -28,11 +30,19 @@ async def review_queue(url: str | Target, policy: Policy | None = None) -> list[
     return listed
 
 
-async def review_view(url: str | Target, policy: Policy) -> tuple[list[dict[str, Any]], str]:
-    """The review queue, and where it was read: `index` or `chains`."""
+async def review_view(url: str | Target, policy: Policy, trust: Trust | None = None,
+                      ) -> tuple[list[dict[str, Any]], str]:
+    """The review queue, and where it was read: `index` or `chains`. `trust`: whose answers
+    to `<svc>.improve.classify` count as the service's own (its `[trust.signers]` and
+    `subjects_bound`)."""
     async with deployment(url, bind=False) as store:
         records, source = await queued_records(store, policy)
-        classes = await asyncio.gather(*(schema_class(store.nc, r.proposal) for r in records))
+        answers = asker(store.nc, trust)
+        try:
+            classes = await asyncio.gather(*(schema_class(store.nc, r.proposal, answers=answers)
+                                             for r in records))
+        finally:
+            await answers.close()
         rows = []
         for record, found in zip(records, classes, strict=True):
             d, p = record.decision, record.proposal
@@ -67,22 +77,50 @@ SILENT = {"class": "unknown", "reason": "service did not answer"}
 classify_reply = msgspec.json.Decoder(ClassifyReply)
 
 
-async def schema_class(nc: Any, proposal: Proposal,
-                       timeout: float = CLASSIFY_TIMEOUT_S) -> dict[str, str] | None:
+def asker(nc: Any, trust: Trust | None) -> Answers:
+    """The requests of a read model, each answer judged as the daemon judges its own
+    (`core.boundary`), against `trust` (none: nothing is attributable)."""
+    trust = trust or Trust()
+    signers = trust.signer_store()
+    return Answers(nc, lambda: signers, trust.subjects_bound)
+
+
+async def schema_class(nc: Any, proposal: Proposal, timeout: float = CLASSIFY_TIMEOUT_S,
+                       trust: Trust | None = None, answers: Answers | None = None,
+                       ) -> dict[str, str] | None:
     """What the owning schema store says of a `schema:` proposal (`<svc>.improve.classify`):
     `{"class", "reason"}`, class `unknown` when it does not answer in time or answers anything
     but a classification (`classified`); None for a proposal that is no schema change. The
-    store's claim, shown to the operator; nothing decides on it."""
+    store's claim, shown to the operator; nothing decides on it. Who said it
+    (`core.boundary`): an answer attributable to the service carries `by`; where the service
+    could be attributed but no answer was its own, the class is `unknown`; where nothing it
+    says could be (no key trusted for it, no bound subjects), its answer is shown with
+    `unverified` saying so."""
     from nats.errors import Error as NatsError
 
     if not schemas.is_schema(proposal.target_ref):
         return None
+    own = answers is None
+    answers = answers or asker(nc, trust)
+    svc = proposal.service
     try:
-        reply = await nc.request(S.classify_request(proposal.service),
-                                 to_json(ClassifyRequest(proposal=proposal)), timeout=timeout)
+        heard = await answers.ask(svc, S.classify_request(svc),
+                                  to_json(ClassifyRequest(proposal=proposal)), timeout)
     except (NatsError, TimeoutError):  # no responders, no answer in time, connection gone
         return dict(SILENT)
-    return classified(reply.data)
+    finally:
+        if own:
+            await answers.close()
+    chosen = boundary.choose(heard)
+    if isinstance(chosen, boundary.Conflict):
+        return {"class": "unknown", "reason": f"{chosen.attribution} disagree"}
+    if isinstance(chosen, boundary.Attested):
+        return {**classified(chosen.value), "by": chosen.by}
+    if chosen is None or answers.attestable(svc):
+        why = chosen.why if chosen is not None else "no answer"
+        return {"class": "unknown", "reason": f"no answer attributable to service:{svc} "
+                                              f"({why})"}
+    return {**classified(chosen.value), "unverified": chosen.why}
 
 
 def classified(data: bytes) -> dict[str, str]:

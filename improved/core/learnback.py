@@ -12,6 +12,7 @@ from typing import Final, Literal
 
 from improved.core import identity
 from improved.core.audit import Draft
+from improved.core.boundary import Conflict, Unattested
 from improved.core.policy import Policy
 from improved.core.propose import count, signal_digest
 from improved.core.record import (
@@ -101,6 +102,22 @@ class Reading:
 
     value: float | None = None
     cause: str | None = None
+
+
+def unattributed(answer: Unattested[Reading] | Conflict[Reading], service: str) -> Reading:
+    """The reading of an answer no decision may take (core.boundary): no value, and as its
+    cause what was said and why it does not count — recorded, never judged."""
+    if isinstance(answer, Conflict):
+        said = ", ".join(sorted({_said(a.value) for a in answer.answers}))
+        return Reading(cause=f"attested answers disagree ({said}): none is taken")
+    if answer.value.value is None:  # no value to take anyway: its own cause says why
+        return answer.value
+    return Reading(cause=f"the answer {_said(answer.value)} is not attributable to "
+                         f"service:{service} ({answer.why}): recorded, it decides nothing")
+
+
+def _said(reading: Reading) -> str:
+    return f"{reading.value!r}" if reading.value is not None else (reading.cause or "nothing")
 
 
 def awaiting(record: ProposalRecord) -> int | None:

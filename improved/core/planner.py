@@ -40,10 +40,17 @@ import msgspec
 from improved.core import apply as apply_stage
 from improved.core import learnback, lkg, propose, quorum, triage
 from improved.core.audit import Draft
+from improved.core.boundary import Answer, Attested, Evidence
 from improved.core.breaker import Autonomy
 from improved.core.policy import Policy
-from improved.core.record import REGRESSED, ProposalRecord, expiry_unrecorded
-from improved.protocol.model import ApplyOrder, Held, MeasureRequest, Proposal, to_json
+from improved.core.record import REGRESSED, UNMEASURED, ProposalRecord, expiry_unrecorded
+from improved.protocol.model import (
+    ApplyOrder,
+    Held,
+    MeasureRequest,
+    Proposal,
+    to_json,
+)
 from improved.protocol.wire import WireError
 
 AUTONOMOUS_CLASSES: Final = frozenset({"L0", "L3"})
@@ -67,7 +74,9 @@ class View:
     now: int
     autonomy: Autonomy = field(default_factory=Autonomy)
     dispatch: bool = True  # False: decide, but leave sending orders to the inbound consumer
-    rejected: dict[str, Any] | None = None  # the rejection-ledger entry under the dedup_key
+    # an operator's rejection under the dedup_key, as its chain records it (the ledger only
+    # says which chain to read)
+    rejected: triage.Rejection | None = None
     grant: GrantRead = UNREAD  # is the L3 skill's grant active
     original: ProposalRecord | None | _Unread = UNREAD  # the record a reversal reverts
 
@@ -248,27 +257,39 @@ def _after_apply(record: ProposalRecord, view: View, policy: Policy, actor: str)
     return DONE
 
 
-def after_measure(record: ProposalRecord, reading: learnback.Reading, policy: Policy,
+def after_measure(record: ProposalRecord, answer: Answer[learnback.Reading], policy: Policy,
                   actor: str, now: int) -> Measure:
     """What the owning service answered at review_after as the learn-back transition: held;
     regressed, with the recorded rollback proposed when there is one to propose; or
-    unmeasured (no usable answer), which proposes nothing and is never taken for held."""
-    verdict = learnback.judge(record, reading, policy)
+    unmeasured (no usable answer), which proposes nothing and is never taken for held. Only an
+    attested answer is judged: an unattested one, or attested ones that disagree, are recorded
+    unmeasured with what they said, and roll nothing back (core.boundary)."""
+    if isinstance(answer, Attested):
+        reading = answer.value
+        verdict = learnback.judge(record, reading, policy)
+    else:
+        reading = learnback.unattributed(answer, record.service)
+        verdict = UNMEASURED
     rollback = None
     if verdict == REGRESSED and (record.outcome is not None and record.outcome.rollbackable
                                  or record.revert is not None):
         rollback = apply_stage.rollback_proposal(record)
     rollback_id = propose.identify(rollback)[0] if rollback is not None else None
-    commit = Commit(*learnback.measured(record, verdict, reading, rollback_id, actor, now),
-                    why="measured")
-    return Measure(commit, rollback)
+    record, draft = learnback.measured(record, verdict, reading, rollback_id, actor, now)
+    return Measure(Commit(record, answered(draft, answer), why="measured"), rollback)
 
 
-def after_lkg(record: ProposalRecord, report: lkg.LkgReport, policy: Policy, actor: str,
-              max_message_bytes: int, now: int) -> Commit:
+def answered(draft: Draft, answer: Answer[Any]) -> Draft:
+    """`draft` with who answered the request it records (`apply.answered_by`)."""
+    return replace(draft, refs=(*draft.refs, apply_stage.answered_by(answer)))
+
+
+def after_lkg(record: ProposalRecord, answer: Evidence[lkg.LkgReport], policy: Policy,
+              actor: str, max_message_bytes: int, now: int) -> Commit:
     """The owning service's last-known-good report as a transition: refused (nothing was
     sent, nothing changed), or verified with the reversal generated now, validated as a
     proposal and recorded on the chain before any order goes out (SPEC 09 §7.1)."""
+    report = answer.value
     by = apply_stage.authority(record, policy)
     why = lkg.report_problem(record, report)
     if why is None:
@@ -282,10 +303,11 @@ def after_lkg(record: ProposalRecord, report: lkg.LkgReport, policy: Policy, act
             start, _ = propose.register(rev, rev_id, rev_dedup, policy, 0)
             check = triage.decide(start, policy, now, False, actor)
             if check.verdict != "reject":
-                return Commit(*lkg.verified(record, report, rev, rev_id, actor),
-                              why="lkg_verified")
+                after, draft = lkg.verified(record, report, rev, rev_id, actor)
+                return Commit(after, answered(draft, answer), why="lkg_verified")
             why = f"the reversal would be rejected: {check.cause}: {check.rationale}"
-    return Commit(*lkg.refused(record, why, by, now), why="lkg_refused")
+    after, draft = lkg.refused(record, why, by, now)
+    return Commit(after, answered(draft, answer), why="lkg_refused")
 
 
 def withdrawable(record: ProposalRecord, intended_here: bool, maybe_delivered: bool) -> bool:

@@ -34,6 +34,7 @@ from improved.core import apply as apply_stage
 from improved.core import (
     audit,
     authority,
+    boundary,
     breaker,
     evidence,
     identity,
@@ -64,6 +65,7 @@ from improved.core.record import (
 )
 from improved.core.signing import PAYLOAD_TYPES, ActRefused
 from improved.protocol import subjects as S
+from improved.protocol import wire
 from improved.protocol.model import (
     ApplyOrder,
     ApplyOutcome,
@@ -86,6 +88,7 @@ from improved.protocol.model import (
 )
 from improved.runtime import anchor as anchor_file
 from improved.runtime import archive, checkpointing, tool_chains
+from improved.runtime.answers import Answers
 from improved.runtime.config import Config, Trust
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import (
@@ -105,6 +108,8 @@ AUTONOMY_TTL_MS = 1000  # how stale this process's view of the breaker may be
 CACHE_SIZE = 10_000  # records kept in memory per process (the KV bucket holds all of them)
 WITNESS_TIMEOUT_S = 2.0  # how long a checkpoint waits for the runtime chains' heads
 WITNESS_RETRY_MS = 3600 * 1000  # after a failed read of them, when to try again
+# after a measurement's first attested answer, how long to listen for one that disagrees
+CONFLICT_GRACE_S = 0.25
 apply_result_decoder = msgspec.json.Decoder(ApplyResult)
 measure_reply_decoder = msgspec.json.Decoder(MeasureReply)
 
@@ -136,6 +141,7 @@ class ServiceUnreachable(Exception):
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
+A = TypeVar("A")
 B = TypeVar("B", bound=authority.SignedBody)
 # Before each attempt of an order: (attempt, whether an earlier one may have been delivered);
 # raises to stop the send (GrantRevoked).
@@ -175,6 +181,9 @@ class Engine:
     def __init__(self, nc: Client, store: Store, config: Config, actor: str):
         self.nc = nc
         self.store = store
+        # the daemon's requests to the services, every answer heard as evidence
+        self.answers = Answers(nc, lambda: self.chain_trust.history.fallback.signers,
+                               config.trust.subjects_bound)
         self.config = config
         self.records_ttl_s = int(config.records_ttl_days * 86400)  # 0: records kept for good
         self.policy = config.policy
@@ -260,12 +269,14 @@ class Engine:
                     else await self._standing_head(svc, dedup, pid, proposal, seen))
         dispatch_now = dispatch and standing is None
 
-        async def prepare() -> dict | None:
+        async def prepare() -> triage.Rejection | None:
             """Under the proposal's lock, by whoever registers it: claim the dedup_key (a crash
             before the registration leaves the message unacknowledged, so it is claimed again
             on redelivery) and read the rejection ledger, both at once. The ledger is read
             whatever the key held: a head leaves the bucket once its proposal has been closed
-            for `records_ttl_days` (`propose.head_may_expire`), a ledger entry never does."""
+            for `records_ttl_days` (`propose.head_may_expire`), a ledger entry never does. An
+            entry only names the rejected proposal: its chain says whether an operator
+            rejected it (`_rejection`)."""
             if future:
                 return None
             # a key just read as absent is most likely still absent: create without a read
@@ -275,7 +286,7 @@ class Engine:
                 self.store.ledger_get(svc, dedup))
             if head and head["proposal_id"] != pid:
                 claim["head"] = head
-            return rejected
+            return await self._rejection(svc, dedup, pid, rejected)
 
         # A first delivery not in this process's cache is taken for new without a read: if
         # the chain exists after all, the append conflicts and the record is rebuilt.
@@ -291,6 +302,21 @@ class Engine:
         if dispatch and not dispatch_now:  # held back for nothing: carry it on now
             handled = await self.advance(svc, pid)
         return handled
+
+    async def _rejection(self, svc: str, dedup: str, pid: str,
+                         entry: dict[str, Any] | None) -> triage.Rejection | None:
+        """The operator's rejection a rejection-ledger entry points to, as the rejected
+        proposal's verified chain records it under this dedup_key, or None: a bucket any bus
+        participant may write never rejects anything itself. A chain gone (archived) or not
+        verifying rejects nothing; the proposal then meets an operator again."""
+        named = entry.get("proposal_id") if isinstance(entry, dict) else None
+        if not isinstance(named, str) or not S.ID_RE.match(named) or named == pid:
+            return None
+        try:
+            found = triage.rejection_of(await self._truth(svc, named))
+        except ChainBroken:
+            return None
+        return found if found is not None and found.dedup_key == dedup else None
 
     async def _standing_head(self, svc: str, dedup: str, pid: str,
                              proposal: Proposal, seen: dict) -> str | None:
@@ -362,8 +388,15 @@ class Engine:
         handled.counted = box.get("counted")
         return handled
 
-    async def report(self, svc: str, pid: str, result: ApplyResult) -> tuple[Handled, bool]:
-        """An asynchronous ApplyReport; (handled, whether it was taken as the apply result)."""
+    async def report(self, svc: str, pid: str,
+                     result: boundary.Evidence[ApplyResult]) -> tuple[Handled, bool]:
+        """An asynchronous ApplyReport; (handled, whether it was taken as the apply result).
+        Where the service's own reports can be told (`Answers.attestable`), one that is not
+        its own is refused: WireError `not_attested`, nothing changes."""
+        if isinstance(result, boundary.Unattested) and self.answers.attestable(svc):
+            raise wire.WireError(wire.NOT_ATTESTED, f"an ApplyReport for {svc} counts only when it "
+                            f"is the service's own ({result.why}): sign it with the key "
+                            f"[trust.signers] binds to service:{svc}", "proposal_id")
         taken = False
 
         def ingest(record: ProposalRecord | None, now: int) -> tuple[ProposalRecord, Draft] | None:
@@ -497,7 +530,7 @@ class Engine:
     async def handle(self, svc: str, pid: str, ingest: Ingest, proposal: Proposal | None,
                      republish: bool, dispatch: bool = True, fresh: bool = False,
                      optimistic: bool = False,
-                     prepare: Callable[[], Awaitable[dict[str, Any] | None]] | None = None,
+                     prepare: Callable[[], Awaitable[triage.Rejection | None]] | None = None,
                      on_change: Callable[[ProposalRecord], Awaitable[None]] | None = None,
                      ) -> Handled:
         """Load, ingest, advance, then cache and publish once. `fresh` skips this process's
@@ -716,7 +749,7 @@ class Engine:
         return with_trailer(record, trailer, seq)
 
     async def _advance(self, record: ProposalRecord, dispatch: bool,
-                       rejected: dict | None = None) -> ProposalRecord:
+                       rejected: triage.Rejection | None = None) -> ProposalRecord:
         """Carry the proposal on, one planner step at a time, until the planner has nothing
         more to do now. Each step is one effect; the decision is the planner's."""
         grant: planner.GrantRead = planner.UNREAD  # an L3's grant, read by this very pass
@@ -778,7 +811,7 @@ class Engine:
         at = now_ms()
         record = await self._commit(
             *apply_stage.rollback_transition(record, step.inverse_id, result, at), at)
-        if result.ok and record.approved_by is None:
+        if result.value.ok and record.approved_by is None:
             await self.count_autonomous_rollback(record, at)
         return record
 
@@ -819,8 +852,9 @@ class Engine:
         """SPEC 09 §7.1: ask the owning service for a healthy last-known-good of every
         artefact; the planner turns the answer into the transition."""
         body = to_json(lkg.check_request(record))
-        report = await self._ask(record, S.lkg_request(record.service), lambda _: body,
-                                 parse_lkg_reply)
+        report: boundary.Evidence[lkg.LkgReport] = await self._ask(
+            record, S.lkg_request(record.service), lambda _: body, parse_lkg_reply,
+            self._counting(record.service, lkg.LkgReport))
         commit = planner.after_lkg(record, report, self.policy, self.actor,
                                    self.config.max_message_bytes, now_ms())
         if commit.why == "lkg_refused":
@@ -829,30 +863,46 @@ class Engine:
         return commit.record, commit.draft
 
     async def _measure(self, record: ProposalRecord,
-                       request: MeasureRequest) -> learnback.Reading:
+                       request: MeasureRequest) -> boundary.Answer[learnback.Reading]:
         """Learn-back at review_after: ask the owning service for the metric (timeout, bounded
-        retries while nothing answers). Any reply is final — a value, or an error reply or a
-        malformed one as the cause; all attempts unanswered: that, as the cause."""
+        retries while nothing answers). Any answer is final — a value, or an error reply or a
+        malformed one as the cause; all attempts unanswered: that, as the cause. What counts
+        is `boundary.choose`'s: attested answers, or a Conflict when they disagree."""
         body = to_json(request)
+
+        def chosen(heard: list[boundary.Evidence[learnback.Reading]]
+                   ) -> boundary.Answer[learnback.Reading] | None:
+            return boundary.choose(heard)
+
         try:
             return await self._ask(record, S.measure_request(record.service), lambda _: body,
-                                   parse_measure_reply)
+                                   parse_measure_reply, chosen, grace=CONFLICT_GRACE_S)
         except ServiceUnreachable as exc:
-            return learnback.Reading(cause=str(exc))
+            return boundary.Unattested(learnback.Reading(cause=str(exc)), "no answer")
+
+    def _counting(self, service: str, of: type[T]
+                  ) -> Callable[[list[boundary.Evidence[T]]], boundary.Evidence[T] | None]:
+        """What an apply or LKG check takes of the answers heard (`boundary.counting`)."""
+        attestable = self.answers.attestable(service)
+        return lambda heard: boundary.counting(heard, attestable)
 
     async def _send(self, record: ProposalRecord, order: ApplyOrder,
-                    allowed: Allowed | None = None) -> ApplyResult:
+                    allowed: Allowed | None = None) -> boundary.Evidence[ApplyResult]:
         """One order to the owning service: timeout, bounded retries, then ServiceUnreachable."""
         return await self._ask(
             record, S.apply_request(record.service),
             lambda attempt: to_json(msgspec.structs.replace(order, attempt=attempt)),
-            parse_apply_reply, allowed)
+            parse_apply_reply, self._counting(record.service, ApplyResult), allowed)
 
     async def _ask(self, record: ProposalRecord, subject: str, body: Callable[[int], bytes],
-                   parse: Callable[[bytes], T | None], allowed: Allowed | None = None) -> T:
-        """A request to the owning service with a timeout and bounded retries: `parse` turns
-        a reply into a result, or None for an error reply ("not now", retried). All attempts
-        unanswered or not now: ServiceUnreachable (the proposal stays retryable)."""
+                   parse: Callable[[bytes], T | None],
+                   pick: Callable[[list[boundary.Evidence[T]]], A | None],
+                   allowed: Allowed | None = None, grace: float = 0.0) -> A:
+        """A request to the owning service with a timeout and bounded retries. Every answer
+        heard is evidence (`Answers.ask`); `parse` turns each into a result, or None for an
+        error reply ("not now"), and `pick` says which counts, or None (only "not now", or
+        nothing attributable where something could be): retried. All attempts so:
+        ServiceUnreachable (the proposal stays retryable)."""
         settings = self.config.apply
         last_error = "no attempt"
         maybe_delivered = False
@@ -860,18 +910,20 @@ class Engine:
             if allowed is not None:
                 await allowed(attempt, maybe_delivered)
             try:
-                reply = await self.nc.request(subject, body(attempt),
-                                              timeout=settings.timeout_s)
+                heard = await self.answers.ask(record.service, subject, body(attempt),
+                                               settings.timeout_s, grace)
             except NoRespondersError:
                 last_error = f"no service answers {subject}"
             except NatsTimeout:
                 last_error = f"{subject} timed out"
                 maybe_delivered = True
             else:
-                result = parse(reply.data)
-                if result is not None:
-                    return result
-                last_error = f"{subject} answered not now: {error_message(reply.data)}"
+                parsed = [e.map(parse) for e in heard]
+                picked = pick(boundary.present(parsed))
+                if picked is not None:
+                    return picked
+                last_error, silent = _unanswered(subject, heard, parsed)
+                maybe_delivered = maybe_delivered or silent
             log.warning("request to the owning service failed", proposal_id=record.proposal_id,
                         subject=subject, attempt=attempt, error=last_error)
             await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
@@ -892,7 +944,8 @@ class Engine:
         handled = await self.handle(
             svc, original, lambda record, now: apply_stage.rolled_back_by(record, inverse, now)
             if record is not None else None, None, False)
-        if handled.changed and handled.record is not None and handled.record.approved_by is None:
+        if handled.changed and handled.record is not None and \
+                apply_stage.counts_toward_breaker(handled.record, inverse):
             await self.count_autonomous_rollback(handled.record, now_ms())
 
     # -- the breaker and the autonomy switch (constitution IV.5, IV.6) ---------------------------
@@ -1396,6 +1449,20 @@ class Engine:
                                applied_id="", authority=apply_stage.authority(record, self.policy),
                                error=f"unreachable: {error}", at=now_ms())
         await self.store.publish(S.apply_outcome(record.service, record.proposal_id), outcome)
+
+
+def _unanswered(subject: str, heard: list[boundary.Evidence[bytes]],
+                parsed: list[boundary.Evidence[Any]]) -> tuple[str, bool]:
+    """Why the answers heard to one attempt gave nothing to take, and whether the service
+    may have received the order all the same: a "not now" (an error reply) it may be
+    trusted to have said refuses this attempt; anything else is as good as silence."""
+    for raw, answer in zip(heard, parsed, strict=True):
+        if answer.value is None and (isinstance(raw, boundary.Attested) or not any(
+                isinstance(h, boundary.Attested) for h in heard)):
+            return f"{subject} answered not now: {error_message(raw.value)}", False
+    why = "; ".join(sorted({h.why for h in heard if isinstance(h, boundary.Unattested)}))
+    return (f"{subject} was answered only by parties it cannot attribute to the service "
+            f"({why})"), True
 
 
 def parse_apply_reply(data: bytes) -> ApplyResult | None:

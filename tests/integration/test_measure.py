@@ -14,7 +14,7 @@ from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult, MeasureRequest, MetricSnapshot, to_json
 from improved_reference.ranking_store import RankingStore
-from tests.bus import eventually, trailers
+from tests.bus import eventually, trailers, trusted_service
 from tests.factories import rank_proposal, signal
 from tests.keys import CHECK
 
@@ -74,6 +74,7 @@ class CountingStore(RankingStore):
 
 async def test_a_value_within_the_baseline_holds_and_is_measured_once(daemon, nc, svc):
     store = CountingStore(nc, svc)
+    store.use_key(await trusted_service(daemon, svc))  # its answers are its own
     await store.start()
     await set_metric(store, "metrics.ctr", 0.49)  # within 5 % of 0.5
     client = MeshClient(nc, svc)
@@ -99,6 +100,7 @@ async def test_a_value_within_the_baseline_holds_and_is_measured_once(daemon, nc
 
 async def test_a_regressed_value_proposes_the_recorded_rollback(daemon, nc, svc):
     store = RankingStore(nc, svc)
+    store.use_key(await trusted_service(daemon, svc))
     await store.start()
     client = MeshClient(nc, svc)
     base = (await client.propose(rank_proposal(svc, value=1))).proposal_id
@@ -180,6 +182,7 @@ async def test_a_restart_remembers_the_measurements_still_due(daemon, nc, svc):
     state cache, whose entries expire an hour after their last write), so a proposal applied
     long ago is still measured at its review_after."""
     store = RankingStore(nc, svc)
+    store.use_key(await trusted_service(daemon, svc))
     await store.start()
     await set_metric(store, "metrics.ctr", 0.5)
     client = MeshClient(nc, svc)

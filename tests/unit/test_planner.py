@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from improved.core import apply, audit, authority, learnback, lkg, planner, propose, quorum, signing
 from improved.core.authority import Act
+from improved.core.boundary import Conflict, Unattested
 from improved.core.breaker import Autonomy
 from improved.core.policy import Policy
 from improved.core.record import ProposalRecord, replay, same_state, with_trailer
@@ -28,7 +29,7 @@ from improved.protocol.model import (
     Signal,
     Vote,
 )
-from tests.builders import NOW, QUORUM_POLICY, TRIAGER, l4, make_proposal, report
+from tests.builders import NOW, QUORUM_POLICY, TRIAGER, l4, make_proposal, report, said
 from tests.keys import TRUST, VOTERS
 
 POLICY = Policy(doc_allowlist=("**",))
@@ -83,7 +84,7 @@ def settle(record: ProposalRecord, v: planner.View | None = None, policy: Policy
 def applied(record: ProposalRecord, step: planner.SendApply, ok: bool = True,
             **result) -> ProposalRecord:
     res = ApplyResult(ok=ok, applied_id="a-1" if ok else "", **result)
-    return commit(*apply.transition(record, res, step.authority, NOW))
+    return commit(*apply.transition(record, said(res), step.authority, NOW))
 
 
 ALICE = Ed25519PrivateKey.generate()
@@ -396,14 +397,14 @@ def test_one_dissent_hands_the_l4_to_an_operator():
 
 def test_an_unhealthy_lkg_fails_the_apply_with_nothing_sent():
     record = approved(registered(**_l4_fields()))
-    c = planner.after_lkg(record, report(rc_b=1), POLICY, TRIAGER, 1 << 20, NOW)
+    c = planner.after_lkg(record, said(report(rc_b=1)), POLICY, TRIAGER, 1 << 20, NOW)
     assert c.why == "lkg_refused" and c.record.outcome.ok is False
     assert step_of(commit(c.record, c.draft)) == planner.DONE
 
 
 def test_a_healthy_lkg_records_the_reversal_before_the_order():
     record = approved(registered(**_l4_fields()))
-    c = planner.after_lkg(record, report(), POLICY, TRIAGER, 1 << 20, NOW)
+    c = planner.after_lkg(record, said(report()), POLICY, TRIAGER, 1 << 20, NOW)
     assert c.why == "lkg_verified" and c.record.revert_id is not None
     _, rules, step = settle(commit(c.record, c.draft))
     assert rules == ["dispatched"]
@@ -412,13 +413,13 @@ def test_a_healthy_lkg_records_the_reversal_before_the_order():
 
 def test_a_reversal_too_large_to_propose_refuses_the_apply():
     record = approved(registered(**_l4_fields()))
-    c = planner.after_lkg(record, report(), POLICY, TRIAGER, 100, NOW)
+    c = planner.after_lkg(record, said(report()), POLICY, TRIAGER, 100, NOW)
     assert c.why == "lkg_refused" and "not a valid proposal" in c.draft.reason
 
 
 def test_a_reversal_reads_its_original_and_inherits_an_applied_originals_approval():
     original = approved(registered(**_l4_fields()))
-    c = planner.after_lkg(original, report(), POLICY, TRIAGER, 1 << 20, NOW)
+    c = planner.after_lkg(original, said(report()), POLICY, TRIAGER, 1 << 20, NOW)
     original = commit(c.record, c.draft).replace(status="applied")
     reversal = registered_proposal(original.revert)
     assert step_of(reversal) == planner.ReadOriginal(original.proposal_id)
@@ -480,7 +481,8 @@ def test_a_regression_at_review_after_proposes_the_recorded_rollback_then_commit
     new, draft, _ = learnback.observe_signal(record, reading, POLICY, NOW + 150, "check:meter")
     record = commit(new, draft)
     assert isinstance(step_of(record, view(now=NOW + 200)), planner.AskMeasure)
-    step = planner.after_measure(record, learnback.Reading(value=0.1), POLICY, TRIAGER, NOW + 200)
+    step = planner.after_measure(record, said(learnback.Reading(value=0.1)), POLICY, TRIAGER,
+                                 NOW + 200)
     assert step.rollback is not None and step.commit.draft.verdict == "regressed"
     rollback_id, _ = propose.identify(step.rollback)
     refs = step.commit.draft.refs
@@ -497,7 +499,7 @@ def test_a_regression_at_review_after_proposes_the_recorded_rollback_then_commit
                                      learnback.Reading(value=float("inf"))])
 def test_no_answer_is_recorded_unmeasured_never_held(reading):
     record = under_review()
-    step = planner.after_measure(record, reading, POLICY, TRIAGER, NOW + 200)
+    step = planner.after_measure(record, said(reading), POLICY, TRIAGER, NOW + 200)
     draft = step.commit.draft
     assert step.rollback is None and draft.verdict == "unmeasured"
     assert not any(r.startswith("value:") for r in draft.refs)
@@ -509,9 +511,30 @@ def test_no_answer_is_recorded_unmeasured_never_held(reading):
     assert rebuilt_alike(record, step.commit)
 
 
+@pytest.mark.parametrize("answer", [
+    Unattested(learnback.Reading(value=0.1), "unsigned, and the bus binds no service to its "
+                                             "subjects"),
+    Conflict((said(learnback.Reading(value=0.1)), said(learnback.Reading(value=0.5)))),
+])
+def test_a_regressing_value_nobody_can_attest_is_unmeasured_and_rolls_nothing_back(answer):
+    """On an open bus anyone may answer the measurement first: what is not the service's own
+    (or what its own answers contradict) is recorded, and decides nothing."""
+    record = under_review()
+    step = planner.after_measure(record, answer, POLICY, TRIAGER, NOW + 200)
+    draft = step.commit.draft
+    assert step.rollback is None and draft.verdict == "unmeasured"
+    assert not any(r.startswith(("value:", "rollback_proposal:")) for r in draft.refs)
+    cause = next(r for r in draft.refs if r.startswith("cause:"))
+    assert "0.1" in cause, cause
+    who = "conflict" if isinstance(answer, Conflict) else "unattested"
+    assert f"answered_by:{who}" in draft.refs
+    done = commit(step.commit.record, draft)
+    assert done.measured == "unmeasured" and rebuilt_alike(record, step.commit)
+
+
 def test_a_regression_with_nothing_recorded_to_undo_proposes_nothing():
     record = under_review(rollbackable=False)
-    step = planner.after_measure(record, learnback.Reading(value=0.0), POLICY, TRIAGER,
+    step = planner.after_measure(record, said(learnback.Reading(value=0.0)), POLICY, TRIAGER,
                                  NOW + 200)
     assert step.rollback is None and step.commit.draft.verdict == "regressed"
     assert "nothing recorded to roll back" in step.commit.draft.reason
