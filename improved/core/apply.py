@@ -98,7 +98,8 @@ def undelivered(record: ProposalRecord, error: str, actor: str,
                   observer_type="rec:system", verdict=UNDELIVERED,
                   reason=f"the ApplyOrder reached no service: {error}"[:300],
                   refs=(ref("order", record.proposal_id), ref("error", error)))
-    return record.replace(dispatched_by=None, dispatched_at=None, updated_at=now), draft
+    return record.replace(dispatched_by=None, dispatched_at=None, dispatched_seq=None,
+                          updated_at=now), draft
 
 
 def dispatch_rollback(record: ProposalRecord, actor: str,

@@ -7,9 +7,10 @@ one `Step`: commit a transition, send a rollback, check the last-known-good, sen
 measure, finish a rollback, halt, or done. The engine carries out that one step and asks again,
 so the order of the loop lives here, in one function, and is tested without a broker.
 
-Two inputs are read only when a step needs them: the grant of an L3 skill and the original of
-a reversal. Until the view holds them the planner answers `ReadGrant` / `ReadOriginal` (as h11
-answers NEED_DATA); the shell reads, fills the view and asks again.
+Three inputs are read only when a step needs them: the grant of an L3 skill (now, and as of
+its intent's stream sequence) and the original of a reversal. Until the view holds them the
+planner answers `ReadGrant` / `ConfirmGrant` / `ReadOriginal` (as h11 answers NEED_DATA); the
+shell reads, fills the view and asks again.
 
 The priority order, first match wins:
   1. triage — untriaged, released from feedback collapse, expired (`valid_to` passed while
@@ -22,7 +23,9 @@ The priority order, first match wins:
   5. an operator's rollback of an applied change (its dispatch recorded first);
   6. the L4 last-known-good check (and the reversal recorded before any order);
   7. the apply: its dispatch recorded on the chain first (the intent, after an L3's grant is
-     re-read), then the order — sent again, the same, until its outcome is recorded;
+     re-read), then the order — sent again, the same, until its outcome is recorded. An L3's
+     intent stands only if its grant was active as of the intent's own stream sequence
+     (`ConfirmGrant`); one that does not is withdrawn and its order never sent;
   8. learn-back's measurement at `review_after`: ask the owning service (`AskMeasure`), then
      commit its verdict — held, regressed (which proposes the recorded rollback) or
      unmeasured (`after_measure`);
@@ -78,6 +81,8 @@ class View:
     # says which chain to read)
     rejected: triage.Rejection | None = None
     grant: GrantRead = UNREAD  # is the L3 skill's grant active
+    # (stream sequence of an intent, was the L3 skill's grant active as of it), once read
+    grant_at_intent: tuple[int, bool] | None = None
     original: ProposalRecord | None | _Unread = UNREAD  # the record a reversal reverts
 
     def held(self, record: ProposalRecord) -> Held | None:
@@ -102,6 +107,17 @@ class Commit:
 @dataclass(frozen=True)
 class ReadGrant:
     skill: str
+
+
+@dataclass(frozen=True)
+class ConfirmGrant:
+    """Was `skill`'s grant active as of stream sequence `as_of_seq` (only grant-chain trailers
+    below it count) and unexpired at `at`: does the intent recorded there stand? Read after
+    the intent's append was acknowledged, from the stream leader."""
+
+    skill: str
+    as_of_seq: int
+    at: int
 
 
 @dataclass(frozen=True)
@@ -163,8 +179,8 @@ class Done:
     pass
 
 
-Step = (Commit | ReadGrant | ReadOriginal | Halt | SendRollback | CheckLkg | SendApply
-        | AskMeasure | Measure | FinishRollback | Done)
+Step = (Commit | ReadGrant | ConfirmGrant | ReadOriginal | Halt | SendRollback | CheckLkg
+        | SendApply | AskMeasure | Measure | FinishRollback | Done)
 
 DONE: Final = Done()
 
@@ -232,12 +248,21 @@ def _dispatch(record: ProposalRecord, view: View, policy: Policy, actor: str) ->
         return CheckLkg()
     if not record.in_flight:
         return _intent(record, view, policy, actor)
+    if apply_stage.grant_bound(record):
+        # always set with dispatched_at; the chain's end, were it not, only counts more acts
+        seq = record.dispatched_seq or record.chain.stream_seq
+        if view.grant_at_intent is None or view.grant_at_intent[0] != seq:
+            return ConfirmGrant(record.skill or "", seq, record.dispatched_at or view.now)
+        if not view.grant_at_intent[1]:
+            return revoked(record, policy, view.now, actor)
     return SendApply(apply_stage.order(record, policy, 1), apply_stage.authority(record, policy))
 
 
 def _intent(record: ProposalRecord, view: View, policy: Policy, actor: str) -> Step:
     """Record the dispatch; an L3 auto-apply re-reads its grant first, and a revoked one
-    stops it here, before anything is recorded as sent."""
+    stops it here, before anything is recorded as sent. That read is a hint: a revoke can
+    land between it and the intent's append (another chain, so no conflict), which is why the
+    intent is judged once more, as of its own stream sequence, before its order is sent."""
     if apply_stage.grant_bound(record):
         if isinstance(view.grant, _Unread):
             return ReadGrant(record.skill or "")
@@ -335,16 +360,19 @@ def unreachable(record: ProposalRecord, intended_here: bool, maybe_delivered: bo
 
 
 def revoked(record: ProposalRecord, policy: Policy, now: int, actor: str) -> Commit:
-    """The grant an L3 auto-apply relied on was revoked before its dispatch was recorded (or
-    before a retry of an order that reached no service): the apply is stopped, a dispatch on
-    the chain is void, and the proposal is gated as L2 again."""
+    """The grant an L3 auto-apply relied on was not active as of its dispatch's stream
+    sequence, was revoked before its dispatch was recorded, or before a retry of an order
+    that reached no service: the apply is stopped, a dispatch on the chain is void (its
+    order never sent), and the proposal is gated as L2 again."""
     decision = triage.decide(record, policy, now, False, actor)
     return Commit(*triage.transition(record, decision), why="revoked")
 
 
-def with_read(view: View, step: ReadGrant | ReadOriginal,
+def with_read(view: View, step: ReadGrant | ConfirmGrant | ReadOriginal,
               value: bool | ProposalRecord | None) -> View:
     """The view after the shell carried out a read step."""
     if isinstance(step, ReadGrant):
         return replace(view, grant=bool(value))
+    if isinstance(step, ConfirmGrant):
+        return replace(view, grant_at_intent=(step.as_of_seq, bool(value)))
     return replace(view, original=value if isinstance(value, ProposalRecord) else None)

@@ -229,4 +229,4 @@ def transition(record: ProposalRecord, d: TriageDecision) -> tuple[ProposalRecor
                   cause=d.cause)
     # a new decision voids a dispatch that was recorded but never sent (a revoked grant)
     return record.replace(decision=d, gate_class=d.gate_class, updated_at=d.at,
-                          dispatched_by=None, dispatched_at=None), draft
+                          dispatched_by=None, dispatched_at=None, dispatched_seq=None), draft

@@ -753,19 +753,25 @@ class Engine:
         """Carry the proposal on, one planner step at a time, until the planner has nothing
         more to do now. Each step is one effect; the decision is the planner's."""
         grant: planner.GrantRead = planner.UNREAD  # an L3's grant, read by this very pass
+        at_intent: tuple[int, bool] | None = None  # that grant as of the intent's sequence
         intended = False  # this pass recorded the order's dispatch
         for _ in range(MAX_STEPS):
             now = now_ms()
             view = planner.View(now=now, autonomy=await self.autonomy(now), dispatch=dispatch,
-                                rejected=rejected, grant=grant)
+                                rejected=rejected, grant=grant, grant_at_intent=at_intent)
             step = planner.next_step(record, view, self.policy, self.actor)
-            while isinstance(step, planner.ReadGrant | planner.ReadOriginal):
+            while isinstance(step, planner.ReadGrant | planner.ConfirmGrant
+                             | planner.ReadOriginal):
                 view = planner.with_read(view, step, await self._read(record, step, now))
-                grant = view.grant
+                grant, at_intent = view.grant, view.grant_at_intent
                 step = planner.next_step(record, view, self.policy, self.actor)
             try:
                 match step:
                     case planner.Commit(record=after, draft=draft, why=why):
+                        if why == "revoked" and record.in_flight:
+                            log.warning("dispatch withdrawn: the grant was not active as of "
+                                        "it; no order is sent", proposal_id=record.proposal_id,
+                                        skill=record.skill, intent_seq=record.dispatched_seq)
                         record = await self._commit(after, draft, now)
                         intended = intended or why == "dispatched"
                     case planner.SendRollback():
@@ -797,11 +803,17 @@ class Engine:
                 raise
         return record
 
-    async def _read(self, record: ProposalRecord, step: planner.ReadGrant | planner.ReadOriginal,
+    async def _read(self, record: ProposalRecord,
+                    step: planner.ReadGrant | planner.ReadOriginal | planner.ConfirmGrant,
                     now: int) -> bool | ProposalRecord | None:
-        """Carry out a planner read: the grant of an L3 skill, the original of a reversal."""
+        """Carry out a planner read: the grant of an L3 skill (now, or as of its intent's
+        stream sequence: asked only once that append was acknowledged), the original of a
+        reversal."""
         if isinstance(step, planner.ReadGrant):
             return await self.store.grant_active(step.skill, now, self.chain_trust)
+        if isinstance(step, planner.ConfirmGrant):
+            return await self.store.grant_active_as_of(step.skill, step.as_of_seq, step.at,
+                                                       self.chain_trust)
         return await self._original(record.service, step.proposal_id)
 
     async def _rollback(self, record: ProposalRecord,

@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 import structlog
@@ -59,13 +59,12 @@ from nats.js.kv import KeyValue
 from improved.client import chains
 from improved.core import audit, checkpoint, evidence, observe, queue
 from improved.core.audit import Draft
-from improved.core.authority import grant_covers
+from improved.core.authority import GrantActs, grant_as_of, grant_covers
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
 from improved.protocol.model import (
     ChangeClass,
     DedupHead,
-    Grant,
     IndexMarker,
     MeasureDue,
     ReviewEntry,
@@ -231,6 +230,17 @@ def _chain_key(subject: str) -> tuple[str, str]:
     return S.token(subject, 2) or "", S.token(subject, 3) or ""
 
 
+class _GrantChain(NamedTuple):
+    """A grant chain as read whole from the leader: the trust it was verified under, its last
+    trailer then (stream sequence, hash), the trailers (stream sequence, body) and its acts
+    (None: it does not verify whole)."""
+
+    trust: Any
+    end: tuple[int, str]
+    chain: chains.Sequenced
+    acts: GrantActs | None
+
+
 def decode_trailer(body: dict[str, Any]) -> Trailer:
     """A trailer read as a raw JSON body (as the chain readers return them), typed."""
     return trailer_decoder.decode(to_json(body))
@@ -383,10 +393,8 @@ class Store:
         self.tombstone_ttl_s = TOMBSTONE_TTL_S
         # whether the dedup bucket's stream takes per-message TTLs (`ensure` finds out)
         self.dedup_ttl = False
-        # identity → (the trust it was verified under, the chain's last trailer (stream
-        # sequence, hash), the grant that chain says): a chain re-read only when it has moved
-        self._grants: OrderedDict[str, tuple[Any, tuple[int, str], Grant | None]] = \
-            OrderedDict()
+        # skill hash → the grant chain as last read whole: re-read only when it has moved
+        self._grants: OrderedDict[str, _GrantChain] = OrderedDict()
 
     async def ensure(self, strict: bool = False) -> list[str]:
         """Bring every stream, the inbound consumer and the buckets to this configuration and
@@ -1089,33 +1097,54 @@ class Store:
         """An active, unexpired grant for exactly `<name>:<sha256>`, as its verified grant
         chain says (never the retained record, never a lookup by name), read from the stream
         leader: a grant revoked a moment ago is never read as active here."""
-        grant = await self._current_grant(identity, trust)
+        read = await self._grant_chain(identity, trust)
+        grant = grant_as_of(read.acts) if read is not None and read.acts else None
         return (grant is not None and identity is not None
                 and grant_covers(grant, identity, now_ms))
 
-    async def _current_grant(self, identity: str | None,
-                             trust: audit.Authenticity | None) -> Grant | None:
-        """The grant the chain of `identity` says, read from the leader. The chain is read
-        and verified whole only when its last trailer (one read) is not the one it ended
-        with at the last whole read under the same trust: a grant chain only ever grows, so
-        a verified prefix stays verified and one read of its end says whether it grew."""
-        sha = identity.split(":", 1)[1] if identity and ":" in identity else ""
-        if not S.ID_RE.match(sha):
+    async def grant_active_as_of(self, identity: str | None, seq: int, at: int,
+                                 trust: audit.Authenticity | None = None) -> bool:
+        """Was the grant of exactly `<name>:<sha256>` active as of stream sequence `seq` of the
+        audit stream — only the grant chain's acts recorded below `seq` count — and unexpired
+        at `at`? Whether the intent at `seq` (recorded at `at`) stands. Asked after that
+        intent's append was acknowledged, so the read from the leader sees every act below it,
+        and judged on the chain's trailers below `seq` alone: whatever lands later (a revoke,
+        or a trailer that does not verify) changes no verdict already given on it."""
+        read = await self._grant_chain(identity, trust)
+        if read is None or identity is None:
+            return False
+        acts = read.acts
+        if acts is None:  # a break somewhere: what stood below `seq` is what its prefix says
+            acts = chains.verified_acts(identity, [t for t in read.chain if t[0] < seq], trust)
+        grant = grant_as_of(acts, seq) if acts else None
+        return grant is not None and grant_covers(grant, identity, at)
+
+    async def _grant_chain(self, identity: str | None,
+                           trust: audit.Authenticity | None) -> _GrantChain | None:
+        """The grant chain of `identity` read from the leader and verified under `trust`;
+        None for a bad identity or no chain. It is read and verified whole only when its last
+        trailer (one read) is not the one it ended with at the last whole read under the same
+        trust: a grant chain only ever grows, so a verified prefix stays verified, and one read
+        of its end, made now, says whether anything was added since."""
+        subject = chains.grant_chain_subject(identity)
+        if subject is None or identity is None:
             return None
+        sha = identity.split(":", 1)[1]
         try:
-            msg = await self.js.get_msg(S.STREAM_AUDIT, subject=S.grant_audit(sha))
+            msg = await self.js.get_msg(S.STREAM_AUDIT, subject=subject)
         except NotFoundError:
             return None
         end = (msg.seq or 0, msgspec.json.decode(msg.data or b"{}").get("hash", ""))
         memo = self._grants.get(sha)
-        if memo is not None and memo[0] is trust and memo[1] == end:
+        if memo is not None and memo.trust is trust and memo.end == end:
             self._grants.move_to_end(sha)
-            return memo[2]
-        grant = await chains.current_grant(self.js, identity, trust, chains.read_from_leader)
-        self._grants[sha] = (trust, end, grant)
+            return memo
+        chain = await chains.read_from_leader(self.js, subject)
+        read = _GrantChain(trust, end, chain, chains.verified_acts(identity, chain, trust))
+        self._grants[sha] = read
         while len(self._grants) > GRANT_MEMO_SIZE:
             self._grants.popitem(last=False)
-        return grant
+        return read
 
     # -- refusals --------------------------------------------------------------------------------
 

@@ -63,9 +63,11 @@ def step_of(record: ProposalRecord, v: planner.View | None = None,
 
 
 def settle(record: ProposalRecord, v: planner.View | None = None, policy: Policy = POLICY,
-           grant: bool | None = None) -> tuple[ProposalRecord, list[str], planner.Step]:
+           grant: bool | None = None, at_intent: bool | None = None,
+           ) -> tuple[ProposalRecord, list[str], planner.Step]:
     """Carry out every commit (and the reads) the planner asks for; stop at the first step
-    that needs the world. Returns the record, the commits' rules in order, and that step."""
+    that needs the world. Returns the record, the commits' rules in order, and that step.
+    `at_intent`: the grant as of the intent's stream sequence (by default, as `grant`)."""
     v = v or view()
     rules: list[str] = []
     for _ in range(20):
@@ -73,6 +75,10 @@ def settle(record: ProposalRecord, v: planner.View | None = None, policy: Policy
         if isinstance(step, planner.ReadGrant):
             assert grant is not None, "the planner asked for a grant the case did not expect"
             v = planner.with_read(v, step, grant)
+            continue
+        if isinstance(step, planner.ConfirmGrant):
+            assert grant is not None, "the planner asked for a grant the case did not expect"
+            v = planner.with_read(v, step, grant if at_intent is None else at_intent)
             continue
         if not isinstance(step, planner.Commit):
             return record, rules, step
@@ -294,6 +300,70 @@ def test_an_order_that_provably_reached_no_service_withdraws_its_dispatch():
     assert review_of(back, "reject")[1].verdict == "refused"
     _, rules, step = settle(back)
     assert rules == ["dispatched"] and step == send  # or recorded and sent again
+
+
+def test_an_l3_intent_is_judged_as_of_its_own_stream_sequence_before_its_order_is_sent():
+    """The grant read before the intent is a hint: a revoke on the grant chain can land
+    between that read and the intent's append without conflicting with it. Once the intent is
+    on the chain the planner asks for the grant as of the intent's stream sequence and time;
+    only then is the order sent."""
+    record, rules, _ = settle(registered(change_class="L3"), grant=True,
+                              v=view(dispatch=False))
+    assert rules == ["triage"]
+    intent = step_of(record, view(grant=True))
+    assert isinstance(intent, planner.Commit) and intent.why == "dispatched"
+    sent = commit(intent.record, intent.draft)
+    assert sent.dispatched_seq == sent.chain.stream_seq  # the intent's own sequence
+    ask = step_of(sent, view(grant=True))
+    assert ask == planner.ConfirmGrant(sent.skill, sent.dispatched_seq, sent.dispatched_at)
+    # another intent's answer (an earlier sequence) is no answer for this one
+    stale = view(grant=True, grant_at_intent=(sent.dispatched_seq - 1, True))
+    assert step_of(sent, stale) == ask
+    send = step_of(sent, planner.with_read(view(grant=True), ask, True))
+    assert isinstance(send, planner.SendApply) and send.authority == PRINCIPAL
+
+
+def test_an_l3_intent_recorded_after_its_grant_was_revoked_is_withdrawn_and_never_sent():
+    record, rules, step = settle(registered(change_class="L3"), grant=True, at_intent=False)
+    assert rules == ["triage", "dispatched", "revoked"] and step == planner.DONE
+    assert not record.in_flight and record.dispatched_seq is None
+    assert (record.decision.cause, record.gate_class) == ("no_grant", "L2")
+    # open to an operator now, as any L2: an approval applies it under their authority
+    _, rules, send = settle(approved(record))
+    assert rules == ["dispatched"] and send.authority == "operator:alice"
+
+
+@pytest.mark.parametrize("stood", [True, False])
+def test_a_pass_that_finds_an_l3_intent_judges_it_as_of_its_sequence_before_sending(stood):
+    """A redelivery, a restart or the other replica rebuilds an in-flight L3 from the chain:
+    before the order goes out (again) the grant is judged as of the intent's sequence, not
+    now. An intent that stood is finished whatever was revoked since; one that did not was
+    never sent by anyone, and is withdrawn."""
+    trailers: list = []
+
+    def on_chain(record: ProposalRecord, draft) -> ProposalRecord:
+        trailers.append(audit.seal(draft, record, NOW))
+        return with_trailer(record, trailers[-1], 10 * len(trailers))
+
+    proposal = make_proposal(change_class="L3")
+    record = on_chain(*propose.register(proposal, *propose.identify(proposal), POLICY, NOW - 1))
+    triaged = planner.next_step(record, view(grant=True), POLICY, TRIAGER)
+    record = on_chain(triaged.record, triaged.draft)
+    intent = planner.next_step(record, view(grant=True), POLICY, TRIAGER)
+    record = on_chain(intent.record, intent.draft)
+    rebuilt = propose.rebuild_record(trailers, [10 * (i + 1) for i in range(len(trailers))],
+                                     POLICY)
+    assert rebuilt == record and rebuilt.in_flight and rebuilt.dispatched_seq == 30
+    # revoked now, whichever way it stood then: no re-read of the current grant decides it
+    ask = step_of(rebuilt, view(grant=False))
+    assert ask == planner.ConfirmGrant(rebuilt.skill, 30, NOW)
+    after = step_of(rebuilt, planner.with_read(view(grant=False), ask, stood))
+    if stood:
+        assert isinstance(after, planner.SendApply)
+        assert after.order == apply.order(rebuilt, POLICY, 1)
+    else:
+        assert isinstance(after, planner.Commit) and after.why == "revoked"
+        assert not commit(after.record, after.draft).in_flight
 
 
 def test_a_retried_l3_order_rechecks_its_grant_only_while_its_dispatch_may_be_withdrawn():
@@ -575,16 +645,18 @@ CASES = [
 @settings(max_examples=200, deadline=None)
 @given(case=st.sampled_from(CASES), autonomy=st.sampled_from([OPEN, BREAKER, SWITCHED_OFF,
                                                                CRISIS]),
-       dispatch=st.booleans(), grant=st.booleans(), later=st.integers(0, 10**9),
-       approve=st.booleans(), ok=st.booleans())
+       dispatch=st.booleans(), grant=st.booleans(), at_intent=st.booleans(),
+       later=st.integers(0, 10**9), approve=st.booleans(), ok=st.booleans())
 def test_the_planner_always_settles_and_never_sends_what_its_gate_forbids(
-        case, autonomy, dispatch, grant, later, approve, ok):
-    """Whatever the autonomy state, clock and grant: the commits end within a few steps, the
-    only sends are to an accepted proposal that is not held back, never in a crisis, never
-    without dispatch, and an order always carries the approver's or the policy's authority."""
+        case, autonomy, dispatch, grant, at_intent, later, approve, ok):
+    """Whatever the autonomy state, clock and grant (now, and as of the intent): the commits
+    end within a few steps, the only sends are to an accepted proposal that is not held back,
+    never in a crisis, never without dispatch, never for an L3 whose grant was not active as
+    of its intent, and an order always carries the approver's or the policy's authority."""
     record, rules, step = settle(registered(**case), view(autonomy, NOW + later,
-                                                           dispatch=dispatch), grant=grant)
-    assert len(rules) <= 2
+                                                           dispatch=dispatch), grant=grant,
+                                 at_intent=at_intent)
+    assert len(rules) <= 3
     if approve and record.status == "pending" and record.decision.verdict == "defer" \
             and record.decision.cause in ("awaiting_operator", "no_grant"):
         record, _, step = settle(approved(record), view(autonomy, NOW + later,
@@ -594,6 +666,7 @@ def test_the_planner_always_settles_and_never_sends_what_its_gate_forbids(
         assert record.decision.verdict == "accept" and record.in_flight
         assert step.authority == (record.approved_by or PRINCIPAL)
         assert record.approved_by is not None or view(autonomy, NOW + later).held(record) is None
+        assert not apply.grant_bound(record) or (grant and at_intent)
         record = applied(record, step, ok=ok)
         assert step_of(record, view(autonomy, NOW + later, dispatch=dispatch)) == planner.DONE
     else:
