@@ -282,6 +282,16 @@ async def test_the_last_epoch_file_missing_is_named(exported, tmp_path):
             "missing")
 
 
+async def test_an_epoch_neither_in_the_archive_nor_on_the_stream_is_named(exported, tmp_path):
+    """Both files of the last epoch gone: it reads as not exported yet, so it is checked
+    against what the stream holds of it, which is not what its seal signed."""
+    directory = _copy(exported, tmp_path)
+    archive.epoch_file(directory, 2).unlink()
+    archive.seal_file(directory, 2).unlink()
+    _broken(await _verify(exported, directory), 2, "not exported", "the stream does not match",
+            "missing")
+
+
 async def test_a_seal_file_missing_is_named(exported, tmp_path):
     directory = _copy(exported, tmp_path)
     archive.seal_file(directory, 2).unlink()
