@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from improved.core import audit, checkpoint, evidence, merkle
@@ -124,6 +124,7 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
                        archived: Seal | None = None,
                        source: AsyncIterator[Entry] | None = None,
                        on_checkpoint: Callable[[dict], Awaitable[None]] | None = None,
+                       sealed: Sequence[Seal] = (),
                        ) -> Since:
     """Read and verify every trailer after `base` up to the stream's last sequence: each in its
     chain (hash, link, lifecycle, writer, signed act), each checkpoint met on the way by its
@@ -138,7 +139,10 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
     missing (exported and removed, `runtime.archive`); when some are, the tree goes on from
     the seal's frontier, and the roots it covered are the export's to check. `source`: the
     trailers to read instead of the stream's (exported epochs, then the stream).
-    `on_checkpoint`: given each checkpoint trailer that verifies, as it is read."""
+    `sealed`: the seals of the epochs `source` checks exactly itself (`archive.ArchiveRead`):
+    the gaps at or below the last one's `upto` are its to name, and at the end of each epoch
+    the tree goes on from its seal, so one epoch's fault is named once, not in every root
+    after it. `on_checkpoint`: given each checkpoint trailer that verifies, as it is read."""
     since = Since(merkle.Tree(base.frontier, base.count), base.last_seq, base.last_hash)
     timed = _Timed(trust, since)
     roots: dict[int, list[tuple[str, str]]] = {}
@@ -157,11 +161,13 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
     broken: set[str] = set()
     start = base.last_seq + 1
     gaps = _Gaps(start, archived.upto if archived is not None and archived.upto >= start
-                 else 0)
+                 else 0, sealed[-1].upto if sealed else 0)
+    ends = _Ends(sealed)
     if source is None:
         source = store.follow(S.AUDIT_FILTER, start, view.last_seq)
     async for seq, subject, body, headers in source:
         since.read += 1
+        ends.passed(seq, since, roots)
         if gaps.reach(seq):
             _continue_from(since, archived, gaps.gone, roots)
         if body is None:
@@ -183,18 +189,39 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
         if subject == CP_SUBJECT and problem is None and on_checkpoint is not None:
             await on_checkpoint(body)
         if subject != CP_SUBJECT:
-            leaf = body.get("hash")
-            since.tree.add(leaf if isinstance(leaf, str) else "")
-            since.last_seq, since.last_hash = seq, leaf if isinstance(leaf, str) else ""
-            for root, what in roots.pop(since.tree.count, ()):
-                if since.tree.root() != root:
-                    since.problems.append(
-                        f"{what}: the first {since.tree.count} trailers no longer hash to its "
-                        "root: trailers were removed, altered or reordered")
+            _add_leaf(since, seq, body, roots)
+    ends.passed(None, since, roots)  # the read ended inside them
     if gaps.reach(view.last_seq + 1):  # the read ended at or below the seal
         _continue_from(since, archived, gaps.gone, roots)
     since.problems += _at_the_end(since, view, gaps, archived, roots)
     return since
+
+
+def _add_leaf(since: Since, seq: int, body: dict, roots: dict[int, list[tuple[str, str]]]
+              ) -> None:
+    """The trailer at `seq` joins the tree; the roots claimed at its count are checked."""
+    leaf = merkle.leaf_of(body.get("hash"))
+    since.tree.add(leaf)
+    since.last_seq, since.last_hash = seq, leaf
+    for root, what in roots.pop(since.tree.count, ()):
+        if since.tree.root() != root:
+            since.problems.append(
+                f"{what}: the first {since.tree.count} trailers no longer hash to its root: "
+                "trailers were removed, altered or reordered")
+
+
+class _Ends:
+    """The ends of the epochs a source checks itself: past each, the tree goes on from its
+    seal."""
+
+    def __init__(self, sealed: Sequence[Seal]):
+        self.ahead = list(reversed(sealed))
+
+    def passed(self, seq: int | None, since: Since, roots: dict[int, list[tuple[str, str]]]
+               ) -> None:
+        """The read is at `seq` (None: it ended)."""
+        while self.ahead and (seq is None or seq > self.ahead[-1].upto):
+            _continue_at(since, self.ahead.pop(), roots)
 
 
 def _at_the_end(since: Since, view: StreamView, gaps: _Gaps, archived: Seal | None,
@@ -246,11 +273,16 @@ class _Gaps:
 
     expected: int
     upto: int
+    named_to: int = 0  # gaps at or below it are the source's to name
     gone: int = 0
     missing: list[int] = field(default_factory=list)
 
     def reach(self, seq: int) -> bool:
         """Account for the gap before `seq`; True when the read has just passed the seal."""
+        if seq <= self.named_to:
+            self.expected = max(self.expected, seq + 1)
+            return False
+        self.expected = max(self.expected, self.named_to + 1)
         if self.upto:
             self.gone += max(0, min(seq, self.upto + 1) - self.expected)
         self.missing += range(max(self.expected, self.upto + 1), seq)
@@ -267,6 +299,12 @@ def _continue_from(since: Since, seal: Seal | None, gone: int,
     from the seal (what it covered is the export's to check)."""
     if seal is None or not gone:
         return
+    _continue_at(since, seal, roots)
+
+
+def _continue_at(since: Since, seal: Seal, roots: dict[int, list[tuple[str, str]]]) -> None:
+    """The tree goes on from `seal`, whose roots and those before it are checked (or named)
+    by whoever checked its epoch."""
     since.tree = merkle.Tree(seal.frontier, seal.count)
     since.last_seq, since.last_hash = seal.upto, seal.last_hash
     for count in [c for c in roots if c <= seal.count]:
