@@ -320,7 +320,8 @@ def _verify_chains(chains: dict, trust: evidence.ChainTrust, trailers: int) -> i
     started = time.perf_counter()
     linked = {}
     for key, entries in sorted(chains.items(), key=lambda kv: str(kv[0])):
-        linked[key] = audit.verify_chain(key[1] or "", [body for _, body in entries])
+        linked[key] = audit.verify_chain(key[1] or "", [body for _, body in entries],
+                                         service=None if key[0] in S.MESH_CHAINS else key[0])
     links_s = time.perf_counter() - started
     started = time.perf_counter()
     for key, entries in sorted(chains.items(), key=lambda kv: str(kv[0])):
@@ -479,7 +480,7 @@ async def _rebuild(url: str | Target, config: Config, write: bool) -> int:
         for (svc, pid), bodies in sorted(chains.items()):
             if svc in S.MESH_CHAINS:
                 continue
-            if audit.verify_chain(pid, bodies) is not None:
+            if audit.verify_chain(pid, bodies, service=svc) is not None:
                 broken += 1
                 print(f"BROKEN {pid}: not rebuilt (run `improved audit verify {pid}`)")
                 continue

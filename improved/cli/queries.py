@@ -19,7 +19,7 @@ from improved.protocol import subjects as S
 from improved.protocol.model import ClassifyReply, ClassifyRequest, Proposal, to_json
 from improved.runtime.answers import Answers
 from improved.runtime.bus import Target
-from improved.runtime.config import Trust
+from improved.runtime.config import Config, Trust
 from improved.runtime.store import Store, decode_trailer
 
 
@@ -194,16 +194,32 @@ def _replayed(chain: list[tuple[int, dict]], policy: Policy) -> ProposalRecord |
         return None
 
 
-async def status_view(url: str | Target) -> dict[str, Any]:
-    from improved.core import breaker
+async def status_view(url: str | Target, config: Config | None = None) -> dict[str, Any]:
+    """The mesh's autonomy state as the daemon decides by it: the autonomy chain's head,
+    believed only when a trusted daemon key wrote it and any operator act under it verifies
+    (`breaker.believed`: otherwise it reads as a crisis, as the daemon reads it). `verified`
+    says which, or that no daemon key is known here, so nothing could be checked."""
+    from improved.cli.audit import chain_trust, trusted_daemons
+    from improved.core import breaker, evidence
 
+    config = config or Config()
     async with deployment(url, bind=False) as store:
-        _, body = await store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
-        state = breaker.from_trailer(body)
+        seq, body = await store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
+        daemons = trusted_daemons(config)
+        problem = None
+        if body and daemons:
+            trust = chain_trust((await store.read_audit(evidence.TRUST_ID))[0], daemons,
+                                config)
+            problem = trust.problem(body, breaker.AUTONOMY_ID, seq, trust.start())
+        state = breaker.believed(body, seq, problem)
+        verified = ("nothing recorded yet" if not body else
+                    f"not verified: no daemon key here ({NO_KEY_HINT})" if not daemons else
+                    f"BROKEN: {problem}" if problem else "verified")
         now = int(time.time() * 1000)
         records = await store.js.stream_info(S.STREAM_RECORDS)
         chains = await store.js.stream_info(S.STREAM_AUDIT)
         return {
+            "autonomy_chain": verified,
             "autonomy": state.switch,
             "breaker": ("open until " + when(state.paused_until)
                         if state.blocks(now) == "circuit_open" else "closed"),
@@ -213,6 +229,10 @@ async def status_view(url: str | Target) -> dict[str, Any]:
             "trailers": chains.state.messages,
             "retained_records": records.state.messages,
         }
+
+
+NO_KEY_HINT = ("name the daemons' checkpoint keys in [trust] daemons, or run where the "
+               "daemon's data directory is")
 
 
 def when(ms: int) -> str:

@@ -315,6 +315,15 @@ def window_key(analyzer_id: str, svc: str, target_ref: str) -> str:
     return f"{analyzer_id}.{svc}.{hashlib.sha256(target_ref.encode()).hexdigest()[:32]}"
 
 
+def filed_under(subject: str) -> str | None:
+    """The service a proposal chain's subject `improve.audit.<svc>.<id>` files it under; None
+    for a mesh chain (`_grants`, `_autonomy`, …) or anything else."""
+    svc = token(subject, 2)
+    if token(subject, 1) != "audit" or svc is None or svc in MESH_CHAINS:
+        return None
+    return svc
+
+
 def token(subject: str, index: int) -> str | None:
     """The index-th dot-separated token of a subject, or None when it has fewer tokens."""
     parts = subject.split(".")

@@ -376,9 +376,10 @@ async def _open(store: Store, subject: str, body: dict, headers: dict[str, str],
     checkpoint chain, and with `by_header` any chain (one that grows with time), continues
     from its predecessor alone when the append's header finds it."""
     chain_id = S.token(subject, 3) or ""
+    filed = S.filed_under(subject)
     position = body.get("seq")
     if position == 0:
-        return audit.ChainRun.start(chain_id, trust), True
+        return audit.ChainRun.start(chain_id, trust, filed), True
     if not isinstance(position, int) or position < 0:
         return f"{chain_id} trailer {position!r}: not a chain position"
     if subject == CP_SUBJECT or by_header:
@@ -386,7 +387,7 @@ async def _open(store: Store, subject: str, body: dict, headers: dict[str, str],
         if pred is not None:
             return (audit.ChainRun.after(chain_id, position - 1, pred[1], "pending", trust),
                     pred[0] <= base_seq)
-    run = audit.ChainRun.start(chain_id, trust)
+    run = audit.ChainRun.start(chain_id, trust, filed)
     began = 0
     for earlier_seq, earlier in await store.read_chain_at(subject):
         if earlier_seq >= seq:

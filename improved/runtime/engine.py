@@ -203,6 +203,11 @@ class Engine:
         self._cache: OrderedDict[str, tuple[ProposalRecord, int]] = OrderedDict()
         self._autonomy: tuple[breaker.Autonomy, int] | None = None
         self._autonomy_verified = True  # whether that state's trailer verified
+        # the anchor of the last checkpoint this process signed, and the daemon keys whose
+        # seals count: what the O(1) look at the audit stream before each decision compares
+        # with (`_retention_problem`)
+        self._retained: tuple[checkpoints.Anchor, set[str], int] | None = None
+        self._recording_loss = False
         self.checkpoint_read = 0  # trailers the last checkpoint read: what was new, not the log
         self.metrics = Metrics()
         # observe's learn-back, once per committed trailer: (analyzer id, accepted, its hash)
@@ -587,7 +592,7 @@ class Engine:
         """The record to decide on: what this process committed itself (its memory), else
         what the chain says. The state bucket is an output anyone on the bus could rewrite:
         it is read for its revision only, and put back when it disagrees with the chain."""
-        if not fresh and pid in self._cache:
+        if not fresh and self._held(svc, pid):
             self._cache.move_to_end(pid)
             return self._cache[pid]
         cached, rev = await self.store.load(svc, pid)
@@ -617,9 +622,16 @@ class Engine:
     async def _truth(self, svc: str, pid: str) -> ProposalRecord | None:
         """A proposal's record as this process committed it or as its chain says; never the
         state bucket's word."""
-        if pid in self._cache:
+        if self._held(svc, pid):
             return self._cache[pid][0]
         return await self.rebuild(svc, pid)
+
+    def _held(self, svc: str, pid: str) -> bool:
+        """Whether this process holds `pid`'s record as a proposal of `svc`: a message on
+        another service's subject naming it finds nothing here, as it finds no chain of
+        that service's, whatever this process happens to remember."""
+        held = self._cache.get(pid)
+        return held is not None and held[0].service == svc
 
     def _remember(self, record: ProposalRecord, rev: int) -> None:
         self._cache[record.proposal_id] = (record, rev)
@@ -963,22 +975,53 @@ class Engine:
     # -- the breaker and the autonomy switch (constitution IV.5, IV.6) ---------------------------
 
     async def autonomy(self, now: int) -> breaker.Autonomy:
-        """The autonomy chain's current state, read at most once a second. A head no trusted
-        daemon wrote (or a resolution no operator signed) is not believed: it reads as a
-        crisis, which the next checkpoint records."""
+        """The autonomy chain's current state, read at most once a second, as every pass reads
+        it before it decides. A head no trusted daemon wrote (or a resolution no operator
+        signed) is not believed: it reads as a crisis, which the next checkpoint records. So
+        does an audit stream that forgot what the last checkpoint covered or that no longer
+        keeps every trailer (`_retention_problem`, O(1)): the crisis is recorded at once."""
         if self._autonomy is None or now - self._autonomy[1] > AUTONOMY_TTL_MS:
             seq, body = await self.store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
-            state = breaker.from_trailer(body)
-            problem = body and self.chain_trust.problem(body, breaker.AUTONOMY_ID, seq,
-                                                        self.chain_trust.start())
+            problem = self.chain_trust.problem(body, breaker.AUTONOMY_ID, seq,
+                                               self.chain_trust.start()) if body else None
             if problem:
                 log.error("the autonomy chain's head does not verify; applies refused",
                           stream_seq=seq, problem=problem)
-                state = breaker.in_crisis(state, state.crisis or f"unverified-autonomy-{seq}")
-            self._autonomy = (state, now)
-            self._autonomy_verified = not problem
+            state = breaker.believed(body, seq, problem)
+            lost = await self._retention_problem()
+            if lost is not None:
+                state = breaker.in_crisis(state, state.crisis or f"crisis-{now_ms()}")
+            self._autonomy = (state, now_ms())  # when it was read, whatever `now` asked for
+            self._autonomy_verified = not problem and lost is None
             self.metrics.set_autonomy(self._autonomy[0].blocks(now) or "on")
+            if lost is not None and not self._recording_loss:
+                self._recording_loss = True
+                try:
+                    await self.chain_broken(lost)
+                finally:
+                    self._recording_loss = False
         return self._autonomy[0]
+
+    async def _retention_problem(self) -> str | None:
+        """In O(1), whether the audit stream still holds everything the last checkpoint this
+        process signed covered, and keeps every trailer from now on (no limit, no deletes):
+        a decision relies on the log not forgetting — a chain that is gone reads as a proposal
+        never seen, an autonomy chain that is gone as no crisis — and on an open bus anyone may
+        set a limit and take it back between two checkpoints. None when it holds, or before
+        this process's first checkpoint."""
+        if self._retained is None:
+            return None
+        kept, trusted, removable = self._retained
+        view, changed = await self.store.audit_retention()
+        if changed:
+            return (f"the audit stream no longer keeps every trailer: its {', '.join(changed)} "
+                    "differ from the loop's")
+        found = checkpoints.prefix_problem(kept, view, kept.last_hash, removable=removable)
+        if found is not None:  # an epoch sealed and removed since allows what it removed
+            seal, _ = await archive.last_seal(self.store, trusted)
+            found = checkpoints.prefix_problem(kept, view, kept.last_hash,
+                                               removable=seal.removable if seal else 0)
+        return found
 
     async def _append_autonomy(self, change: Callable[[breaker.Autonomy], breaker.Autonomy],
                                verdict: TrailerVerdict, actor: str,
@@ -1097,7 +1140,7 @@ class Engine:
         if crisis and await self._resolved(crisis):
             crisis, kept = "", None  # an operator accepted the log as it is: the new baseline
         trusted = self._trusted_daemons(key)
-        since, scrubbed = None, 0
+        since, scrubbed, seal = None, 0, None
         if view.created is not None:
             seal, unsealed = await archive.last_seal(self.store, trusted)
             problems += [unsealed] if unsealed else []
@@ -1130,8 +1173,9 @@ class Engine:
         await self.store.append_sealed(
             checkpointing.CP_SUBJECT, checkpoints.CHECKPOINT_ID, "L0", "operation",
             lambda chain, at: checkpoints.draft(cp, self.actor), clock=lambda: now)
-        anchor_file.write(path, checkpoints.anchor_of(cp, view.created or "",
-                                                      scrubbed_to=scrubbed))
+        anchor = checkpoints.anchor_of(cp, view.created or "", scrubbed_to=scrubbed)
+        anchor_file.write(path, anchor)
+        self._retained = (anchor, trusted, seal.removable if seal else 0)
         self.chain_trust = dataclasses.replace(self.chain_trust, covered_to=cp.last_seq)
         self.store.written.difference_update(written)  # the checkpoint vouches for them now
         self.checkpoint_read = since.read
@@ -1359,7 +1403,8 @@ class Engine:
         on every trailer, a valid signed act under every authority — else open a crisis and
         raise ChainBroken."""
         brk = audit.verify_chain(chain_id, [body for _, body in chain], self.chain_trust,
-                                 [seq for seq, _ in chain])
+                                 [seq for seq, _ in chain],
+                                 None if svc in S.MESH_CHAINS else svc)
         if brk is not None:
             await self.chain_broken(f"{svc}/{brk}")
             raise ChainBroken(f"{svc}/{brk}")

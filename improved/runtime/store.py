@@ -343,6 +343,10 @@ def windows_config(replicas: int = 1) -> jsapi.StreamConfig:
     )
 
 
+# The settings of the audit stream that keep every trailer: one that differs means trailers
+# may go (a limit, deletes allowed, fewer subjects captured).
+RETENTION_SETTINGS = frozenset({"max_msgs", "max_bytes", "max_age", "max_msgs_per_subject",
+                                "deny_delete", "subjects", "retention", "discard"})
 # Left at 0 in a config, the server fills these in (the 2-minute deduplication window).
 SERVER_DEFAULTED = frozenset({"duplicate_window"})
 
@@ -970,6 +974,21 @@ class Store:
         state = info.state
         return checkpoint.StreamView(str(info.created), state.last_seq,
                                      first_seq=state.first_seq, messages=state.messages)
+
+    async def audit_retention(self) -> tuple[checkpoint.StreamView, list[str]]:
+        """The audit stream as its state says (`audit_view`, O(1)) and which of the settings
+        it keeps every trailer by differ from the loop's (a limit set, deletes allowed): what
+        a decision that relies on the log not forgetting checks first."""
+        try:
+            info = await self.js.stream_info(self.audit_stream)
+        except NotFoundError:
+            return checkpoint.StreamView(None), []
+        state = info.state
+        want = next(c for c in stream_configs(self.replicas) if c.name == S.STREAM_AUDIT)
+        changed = [k for k in differences(want, info.config) if k in RETENTION_SETTINGS]
+        return (checkpoint.StreamView(str(info.created), state.last_seq,
+                                      first_seq=state.first_seq, messages=state.messages),
+                changed)
 
     async def trailer_at(self, seq: int) -> tuple[str, dict | None, dict[str, str]] | None:
         """(subject, body or None when not JSON, headers) of the message at `seq` of this

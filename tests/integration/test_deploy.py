@@ -905,9 +905,11 @@ async def test_the_l4_artefact_store_runs_under_its_own_user(mesh):
         try:
             schema = msgspec.structs.replace(proposal, target_ref="schema:deploy", lkg=[
                 {"artefact": "app", "digest": digest_of(b'{"v": 2}'), "smoke_test": "json"}])
-            assert await schema_class(op.nc, schema) == {
+            # under accounts only the store's own user may answer its subject: it is its word
+            bound = Trust(subjects_bound=True)
+            assert await schema_class(op.nc, schema, trust=bound) == {
                 "class": "breaking", "reason": "app at /: uses v, which the classifier does not "
-                                               "understand"}
+                                               "understand", "by": "service:deploy"}
             await op.nc.flush()
             assert op.violations() == []
         finally:
