@@ -1224,7 +1224,8 @@ async def test_the_daemon_and_the_cli_connect_with_a_token_file(tmp_path):
         assert rc == 0 and msgspec.json.decode(out)["status"] == "pending", out
         rc, out = await cli("propose", "-", "--nats", server.url, stdin=proposal)
         assert rc == 2 and len(out.splitlines()) == 1, out
-        assert out.startswith(f"improved: cannot reach NATS at {server.url}"), out
+        assert out.startswith(f"improved: NATS at {server.url} refused a connection without "
+                              "credentials (authorization violation)"), out
         rc, out = await cli("propose", "-", "--nats", server.url, stdin=proposal,
                             env={"IMPROVED_NATS_TOKEN_FILE": str(tmp_path / "nope")})
         assert (rc, out.strip()) == (2, "improved: config error: nats.token_file "
