@@ -663,9 +663,15 @@ async def test_operator_publishes_acts_reads_records_but_cannot_order_applies(me
                                                                     reply.proposal_id)))
         assert conn.violations() == []
 
-        # Refused: ordering an apply, writing records or trailers, changing streams.
+        # A reversal goes into the inbound stream (`improved revert`): a proposal it may
+        # also send on request, and one that makes a service's own evidence less independent.
+        inbound = S.inbound_proposal("ranking")
+        assert (await js.publish(inbound, b"{}", stream=S.STREAM_INBOUND)).seq > 0
+
+        # Refused: ordering an apply, writing records or trailers, changing streams, and a
+        # signal on a service's subject, which counts as that service's own (subjects_bound).
         forbidden = [S.apply_request("ranking"), S.audit("ranking", FAKE_ID),
-                     S.triage_decision("ranking", FAKE_ID), S.inbound_proposal("ranking"),
+                     S.triage_decision("ranking", FAKE_ID), S.refine_request("ranking"),
                      f"$JS.API.STREAM.DELETE.{S.STREAM_AUDIT}",
                      f"$KV.{S.BUCKET_STATE}.ranking.{FAKE_ID}"]
         for subject in forbidden:
