@@ -336,14 +336,17 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 Setup = Callable[["KVService"], Awaitable[list[str]]]
 
 
-async def run(cls: type[KVService], url: str, service: str,
-              verify_acceptance: bool = False, setup: Setup | None = None) -> int:
+async def run(cls: type[KVService], url: str | None, service: str,
+              verify_acceptance: bool = False, setup: Setup | None = None,
+              data_dir: Path = Path(".improved")) -> int:
     """Serve `service` until SIGTERM or SIGINT; `setup` runs once the buckets are open,
     before the first order is taken, and returns lines to print (what it did)."""
-    from improved.runtime import bus
+    from improved.runtime import accounts, bus
 
     name = f"{cls.KIND.replace(' ', '-')}-{service}"
-    where = bus.target(url)  # credentials from the URL or the IMPROVED_NATS_* files
+    # credentials from the URL or the IMPROVED_NATS_* files; else, on the server of
+    # `data_dir` run with --accounts, the service's own user's there
+    where = accounts.target(url, data_dir, f"svc-{service}", default=DEFAULT_URL)
     try:  # reconnects are forever once up, but a first connection that never comes is an error
         nc = await asyncio.wait_for(bus.connect(where, name), CONNECT_S)
     except TimeoutError:
@@ -399,11 +402,16 @@ def seed_texts(flag: str, given: list[str], shape: str = "NAME=FILE",
 def parser(module: str, description: str) -> argparse.ArgumentParser:
     """The command line every reference store shares: --nats, --service, --verify-acceptance."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
-    p.add_argument("--nats", default=os.environ.get("IMPROVED_NATS_URL") or DEFAULT_URL,
+    p.add_argument("--nats", default=os.environ.get("IMPROVED_NATS_URL") or None,
                    metavar="URL",
-                   help=f"NATS server with JetStream (default: $IMPROVED_NATS_URL, else "
-                        f"{DEFAULT_URL}); credentials from IMPROVED_NATS_USER and "
-                        "IMPROVED_NATS_PASSWORD_FILE (or _TOKEN_FILE, _CREDS_FILE, _TLS_*)")
+                   help=f"NATS server with JetStream (default: $IMPROVED_NATS_URL, else the "
+                        f"server running in --data-dir, else {DEFAULT_URL}); credentials from "
+                        "IMPROVED_NATS_USER and IMPROVED_NATS_PASSWORD_FILE (or _TOKEN_FILE, "
+                        "_CREDS_FILE, _TLS_*), else, on the server of --data-dir run with "
+                        "--accounts, the user svc-<service>'s password file there")
+    p.add_argument("--data-dir", default=".improved", metavar="DIR",
+                   help="the data directory of `improved run` on this machine (default: "
+                        ".improved)")
     p.add_argument("--service", required=True, metavar="NAME",
                    help="the service name this store owns, [a-z][a-z0-9_-]{0,62}")
     p.add_argument("--verify-acceptance", action="store_true",
@@ -424,7 +432,8 @@ def main(cls: type[KVService], argv: list[str] | None, module: str, description:
         p.error(f"--service {args.service!r} must match {S.SERVICE_RE.pattern}")
     try:
         before = setup(args) if setup is not None else None
-        return asyncio.run(run(cls, args.nats, args.service, args.verify_acceptance, before))
+        return asyncio.run(run(cls, args.nats, args.service, args.verify_acceptance, before,
+                               Path(args.data_dir)))
     except Exception as exc:  # BusError and friends: one line, not a traceback
         print(f"{cls.KIND}: {exc}", file=sys.stderr)
         return 2

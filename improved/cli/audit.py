@@ -21,6 +21,7 @@ from improved.core.checkpoint import Anchor
 from improved.core.record import same_state
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
+from improved.runtime import accounts
 from improved.runtime.bus import Target
 from improved.runtime.config import Config
 
@@ -566,7 +567,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     arch.add_argument("directory", metavar="DIR", help="where the epochs are exported")
     arch.add_argument("--remove", action="store_true",
                       help="purge the exported proposal chains from the audit stream")
-    arch.set_defaults(func=cmd_audit_archive)
+    # reads the audit stream and, with --remove, purges it: the archivist may
+    arch.set_defaults(func=cmd_audit_archive, as_user=accounts.ARCHIVIST)
     rebuild = aud_sub.add_parser(
         "rebuild", help="rebuild every proposal's state from the chains alone",
         description="Replay every proposal's audit chain (its first trailer carries the "
@@ -577,4 +579,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_connection_args(rebuild)
     rebuild.add_argument("--write", action="store_true",
                          help="replace cached records that differ (or are missing)")
-    rebuild.set_defaults(func=cmd_audit_rebuild)
+    # --write rewrites the state bucket, which only the daemon's user may
+    rebuild.set_defaults(func=cmd_audit_rebuild, as_user=accounts.DAEMON)

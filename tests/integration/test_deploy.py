@@ -663,9 +663,15 @@ async def test_operator_publishes_acts_reads_records_but_cannot_order_applies(me
                                                                     reply.proposal_id)))
         assert conn.violations() == []
 
-        # Refused: ordering an apply, writing records or trailers, changing streams.
+        # A reversal goes into the inbound stream (`improved revert`): a proposal it may
+        # also send on request, and one that makes a service's own evidence less independent.
+        inbound = S.inbound_proposal("ranking")
+        assert (await js.publish(inbound, b"{}", stream=S.STREAM_INBOUND)).seq > 0
+
+        # Refused: ordering an apply, writing records or trailers, changing streams, and a
+        # signal on a service's subject, which counts as that service's own (subjects_bound).
         forbidden = [S.apply_request("ranking"), S.audit("ranking", FAKE_ID),
-                     S.triage_decision("ranking", FAKE_ID), S.inbound_proposal("ranking"),
+                     S.triage_decision("ranking", FAKE_ID), S.refine_request("ranking"),
                      f"$JS.API.STREAM.DELETE.{S.STREAM_AUDIT}",
                      f"$KV.{S.BUCKET_STATE}.ranking.{FAKE_ID}"]
         for subject in forbidden:
@@ -1226,7 +1232,8 @@ async def test_the_daemon_and_the_cli_connect_with_a_token_file(tmp_path):
         assert rc == 0 and msgspec.json.decode(out)["status"] == "pending", out
         rc, out = await cli("propose", "-", "--nats", server.url, stdin=proposal)
         assert rc == 2 and len(out.splitlines()) == 1, out
-        assert out.startswith(f"improved: cannot reach NATS at {server.url}"), out
+        assert out.startswith(f"improved: NATS at {server.url} refused a connection without "
+                              "credentials (authorization violation)"), out
         rc, out = await cli("propose", "-", "--nats", server.url, stdin=proposal,
                             env={"IMPROVED_NATS_TOKEN_FILE": str(tmp_path / "nope")})
         assert (rc, out.strip()) == (2, "improved: config error: nats.token_file "
