@@ -338,10 +338,13 @@ Setup = Callable[["KVService"], Awaitable[list[str]]]
 
 async def run(cls: type[KVService], url: str | None, service: str,
               verify_acceptance: bool = False, setup: Setup | None = None,
-              data_dir: Path = Path(".improved")) -> int:
+              data_dir: Path = Path(".improved"), key_file: Path | None = None) -> int:
     """Serve `service` until SIGTERM or SIGINT; `setup` runs once the buckets are open,
-    before the first order is taken, and returns lines to print (what it did)."""
-    from improved.runtime import accounts, bus
+    before the first order is taken, and returns lines to print (what it did). With
+    `key_file` (the service's Ed25519 key) every answer to the daemon is signed."""
+    from improved.runtime import accounts, bus, keys
+
+    key = keys.load_key(key_file) if key_file is not None else None
 
     name = f"{cls.KIND.replace(' ', '-')}-{service}"
     # credentials from the URL or the IMPROVED_NATS_* files; else, on the server of
@@ -352,6 +355,7 @@ async def run(cls: type[KVService], url: str | None, service: str,
     except TimeoutError:
         raise bus.BusError(f"cannot reach NATS at {where.where} within {CONNECT_S:g}s") from None
     store = cls(nc, service, verify_acceptance=verify_acceptance)
+    store.use_key(key)
     try:
         if setup is not None:
             await store.open()
@@ -414,6 +418,12 @@ def parser(module: str, description: str) -> argparse.ArgumentParser:
                         ".improved)")
     p.add_argument("--service", required=True, metavar="NAME",
                    help="the service name this store owns, [a-z][a-z0-9_-]{0,62}")
+    p.add_argument("--key", metavar="FILE",
+                   help="sign every answer to the daemon with this Ed25519 key (PEM), the one "
+                        "the daemon's [trust.signers] binds to service:<service> (`improved "
+                        "keys new --signer service:NAME` makes one): on a bus without "
+                        "accounts only signed answers are the store's own (its measurements, "
+                        "its spec)")
     p.add_argument("--verify-acceptance", action="store_true",
                    help="refuse any order whose acceptance (operator approval, active "
                         "grant, quorum) is not on the audit chain, instead of trusting "
@@ -433,7 +443,8 @@ def main(cls: type[KVService], argv: list[str] | None, module: str, description:
     try:
         before = setup(args) if setup is not None else None
         return asyncio.run(run(cls, args.nats, args.service, args.verify_acceptance, before,
-                               Path(args.data_dir)))
+                               Path(args.data_dir),
+                               Path(args.key) if args.key else None))
     except Exception as exc:  # BusError and friends: one line, not a traceback
         print(f"{cls.KIND}: {exc}", file=sys.stderr)
         return 2
