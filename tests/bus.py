@@ -401,3 +401,15 @@ async def trusted_service(daemon, svc: str) -> Ed25519PrivateKey:
     await daemon.reload_trust(msgspec.structs.replace(
         daemon.config, trust=msgspec.structs.replace(trust, signers=signers)))
     return key
+
+
+async def measurement(daemon, svc: str, pid: str, timeout: float = 15.0) -> dict:
+    """The learn-back trailer recording `pid`'s measurement at review_after (held,
+    regressed or unmeasured), once it is on the chain."""
+
+    async def found():
+        chain = await trailers(daemon, svc, pid)
+        return next((t for t in chain if t.get("verdict") in ("held", "regressed",
+                                                              "unmeasured")), None)
+
+    return await eventually(found, timeout=timeout)

@@ -132,41 +132,14 @@ def attest_reply(data: bytes, *, service: str, subject: str, reply_to: str,
                  signers: TrustStore, bound: bool) -> Evidence[bytes]:
     """A reply to the request sent on `subject` with the reply inbox `reply_to`, as evidence:
     its body (a signed reply's inner body) and to whom it is attributable."""
-    try:
-        signed = msgspec.json.decode(data, type=_Probe).payloadType == REPLY_TYPE
-    except (msgspec.MsgspecError, RecursionError):
-        signed = False
-    if not signed:
-        if bound:
-            return Attested(data, identity(service), "bound_subject")
-        return Unattested(data, "unsigned, and the bus binds no service to its subjects")
-    try:
-        env = _envelope.decode(data)
-        inner = _signed_reply.decode(base64.b64decode(env.payload, validate=True))
-    except (msgspec.MsgspecError, binascii.Error, ValueError):
-        return Unattested(data, "a signed reply that is not well formed")
-    body = bytes(inner.body)
-    try:
-        verified = signers.verify(env, REPLY_TYPE)
-    except ActRefused as refused:
-        if bound:  # the subject vouches; the signature adds nothing it could take away
-            return Attested(body, identity(service), "bound_subject")
-        return Unattested(body, f"its signature does not count ({refused.code}: "
-                                f"{refused.reason})")
-    if verified.principal != identity(service):
-        return Unattested(body, f"signed by {verified.principal}, not {identity(service)}")
-    if (inner.subject, inner.reply_to) != (subject, reply_to):
-        return Unattested(body, "signed for another request (a replayed answer)")
-    return Attested(body, verified.principal, "signature", verified.keyid)
 
+    def unwrap(payload: bytes) -> tuple[bytes, str | None]:
+        inner = _signed_reply.decode(payload)
+        if (inner.subject, inner.reply_to) != (subject, reply_to):
+            return bytes(inner.body), "signed for another request (a replayed answer)"
+        return bytes(inner.body), None
 
-def present(answers: Sequence[Evidence[T | None]]) -> list[Evidence[T]]:
-    """The answers that said something (a decode that gave a value), attribution kept."""
-    out: list[Evidence[T]] = []
-    for a in answers:
-        if a.value is not None:
-            out.append(cast("Evidence[T]", a))
-    return out
+    return _attest(data, REPLY_TYPE, "reply", service, signers, bound, unwrap)
 
 
 REPORT_TYPE: Final = PAYLOAD_TYPES["apply_report"]
@@ -184,8 +157,19 @@ def attest_report(data: bytes, *, service: str, signers: TrustStore,
     the report's bytes, and whether they are `service`'s own. A report names the proposal it
     settles and is taken once, while that proposal awaits its apply, so a signed one needs no
     binding to a request."""
+    return _attest(data, REPORT_TYPE, "report", service, signers, bound,
+                   lambda payload: (payload, None))
+
+
+def _attest(data: bytes, payload_type: str, what: str, service: str, signers: TrustStore,
+            bound: bool, unwrap: Callable[[bytes], tuple[bytes, str | None]]
+            ) -> Evidence[bytes]:
+    """A message from `service`, bare or a DSSE envelope of `payload_type`, as evidence:
+    what it says (`unwrap` of a signed payload: the inner message, and why it does not
+    belong here, if it does not), and whether it is `service`'s own — signed by the key bound
+    to `service:<service>`, or on subjects bound to it."""
     try:
-        signed = msgspec.json.decode(data, type=_Probe).payloadType == REPORT_TYPE
+        signed = msgspec.json.decode(data, type=_Probe).payloadType == payload_type
     except (msgspec.MsgspecError, RecursionError):
         signed = False
     if not signed:
@@ -194,19 +178,30 @@ def attest_report(data: bytes, *, service: str, signers: TrustStore,
         return Unattested(data, "unsigned, and the bus binds no service to its subjects")
     try:
         env = _envelope.decode(data)
-        body = base64.b64decode(env.payload, validate=True)
+        body, elsewhere = unwrap(base64.b64decode(env.payload, validate=True))
     except (msgspec.MsgspecError, binascii.Error, ValueError):
-        return Unattested(data, "a signed report that is not well formed")
+        return Unattested(data, f"a signed {what} that is not well formed")
     try:
-        verified = signers.verify(env, REPORT_TYPE)
+        verified = signers.verify(env, payload_type)
     except ActRefused as refused:
-        if bound:
+        if bound:  # the subject vouches; the signature adds nothing it could take away
             return Attested(body, identity(service), "bound_subject")
         return Unattested(body, f"its signature does not count ({refused.code}: "
                                 f"{refused.reason})")
     if verified.principal != identity(service):
         return Unattested(body, f"signed by {verified.principal}, not {identity(service)}")
+    if elsewhere is not None:
+        return Unattested(body, elsewhere)
     return Attested(body, verified.principal, "signature", verified.keyid)
+
+
+def present(answers: Sequence[Evidence[T | None]]) -> list[Evidence[T]]:
+    """The answers that said something (a decode that gave a value), attribution kept."""
+    out: list[Evidence[T]] = []
+    for a in answers:
+        if a.value is not None:
+            out.append(cast("Evidence[T]", a))
+    return out
 
 
 def settled(answers: Sequence[Evidence[T]]) -> bool:

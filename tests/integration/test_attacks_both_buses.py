@@ -23,7 +23,7 @@ from improved.core import breaker, triage
 from improved.protocol import subjects as S
 from improved.protocol.model import MetricSnapshot, to_json
 from improved_reference.ranking_store import RankingStore
-from tests.bus import eventually, publish, trailers, trusted_service
+from tests.bus import eventually, measurement, publish, trusted_service
 from tests.factories import rank_proposal, review
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -65,14 +65,6 @@ async def impostor(mesh, subject: str, body: bytes):
     return attacker
 
 
-async def verdict(mesh, pid: str) -> dict:
-    async def found():
-        chain = await trailers(mesh.daemon, SVC, pid)
-        return next((t for t in chain if t.get("verdict") in ("held", "regressed",
-                                                              "unmeasured")), None)
-
-    return await eventually(found, timeout=15)
-
 
 async def status(client, pid, wanted):
     state = await client.state(pid)
@@ -89,7 +81,7 @@ async def test_an_impostor_answering_the_measurement_first_rolls_nothing_back(me
     store, client = await ranking(mesh_bus, metric=0.49)
     await impostor(mesh_bus, S.measure_request(SVC), b'{"value": 0.01}')
     pid = (await client.propose(watched())).proposal_id
-    trailer = await verdict(mesh_bus, pid)
+    trailer = await measurement(mesh_bus.daemon, SVC, pid)
     assert trailer["verdict"] == "held" and "value:0.49" in trailer["refs"]
     assert f"answered_by:service:{SVC}" in trailer["refs"]
     assert (await client.state(pid)).status == "applied"
@@ -102,7 +94,7 @@ async def test_an_impostor_cannot_hide_a_real_regression(mesh_bus):
     await eventually(lambda: status(client, base.proposal_id, "applied"))
     await impostor(mesh_bus, S.measure_request(SVC), b'{"value": 0.5}')
     pid = (await client.propose(watched(review_after=later(800)))).proposal_id
-    assert (await verdict(mesh_bus, pid))["verdict"] == "regressed"
+    assert (await measurement(mesh_bus.daemon, SVC, pid))["verdict"] == "regressed"
     await eventually(lambda: status(client, pid, "rolled_back"), timeout=15)
     await store.stop()
 

@@ -21,7 +21,7 @@ from improved.protocol import subjects as S
 from improved.protocol.model import ApplyReport, ApplyResult, MetricSnapshot, to_json
 from improved.runtime import bus
 from improved_reference.ranking_store import RankingStore
-from tests.bus import daemon_config, eventually, trailers, trusted_service
+from tests.bus import daemon_config, eventually, measurement, trailers, trusted_service
 from tests.factories import rank_proposal, skill_proposal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -52,14 +52,6 @@ async def set_metric(store: RankingStore, key: str, value) -> None:
     await kv.put(key, to_json(value))
 
 
-async def measured(daemon, svc: str, pid: str) -> dict:
-    async def found():
-        chain = await trailers(daemon, svc, pid)
-        return next((t for t in chain if t.get("verdict") in ("held", "regressed",
-                                                              "unmeasured")), None)
-
-    return await eventually(found, timeout=15)
-
 
 async def status(client, pid, wanted):
     state = await client.state(pid)
@@ -82,7 +74,7 @@ async def test_an_impostor_answering_the_measurement_first_rolls_nothing_back(da
     impostor = await answering(nc, S.measure_request(svc), b'{"value": 0.01}')  # "regressed"
     client = MeshClient(nc, svc)
     pid = (await client.propose(watched(svc))).proposal_id
-    trailer = await measured(daemon, svc, pid)
+    trailer = await measurement(daemon, svc, pid)
     assert trailer["verdict"] == "held" and "value:0.49" in trailer["refs"]
     assert f"answered_by:service:{svc}" in trailer["refs"]
     assert not any(r.startswith("rollback_proposal:") for r in trailer["refs"])
@@ -98,7 +90,7 @@ async def test_an_impostor_cannot_hide_a_real_regression(daemon, nc, svc):
     await eventually(lambda: status(client, base, "applied"))
     impostor = await answering(nc, S.measure_request(svc), b'{"value": 0.5}')  # "held"
     pid = (await client.propose(watched(svc, review_after=later(800)))).proposal_id
-    trailer = await measured(daemon, svc, pid)
+    trailer = await measurement(daemon, svc, pid)
     assert trailer["verdict"] == "regressed" and "value:0.3" in trailer["refs"]
     assert any(r.startswith("rollback_proposal:") for r in trailer["refs"])
     await eventually(lambda: status(client, pid, "rolled_back"), timeout=15)
@@ -114,7 +106,7 @@ async def test_with_no_key_for_the_service_no_answer_moves_learn_back(daemon, nc
     impostor = await answering(nc, S.measure_request(svc), b'{"value": 0.01}')
     client = MeshClient(nc, svc)
     pid = (await client.propose(watched(svc))).proposal_id
-    trailer = await measured(daemon, svc, pid)
+    trailer = await measurement(daemon, svc, pid)
     assert trailer["verdict"] == "unmeasured"
     cause = next(r for r in trailer["refs"] if r.startswith("cause:"))
     assert "0.01" in cause and f"not attributable to service:{svc}" in cause, cause
@@ -139,7 +131,7 @@ async def test_two_attested_answers_that_disagree_are_a_recorded_conflict(daemon
     impostor = await nc.subscribe(S.measure_request(svc), cb=otherwise)
     client = MeshClient(nc, svc)
     pid = (await client.propose(watched(svc))).proposal_id
-    trailer = await measured(daemon, svc, pid)
+    trailer = await measurement(daemon, svc, pid)
     assert trailer["verdict"] == "unmeasured" and "answered_by:conflict" in trailer["refs"]
     assert any(r.startswith("cause:attested answers disagree") for r in trailer["refs"])
     await impostor.unsubscribe()
