@@ -59,7 +59,9 @@ their digest is, on the chain).
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
@@ -257,8 +259,9 @@ class JetStreamLedger:
         return await self._held(self.bucket_stream, f"$KV.{S.BUCKET_TOOLS}.{key}")
 
     async def spend(self, act: str, until: int, now: int) -> bool:
-        await self.vouch(S.STREAM_TOOLS_SPENT)
-        if await self._legacy(f"spent.{act}"):
+        _, legacy = await self._checked(self.vouch(S.STREAM_TOOLS_SPENT),
+                                        self._legacy(f"spent.{act}"))
+        if legacy:
             return False
         return await self._first(S.STREAM_TOOLS_SPENT, S.tools_spent(act),
                                  {"at": now, "until": until}, spent_ttl_s(until, now))
@@ -277,9 +280,19 @@ class JetStreamLedger:
         """Read from the stream's leader with the check itself: the info of the revocations'
         stream, filtered on this revocation's subject, counts its mark."""
         subject = S.tools_revoked(self.runtime, upgrade)
-        info = await self.vouch(S.STREAM_TOOLS_REVOKED, subject)
-        return bool((info.state.subjects or {}).get(subject)) or await self._legacy(
-            f"revoked.{upgrade}")
+        info, legacy = await self._checked(self.vouch(S.STREAM_TOOLS_REVOKED, subject),
+                                           self._legacy(f"revoked.{upgrade}"))
+        return bool((info.state.subjects or {}).get(subject)) or legacy
+
+    @staticmethod
+    async def _checked(check: Awaitable[Any], read: Awaitable[bool]) -> tuple[Any, bool]:
+        """`check`'s and `read`'s answers, both asked at once (one round trip); `check`'s
+        exception (LedgerUntrusted, say) raised first, then `read`'s."""
+        checked, answer = await asyncio.gather(check, read, return_exceptions=True)
+        for outcome in (checked, answer):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return checked, bool(answer)
 
     async def revoke(self, upgrade: str, revocation: Envelope) -> None:
         await self._first(S.STREAM_TOOLS_REVOKED, S.tools_revoked(self.runtime, upgrade),
