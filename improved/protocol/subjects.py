@@ -68,6 +68,11 @@ TOOLS_AUDIT_FILTER = f"{TOOLS_AUDIT}.*"
 # mark that would expire cannot stand in for a revocation).
 TOOLS_SPENT = "improve.tools.spent"
 TOOLS_SPENT_FILTER = f"{TOOLS_SPENT}.*"
+# The spent marks' stream forgets (each mark by its TTL), so it holds a sentinel: written first,
+# without a TTL, by whoever makes the stream (or once by `improved provision` into a stream an
+# earlier version made). Every limit removes the oldest message first, so while the sentinel is
+# there no limit has removed a mark written after it (core/retention.py).
+TOOLS_SPENT_SENTINEL = f"{TOOLS_SPENT}._sentinel"
 TOOLS_REVOKED = "improve.tools.revoked"
 TOOLS_REVOKED_FILTER = f"{TOOLS_REVOKED}.*.*"
 

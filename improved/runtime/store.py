@@ -57,7 +57,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from improved.client import chains
-from improved.core import audit, checkpoint, evidence, observe, queue
+from improved.core import audit, checkpoint, evidence, observe, queue, retention
 from improved.core.audit import Draft
 from improved.core.authority import GrantActs, grant_as_of, grant_covers
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
@@ -319,6 +319,56 @@ def tools_ledger_configs(replicas: int = 1) -> list[jsapi.StreamConfig]:
                    "the tool runtimes' revoked session upgrades", False)]
 
 
+# The streams that forget by their messages' own TTLs yet must not lose one early, and the
+# subject of each one's sentinel (core/retention.py): written first when the stream is made.
+SENTINELS = {S.STREAM_TOOLS_SPENT: S.TOOLS_SPENT_SENTINEL}
+
+# What a stream's configuration says about what it keeps. Compared when the wanted config sets
+# them: a limit, the discard policy, subjects, storage, retention (a work queue removes what is
+# acked).
+RETENTION_LIMITS = ("subjects", "retention", "storage", "max_msgs", "max_bytes", "max_age",
+                    "max_msgs_per_subject", "discard")
+RETENTION_GUARDS = ("deny_delete", "deny_purge", "discard_new_per_subject")  # only True keeps
+RETENTION_OPENINGS = ("allow_rollup_hdrs", "allow_msg_ttl")  # only False keeps
+RETENTION_UNSET = ("subject_transform", "subject_delete_marker_ttl", "mirror")
+
+
+def retention_differences(want: jsapi.StreamConfig, have: jsapi.StreamConfig) -> list[str]:
+    """The settings of `have` that let the stream lose what `want` keeps: a limit, a discard
+    policy, subjects or storage other than wanted, a guard (`deny_delete`, …) off where it
+    is wanted on, an opening (`allow_msg_ttl`, roll-ups) on where it is wanted off, a subject
+    transform, delete markers or a mirror. Stricter than wanted is no difference; replicas,
+    descriptions and the rest say nothing of what it keeps."""
+    mine, theirs = want.as_dict(), have.as_dict()
+
+    def norm(value: Any) -> Any:
+        return sorted(value) if isinstance(value, list) else value
+
+    found = [k for k in RETENTION_LIMITS
+             if mine.get(k) is not None and norm(mine[k]) != norm(theirs.get(k))]
+    found += [k for k in RETENTION_GUARDS if mine.get(k) and not theirs.get(k)]
+    found += [k for k in RETENTION_OPENINGS if theirs.get(k) and not mine.get(k)]
+    found += [k for k in RETENTION_UNSET if theirs.get(k)]
+    if theirs.get("sealed"):
+        found.append("sealed")
+    return found
+
+
+def created_of(info: jsapi.StreamInfo) -> str:
+    """When the server made the stream, as a stream's identity: another incarnation (deleted
+    and made again, or restored from a snapshot) has another."""
+    created = info.created
+    return created.isoformat() if isinstance(created, datetime.datetime) else str(created)
+
+
+def seen_of(info: jsapi.StreamInfo, want: jsapi.StreamConfig) -> retention.Seen:
+    """A stream info as `core.retention` reads it, against the config the stream must have."""
+    state = info.state
+    return retention.Seen(info.config.name or "", created_of(info), state.first_seq or 0,
+                          state.last_seq or 0, state.messages or 0,
+                          tuple(retention_differences(want, info.config)))
+
+
 # The analyzers' windows: one key per (analyzer, service, target), one value each (history 1).
 # A bus participant can name a million targets, so the bucket holds at most WINDOWS_MAX_KEYS
 # windows and WINDOWS_MAX_BYTES, dropping the least recently written first (discard old): the
@@ -343,10 +393,6 @@ def windows_config(replicas: int = 1) -> jsapi.StreamConfig:
     )
 
 
-# The settings of the audit stream that keep every trailer: one that differs means trailers
-# may go (a limit, deletes allowed, fewer subjects captured).
-RETENTION_SETTINGS = frozenset({"max_msgs", "max_bytes", "max_age", "max_msgs_per_subject",
-                                "deny_delete", "subjects", "retention", "discard"})
 # Left at 0 in a config, the server fills these in (the 2-minute deduplication window).
 SERVER_DEFAULTED = frozenset({"duplicate_window"})
 
@@ -409,7 +455,7 @@ class Store:
         dedup bucket (`dedup_ttl`), without which its heads are simply kept for good."""
         done: list[str] = []
         for cfg in stream_configs(self.replicas, self.records_storage):
-            done += await self._ensure_stream(cfg)
+            done += await self._ensure_stream(cfg, strict)
         done += await self._ensure_consumer()
         # A cache: in memory, filled lazily, since every record can be rebuilt from its chain;
         # a record untouched for STATE_TTL_S leaves it, so its size follows the traffic
@@ -428,27 +474,60 @@ class Store:
                                           "rejected proposals (stage 1's weights)", done)
         return done
 
-    async def _ensure_stream(self, cfg: jsapi.StreamConfig) -> list[str]:
+    async def _ensure_stream(self, cfg: jsapi.StreamConfig, strict: bool = False) -> list[str]:
+        """One stream brought to `cfg`; a stream that needs a sentinel (SENTINELS) gets it
+        written first when made here, and, with `strict` (`improved provision`), written into
+        one an earlier version made without it."""
         name = cfg.name or ""
         have = await self._stream_config(name)
         if have is None:
             if await self._change(f"stream {name} is missing", lambda: self.js.add_stream(cfg),
                                   raced=(10058,)) is not None:
+                if name in SENTINELS:
+                    await self._write_sentinel(name, made=True)
                 return [f"created stream {name}"]
             have = await self._stream_config(name)  # another replica created it meanwhile
             if have is None:
                 raise StoreError(f"stream {name} is missing and could not be created")
+        done = await self._sentinel_upgrade(name) if strict and name in SENTINELS else []
         if name == S.STREAM_AUDIT and have.deny_purge:
             # created before epochs could be archived: a purge can never be allowed again
             # (the server refuses to cancel deny_purge), and stricter is no difference
             cfg = dataclasses.replace(cfg, deny_purge=True)
         diff = differences(cfg, have)
         if not diff:
-            return []
+            return done
         what = f"stream {name} differs from this configuration ({', '.join(diff)})"
         await self._change(what, lambda: self.js.update_stream(cfg),
                            refused="keep its storage and replicas, or remove it first")
-        return [f"updated stream {name} ({', '.join(diff)})"]
+        return [*done, f"updated stream {name} ({', '.join(diff)})"]
+
+    async def _write_sentinel(self, stream: str, made: bool) -> int:
+        """Write `stream`'s sentinel (no TTL), its first message when it was `made` just now
+        (expected last sequence 0), else the first on its subject; its sequence."""
+        subject = SENTINELS[stream]
+        expect = ("Nats-Expected-Last-Sequence" if made
+                  else "Nats-Expected-Last-Subject-Sequence")
+        body = to_json({"sentinel": stream, "at": time.time_ns() // 1_000_000})
+        what = f"stream {stream} has no sentinel"
+        ack = await self._change(what, lambda: self.js.publish(
+            subject, body, stream=stream, headers={expect: "0"}),
+            refused="someone wrote on it first; remove the stream and make it again"
+            if made else "a message is on its sentinel's subject")
+        return ack.seq
+
+    async def _sentinel_upgrade(self, stream: str) -> list[str]:
+        """Write the sentinel into a stream an earlier version made without one: the one-time
+        upgrade of `improved provision`. From then on nothing written after it can be removed
+        by a limit unseen; what was written before it (marks that leave by their TTL within a
+        day) is trusted as it is now."""
+        info = await self._look(f"stream {stream}", lambda: self.js.stream_info(
+            stream, subjects_filter=SENTINELS[stream]))
+        if (info.state.subjects or {}).get(SENTINELS[stream]):
+            return []
+        seq = await self._write_sentinel(stream, made=False)
+        return [f"wrote the sentinel of stream {stream} (sequence {seq}): it was made by an "
+                "earlier version"]
 
     async def ensure_stream(self, cfg: jsapi.StreamConfig) -> list[str]:
         """One stream brought to `cfg` (created or updated), as `ensure` brings each of the
@@ -985,7 +1064,7 @@ class Store:
             return checkpoint.StreamView(None), []
         state = info.state
         want = next(c for c in stream_configs(self.replicas) if c.name == S.STREAM_AUDIT)
-        changed = [k for k in differences(want, info.config) if k in RETENTION_SETTINGS]
+        changed = retention_differences(want, info.config)
         return (checkpoint.StreamView(str(info.created), state.last_seq,
                                       first_seq=state.first_seq, messages=state.messages),
                 changed)
