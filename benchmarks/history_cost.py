@@ -11,7 +11,8 @@ see it, in a process of its own:
 - `improved review`, `improved audit verify` (full) and `--since`: wall time and peak RSS;
 - naming a proposal by a prefix of its id (`cli.ids`): the lookup in process, and `improved
   show` by full id and by the 12 digits the demo prints;
-- sealing the whole log as one epoch, and `improved audit archive --remove` of it;
+- sealing the whole log as one epoch, `improved audit archive --remove` of it, and `improved
+  audit verify --archive` after it (every epoch checked exactly against its seal);
 - a broker restart: `improved run` spawn → ready again (on the archived stream), `review`
   right after ready (and where it read from: the review index, or every chain), and until the
   records are known whole (whether the daemon refilled them: with `memory` among the
@@ -151,6 +152,10 @@ async def seal_and_archive(url: str, cfg: Config, tmp: Path, n: int) -> dict[str
                               url, "--config", str(config))
     row["`audit archive --remove` of it (s)"] = seconds
     row["`audit archive` peak RSS (MB)"] = rss
+    seconds, rss, _ = run_cli("audit", "verify", "--archive", str(tmp / "archive"), "--nats",
+                              url, "--config", str(config))
+    row["`audit verify --archive`, after it (s)"] = seconds
+    row["`audit verify --archive` peak RSS (MB)"] = rss
     total = sum(info.state.bytes for info in await nc.jetstream().streams_info())
     row["bytes on disk per proposal, after the archive"] = total / n
     await nc.close()

@@ -3,7 +3,8 @@ benchmarks/tools_spent_cost.py 2000 [window=SECONDS]` runs N calls of an L4 tool
 autonomous runtime, each under a grant of its own living SECONDS (default 1) with a margin of
 one second for the replicas' clocks, against an embedded server, and prints the marks and bytes
 the stream holds per call right after the calls, and again once window + margin (and a few
-seconds for the server's sweep) have passed. Leaves nothing behind."""
+seconds for the server's sweep) have passed; the stream's sentinel, one message kept for good,
+is not counted. Leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from improved.core import signing
 from improved.core.tools import Provider, Runtime, grant_token, sign_grant
 from improved.protocol import subjects as S
 from improved.runtime import bus
-from improved.runtime.store import tools_ledger_configs
+from improved.runtime.store import Store, tools_ledger_configs
 from improved_reference.tool_runtime import JetStreamLedger
 
 STREAM = S.STREAM_TOOLS_SPENT
@@ -49,7 +50,8 @@ async def measure(n: int, window_s: float) -> dict[str, float]:
         token = rt.register(deploy)
         assert token == grant_token(deploy)
         for cfg in tools_ledger_configs():
-            await js.add_stream(cfg)
+            await Store(nc).ensure_stream(cfg)  # the spent marks' sentinel first
+        sentinel = (await js.stream_info(STREAM)).state
         rt.ledger = await JetStreamLedger.open(js, "agent")
         started = time.monotonic()
         for i in range(n):
@@ -61,12 +63,13 @@ async def measure(n: int, window_s: float) -> dict[str, float]:
         took = time.monotonic() - started
         state = (await js.stream_info(STREAM)).state
         row = {"calls per second": n / took,
-               "marks kept per call, after the calls": state.messages / n,
-               "bytes kept per call, after the calls": state.bytes / n}
+               "marks kept per call, after the calls": (state.messages - 1) / n,
+               "bytes kept per call, after the calls": (state.bytes - sentinel.bytes) / n}
         await asyncio.sleep(window_s + MARGIN_MS / 1000 + SWEEP_S)
         state = (await js.stream_info(STREAM)).state
-        row["marks kept per call, once window + margin passed"] = state.messages / n
-        row["bytes kept per call, once window + margin passed"] = state.bytes / n
+        row["marks kept per call, once window + margin passed"] = (state.messages - 1) / n
+        row["bytes kept per call, once window + margin passed"] = \
+            (state.bytes - sentinel.bytes) / n
         await nc.close()
         return row
     finally:

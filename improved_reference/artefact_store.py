@@ -67,7 +67,7 @@ from nats.js.errors import (
     NotFoundError,
 )
 
-from improved.client.sdk import failed
+from improved.client.sdk import answer_bytes, failed
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder, ApplyResult, ClassifyRequest, Proposal, to_json
 from improved_reference import kv_service, schema_gate
@@ -644,7 +644,7 @@ class ArtefactStore(KVService):
                                f"now: {type(exc).__name__}: {exc}"[:500]}}
         if msg.reply:
             try:
-                await msg.respond(to_json(reply))
+                await msg.respond(answer_bytes(msg, to_json(reply), self.key))
             except Exception as exc:
                 self.log.warning(f"could not answer a {what} request", error=str(exc))
 

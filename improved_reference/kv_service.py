@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import Header
@@ -93,6 +94,7 @@ class KVService:
         # off, the store trusts the bus permissions: only the daemon may send it orders.
         self.verify_acceptance = verify_acceptance
         self.client = MeshClient(nc, service)
+        self.key: Ed25519PrivateKey | None = None  # signs every answer (`use_key`)
         self.js = nc.jetstream()
         self.bucket, self.ledger_bucket = bucket, ledger_bucket
         self.stream = f"KV_{bucket}"
@@ -101,6 +103,14 @@ class KVService:
         self.ledger = None
         self.log = structlog.get_logger(type(self).__module__)
         self._subs: list[Served] = []
+
+    def use_key(self, key: Ed25519PrivateKey | None) -> None:
+        """Sign every answer to the daemon (ApplyResults, measurements, the spec) with `key`,
+        the one the daemon's `[trust.signers]` binds to `service:<svc>`: on a bus without
+        accounts only such answers are attributable to this store (improved.core.boundary).
+        Before `start`."""
+        self.key = key
+        self.client.key = key
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -117,7 +127,8 @@ class KVService:
 
     async def _serve(self) -> None:
         self._subs.append(await self.client.serve_apply(self.apply))
-        self._subs.append(await serve_spec(self.nc, self.service, self.capabilities()))
+        self._subs.append(await serve_spec(self.nc, self.service, self.capabilities(),
+                                           key=self.key))
         self.log.info(f"{self.KIND} ready", service=self.service,
                       subject=S.apply_request(self.service), bucket=self.bucket)
 
@@ -325,19 +336,26 @@ DEFAULT_URL = "nats://127.0.0.1:4222"
 Setup = Callable[["KVService"], Awaitable[list[str]]]
 
 
-async def run(cls: type[KVService], url: str, service: str,
-              verify_acceptance: bool = False, setup: Setup | None = None) -> int:
+async def run(cls: type[KVService], url: str | None, service: str,
+              verify_acceptance: bool = False, setup: Setup | None = None,
+              data_dir: Path = Path(".improved"), key_file: Path | None = None) -> int:
     """Serve `service` until SIGTERM or SIGINT; `setup` runs once the buckets are open,
-    before the first order is taken, and returns lines to print (what it did)."""
-    from improved.runtime import bus
+    before the first order is taken, and returns lines to print (what it did). With
+    `key_file` (the service's Ed25519 key) every answer to the daemon is signed."""
+    from improved.runtime import accounts, bus, keys
+
+    key = keys.load_key(key_file) if key_file is not None else None
 
     name = f"{cls.KIND.replace(' ', '-')}-{service}"
-    where = bus.target(url)  # credentials from the URL or the IMPROVED_NATS_* files
+    # credentials from the URL or the IMPROVED_NATS_* files; else, on the server of
+    # `data_dir` run with --accounts, the service's own user's there
+    where = accounts.target(url, data_dir, f"svc-{service}", default=DEFAULT_URL)
     try:  # reconnects are forever once up, but a first connection that never comes is an error
         nc = await asyncio.wait_for(bus.connect(where, name), CONNECT_S)
     except TimeoutError:
         raise bus.BusError(f"cannot reach NATS at {where.where} within {CONNECT_S:g}s") from None
     store = cls(nc, service, verify_acceptance=verify_acceptance)
+    store.use_key(key)
     try:
         if setup is not None:
             await store.open()
@@ -388,13 +406,24 @@ def seed_texts(flag: str, given: list[str], shape: str = "NAME=FILE",
 def parser(module: str, description: str) -> argparse.ArgumentParser:
     """The command line every reference store shares: --nats, --service, --verify-acceptance."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
-    p.add_argument("--nats", default=os.environ.get("IMPROVED_NATS_URL") or DEFAULT_URL,
+    p.add_argument("--nats", default=os.environ.get("IMPROVED_NATS_URL") or None,
                    metavar="URL",
-                   help=f"NATS server with JetStream (default: $IMPROVED_NATS_URL, else "
-                        f"{DEFAULT_URL}); credentials from IMPROVED_NATS_USER and "
-                        "IMPROVED_NATS_PASSWORD_FILE (or _TOKEN_FILE, _CREDS_FILE, _TLS_*)")
+                   help=f"NATS server with JetStream (default: $IMPROVED_NATS_URL, else the "
+                        f"server running in --data-dir, else {DEFAULT_URL}); credentials from "
+                        "IMPROVED_NATS_USER and IMPROVED_NATS_PASSWORD_FILE (or _TOKEN_FILE, "
+                        "_CREDS_FILE, _TLS_*), else, on the server of --data-dir run with "
+                        "--accounts, the user svc-<service>'s password file there")
+    p.add_argument("--data-dir", default=".improved", metavar="DIR",
+                   help="the data directory of `improved run` on this machine (default: "
+                        ".improved)")
     p.add_argument("--service", required=True, metavar="NAME",
                    help="the service name this store owns, [a-z][a-z0-9_-]{0,62}")
+    p.add_argument("--key", metavar="FILE",
+                   help="sign every answer to the daemon with this Ed25519 key (PEM), the one "
+                        "the daemon's [trust.signers] binds to service:<service> (`improved "
+                        "keys new --signer service:NAME` makes one): on a bus without "
+                        "accounts only signed answers are the store's own (its measurements, "
+                        "its spec)")
     p.add_argument("--verify-acceptance", action="store_true",
                    help="refuse any order whose acceptance (operator approval, active "
                         "grant, quorum) is not on the audit chain, instead of trusting "
@@ -413,7 +442,9 @@ def main(cls: type[KVService], argv: list[str] | None, module: str, description:
         p.error(f"--service {args.service!r} must match {S.SERVICE_RE.pattern}")
     try:
         before = setup(args) if setup is not None else None
-        return asyncio.run(run(cls, args.nats, args.service, args.verify_acceptance, before))
+        return asyncio.run(run(cls, args.nats, args.service, args.verify_acceptance, before,
+                               Path(args.data_dir),
+                               Path(args.key) if args.key else None))
     except Exception as exc:  # BusError and friends: one line, not a traceback
         print(f"{cls.KIND}: {exc}", file=sys.stderr)
         return 2

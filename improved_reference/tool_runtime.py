@@ -22,6 +22,18 @@ the bus is exactly what the library decides:
   check anyway; a revocation carries none (its stream refuses TTLs). A forged mark can refuse
   a call, never allow one. An acceptance read back counts only when the signed grant it holds
   verifies (`Runtime`); an erased one only refuses (the runtime asks for a grant again).
+- A limit set on a mark stream and set back, or the stream deleted and made again, would
+  still erase marks; so before each spend and each look for a revocation the ledger reads the
+  stream's info (one request, which for a revocation also says whether its mark is there) and
+  `improved.core.retention` decides whether the stream can vouch that it forgot nothing: the
+  incarnation this runtime trusts, configured as it must be, and the revocations' stream
+  holding every message ever written to it, the spent marks' stream still holding its
+  sentinel. If not, the call is refused `ledger_untrusted` and the problem logged at error.
+  Which streams the runtime trusts is on its chain: the first time it sees them it appends a
+  `ledger` trailer naming each one's creation time (and sentinel), every trailer after names
+  them too, and each start compares the streams with what the chain's last trailer (its own,
+  signed) names. Only an operator starting the runtime with `accept_ledger` makes it trust
+  streams other than those (recorded again).
 - Every call's decision is a trailer of the runtime's chain
   `improve.tools.audit.<sha256("improved tools <runtime>")>` on the tool runtimes' audit
   stream `IMPROVE_TOOLS_AUDIT`, appended with the expected last sequence and signed with the
@@ -47,7 +59,9 @@ their digest is, on the chain).
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
@@ -60,21 +74,37 @@ from nats.js.errors import APIError, BucketNotFoundError, KeyDeletedError, NotFo
 from nats.js.kv import KeyValue
 
 from improved.client.sdk import MAX_MESSAGE_BYTES, Served, serve_spec
+from improved.core import audit, evidence, retention
+from improved.core.record import refs_of
+from improved.core.signing import keyid_of, raw_public
 from improved.core.tools import (
     ERROR_LIMIT,
+    LEDGER_STREAMS,
     Decision,
+    LedgerUntrusted,
     Runtime,
     SessionId,
     SessionProof,
     ToolName,
     call_draft,
     chain_id,
+    ledger_draft,
+    recorded_ledger,
     spent_ttl_s,
 )
 from improved.protocol import subjects as S
 from improved.protocol import wire
 from improved.protocol.model import Envelope, _In, to_json
-from improved.runtime.store import Store, StoreError, is_conflict, tools_ledger_configs
+from improved.runtime.store import (
+    SENTINELS,
+    Store,
+    StoreError,
+    decode_trailer,
+    is_conflict,
+    seen_of,
+    tools_audit_config,
+    tools_ledger_configs,
+)
 
 log = structlog.get_logger("improved_reference.tool_runtime")
 
@@ -110,17 +140,30 @@ class JetStreamLedger:
     good): streams that take one message per subject, refuse a second, and allow no delete,
     purge or roll-up, so nobody can erase a mark. L2 acceptances stay in the `improved_tools`
     bucket (an erased one only refuses: the runtime asks for a grant again). A `spent.` or
-    `revoked.` key left in the bucket by an earlier version still counts (`_legacy`)."""
+    `revoked.` key left in the bucket by an earlier version still counts (`_legacy`).
 
-    def __init__(self, js: JetStreamContext, kv: KeyValue, runtime: str):
+    Before a spend or a look for a revocation it reads the mark stream's info and raises
+    LedgerUntrusted when the stream cannot vouch that it forgot nothing since it was trusted as
+    `known` (`improved.core.retention.problem`), or when `untrusted` names why it cannot be
+    trusted at all (found at start)."""
+
+    def __init__(self, js: JetStreamContext, kv: KeyValue, runtime: str, replicas: int = 1):
         self.js, self.kv, self.runtime = js, kv, runtime
         self.bucket_stream = f"KV_{S.BUCKET_TOOLS}"
+        self.wanted = {cfg.name: cfg for cfg in (*tools_ledger_configs(replicas),
+                                                 tools_audit_config(replicas))}
+        self.known: dict[str, retention.Known] = {}  # the streams it trusts, by name
+        self.untrusted: str | None = None
+        self._named: set[str] = set()  # the problems already logged at error
 
     @classmethod
     async def open(cls, js: JetStreamContext, runtime: str,
                    replicas: int = 1) -> JetStreamLedger:
-        """The acceptances' bucket, created when missing (by whichever replica comes first).
-        The mark streams are the caller's to ensure (`tools_ledger_configs`)."""
+        """The acceptances' bucket, created when missing (by whichever replica comes first),
+        and the mark streams as they are now, trusted as first seen (`first_sight`; a runtime
+        service then holds them to what its chain names). The mark streams are the caller's to
+        ensure (`tools_ledger_configs`); RuntimeError, one line, when the spent marks' stream
+        has no sentinel."""
         try:
             kv = await js.key_value(S.BUCKET_TOOLS)
         except BucketNotFoundError:
@@ -132,7 +175,61 @@ class JetStreamLedger:
                 if exc.err_code != 10058:  # another replica created it meanwhile
                     raise
                 kv = await js.key_value(S.BUCKET_TOOLS)
-        return cls(js, kv, runtime)
+        ledger = cls(js, kv, runtime, replicas)
+        for stream in (S.STREAM_TOOLS_SPENT, S.STREAM_TOOLS_REVOKED):
+            ledger.known[stream] = await ledger.first_sight(stream)
+        return ledger
+
+    async def look(self, stream: str, subject: str | None = None) -> retention.Seen:
+        """`stream` as its info shows it now (one request; `subject`'s count included)."""
+        return (await self._info(stream, subject))[0]
+
+    async def _info(self, stream: str, subject: str | None) -> tuple[retention.Seen, Any]:
+        info = await self.js.stream_info(stream, subjects_filter=subject)
+        return seen_of(info, self.wanted[stream]), info
+
+    async def sentinel(self, stream: str) -> int:
+        """The sequence of `stream`'s sentinel; RuntimeError, one line, when it has none (made
+        by an earlier version) or what is on the sentinel's subject carries a TTL (it is not
+        one: it would leave)."""
+        subject = SENTINELS[stream]
+        try:
+            msg = await self.js.get_last_msg(stream, subject)
+        except NotFoundError:
+            raise RuntimeError(f"tool runtime {self.runtime}: stream {stream} has no sentinel "
+                               "(it was made by an earlier version, or its maker stopped "
+                               "before writing it): run `improved provision` once, which "
+                               "writes it") from None
+        if (msg.headers or {}).get("Nats-TTL"):
+            raise RuntimeError(f"tool runtime {self.runtime}: what is on {subject} carries a "
+                               "TTL, so it is no sentinel; once it has expired, run `improved "
+                               "provision`, which writes the sentinel")
+        return msg.seq
+
+    async def first_sight(self, stream: str) -> retention.Known:
+        """What to trust of `stream` seen now for the first time."""
+        kind = LEDGER_STREAMS[stream][1]
+        sentinel = await self.sentinel(stream) if stream in SENTINELS else None
+        return retention.first_sight(kind, await self.look(stream), sentinel)
+
+    async def accepted(self, stream: str) -> retention.Known:
+        """What to trust of `stream` when an operator accepts it as it is now."""
+        kind = LEDGER_STREAMS[stream][1]
+        sentinel = await self.sentinel(stream) if stream in SENTINELS else None
+        return retention.accepted(kind, await self.look(stream), sentinel)
+
+    async def vouch(self, stream: str, subject: str | None = None) -> Any:
+        """The stream's info (`subject`'s count in it) when the stream can vouch that it forgot
+        nothing; else LedgerUntrusted, the problem logged at error (once per problem)."""
+        seen, info = await self._info(stream, subject)
+        problem = self.untrusted or retention.problem(self.known[stream], seen)
+        if problem is not None:
+            if problem not in self._named:
+                self._named.add(problem)
+                log.error("tool ledger untrusted: calls that rely on it are refused",
+                          runtime=self.runtime, stream=stream, problem=problem)
+            raise LedgerUntrusted(problem)
+        return info
 
     async def _first(self, stream: str, subject: str, value: dict[str, Any],
                      ttl_s: int | None = None) -> bool:
@@ -162,7 +259,9 @@ class JetStreamLedger:
         return await self._held(self.bucket_stream, f"$KV.{S.BUCKET_TOOLS}.{key}")
 
     async def spend(self, act: str, until: int, now: int) -> bool:
-        if await self._legacy(f"spent.{act}"):
+        _, legacy = await self._checked(self.vouch(S.STREAM_TOOLS_SPENT),
+                                        self._legacy(f"spent.{act}"))
+        if legacy:
             return False
         return await self._first(S.STREAM_TOOLS_SPENT, S.tools_spent(act),
                                  {"at": now, "until": until}, spent_ttl_s(until, now))
@@ -178,8 +277,22 @@ class JetStreamLedger:
         await self.kv.put(f"accepted.{runtime}.{token.removeprefix('gt:')}", to_json(grant))
 
     async def revoked(self, upgrade: str) -> bool:
-        return (await self._held(S.STREAM_TOOLS_REVOKED, S.tools_revoked(self.runtime, upgrade))
-                or await self._legacy(f"revoked.{upgrade}"))
+        """Read from the stream's leader with the check itself: the info of the revocations'
+        stream, filtered on this revocation's subject, counts its mark."""
+        subject = S.tools_revoked(self.runtime, upgrade)
+        info, legacy = await self._checked(self.vouch(S.STREAM_TOOLS_REVOKED, subject),
+                                           self._legacy(f"revoked.{upgrade}"))
+        return bool((info.state.subjects or {}).get(subject)) or legacy
+
+    @staticmethod
+    async def _checked(check: Awaitable[Any], read: Awaitable[bool]) -> tuple[Any, bool]:
+        """`check`'s and `read`'s answers, both asked at once (one round trip); `check`'s
+        exception (LedgerUntrusted, say) raised first, then `read`'s."""
+        checked, answer = await asyncio.gather(check, read, return_exceptions=True)
+        for outcome in (checked, answer):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return checked, bool(answer)
 
     async def revoke(self, upgrade: str, revocation: Envelope) -> None:
         await self._first(S.STREAM_TOOLS_REVOKED, S.tools_revoked(self.runtime, upgrade),
@@ -191,13 +304,18 @@ class ToolRuntimeService:
     of the runtime's `_tools` chain. `start` puts the runtime's ledger on JetStream."""
 
     def __init__(self, nc: Client, runtime: Runtime, key: Ed25519PrivateKey, *,
-                 replicas: int = 1):
+                 replicas: int = 1, accept_ledger: bool = False):
         self.nc = nc
         self.runtime = runtime
         self.store = Store(nc, replicas, audit_stream=S.STREAM_TOOLS_AUDIT)
         self.store.signer = key
+        self.keyid = keyid_of(raw_public(key.public_key()))
         self.replicas = replicas
         self.chain = chain_id(runtime.name)
+        # an operator's word that the mark streams, as they are now, are the ones to trust
+        # (after one was made again, say): recorded on the chain at start
+        self.accept_ledger = accept_ledger
+        self.ledger: JetStreamLedger | None = None
         self._subs: list[Served] = []
 
     def capabilities(self) -> dict[str, Any]:
@@ -229,7 +347,9 @@ class ToolRuntimeService:
                     log.info(change, runtime=name)
             except StoreError as exc:
                 raise RuntimeError(f"tool runtime {name}: {exc}") from None
-        self.runtime.ledger = await JetStreamLedger.open(self.store.js, name, self.replicas)
+        self.ledger = await JetStreamLedger.open(self.store.js, name, self.replicas)
+        await self._settle_ledger(self.ledger)
+        self.runtime.ledger = self.ledger
         for subject, cb in ((S.tools_list(name), self._on_list),
                             (S.tools_call(name), self._on_call),
                             (S.tools_revoke(name), self._on_revoke)):
@@ -237,6 +357,81 @@ class ToolRuntimeService:
         self._subs.append(await serve_spec(self.nc, name, self.capabilities()))
         log.info("tool runtime ready", runtime=name, mode=self.runtime.mode,
                  ceiling=self.runtime.ceiling, tools=len(self.runtime.catalog()))
+
+    async def _settle_ledger(self, ledger: JetStreamLedger) -> None:
+        """Hold the ledger to the streams the chain's last trailer names (signed by this
+        runtime's key); trust what is there now where it names none (first seen), or wherever
+        an operator accepts it (`accept_ledger`), and record that on the chain. What cannot be
+        vouched for is logged at error: the calls that rely on it are refused."""
+        name, subject = self.runtime.name, S.tools_audit(self.chain)
+        _, head = await self.store.chain_head(subject)
+        recorded, foreign = self._recorded(head)
+        trusted: dict[str, retention.Known] = {}
+        for stream in LEDGER_STREAMS:
+            if self.accept_ledger:
+                trusted[stream] = await ledger.accepted(stream)
+            else:  # else first seen now (the mark streams: when the ledger opened)
+                trusted[stream] = recorded.get(stream) or ledger.known.get(stream) or \
+                    await ledger.first_sight(stream)
+        ledger.known = trusted
+        if foreign is not None and not self.accept_ledger:
+            ledger.untrusted = (f"the last trailer of this runtime's chain is not its own "
+                                f"({foreign}), so it cannot say which mark streams the "
+                                "runtime trusted")
+        else:
+            audit_problem = retention.problem(trusted[S.STREAM_TOOLS_AUDIT],
+                                              await ledger.look(S.STREAM_TOOLS_AUDIT))
+            if audit_problem is not None:
+                ledger.untrusted = (f"{audit_problem}; the runtime reads there which mark "
+                                    "streams it trusts")
+        for stream, known in trusted.items():
+            problem = ledger.untrusted if stream == S.STREAM_TOOLS_AUDIT else \
+                retention.problem(known, await ledger.look(stream))
+            if problem is not None:
+                log.error("tool ledger untrusted at start: calls that rely on it are refused "
+                          "(an operator who has checked may start the runtime with "
+                          "accept_ledger)", runtime=name, stream=stream, problem=problem)
+        if trusted != recorded and (foreign is None or self.accept_ledger):
+            why = ("accepted by an operator as they are now" if self.accept_ledger else
+                   "seen for the first time" if not recorded else
+                   "seen for the first time: " + ", ".join(s for s in trusted
+                                                           if s not in recorded))
+            await self._record_ledger(trusted, why)
+
+    def _recorded(self, head: dict[str, Any] | None
+                  ) -> tuple[dict[str, retention.Known], str | None]:
+        """The streams the chain's last trailer names, and why it is not believed (it is not
+        this runtime's own: its hash or signature), or None."""
+        if head is None:
+            return {}, None
+        problem = (None if audit.trailer_hash(head) == head.get("hash")
+                   else "its hash is not that of its content")
+        problem = problem or evidence.writer_problem(head, frozenset({self.keyid}), "runtime")
+        if problem is not None:
+            return {}, problem
+        try:
+            return recorded_ledger(refs_of(decode_trailer(head))), None
+        except msgspec.MsgspecError as exc:
+            return {}, f"not a trailer: {exc}"
+
+    async def _record_ledger(self, trusted: dict[str, retention.Known], why: str) -> None:
+        """Append the `ledger` trailer, unless the chain's last trailer (another replica's,
+        written meanwhile) already names the same streams."""
+        name = self.runtime.name
+
+        def draft(chain: list[tuple[int, dict[str, Any]]], now: int) -> Any:
+            if chain and self._recorded(chain[-1][1]) == (trusted, None):
+                return None
+            return ledger_draft(name, trusted, why)
+
+        try:
+            await self.store.append_sealed(S.tools_audit(self.chain), self.chain, "L0",
+                                           "operation", draft, clock=now_ms)
+        except Exception as exc:
+            raise RuntimeError(f"tool runtime {name}: could not record on its chain the mark "
+                               f"streams it trusts ({type(exc).__name__}: {exc})") from None
+        log.info("tool ledger recorded", runtime=name, why=why,
+                 streams={s: k.ref() for s, k in trusted.items()})
 
     async def stop(self) -> None:
         """Stop taking requests, finishing the ones in hand."""
@@ -283,7 +478,8 @@ class ToolRuntimeService:
 
     async def _record(self, decision: Decision) -> bool:
         """Append the decision to the runtime's `_tools` chain; False when it could not be."""
-        draft = call_draft(self.runtime.name, decision)
+        draft = call_draft(self.runtime.name, decision,
+                           self.ledger.known if self.ledger is not None else None)
         if draft is None or decision.provider is None:
             return True
         try:

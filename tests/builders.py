@@ -5,6 +5,7 @@ messages with `tests.factories` instead."""
 from __future__ import annotations
 
 from improved.core import lkg
+from improved.core.boundary import Attested
 from improved.core.policy import Policy
 from improved.protocol.model import AnalyzerRef, Origin, Proposal, Summary
 
@@ -20,6 +21,11 @@ CHANGELOG_DIFF = (
     f"--- a/{CONSTITUTION}\n+++ b/{CONSTITUTION}\n@@ -1 +1 @@\n-version: 5\n+version: 6\n"
     "--- a/_spec/CHANGELOG.md\n+++ b/_spec/CHANGELOG.md\n@@ -1 +1,2 @@\n # Changelog\n"
     "+- v6: IV.2 amended\n")
+
+
+def said(value, svc: str = "svc") -> Attested:
+    """`value` as the owning service's own answer (`core.boundary`: signed by its key)."""
+    return Attested(value, f"service:{svc}", "signature")
 
 
 def make_proposal(**overrides) -> Proposal:

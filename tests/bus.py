@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import msgspec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client.parser import text_string_to_metric_families
 
 from improved.client.sdk import MeshClient
@@ -40,7 +41,7 @@ from improved.runtime.store import Store
 from improved_reference.artefact_store import ArtefactStore
 from tests.builders import CHANGELOG_DIFF, CONSTITUTION
 from tests.factories import now_ms, review, sha, swap
-from tests.keys import AGENT_A, AGENT_B, ALICE, CHECK, EVALUATOR, VOTERS
+from tests.keys import AGENT_A, AGENT_B, ALICE, CHECK, EVALUATOR, SERVICE, VOTERS
 
 # The run's scratch space (the test daemons' checkpoint key and data directories, and what
 # `scratch` hands out), removed when the run ends: nothing is left under the temp dir.
@@ -62,7 +63,7 @@ def daemon_config(**overrides) -> Config:
     apply = overrides.pop("apply", ApplySettings(timeout_s=1.0, attempts=2, max_deliveries=3))
     public = base64.b64encode(signing.raw_public(ALICE[1].public_key())).decode()
     signers = {name: base64.b64encode(signing.raw_public(key.public_key())).decode()
-               for name, key in (CHECK, EVALUATOR, AGENT_A, AGENT_B)}
+               for name, key in (CHECK, EVALUATOR, AGENT_A, AGENT_B, SERVICE)}
     trust = overrides.pop("trust", Trust(operators={ALICE[0]: public}, signers=signers))
     # kept out of the work tree: a data directory left behind would hold the last checkpoint
     # of a server that is gone, and the next run's daemon would rightly call that a loss
@@ -212,9 +213,12 @@ class Applier:
 # -- L4 ------------------------------------------------------------------------------------------
 
 
-async def started(nc, svc: str, seed: dict[str, str]) -> ArtefactStore:
-    """The reference artefact store of `svc`, started and seeded with `seed`."""
+async def started(nc, svc: str, seed: dict[str, str],
+                  key: Ed25519PrivateKey | None = None) -> ArtefactStore:
+    """The reference artefact store of `svc`, started and seeded with `seed`; with `key`,
+    signing its answers (`KVService.use_key`)."""
     store = ArtefactStore(nc, svc)
+    store.use_key(key)
     await store.start()
     await store.seed(seed)
     return store
@@ -384,3 +388,28 @@ async def daemon_with_records_ttl(url: str, svc: str, ttl_s: float, name: str):
         await sub.unsubscribe()
         await daemon.stop()
         await bus.close(nc)
+
+
+async def trusted_service(daemon, svc: str) -> Ed25519PrivateKey:
+    """A key `daemon` trusts as `service:<svc>` from now on, taken as a SIGHUP reload takes
+    it (recorded on the trust chain first): the service's signed answers to the daemon's
+    requests are then attributable to it (core.boundary). The keys it trusted stay."""
+    key = Ed25519PrivateKey.generate()
+    trust = daemon.config.trust
+    signers = {**trust.signers,
+               f"service:{svc}": base64.b64encode(signing.raw_public(key.public_key())).decode()}
+    await daemon.reload_trust(msgspec.structs.replace(
+        daemon.config, trust=msgspec.structs.replace(trust, signers=signers)))
+    return key
+
+
+async def measurement(daemon, svc: str, pid: str, timeout: float = 15.0) -> dict:
+    """The learn-back trailer recording `pid`'s measurement at review_after (held,
+    regressed or unmeasured), once it is on the chain."""
+
+    async def found():
+        chain = await trailers(daemon, svc, pid)
+        return next((t for t in chain if t.get("verdict") in ("held", "regressed",
+                                                              "unmeasured")), None)
+
+    return await eventually(found, timeout=timeout)

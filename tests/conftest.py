@@ -2,7 +2,9 @@
 temporary store), a server of a test's own, an in-process daemon bound to the session server and
 a quorum daemon. Only tests/integration asks for them; tests/unit needs none, so it starts no
 server. Tests isolate themselves by service name. Shared helpers live beside this file:
-builders (pure core data), keys, factories (wire messages), bus, cli, harness, tool_surfaces."""
+builders (pure core data), keys, factories (wire messages), bus, cli, harness, tool_surfaces,
+accounts (`mesh_bus` and `accounts_bus`: the open bus and deploy/accounts.conf's, side by
+side)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest_asyncio
 
 from improved.runtime import bus
 from improved.runtime.daemon import Daemon
+from tests.accounts import MODES, started
 from tests.bus import amendment, daemon_config, quorum_config, whole_log_breaks
 
 
@@ -87,3 +90,19 @@ async def quorum_daemon(own_server):
     yield nc, daemon
     await daemon.stop()
     await bus.close(nc)
+
+
+@pytest_asyncio.fixture(loop_scope="session", params=MODES)
+async def mesh_bus(request, tmp_path):
+    """A server and daemon of the test's own, on the open bus and then with deploy/accounts.conf's
+    users (`improved run --accounts`): the test runs once on each (tests/accounts.py says how
+    to write one)."""
+    async with started(request.param, tmp_path) as mesh:
+        yield mesh
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def accounts_bus(tmp_path):
+    """`mesh_bus` with deploy/accounts.conf's users only."""
+    async with started("accounts", tmp_path) as mesh:
+        yield mesh

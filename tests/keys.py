@@ -7,6 +7,9 @@
 - ``SIGNED``, ``AGENT_A``, ``AGENT_B``: a service whose two agents sign their proposals and
   signals; every test daemon trusts both keys (`[trust.signers]`). Tests that use the service
   isolate themselves by target, not by service name;
+- ``ATTESTED``, ``SERVICE``: a service whose answers to the daemon's requests are signed with
+  its own key (`service:attested`), which every test daemon trusts (`[trust.signers]`), so its
+  answers are attributable (core.boundary); tests that use it isolate themselves by target;
 - ``VOTERS``: quorum voters' keys by name; ``quorum_daemon`` trusts them as voters, and
   ``TRUST`` is the same trust store for the pure quorum tests.
 """
@@ -27,6 +30,8 @@ EVALUATOR = ("agent:evaluators:e7", Ed25519PrivateKey.generate())
 SIGNED = "signed"
 AGENT_A = (f"agent:{SIGNED}:a", Ed25519PrivateKey.generate())
 AGENT_B = (f"agent:{SIGNED}:b", Ed25519PrivateKey.generate())
+ATTESTED = "attested"
+SERVICE = (f"service:{ATTESTED}", Ed25519PrivateKey.generate())
 VOTERS = {name: Ed25519PrivateKey.generate() for name in ("agent-a", "agent-b", "agent-c",
                                                           "agent-d")}
 TRUST = TrustStore.from_config({

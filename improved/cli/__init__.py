@@ -1,6 +1,7 @@
 """`improved`: the daemon and the operator's terminal.
 
-    improved run [--nats URL] [--config FILE] [--data-dir DIR] [--port N]
+    improved run [--nats URL] [--config FILE] [--data-dir DIR] [--port N] [--accounts]
+    improved accounts add-service NAME
     improved provision [--nats URL] [--config FILE] [--replicas N]
     improved propose FILE|-
     improved show ID
@@ -24,6 +25,7 @@ import argparse
 import sys
 
 from improved.cli import (
+    accounts,
     audit,
     authority,
     console,
@@ -36,10 +38,11 @@ from improved.cli import (
 from improved.cli.common import configure_logging
 from improved.cli.errors import Failure, command_name
 from improved.runtime import bus, metrics
+from improved.runtime.accounts import AccountsError
 from improved.runtime.config import ConfigError
 from improved.runtime.store import StoreError
 
-GROUPS = (run, provision, proposals, audit, authority, tools, console, reference)
+GROUPS = (run, accounts, provision, proposals, audit, authority, tools, console, reference)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"improved: {exc}", file=sys.stderr)
         return 2
-    except (bus.BusError, StoreError, metrics.EndpointError) as exc:
+    except (bus.BusError, StoreError, metrics.EndpointError, AccountsError) as exc:
         print(f"improved: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

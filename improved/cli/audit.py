@@ -21,6 +21,7 @@ from improved.core.checkpoint import Anchor
 from improved.core.record import same_state
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
+from improved.runtime import accounts
 from improved.runtime.bus import Target
 from improved.runtime.config import Config
 
@@ -75,9 +76,10 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
     """The whole log, read once from its first trailer and verified as it streams by
     (`checkpointing.verify_since` from nothing, reading on past a broken chain): every chain,
     every checkpoint on the stream by its signature, key and root, and the checkpoint kept in
-    the data directory. Memory stays flat however long the log. Sealed epochs removed from
-    the stream are read from their export in `archive_dir`, each checked against its seal;
-    without it, what the stream still holds is verified and the tree goes on from the seal."""
+    the data directory. Memory stays flat however long the log. With `archive_dir`, each
+    sealed epoch is read from its export there (from the stream when it was not exported) and
+    checked exactly against its seal (`archive.ArchiveRead`); without it, what the stream
+    still holds is verified and the tree goes on from the seal."""
     from improved.runtime import archive, checkpointing, tool_chains
 
     async with deployment(url, bind=False) as store:
@@ -94,29 +96,31 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
         if not trusted:
             note("note: no trusted daemon key (configure [trust] daemons, run where the "
                  "daemon's key is, or pass --checkpoint): no trailer's writer can be trusted")
-        seals, problems, claims = await _expected(store, view, kept, trust, trusted)
+        read, problems, claims = await _expected(store, view, kept, trust, trusted,
+                                                 seal_roots=archive_dir is None)
+        seals = [seal for seal, _ in read]
         last = seals[-1] if seals else None
-        source, exported = None, 0
-        if archive_dir is not None:
-            files = archive.exported_files(archive_dir, seals)
-            exported = len(files)
-            if files:
-                upto = seals[exported - 1].upto
-                source = archive.chained(archive.entries(files),
-                                         store.follow(S.AUDIT_FILTER, upto + 1, view.last_seq))
+        exports = archive.ArchiveRead(archive_dir, read) if archive_dir is not None else None
+        if exports is not None and not exports.found:
+            note(f"note: {archive_dir} is not a directory: no epoch is read from an export")
         started = time.perf_counter()
         witnesses = tool_chains.Witnesses(store.nc)
         since = await checkpointing.verify_since(
             store, checkpointing.empty_base(view), view, trust, trusted, claims,
-            every_chain=True, report=lambda brk: say(f"BROKEN {brk}"), archived=last,
-            source=source, on_checkpoint=witnesses.fold)
-        problems += since.problems
+            every_chain=True, report=lambda brk: say(f"BROKEN {brk}"),
+            archived=last if exports is None else None,
+            source=exports.entries(store, view.last_seq) if exports is not None else None,
+            on_checkpoint=witnesses.fold, sealed=seals if exports is not None else ())
+        problems += (exports.problems if exports is not None else []) + since.problems
         for problem in problems:
             say(f"BROKEN {problem}")
         _print_counts(since, time.perf_counter() - started, say)
-        if exported:
-            say(f"epochs 1..{exported} read from their export in {archive_dir}, each checked "
-                "against its seal")
+        if exports is not None:
+            for epochs_, where in ((exports.from_export, f"the export in {archive_dir}"),
+                                   (exports.from_stream, "the stream (not exported yet)")):
+                if epochs_:
+                    say(f"epoch{'s' if len(epochs_) > 1 else ''} {_listed(epochs_)} read from "
+                        f"{where}, each checked exactly against its seal")
         elif last is not None and view.messages is not None and view.messages < view.last_seq:
             say(f"sealed epochs up to stream sequence {last.upto} are archived: what the "
                 "stream still holds of them is verified; pass --archive DIR to verify them "
@@ -187,18 +191,21 @@ async def _verify_tool_chain(store: Store, config: Config, trust: evidence.Chain
 _KEPT = "the last checkpoint kept in the data directory"
 
 
-async def _expected(store: Store, view: checkpoint.StreamView, kept: Anchor | str | None, trust: evidence.ChainTrust,
-                    trusted: set[str]) -> tuple[list, list[str], list[tuple[int, str, str]]]:
-    """What the log must hold: the seals on the stream, what is already wrong (an unreadable
-    checkpoint file, a seal chain that does not hold, a stream the file does not find in
-    O(1)), and the roots to check as the read reaches their counts (each seal's, the file's)."""
+async def _expected(store: Store, view: checkpoint.StreamView, kept: Anchor | str | None,
+                    trust: evidence.ChainTrust, trusted: set[str], seal_roots: bool = True
+                    ) -> tuple[list, list[str], list[tuple[int, str, str]]]:
+    """What the log must hold: the seals on the stream with their trailers, what is already
+    wrong (an unreadable checkpoint file, a seal chain that does not hold, a stream the file
+    does not find in O(1)), and the roots to check as the read reaches their counts (each
+    seal's, unless `seal_roots` is off because an archive read checks them, and the file's)."""
     from improved.runtime import archive
 
     problems = [kept] if isinstance(kept, str) else []
     read, unsealed = await archive.read_seals(store, trust, trusted)
     problems += [unsealed] if unsealed else []
     seals = [seal for seal, _ in read]
-    claims = [(seal.count, seal.root, f"the seal of epoch {seal.epoch}") for seal in seals]
+    claims = [(seal.count, seal.root, f"the seal of epoch {seal.epoch}") for seal in seals
+              if seal_roots]
     if isinstance(kept, Anchor):
         at = await store.trailer_at(kept.last_seq) if kept.count else None
         found = checkpoint.prefix_problem(kept, view, at[1].get("hash") if at and at[1]
@@ -207,7 +214,18 @@ async def _expected(store: Store, view: checkpoint.StreamView, kept: Anchor | st
         problems += [found] if found else []
         if kept.count and not found:
             claims.append((kept.count, kept.root, _KEPT))
-    return seals, problems, claims
+    return read, problems, claims
+
+
+def _listed(numbers: list[int]) -> str:
+    """1, 2, 3, 5 as "1..3, 5"."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in spans)
 
 
 def _print_counts(since: Since, seconds: float, say: Callable[[str], None] = print) -> None:
@@ -303,7 +321,8 @@ def _verify_chains(chains: dict, trust: evidence.ChainTrust, trailers: int) -> i
     started = time.perf_counter()
     linked = {}
     for key, entries in sorted(chains.items(), key=lambda kv: str(kv[0])):
-        linked[key] = audit.verify_chain(key[1] or "", [body for _, body in entries])
+        linked[key] = audit.verify_chain(key[1] or "", [body for _, body in entries],
+                                         service=None if key[0] in S.MESH_CHAINS else key[0])
     links_s = time.perf_counter() - started
     started = time.perf_counter()
     for key, entries in sorted(chains.items(), key=lambda kv: str(kv[0])):
@@ -486,7 +505,7 @@ async def _rebuild(url: str | Target, config: Config, write: bool) -> int:
         for (svc, pid), bodies in sorted(chains.items()):
             if svc in S.MESH_CHAINS:
                 continue
-            if audit.verify_chain(pid, bodies) is not None:
+            if audit.verify_chain(pid, bodies, service=svc) is not None:
                 broken += 1
                 print(f"BROKEN {pid}: not rebuilt (run `improved audit verify {pid}`)")
                 continue
@@ -554,15 +573,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                              "first trailer")
     verify.add_argument("--archive", metavar="DIR",
                         help="read the sealed epochs exported to DIR (`improved audit "
-                             "archive`) and verify them with the rest of the log")
+                             "archive`), check each exactly against its seal, and verify "
+                             "them with the rest of the log")
     verify.set_defaults(func=cmd_audit_verify)
     arch = aud_sub.add_parser(
         "archive", help="export sealed epochs to files; with --remove, drop them from the stream",
         description="Export every epoch the daemon sealed ([audit] epoch_trailers / "
                     "epoch_hours) to DIR: epoch-NNNNNN.jsonl, one trailer per line with its "
                     "stream sequence, subject and headers, and epoch-NNNNNN.seal.json, the "
-                    "signed seal. Each export is checked against its seal's Merkle root before "
-                    "it is kept; an epoch already in DIR is checked, not written again. With "
+                    "signed seal. Each export is checked exactly against its seal (every trailer "
+                    "once and in order, its hash, the Merkle root) before it is kept; an epoch "
+                    "already in DIR is checked, not written again. With "
                     "--remove (as improved-archivist) the exported epochs' proposal chains are "
                     "then purged from the audit stream; the mesh chains stay. Keep DIR: "
                     "`improved audit verify --archive DIR` verifies the log across epochs.")
@@ -570,7 +591,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     arch.add_argument("directory", metavar="DIR", help="where the epochs are exported")
     arch.add_argument("--remove", action="store_true",
                       help="purge the exported proposal chains from the audit stream")
-    arch.set_defaults(func=cmd_audit_archive)
+    # reads the audit stream and, with --remove, purges it: the archivist may
+    arch.set_defaults(func=cmd_audit_archive, as_user=accounts.ARCHIVIST)
     rebuild = aud_sub.add_parser(
         "rebuild", help="rebuild every proposal's state from the chains alone",
         description="Replay every proposal's audit chain (its first trailer carries the "
@@ -581,4 +603,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_connection_args(rebuild)
     rebuild.add_argument("--write", action="store_true",
                          help="replace cached records that differ (or are missing)")
-    rebuild.set_defaults(func=cmd_audit_rebuild)
+    # --write rewrites the state bucket, which only the daemon's user may
+    rebuild.set_defaults(func=cmd_audit_rebuild, as_user=accounts.DAEMON)

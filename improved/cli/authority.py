@@ -271,7 +271,8 @@ def _register_keys_and_reviews(sub: argparse._SubParsersAction) -> None:
                      help="a quorum voter's key (its [trust.quorum] entry; see `improved vote`)")
     who.add_argument("--signer", metavar="IDENTITY",
                      help="a mesh identity whose signed signals count: agent:<svc>:<name>, "
-                          "check:<name> or service:<svc> (its [trust.signers] entry)")
+                          "check:<name> or service:<svc> (its [trust.signers] entry; a "
+                          "service's key also signs its answers to the daemon)")
     knew.add_argument("--dir", metavar="DIR", help="where to write the key")
     knew.set_defaults(func=cmd_keys_new)
     kshow = keys_sub.add_parser(

@@ -21,7 +21,7 @@ from improved.cli import ids
 from improved.cli.errors import USAGE, Failure
 from improved.protocol import subjects as S
 from improved.protocol.model import to_json
-from improved.runtime import bus, keys
+from improved.runtime import accounts, bus, keys
 from improved.runtime.bus import Target
 from improved.runtime.config import Config, load
 from improved.runtime.store import Store
@@ -51,14 +51,23 @@ def configure_logging(level: str, json_logs: bool | None = None) -> None:
 
 
 def config_of(args: argparse.Namespace) -> Config:
-    return load(getattr(args, "config", None))
+    """The configuration file (or the defaults), its data_dir replaced by --data-dir."""
+    config = load(getattr(args, "config", None))
+    if getattr(args, "data_dir", None):
+        config = msgspec.structs.replace(config, data_dir=Path(args.data_dir))
+    return config
 
 
 def url_of(args: argparse.Namespace, config: Config) -> bus.Target:
     """Where the command connects (--nats, else $IMPROVED_NATS_URL, else the config's
-    nats_url, else the default) and
-    as whom (the config's `[nats]` credentials and TLS files, or the environment's)."""
-    return bus.target(args.nats or config.nats_url or DEFAULT_URL, config.nats)
+    nats_url, else the embedded server running in the data directory, else the default) and
+    as whom: the config's `[nats]` credentials and TLS files, or the environment's; with
+    none, to the embedded server of the data directory run with --accounts, as the user the
+    command needs (`as_user`, set by its parser: the operator unless it says otherwise),
+    with its password file there."""
+    return accounts.target(args.nats or config.nats_url, config.data_dir,
+                           getattr(args, "as_user", accounts.OPERATOR), config.nats,
+                           DEFAULT_URL)
 
 
 def out(obj: Any) -> None:
@@ -193,11 +202,17 @@ async def publish_on(store: Store, subject: str, env: Any) -> None:
 def add_connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", metavar="URL",
                    help=f"NATS server URL (default: $IMPROVED_NATS_URL, else config "
-                        f"nats_url, else {DEFAULT_URL}); "
+                        f"nats_url, else the server running in --data-dir, else {DEFAULT_URL}); "
                         "credentials come from the config's [nats] files or IMPROVED_NATS_* "
-                        "(a user:password in the URL still works)")
+                        "(a user:password in the URL still works), else, for the server of "
+                        "--data-dir run with --accounts, from DIR/accounts")
     p.add_argument("--config", metavar="FILE",
                    help="TOML configuration file (default: $IMPROVED_CONFIG)")
+    p.add_argument("--data-dir", metavar="DIR",
+                   help="the data directory (default: config data_dir, else .improved): where "
+                        "`improved run` keeps its embedded server; a command without a URL "
+                        "uses the server running there, and when that runs with --accounts, "
+                        "its user's password file in DIR/accounts")
 
 
 

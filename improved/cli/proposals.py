@@ -132,7 +132,7 @@ async def shown(store: Store, text: str, config: Config, readable: bool = True) 
     view["trailers"] = chain
     daemons = trusted_daemons(config)
     trust = chain_trust((await store.read_audit(evidence.TRUST_ID))[0], daemons, config)
-    view["chain"] = chain_verdict(pid, sequenced, trust, bool(daemons))
+    view["chain"] = chain_verdict(pid, sequenced, trust, bool(daemons), svc)
     facts["verified"] = view["chain"] == "verified"
     if record is not None and view["chain"] != "verified" and \
             not view["chain"].startswith("hashes and links verified"):
@@ -140,17 +140,18 @@ async def shown(store: Store, text: str, config: Config, readable: bool = True) 
     if record is not None and readable:
         facts["replaced"] = await replaced(store, svc, record)
         if facts["status"] == "pending":  # what an operator deciding on it should know
-            facts["schema_class"] = await schema_class(store.nc, record.proposal)
+            facts["schema_class"] = await schema_class(store.nc, record.proposal,
+                                                       trust=config.trust)
     return Shown(svc, pid, view, facts)
 
 
 def chain_verdict(pid: str, sequenced: list[tuple[int, dict[str, Any]]],
-                  trust: Any, writers: bool) -> str:
+                  trust: Any, writers: bool, service: str | None = None) -> str:
     """Whether one proposal's chain verifies, in the words `improved show` prints: its hashes
     and links and the lifecycle they record (`audit.verify_chain`), and with a trusted daemon key (`writers`) who wrote each
     trailer and the signed act under each authority trailer (`audit.verify_writers`)."""
     chain = [body for _, body in sequenced]
-    brk = audit.verify_chain(pid, chain) or (audit.verify_writers(
+    brk = audit.verify_chain(pid, chain, service=service) or (audit.verify_writers(
         pid, chain, trust, [seq for seq, _ in sequenced]) if writers else None)
     return ("verified" if brk is None and writers else
             "hashes and links verified; who wrote them is not checked without a "
@@ -324,7 +325,8 @@ def cmd_review(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    out(asyncio.run(status_view(url_of(args, config_of(args)))))
+    config = config_of(args)
+    out(asyncio.run(status_view(url_of(args, config), config)))
     return 0
 
 

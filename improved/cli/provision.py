@@ -19,15 +19,16 @@ from nats.js.errors import ServiceUnavailableError
 
 from improved.cli.common import add_connection_args, chain_record, config_of, url_of
 from improved.core import propose
-from improved.runtime import bus
+from improved.runtime import accounts, bus
 from improved.runtime.bus import Target
 from improved.runtime.store import NeedsProvision, Store, StoreError
 
 ADMIN = "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"
 
 
-async def _provision(url: str | Target, replicas: int, records_storage: str,
-                     sweep_ttl_s: int | None = None) -> list[str]:
+async def provisioned(url: str | Target, replicas: int, records_storage: str,
+                      sweep_ttl_s: int | None = None) -> list[str]:
+    """What provisioning changed (nothing when all is in place), connected to `url`."""
     nc = await bus.connect(url, "improved-provision", persistent=False)
     try:
         store = Store(nc, replicas, records_storage)
@@ -80,7 +81,7 @@ def cmd_provision(args: argparse.Namespace) -> int:
             return 2
         sweep = int(config.records_ttl_days * 86400)
     try:
-        changes = asyncio.run(_provision(url, replicas, config.records_storage, sweep))
+        changes = asyncio.run(provisioned(url, replicas, config.records_storage, sweep))
     except NeedsProvision as exc:
         print(f"improved provision: {exc.what}, and these credentials may not change it "
               f"(JetStream did not answer): connect as the provisioning user, e.g. "
@@ -113,7 +114,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "IMPROVED_REFUSED, IMPROVE_TOOLS_AUDIT (the tool runtimes' audit "
                     "chains, durable as IMPROVE_AUDIT), IMPROVE_TOOLS_SPENT and "
                     "IMPROVE_TOOLS_REVOKED (the tool runtimes' spent grants and proofs and "
-                    "revoked upgrades: marks nobody can delete, purge or replace), the KV buckets improved_state, improved_dedup, "
+                    "revoked upgrades: marks nobody can delete, purge or replace; the "
+                    "first's sentinel, its first message, is written into one an earlier "
+                    "version made without it), the KV buckets improved_state, improved_dedup, "
                     "improved_ledger, improved_windows and improved_learned, and the inbound "
                     "durable consumer. It looks first and "
                     "changes only what is missing or differs, so running it again is safe; "
@@ -133,4 +136,4 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "records_ttl_days (daemons do so at each close; keys closed before "
                         "they did are otherwise kept for good): once, after upgrading; it "
                         "reads every key and its proposal's chain")
-    p.set_defaults(func=cmd_provision)
+    p.set_defaults(func=cmd_provision, as_user=accounts.ADMIN)

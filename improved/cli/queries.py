@@ -11,14 +11,15 @@ import msgspec
 
 from improved.cli.audit import trusted_daemons
 from improved.cli.common import deployment
-from improved.core import authority, indexes, queue, schemas
+from improved.core import authority, boundary, indexes, queue, schemas
 from improved.core.policy import Policy
 from improved.core.record import ProposalRecord
 from improved.protocol import subjects as S
 from improved.protocol.model import ClassifyReply, ClassifyRequest, Proposal, to_json
 from improved.runtime import indexing
+from improved.runtime.answers import Answers
 from improved.runtime.bus import Target
-from improved.runtime.config import Config
+from improved.runtime.config import Config, Trust
 from improved.runtime.indexing import IndexRead
 from improved.runtime.store import TOMBSTONE_TTL_S, Store
 
@@ -39,14 +40,21 @@ async def review_view(url: str | Target, policy: Policy,
 
 async def review_read(url: str | Target, policy: Policy, config: Config | None = None,
                       ) -> tuple[list[dict[str, Any]], IndexRead]:
-    """The review queue, and how the review index was read (`queued_records`): with
-    `config`, its trusted daemon keys and its checkpoint interval."""
+    """The review queue, and how the review index was read (`queued_records`). With
+    `config`: its trusted daemon keys and its checkpoint interval, and its trust store,
+    whose answers to `<svc>.improve.classify` count as the service's own (its
+    `[trust.signers]` and `subjects_bound`)."""
     async with deployment(url, bind=False) as store:
         records, index_read = await queued_records(
             store, policy, trusted_daemons(config) if config is not None else set(),
             indexes.tombstone_ttl_s(config.checkpoint_interval_s) if config is not None
             else TOMBSTONE_TTL_S)
-        classes = await asyncio.gather(*(schema_class(store.nc, r.proposal) for r in records))
+        answers = asker(store.nc, config.trust if config is not None else None)
+        try:
+            classes = await asyncio.gather(*(schema_class(store.nc, r.proposal, answers=answers)
+                                             for r in records))
+        finally:
+            await answers.close()
         rows = []
         for record, found in zip(records, classes, strict=True):
             d, p = record.decision, record.proposal
@@ -81,22 +89,50 @@ SILENT = {"class": "unknown", "reason": "service did not answer"}
 classify_reply = msgspec.json.Decoder(ClassifyReply)
 
 
-async def schema_class(nc: Any, proposal: Proposal,
-                       timeout: float = CLASSIFY_TIMEOUT_S) -> dict[str, str] | None:
+def asker(nc: Any, trust: Trust | None) -> Answers:
+    """The requests of a read model, each answer judged as the daemon judges its own
+    (`core.boundary`), against `trust` (none: nothing is attributable)."""
+    trust = trust or Trust()
+    signers = trust.signer_store()
+    return Answers(nc, lambda: signers, trust.subjects_bound)
+
+
+async def schema_class(nc: Any, proposal: Proposal, timeout: float = CLASSIFY_TIMEOUT_S,
+                       trust: Trust | None = None, answers: Answers | None = None,
+                       ) -> dict[str, str] | None:
     """What the owning schema store says of a `schema:` proposal (`<svc>.improve.classify`):
     `{"class", "reason"}`, class `unknown` when it does not answer in time or answers anything
     but a classification (`classified`); None for a proposal that is no schema change. The
-    store's claim, shown to the operator; nothing decides on it."""
+    store's claim, shown to the operator; nothing decides on it. Who said it
+    (`core.boundary`): an answer attributable to the service carries `by`; where the service
+    could be attributed but no answer was its own, the class is `unknown`; where nothing it
+    says could be (no key trusted for it, no bound subjects), its answer is shown with
+    `unverified` saying so."""
     from nats.errors import Error as NatsError
 
     if not schemas.is_schema(proposal.target_ref):
         return None
+    own = answers is None
+    answers = answers or asker(nc, trust)
+    svc = proposal.service
     try:
-        reply = await nc.request(S.classify_request(proposal.service),
-                                 to_json(ClassifyRequest(proposal=proposal)), timeout=timeout)
+        heard = await answers.ask(svc, S.classify_request(svc),
+                                  to_json(ClassifyRequest(proposal=proposal)), timeout)
     except (NatsError, TimeoutError):  # no responders, no answer in time, connection gone
         return dict(SILENT)
-    return classified(reply.data)
+    finally:
+        if own:
+            await answers.close()
+    chosen = boundary.choose(heard)
+    if isinstance(chosen, boundary.Conflict):
+        return {"class": "unknown", "reason": f"{chosen.attribution} disagree"}
+    if isinstance(chosen, boundary.Attested):
+        return {**classified(chosen.value), "by": chosen.by}
+    if chosen is None or answers.attestable(svc):
+        why = chosen.why if chosen is not None else "no answer"
+        return {"class": "unknown", "reason": f"no answer attributable to service:{svc} "
+                                              f"({why})"}
+    return {**classified(chosen.value), "unverified": chosen.why}
 
 
 def classified(data: bytes) -> dict[str, str]:
@@ -137,16 +173,32 @@ async def queued_records(store: Store, policy: Policy, trusted: set[str] | None 
     return [r for r in found.members if queue.queued(r, now)], found
 
 
-async def status_view(url: str | Target) -> dict[str, Any]:
-    from improved.core import breaker
+async def status_view(url: str | Target, config: Config | None = None) -> dict[str, Any]:
+    """The mesh's autonomy state as the daemon decides by it: the autonomy chain's head,
+    believed only when a trusted daemon key wrote it and any operator act under it verifies
+    (`breaker.believed`: otherwise it reads as a crisis, as the daemon reads it). `verified`
+    says which, or that no daemon key is known here, so nothing could be checked."""
+    from improved.cli.audit import chain_trust, trusted_daemons
+    from improved.core import breaker, evidence
 
+    config = config or Config()
     async with deployment(url, bind=False) as store:
-        _, body = await store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
-        state = breaker.from_trailer(body)
+        seq, body = await store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
+        daemons = trusted_daemons(config)
+        problem = None
+        if body and daemons:
+            trust = chain_trust((await store.read_audit(evidence.TRUST_ID))[0], daemons,
+                                config)
+            problem = trust.problem(body, breaker.AUTONOMY_ID, seq, trust.start())
+        state = breaker.believed(body, seq, problem)
+        verified = ("nothing recorded yet" if not body else
+                    f"not verified: no daemon key here ({NO_KEY_HINT})" if not daemons else
+                    f"BROKEN: {problem}" if problem else "verified")
         now = int(time.time() * 1000)
         records = await store.js.stream_info(S.STREAM_RECORDS)
         chains = await store.js.stream_info(S.STREAM_AUDIT)
         return {
+            "autonomy_chain": verified,
             "autonomy": state.switch,
             "breaker": ("open until " + when(state.paused_until)
                         if state.blocks(now) == "circuit_open" else "closed"),
@@ -156,6 +208,10 @@ async def status_view(url: str | Target) -> dict[str, Any]:
             "trailers": chains.state.messages,
             "retained_records": records.state.messages,
         }
+
+
+NO_KEY_HINT = ("name the daemons' checkpoint keys in [trust] daemons, or run where the "
+               "daemon's data directory is")
 
 
 def when(ms: int) -> str:

@@ -157,7 +157,10 @@ def schema_line(found: object) -> str | None:
     proposal that is no schema change."""
     if not isinstance(found, Mapping):
         return None
-    return f"schema class: {clean(found.get('class'))} ({clean(found.get('reason'))})"
+    line = f"schema class: {clean(found.get('class'))} ({clean(found.get('reason'))})"
+    if found.get("unverified"):
+        line += f"; unverified: {clean(found.get('unverified'))}"
+    return line
 
 
 def proposer_text(proposer: object, origin_actor: object, verified: bool = True) -> str:

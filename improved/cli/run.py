@@ -6,42 +6,88 @@ import argparse
 import asyncio
 import os
 import sys
-from pathlib import Path
 
 from improved.cli.common import add_connection_args, config_of
-from improved.runtime import bus
-from improved.runtime.config import Config
+from improved.cli.errors import USAGE, Failure
+from improved.runtime import accounts, bus
+from improved.runtime.config import Config, NatsSettings
 
 
 def configured(args: argparse.Namespace) -> Config:
-    """The configuration file (or the defaults) with the command's flags over it."""
+    """The configuration file (or the defaults) with the command's flags over it. Under
+    --accounts services are bound to their subjects (deploy/accounts.conf lets each publish
+    on its own only), and the daemon is told so."""
     from msgspec.structs import replace
 
     config = config_of(args)
-    if args.data_dir:
-        config = replace(config, data_dir=Path(args.data_dir))
     if args.port:
         config = replace(config, port=args.port)
     if args.metrics_port is not None:
         config = replace(config, metrics_port=args.metrics_port)
+    if args.accounts:
+        config = replace(config, accounts=True)
+    if config.accounts:
+        config = replace(config, trust=replace(config.trust, subjects_bound=True))
     return config
 
 
+def embedded_accounts(config: Config) -> str:
+    """What the embedded server's configuration adds for its users: nothing on the open bus;
+    under accounts the data directory's credentials, made on the first start. A data
+    directory run one way is refused the other: the two keep their streams apart."""
+    where = config.data_dir
+    found = accounts.mode_in(where)
+    if config.accounts:
+        if found == "open":
+            raise Failure(f"data directory {where} holds a loop run without --accounts: its "
+                          "streams are in the server's global account, which a server with "
+                          "accounts does not serve; give --accounts a new --data-dir, or leave "
+                          "--accounts out", USAGE)
+        return accounts.prepare(where)
+    if found == "accounts":
+        raise Failure(f"data directory {where} was run with --accounts: give --accounts (or "
+                      "accounts = true) again; without it anyone on the bus may publish "
+                      f"anything, and the loop kept there would not be seen (remove "
+                      f"{accounts.directory(where)} only to start that directory afresh, open)",
+                      USAGE)
+    return ""
+
+
+def as_user(config: Config, url: str, user: str) -> bus.Target:
+    """The embedded server of `config`, as one of its data directory's users."""
+    return bus.target(url, NatsSettings(user=user, password_file=accounts.password_file(
+        config.data_dir, user)))
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    from improved.cli.provision import provisioned
     from improved.runtime.daemon import run_until_stopped, stop_on_signals
 
     config = configured(args)
     url = args.nats or config.nats_url
+    if config.accounts and url is not None:
+        raise Failure("--accounts (accounts = true) gives the embedded server its users; a "
+                      "server named by --nats, $IMPROVED_NATS_URL or nats_url has its own "
+                      "(deploy/accounts.conf): leave one of them out", USAGE)
     server = None
     if url is None:
-        server = bus.EmbeddedServer(config.data_dir, config.port, config.sync)
+        server = bus.EmbeddedServer(config.data_dir, config.port, config.sync,
+                                    embedded_accounts(config))
         url = server.start()
+        users = (f"; users and permissions of deploy/accounts.conf, credentials in "
+                 f"{accounts.directory(config.data_dir)}" if config.accounts else "")
         print(f"improved: embedded nats-server (JetStream, sync={config.sync}) listening on "
-              f"{url}; store {config.data_dir.resolve() / 'jetstream'}", file=sys.stderr,
+              f"{url}; store {config.data_dir.resolve() / 'jetstream'}{users}", file=sys.stderr,
               flush=True)
 
     async def main() -> int:
         stop = stop_on_signals()
+        if config.accounts:  # the daemon's user may not make the streams: provisioning may
+            changes = await provisioned(as_user(config, where.where, accounts.ADMIN),
+                                        config.replicas, config.records_storage)
+            print(f"improved: provisioned as {accounts.ADMIN}: "
+                  + (f"{len(changes)} changed" if changes else "nothing changed"),
+                  file=sys.stderr, flush=True)
         nc = await bus.connect(where, "improved")
         return await run_until_stopped(
             nc, config, stop=stop, reread=lambda: configured(args),
@@ -49,7 +95,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                                      f"(pid {os.getpid()})", file=sys.stderr, flush=True))
 
     try:
-        where = bus.target(url, config.nats)  # the credential files are read here, once
+        # the credential files are read here, once
+        where = (as_user(config, url, accounts.DAEMON) if config.accounts
+                 else bus.target(url, config.nats))
         return asyncio.run(main())
     finally:
         if server is not None:
@@ -66,16 +114,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "consumer and the state bucket are created if missing, so starting twice "
                     "against the same server is safe; with deploy/accounts.conf the daemon's "
                     "user may not create or change them, so run `improved provision` with the "
-                    "provisioning credential first. SIGHUP re-reads the configuration file's "
+                    "provisioning credential first. --accounts gives the embedded server the "
+                    "users and permissions of deploy/accounts.conf, with passwords of the data "
+                    "directory's own (<data_dir>/accounts/<user>.pw, 0600, made on the first "
+                    "start), provisions as improved-admin, runs the daemon as improved with "
+                    "services bound to their subjects; every command pointed at the data "
+                    "directory finds its credential there. SIGHUP re-reads the configuration file's "
                     "trust store ([trust.operators], [trust.quorum], [trust.signers], "
                     "act_max_age_s) without a restart and logs what changed; a file that does "
                     "not load changes nothing (one error line). Everything else in it is read "
                     "at start only.")
     add_connection_args(run)
-    run.add_argument("--data-dir", metavar="DIR",
-                     help="where the embedded server keeps JetStream (default: .improved)")
     run.add_argument("--port", type=int, metavar="N",
                      help="embedded server port (default: 4222)")
+    run.add_argument("--accounts", action="store_true",
+                     help="embedded server: the users and permissions of deploy/accounts.conf, "
+                          "credentials under <data_dir>/accounts (default: config accounts, "
+                          "else off: anyone on the bus may publish anything)")
     run.add_argument("--metrics-port", type=int, metavar="N",
                      help="serve Prometheus /metrics, /healthz and /readyz on this port "
                           "(default: config metrics_port, else off)")

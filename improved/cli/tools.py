@@ -29,7 +29,7 @@ from improved.cli.common import (
 from improved.cli.errors import USAGE, Failure
 from improved.protocol import subjects as S
 from improved.protocol.model import Envelope, to_json
-from improved.runtime import bus
+from improved.runtime import accounts, bus
 
 SESSION_KEY_HELP = ("the session's own Ed25519 key (`improved keys new` makes one; `improved "
                     "keys show FILE` prints its public half): the upgrade is bound to it, and "
@@ -262,7 +262,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     conf.add_argument("--mesh", action="store_true",
                       help="probe every service that advertises, and report the mesh's level")
     conf.add_argument("--timeout", type=float, default=2.0, help="per request (2 s)")
-    conf.set_defaults(func=cmd_conformance)
+    # the probes are ApplyOrders, which only the daemon's user may send
+    conf.set_defaults(func=cmd_conformance, as_user=accounts.DAEMON)
     _register_tools(sub)
 
 

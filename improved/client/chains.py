@@ -22,7 +22,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from improved.core.audit import Authenticity, verify_chain
-from improved.core.authority import grant_covers, grant_state
+from improved.core.authority import GrantActs, grant_acts, grant_as_of, grant_covers
 from improved.protocol import subjects as S
 from improved.protocol.model import Grant, Trailer
 
@@ -98,6 +98,33 @@ async def read_from_leader(js: JetStreamContext, subject: str) -> Sequenced:
         seq += 1
 
 
+def grant_chain_subject(identity: str | None) -> str | None:
+    """The grant chain's subject of exactly `<name>:<sha256>`; None for a bad identity (a
+    wildcard here would read several chains as one)."""
+    if not identity or ":" not in identity:
+        return None
+    sha = identity.split(":", 1)[1]
+    return S.grant_audit(sha) if S.ID_RE.match(sha) else None
+
+
+def verified_acts(identity: str, chain: Sequenced, trust: Authenticity | None = None
+                  ) -> GrantActs | None:
+    """The grant and revoke acts on `chain` (the grant chain of `identity` as read, or a
+    prefix of it), each with its stream sequence, once every trailer verified; None when it
+    does not verify, () when it is empty."""
+    if not chain:
+        return ()
+    bodies = [body for _, body in chain]
+    seqs = [seq for seq, _ in chain]
+    if verify_chain(identity.split(":", 1)[1], bodies, trust, seqs) is not None:
+        return None
+    try:
+        trailers = [msgspec.convert(body, type=Trailer) for body in bodies]
+    except msgspec.ValidationError:
+        return None
+    return grant_acts(trailers, seqs)
+
+
 async def current_grant(js: JetStreamContext, identity: str | None,
                         trust: Authenticity | None = None,
                         read: ChainReader = read_sequenced) -> Grant | None:
@@ -105,20 +132,11 @@ async def current_grant(js: JetStreamContext, identity: str | None,
     act); None without a chain, for a chain that does not verify, or for a bad identity.
     With `trust` (the daemon's), every trailer must be a trusted daemon's and every act
     signed by an operator key trusted when it was recorded."""
-    if not identity or ":" not in identity:
+    subject = grant_chain_subject(identity)
+    if subject is None or identity is None:
         return None
-    sha = identity.split(":", 1)[1]
-    if not S.ID_RE.match(sha):  # a wildcard here would read several chains as one
-        return None
-    chain = await read(js, S.grant_audit(sha))
-    bodies = [body for _, body in chain]
-    if not bodies or verify_chain(sha, bodies, trust, [seq for seq, _ in chain]) is not None:
-        return None
-    try:
-        trailers = [msgspec.convert(body, type=Trailer) for body in bodies]
-    except msgspec.ValidationError:
-        return None
-    grant = grant_state(trailers)
+    acts = verified_acts(identity, await read(js, subject), trust)
+    grant = grant_as_of(acts) if acts else None
     return grant if grant is not None and grant.skill == identity else None
 
 

@@ -24,13 +24,14 @@ from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
+from improved.core import boundary, signing
 from improved.core import propose as propose_stage
-from improved.core import signing
 from improved.protocol import subjects as S
 from improved.protocol import wire
 from improved.protocol.model import (
     ApplyOrder,
     ApplyOutcome,
+    ApplyReport,
     ApplyResult,
     ErrorBody,
     ErrorReply,
@@ -174,15 +175,33 @@ async def enqueue(js: JetStreamContext, service: str, data: bytes, pid: str) -> 
                                S.STREAM_INBOUND)
 
 
-class MeshClient:
-    """One mesh service's view of the loop: propose, follow, refine, and serve its applies."""
+def answer_bytes(msg: Msg, body: bytes, key: Ed25519PrivateKey | None) -> bytes:
+    """What a service sends back to a request of the daemon's: the reply's JSON, or with
+    `key` (the one `[trust.signers]` binds to `service:<svc>`) that JSON signed for this very
+    request — its subject and reply inbox — so the daemon can tell it from an answer anyone
+    else on the bus could give (`improved.core.boundary`)."""
+    if key is None or not msg.reply:
+        return body
+    return boundary.sign_reply(body, msg.subject, msg.reply, key)
 
-    def __init__(self, nc: Client, service: str, timeout: float = 10.0):
+
+class MeshClient:
+    """One mesh service's view of the loop: propose, follow, refine, and serve its applies.
+
+    With `key` — the Ed25519 key the daemon's `[trust.signers]` binds to `service:<svc>` —
+    every answer it gives the daemon (ApplyResults, measurements, reports) is signed, so
+    the daemon can attribute it to the service: on a bus without accounts, where anyone may
+    answer a request first, only a signed measurement can roll a change back, and where a
+    key is trusted for the service only its signed answers count at all."""
+
+    def __init__(self, nc: Client, service: str, timeout: float = 10.0,
+                 key: Ed25519PrivateKey | None = None):
         if not S.SERVICE_RE.match(service):
             raise ValueError(f"service name {service!r} must match {S.SERVICE_RE.pattern}")
         self.nc = nc
         self.service = service
         self.timeout = timeout
+        self.key = key
         self.js = nc.jetstream(timeout=timeout)
 
     # -- request/reply with the daemon -------------------------------------------------------------
@@ -266,6 +285,15 @@ class MeshClient:
                                    S.message_id(digest, data), S.STREAM_INBOUND)
         return digest
 
+    async def report(self, report: ApplyReport | dict[str, Any]) -> None:
+        """Report an apply this service made asynchronously (`improve.applied.<svc>`),
+        durably; signed with the client's key when it has one (`sign_report`). The daemon
+        takes it once, while the proposal awaits its apply."""
+        data = encode(report)
+        if self.key is not None:
+            data = boundary.sign_report(data, self.key)
+        await self.js.publish(S.inbound_applied(self.service), data, stream=S.STREAM_INBOUND)
+
     # -- retained records --------------------------------------------------------------------------
 
     async def _last(self, subject: str, type_: type[T]) -> T | None:
@@ -310,7 +338,7 @@ class MeshClient:
             if not msg.reply:
                 return
             try:
-                await msg.respond(to_json(result))
+                await msg.respond(answer_bytes(msg, to_json(result), self.key))
             except Exception as exc:  # the daemon retries; the ledger makes that harmless
                 log.warning("could not reply to an apply order", service=self.service,
                             error=str(exc))
@@ -359,7 +387,7 @@ class MeshClient:
             if not msg.reply:
                 return
             try:
-                await msg.respond(to_json(reply))
+                await msg.respond(answer_bytes(msg, to_json(reply), self.key))
             except Exception as exc:  # the daemon records the proposal unmeasured
                 log.warning("could not reply to a measure request", service=self.service,
                             error=str(exc))
@@ -413,17 +441,20 @@ class SpecServer:
 
 
 async def serve_spec(nc: Client, service: str,
-                     capabilities: dict[str, Any] | None = None) -> SpecServer:
+                     capabilities: dict[str, Any] | None = None,
+                     key: Ed25519PrivateKey | None = None) -> SpecServer:
     """Answer `<svc>.spec.get` with `capabilities`; without them, advertise their omission
     (`{"improve": false}`) rather than stay silent, so a caller can tell "no" from "down".
-    The same answer goes to `improved.spec.discover`, so the mesh can be listed."""
+    The same answer goes to `improved.spec.discover`, so the mesh can be listed. With `key`
+    (the service's, as for `MeshClient`) each answer is signed for its request: the daemon
+    honours an advertised omission only when it can tell it is the service's own."""
     body = to_json(capabilities if capabilities is not None
                    else {"service": service, "improve": False})
 
     async def on_get(msg: Msg) -> None:
         if msg.reply:
             try:
-                await msg.respond(body)
+                await msg.respond(answer_bytes(msg, body, key))
             except Exception as exc:
                 log.warning("could not answer spec.get", service=service, error=str(exc))
 

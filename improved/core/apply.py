@@ -4,16 +4,21 @@ transition its result makes (DESIGN §3.4, §4). Pure; the engine does the reque
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from improved.core import lkg
 from improved.core.audit import REASON_LIMIT, Draft
+from improved.core.boundary import Answer, Attested, Conflict, Evidence
 from improved.core.gradient import AUTO_APPLY_CLASSES
 from improved.core.policy import Policy
+from improved.core.propose import identify
 from improved.core.record import (
     APPLIED,
     APPLY_FAILED,
     DISPATCHED,
+    REGRESSED,
     ROLLBACK_FAILED,
     ROLLED_BACK,
     UNDELIVERED,
@@ -32,6 +37,7 @@ from improved.protocol.model import (
     Proposal,
     Summary,
 )
+from improved.protocol.wire import WireError
 
 APPROVABLE = frozenset({"L2", "L3", "L4"})  # L1 only surfaces: never applied, even approved
 
@@ -92,7 +98,8 @@ def undelivered(record: ProposalRecord, error: str, actor: str,
                   observer_type="rec:system", verdict=UNDELIVERED,
                   reason=f"the ApplyOrder reached no service: {error}"[:300],
                   refs=(ref("order", record.proposal_id), ref("error", error)))
-    return record.replace(dispatched_by=None, dispatched_at=None, updated_at=now), draft
+    return record.replace(dispatched_by=None, dispatched_at=None, dispatched_seq=None,
+                          updated_at=now), draft
 
 
 def dispatch_rollback(record: ProposalRecord, actor: str,
@@ -147,6 +154,21 @@ def rollback_proposal(record: ProposalRecord) -> Proposal:
     return inverse_proposal(record, "L2" if cls == "L3" else cls)
 
 
+def counts_toward_breaker(original: ProposalRecord, inverse: ProposalRecord) -> bool:
+    """Whether an applied rollback of an autonomous apply counts toward the circuit breaker
+    (constitution IV.5): only when what caused it is verified — learn-back measured the
+    original regressed (an attested answer, `core.boundary`) and this is the very rollback it
+    proposed. Anyone may publish a proposal that reverts a change (at an L0's class it is
+    applied like any L0), but no such proposal pauses the mesh's autonomy."""
+    if original.approved_by is not None or original.measured != REGRESSED:
+        return False
+    try:
+        expected = identify(rollback_proposal(original))[0]
+    except (ValueError, WireError):
+        return False
+    return inverse.proposal_id == expected
+
+
 def rolls_back(proposal: Proposal) -> str | None:
     """The id of the proposal a rollback (or an L4 reversal) proposal undoes, if it is one."""
     if proposal.analyzer.id not in (ROLLBACK_ANALYZER, lkg.REVERT_ANALYZER):
@@ -198,13 +220,16 @@ def rollback_order(record: ProposalRecord, attempt: int) -> tuple[str, ApplyOrde
     return pid, ApplyOrder(proposal_id=pid, proposal=inverse, authority=by, attempt=attempt)
 
 
-def rollback_transition(record: ProposalRecord, inverse_id: str, result: ApplyResult,
-                        now: int) -> tuple[ProposalRecord, Draft]:
+def rollback_transition(record: ProposalRecord, inverse_id: str,
+                        answer: Evidence[ApplyResult], now: int) -> tuple[ProposalRecord, Draft]:
+    """The owning service's answer to a rollback order, with who answered (`answered_by`)."""
+    result = answer.value
     by = rollback_principal(record)
     outcome = ApplyOutcome(proposal_id=record.proposal_id, service=record.service, ok=result.ok,
                            applied_id=result.applied_id, authority=by,
                            error=result.error, at=now)
-    refs = [ref("applied", result.applied_id), ref("inverse_of", inverse_id)]
+    refs = [ref("applied", result.applied_id), ref("inverse_of", inverse_id),
+            answered_by(answer)]
     if result.error is not None:
         refs.append(ref("error", result.error))
     reason = (f"rolled back by {record.service}: the recorded inverse applied as "
@@ -271,8 +296,19 @@ def recordable(result: ApplyResult) -> ApplyResult:
     return result
 
 
-def transition(record: ProposalRecord, result: ApplyResult, by: str,
+def answered_by(answer: Answer[Any]) -> str:
+    """The `answered_by:` ref of a transition a service's answer made: the attested identity,
+    or `unattested` / `conflict` (core.boundary), so the chain tells an auditor what each
+    outcome rests on."""
+    if isinstance(answer, Attested):
+        return ref("answered_by", answer.by)
+    return ref("answered_by", "conflict" if isinstance(answer, Conflict) else "unattested")
+
+
+def transition(record: ProposalRecord, answer: Evidence[ApplyResult], by: str,
                now: int) -> tuple[ProposalRecord, Draft]:
+    """The owning service's ApplyResult as the apply transition, with who answered."""
+    result = answer.value
     inverse, rollbackable = derived_inverse(record, result)
     outcome = ApplyOutcome(
         proposal_id=record.proposal_id, service=record.service, ok=result.ok,
@@ -287,7 +323,8 @@ def transition(record: ProposalRecord, result: ApplyResult, by: str,
             "" if outcome.rollbackable else "; not rollbackable")
     else:
         reason = f"{record.service} refused the apply: {result.error or 'no reason given'}"
-    refs = [ref("applied", outcome.applied_id), ref("rollbackable", outcome.rollbackable)]
+    refs = [ref("applied", outcome.applied_id), ref("rollbackable", outcome.rollbackable),
+            answered_by(answer)]
     if outcome.revert_proposal_id is not None:
         refs.append(ref("revert_proposal_id", outcome.revert_proposal_id))
     if outcome.schema_class is not None:  # the service's claim, recorded for auditors only

@@ -113,11 +113,17 @@ def _same(claimed: object, derived: str) -> bool:
 
 def verify_chain(proposal_id: str, bodies: Iterable[dict[str, Any]],
                  trust: Authenticity | None = None,
-                 seqs: Sequence[int] | None = None) -> Break | None:
+                 seqs: Sequence[int] | None = None, service: str | None = None) -> Break | None:
     """Re-derive every hash and link of one chain and check that its transitions are ones the
-    OMS lifecycle allows; None when it verifies. With `trust`, also `verify_writers`."""
+    OMS lifecycle allows; None when it verifies. With `trust`, also `verify_writers`; with
+    `service` (the token of the subject it was read from), that it is filed under its own
+    proposal's service (`filing_problem`)."""
     bodies = list(bodies)
     brk = verify_links(proposal_id, bodies)
+    if brk is None and bodies:
+        filed = filing_problem(service, 0, bodies[0])
+        if filed is not None:
+            brk = Break(proposal_id, 0, filed)
     if brk is None:
         forbidden = lifecycle_problem(bodies)
         if forbidden is not None:
@@ -159,6 +165,32 @@ def _link(body: Any, chain_id: str, at: int, prev: str) -> tuple[str | None, str
     return None, derived
 
 
+class _Filed(msgspec.Struct):
+    service: str
+
+
+def filing_problem(service: str | None, position: int, body: Any) -> str | None:
+    """Why a proposal's chain read from `improve.audit.<service>.<id>` is not that service's
+    chain, or None: its registration (position 0) carries a proposal of another service. A
+    daemon-signed chain copied under another service's subject verifies trailer by trailer;
+    filed there, it would be a second chain for one proposal, which that service's messages
+    would find. `service` None (a mesh chain, or a reader that does not know the subject):
+    nothing to check."""
+    if service is None or position != 0 or not isinstance(body, dict):
+        return None
+    for r in body.get("refs") or ():
+        if isinstance(r, str) and r.startswith("proposal:"):
+            try:
+                named = msgspec.json.decode(r[len("proposal:"):].encode(), type=_Filed).service
+            except msgspec.MsgspecError:
+                return None  # not a proposal at all: the replay names it
+            if named != service:
+                return (f"filed under service {service!r}, but its registration is a proposal "
+                        f"of {named!r}")
+            return None
+    return None
+
+
 @dataclass(slots=True)
 class ChainRun:
     """Where one chain's verification stands after the trailers fed to `verify_next` so far:
@@ -171,10 +203,12 @@ class ChainRun:
     prev: str
     status: Status
     acts: object
+    service: str | None = None  # the subject's service, for `filing_problem`
 
     @classmethod
-    def start(cls, chain_id: str, trust: Authenticity | None) -> ChainRun:
-        return cls(chain_id, 0, chain_id, "pending", trust.start() if trust else None)
+    def start(cls, chain_id: str, trust: Authenticity | None,
+              service: str | None = None) -> ChainRun:
+        return cls(chain_id, 0, chain_id, "pending", trust.start() if trust else None, service)
 
     @classmethod
     def after(cls, chain_id: str, position: int, last_hash: str, status: Status,
@@ -189,6 +223,8 @@ def verify_next(run: ChainRun, body: Any, trust: Authenticity | None = None,
     at = run.position
     problem, derived = _link(body, run.chain_id, at, run.prev)
     status = run.status
+    if problem is None:
+        problem = filing_problem(run.service, at, body)
     if problem is None:
         status, problem = lifecycle_step(status, at, body)
     if problem is None and trust is not None:

@@ -9,7 +9,7 @@ the same envelope offered again under a new sequence is a replay and is refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, overload
 
@@ -315,11 +315,34 @@ def grant_state(trailers: list[Trailer]) -> Grant | None:
     """The current grant of a skill hash: its last counted grant or revoke act."""
     for t in reversed(trailers):
         if t.verdict in ("grant", "revoke"):
-            refs = refs_of(t)
-            return Grant(skill=refs["skill"], active=t.verdict == "grant", principal=t.actor,
-                         reason=t.reason, at=t.at,
-                         expires_at=int(refs["expires_at"]) if "expires_at" in refs else None)
+            return _grant_of(t)
     return None
+
+
+GrantActs = tuple[tuple[int, Grant], ...]
+
+
+def grant_acts(trailers: Sequence[Trailer], stream_seqs: Sequence[int]) -> GrantActs:
+    """Each counted grant or revoke act of a verified grant chain with its stream sequence,
+    oldest first: what the grant was as of any sequence of the audit stream (`grant_as_of`)."""
+    return tuple((seq, _grant_of(t)) for t, seq in zip(trailers, stream_seqs, strict=True)
+                 if t.verdict in ("grant", "revoke"))
+
+
+def grant_as_of(acts: GrantActs, seq: int | None = None) -> Grant | None:
+    """The grant as of stream sequence `seq`: the last act recorded below it, so an act at or
+    after `seq` does not count (all of them when `seq` is None); None before the first."""
+    for at, grant in reversed(acts):
+        if seq is None or at < seq:
+            return grant
+    return None
+
+
+def _grant_of(t: Trailer) -> Grant:
+    refs = refs_of(t)
+    return Grant(skill=refs["skill"], active=t.verdict == "grant", principal=t.actor,
+                 reason=t.reason, at=t.at,
+                 expires_at=int(refs["expires_at"]) if "expires_at" in refs else None)
 
 
 def grant_covers(grant: Grant, identity: str, now: int) -> bool:

@@ -60,6 +60,17 @@ def in_crisis(state: Autonomy, crisis: str) -> Autonomy:
     return dataclasses.replace(state, crisis=crisis)
 
 
+def believed(body: dict[str, Any] | None, seq: int, problem: str | None) -> Autonomy:
+    """The state the autonomy chain's head (at stream sequence `seq`) says, believed only when
+    it verifies (`problem` None): a head no trusted daemon wrote, or a resolution no operator
+    signed, reads as a crisis (`unverified-autonomy-<seq>`) until the log is dealt with. What
+    the daemon decides by and what `improved status` shows, alike."""
+    state = from_trailer(body)
+    if body and problem:
+        return in_crisis(state, state.crisis or f"unverified-autonomy-{seq}")
+    return state
+
+
 def resolved(chain: list[dict[str, Any]], crisis: str) -> bool:
     """Whether the autonomy chain (trailer bodies, in order) records `crisis` as resolved."""
     mark = ref("resolved", crisis)

@@ -14,10 +14,12 @@ cut either: below it, every proposal chain is *closed* — rejected, expired or 
 applied and untouched for the retention window — so nothing will ever append to it. A
 proposal still open holds the cut back to just before its first trailer.
 
-A verifier that has the exported epochs checks every trailer and each seal's root; one that
-has only the stream checks what the stream holds and continues the tree from the last seal's
-frontier, allowing at most `removable` trailers to be missing at or below `upto` and none
-above it.
+A verifier that has the exported epochs checks each one exactly against its seal
+(`EpochCheck`): every stream sequence of the epoch once and in order, each trailer hashing to
+what it says, the tree folded from the previous seal's frontier to the seal's root and count,
+and `removable` proposal trailers among them. One that has only the stream checks what the
+stream holds and continues the tree from the last seal's frontier, allowing at most
+`removable` trailers to be missing at or below `upto` and none above it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from improved.core import indexes, merkle, signing
-from improved.core.audit import Draft
+from improved.core.audit import Draft, trailer_hash
+from improved.core.checkpoint import CHECKPOINT_ID
 from improved.core.merkle import Frontier
 from improved.core.record import lifecycle_step, ref, refs_of
 from improved.protocol import canonical
@@ -40,6 +43,7 @@ from improved.protocol import subjects as S
 from improved.protocol.model import Status
 
 SEAL_ID = hashlib.sha256(b"improved epochs").hexdigest()
+CHECKPOINT_SUBJECT = S.checkpoint_audit(CHECKPOINT_ID)  # its trailers are no leaves of the tree
 CLOSED: frozenset[Status] = frozenset({"rejected", "expired", "rolled_back"})
 DAY_MS = 86_400_000
 
@@ -174,3 +178,131 @@ def closed(status: Status, last_at: int, horizon: int) -> bool:
     rolled back, or it was applied and has not moved since `horizon` (after the retention
     window an applied change is settled; rolling it back is a new proposal)."""
     return status in CLOSED or (status == "applied" and last_at <= horizon)
+
+
+HELD = 10_000  # missing stream sequences an EpochCheck remembers, to tell a late line from a repeat
+SHOWN = 5  # stream sequences a problem names of each kind
+
+
+@dataclass
+class _Few:
+    """How many of one kind of fault, and the first few stream sequences (or lines) of it."""
+
+    count: int = 0
+    first: list[int] = field(default_factory=list)
+
+    def add(self, at: int, many: int = 1) -> None:
+        self.first += range(at, at + min(many, SHOWN - len(self.first)))
+        self.count += many
+
+    def named(self, one: str, several: str) -> str | None:
+        if not self.count:
+            return None
+        shown = ", ".join(str(at) for at in sorted(self.first))
+        more = f" and {self.count - len(self.first)} more" if self.count > len(self.first) else ""
+        return (one if self.count == 1 else several).format(f"{shown}{more}")
+
+
+class EpochCheck:
+    """Epoch `seal.epoch`, read trailer by trailer (from its export or from the stream), checked
+    exactly against its seal: every stream sequence after the previous seal's `upto` up to its
+    own, each once and in order; every trailer hashing to what it says; their hashes (the
+    checkpoints' left out) folding from the previous seal's frontier to the seal's count and
+    root; and the seal's `removable` proposal trailers among them. A missing trailer, one too
+    many, two swapped, one altered or one moved in from another epoch each fail at least one.
+    Memory is flat: the tree's frontier, counters, and at most HELD missing sequences (to tell
+    a late line from a repeated one)."""
+
+    def __init__(self, seal: Seal, prev: Seal | None):
+        self.seal = seal
+        self.first = prev.upto + 1 if prev else 1
+        self.tree = merkle.Tree(prev.frontier, prev.count) if prev else merkle.Tree()
+        self.counted_before = prev.count if prev else 0
+        self.removable_before = prev.removable if prev else 0
+        self.removable = self.removable_before
+        self.expected = self.first
+        self._held: set[int] = set()  # missing so far, as far as HELD of them
+        self.missing, self.late, self.twice, self.outside = _Few(), _Few(), _Few(), _Few()
+        self.altered, self.unreadable, self.bad_lines = _Few(), _Few(), _Few()
+        self._why = ""  # what the first line that is no trailer is
+
+    def feed(self, seq: int, subject: str, body: dict[str, Any] | None) -> None:
+        """One more trailer: its stream sequence, subject and body (None: unreadable)."""
+        self._place(seq)
+        leaf = body.get("hash") if body is not None else None
+        if body is None:
+            self.unreadable.add(seq)
+        elif not _hashes_to(body, leaf):
+            self.altered.add(seq)
+        if subject == CHECKPOINT_SUBJECT:
+            return
+        self.tree.add(merkle.leaf_of(leaf))
+        self.removable += is_proposal_chain(subject)
+
+    def bad_line(self, number: int, why: str) -> None:
+        """A line of an export that is no trailer: it counts for nothing else."""
+        self.bad_lines.add(number)
+        self._why = self._why or why
+
+    def _place(self, seq: int) -> None:
+        if not self.first <= seq <= self.seal.upto:
+            self.outside.add(seq)
+        elif seq >= self.expected:
+            self._lost(self.expected, seq - self.expected)
+            self.expected = seq + 1
+        elif seq in self._held:  # a gap it left is filled late: out of order
+            self._held.discard(seq)
+            self.missing.count -= 1
+            if seq in self.missing.first:
+                self.missing.first.remove(seq)
+            self.late.add(seq)
+        elif self.missing.count > len(self._held):  # it may fill a gap not held
+            self.late.add(seq)
+        else:
+            self.twice.add(seq)
+
+    def _lost(self, start: int, many: int) -> None:
+        if many <= 0:
+            return
+        self.missing.add(start, many)
+        self._held.update(range(start, start + max(0, min(many, HELD - len(self._held)))))
+
+    def problem(self) -> str | None:
+        """At the end of the epoch: what does not match its seal, in one sentence (None: it is
+        exactly what the seal signed)."""
+        self._lost(self.expected, self.seal.upto + 1 - self.expected)
+        self.expected = self.seal.upto + 1
+        seal, span = self.seal, f"({self.first}..{self.seal.upto})"
+        trailers, sealed = self.tree.count - self.counted_before, seal.count - self.counted_before
+        found = [
+            self.missing.named("stream sequence {} is missing", "stream sequences {} are missing"),
+            self.late.named("stream sequence {} is out of order",
+                            "stream sequences {} are out of order"),
+            self.twice.named("stream sequence {} comes twice", "stream sequences {} come twice"),
+            self.outside.named(f"stream sequence {{}} is outside the epoch {span}",
+                               f"stream sequences {{}} are outside the epoch {span}"),
+            self.bad_lines.named(f"line {{}} is not an exported trailer ({self._why})",
+                                 f"lines {{}} are not exported trailers (the first: "
+                                 f"{self._why})"),
+            self.unreadable.named("stream sequence {} cannot be read",
+                                  "stream sequences {} cannot be read"),
+            self.altered.named("the trailer at stream sequence {} does not hash to what it says",
+                               "the trailers at stream sequences {} do not hash to what they "
+                               "say"),
+        ]
+        ours, theirs = self.removable - self.removable_before, seal.removable - self.removable_before
+        if trailers != sealed or ours != theirs:
+            found.append(f"{trailers} trailers, {ours} of them of proposal chains, where the "
+                         f"seal counts {sealed} and {theirs} (checkpoints left out)")
+        elif self.tree.root() != seal.root:
+            found.append("they do not hash to the seal's root from the previous seal's "
+                         "frontier")
+        named = [f for f in found if f]
+        return "; ".join(named) if named else None
+
+
+def _hashes_to(body: dict[str, Any], claimed: object) -> bool:
+    try:
+        return isinstance(claimed, str) and trailer_hash(body) == claimed
+    except canonical.CanonicalError:
+        return False

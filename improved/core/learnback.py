@@ -12,6 +12,7 @@ from typing import Final, Literal
 
 from improved.core import identity
 from improved.core.audit import Draft
+from improved.core.boundary import Conflict, Unattested
 from improved.core.policy import Policy
 from improved.core.propose import count, signal_digest
 from improved.core.record import (
@@ -103,6 +104,22 @@ class Reading:
     cause: str | None = None
 
 
+def unattributed(answer: Unattested[Reading] | Conflict[Reading], service: str) -> Reading:
+    """The reading of an answer no decision may take (core.boundary): no value, and as its
+    cause what was said and why it does not count — recorded, never judged."""
+    if isinstance(answer, Conflict):
+        said = ", ".join(sorted({_said(a.value) for a in answer.answers}))
+        return Reading(cause=f"attested answers disagree ({said}): none is taken")
+    if answer.value.value is None:  # no value to take anyway: its own cause says why
+        return answer.value
+    return Reading(cause=f"the answer {_said(answer.value)} is not attributable to "
+                         f"service:{service} ({answer.why}): recorded, it decides nothing")
+
+
+def _said(reading: Reading) -> str:
+    return f"{reading.value!r}" if reading.value is not None else (reading.cause or "nothing")
+
+
 def awaiting(record: ProposalRecord) -> int | None:
     """When an applied, not yet measured proposal is due for its measurement (its
     `metric_snapshot.review_after`), or None when there is none to make."""
@@ -130,14 +147,16 @@ class DueWrite:
 
 
 def due_change(before: ProposalRecord | None, after: ProposalRecord,
-               republish: bool) -> DueWrite | None:
+               republish: bool, moved: bool = False) -> DueWrite | None:
     """What to write to the measurement index after a pass took `before` to `after`: the
     entry when a measurement fell due (the apply), a tombstone when it stopped being due (its
     verdict, a rollback), nothing otherwise; on a republish the entry again, or the tombstone
     for a proposal that was due once (in case the earlier write was lost). A proposal without
-    `review_after` never costs a write."""
+    `review_after` never costs a write. `moved`: a trailer of the pass moved the proposal in
+    or out of the index (`core.indexes`), so one measured in the pass that applied it gets its
+    tombstone too (a reader counting the members of the last checkpoint looks for it)."""
     new = due_entry(after)
-    if new != due_entry(before):
+    if new != due_entry(before) or (moved and new is None):
         return DueWrite(new)
     snap = after.proposal.metric_snapshot
     was_due = snap is not None and snap.review_after is not None and after.applied_at is not None

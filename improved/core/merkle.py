@@ -74,6 +74,13 @@ class Tree:
         return _fold(self._nodes)
 
 
+def leaf_of(claimed: object) -> str:
+    """A trailer's claimed hash as a leaf: itself when it is 64 hex, else the empty leaf, so
+    that a tampered trailer (named by its chain's check) still takes its place in the tree
+    and no root it is under holds."""
+    return claimed if isinstance(claimed, str) and well_formed((claimed,), 1) else ""
+
+
 def well_formed(frontier: object, count: int) -> bool:
     """A frontier has one 64-hex subtree root per set bit of `count`."""
     return (isinstance(frontier, tuple | list) and len(frontier) == bin(count).count("1")

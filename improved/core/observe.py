@@ -8,9 +8,9 @@ it finds otherwise. So each replica of the daemon, seeing only part of the signa
 into one window, and two replicas that see the same signals propose the same id: a candidate is
 a function of its evidence (no clock, no instance id, no arrival order).
 
-Candidates are ranked by score times the analyzer's learned weight (`Observer.rank`); those at
-or above the threshold are proposed through the bus like any other proposal, so they meet every
-guard. A window is an output of signals anyone can send: it may only ever lead to a *proposal*,
+Candidates whose score (their evidence) reaches the threshold are proposed through the bus like
+any other proposal, so they meet every guard, ranked by score times the analyzer's learned
+weight (`Observer.rank`): the weight orders them, never keeps one back. A window is an output of signals anyone can send: it may only ever lead to a *proposal*,
 never to authority — nothing but the proposal it makes reads it, and that proposal is triaged,
 gated and reviewed like one a service sent. The same holds for the learned weights (`Counts`):
 they decide whether a candidate is surfaced, never whether anything is applied.
@@ -261,8 +261,11 @@ class Observer:
 
     def rank(self, found: Iterable[tuple[str, Candidate]],
              counts: Mapping[str, Counts]) -> list[Proposal]:
-        """The candidates `found` (analyzer id, candidate), best first by score times the
-        analyzer's weight, those below the threshold left out."""
-        ranked = [(c.score * weight(counts.get(aid, NO_COUNTS)), c.proposal) for aid, c in found]
-        ranked.sort(key=lambda rc: -rc[0])
-        return [p for score, p in ranked if score >= self.threshold]
+        """The candidates `found` (analyzer id, candidate) whose own evidence reaches the
+        threshold, best first by score times the analyzer's learned weight. The weight only
+        orders: the counts live in a bucket any bus participant could rewrite, and what the
+        evidence calls for is proposed whatever they say (a proposal meets every guard)."""
+        kept = [(c.score * weight(counts.get(aid, NO_COUNTS)), c.proposal) for aid, c in found
+                if c.score >= self.threshold]
+        kept.sort(key=lambda rc: -rc[0])
+        return [p for _, p in kept]

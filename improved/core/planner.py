@@ -7,9 +7,10 @@ one `Step`: commit a transition, send a rollback, check the last-known-good, sen
 measure, finish a rollback, halt, or done. The engine carries out that one step and asks again,
 so the order of the loop lives here, in one function, and is tested without a broker.
 
-Two inputs are read only when a step needs them: the grant of an L3 skill and the original of
-a reversal. Until the view holds them the planner answers `ReadGrant` / `ReadOriginal` (as h11
-answers NEED_DATA); the shell reads, fills the view and asks again.
+Three inputs are read only when a step needs them: the grant of an L3 skill (now, and as of
+its intent's stream sequence) and the original of a reversal. Until the view holds them the
+planner answers `ReadGrant` / `ConfirmGrant` / `ReadOriginal` (as h11 answers NEED_DATA); the
+shell reads, fills the view and asks again.
 
 The priority order, first match wins:
   1. triage — untriaged, released from feedback collapse, expired (`valid_to` passed while
@@ -22,7 +23,9 @@ The priority order, first match wins:
   5. an operator's rollback of an applied change (its dispatch recorded first);
   6. the L4 last-known-good check (and the reversal recorded before any order);
   7. the apply: its dispatch recorded on the chain first (the intent, after an L3's grant is
-     re-read), then the order — sent again, the same, until its outcome is recorded;
+     re-read), then the order — sent again, the same, until its outcome is recorded. An L3's
+     intent stands only if its grant was active as of the intent's own stream sequence
+     (`ConfirmGrant`); one that does not is withdrawn and its order never sent;
   8. learn-back's measurement at `review_after`: ask the owning service (`AskMeasure`), then
      commit its verdict — held, regressed (which proposes the recorded rollback) or
      unmeasured (`after_measure`);
@@ -40,10 +43,17 @@ import msgspec
 from improved.core import apply as apply_stage
 from improved.core import learnback, lkg, propose, quorum, triage
 from improved.core.audit import Draft
+from improved.core.boundary import Answer, Attested, Evidence
 from improved.core.breaker import Autonomy
 from improved.core.policy import Policy
-from improved.core.record import REGRESSED, ProposalRecord, expiry_unrecorded
-from improved.protocol.model import ApplyOrder, Held, MeasureRequest, Proposal, to_json
+from improved.core.record import REGRESSED, UNMEASURED, ProposalRecord, expiry_unrecorded
+from improved.protocol.model import (
+    ApplyOrder,
+    Held,
+    MeasureRequest,
+    Proposal,
+    to_json,
+)
 from improved.protocol.wire import WireError
 
 AUTONOMOUS_CLASSES: Final = frozenset({"L0", "L3"})
@@ -67,8 +77,12 @@ class View:
     now: int
     autonomy: Autonomy = field(default_factory=Autonomy)
     dispatch: bool = True  # False: decide, but leave sending orders to the inbound consumer
-    rejected: dict[str, Any] | None = None  # the rejection-ledger entry under the dedup_key
+    # an operator's rejection under the dedup_key, as its chain records it (the ledger only
+    # says which chain to read)
+    rejected: triage.Rejection | None = None
     grant: GrantRead = UNREAD  # is the L3 skill's grant active
+    # (stream sequence of an intent, was the L3 skill's grant active as of it), once read
+    grant_at_intent: tuple[int, bool] | None = None
     original: ProposalRecord | None | _Unread = UNREAD  # the record a reversal reverts
 
     def held(self, record: ProposalRecord) -> Held | None:
@@ -93,6 +107,17 @@ class Commit:
 @dataclass(frozen=True)
 class ReadGrant:
     skill: str
+
+
+@dataclass(frozen=True)
+class ConfirmGrant:
+    """Was `skill`'s grant active as of stream sequence `as_of_seq` (only grant-chain trailers
+    below it count) and unexpired at `at`: does the intent recorded there stand? Read after
+    the intent's append was acknowledged, from the stream leader."""
+
+    skill: str
+    as_of_seq: int
+    at: int
 
 
 @dataclass(frozen=True)
@@ -154,8 +179,8 @@ class Done:
     pass
 
 
-Step = (Commit | ReadGrant | ReadOriginal | Halt | SendRollback | CheckLkg | SendApply
-        | AskMeasure | Measure | FinishRollback | Done)
+Step = (Commit | ReadGrant | ConfirmGrant | ReadOriginal | Halt | SendRollback | CheckLkg
+        | SendApply | AskMeasure | Measure | FinishRollback | Done)
 
 DONE: Final = Done()
 
@@ -223,12 +248,21 @@ def _dispatch(record: ProposalRecord, view: View, policy: Policy, actor: str) ->
         return CheckLkg()
     if not record.in_flight:
         return _intent(record, view, policy, actor)
+    if apply_stage.grant_bound(record):
+        # always set with dispatched_at; the chain's end, were it not, only counts more acts
+        seq = record.dispatched_seq or record.chain.stream_seq
+        if view.grant_at_intent is None or view.grant_at_intent[0] != seq:
+            return ConfirmGrant(record.skill or "", seq, record.dispatched_at or view.now)
+        if not view.grant_at_intent[1]:
+            return revoked(record, policy, view.now, actor)
     return SendApply(apply_stage.order(record, policy, 1), apply_stage.authority(record, policy))
 
 
 def _intent(record: ProposalRecord, view: View, policy: Policy, actor: str) -> Step:
     """Record the dispatch; an L3 auto-apply re-reads its grant first, and a revoked one
-    stops it here, before anything is recorded as sent."""
+    stops it here, before anything is recorded as sent. That read is a hint: a revoke can
+    land between it and the intent's append (another chain, so no conflict), which is why the
+    intent is judged once more, as of its own stream sequence, before its order is sent."""
     if apply_stage.grant_bound(record):
         if isinstance(view.grant, _Unread):
             return ReadGrant(record.skill or "")
@@ -248,27 +282,39 @@ def _after_apply(record: ProposalRecord, view: View, policy: Policy, actor: str)
     return DONE
 
 
-def after_measure(record: ProposalRecord, reading: learnback.Reading, policy: Policy,
+def after_measure(record: ProposalRecord, answer: Answer[learnback.Reading], policy: Policy,
                   actor: str, now: int) -> Measure:
     """What the owning service answered at review_after as the learn-back transition: held;
     regressed, with the recorded rollback proposed when there is one to propose; or
-    unmeasured (no usable answer), which proposes nothing and is never taken for held."""
-    verdict = learnback.judge(record, reading, policy)
+    unmeasured (no usable answer), which proposes nothing and is never taken for held. Only an
+    attested answer is judged: an unattested one, or attested ones that disagree, are recorded
+    unmeasured with what they said, and roll nothing back (core.boundary)."""
+    if isinstance(answer, Attested):
+        reading = answer.value
+        verdict = learnback.judge(record, reading, policy)
+    else:
+        reading = learnback.unattributed(answer, record.service)
+        verdict = UNMEASURED
     rollback = None
     if verdict == REGRESSED and (record.outcome is not None and record.outcome.rollbackable
                                  or record.revert is not None):
         rollback = apply_stage.rollback_proposal(record)
     rollback_id = propose.identify(rollback)[0] if rollback is not None else None
-    commit = Commit(*learnback.measured(record, verdict, reading, rollback_id, actor, now),
-                    why="measured")
-    return Measure(commit, rollback)
+    record, draft = learnback.measured(record, verdict, reading, rollback_id, actor, now)
+    return Measure(Commit(record, answered(draft, answer), why="measured"), rollback)
 
 
-def after_lkg(record: ProposalRecord, report: lkg.LkgReport, policy: Policy, actor: str,
-              max_message_bytes: int, now: int) -> Commit:
+def answered(draft: Draft, answer: Answer[Any]) -> Draft:
+    """`draft` with who answered the request it records (`apply.answered_by`)."""
+    return replace(draft, refs=(*draft.refs, apply_stage.answered_by(answer)))
+
+
+def after_lkg(record: ProposalRecord, answer: Evidence[lkg.LkgReport], policy: Policy,
+              actor: str, max_message_bytes: int, now: int) -> Commit:
     """The owning service's last-known-good report as a transition: refused (nothing was
     sent, nothing changed), or verified with the reversal generated now, validated as a
     proposal and recorded on the chain before any order goes out (SPEC 09 §7.1)."""
+    report = answer.value
     by = apply_stage.authority(record, policy)
     why = lkg.report_problem(record, report)
     if why is None:
@@ -282,10 +328,11 @@ def after_lkg(record: ProposalRecord, report: lkg.LkgReport, policy: Policy, act
             start, _ = propose.register(rev, rev_id, rev_dedup, policy, 0)
             check = triage.decide(start, policy, now, False, actor)
             if check.verdict != "reject":
-                return Commit(*lkg.verified(record, report, rev, rev_id, actor),
-                              why="lkg_verified")
+                after, draft = lkg.verified(record, report, rev, rev_id, actor)
+                return Commit(after, answered(draft, answer), why="lkg_verified")
             why = f"the reversal would be rejected: {check.cause}: {check.rationale}"
-    return Commit(*lkg.refused(record, why, by, now), why="lkg_refused")
+    after, draft = lkg.refused(record, why, by, now)
+    return Commit(after, answered(draft, answer), why="lkg_refused")
 
 
 def withdrawable(record: ProposalRecord, intended_here: bool, maybe_delivered: bool) -> bool:
@@ -313,16 +360,19 @@ def unreachable(record: ProposalRecord, intended_here: bool, maybe_delivered: bo
 
 
 def revoked(record: ProposalRecord, policy: Policy, now: int, actor: str) -> Commit:
-    """The grant an L3 auto-apply relied on was revoked before its dispatch was recorded (or
-    before a retry of an order that reached no service): the apply is stopped, a dispatch on
-    the chain is void, and the proposal is gated as L2 again."""
+    """The grant an L3 auto-apply relied on was not active as of its dispatch's stream
+    sequence, was revoked before its dispatch was recorded, or before a retry of an order
+    that reached no service: the apply is stopped, a dispatch on the chain is void (its
+    order never sent), and the proposal is gated as L2 again."""
     decision = triage.decide(record, policy, now, False, actor)
     return Commit(*triage.transition(record, decision), why="revoked")
 
 
-def with_read(view: View, step: ReadGrant | ReadOriginal,
+def with_read(view: View, step: ReadGrant | ConfirmGrant | ReadOriginal,
               value: bool | ProposalRecord | None) -> View:
     """The view after the shell carried out a read step."""
     if isinstance(step, ReadGrant):
         return replace(view, grant=bool(value))
+    if isinstance(step, ConfirmGrant):
+        return replace(view, grant_at_intent=(step.as_of_seq, bool(value)))
     return replace(view, original=value if isinstance(value, ProposalRecord) else None)

@@ -11,6 +11,7 @@ import msgspec
 
 from improved.core import identity
 from improved.core.audit import Draft
+from improved.core.boundary import Answer, Attested
 from improved.core.policy import Policy
 from improved.core.record import (
     SUPERSEDED,
@@ -114,11 +115,16 @@ def verify_signed(signers: TrustStore, env: Envelope, proposal: Proposal) -> Ver
     return verified
 
 
-def surface_problem(service: str, spec: object) -> str | None:
+def surface_problem(service: str, spec: Answer[Any] | None) -> str | None:
     """Why proposals for `service` are refused, given what its `spec.get` answered (None: no
     answer), or None. Only an advertised omission refuses (SPEC 09 conformance L0: a service
-    that does not participate says so); silence may be a service that is down."""
-    if isinstance(spec, dict) and spec.get("improve") is False:
+    that does not participate says so), and only when the answer is the service's own
+    (attested, core.boundary) and speaks of that service: silence may be a service that is
+    down, and anyone on an open bus could answer first."""
+    if not isinstance(spec, Attested) or not isinstance(spec.value, dict):
+        return None
+    named = spec.value.get("service")
+    if spec.value.get("improve") is False and named in (None, service):
         return (f"service {service!r} advertises no improvement surface (its spec.get says "
                 '"improve": false): it takes no proposals')
     return None

@@ -66,16 +66,18 @@ class Write:
 
 
 def change(before: ProposalRecord | None, after: ProposalRecord,
-           republish: bool) -> Write | None:
+           republish: bool, moved: bool = False) -> Write | None:
     """What to write to the index after a pass took `before` to `after`, if anything. A chain
     begun in this pass (`before` None: its append expected an empty chain) had no entry, so
     only a queued one is written; otherwise a write when the entry changed, and on a republish
     the entry again (or a tombstone for a gated record, in case an earlier one was lost). An L0
-    proposal is never queued: it never costs a write."""
+    proposal is never queued: it never costs a write. `moved`: a trailer of the pass moved
+    the proposal in or out of the queue (`core.indexes`), so one that came and went within it
+    gets its tombstone (a reader counting the members of the last checkpoint looks for it)."""
     new = entry_of(after)
     if before is None:
-        return Write(new) if new is not None else None
-    if new != entry_of(before):
+        return Write(new) if new is not None or moved else None
+    if new != entry_of(before) or (moved and new is None):
         return Write(new)
     if republish and (new is not None or after.gate_class != "L0"):
         return Write(new)

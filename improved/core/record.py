@@ -76,6 +76,8 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
     superseded_by: str | None = None  # newer content under the same dedup_key
     dispatched_by: str | None = None  # the authority of the ApplyOrder recorded as dispatched
     dispatched_at: int | None = None  # when that dispatch was recorded (the intent trailer)
+    # the intent trailer's stream sequence: an L3's grant counts as it stood below it
+    dispatched_seq: int | None = None
     rollback_by: str | None = None  # the principal who asked for the inverse
     rollback_dispatched_at: int | None = None  # when the rollback order was recorded as sent
     rollback_outcome: ApplyOutcome | None = None
@@ -275,7 +277,14 @@ def with_trailer(record: ProposalRecord, trailer: Trailer, stream_seq: int) -> P
         stage=trailer.to_stage,
         chain=ChainHead(length=trailer.seq + 1, last_hash=trailer.hash, stream_seq=stream_seq),
         updated_at=max(record.updated_at, trailer.at),
+        dispatched_seq=stream_seq if is_intent(trailer) else record.dispatched_seq,
     )
+
+
+def is_intent(trailer: Trailer) -> bool:
+    """The dispatch of an ApplyOrder (not of a rollback order)."""
+    return (trailer.to_stage == "apply" and trailer.verdict == DISPATCHED
+            and ref("dispatch", "rollback") not in trailer.refs)
 
 
 # -- trailer refs: `name:value` strings that make each trailer self-sufficient for a rebuild ----
@@ -331,6 +340,7 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
         elif trailer.to_stage == "triage" and trailer.verdict in ("accept", "defer", "reject"):
             record = record.replace(
                 gate_class=trailer.gate_class, dispatched_by=None, dispatched_at=None,
+                dispatched_seq=None,
                 decision=TriageDecision(
                     proposal_id=record.proposal_id, service=record.service,
                     verdict=trailer.verdict, cause=trailer.cause,
@@ -355,7 +365,7 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
                       if refs.get("dispatch") == "rollback" else
                       record.replace(dispatched_by=refs["authority"], dispatched_at=trailer.at))
         elif trailer.to_stage == "apply" and trailer.verdict == UNDELIVERED:
-            record = record.replace(dispatched_by=None, dispatched_at=None)
+            record = record.replace(dispatched_by=None, dispatched_at=None, dispatched_seq=None)
         elif trailer.to_stage == "apply" and trailer.verdict == ROLLBACK:
             record = record.replace(rollback_by=trailer.actor)
         elif trailer.to_stage == "apply" and trailer.verdict in (ROLLED_BACK, ROLLBACK_FAILED):
@@ -390,6 +400,7 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
 
 
 def same_state(a: ProposalRecord, b: ProposalRecord) -> bool:
-    """Equal in everything the chain decides (where its head sits in the stream, and when the
-    record was last touched, aside)."""
-    return a.replace(chain=b.chain, updated_at=b.updated_at) == b
+    """Equal in everything the chain decides (where its head and its intent sit in the
+    stream, and when the record was last touched, aside)."""
+    return a.replace(chain=b.chain, updated_at=b.updated_at,
+                     dispatched_seq=b.dispatched_seq) == b

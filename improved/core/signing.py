@@ -28,6 +28,8 @@ PAYLOAD_TYPES = {
     "tool_revoke": "application/vnd.improved.tool-revoke+json",  # an upgrade's early end
     "signal": "application/vnd.improved.signal+json",  # learn-back evidence from a verified emitter
     "proposal": "application/vnd.improved.proposal+json",  # a proposal from a verified proposer
+    "reply": "application/vnd.improved.reply+json",  # a service's answer to one request
+    "apply_report": "application/vnd.improved.apply-report+json",  # an asynchronous apply result
 }
 
 

@@ -34,7 +34,12 @@ runtime and tool, and anything written as a spent or revoked mark counts as spen
 (a spent mark is kept until its act's own time check refuses it on every replica,
 `spent_until`; then it may go, so the spent marks follow the calls of the acts' windows, not
 the history).
-Each call's decision is drafted as a trailer of the runtime's `_tools` chain (`call_draft`).
+A ledger that cannot vouch that it forgot nothing (a limit set on its streams and set back,
+a stream made again: `improved.core.retention`) raises `LedgerUntrusted` instead of answering,
+and the call is refused `ledger_untrusted`: a spend or a revocation it may have lost is never
+taken for absent.
+Each call's decision is drafted as a trailer of the runtime's `_tools` chain (`call_draft`), as
+is the ledger a runtime trusts when it starts (`ledger_draft`).
 
 Pure: no NATS, no clock of its own (`now_ms` is passed in), no logging. A refusal changes
 nothing: the tool is not called and the grant is not spent.
@@ -56,6 +61,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from msgspec import Meta
 
+from improved.core import retention
 from improved.core.audit import Draft
 from improved.core.record import ref
 from improved.core.scopes import (
@@ -481,6 +487,15 @@ def not_found(name: str) -> dict[str, Any]:
 # -- what outlives a process: the ledger ----------------------------------------------------------
 
 
+class LedgerUntrusted(ActRefused):
+    """The ledger cannot vouch that it kept every mark (`improved.core.retention.problem` says
+    why): whatever it would answer, a spend or a revocation it lost would look absent, so the
+    call that relies on it is refused `ledger_untrusted`."""
+
+    def __init__(self, reason: str):
+        super().__init__("ledger_untrusted", reason)
+
+
 class Ledger(Protocol):
     """Spent grants and session proofs, L2 acceptances and upgrade revocations, shared by
     whoever shares the ledger (a proof's digest and a grant's act id hash different bytes, so
@@ -489,7 +504,9 @@ class Ledger(Protocol):
     `spend` is create-only: True for the one caller that spends `act`, False for every later
     one, whatever was written under the key in between, until `until` (ms, `spent_until`):
     after that the ledger may forget the act, whose own time check refuses it by then. `acceptance` answers the signed grant
-    recorded for (runtime, token), which the runtime verifies again before believing it."""
+    recorded for (runtime, token), which the runtime verifies again before believing it.
+    `spend` and `revoked` raise LedgerUntrusted when the ledger cannot vouch for what it
+    kept."""
 
     async def spend(self, act: str, until: int, now: int) -> bool: ...
 
@@ -558,11 +575,50 @@ class Decision:
         return self.reply is None
 
 
-def call_draft(runtime: str, decision: Decision) -> Draft | None:
+# -- the ledger a runtime trusts, on its chain ----------------------------------------------------
+
+LEDGER_STREAMS: dict[str, tuple[str, retention.Kind]] = {
+    S.STREAM_TOOLS_SPENT: ("spent_stream", "expires"),
+    S.STREAM_TOOLS_REVOKED: ("revoked_stream", "keeps"),
+    S.STREAM_TOOLS_AUDIT: ("audit_stream", "keeps"),
+}
+"""The streams a runtime relies on having kept every message — its marks, and its chain, where
+it reads at start the ledger it trusts — with the ref that names on each trailer the one it
+trusts (`Known.ref`), and how each is checked (`improved.core.retention`)."""
+
+
+def ledger_refs(known: Mapping[str, retention.Known]) -> list[str]:
+    """The refs that name, on a trailer, the streams the runtime trusts (LEDGER_STREAMS)."""
+    return [ref(name, known[stream].ref()) for stream, (name, _) in LEDGER_STREAMS.items()
+            if stream in known]
+
+
+def recorded_ledger(refs: Mapping[str, str]) -> dict[str, retention.Known]:
+    """The streams a trailer's refs (by name) say its runtime trusted, by stream name."""
+    out = {}
+    for stream, (name, kind) in LEDGER_STREAMS.items():
+        known = retention.ref_value(stream, kind, refs.get(name, ""))
+        if known is not None:
+            out[stream] = known
+    return out
+
+
+def ledger_draft(runtime: str, known: Mapping[str, retention.Known], why: str) -> Draft:
+    """The trailer that records the streams a runtime trusts from now on (`ledger_refs`), and
+    `why`: seen for the first time, or accepted by an operator as they are now. Every later
+    trailer names them too, so the chain's last trailer says what the runtime trusts."""
+    return Draft(from_stage="apply", to_stage="apply", actor=runtime, observer_type="rec:system",
+                 verdict="ledger", refs=(ref("runtime", runtime), *ledger_refs(known)),
+                 reason=f"runtime {runtime} trusts its ledger: {why}")
+
+
+def call_draft(runtime: str, decision: Decision,
+               known: Mapping[str, retention.Known] | None = None) -> Draft | None:
     """The trailer of the runtime's `_tools` chain that records one decision (None for a tool
     not in the catalog): the tool, the digest of its arguments (never the arguments), its
-    class, what allowed it (and the signed act that did) or why it was refused. `tool_call`
-    for a call that runs, `refused` for one that does not; stage `apply` → `apply`."""
+    class, what allowed it (and the signed act that did) or why it was refused, and the
+    streams the runtime trusts (`known`, `ledger_refs`). `tool_call` for a call that runs,
+    `refused` for one that does not; stage `apply` → `apply`."""
     p = decision.provider
     if p is None:
         return None
@@ -571,7 +627,7 @@ def call_draft(runtime: str, decision: Decision) -> Draft | None:
     except (TypeError, msgspec.EncodeError):
         digest = "unencodable"
     refs = [ref("runtime", runtime), ref("tool", p.name), ref("class", p.authority),
-            ref("token", grant_token(p)), ref("args", digest)]
+            ref("token", grant_token(p)), ref("args", digest), *ledger_refs(known or {})]
     if decision.session is not None:
         refs.append(ref("session", decision.session))
     if decision.allowed:
@@ -730,7 +786,11 @@ class Runtime:
                     return _refuse(base, problem.code, problem.reason)
                 assert proof is not None and act.session_key is not None  # check_proof
                 until = spent_until(proof_lapse(proof), self.spent_margin_ms)
-                if not await self.ledger.spend(proved, until, now_ms):
+                try:
+                    fresh = await self.ledger.spend(proved, until, now_ms)
+                except LedgerUntrusted as exc:
+                    return _refuse(base, exc.code, exc.reason)
+                if not fresh:
                     return _refuse(base, "session_proof_replayed", "this proof was already "
                                    "used; a proof runs one call, sign a new one (new at and "
                                    "nonce) for each")

@@ -7,7 +7,8 @@ gate — so the cause of a decision is deterministic. Pure: (record, policy, clo
 
 from __future__ import annotations
 
-from typing import Any, Protocol, get_args
+from dataclasses import dataclass
+from typing import Protocol, get_args
 
 import msgspec
 
@@ -26,11 +27,36 @@ from improved.protocol import canonical
 from improved.protocol.model import Cause, ChangeClass, Held, Proposal, TriageDecision, Verdict
 
 
+@dataclass(frozen=True)
+class Rejection:
+    """An operator's rejection as the rejected proposal's own verified chain records it (the
+    ledger entry under the dedup_key only says which chain to read: any bus participant could
+    write one). Made by `rejection_of`."""
+
+    proposal_id: str
+    dedup_key: str
+    principal: str
+    reason: str
+    evidence: str  # `evidence_digest` of the rejected proposal
+
+
+def rejection_of(record: ProposalRecord | None) -> Rejection | None:
+    """The rejection `record` (rebuilt from its verified chain) carries: its last decision an
+    operator's signed reject (a human's, no cause); None for anything else."""
+    d = record.decision if record is not None else None
+    if record is None or d is None or d.verdict != "reject" or d.cause is not None \
+            or record.status != "rejected":
+        return None
+    return Rejection(record.proposal_id, record.dedup_key, d.actor, d.rationale,
+                     evidence_digest(record.proposal))
+
+
 def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
-           actor: str, rejected: dict[str, Any] | None = None,
+           actor: str, rejected: Rejection | None = None,
            held: Held | None = None) -> TriageDecision:
-    """`rejected`: the rejection-ledger entry under this proposal's dedup_key, if any;
-    `held`: `circuit_open` or `autonomy_off` while autonomous applies are held back."""
+    """`rejected`: the operator's rejection of earlier content under this proposal's
+    dedup_key, as its chain records it, if any; `held`: `circuit_open` or `autonomy_off`
+    while autonomous applies are held back."""
     p = record.proposal
     scheme = gradient.scheme_of(p.target_ref)
 
@@ -86,11 +112,12 @@ def decide(record: ProposalRecord, policy: Policy, now: int, grant_active: bool,
                         f"{propose.FUTURE_SKEW_MS // 1000} s in the future")
     if p.valid_to is not None and p.valid_to <= now:
         return decision("reject", "expired", f"valid_to {p.valid_to} has passed")
-    if (rejected is not None and rejected.get("proposal_id") != record.proposal_id
-            and rejected.get("evidence") == evidence_digest(p)):
+    if (rejected is not None and rejected.proposal_id != record.proposal_id
+            and rejected.dedup_key == record.dedup_key
+            and rejected.evidence == evidence_digest(p)):
         return decision("reject", "duplicate_rejected",
-                        f"{rejected.get('principal')} rejected {rejected.get('proposal_id')} under "
-                        f"the same dedup_key on the same evidence: {rejected.get('reason')}")
+                        f"{rejected.principal} rejected {rejected.proposal_id} under the same "
+                        f"dedup_key on the same evidence: {rejected.reason}")
     if self_confirmed(record.positives, record.independent_positives):
         return decision("defer", "feedback_collapse",
                         f"all {record.positives} positive signals come from the proposer's own "
@@ -202,4 +229,4 @@ def transition(record: ProposalRecord, d: TriageDecision) -> tuple[ProposalRecor
                   cause=d.cause)
     # a new decision voids a dispatch that was recorded but never sent (a revoked grant)
     return record.replace(decision=d, gate_class=d.gate_class, updated_at=d.at,
-                          dispatched_by=None, dispatched_at=None), draft
+                          dispatched_by=None, dispatched_at=None, dispatched_seq=None), draft

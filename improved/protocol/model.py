@@ -31,6 +31,7 @@ TrailerVerdict = Literal[
     "policy",  # the policy chain: the effective policy a daemon started with
     "trust",  # the trust chain: the operator and voter keys a daemon started with
     "tool_call",  # a runtime's tools chain: a call allowed (a refused one is `refused`)
+    "ledger",  # a runtime's tools chain: the mark streams it trusts from now on
 ]
 ObserverType = Literal["human", "rec:agent", "rec:policy", "rec:system"]
 Cause = Literal[

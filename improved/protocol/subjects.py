@@ -68,6 +68,11 @@ TOOLS_AUDIT_FILTER = f"{TOOLS_AUDIT}.*"
 # mark that would expire cannot stand in for a revocation).
 TOOLS_SPENT = "improve.tools.spent"
 TOOLS_SPENT_FILTER = f"{TOOLS_SPENT}.*"
+# The spent marks' stream forgets (each mark by its TTL), so it holds a sentinel: written first,
+# without a TTL, by whoever makes the stream (or once by `improved provision` into a stream an
+# earlier version made). Every limit removes the oldest message first, so while the sentinel is
+# there no limit has removed a mark written after it (core/retention.py).
+TOOLS_SPENT_SENTINEL = f"{TOOLS_SPENT}._sentinel"
 TOOLS_REVOKED = "improve.tools.revoked"
 TOOLS_REVOKED_FILTER = f"{TOOLS_REVOKED}.*.*"
 
@@ -313,6 +318,15 @@ def window_key(analyzer_id: str, svc: str, target_ref: str) -> str:
     """KV key of one analyzer's window over one target: `<analyzer id>.<svc>.<first 32 hex of
     SHA-256 of the target_ref>` (a target may hold any character; the digest is KV-safe)."""
     return f"{analyzer_id}.{svc}.{hashlib.sha256(target_ref.encode()).hexdigest()[:32]}"
+
+
+def filed_under(subject: str) -> str | None:
+    """The service a proposal chain's subject `improve.audit.<svc>.<id>` files it under; None
+    for a mesh chain (`_grants`, `_autonomy`, …) or anything else."""
+    svc = token(subject, 2)
+    if token(subject, 1) != "audit" or svc is None or svc in MESH_CHAINS:
+        return None
+    return svc
 
 
 def token(subject: str, index: int) -> str | None:

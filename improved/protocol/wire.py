@@ -30,6 +30,7 @@ NOT_FOUND = "not_found"
 NO_SURFACE = "no_surface"  # the service advertises `"improve": false`: it takes no proposals
 CHAIN_BROKEN = "chain_broken"  # the proposal's chain does not verify: a crisis is open
 INTERNAL = "internal"
+NOT_ATTESTED = "not_attested"  # a service's report that is not attributable to that service
 # a signed proposal that does not verify (docs/protocol.md "Identity"); it changes nothing
 BAD_SIGNATURE = "bad_signature"  # no signature, or one that does not match the payload
 UNKNOWN_SIGNER = "unknown_signer"  # signed by no key in [trust.signers]

@@ -7,7 +7,8 @@ the epoch, once per epoch.
 
 An operator exports sealed epochs to files (`improved audit archive DIR`): every trailer of
 the epoch, one JSON line each with its stream sequence, subject and headers, and the seal
-beside it. The export is checked against the seal's root before it is kept. With `--remove`
+beside it. The export is checked exactly against its seal (`epochs.EpochCheck`) before it is
+kept, and again whenever `audit verify --archive` reads it (`ArchiveRead`). With `--remove`
 (and the `improved-archivist` credential) the epoch's proposal chains are then purged from the
 stream, service by service, below the seal's `upto`; the mesh chains stay whole.
 """
@@ -27,7 +28,7 @@ import structlog
 from improved.core import audit, epochs, merkle
 from improved.core.epochs import Seal
 from improved.protocol import subjects as S
-from improved.runtime.checkpointing import CP_SUBJECT
+from improved.runtime.checkpointing import CP_SUBJECT, Entry
 from improved.runtime.store import Store
 
 log = structlog.get_logger("improved.archive")
@@ -140,14 +141,20 @@ class Exported:
 async def export(store: Store, directory: Path, seal: Seal, prev: Seal | None,
                  seal_body: dict[str, Any]) -> Exported:
     """Write epoch `seal.epoch` to `directory` (skipped when it is already there and checks
-    out), checking it against the seal's root before it is kept; ValueError if the stream
-    no longer holds it whole (it was removed before it was exported) or does not hash to it."""
+    out; its seal file written again when only that is missing), checking it exactly against
+    the seal before it is kept; ValueError if the stream no longer holds it whole (it was
+    removed before it was exported), it does not check out, or the directory holds another
+    seal for it."""
     start = prev.upto + 1 if prev else 1
     path, sealed = epoch_file(directory, seal.epoch), seal_file(directory, seal.epoch)
-    if path.exists() and sealed.exists():
-        services = check_file(path, seal, prev)
-        with path.open() as lines:
-            return Exported(seal.epoch, sum(1 for _ in lines), services, False)
+    if path.exists():
+        services, lines = check_file(path, seal, prev)
+        kept = seal_problem(sealed, seal_body)
+        if kept == "missing":
+            _write_durably(sealed, json.dumps(seal_body, indent=1) + "\n")
+        elif kept:
+            raise ValueError(f"epoch {seal.epoch}: {kept}")
+        return Exported(seal.epoch, lines, services, False)
     await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
     partial = path.with_suffix(".jsonl.partial")
     expected, count = start, 0
@@ -167,76 +174,163 @@ async def export(store: Store, directory: Path, seal: Seal, prev: Seal | None,
         partial.unlink()
         raise ValueError(f"epoch {seal.epoch}: the stream ends at {expected - 1}, before its "
                          f"seal's {seal.upto}")
-    services = check_file(partial, seal, prev)
+    try:
+        services, _ = check_file(partial, seal, prev)
+    except ValueError:
+        partial.unlink()
+        raise
     partial.rename(path)
     _write_durably(sealed, json.dumps(seal_body, indent=1) + "\n")
     return Exported(seal.epoch, count, services, True)
 
 
-def check_file(path: Path, seal: Seal, prev: Seal | None) -> set[str]:
-    """The services whose chains epoch file `path` holds, if it hashes to `seal`'s root from
-    `prev`'s frontier; ValueError naming what does not."""
-    tree = merkle.Tree(prev.frontier, prev.count) if prev else merkle.Tree()
+def check_file(path: Path, seal: Seal, prev: Seal | None) -> tuple[set[str], int]:
+    """(the services whose chains epoch file `path` holds, its lines) if it is exactly what
+    `seal` signed (`epochs.EpochCheck`); ValueError naming what is not."""
+    check = epochs.EpochCheck(seal, prev)
     services: set[str] = set()
-    expected = prev.upto + 1 if prev else 1
-    removable = prev.removable if prev else 0
-    for seq, subject, body, _ in read_file(path):
-        if seq != expected:
-            raise ValueError(f"{path}: stream sequence {expected} is missing")
-        expected += 1
-        if subject == CP_SUBJECT:
+    lines = 0
+    for number, entry, why in read_file(path):
+        lines = number
+        if entry is None:
+            check.bad_line(number, why)
             continue
-        tree.add(body.get("hash", "") if isinstance(body.get("hash"), str) else "")
+        seq, subject, body, _ = entry
+        check.feed(seq, subject, body)
         if epochs.is_proposal_chain(subject):
             services.add(S.token(subject, 2) or "")
-            removable += 1
-    if expected != seal.upto + 1 or tree.count != seal.count or tree.root() != seal.root:
-        raise ValueError(f"{path}: does not hash to the root of the seal of epoch {seal.epoch}"
-                         ": trailers were removed, altered or reordered")
-    if removable != seal.removable:
-        raise ValueError(f"{path}: holds {removable} proposal trailers, the seal says "
-                         f"{seal.removable}")
-    return services
+    problem = check.problem()
+    if problem:
+        raise ValueError(f"epoch {seal.epoch}: {path} does not match its seal: {problem}")
+    return services, lines
 
 
-def read_file(path: Path) -> Iterator[tuple[int, str, dict[str, Any], dict[str, str]]]:
-    """The (stream sequence, subject, body, headers) lines of an epoch file, one at a time;
-    ValueError on a line that is not one."""
-    with path.open() as lines:
+def read_file(path: Path) -> Iterator[tuple[int, Entry | None, str]]:
+    """(line number, (stream sequence, subject, body, headers), "") for each line of an epoch
+    file, one at a time; (line number, None, why) for a line that is no exported trailer.
+    OSError when the file cannot be read."""
+    with path.open(errors="replace") as lines:
         for number, line in enumerate(lines, 1):
             try:
                 entry = json.loads(line)
-                item = (int(entry["seq"]), str(entry["subject"]), dict(entry["body"]),
-                        dict(entry.get("headers") or {}))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{number}: not an exported trailer ({exc})") from None
-            yield item
+                body, headers = entry["body"], entry.get("headers") or {}
+                if not isinstance(body, dict) or not isinstance(headers, dict):
+                    raise TypeError("its body or headers are no object")
+                item = (int(entry["seq"]), str(entry["subject"]), body, headers)
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                yield number, None, f"{type(exc).__name__}: {exc}"[:200]
+                continue
+            yield number, item, ""
 
 
-async def entries(paths: list[Path]) -> AsyncIterator[tuple[int, str, dict | None,
-                                                            dict[str, str]]]:
-    """The trailers of epoch files, in order, as `Store.follow` gives the stream's."""
-    for path in paths:
-        for entry in read_file(path):
+def seal_problem(path: Path, seal_body: dict[str, Any]) -> str | None:
+    """What is wrong with the seal file `path` of an exported epoch, against the seal trailer
+    on the stream: "missing", or why it is not that trailer; None when it is."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return f"its seal {path} cannot be read ({exc.strerror or exc})"
+    try:
+        kept = json.loads(text)
+    except ValueError:
+        return f"its seal {path} is not JSON"
+    if kept != seal_body:
+        return f"its seal {path} is not the seal on the stream"
+    return None
+
+
+@dataclass
+class _Planned:
+    seal: Seal
+    prev: Seal | None
+    data: Path | None  # its export, when the directory holds it; else the stream is read
+    exported: bool  # the directory says it was exported (a file of it or of a later epoch)
+    said: list[str]  # what is already wrong with its files
+
+
+class ArchiveRead:
+    """The log as `audit verify --archive DIR` reads it: each sealed epoch from its export in
+    DIR, or from the stream when DIR holds none, every one checked exactly against its seal as
+    it streams by (`epochs.EpochCheck`); then the rest of the stream. An epoch DIR has a file
+    of, or a later epoch's, was exported (`improved audit archive` exports them in order), so
+    both its files must be there. What does not match is named in `problems`, one line per
+    epoch, as the read passes it. Memory is one epoch check at a time."""
+
+    def __init__(self, directory: Path, seals: list[tuple[Seal, dict[str, Any]]]):
+        self.directory = directory
+        self.found = directory.is_dir()
+        self.seals = [seal for seal, _ in seals]
+        self.problems: list[str] = []
+        self.from_export: list[int] = []
+        self.from_stream: list[int] = []
+        self._plan = self._survey(seals)
+
+    def _survey(self, seals: list[tuple[Seal, dict[str, Any]]]) -> list[_Planned]:
+        """Which file of each epoch the directory holds (two stats per epoch), and whether its
+        seal file is the stream's seal."""
+        plan: list[_Planned] = []
+        later = False
+        beyond = len(seals) + 1
+        if epoch_file(self.directory, beyond).exists() or \
+                seal_file(self.directory, beyond).exists():
+            self.problems.append(f"epoch {beyond}: {self.directory} holds an export of it, but "
+                                 "the stream holds no seal of it: seals were removed")
+            later = True
+        for index in range(len(seals) - 1, -1, -1):
+            seal, body = seals[index]
+            prev = seals[index - 1][0] if index else None
+            data, sealed = epoch_file(self.directory, seal.epoch), seal_file(self.directory,
+                                                                              seal.epoch)
+            has_data = data.exists()
+            kept = seal_problem(sealed, body)
+            exported = later or has_data or kept != "missing"
+            said = []
+            if exported and kept == "missing":
+                said.append(f"its seal {sealed} is missing")
+            elif exported and kept:
+                said.append(kept)
+            if exported and not has_data:
+                said.append(f"its export {data} is missing")
+            plan.append(_Planned(seal, prev, data if has_data else None, exported, said))
+            later = exported
+        return plan[::-1]
+
+    async def entries(self, store: Store, last_seq: int) -> AsyncIterator[Entry]:
+        """Every trailer, as `Store.follow` gives the stream's: the sealed epochs, then the
+        stream after the last seal up to `last_seq`."""
+        for planned in self._plan:
+            check = epochs.EpochCheck(planned.seal, planned.prev)
+            said = list(planned.said)
+            if planned.data is not None:
+                self.from_export.append(planned.seal.epoch)
+                try:
+                    for number, entry, why in read_file(planned.data):
+                        if entry is None:
+                            check.bad_line(number, why)
+                            continue
+                        check.feed(entry[0], entry[1], entry[2])
+                        yield entry
+                    where: str | None = f"{planned.data}"
+                except OSError as exc:
+                    said.append(f"{planned.data} cannot be read ({exc.strerror or exc})")
+                    where = None
+            else:
+                self.from_stream.append(planned.seal.epoch)
+                async for entry in store.follow(S.AUDIT_FILTER, check.first, planned.seal.upto):
+                    check.feed(entry[0], entry[1], entry[2])
+                    yield entry
+                where = "the stream, read instead," if planned.exported else \
+                    f"not exported to {self.directory}; the stream"
+            problem = check.problem() if where else None
+            if problem:
+                said.append(f"{where} does not match its seal: {problem}")
+            if said:
+                self.problems.append(f"epoch {planned.seal.epoch}: " + "; ".join(said))
+        after = self.seals[-1].upto + 1 if self.seals else 1
+        async for entry in store.follow(S.AUDIT_FILTER, after, last_seq):
             yield entry
-
-
-def exported_files(directory: Path, seals: list[Seal]) -> list[Path]:
-    """The epoch files in `directory` for the first seals, in order, as far as they run
-    without a gap (each file checked against its seal as it is read)."""
-    files = []
-    for seal in seals:
-        path = epoch_file(directory, seal.epoch)
-        if not path.exists():
-            break
-        files.append(path)
-    return files
-
-
-async def chained(*sources: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    for source in sources:
-        async for item in source:
-            yield item
 
 
 def _write_durably(path: Path, text: str) -> None:

@@ -326,10 +326,6 @@ def on_reconnect(nc: Client, callback: Callable[[], Awaitable[None]]) -> None:
     _reconnect_hooks.setdefault(id(nc), []).append(callback)
 
 
-async def _quiet(exc: Exception) -> None:
-    """Errors of a one-shot connection surface as the exception connect() raises."""
-
-
 async def close(nc: Client) -> None:
     """Drain when connected (flushes pending publishes), else just close."""
     try:
@@ -369,9 +365,18 @@ async def connect(url: str | Target, name: str, *, connect_timeout: float = 5.0,
         nc = held.get("nc")
         return nc is not None and (nc.is_closed or nc.is_draining)
 
+    refused: list[str] = []  # the server's own words when it refused to let us in
+
     async def on_error(exc: Exception) -> None:
+        if "authorization violation" in str(exc).lower():
+            refused.append(str(exc))
         if not closing():
             log.warning("nats error", error=str(exc))
+
+    async def quiet(exc: Exception) -> None:
+        """Errors of a one-shot connection surface as the exception connect() raises."""
+        if "authorization violation" in str(exc).lower():
+            refused.append(str(exc))
 
     where = target(url)
     servers = list(where.servers)
@@ -403,11 +408,19 @@ async def connect(url: str | Target, name: str, *, connect_timeout: float = 5.0,
             # nats-py gives up on a first connection only when reconnects are allowed and
             # bounded (> 0); a one-shot connection then drops reconnects once it is up
             max_reconnect_attempts=3 if persistent else 1, reconnect_time_wait=0.5,
-            error_cb=on_error if persistent else _quiet, disconnected_cb=on_disconnect,
+            error_cb=on_error if persistent else quiet, disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnected, allow_reconnect=True,
         )
     except (TimeoutError, OSError, nats.errors.NoServersError) as exc:
         # the servers without their credentials: this line ends up in logs and terminals
+        if refused:
+            who = (f"user {where.user}" if where.user
+                   else "these credentials" if {"token", "user_credentials"} & where.options.keys()
+                   else "a connection without credentials")
+            raise BusError(f"NATS at {','.join(servers)} refused {who} (authorization "
+                           "violation): give the credentials of a user it knows ([nats] in "
+                           "the config, or IMPROVED_NATS_USER and IMPROVED_NATS_PASSWORD_FILE)"
+                           ) from exc
         raise BusError(f"cannot reach NATS at {','.join(servers)}: {exc}") from exc
     held["nc"] = nc
     if persistent:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from improved.core import audit, checkpoint, evidence, indexes, merkle
@@ -127,6 +127,7 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
                        archived: Seal | None = None,
                        source: AsyncIterator[Entry] | None = None,
                        on_checkpoint: Callable[[dict], Awaitable[None]] | None = None,
+                       sealed: Sequence[Seal] = (),
                        ) -> Since:
     """Read and verify every trailer after `base` up to the stream's last sequence: each in its
     chain (hash, link, lifecycle, writer, signed act), each checkpoint met on the way by its
@@ -141,7 +142,10 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
     missing (exported and removed, `runtime.archive`); when some are, the tree goes on from
     the seal's frontier, and the roots it covered are the export's to check. `source`: the
     trailers to read instead of the stream's (exported epochs, then the stream).
-    `on_checkpoint`: given each checkpoint trailer that verifies, as it is read."""
+    `sealed`: the seals of the epochs `source` checks exactly itself (`archive.ArchiveRead`):
+    the gaps at or below the last one's `upto` are its to name, and at the end of each epoch
+    the tree goes on from its seal, so one epoch's fault is named once, not in every root
+    after it. `on_checkpoint`: given each checkpoint trailer that verifies, as it is read."""
     since = Since(merkle.Tree(base.frontier, base.count), base.last_seq, base.last_hash,
                   indexes.counted(dict(base.members) if base.members is not None else None))
     timed = _Timed(trust, since)
@@ -161,11 +165,13 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
     broken: set[str] = set()
     start = base.last_seq + 1
     gaps = _Gaps(start, archived.upto if archived is not None and archived.upto >= start
-                 else 0)
+                 else 0, sealed[-1].upto if sealed else 0)
+    ends = _Ends(sealed)
     if source is None:
         source = store.follow(S.AUDIT_FILTER, start, view.last_seq)
     async for seq, subject, body, headers in source:
         since.read += 1
+        ends.passed(seq, since, roots)
         if gaps.reach(seq):
             _continue_from(since, archived, gaps.gone, roots)
         if body is None:
@@ -187,28 +193,43 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
         if subject == CP_SUBJECT and problem is None and on_checkpoint is not None:
             await on_checkpoint(body)
         if subject != CP_SUBJECT:
-            _cover(since, subject, seq, body, roots)
+            _add_leaf(since, subject, seq, body, roots)
+    ends.passed(None, since, roots)  # the read ended inside them
     if gaps.reach(view.last_seq + 1):  # the read ended at or below the seal
         _continue_from(since, archived, gaps.gone, roots)
     since.problems += _at_the_end(since, view, gaps, archived, roots)
     return since
 
 
-def _cover(since: Since, subject: str, seq: int, body: dict,
-           roots: dict[int, list[tuple[str, str]]]) -> None:
-    """Add one trailer (not a checkpoint) to what the next checkpoint covers: its hash to the
-    tree, its index refs to the members' counts; check any root claimed at this count."""
+def _add_leaf(since: Since, subject: str, seq: int, body: dict,
+              roots: dict[int, list[tuple[str, str]]]) -> None:
+    """The trailer at `seq` (not a checkpoint) joins the tree, and its index refs the
+    members' counts; the roots claimed at its count are checked."""
     if is_proposal_chain(subject):
         refs = body.get("refs")
         indexes.add(since.members, refs if isinstance(refs, list) else ())
-    leaf = body.get("hash")
-    since.tree.add(leaf if isinstance(leaf, str) else "")
-    since.last_seq, since.last_hash = seq, leaf if isinstance(leaf, str) else ""
+    leaf = merkle.leaf_of(body.get("hash"))
+    since.tree.add(leaf)
+    since.last_seq, since.last_hash = seq, leaf
     for root, what in roots.pop(since.tree.count, ()):
         if since.tree.root() != root:
             since.problems.append(
-                f"{what}: the first {since.tree.count} trailers no longer hash to its "
-                "root: trailers were removed, altered or reordered")
+                f"{what}: the first {since.tree.count} trailers no longer hash to its root: "
+                "trailers were removed, altered or reordered")
+
+
+class _Ends:
+    """The ends of the epochs a source checks itself: past each, the tree goes on from its
+    seal."""
+
+    def __init__(self, sealed: Sequence[Seal]):
+        self.ahead = list(reversed(sealed))
+
+    def passed(self, seq: int | None, since: Since, roots: dict[int, list[tuple[str, str]]]
+               ) -> None:
+        """The read is at `seq` (None: it ended)."""
+        while self.ahead and (seq is None or seq > self.ahead[-1].upto):
+            _continue_at(since, self.ahead.pop(), roots)
 
 
 def _at_the_end(since: Since, view: StreamView, gaps: _Gaps, archived: Seal | None,
@@ -260,11 +281,16 @@ class _Gaps:
 
     expected: int
     upto: int
+    named_to: int = 0  # gaps at or below it are the source's to name
     gone: int = 0
     missing: list[int] = field(default_factory=list)
 
     def reach(self, seq: int) -> bool:
         """Account for the gap before `seq`; True when the read has just passed the seal."""
+        if seq <= self.named_to:
+            self.expected = max(self.expected, seq + 1)
+            return False
+        self.expected = max(self.expected, self.named_to + 1)
         if self.upto:
             self.gone += max(0, min(seq, self.upto + 1) - self.expected)
         self.missing += range(max(self.expected, self.upto + 1), seq)
@@ -281,6 +307,12 @@ def _continue_from(since: Since, seal: Seal | None, gone: int,
     from the seal (what it covered is the export's to check)."""
     if seal is None or not gone:
         return
+    _continue_at(since, seal, roots)
+
+
+def _continue_at(since: Since, seal: Seal, roots: dict[int, list[tuple[str, str]]]) -> None:
+    """The tree goes on from `seal`, whose roots and those before it are checked (or named)
+    by whoever checked its epoch."""
     since.tree = merkle.Tree(seal.frontier, seal.count)
     since.last_seq, since.last_hash = seal.upto, seal.last_hash
     for count in [c for c in roots if c <= seal.count]:
@@ -352,9 +384,10 @@ async def _open(store: Store, subject: str, body: dict, headers: dict[str, str],
     checkpoint chain, and with `by_header` any chain (one that grows with time), continues
     from its predecessor alone when the append's header finds it."""
     chain_id = S.token(subject, 3) or ""
+    filed = S.filed_under(subject)
     position = body.get("seq")
     if position == 0:
-        return audit.ChainRun.start(chain_id, trust), True
+        return audit.ChainRun.start(chain_id, trust, filed), True
     if not isinstance(position, int) or position < 0:
         return f"{chain_id} trailer {position!r}: not a chain position"
     if subject == CP_SUBJECT or by_header:
@@ -362,7 +395,7 @@ async def _open(store: Store, subject: str, body: dict, headers: dict[str, str],
         if pred is not None:
             return (audit.ChainRun.after(chain_id, position - 1, pred[1], "pending", trust),
                     pred[0] <= base_seq)
-    run = audit.ChainRun.start(chain_id, trust)
+    run = audit.ChainRun.start(chain_id, trust, filed)
     began = 0
     for earlier_seq, earlier in await store.read_chain_at(subject):
         if earlier_seq >= seq:

@@ -22,6 +22,8 @@ nats_url = "nats://127.0.0.1:4222"   # omit to start an embedded nats-server; IM
 data_dir = ".improved"
 port = 4222                          # embedded server port
 sync = "always"                      # embedded server fsync: "always" or a duration ("2m")
+accounts = false                     # embedded server: true gives it deploy/accounts.conf's
+                                     # users and permissions (`improved run --accounts`)
 max_message_bytes = 262144
 replicas = 1                         # JetStream replicas of every stream (3 on a cluster)
 records_storage = "file"             # retained records: "file", or "memory" as ABP kept them
@@ -208,6 +210,8 @@ class Config(_Section, frozen=True, kw_only=True):
     data_dir: Path = Path(".improved")
     port: Port = 4222
     sync: Sync = "always"
+    # the embedded server with deploy/accounts.conf's users and permissions (runtime/accounts.py)
+    accounts: bool = False
     max_message_bytes: Annotated[int, Meta(ge=1, le=64 * 1024 * 1024)] = 256 * 1024
     replicas: Replicas = 1
     records_storage: RecordsStorage = "file"

@@ -50,7 +50,7 @@ from nats.js.errors import FetchTimeoutError
 
 from improved.client.sdk import enqueue, publish_deduplicated
 from improved.core import apply as apply_stage
-from improved.core import indexes, policy, propose, queue
+from improved.core import boundary, indexes, policy, propose, queue
 from improved.core.authority import Act
 from improved.core.observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
 from improved.core.record import status_at
@@ -130,7 +130,8 @@ class Daemon:
         # tombstones outlive the next two checkpoints: a reader finds what left since the last
         self.store.tombstone_ttl_s = indexes.tombstone_ttl_s(config.checkpoint_interval_s)
         self.engine = Engine(nc, self.store, config, self.actor)
-        self.surfaces = Surfaces(nc)  # what each service advertises: none refuses proposals
+        # what each service advertises: its own (attested) "improve": false refuses proposals
+        self.surfaces = Surfaces(self.engine.answers)
         self.observer = Observing(self.store,
                                   Observer([RegressionAnalyzer(), StaleSkillAnalyzer()]))
         self.engine.learn = self.observer.learn
@@ -682,11 +683,15 @@ class Daemon:
                            lambda: self._observe(svc, sig), msg)
             return Job(sig.proposal_id, lambda: self._signal(svc, sig, senv, msg), msg)
         if kind == "applied":
-            report = wire.decode(msg.data, ApplyReport, limit)
+            said = boundary.attest_report(msg.data, service=svc,
+                                          signers=self.engine.answers.signers(),
+                                          bound=self.engine.answers.bound)
+            report = wire.decode(said.value, ApplyReport, limit)
             if report.service != svc:
                 raise wire.WireError(wire.SUBJECT_MISMATCH, f"service {report.service!r} "
                                      f"disagrees with the subject's {svc!r}", "service")
-            return Job(report.proposal_id, lambda: self._report(report), msg)
+            return Job(report.proposal_id, lambda: self._report(said.map(lambda _: report)),
+                       msg)
         if kind == "triage":
             renv, target = review_target(msg.data, limit)
             if renv is not None:
@@ -828,12 +833,13 @@ class Daemon:
         if handled is None or handled.record is None:
             raise _ProposalUnknown(f"no proposal {pid}")
 
-    async def _report(self, report: ApplyReport) -> None:
-        """An asynchronous apply result: accepted only while the proposal awaits its apply."""
-        result = apply_stage.recordable(ApplyResult(
-            ok=report.ok, applied_id=report.applied_id, inverse=report.inverse,
-            rollbackable=report.rollbackable, error=report.error,
-            schema_class=report.schema_class))
+    async def _report(self, said: boundary.Evidence[ApplyReport]) -> None:
+        """An asynchronous apply result: accepted only while the proposal awaits its apply
+        (and, where the service's own reports can be told, only its own)."""
+        report = said.value
+        result = said.map(lambda r: apply_stage.recordable(ApplyResult(
+            ok=r.ok, applied_id=r.applied_id, inverse=r.inverse, rollbackable=r.rollbackable,
+            error=r.error, schema_class=r.schema_class)))
         handled, taken = await self.engine.report(report.service, report.proposal_id, result)
         if handled.record is None:
             raise _ProposalUnknown(f"no proposal {report.proposal_id} for {report.service}")

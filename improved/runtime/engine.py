@@ -34,6 +34,7 @@ from improved.core import apply as apply_stage
 from improved.core import (
     audit,
     authority,
+    boundary,
     breaker,
     evidence,
     identity,
@@ -66,6 +67,7 @@ from improved.core.record import (
 )
 from improved.core.signing import PAYLOAD_TYPES, ActRefused
 from improved.protocol import subjects as S
+from improved.protocol import wire
 from improved.protocol.model import (
     ApplyOrder,
     ApplyOutcome,
@@ -88,6 +90,7 @@ from improved.protocol.model import (
 )
 from improved.runtime import anchor as anchor_file
 from improved.runtime import archive, checkpointing, indexing, tool_chains
+from improved.runtime.answers import Answers
 from improved.runtime.config import Config, Trust
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import (
@@ -107,6 +110,8 @@ AUTONOMY_TTL_MS = 1000  # how stale this process's view of the breaker may be
 CACHE_SIZE = 10_000  # records kept in memory per process (the KV bucket holds all of them)
 WITNESS_TIMEOUT_S = 2.0  # how long a checkpoint waits for the runtime chains' heads
 WITNESS_RETRY_MS = 3600 * 1000  # after a failed read of them, when to try again
+# after a measurement's first attested answer, how long to listen for one that disagrees
+CONFLICT_GRACE_S = 0.25
 apply_result_decoder = msgspec.json.Decoder(ApplyResult)
 measure_reply_decoder = msgspec.json.Decoder(MeasureReply)
 
@@ -138,6 +143,7 @@ class ServiceUnreachable(Exception):
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
+A = TypeVar("A")
 B = TypeVar("B", bound=authority.SignedBody)
 # Before each attempt of an order: (attempt, whether an earlier one may have been delivered);
 # raises to stop the send (GrantRevoked).
@@ -177,6 +183,9 @@ class Engine:
     def __init__(self, nc: Client, store: Store, config: Config, actor: str):
         self.nc = nc
         self.store = store
+        # the daemon's requests to the services, every answer heard as evidence
+        self.answers = Answers(nc, lambda: self.chain_trust.history.fallback.signers,
+                               config.trust.subjects_bound)
         self.config = config
         self.records_ttl_s = int(config.records_ttl_days * 86400)  # 0: records kept for good
         self.policy = config.policy
@@ -196,6 +205,11 @@ class Engine:
         self._cache: OrderedDict[str, tuple[ProposalRecord, int]] = OrderedDict()
         self._autonomy: tuple[breaker.Autonomy, int] | None = None
         self._autonomy_verified = True  # whether that state's trailer verified
+        # the anchor of the last checkpoint this process signed, and the daemon keys whose
+        # seals count: what the O(1) look at the audit stream before each decision compares
+        # with (`_retention_problem`)
+        self._retained: tuple[checkpoints.Anchor, set[str], int] | None = None
+        self._recording_loss = False
         self.checkpoint_read = 0  # trailers the last checkpoint read: what was new, not the log
         self.metrics = Metrics()
         # observe's learn-back, once per committed trailer: (analyzer id, accepted, its hash)
@@ -294,12 +308,14 @@ class Engine:
                     else await self._standing_head(svc, dedup, pid, proposal, seen))
         dispatch_now = dispatch and standing is None
 
-        async def prepare() -> dict | None:
+        async def prepare() -> triage.Rejection | None:
             """Under the proposal's lock, by whoever registers it: claim the dedup_key (a crash
             before the registration leaves the message unacknowledged, so it is claimed again
             on redelivery) and read the rejection ledger, both at once. The ledger is read
             whatever the key held: a head leaves the bucket once its proposal has been closed
-            for `records_ttl_days` (`propose.head_may_expire`), a ledger entry never does."""
+            for `records_ttl_days` (`propose.head_may_expire`), a ledger entry never does. An
+            entry only names the rejected proposal: its chain says whether an operator
+            rejected it (`_rejection`)."""
             if future:
                 return None
             # a key just read as absent is most likely still absent: create without a read
@@ -309,7 +325,7 @@ class Engine:
                 self.store.ledger_get(svc, dedup))
             if head and head["proposal_id"] != pid:
                 claim["head"] = head
-            return rejected
+            return await self._rejection(svc, dedup, pid, rejected)
 
         # A first delivery not in this process's cache is taken for new without a read: if
         # the chain exists after all, the append conflicts and the record is rebuilt.
@@ -325,6 +341,21 @@ class Engine:
         if dispatch and not dispatch_now:  # held back for nothing: carry it on now
             handled = await self.advance(svc, pid)
         return handled
+
+    async def _rejection(self, svc: str, dedup: str, pid: str,
+                         entry: dict[str, Any] | None) -> triage.Rejection | None:
+        """The operator's rejection a rejection-ledger entry points to, as the rejected
+        proposal's verified chain records it under this dedup_key, or None: a bucket any bus
+        participant may write never rejects anything itself. A chain gone (archived) or not
+        verifying rejects nothing; the proposal then meets an operator again."""
+        named = entry.get("proposal_id") if isinstance(entry, dict) else None
+        if not isinstance(named, str) or not S.ID_RE.match(named) or named == pid:
+            return None
+        try:
+            found = triage.rejection_of(await self._truth(svc, named))
+        except ChainBroken:
+            return None
+        return found if found is not None and found.dedup_key == dedup else None
 
     async def _standing_head(self, svc: str, dedup: str, pid: str,
                              proposal: Proposal, seen: dict) -> str | None:
@@ -396,8 +427,15 @@ class Engine:
         handled.counted = box.get("counted")
         return handled
 
-    async def report(self, svc: str, pid: str, result: ApplyResult) -> tuple[Handled, bool]:
-        """An asynchronous ApplyReport; (handled, whether it was taken as the apply result)."""
+    async def report(self, svc: str, pid: str,
+                     result: boundary.Evidence[ApplyResult]) -> tuple[Handled, bool]:
+        """An asynchronous ApplyReport; (handled, whether it was taken as the apply result).
+        Where the service's own reports can be told (`Answers.attestable`), one that is not
+        its own is refused: WireError `not_attested`, nothing changes."""
+        if isinstance(result, boundary.Unattested) and self.answers.attestable(svc):
+            raise wire.WireError(wire.NOT_ATTESTED, f"an ApplyReport for {svc} counts only when it "
+                            f"is the service's own ({result.why}): sign it with the key "
+                            f"[trust.signers] binds to service:{svc}", "proposal_id")
         taken = False
 
         def ingest(record: ProposalRecord | None, now: int) -> tuple[ProposalRecord, Draft] | None:
@@ -531,7 +569,7 @@ class Engine:
     async def handle(self, svc: str, pid: str, ingest: Ingest, proposal: Proposal | None,
                      republish: bool, dispatch: bool = True, fresh: bool = False,
                      optimistic: bool = False,
-                     prepare: Callable[[], Awaitable[dict[str, Any] | None]] | None = None,
+                     prepare: Callable[[], Awaitable[triage.Rejection | None]] | None = None,
                      on_change: Callable[[ProposalRecord], Awaitable[None]] | None = None,
                      ) -> Handled:
         """Load, ingest, advance, then cache and publish once. `fresh` skips this process's
@@ -589,7 +627,7 @@ class Engine:
         """The record to decide on: what this process committed itself (its memory), else
         what the chain says. The state bucket is an output anyone on the bus could rewrite:
         it is read for its revision only, and put back when it disagrees with the chain."""
-        if not fresh and pid in self._cache:
+        if not fresh and self._held(svc, pid):
             self._cache.move_to_end(pid)
             return self._cache[pid]
         cached, rev = await self.store.load(svc, pid)
@@ -619,9 +657,16 @@ class Engine:
     async def _truth(self, svc: str, pid: str) -> ProposalRecord | None:
         """A proposal's record as this process committed it or as its chain says; never the
         state bucket's word."""
-        if pid in self._cache:
+        if self._held(svc, pid):
             return self._cache[pid][0]
         return await self.rebuild(svc, pid)
+
+    def _held(self, svc: str, pid: str) -> bool:
+        """Whether this process holds `pid`'s record as a proposal of `svc`: a message on
+        another service's subject naming it finds nothing here, as it finds no chain of
+        that service's, whatever this process happens to remember."""
+        held = self._cache.get(pid)
+        return held is not None and held[0].service == svc
 
     def _remember(self, record: ProposalRecord, rev: int) -> None:
         self._cache[record.proposal_id] = (record, rev)
@@ -648,17 +693,13 @@ class Engine:
         if record != before or republish:
             jobs.append(self.publish(record, since=None if republish else self._shown.get(pid)))
         touched = self._moved.pop(pid, set())
-        write = queue.change(before, record, republish)
-        if write is None and "review" in touched and queue.entry_of(record) is None:
-            write = queue.Write(None)  # queued and out again within this pass: say it left
+        write = queue.change(before, record, republish, moved="review" in touched)
         if write is not None:
             jobs.append(self.store.index(record.service, pid, write.entry))
             if write.entry is not None and write.entry.valid_to is not None \
                     and self.on_indexed is not None:
                 self.on_indexed(write.entry.valid_to)
-        due = learnback.due_change(before, record, republish)
-        if due is None and "due" in touched and learnback.due_entry(record) is None:
-            due = learnback.DueWrite(None)  # measured within the pass that applied it
+        due = learnback.due_change(before, record, republish, moved="due" in touched)
         if due is not None:
             jobs.append(self.store.mark_due(record.service, pid, due.entry))
         if self.records_ttl_s and self.store.dedup_ttl and closed(record) and (
@@ -763,23 +804,29 @@ class Engine:
         return with_trailer(record, trailer, seq)
 
     async def _advance(self, record: ProposalRecord, dispatch: bool,
-                       rejected: dict | None = None) -> ProposalRecord:
+                       rejected: triage.Rejection | None = None) -> ProposalRecord:
         """Carry the proposal on, one planner step at a time, until the planner has nothing
         more to do now. Each step is one effect; the decision is the planner's."""
         grant: planner.GrantRead = planner.UNREAD  # an L3's grant, read by this very pass
+        at_intent: tuple[int, bool] | None = None  # that grant as of the intent's sequence
         intended = False  # this pass recorded the order's dispatch
         for _ in range(MAX_STEPS):
             now = now_ms()
             view = planner.View(now=now, autonomy=await self.autonomy(now), dispatch=dispatch,
-                                rejected=rejected, grant=grant)
+                                rejected=rejected, grant=grant, grant_at_intent=at_intent)
             step = planner.next_step(record, view, self.policy, self.actor)
-            while isinstance(step, planner.ReadGrant | planner.ReadOriginal):
+            while isinstance(step, planner.ReadGrant | planner.ConfirmGrant
+                             | planner.ReadOriginal):
                 view = planner.with_read(view, step, await self._read(record, step, now))
-                grant = view.grant
+                grant, at_intent = view.grant, view.grant_at_intent
                 step = planner.next_step(record, view, self.policy, self.actor)
             try:
                 match step:
                     case planner.Commit(record=after, draft=draft, why=why):
+                        if why == "revoked" and record.in_flight:
+                            log.warning("dispatch withdrawn: the grant was not active as of "
+                                        "it; no order is sent", proposal_id=record.proposal_id,
+                                        skill=record.skill, intent_seq=record.dispatched_seq)
                         record = await self._commit(record, after, draft, now)
                         intended = intended or why == "dispatched"
                     case planner.SendRollback():
@@ -812,11 +859,17 @@ class Engine:
                 raise
         return record
 
-    async def _read(self, record: ProposalRecord, step: planner.ReadGrant | planner.ReadOriginal,
+    async def _read(self, record: ProposalRecord,
+                    step: planner.ReadGrant | planner.ReadOriginal | planner.ConfirmGrant,
                     now: int) -> bool | ProposalRecord | None:
-        """Carry out a planner read: the grant of an L3 skill, the original of a reversal."""
+        """Carry out a planner read: the grant of an L3 skill (now, or as of its intent's
+        stream sequence: asked only once that append was acknowledged), the original of a
+        reversal."""
         if isinstance(step, planner.ReadGrant):
             return await self.store.grant_active(step.skill, now, self.chain_trust)
+        if isinstance(step, planner.ConfirmGrant):
+            return await self.store.grant_active_as_of(step.skill, step.as_of_seq, step.at,
+                                                       self.chain_trust)
         return await self._original(record.service, step.proposal_id)
 
     async def _rollback(self, record: ProposalRecord,
@@ -826,7 +879,7 @@ class Engine:
         at = now_ms()
         record = await self._commit(
             record, *apply_stage.rollback_transition(record, step.inverse_id, result, at), at)
-        if result.ok and record.approved_by is None:
+        if result.value.ok and record.approved_by is None:
             await self.count_autonomous_rollback(record, at)
         return record
 
@@ -868,8 +921,9 @@ class Engine:
         """SPEC 09 §7.1: ask the owning service for a healthy last-known-good of every
         artefact; the planner turns the answer into the transition."""
         body = to_json(lkg.check_request(record))
-        report = await self._ask(record, S.lkg_request(record.service), lambda _: body,
-                                 parse_lkg_reply)
+        report: boundary.Evidence[lkg.LkgReport] = await self._ask(
+            record, S.lkg_request(record.service), lambda _: body, parse_lkg_reply,
+            self._counting(record.service, lkg.LkgReport))
         commit = planner.after_lkg(record, report, self.policy, self.actor,
                                    self.config.max_message_bytes, now_ms())
         if commit.why == "lkg_refused":
@@ -878,30 +932,46 @@ class Engine:
         return commit.record, commit.draft
 
     async def _measure(self, record: ProposalRecord,
-                       request: MeasureRequest) -> learnback.Reading:
+                       request: MeasureRequest) -> boundary.Answer[learnback.Reading]:
         """Learn-back at review_after: ask the owning service for the metric (timeout, bounded
-        retries while nothing answers). Any reply is final — a value, or an error reply or a
-        malformed one as the cause; all attempts unanswered: that, as the cause."""
+        retries while nothing answers). Any answer is final — a value, or an error reply or a
+        malformed one as the cause; all attempts unanswered: that, as the cause. What counts
+        is `boundary.choose`'s: attested answers, or a Conflict when they disagree."""
         body = to_json(request)
+
+        def chosen(heard: list[boundary.Evidence[learnback.Reading]]
+                   ) -> boundary.Answer[learnback.Reading] | None:
+            return boundary.choose(heard)
+
         try:
             return await self._ask(record, S.measure_request(record.service), lambda _: body,
-                                   parse_measure_reply)
+                                   parse_measure_reply, chosen, grace=CONFLICT_GRACE_S)
         except ServiceUnreachable as exc:
-            return learnback.Reading(cause=str(exc))
+            return boundary.Unattested(learnback.Reading(cause=str(exc)), "no answer")
+
+    def _counting(self, service: str, of: type[T]
+                  ) -> Callable[[list[boundary.Evidence[T]]], boundary.Evidence[T] | None]:
+        """What an apply or LKG check takes of the answers heard (`boundary.counting`)."""
+        attestable = self.answers.attestable(service)
+        return lambda heard: boundary.counting(heard, attestable)
 
     async def _send(self, record: ProposalRecord, order: ApplyOrder,
-                    allowed: Allowed | None = None) -> ApplyResult:
+                    allowed: Allowed | None = None) -> boundary.Evidence[ApplyResult]:
         """One order to the owning service: timeout, bounded retries, then ServiceUnreachable."""
         return await self._ask(
             record, S.apply_request(record.service),
             lambda attempt: to_json(msgspec.structs.replace(order, attempt=attempt)),
-            parse_apply_reply, allowed)
+            parse_apply_reply, self._counting(record.service, ApplyResult), allowed)
 
     async def _ask(self, record: ProposalRecord, subject: str, body: Callable[[int], bytes],
-                   parse: Callable[[bytes], T | None], allowed: Allowed | None = None) -> T:
-        """A request to the owning service with a timeout and bounded retries: `parse` turns
-        a reply into a result, or None for an error reply ("not now", retried). All attempts
-        unanswered or not now: ServiceUnreachable (the proposal stays retryable)."""
+                   parse: Callable[[bytes], T | None],
+                   pick: Callable[[list[boundary.Evidence[T]]], A | None],
+                   allowed: Allowed | None = None, grace: float = 0.0) -> A:
+        """A request to the owning service with a timeout and bounded retries. Every answer
+        heard is evidence (`Answers.ask`); `parse` turns each into a result, or None for an
+        error reply ("not now"), and `pick` says which counts, or None (only "not now", or
+        nothing attributable where something could be): retried. All attempts so:
+        ServiceUnreachable (the proposal stays retryable)."""
         settings = self.config.apply
         last_error = "no attempt"
         maybe_delivered = False
@@ -909,18 +979,20 @@ class Engine:
             if allowed is not None:
                 await allowed(attempt, maybe_delivered)
             try:
-                reply = await self.nc.request(subject, body(attempt),
-                                              timeout=settings.timeout_s)
+                heard = await self.answers.ask(record.service, subject, body(attempt),
+                                               settings.timeout_s, grace)
             except NoRespondersError:
                 last_error = f"no service answers {subject}"
             except NatsTimeout:
                 last_error = f"{subject} timed out"
                 maybe_delivered = True
             else:
-                result = parse(reply.data)
-                if result is not None:
-                    return result
-                last_error = f"{subject} answered not now: {error_message(reply.data)}"
+                parsed = [e.map(parse) for e in heard]
+                picked = pick(boundary.present(parsed))
+                if picked is not None:
+                    return picked
+                last_error, silent = _unanswered(subject, heard, parsed)
+                maybe_delivered = maybe_delivered or silent
             log.warning("request to the owning service failed", proposal_id=record.proposal_id,
                         subject=subject, attempt=attempt, error=last_error)
             await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
@@ -941,28 +1013,60 @@ class Engine:
         handled = await self.handle(
             svc, original, lambda record, now: apply_stage.rolled_back_by(record, inverse, now)
             if record is not None else None, None, False)
-        if handled.changed and handled.record is not None and handled.record.approved_by is None:
+        if handled.changed and handled.record is not None and \
+                apply_stage.counts_toward_breaker(handled.record, inverse):
             await self.count_autonomous_rollback(handled.record, now_ms())
 
     # -- the breaker and the autonomy switch (constitution IV.5, IV.6) ---------------------------
 
     async def autonomy(self, now: int) -> breaker.Autonomy:
-        """The autonomy chain's current state, read at most once a second. A head no trusted
-        daemon wrote (or a resolution no operator signed) is not believed: it reads as a
-        crisis, which the next checkpoint records."""
+        """The autonomy chain's current state, read at most once a second, as every pass reads
+        it before it decides. A head no trusted daemon wrote (or a resolution no operator
+        signed) is not believed: it reads as a crisis, which the next checkpoint records. So
+        does an audit stream that forgot what the last checkpoint covered or that no longer
+        keeps every trailer (`_retention_problem`, O(1)): the crisis is recorded at once."""
         if self._autonomy is None or now - self._autonomy[1] > AUTONOMY_TTL_MS:
             seq, body = await self.store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
-            state = breaker.from_trailer(body)
-            problem = body and self.chain_trust.problem(body, breaker.AUTONOMY_ID, seq,
-                                                        self.chain_trust.start())
+            problem = self.chain_trust.problem(body, breaker.AUTONOMY_ID, seq,
+                                               self.chain_trust.start()) if body else None
             if problem:
                 log.error("the autonomy chain's head does not verify; applies refused",
                           stream_seq=seq, problem=problem)
-                state = breaker.in_crisis(state, state.crisis or f"unverified-autonomy-{seq}")
-            self._autonomy = (state, now)
-            self._autonomy_verified = not problem
+            state = breaker.believed(body, seq, problem)
+            lost = await self._retention_problem()
+            if lost is not None:
+                state = breaker.in_crisis(state, state.crisis or f"crisis-{now_ms()}")
+            self._autonomy = (state, now_ms())  # when it was read, whatever `now` asked for
+            self._autonomy_verified = not problem and lost is None
             self.metrics.set_autonomy(self._autonomy[0].blocks(now) or "on")
+            if lost is not None and not self._recording_loss:
+                self._recording_loss = True
+                try:
+                    await self.chain_broken(lost)
+                finally:
+                    self._recording_loss = False
         return self._autonomy[0]
+
+    async def _retention_problem(self) -> str | None:
+        """In O(1), whether the audit stream still holds everything the last checkpoint this
+        process signed covered, and keeps every trailer from now on (no limit, no deletes):
+        a decision relies on the log not forgetting — a chain that is gone reads as a proposal
+        never seen, an autonomy chain that is gone as no crisis — and on an open bus anyone may
+        set a limit and take it back between two checkpoints. None when it holds, or before
+        this process's first checkpoint."""
+        if self._retained is None:
+            return None
+        kept, trusted, removable = self._retained
+        view, changed = await self.store.audit_retention()
+        if changed:
+            return (f"the audit stream no longer keeps every trailer: its {', '.join(changed)} "
+                    "differ from the loop's")
+        found = checkpoints.prefix_problem(kept, view, kept.last_hash, removable=removable)
+        if found is not None:  # an epoch sealed and removed since allows what it removed
+            seal, _ = await archive.last_seal(self.store, trusted)
+            found = checkpoints.prefix_problem(kept, view, kept.last_hash,
+                                               removable=seal.removable if seal else 0)
+        return found
 
     async def _append_autonomy(self, change: Callable[[breaker.Autonomy], breaker.Autonomy],
                                verdict: TrailerVerdict, actor: str,
@@ -1126,8 +1230,9 @@ class Engine:
         await self.store.append_sealed(
             checkpointing.CP_SUBJECT, checkpoints.CHECKPOINT_ID, "L0", "operation",
             lambda chain, at: checkpoints.draft(cp, self.actor), clock=lambda: now)
-        anchor_file.write(path, checkpoints.anchor_of(cp, view.created or "",
-                                                      scrubbed_to=scrubbed))
+        anchor = checkpoints.anchor_of(cp, view.created or "", scrubbed_to=scrubbed)
+        anchor_file.write(path, anchor)
+        self._retained = (anchor, trusted, seal.removable if seal else 0)
         self.chain_trust = dataclasses.replace(self.chain_trust, covered_to=cp.last_seq)
         self.store.written.difference_update(written)  # the checkpoint vouches for them now
         self.checkpoint_read = since.read
@@ -1390,7 +1495,8 @@ class Engine:
         on every trailer, a valid signed act under every authority — else open a crisis and
         raise ChainBroken."""
         brk = audit.verify_chain(chain_id, [body for _, body in chain], self.chain_trust,
-                                 [seq for seq, _ in chain])
+                                 [seq for seq, _ in chain],
+                                 None if svc in S.MESH_CHAINS else svc)
         if brk is not None:
             await self.chain_broken(f"{svc}/{brk}")
             raise ChainBroken(f"{svc}/{brk}")
@@ -1489,6 +1595,20 @@ class Engine:
                                applied_id="", authority=apply_stage.authority(record, self.policy),
                                error=f"unreachable: {error}", at=now_ms())
         await self.store.publish(S.apply_outcome(record.service, record.proposal_id), outcome)
+
+
+def _unanswered(subject: str, heard: list[boundary.Evidence[bytes]],
+                parsed: list[boundary.Evidence[Any]]) -> tuple[str, bool]:
+    """Why the answers heard to one attempt gave nothing to take, and whether the service
+    may have received the order all the same: a "not now" (an error reply) it may be
+    trusted to have said refuses this attempt; anything else is as good as silence."""
+    for raw, answer in zip(heard, parsed, strict=True):
+        if answer.value is None and (isinstance(raw, boundary.Attested) or not any(
+                isinstance(h, boundary.Attested) for h in heard)):
+            return f"{subject} answered not now: {error_message(raw.value)}", False
+    why = "; ".join(sorted({h.why for h in heard if isinstance(h, boundary.Unattested)}))
+    return (f"{subject} was answered only by parties it cannot attribute to the service "
+            f"({why})"), True
 
 
 def parse_apply_reply(data: bytes) -> ApplyResult | None:

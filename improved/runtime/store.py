@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import suppress
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 import structlog
@@ -57,15 +57,14 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from improved.client import chains
-from improved.core import audit, checkpoint, evidence, indexes, observe, queue
+from improved.core import audit, checkpoint, evidence, indexes, observe, queue, retention
 from improved.core.audit import Draft
-from improved.core.authority import grant_covers
+from improved.core.authority import GrantActs, grant_as_of, grant_covers
 from improved.core.record import ChainHead, ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
 from improved.protocol.model import (
     ChangeClass,
     DedupHead,
-    Grant,
     IndexMarker,
     MeasureDue,
     ReviewEntry,
@@ -237,6 +236,17 @@ def _chain_key(subject: str) -> tuple[str, str]:
     return S.token(subject, 2) or "", S.token(subject, 3) or ""
 
 
+class _GrantChain(NamedTuple):
+    """A grant chain as read whole from the leader: the trust it was verified under, its last
+    trailer then (stream sequence, hash), the trailers (stream sequence, body) and its acts
+    (None: it does not verify whole)."""
+
+    trust: Any
+    end: tuple[int, str]
+    chain: chains.Sequenced
+    acts: GrantActs | None
+
+
 def decode_trailer(body: dict[str, Any]) -> Trailer:
     """A trailer read as a raw JSON body (as the chain readers return them), typed."""
     return trailer_decoder.decode(to_json(body))
@@ -315,6 +325,56 @@ def tools_ledger_configs(replicas: int = 1) -> list[jsapi.StreamConfig]:
                    "the tool runtimes' revoked session upgrades", False)]
 
 
+# The streams that forget by their messages' own TTLs yet must not lose one early, and the
+# subject of each one's sentinel (core/retention.py): written first when the stream is made.
+SENTINELS = {S.STREAM_TOOLS_SPENT: S.TOOLS_SPENT_SENTINEL}
+
+# What a stream's configuration says about what it keeps. Compared when the wanted config sets
+# them: a limit, the discard policy, subjects, storage, retention (a work queue removes what is
+# acked).
+RETENTION_LIMITS = ("subjects", "retention", "storage", "max_msgs", "max_bytes", "max_age",
+                    "max_msgs_per_subject", "discard")
+RETENTION_GUARDS = ("deny_delete", "deny_purge", "discard_new_per_subject")  # only True keeps
+RETENTION_OPENINGS = ("allow_rollup_hdrs", "allow_msg_ttl")  # only False keeps
+RETENTION_UNSET = ("subject_transform", "subject_delete_marker_ttl", "mirror")
+
+
+def retention_differences(want: jsapi.StreamConfig, have: jsapi.StreamConfig) -> list[str]:
+    """The settings of `have` that let the stream lose what `want` keeps: a limit, a discard
+    policy, subjects or storage other than wanted, a guard (`deny_delete`, …) off where it
+    is wanted on, an opening (`allow_msg_ttl`, roll-ups) on where it is wanted off, a subject
+    transform, delete markers or a mirror. Stricter than wanted is no difference; replicas,
+    descriptions and the rest say nothing of what it keeps."""
+    mine, theirs = want.as_dict(), have.as_dict()
+
+    def norm(value: Any) -> Any:
+        return sorted(value) if isinstance(value, list) else value
+
+    found = [k for k in RETENTION_LIMITS
+             if mine.get(k) is not None and norm(mine[k]) != norm(theirs.get(k))]
+    found += [k for k in RETENTION_GUARDS if mine.get(k) and not theirs.get(k)]
+    found += [k for k in RETENTION_OPENINGS if theirs.get(k) and not mine.get(k)]
+    found += [k for k in RETENTION_UNSET if theirs.get(k)]
+    if theirs.get("sealed"):
+        found.append("sealed")
+    return found
+
+
+def created_of(info: jsapi.StreamInfo) -> str:
+    """When the server made the stream, as a stream's identity: another incarnation (deleted
+    and made again, or restored from a snapshot) has another."""
+    created = info.created
+    return created.isoformat() if isinstance(created, datetime.datetime) else str(created)
+
+
+def seen_of(info: jsapi.StreamInfo, want: jsapi.StreamConfig) -> retention.Seen:
+    """A stream info as `core.retention` reads it, against the config the stream must have."""
+    state = info.state
+    return retention.Seen(info.config.name or "", created_of(info), state.first_seq or 0,
+                          state.last_seq or 0, state.messages or 0,
+                          tuple(retention_differences(want, info.config)))
+
+
 # The analyzers' windows: one key per (analyzer, service, target), one value each (history 1).
 # A bus participant can name a million targets, so the bucket holds at most WINDOWS_MAX_KEYS
 # windows and WINDOWS_MAX_BYTES, dropping the least recently written first (discard old): the
@@ -389,10 +449,8 @@ class Store:
         self.tombstone_ttl_s = TOMBSTONE_TTL_S
         # whether the dedup bucket's stream takes per-message TTLs (`ensure` finds out)
         self.dedup_ttl = False
-        # identity → (the trust it was verified under, the chain's last trailer (stream
-        # sequence, hash), the grant that chain says): a chain re-read only when it has moved
-        self._grants: OrderedDict[str, tuple[Any, tuple[int, str], Grant | None]] = \
-            OrderedDict()
+        # skill hash → the grant chain as last read whole: re-read only when it has moved
+        self._grants: OrderedDict[str, _GrantChain] = OrderedDict()
 
     async def ensure(self, strict: bool = False) -> list[str]:
         """Bring every stream, the inbound consumer and the buckets to this configuration and
@@ -403,7 +461,7 @@ class Store:
         dedup bucket (`dedup_ttl`), without which its heads are simply kept for good."""
         done: list[str] = []
         for cfg in stream_configs(self.replicas, self.records_storage):
-            done += await self._ensure_stream(cfg)
+            done += await self._ensure_stream(cfg, strict)
         done += await self._ensure_consumer()
         # A cache: in memory, filled lazily, since every record can be rebuilt from its chain;
         # a record untouched for STATE_TTL_S leaves it, so its size follows the traffic
@@ -422,27 +480,60 @@ class Store:
                                           "rejected proposals (stage 1's weights)", done)
         return done
 
-    async def _ensure_stream(self, cfg: jsapi.StreamConfig) -> list[str]:
+    async def _ensure_stream(self, cfg: jsapi.StreamConfig, strict: bool = False) -> list[str]:
+        """One stream brought to `cfg`; a stream that needs a sentinel (SENTINELS) gets it
+        written first when made here, and, with `strict` (`improved provision`), written into
+        one an earlier version made without it."""
         name = cfg.name or ""
         have = await self._stream_config(name)
         if have is None:
             if await self._change(f"stream {name} is missing", lambda: self.js.add_stream(cfg),
                                   raced=(10058,)) is not None:
+                if name in SENTINELS:
+                    await self._write_sentinel(name, made=True)
                 return [f"created stream {name}"]
             have = await self._stream_config(name)  # another replica created it meanwhile
             if have is None:
                 raise StoreError(f"stream {name} is missing and could not be created")
+        done = await self._sentinel_upgrade(name) if strict and name in SENTINELS else []
         if name == S.STREAM_AUDIT and have.deny_purge:
             # created before epochs could be archived: a purge can never be allowed again
             # (the server refuses to cancel deny_purge), and stricter is no difference
             cfg = dataclasses.replace(cfg, deny_purge=True)
         diff = differences(cfg, have)
         if not diff:
-            return []
+            return done
         what = f"stream {name} differs from this configuration ({', '.join(diff)})"
         await self._change(what, lambda: self.js.update_stream(cfg),
                            refused="keep its storage and replicas, or remove it first")
-        return [f"updated stream {name} ({', '.join(diff)})"]
+        return [*done, f"updated stream {name} ({', '.join(diff)})"]
+
+    async def _write_sentinel(self, stream: str, made: bool) -> int:
+        """Write `stream`'s sentinel (no TTL), its first message when it was `made` just now
+        (expected last sequence 0), else the first on its subject; its sequence."""
+        subject = SENTINELS[stream]
+        expect = ("Nats-Expected-Last-Sequence" if made
+                  else "Nats-Expected-Last-Subject-Sequence")
+        body = to_json({"sentinel": stream, "at": time.time_ns() // 1_000_000})
+        what = f"stream {stream} has no sentinel"
+        ack = await self._change(what, lambda: self.js.publish(
+            subject, body, stream=stream, headers={expect: "0"}),
+            refused="someone wrote on it first; remove the stream and make it again"
+            if made else "a message is on its sentinel's subject")
+        return ack.seq
+
+    async def _sentinel_upgrade(self, stream: str) -> list[str]:
+        """Write the sentinel into a stream an earlier version made without one: the one-time
+        upgrade of `improved provision`. From then on nothing written after it can be removed
+        by a limit unseen; what was written before it (marks that leave by their TTL within a
+        day) is trusted as it is now."""
+        info = await self._look(f"stream {stream}", lambda: self.js.stream_info(
+            stream, subjects_filter=SENTINELS[stream]))
+        if (info.state.subjects or {}).get(SENTINELS[stream]):
+            return []
+        seq = await self._write_sentinel(stream, made=False)
+        return [f"wrote the sentinel of stream {stream} (sequence {seq}): it was made by an "
+                "earlier version"]
 
     async def ensure_stream(self, cfg: jsapi.StreamConfig) -> list[str]:
         """One stream brought to `cfg` (created or updated), as `ensure` brings each of the
@@ -969,6 +1060,21 @@ class Store:
         return checkpoint.StreamView(str(info.created), state.last_seq,
                                      first_seq=state.first_seq, messages=state.messages)
 
+    async def audit_retention(self) -> tuple[checkpoint.StreamView, list[str]]:
+        """The audit stream as its state says (`audit_view`, O(1)) and which of the settings
+        it keeps every trailer by differ from the loop's (a limit set, deletes allowed): what
+        a decision that relies on the log not forgetting checks first."""
+        try:
+            info = await self.js.stream_info(self.audit_stream)
+        except NotFoundError:
+            return checkpoint.StreamView(None), []
+        state = info.state
+        want = next(c for c in stream_configs(self.replicas) if c.name == S.STREAM_AUDIT)
+        changed = retention_differences(want, info.config)
+        return (checkpoint.StreamView(str(info.created), state.last_seq,
+                                      first_seq=state.first_seq, messages=state.messages),
+                changed)
+
     async def trailer_at(self, seq: int) -> tuple[str, dict | None, dict[str, str]] | None:
         """(subject, body or None when not JSON, headers) of the message at `seq` of this
         store's audit stream."""
@@ -1126,33 +1232,54 @@ class Store:
         """An active, unexpired grant for exactly `<name>:<sha256>`, as its verified grant
         chain says (never the retained record, never a lookup by name), read from the stream
         leader: a grant revoked a moment ago is never read as active here."""
-        grant = await self._current_grant(identity, trust)
+        read = await self._grant_chain(identity, trust)
+        grant = grant_as_of(read.acts) if read is not None and read.acts else None
         return (grant is not None and identity is not None
                 and grant_covers(grant, identity, now_ms))
 
-    async def _current_grant(self, identity: str | None,
-                             trust: audit.Authenticity | None) -> Grant | None:
-        """The grant the chain of `identity` says, read from the leader. The chain is read
-        and verified whole only when its last trailer (one read) is not the one it ended
-        with at the last whole read under the same trust: a grant chain only ever grows, so
-        a verified prefix stays verified and one read of its end says whether it grew."""
-        sha = identity.split(":", 1)[1] if identity and ":" in identity else ""
-        if not S.ID_RE.match(sha):
+    async def grant_active_as_of(self, identity: str | None, seq: int, at: int,
+                                 trust: audit.Authenticity | None = None) -> bool:
+        """Was the grant of exactly `<name>:<sha256>` active as of stream sequence `seq` of the
+        audit stream — only the grant chain's acts recorded below `seq` count — and unexpired
+        at `at`? Whether the intent at `seq` (recorded at `at`) stands. Asked after that
+        intent's append was acknowledged, so the read from the leader sees every act below it,
+        and judged on the chain's trailers below `seq` alone: whatever lands later (a revoke,
+        or a trailer that does not verify) changes no verdict already given on it."""
+        read = await self._grant_chain(identity, trust)
+        if read is None or identity is None:
+            return False
+        acts = read.acts
+        if acts is None:  # a break somewhere: what stood below `seq` is what its prefix says
+            acts = chains.verified_acts(identity, [t for t in read.chain if t[0] < seq], trust)
+        grant = grant_as_of(acts, seq) if acts else None
+        return grant is not None and grant_covers(grant, identity, at)
+
+    async def _grant_chain(self, identity: str | None,
+                           trust: audit.Authenticity | None) -> _GrantChain | None:
+        """The grant chain of `identity` read from the leader and verified under `trust`;
+        None for a bad identity or no chain. It is read and verified whole only when its last
+        trailer (one read) is not the one it ended with at the last whole read under the same
+        trust: a grant chain only ever grows, so a verified prefix stays verified, and one read
+        of its end, made now, says whether anything was added since."""
+        subject = chains.grant_chain_subject(identity)
+        if subject is None or identity is None:
             return None
+        sha = identity.split(":", 1)[1]
         try:
-            msg = await self.js.get_msg(S.STREAM_AUDIT, subject=S.grant_audit(sha))
+            msg = await self.js.get_msg(S.STREAM_AUDIT, subject=subject)
         except NotFoundError:
             return None
         end = (msg.seq or 0, msgspec.json.decode(msg.data or b"{}").get("hash", ""))
         memo = self._grants.get(sha)
-        if memo is not None and memo[0] is trust and memo[1] == end:
+        if memo is not None and memo.trust is trust and memo.end == end:
             self._grants.move_to_end(sha)
-            return memo[2]
-        grant = await chains.current_grant(self.js, identity, trust, chains.read_from_leader)
-        self._grants[sha] = (trust, end, grant)
+            return memo
+        chain = await chains.read_from_leader(self.js, subject)
+        read = _GrantChain(trust, end, chain, chains.verified_acts(identity, chain, trust))
+        self._grants[sha] = read
         while len(self._grants) > GRANT_MEMO_SIZE:
             self._grants.popitem(last=False)
-        return grant
+        return read
 
     # -- refusals --------------------------------------------------------------------------------
 

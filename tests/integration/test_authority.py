@@ -414,3 +414,30 @@ async def test_an_approved_proposal_is_not_rejected(daemon, nc, svc):
     chain = await trailers(daemon, svc, pid)
     assert ("triage", "reject") not in [(t["to_stage"], t.get("verdict")) for t in chain]
     assert (await client.state(pid)).status == "approved"
+
+
+@pytest.mark.parametrize("remembered", [True, False])
+async def test_an_approval_on_another_services_subject_applies_nothing_whatever_is_cached(
+        daemon, nc, svc, remembered):
+    """`improve.triage.<svc>` names the service whose proposal a review decides: one published
+    on another service's subject finds no such proposal there, whether or not this daemon
+    happens to hold the record in memory, and moves nothing; on the right subject it does."""
+    applier = Applier()
+    client = MeshClient(nc, svc)
+    sub = await client.serve_apply(applier)
+    pid = (await client.propose(skill_proposal(svc))).proposal_id
+    assert (await client.triage(pid)).cause == "awaiting_operator"
+    if not remembered:
+        daemon.engine._cache.clear()  # noqa: SLF001 - as another replica, or after a restart
+    await publish(nc, S.inbound_review(f"{svc}-other"), review(pid))
+    await asyncio.sleep(0.8)
+    assert applier.orders == []
+    assert not [t for t in await trailers(daemon, svc, pid) if t.get("verdict") == "approve"]
+    assert (await client.state(pid)).status == "pending"
+    await publish(nc, S.inbound_review(svc), review(pid))
+
+    async def sent():
+        return applier.orders
+
+    await eventually(sent)
+    await sub.unsubscribe()

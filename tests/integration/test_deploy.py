@@ -542,6 +542,49 @@ async def test_a_dedup_bucket_without_ttls_is_kept_by_the_daemon_and_fixed_by_pr
     assert rc == 0 and f"updated bucket {S.BUCKET_DEDUP} (allow_msg_ttl)" in out, out
 
 
+async def test_provision_writes_the_sentinel_into_a_spent_stream_an_earlier_version_made(
+        secured_server):
+    """The tool runtimes' streams as an earlier version provisioned them, the spent marks'
+    without a sentinel: a tool runtime under `rt-agent` refuses to start, naming `improved
+    provision`; provisioning as `improved-admin` writes the sentinel (its one publish into the
+    loop), and the runtime starts, records a granted call and refuses its replay, with no
+    permission violation on either side."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from improved.runtime.store import tools_audit_config, tools_ledger_configs
+    from improved_reference.tool_runtime import ToolRuntimeService
+    from tests.tool_surfaces import ARGS, grant, runtime
+
+    url = secured_server.url
+    admin = await connect_as(url, "improved-admin")
+    try:
+        for cfg in (tools_audit_config(), *tools_ledger_configs()):
+            await admin.nc.jetstream().add_stream(cfg)
+    finally:
+        await admin.nc.close()
+    conn = await connect_as(url, "rt-agent")
+    try:
+        rt, kit = runtime(name="agent")
+        with pytest.raises(RuntimeError, match="IMPROVE_TOOLS_SPENT has no sentinel .* run "
+                           "`improved provision` once, which writes it"):
+            await ToolRuntimeService(conn.nc, rt, Ed25519PrivateKey.generate()).start()
+        rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
+        assert rc == 0 and (f"wrote the sentinel of stream {S.STREAM_TOOLS_SPENT} (sequence 1)"
+                            ": it was made by an earlier version") in out, out
+        service = ToolRuntimeService(conn.nc, rt, Ed25519PrivateKey.generate())
+        await service.start()
+        request = to_json({"tool": "deploy", "args": ARGS, "grant": grant(
+            kit["deploy"][0], ARGS, now=int(time.time() * 1000), runtime="agent")})
+        assert msgspec.json.decode(await service.answer(request))["ok"] is True
+        replay = msgspec.json.decode(await service.answer(request))
+        assert replay["refused"]["reason"] == "replayed", replay
+        await service.stop()
+        await conn.nc.flush()
+        assert conn.violations() == []
+    finally:
+        await conn.nc.close()
+
+
 FORBIDDEN_TO_SERVICES = [
     S.GRANTS,  # only operators grant
     S.inbound_review("ranking"),  # reviews are the operator's, even for its own proposals
@@ -663,9 +706,15 @@ async def test_operator_publishes_acts_reads_records_but_cannot_order_applies(me
                                                                     reply.proposal_id)))
         assert conn.violations() == []
 
-        # Refused: ordering an apply, writing records or trailers, changing streams.
+        # A reversal goes into the inbound stream (`improved revert`): a proposal it may
+        # also send on request, and one that makes a service's own evidence less independent.
+        inbound = S.inbound_proposal("ranking")
+        assert (await js.publish(inbound, b"{}", stream=S.STREAM_INBOUND)).seq > 0
+
+        # Refused: ordering an apply, writing records or trailers, changing streams, and a
+        # signal on a service's subject, which counts as that service's own (subjects_bound).
         forbidden = [S.apply_request("ranking"), S.audit("ranking", FAKE_ID),
-                     S.triage_decision("ranking", FAKE_ID), S.inbound_proposal("ranking"),
+                     S.triage_decision("ranking", FAKE_ID), S.refine_request("ranking"),
                      f"$JS.API.STREAM.DELETE.{S.STREAM_AUDIT}",
                      f"$KV.{S.BUCKET_STATE}.ranking.{FAKE_ID}"]
         for subject in forbidden:
@@ -843,7 +892,10 @@ async def test_a_tool_runtime_records_its_calls_under_its_own_user(mesh):
         await service.stop()
         cid = tools.chain_id("agent")
         js = mesh["daemon_conn"].nc.jetstream(timeout=5.0)  # counts: the daemon may look
-        assert await count(js, S.STREAM_TOOLS_AUDIT, S.tools_audit(cid)) == 4
+        # the mark streams it trusts (provisioning wrote the spent marks' sentinel first),
+        # then the four calls
+        assert await count(js, S.STREAM_TOOLS_AUDIT, S.tools_audit(cid)) == 5
+        assert (await rjs.get_msg(S.STREAM_TOOLS_SPENT, 1)).subject == S.TOOLS_SPENT_SENTINEL
         # what the runtime may not write: the daemon's log, another runtime's chain, another
         # runtime's revocations, the mark streams' configuration
         forbidden = (S.legacy_tools_audit(cid), S.tools_audit(tools.chain_id("other")),
@@ -861,7 +913,7 @@ async def test_a_tool_runtime_records_its_calls_under_its_own_user(mesh):
             {"agent": public}), evidence.History(fallback=evidence.KeySet.from_config(
                 {ALICE[0]: base64.b64encode(signing.raw_public(ALICE[1].public_key()))
                  .decode()}, {})))
-        assert (found.chains, found.verified, found.trailers) == (1, 1, 4), found.lines
+        assert (found.chains, found.verified, found.trailers) == (1, 1, 5), found.lines
         assert await mesh["daemon"].engine.checkpoint(mesh["daemon"]._checkpoint_key) is None
         unexpected = [v for v in conn.violations()
                       if not any(f'"{subject.lower()}"' in v.lower() for subject in forbidden)]
@@ -905,9 +957,11 @@ async def test_the_l4_artefact_store_runs_under_its_own_user(mesh):
         try:
             schema = msgspec.structs.replace(proposal, target_ref="schema:deploy", lkg=[
                 {"artefact": "app", "digest": digest_of(b'{"v": 2}'), "smoke_test": "json"}])
-            assert await schema_class(op.nc, schema) == {
+            # under accounts only the store's own user may answer its subject: it is its word
+            bound = Trust(subjects_bound=True)
+            assert await schema_class(op.nc, schema, trust=bound) == {
                 "class": "breaking", "reason": "app at /: uses v, which the classifier does not "
-                                               "understand"}
+                                               "understand", "by": "service:deploy"}
             await op.nc.flush()
             assert op.violations() == []
         finally:
@@ -1224,7 +1278,8 @@ async def test_the_daemon_and_the_cli_connect_with_a_token_file(tmp_path):
         assert rc == 0 and msgspec.json.decode(out)["status"] == "pending", out
         rc, out = await cli("propose", "-", "--nats", server.url, stdin=proposal)
         assert rc == 2 and len(out.splitlines()) == 1, out
-        assert out.startswith(f"improved: cannot reach NATS at {server.url}"), out
+        assert out.startswith(f"improved: NATS at {server.url} refused a connection without "
+                              "credentials (authorization violation)"), out
         rc, out = await cli("propose", "-", "--nats", server.url, stdin=proposal,
                             env={"IMPROVED_NATS_TOKEN_FILE": str(tmp_path / "nope")})
         assert (rc, out.strip()) == (2, "improved: config error: nats.token_file "

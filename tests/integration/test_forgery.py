@@ -9,10 +9,12 @@ operator's approval: the approval must carry the operator's signed act."""
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import msgspec
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from improved.client.sdk import MeshClient
@@ -20,6 +22,7 @@ from improved.core import audit, breaker, evidence
 from improved.core.audit import Draft
 from improved.core.record import ChainHead, ref
 from improved.protocol import subjects as S
+from improved.protocol.model import ApplyResult
 from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
@@ -170,6 +173,18 @@ async def test_a_forged_crisis_resolution_keeps_the_crisis(own_server, tmp_path)
                                  (ref("resolved", crisis),))
         await _forge(nc, subject, breaker.AUTONOMY_ID, resolved)
         assert await _in_crisis(daemon)  # the head is not believed
+        # `improved status` reads the head as the daemon does: the crisis it holds
+        keyed = tmp_path / "keyed.toml"
+        keyed.write_text(f'data_dir = "{config.data_dir}"\n'
+                         f'checkpoint_key = "{config.checkpoint_key}"\n')
+        status = await _status(own_server.url, keyed)
+        daemon.engine._autonomy = None  # noqa: SLF001 - read the chain afresh
+        assert status["crisis"] == await _in_crisis(daemon), status
+        assert status["autonomy_chain"].startswith("BROKEN: ")
+        assert "not signed by a daemon" in status["autonomy_chain"]
+        # where no daemon key is known, it says it could not check, not that all is well
+        assert (await _status(own_server.url))["autonomy_chain"].startswith(
+            "not verified: no daemon key here")
         assert await daemon.engine.checkpoint(daemon._checkpoint_key) is not None
         pid = (await client.propose(rank_proposal(SVC, key="after"))).proposal_id
         assert (await client.triage(pid)).verdict == "accept"
@@ -177,6 +192,15 @@ async def test_a_forged_crisis_resolution_keeps_the_crisis(own_server, tmp_path)
         assert applier.orders == []
         verify = await _verify(own_server.url, config)
         assert "not signed by a daemon" in verify.stdout, verify.stdout
+        # the crisis is back on the chain, daemon-signed: `improved status` shows it
+        assert (await _status(own_server.url, keyed))["crisis"] == await _in_crisis(daemon)
+
+
+async def _status(url: str, config_file: Path | None = None) -> dict:
+    args = ("--config", str(config_file)) if config_file else ()
+    seen = await asyncio.to_thread(improved, "status", "--nats", url, *args)
+    assert seen.returncode == 0, seen.stderr
+    return json.loads(seen.stdout)
 
 
 async def test_signed_approvals_verify_from_the_chain_and_an_old_act_after_key_rotation(
@@ -270,3 +294,64 @@ async def test_a_daemon_signed_transition_the_lifecycle_forbids_is_broken_to_eve
     shown = await asyncio.to_thread(improved, "show", pid, "--json", "--nats", own_server.url)
     chain = msgspec.json.decode(shown.stdout)["chain"]
     assert chain.startswith("BROKEN") and "the lifecycle forbids rejected → applied" in chain
+
+
+async def test_a_chain_copied_under_another_services_subject_is_a_break(own_server, tmp_path):
+    """Every trailer of a chain is daemon-signed, so a copy verifies trailer by trailer; filed
+    under another service's subject it would be a second chain for one proposal, one that
+    service's messages find. A chain is its own proposal's service's: the copy is named, and
+    the daemon's checkpoint opens a crisis on it."""
+    config = _config(tmp_path)
+    async with _running(own_server.url, config) as (nc, daemon, client, applier):
+        pid = await _waiting_l2(client)
+        js = nc.jetstream()
+        for _, body in await daemon.store.read_chain(SVC, pid):
+            await js.publish(S.audit("elsewhere", pid), msgspec.json.encode(body),
+                             stream=S.STREAM_AUDIT)
+        verify = await _verify(own_server.url, config)
+        assert verify.returncode == 1
+        assert f"filed under service 'elsewhere', but its registration is a proposal of " \
+               f"'{SVC}'" in verify.stdout, verify.stdout
+        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is not None  # noqa: SLF001
+        assert await _in_crisis(daemon)
+
+
+@pytest.mark.parametrize("put_back", [True, False])
+async def test_a_limit_set_on_the_audit_stream_stops_applies_before_the_next_checkpoint(
+        own_server, tmp_path, put_back):
+    """On an open bus anyone may set a limit on IMPROVE_AUDIT — and take it back before the
+    next checkpoint looks: the oldest trailers (whole chains, a crisis on the autonomy chain)
+    are gone, and a proposal whose chain is gone reads as never seen. Every pass looks at the
+    stream first, in O(1): one that forgot what the last checkpoint covered, or keeps a
+    limit, is a crisis at once, and nothing more is applied."""
+    from nats.js.api import StreamConfig
+
+    config = _config(tmp_path)
+    async with _running(own_server.url, config) as (nc, daemon, _, _):
+        svc, orders = "forge-rank", []
+
+        async def applier(order) -> ApplyResult:
+            orders.append(order.proposal_id)
+            return ApplyResult(ok=True, applied_id=order.proposal_id[:12])
+
+        client = MeshClient(nc, svc)
+        sub = await client.serve_apply(applier)
+        first = (await client.propose(rank_proposal(svc, key="before"))).proposal_id
+
+        async def applied():
+            return first in orders
+
+        await eventually(applied)
+        await daemon.engine.checkpoint(daemon._checkpoint_key)  # noqa: SLF001 - covers it
+        js = nc.jetstream()
+        cfg = (await js.stream_info(S.STREAM_AUDIT)).config
+        await js.update_stream(StreamConfig.from_response(
+            {**cfg.as_dict(), "max_msgs": 2}))  # the oldest trailers go at once
+        if put_back:
+            await js.update_stream(cfg)
+        await asyncio.sleep(1.1)  # the next pass reads the autonomy state afresh
+        later = (await client.propose(rank_proposal(svc, key="after"))).proposal_id
+        await asyncio.sleep(0.8)
+        assert later not in orders
+        assert await _in_crisis(daemon)
+        await sub.unsubscribe()

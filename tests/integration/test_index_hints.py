@@ -112,15 +112,34 @@ def _later(ms: int) -> int:
     return int(time.time() * 1000) + ms
 
 
+def _answering(svc: str):
+    """A daemon configuration that trusts a key as `service:<svc>`, and that key: the
+    service's signed answers to `<svc>.improve.measure` are then its own (core.boundary)."""
+    import base64
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from improved.core import signing
+
+    key = Ed25519PrivateKey.generate()
+    config = daemon_config()
+    trust = config.trust
+    signers = {**trust.signers,
+               f"service:{svc}": base64.b64encode(signing.raw_public(key.public_key())).decode()}
+    return msgspec.structs.replace(config, trust=msgspec.structs.replace(
+        trust, signers=signers)), key
+
+
 @pytest.mark.parametrize("done_to_it", ["tombstoned", "moved a year ahead"])
 async def test_an_owed_measurement_is_asked_after_a_restart_whatever_its_due_entry_says(
         own_server, done_to_it):
-    config = daemon_config()
     svc = "duesvc"
+    config, key = _answering(svc)
     nc = await bus.connect(own_server.url, "due-daemon")
     daemon = Daemon(nc, config)
     await daemon.start()
     store = RankingStore(nc, svc)
+    store.use_key(key)
     await store.start()
     again = None
     try:
@@ -175,10 +194,12 @@ async def test_every_checkpoint_counts_what_the_chains_say(own_server, capsys):
     from tests.factories import now_ms, review
 
     svc = "countsvc"
+    config, key = _answering(svc)
     nc = await bus.connect(own_server.url, "count-daemon")
-    daemon = Daemon(nc, daemon_config())
+    daemon = Daemon(nc, config)
     await daemon.start()
     store = RankingStore(nc, svc)
+    store.use_key(key)
     await store.start()
     again = None
     try:
@@ -222,7 +243,7 @@ async def test_every_checkpoint_counts_what_the_chains_say(own_server, capsys):
         assert members == {"review": {waits, surfaced, newer}, "due": {owed, approved}}
         assert old.proposal_id not in members["review"]  # superseded by `newer`
 
-        again = Daemon(nc, daemon_config())  # another data directory: the stream's checkpoint
+        again = Daemon(nc, _answering(svc)[0])  # another data directory: the stream's checkpoint
         await again.start()
         assert again.engine.counted.members == counted.members
 

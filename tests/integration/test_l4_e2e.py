@@ -35,6 +35,7 @@ from tests.bus import (
     quorum_reads,
     started,
     trailers,
+    trusted_service,
 )
 from tests.factories import now_ms, review, sha, swap, vote
 from tests.keys import ALICE
@@ -355,9 +356,10 @@ async def test_an_l4_regression_proposes_the_recorded_reversal_which_runs_unappr
     the reversal recorded before the apply, and it runs under the original's approval."""
     from improved.protocol.model import MetricSnapshot
 
-    store = await started(nc, svc, {"a": '{"v": 1}'})
+    key = await trusted_service(daemon, svc)  # only the service's own measurement counts
+    store = await started(nc, svc, {"a": '{"v": 1}'}, key=key)
     before = await store.manifest()
-    client = MeshClient(nc, svc)
+    client = MeshClient(nc, svc, key=key)
 
     async def throughput(request) -> float:
         return 40.0

@@ -14,7 +14,7 @@ from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult, MeasureRequest, MetricSnapshot, to_json
 from improved_reference.ranking_store import RankingStore
-from tests.bus import eventually, trailers
+from tests.bus import eventually, measurement, trailers, trusted_service
 from tests.factories import rank_proposal, signal
 from tests.keys import CHECK
 
@@ -31,16 +31,6 @@ def watched(svc: str, value: float = 5, baseline: float = 0.5, review_after: int
         metric=metric, baseline=baseline, query=query,
         review_after=later() if review_after is None else review_after))
 
-
-async def measured(daemon, svc: str, pid: str, timeout: float = 10.0) -> dict:
-    """The learn-back trailer recording the measurement, once it is on the chain."""
-
-    async def found():
-        chain = await trailers(daemon, svc, pid)
-        return next((t for t in chain if t.get("verdict") in ("held", "regressed",
-                                                              "unmeasured")), None)
-
-    return await eventually(found, timeout=timeout)
 
 
 async def status_of(client, pid, status):
@@ -74,11 +64,12 @@ class CountingStore(RankingStore):
 
 async def test_a_value_within_the_baseline_holds_and_is_measured_once(daemon, nc, svc):
     store = CountingStore(nc, svc)
+    store.use_key(await trusted_service(daemon, svc))  # its answers are its own
     await store.start()
     await set_metric(store, "metrics.ctr", 0.49)  # within 5 % of 0.5
     client = MeshClient(nc, svc)
     pid = (await client.propose(watched(svc))).proposal_id
-    trailer = await measured(daemon, svc, pid)
+    trailer = await measurement(daemon, svc, pid)
     assert trailer["verdict"] == "held"
     assert {"metric:ctr", "value:0.49", "baseline:0.5", "query:metrics.ctr",
             f"measured_by:asked {svc}"} <= set(trailer["refs"])
@@ -99,6 +90,7 @@ async def test_a_value_within_the_baseline_holds_and_is_measured_once(daemon, nc
 
 async def test_a_regressed_value_proposes_the_recorded_rollback(daemon, nc, svc):
     store = RankingStore(nc, svc)
+    store.use_key(await trusted_service(daemon, svc))
     await store.start()
     client = MeshClient(nc, svc)
     base = (await client.propose(rank_proposal(svc, value=1))).proposal_id
@@ -109,7 +101,7 @@ async def test_a_regressed_value_proposes_the_recorded_rollback(daemon, nc, svc)
     # a signed reading that looks fine is evidence, not the measurement: the service is asked
     await client.refine(signal(svc, CHECK[0], kind="metric", name="ctr", value=0.6,
                                proposal_id=pid), key=CHECK[1])
-    trailer = await measured(daemon, svc, pid)
+    trailer = await measurement(daemon, svc, pid)
     assert trailer["verdict"] == "regressed" and "value:0.3" in trailer["refs"]
     assert any(r.startswith("rollback_proposal:") for r in trailer["refs"])
     await eventually(lambda: status_of(client, pid, "rolled_back"), timeout=15)
@@ -123,7 +115,7 @@ async def test_a_service_that_serves_no_measurement_is_unmeasured_never_held(dae
     client = MeshClient(nc, svc)
     sub = await client.serve_apply(plain_applier)
     pid = (await client.propose(watched(svc))).proposal_id
-    trailer = await measured(daemon, svc, pid)
+    trailer = await measurement(daemon, svc, pid)
     assert trailer["verdict"] == "unmeasured"
     assert f"cause:no service answers {S.measure_request(svc)}" in trailer["refs"]
     assert not any(r.startswith("value:") for r in trailer["refs"])
@@ -150,7 +142,7 @@ async def test_a_bad_reply_is_unmeasured_with_its_cause(daemon, nc, svc, reply, 
 
     bad = await nc.subscribe(S.measure_request(svc), cb=answer)
     pid = (await client.propose(watched(svc))).proposal_id
-    trailer = await measured(daemon, svc, pid)
+    trailer = await measurement(daemon, svc, pid)
     assert trailer["verdict"] == "unmeasured"
     assert any(r.startswith("cause:") and cause in r for r in trailer["refs"]), trailer["refs"]
     assert (await client.state(pid)).status == "applied"
@@ -164,11 +156,11 @@ async def test_the_reference_store_refuses_what_it_cannot_measure(daemon, nc, sv
     await set_metric(store, "metrics.label", "fast")
     client = MeshClient(nc, svc)
     missing = (await client.propose(watched(svc, query="metrics.nothing"))).proposal_id
-    trailer = await measured(daemon, svc, missing)
+    trailer = await measurement(daemon, svc, missing)
     assert trailer["verdict"] == "unmeasured"
     assert any("no value under 'metrics.nothing'" in r for r in trailer["refs"])
     text = (await client.propose(watched(svc, value=6, query="metrics.label"))).proposal_id
-    trailer = await measured(daemon, svc, text)
+    trailer = await measurement(daemon, svc, text)
     assert trailer["verdict"] == "unmeasured" and any("not a number" in r
                                                        for r in trailer["refs"])
     await store.stop()
@@ -180,6 +172,7 @@ async def test_a_restart_remembers_the_measurements_still_due(daemon, nc, svc):
     state cache, whose entries expire an hour after their last write), so a proposal applied
     long ago is still measured at its review_after."""
     store = RankingStore(nc, svc)
+    store.use_key(await trusted_service(daemon, svc))
     await store.start()
     await set_metric(store, "metrics.ctr", 0.5)
     client = MeshClient(nc, svc)
@@ -198,7 +191,7 @@ async def test_a_restart_remembers_the_measurements_still_due(daemon, nc, svc):
     await daemon.store.kv.purge(S.state_key(svc, pid))
     await daemon._find_reviews()  # noqa: SLF001 - what start-up runs after ready
     assert daemon.engine.reviews[pid] == (due_at, svc)
-    assert (await measured(daemon, svc, pid))["verdict"] == "held"
+    assert (await measurement(daemon, svc, pid))["verdict"] == "held"
     assert pid not in daemon.engine.reviews
     await eventually(lambda: _gone(daemon, pid))  # the verdict took it out of the index
     await store.stop()

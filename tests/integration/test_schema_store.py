@@ -159,21 +159,27 @@ async def test_a_missing_revert_or_content_that_is_no_schema_is_refused(nc, svc,
 
 # -- the class of a pending change, asked before an operator approves ----------------------------
 
+UNSIGNED = "unsigned, and the bus binds no service to its subjects"
+
 
 async def test_the_store_classifies_a_pending_change_against_its_head_and_changes_nothing(
         nc, svc, store):  # noqa: F811
     rev = await manifest_rev(store)
+    # no key is trusted for the store here: its class is shown, as nobody's word
     assert await schema_class(nc, change(svc, WIDER)) == {
         "class": "forward",
-        "reason": "orders: every instance valid under the current schema stays valid"}
+        "reason": "orders: every instance valid under the current schema stays valid",
+        "unverified": UNSIGNED}
     assert await schema_class(nc, change(svc, NARROWER)) == {
         "class": "backward",
-        "reason": "orders at /properties/qty/maximum: lowered to 10 (was maximum 100)"}
+        "reason": "orders at /properties/qty/maximum: lowered to 10 (was maximum 100)",
+        "unverified": UNSIGNED}
     # the proposer's claims (a base, a class) are not read: the store's head decides
     lie = change(svc, RETYPED, base=with_qty(type="string", maxLength=4),
                  summary=Summary(template_id="schema_change", args={"compat": "forward"}))
     assert await schema_class(nc, lie) == {
-        "class": "breaking", "reason": "orders at /properties/qty/type: no longer admits integer"}
+        "class": "breaking", "reason": "orders at /properties/qty/type: no longer admits integer",
+        "unverified": UNSIGNED}
     assert await manifest_rev(store) == rev and await held(store) == ORDERS
     assert store.orders == 0  # a classification is no apply
 

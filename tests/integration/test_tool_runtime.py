@@ -40,7 +40,7 @@ from improved.core.tools import chain_id as tools_chain_id
 from improved.protocol import subjects
 from improved.protocol.model import to_json
 from improved.runtime import bus
-from improved.runtime.store import tools_audit_config, tools_ledger_configs
+from improved.runtime.store import Store, tools_audit_config, tools_ledger_configs
 from improved_reference.tool_runtime import JetStreamLedger, ToolRuntimeService
 from tests.bus import daemon_key, eventually
 from tests.cli import improved
@@ -632,7 +632,7 @@ async def test_an_earlier_versions_spent_and_revoked_keys_still_refuse(own_serve
             discard=jsapi.DiscardPolicy.NEW, max_msgs_per_subject=1, max_msgs=-1,
             max_consumers=-1, duplicate_window=120.0))
         for cfg in tools_ledger_configs():
-            await js.add_stream(cfg)
+            await Store(conn).ensure_stream(cfg)  # made as now, the spent marks' sentinel first
         old, revoked = "b" * 64, "d" * 64
         await js.publish(f"$KV.{subjects.BUCKET_TOOLS}.spent.{old}", b"{}")
         await js.publish(f"$KV.{subjects.BUCKET_TOOLS}.revoked.{revoked}", b"{}")
@@ -671,7 +671,7 @@ async def test_a_runtime_that_may_not_create_the_mark_streams_does_not_start(tmp
                                "and this user may not change it"), line
         assert "improved provision" in line and "\n" not in line
         for cfg in tools_ledger_configs():
-            await admin.jetstream().add_stream(cfg)
+            await Store(admin).ensure_stream(cfg)
         await admin.jetstream().create_key_value(bucket=subjects.BUCKET_TOOLS, history=1)
         async with serving(user, rt):
             assert (await call(user, rt, "read"))["ok"] is True
@@ -706,10 +706,17 @@ async def test_e2e_every_call_is_on_the_runtime_audit_chain(nc, svc):
                                  stream=subjects.STREAM_TOOLS_AUDIT)
     bodies = [b for _, b in chain]
     assert audit.verify_chain(cid, bodies, chain_trust(), [s for s, _ in chain]) is None
+    # first the mark streams the runtime trusts (seen for the first time), then each call,
+    # each naming them too
     assert [(b["verdict"], b["gate_class"]) for b in bodies] == [
-        ("tool_call", "L0"), ("refused", "L4"), ("tool_call", "L4"), ("tool_call", "L4")]
+        ("ledger", "L0"), ("tool_call", "L0"), ("refused", "L4"), ("tool_call", "L4"),
+        ("tool_call", "L4")]
     assert b"s3cr3t" not in msgspec.json.encode(bodies)
-    refs = [dict(r.split(":", 1) for r in b["refs"]) for b in bodies]
+    ledger, *refs = [dict(r.split(":", 1) for r in b["refs"]) for b in bodies]
+    streams = ("spent_stream", "revoked_stream", "audit_stream")
+    assert ledger["spent_stream"].endswith(" sentinel=1")
+    assert all({k: r[k] for k in streams} == {k: ledger[k] for k in streams} for r in refs)
+    bodies = bodies[1:]
     assert refs[0]["args"] == args_digest(secret) and refs[1]["refused"] == "authority_gated"
     assert [r.get("via") for r in refs] == ["mounted", None, "grant", "upgrade"]
     assert bodies[2]["actor"] == ALICE[0] and bodies[2]["envelope"]["signatures"]
@@ -748,7 +755,6 @@ async def test_improved_audit_verify_checks_the_tools_chain(own_server, svc, tmp
     wrong; a trailer someone else appends is named BROKEN."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from improved.runtime.store import Store
 
     key = Ed25519PrivateKey.generate()
     async with own_daemon(own_server, tmp_path, "tool-runtime-verify") as (conn, daemon):
@@ -775,13 +781,13 @@ async def test_improved_audit_verify_checks_the_tools_chain(own_server, svc, tmp
         ok = await verify(trusted)
         assert ok.returncode == 0, ok.stdout + ok.stderr
         assert "BROKEN" not in ok.stdout and "UNVERIFIED" not in ok.stdout
-        assert "tool runtimes (IMPROVE_TOOLS_AUDIT): 1/1 chains verified, 2 trailers" \
-            in ok.stdout
+        assert "tool runtimes (IMPROVE_TOOLS_AUDIT): 1/1 chains verified, 3 trailers" \
+            in ok.stdout  # the mark streams it trusts, then the two calls
 
         unknown = await verify(untrusted)
         assert unknown.returncode == 1, unknown.stdout + unknown.stderr
         lines = [line for line in unknown.stdout.splitlines() if cid in line]
-        assert lines == [f"UNVERIFIED {cid}: 2 trailers of tool runtime {svc} hash and link, "
+        assert lines == [f"UNVERIFIED {cid}: 3 trailers of tool runtime {svc} hash and link, "
                          f"but [trust.runtimes] has no key for {svc}, so who wrote them is not "
                          f'checked (add {svc} = "<base64 public key>" to verify them)'], \
             unknown.stdout
@@ -796,7 +802,7 @@ async def test_improved_audit_verify_checks_the_tools_chain(own_server, svc, tmp
         await conn.jetstream().publish(subjects.tools_audit(cid), to_json(forged))
         broken = await verify(trusted)
         assert broken.returncode == 1
-        assert (f"BROKEN {cid} trailer 2: not signed by a runtime: a trailer anyone on the bus "
+        assert (f"BROKEN {cid} trailer 3: not signed by a runtime: a trailer anyone on the bus "
                 f"could have written (tool runtime {svc}, IMPROVE_TOOLS_AUDIT)") in broken.stdout
         assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
 
@@ -872,7 +878,6 @@ async def test_a_chain_written_into_the_daemons_log_before_the_move_verifies_und
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from improved.core.tools import call_draft
-    from improved.runtime.store import Store
 
     key, name = Ed25519PrivateKey.generate(), "legacy"
     conn = await bus.connect(own_server.url, "tool-runtime-legacy")
@@ -936,7 +941,6 @@ async def test_audit_verify_rechecks_the_session_proof_a_trailer_records(own_ser
     session never proved — a copy of a real one whose recorded proof is altered — hashed,
     linked and signed by the runtime's key, so the chain itself verifies. `improved audit
     verify` re-checks the recorded proof against the upgrade's session key and names it."""
-    from improved.runtime.store import Store
 
     key = Ed25519PrivateKey.generate()
     conn = await bus.connect(own_server.url, "tool-runtime-proof")
@@ -952,7 +956,7 @@ async def test_audit_verify_rechecks_the_session_proof_a_trailer_records(own_ser
         ok = await asyncio.to_thread(improved, "audit", "verify", "--nats", own_server.url,
                                      "--config", cfg)
         assert ok.returncode == 0, ok.stdout + ok.stderr
-        assert "tool runtimes (IMPROVE_TOOLS_AUDIT): 1/1 chains verified, 1 trailers" \
+        assert "tool runtimes (IMPROVE_TOOLS_AUDIT): 1/1 chains verified, 2 trailers" \
             in ok.stdout
 
         cid = tools_chain_id(svc)
@@ -965,7 +969,7 @@ async def test_audit_verify_rechecks_the_session_proof_a_trailer_records(own_ser
         broken = await asyncio.to_thread(improved, "audit", "verify", "--nats",
                                          own_server.url, "--config", cfg)
         assert broken.returncode == 1, broken.stdout + broken.stderr
-        assert (f"BROKEN {cid} trailer 1: the recorded session proof does not verify "
+        assert (f"BROKEN {cid} trailer 2: the recorded session proof does not verify "
                 f"(session_proof_invalid)") in broken.stdout, broken.stdout
         assert "Traceback" not in broken.stdout + broken.stderr
     finally:
@@ -979,7 +983,6 @@ async def test_audit_verify_since_and_by_chain_check_the_runtime_chains(own_serv
     same rules as the whole-log verify; `improved audit verify runtime:NAME` (or the chain's
     id) checks that one chain. A trailer appended unsigned after the checkpoint is named by
     both, exit 1."""
-    from improved.runtime.store import Store
 
     key = Ed25519PrivateKey.generate()
     async with own_daemon(own_server, tmp_path, "tool-runtime-since") as (conn, daemon):
@@ -1006,14 +1009,14 @@ async def test_audit_verify_since_and_by_chain_check_the_runtime_chains(own_serv
             one = await verify(target)
             assert one.returncode == 0, one.stdout + one.stderr
             assert one.stdout.splitlines() == [
-                "tool runtimes (IMPROVE_TOOLS_AUDIT): 1/1 chains verified, 3 trailers"]
+                "tool runtimes (IMPROVE_TOOLS_AUDIT): 1/1 chains verified, 4 trailers"]
 
         store = Store(conn, audit_stream=subjects.STREAM_TOOLS_AUDIT)
         _, last = await store.chain_head(subjects.tools_audit(cid))
         forged = dict(last, seq=last["seq"] + 1, prev=last["hash"], sig="", refs=[])
         forged["hash"] = audit.trailer_hash(forged)
         await conn.jetstream().publish(subjects.tools_audit(cid), to_json(forged))
-        line = (f"BROKEN {cid} trailer 3: not signed by a runtime: a trailer anyone on the bus "
+        line = (f"BROKEN {cid} trailer 4: not signed by a runtime: a trailer anyone on the bus "
                 f"could have written (tool runtime {svc}, IMPROVE_TOOLS_AUDIT)")
         for args in (("--since",), (f"runtime:{svc}",), (cid,)):
             broken = await verify(*args)
@@ -1038,7 +1041,6 @@ async def test_a_removed_or_replaced_runtime_chain_is_named_against_the_checkpoi
     The daemon's checkpoint now witnesses each runtime chain's head; `improved audit verify`
     names a chain missing, shorter than or diverging from it (exit 1). The daemon itself
     never goes into crisis over it: its next checkpoint is signed as before."""
-    from improved.runtime.store import Store
 
     key = Ed25519PrivateKey.generate()
     cid = tools_chain_id(svc)
@@ -1074,20 +1076,20 @@ async def test_a_removed_or_replaced_runtime_chain_is_named_against_the_checkpoi
         missing = await verify()
         assert missing.returncode == 1, missing.stdout + missing.stderr
         assert (f"BROKEN {cid}: the chain is missing; the checkpoint at") in missing.stdout
-        assert f"witnessed 2 trailers ending in {head['hash'][:16]}…: the whole chain was " \
+        assert f"witnessed 3 trailers ending in {head['hash'][:16]}…: the whole chain was " \
                "removed (IMPROVE_TOOLS_AUDIT does not exist)" in missing.stdout
         assert witnessed == "runtime_heads:" + json.dumps(
-            {cid: [2, head["hash"], head_seq]}, separators=(",", ":"))
+            {cid: [3, head["hash"], head_seq]}, separators=(",", ":"))
 
         await js.add_stream(tools_audit_config())  # re-created: the chain written anew
         await calls(1, "b")
         short = await verify()
         assert short.returncode == 1
-        assert f"BROKEN {cid}: the chain holds 1 trailers; the checkpoint at" in short.stdout
+        assert f"BROKEN {cid}: the chain holds 2 trailers; the checkpoint at" in short.stdout
         await calls(2, "c")
         other = await verify()
         assert other.returncode == 1
-        assert (f"BROKEN {cid} trailer 1: it is not the trailer the checkpoint at"
+        assert (f"BROKEN {cid} trailer 2: it is not the trailer the checkpoint at"
                 in other.stdout), other.stdout
         assert "the chain was replaced or rewritten" in other.stdout
         # a later checkpoint witnesses the chain written anew, longer: the earlier head is
@@ -1095,8 +1097,8 @@ async def test_a_removed_or_replaced_runtime_chain_is_named_against_the_checkpoi
         assert await checkpoint_witnesses() != ""
         rewitnessed = await verify()
         assert rewitnessed.returncode == 1, rewitnessed.stdout
-        assert (f"BROKEN {cid} trailer 1: the checkpoint at" in rewitnessed.stdout
-                and f"witnessed trailer 1 ({head['hash'][:16]}…) at stream sequence "
+        assert (f"BROKEN {cid} trailer 2: the checkpoint at" in rewitnessed.stdout
+                and f"witnessed trailer 2 ({head['hash'][:16]}…) at stream sequence "
                     f"{head_seq}" in rewitnessed.stdout
                 and "the chain was removed or replaced (IMPROVE_TOOLS_AUDIT)"
                     in rewitnessed.stdout), rewitnessed.stdout
@@ -1104,7 +1106,7 @@ async def test_a_removed_or_replaced_runtime_chain_is_named_against_the_checkpoi
         await js.purge_stream(subjects.STREAM_TOOLS_AUDIT, subject=subject)  # the whole chain
         gone = await verify()
         assert gone.returncode == 1
-        assert (f"BROKEN {cid} trailer 1: the checkpoint at" in gone.stdout
+        assert (f"BROKEN {cid} trailer 2: the checkpoint at" in gone.stdout
                 and "it is gone: the chain was removed or replaced" in gone.stdout), gone.stdout
         assert "Traceback" not in gone.stdout + gone.stderr
         assert await checkpoint_witnesses() == ""  # nothing left to witness, and no crisis

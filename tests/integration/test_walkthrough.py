@@ -238,6 +238,32 @@ def test_the_operators_first_hour_runs_as_written(own_server, tmp_path):
     assert effects["outcomes"][b["rerun-id"]] == "policy:auto"
 
 
+def test_the_operators_first_hour_runs_as_written_on_the_bus_with_users(tmp_path):
+    """The same walk with the daemon started `--accounts` in the work directory (its own
+    port), and the user the README says service demo needs added before its store starts; no
+    server named, no credential given: every command and store finds its own user in
+    `.improved/accounts`, and the server refused none of them anything."""
+    walk = Walk(tmp_path, "unused")
+    del walk.env["IMPROVED_NATS_URL"]
+    port = bus.free_port()
+    try:
+        for kind, lines in blocks():
+            for command, template in lines:
+                if command.startswith("improved run "):
+                    command += f" --accounts --port {port}"
+                if "ranking_store --service demo" in command:
+                    walk.step("improved accounts add-service demo",
+                              "svc-demo: a user of .improved …")
+                (walk.serve if kind == "serve" else walk.step)(command, template)
+        wait_for_line(walk.served[0][2], "trust store reloaded")
+    finally:
+        ended = walk.stop()
+    for command, code, output in ended:
+        assert code == 0, f"`{command}` exited {code} on SIGTERM:\n{output[-2000:]}"
+    log = (walk.work / ".improved" / "nats-server.log").read_text()
+    assert "Violation" not in log, [line for line in log.splitlines() if "Violation" in line]
+
+
 def wait_for_line(log: Path, event: str, timeout: float = 15.0) -> str:
     """The first line of a JSON log naming `event`, waited for."""
     deadline = time.monotonic() + timeout

@@ -1,12 +1,13 @@
 """The rules of an L3 grant: what it covers (core.authority.grant_covers, used by the daemon's
-gate, the skills store's reads and a service's acceptance check alike) and when one may be
+gate, the skills store's reads and a service's acceptance check alike), what it was as of a
+stream sequence (core.authority.grant_as_of, which an intent is judged by) and when one may be
 granted at all (core.authority.tofu_problem)."""
 
 from __future__ import annotations
 
 import pytest
 
-from improved.core.authority import grant_covers, tofu_problem
+from improved.core.authority import grant_as_of, grant_covers, tofu_problem
 from improved.core.record import ProposalRecord
 from improved.protocol.model import Grant, GrantCommand
 from tests.builders import make_proposal
@@ -31,6 +32,17 @@ def grant(**over) -> Grant:
 ], ids=["active", "not yet expired", "expired", "revoked", "other hash", "bare name"])
 def test_a_grant_covers_exactly_its_hash_while_active_and_unexpired(g, identity, covers):
     assert grant_covers(g, identity, NOW) is covers
+
+
+def test_a_grant_as_of_a_sequence_counts_only_the_acts_recorded_below_it():
+    granted, revoked, again = grant(), grant(active=False), grant(reason="back")
+    acts = ((10, granted), (20, revoked), (30, again))
+    assert grant_as_of(acts, 10) is None  # nothing below the first act
+    assert grant_as_of(acts, 11) is granted
+    assert grant_as_of(acts, 20) is granted  # the revoke at 20 is not below 20
+    assert grant_as_of(acts, 21) is revoked
+    assert grant_as_of(acts, 31) is again and grant_as_of(acts) is again
+    assert grant_as_of((), 5) is None
 
 
 PID = "c" * 64

@@ -26,7 +26,7 @@ from improved.core.breaker import Autonomy
 from improved.core.policy import Policy
 from improved.core.record import ProposalRecord, with_trailer
 from improved.protocol.model import ApplyResult, MetricSnapshot, Review, Summary, Trailer
-from tests.builders import NOW, TRIAGER, make_proposal
+from tests.builders import NOW, TRIAGER, make_proposal, said
 from tests.unit.test_planner import ALICE, OPERATORS
 
 POLICY = Policy(doc_allowlist=("**",))
@@ -81,9 +81,8 @@ def waiting(name: str = "greet") -> Chain:
 
 def applied(chain: Chain, step: planner.Step) -> None:
     assert isinstance(step, planner.SendApply), step
-    chain.commit(chain.record, *apply.transition(chain.record, ApplyResult(ok=True,
-                                                                           applied_id="a"),
-                                                 step.authority, NOW))
+    chain.commit(chain.record, *apply.transition(
+        chain.record, said(ApplyResult(ok=True, applied_id="a")), step.authority, NOW))
 
 
 def approve(chain: Chain) -> None:
@@ -113,7 +112,7 @@ def test_the_trailer_that_moves_a_proposal_in_or_out_of_an_index_says_so():
 
     due = measured_later()
     assert due.refs() == ["index:+due"] and indexes.members(due.record) == {"due"}
-    step = planner.after_measure(due.record, learnback.Reading(value=0.2), POLICY, TRIAGER,
+    step = planner.after_measure(due.record, said(learnback.Reading(value=0.2)), POLICY, TRIAGER,
                                  NOW + 200)
     due.commit(due.record, step.commit.record, step.commit.draft)
     assert due.refs() == ["index:+due", "index:-due"]
@@ -246,7 +245,7 @@ def test_an_owed_measurement_holds_the_epoch_cut():
                   msgspec_builtins(trailer))
     far = NOW + 365 * epochs.DAY_MS  # applied and untouched for a year: closed, but owed
     assert scan.cut(chain.seqs[-1], far, 30) == chain.seqs[0] - 1
-    step = planner.after_measure(chain.record, learnback.Reading(value=0.2), POLICY, TRIAGER,
+    step = planner.after_measure(chain.record, said(learnback.Reading(value=0.2)), POLICY, TRIAGER,
                                  NOW + 200)
     chain.commit(chain.record, step.commit.record, step.commit.draft)
     scan.feed(chain.seqs[-1], "improve.audit.svc." + chain.record.proposal_id,
@@ -256,3 +255,24 @@ def test_an_owed_measurement_holds_the_epoch_cut():
 
 def msgspec_builtins(trailer: Trailer) -> dict:
     return msgspec.to_builtins(trailer)
+
+
+def test_a_pass_that_moves_a_proposal_in_and_out_again_leaves_its_tombstone():
+    """Measured in the pass that applied it: no entry before, none after, but the checkpoint
+    may have counted it in between, so the reader must find its tombstone."""
+    from improved.core import queue
+
+    chain = measured_later()
+    before = propose.rebuild_record(chain.trailers[:1], chain.seqs[:1], POLICY)
+    step = planner.after_measure(chain.record, said(learnback.Reading(value=0.2)), POLICY,
+                                 TRIAGER, NOW + 200)
+    after = chain.commit(chain.record, step.commit.record, step.commit.draft)
+    assert learnback.due_change(before, after, False) is None
+    assert learnback.due_change(before, after, False, moved=True) == learnback.DueWrite(None)
+    # the same for the queue: in and out within one pass
+    waits = waiting("in-and-out")
+    first = propose.rebuild_record(waits.trailers[:1], waits.seqs[:1], POLICY)
+    approve(waits)
+    assert queue.change(first, waits.record, False) is None
+    assert queue.change(first, waits.record, False, moved=True) == queue.Write(None)
+    assert queue.change(None, waits.record, False, moved=True) == queue.Write(None)

@@ -13,7 +13,7 @@ from improved.core import apply, audit, learnback, propose
 from improved.core.policy import Policy
 from improved.core.record import ProposalRecord, replay, with_trailer
 from improved.protocol.model import ApplyResult, MetricSnapshot
-from tests.builders import NOW, TRIAGER, make_proposal
+from tests.builders import NOW, TRIAGER, make_proposal, said
 
 POLICY = Policy(metric_direction={"latency_ms": "lower"})
 finite = st.floats(allow_nan=False, allow_infinity=False, min_value=-1e9, max_value=1e9)
@@ -38,7 +38,7 @@ def applied(metric: str = "ctr", baseline: float = 0.5, review_after: int | None
     record = with_trailer(record, audit.seal(draft, record, NOW - 1), 1)
     record = record.replace(status="applied", stage="apply", outcome=None)
     result = ApplyResult(ok=True, applied_id="a-1", inverse={"delete": "x"}, rollbackable=True)
-    after, draft = apply.transition(record, result, "policy:x", NOW)
+    after, draft = apply.transition(record, said(result), "policy:x", NOW)
     return with_trailer(after, audit.seal(draft, record, NOW), 2)
 
 

@@ -25,6 +25,7 @@ from improved.protocol.model import (
     Summary,
     Trailer,
 )
+from tests.builders import said
 
 POLICY = Policy()
 START = 1_700_000_000_000
@@ -135,7 +136,7 @@ class Chain:
             return False
         by = apply.authority(r, POLICY)
         assert by == POLICY.policy_principal != r.proposal.origin.actor
-        self.commit(*apply.transition(r, result, by, self.now))
+        self.commit(*apply.transition(r, said(result), by, self.now))
         assert not apply.needs_apply(self.t.record), "an outcome is final"
         return True
 

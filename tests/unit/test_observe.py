@@ -97,7 +97,9 @@ def test_stale_skills_are_proposed_for_archival_and_a_success_resets_them():
         "archive skill summarize after 3 negative outcomes"
 
 
-def test_observe_ranks_by_what_operators_accepted_before():
+def test_learned_weights_order_candidates_and_never_keep_one_back():
+    """The counts live in a bucket anyone on an open bus may rewrite: they order what the
+    evidence calls for, never silence it."""
     regress, stale = RegressionAnalyzer(threshold=3), StaleSkillAnalyzer(threshold=3)
     observer = Observer([regress, stale])
     counts = {regress.id: Counts(rejected=3),  # operators kept rejecting its proposals
@@ -106,13 +108,25 @@ def test_observe_ranks_by_what_operators_accepted_before():
     assert observe.weight(counts[stale.id]) == 2 / 3
     assert observer.knows(stale.id) and not observer.knows("someone.else/1")
 
-    def neg(actor, at, ref):
-        return Signal(kind="metric", actor=actor, service="w", positive=False, at=at,
+    def neg(actor, at, ref, kind="metric"):
+        return Signal(kind=kind, actor=actor, service="w", positive=False, at=at,
                       target_ref=ref, name="ctr")
 
-    # three sessions make a candidate, but 3 x 0.2 falls below the threshold of 1.0
-    assert observed(observer, [neg(a, i, "rank:a") for i, a in enumerate(
-        ("mcp:a:1", "mcp:b:1", "mcp:c:1"))], counts=counts)[-1] == []
+    # three sessions make a candidate: 3 x 0.2 is below the threshold of 1.0, and it is
+    # proposed all the same; so it is under a weight rewritten to next to nothing
+    sessions = ("mcp:a:1", "mcp:b:1", "mcp:c:1")
+    for said in (counts, {regress.id: Counts(rejected=10**9)}):
+        [proposed] = observed(observer, [neg(a, i, "rank:a") for i, a in enumerate(sessions)],
+                              counts=said)[-1]
+        assert proposed.analyzer.id == regress.id and proposed.change_class == "L1"
+    # two candidates at once: the analyzer operators accepted more often comes first
+    found = [(a.id, c) for a in (regress, stale) for c in fold(
+        a, [neg(s, i, "skill:sum", kind="check" if a is stale else "metric")
+            for i, s in enumerate(sessions)], {})[0]]
+    assert [p.analyzer.id for p in observer.rank(found, counts)] == [stale.id, regress.id]
+    # below the threshold by its own evidence: nothing, whatever the weight
+    weak = [(aid, observe.Candidate(c.proposal, 0.5)) for aid, c in found]
+    assert observer.rank(weak, {regress.id: Counts(accepted=10**9)}) == []
 
 
 def test_one_target_flooded_keeps_only_the_newest_signals():

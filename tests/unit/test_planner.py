@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from improved.core import apply, audit, authority, learnback, lkg, planner, propose, quorum, signing
 from improved.core.authority import Act
+from improved.core.boundary import Conflict, Unattested
 from improved.core.breaker import Autonomy
 from improved.core.policy import Policy
 from improved.core.record import ProposalRecord, replay, same_state, with_trailer
@@ -28,7 +29,7 @@ from improved.protocol.model import (
     Signal,
     Vote,
 )
-from tests.builders import NOW, QUORUM_POLICY, TRIAGER, l4, make_proposal, report
+from tests.builders import NOW, QUORUM_POLICY, TRIAGER, l4, make_proposal, report, said
 from tests.keys import TRUST, VOTERS
 
 POLICY = Policy(doc_allowlist=("**",))
@@ -62,9 +63,11 @@ def step_of(record: ProposalRecord, v: planner.View | None = None,
 
 
 def settle(record: ProposalRecord, v: planner.View | None = None, policy: Policy = POLICY,
-           grant: bool | None = None) -> tuple[ProposalRecord, list[str], planner.Step]:
+           grant: bool | None = None, at_intent: bool | None = None,
+           ) -> tuple[ProposalRecord, list[str], planner.Step]:
     """Carry out every commit (and the reads) the planner asks for; stop at the first step
-    that needs the world. Returns the record, the commits' rules in order, and that step."""
+    that needs the world. Returns the record, the commits' rules in order, and that step.
+    `at_intent`: the grant as of the intent's stream sequence (by default, as `grant`)."""
     v = v or view()
     rules: list[str] = []
     for _ in range(20):
@@ -72,6 +75,10 @@ def settle(record: ProposalRecord, v: planner.View | None = None, policy: Policy
         if isinstance(step, planner.ReadGrant):
             assert grant is not None, "the planner asked for a grant the case did not expect"
             v = planner.with_read(v, step, grant)
+            continue
+        if isinstance(step, planner.ConfirmGrant):
+            assert grant is not None, "the planner asked for a grant the case did not expect"
+            v = planner.with_read(v, step, grant if at_intent is None else at_intent)
             continue
         if not isinstance(step, planner.Commit):
             return record, rules, step
@@ -83,7 +90,7 @@ def settle(record: ProposalRecord, v: planner.View | None = None, policy: Policy
 def applied(record: ProposalRecord, step: planner.SendApply, ok: bool = True,
             **result) -> ProposalRecord:
     res = ApplyResult(ok=ok, applied_id="a-1" if ok else "", **result)
-    return commit(*apply.transition(record, res, step.authority, NOW))
+    return commit(*apply.transition(record, said(res), step.authority, NOW))
 
 
 ALICE = Ed25519PrivateKey.generate()
@@ -295,6 +302,70 @@ def test_an_order_that_provably_reached_no_service_withdraws_its_dispatch():
     assert rules == ["dispatched"] and step == send  # or recorded and sent again
 
 
+def test_an_l3_intent_is_judged_as_of_its_own_stream_sequence_before_its_order_is_sent():
+    """The grant read before the intent is a hint: a revoke on the grant chain can land
+    between that read and the intent's append without conflicting with it. Once the intent is
+    on the chain the planner asks for the grant as of the intent's stream sequence and time;
+    only then is the order sent."""
+    record, rules, _ = settle(registered(change_class="L3"), grant=True,
+                              v=view(dispatch=False))
+    assert rules == ["triage"]
+    intent = step_of(record, view(grant=True))
+    assert isinstance(intent, planner.Commit) and intent.why == "dispatched"
+    sent = commit(intent.record, intent.draft)
+    assert sent.dispatched_seq == sent.chain.stream_seq  # the intent's own sequence
+    ask = step_of(sent, view(grant=True))
+    assert ask == planner.ConfirmGrant(sent.skill, sent.dispatched_seq, sent.dispatched_at)
+    # another intent's answer (an earlier sequence) is no answer for this one
+    stale = view(grant=True, grant_at_intent=(sent.dispatched_seq - 1, True))
+    assert step_of(sent, stale) == ask
+    send = step_of(sent, planner.with_read(view(grant=True), ask, True))
+    assert isinstance(send, planner.SendApply) and send.authority == PRINCIPAL
+
+
+def test_an_l3_intent_recorded_after_its_grant_was_revoked_is_withdrawn_and_never_sent():
+    record, rules, step = settle(registered(change_class="L3"), grant=True, at_intent=False)
+    assert rules == ["triage", "dispatched", "revoked"] and step == planner.DONE
+    assert not record.in_flight and record.dispatched_seq is None
+    assert (record.decision.cause, record.gate_class) == ("no_grant", "L2")
+    # open to an operator now, as any L2: an approval applies it under their authority
+    _, rules, send = settle(approved(record))
+    assert rules == ["dispatched"] and send.authority == "operator:alice"
+
+
+@pytest.mark.parametrize("stood", [True, False])
+def test_a_pass_that_finds_an_l3_intent_judges_it_as_of_its_sequence_before_sending(stood):
+    """A redelivery, a restart or the other replica rebuilds an in-flight L3 from the chain:
+    before the order goes out (again) the grant is judged as of the intent's sequence, not
+    now. An intent that stood is finished whatever was revoked since; one that did not was
+    never sent by anyone, and is withdrawn."""
+    trailers: list = []
+
+    def on_chain(record: ProposalRecord, draft) -> ProposalRecord:
+        trailers.append(audit.seal(draft, record, NOW))
+        return with_trailer(record, trailers[-1], 10 * len(trailers))
+
+    proposal = make_proposal(change_class="L3")
+    record = on_chain(*propose.register(proposal, *propose.identify(proposal), POLICY, NOW - 1))
+    triaged = planner.next_step(record, view(grant=True), POLICY, TRIAGER)
+    record = on_chain(triaged.record, triaged.draft)
+    intent = planner.next_step(record, view(grant=True), POLICY, TRIAGER)
+    record = on_chain(intent.record, intent.draft)
+    rebuilt = propose.rebuild_record(trailers, [10 * (i + 1) for i in range(len(trailers))],
+                                     POLICY)
+    assert rebuilt == record and rebuilt.in_flight and rebuilt.dispatched_seq == 30
+    # revoked now, whichever way it stood then: no re-read of the current grant decides it
+    ask = step_of(rebuilt, view(grant=False))
+    assert ask == planner.ConfirmGrant(rebuilt.skill, 30, NOW)
+    after = step_of(rebuilt, planner.with_read(view(grant=False), ask, stood))
+    if stood:
+        assert isinstance(after, planner.SendApply)
+        assert after.order == apply.order(rebuilt, POLICY, 1)
+    else:
+        assert isinstance(after, planner.Commit) and after.why == "revoked"
+        assert not commit(after.record, after.draft).in_flight
+
+
 def test_a_retried_l3_order_rechecks_its_grant_only_while_its_dispatch_may_be_withdrawn():
     sent, rules, _ = settle(registered(change_class="L3"), grant=True)
     assert rules == ["triage", "dispatched"]
@@ -396,14 +467,14 @@ def test_one_dissent_hands_the_l4_to_an_operator():
 
 def test_an_unhealthy_lkg_fails_the_apply_with_nothing_sent():
     record = approved(registered(**_l4_fields()))
-    c = planner.after_lkg(record, report(rc_b=1), POLICY, TRIAGER, 1 << 20, NOW)
+    c = planner.after_lkg(record, said(report(rc_b=1)), POLICY, TRIAGER, 1 << 20, NOW)
     assert c.why == "lkg_refused" and c.record.outcome.ok is False
     assert step_of(commit(c.record, c.draft)) == planner.DONE
 
 
 def test_a_healthy_lkg_records_the_reversal_before_the_order():
     record = approved(registered(**_l4_fields()))
-    c = planner.after_lkg(record, report(), POLICY, TRIAGER, 1 << 20, NOW)
+    c = planner.after_lkg(record, said(report()), POLICY, TRIAGER, 1 << 20, NOW)
     assert c.why == "lkg_verified" and c.record.revert_id is not None
     _, rules, step = settle(commit(c.record, c.draft))
     assert rules == ["dispatched"]
@@ -412,13 +483,13 @@ def test_a_healthy_lkg_records_the_reversal_before_the_order():
 
 def test_a_reversal_too_large_to_propose_refuses_the_apply():
     record = approved(registered(**_l4_fields()))
-    c = planner.after_lkg(record, report(), POLICY, TRIAGER, 100, NOW)
+    c = planner.after_lkg(record, said(report()), POLICY, TRIAGER, 100, NOW)
     assert c.why == "lkg_refused" and "not a valid proposal" in c.draft.reason
 
 
 def test_a_reversal_reads_its_original_and_inherits_an_applied_originals_approval():
     original = approved(registered(**_l4_fields()))
-    c = planner.after_lkg(original, report(), POLICY, TRIAGER, 1 << 20, NOW)
+    c = planner.after_lkg(original, said(report()), POLICY, TRIAGER, 1 << 20, NOW)
     original = commit(c.record, c.draft).replace(status="applied")
     reversal = registered_proposal(original.revert)
     assert step_of(reversal) == planner.ReadOriginal(original.proposal_id)
@@ -480,7 +551,8 @@ def test_a_regression_at_review_after_proposes_the_recorded_rollback_then_commit
     new, draft, _ = learnback.observe_signal(record, reading, POLICY, NOW + 150, "check:meter")
     record = commit(new, draft)
     assert isinstance(step_of(record, view(now=NOW + 200)), planner.AskMeasure)
-    step = planner.after_measure(record, learnback.Reading(value=0.1), POLICY, TRIAGER, NOW + 200)
+    step = planner.after_measure(record, said(learnback.Reading(value=0.1)), POLICY, TRIAGER,
+                                 NOW + 200)
     assert step.rollback is not None and step.commit.draft.verdict == "regressed"
     rollback_id, _ = propose.identify(step.rollback)
     refs = step.commit.draft.refs
@@ -497,7 +569,7 @@ def test_a_regression_at_review_after_proposes_the_recorded_rollback_then_commit
                                      learnback.Reading(value=float("inf"))])
 def test_no_answer_is_recorded_unmeasured_never_held(reading):
     record = under_review()
-    step = planner.after_measure(record, reading, POLICY, TRIAGER, NOW + 200)
+    step = planner.after_measure(record, said(reading), POLICY, TRIAGER, NOW + 200)
     draft = step.commit.draft
     assert step.rollback is None and draft.verdict == "unmeasured"
     assert not any(r.startswith("value:") for r in draft.refs)
@@ -509,9 +581,30 @@ def test_no_answer_is_recorded_unmeasured_never_held(reading):
     assert rebuilt_alike(record, step.commit)
 
 
+@pytest.mark.parametrize("answer", [
+    Unattested(learnback.Reading(value=0.1), "unsigned, and the bus binds no service to its "
+                                             "subjects"),
+    Conflict((said(learnback.Reading(value=0.1)), said(learnback.Reading(value=0.5)))),
+])
+def test_a_regressing_value_nobody_can_attest_is_unmeasured_and_rolls_nothing_back(answer):
+    """On an open bus anyone may answer the measurement first: what is not the service's own
+    (or what its own answers contradict) is recorded, and decides nothing."""
+    record = under_review()
+    step = planner.after_measure(record, answer, POLICY, TRIAGER, NOW + 200)
+    draft = step.commit.draft
+    assert step.rollback is None and draft.verdict == "unmeasured"
+    assert not any(r.startswith(("value:", "rollback_proposal:")) for r in draft.refs)
+    cause = next(r for r in draft.refs if r.startswith("cause:"))
+    assert "0.1" in cause, cause
+    who = "conflict" if isinstance(answer, Conflict) else "unattested"
+    assert f"answered_by:{who}" in draft.refs
+    done = commit(step.commit.record, draft)
+    assert done.measured == "unmeasured" and rebuilt_alike(record, step.commit)
+
+
 def test_a_regression_with_nothing_recorded_to_undo_proposes_nothing():
     record = under_review(rollbackable=False)
-    step = planner.after_measure(record, learnback.Reading(value=0.0), POLICY, TRIAGER,
+    step = planner.after_measure(record, said(learnback.Reading(value=0.0)), POLICY, TRIAGER,
                                  NOW + 200)
     assert step.rollback is None and step.commit.draft.verdict == "regressed"
     assert "nothing recorded to roll back" in step.commit.draft.reason
@@ -552,16 +645,18 @@ CASES = [
 @settings(max_examples=200, deadline=None)
 @given(case=st.sampled_from(CASES), autonomy=st.sampled_from([OPEN, BREAKER, SWITCHED_OFF,
                                                                CRISIS]),
-       dispatch=st.booleans(), grant=st.booleans(), later=st.integers(0, 10**9),
-       approve=st.booleans(), ok=st.booleans())
+       dispatch=st.booleans(), grant=st.booleans(), at_intent=st.booleans(),
+       later=st.integers(0, 10**9), approve=st.booleans(), ok=st.booleans())
 def test_the_planner_always_settles_and_never_sends_what_its_gate_forbids(
-        case, autonomy, dispatch, grant, later, approve, ok):
-    """Whatever the autonomy state, clock and grant: the commits end within a few steps, the
-    only sends are to an accepted proposal that is not held back, never in a crisis, never
-    without dispatch, and an order always carries the approver's or the policy's authority."""
+        case, autonomy, dispatch, grant, at_intent, later, approve, ok):
+    """Whatever the autonomy state, clock and grant (now, and as of the intent): the commits
+    end within a few steps, the only sends are to an accepted proposal that is not held back,
+    never in a crisis, never without dispatch, never for an L3 whose grant was not active as
+    of its intent, and an order always carries the approver's or the policy's authority."""
     record, rules, step = settle(registered(**case), view(autonomy, NOW + later,
-                                                           dispatch=dispatch), grant=grant)
-    assert len(rules) <= 2
+                                                           dispatch=dispatch), grant=grant,
+                                 at_intent=at_intent)
+    assert len(rules) <= 3
     if approve and record.status == "pending" and record.decision.verdict == "defer" \
             and record.decision.cause in ("awaiting_operator", "no_grant"):
         record, _, step = settle(approved(record), view(autonomy, NOW + later,
@@ -571,6 +666,7 @@ def test_the_planner_always_settles_and_never_sends_what_its_gate_forbids(
         assert record.decision.verdict == "accept" and record.in_flight
         assert step.authority == (record.approved_by or PRINCIPAL)
         assert record.approved_by is not None or view(autonomy, NOW + later).held(record) is None
+        assert not apply.grant_bound(record) or (grant and at_intent)
         record = applied(record, step, ok=ok)
         assert step_of(record, view(autonomy, NOW + later, dispatch=dispatch)) == planner.DONE
     else:

@@ -1,0 +1,106 @@
+"""The daemon's requests to the services, hearing every answer, not only the first.
+
+On a bus without accounts anyone may answer `<svc>.improve.measure` (or `.apply`, `.lkg`,
+`spec.get`) before the service does. A request that took the first answer would let that one
+decide; so each request here collects its answers as evidence (`core.boundary.attest_reply`:
+attributable to the service, or not) until one that can count has come, then returns them
+all. Whom a decision believes is `core.boundary`'s to say; this module only listens.
+
+One wildcard subscription serves every request (as nats-py's own request does): each request
+has a reply inbox of its own under it, `<inbox prefix>.<nuid>.<n>`, which is also what a
+signed answer names, so an answer signed for another request does not count for this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from improved.core import boundary
+from improved.core.signing import TrustStore
+
+NO_RESPONDERS = "503"  # the status the server answers a request nobody subscribes to
+
+
+class Answers:
+    """Requests to the owning services, every answer heard as evidence."""
+
+    def __init__(self, nc: Client, signers: Callable[[], TrustStore], bound: bool):
+        self.nc = nc
+        self.signers = signers  # the keys trusted now (a trust reload changes them)
+        self.bound = bound
+        self._prefix = ""
+        self._sub: Subscription | None = None
+        self._waiting: dict[str, asyncio.Queue[Msg]] = {}
+        self._ids = itertools.count()
+        self._starting = asyncio.Lock()
+
+    def attestable(self, service: str) -> bool:
+        """Whether any answer `service` gives could be attested (`boundary.can_attest`)."""
+        return boundary.can_attest(service, self.signers(), self.bound)
+
+    async def _start(self) -> None:
+        async with self._starting:
+            if self._sub is None:
+                self._prefix = self.nc.new_inbox() + "."
+                self._sub = await self.nc.subscribe(self._prefix + "*", cb=self._route)
+
+    async def _route(self, msg: Msg) -> None:
+        queue = self._waiting.get(msg.subject)
+        if queue is not None:
+            queue.put_nowait(msg)
+
+    async def ask(self, service: str, subject: str, body: bytes, timeout: float,
+                  grace: float = 0.0) -> list[boundary.Evidence[bytes]]:
+        """Send `body` on `subject` and return every answer heard, each as evidence of
+        `service`'s: up to the first when nothing `service` says could be attested; else
+        until one is attested (and `grace` seconds more, to hear one that disagrees), or the
+        timeout. NoRespondersError when nobody serves the subject, nats-py's TimeoutError when
+        nothing at all came."""
+        if self._sub is None:
+            await self._start()
+        attestable = self.attestable(service)
+        inbox = f"{self._prefix}{next(self._ids)}"
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+        self._waiting[inbox] = queue
+        heard: list[boundary.Evidence[bytes]] = []
+        try:
+            await self.nc.publish(subject, body, reply=inbox)
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    msg = await asyncio.wait_for(queue.get(), left)
+                except TimeoutError:
+                    break
+                if msg.headers and msg.headers.get("Status") == NO_RESPONDERS and not msg.data:
+                    if heard:
+                        break
+                    raise NoRespondersError
+                heard.append(boundary.attest_reply(
+                    msg.data, service=service, subject=subject, reply_to=inbox,
+                    signers=self.signers(), bound=self.bound))
+                if not attestable:
+                    break
+                if boundary.settled(heard):
+                    deadline = min(deadline, time.monotonic() + grace)
+        finally:
+            del self._waiting[inbox]
+        if not heard:
+            raise NatsTimeout
+        return heard
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
