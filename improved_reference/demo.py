@@ -84,6 +84,7 @@ OPERATOR = "operator:demo"
 AGENT = "mcp:agent-7f3a:1"  # proposes the skill (an MCP runtime session, call 1)
 TUNER = "mcp:tuner-51c0:1"  # proposes the ranking change
 TUNER_AGAIN = "mcp:tuner-51c0:2"  # the same session, a later call: not independent
+SERVICES = ("skills", "search", "deploy", "memory", "docs")  # the reference services it runs
 EVALUATOR = "agent:evaluator:run-0042"  # an agent of another service, by its key: independent
 SKILL = {
     "name": "summarize",
@@ -214,11 +215,16 @@ class Demo:
         key = Ed25519PrivateKey.generate()
         self.operator_key = key
         self.evaluator_key = Ed25519PrivateKey.generate()
+        # each reference service signs its answers with a key of its own, so the daemon can
+        # tell them from anyone else's on this open bus (its measurements among them)
+        self.service_keys = {svc: Ed25519PrivateKey.generate() for svc in SERVICES}
         public = raw_public(key.public_key())
+        signers = {EVALUATOR: b64(raw_public(self.evaluator_key.public_key()))}
+        signers.update({f"service:{svc}": b64(raw_public(k.public_key()))
+                        for svc, k in self.service_keys.items()})
         self.config = Config(
             data_dir=root, port=port, sync=SYNC,
-            trust=Trust(operators={OPERATOR: b64(public)},
-                        signers={EVALUATOR: b64(raw_public(self.evaluator_key.public_key()))}),
+            trust=Trust(operators={OPERATOR: b64(public)}, signers=signers),
             apply=ApplySettings(timeout_s=2.0, attempts=2, max_deliveries=3),
         )
         self.conns: list[Client] = []
@@ -242,24 +248,29 @@ class Demo:
         self.nc_skills = await bus.connect(url, "demo-skills-store")
         self.conns.append(self.nc_skills)
         self.skills = SkillsStore(self.nc_skills, "skills")
+        self.skills.use_key(self.service_keys["skills"])
         await self.skills.start()
         self.nc_search = await bus.connect(url, "demo-ranking-store")
         self.conns.append(self.nc_search)
         self.search = RankingStore(self.nc_search, "search")
+        self.search.use_key(self.service_keys["search"])
         await self.search.start()
         values = await self.nc_search.jetstream().key_value(self.search.values_bucket)
         await values.put(RANK_KEY, to_json(PRIOR))
         self.nc_deploy = await bus.connect(url, "demo-artefact-store")
         self.conns.append(self.nc_deploy)
         self.deploy = ArtefactStore(self.nc_deploy, "deploy")
+        self.deploy.use_key(self.service_keys["deploy"])
         await self.deploy.start()
         await self.deploy.seed(ARTEFACTS)
         self.nc_memory = await bus.connect(url, "demo-knowledge-doc-stores")
         self.conns.append(self.nc_memory)
         self.memory = KnowledgeStore(self.nc_memory, "memory")
+        self.memory.use_key(self.service_keys["memory"])
         await self.memory.start()
         await self.memory.seed(NAMESPACE, DUPLICATES)
         self.docs = DocStore(self.nc_memory, "docs")
+        self.docs.use_key(self.service_keys["docs"])
         await self.docs.start()
         await self.docs.put(GUIDE, GUIDE_V1)
         self.event("services", f"skills (reference skills store), search (reference ranking "

@@ -413,3 +413,22 @@ async def measurement(daemon, svc: str, pid: str, timeout: float = 15.0) -> dict
                                                               "unmeasured")), None)
 
     return await eventually(found, timeout=timeout)
+
+
+@asynccontextmanager
+async def own_daemon(server, tmp_path, name: str):
+    """A connection to `server` and a daemon of its own on it, whose checkpoints the test
+    signs when it wants them (`daemon.engine.checkpoint`): for a test that trips mesh-wide
+    state (the breaker, a crisis) the session daemon's other tests must not meet."""
+    from improved.runtime import bus
+    from improved.runtime.daemon import Daemon
+
+    conn = await bus.connect(server.url, name)
+    daemon = Daemon(conn, msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
+                                                  data_dir=tmp_path / "data"))
+    await daemon.start()
+    try:
+        yield conn, daemon
+    finally:
+        await daemon.stop()
+        await bus.close(conn)

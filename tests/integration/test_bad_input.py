@@ -12,7 +12,7 @@ import pytest
 from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder, to_json
-from tests.bus import eventually, trailers
+from tests.bus import eventually, trailers, trusted_service
 from tests.factories import rank_proposal, signal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -138,7 +138,8 @@ async def test_a_service_that_advertises_no_surface_gets_no_proposals(daemon, nc
     from improved.client.sdk import serve_spec
 
     client = MeshClient(nc, svc)
-    spec = await serve_spec(nc, svc)  # {"service": svc, "improve": false}
+    # its own answer, signed: on this open bus an unsigned one could be anyone's
+    spec = await serve_spec(nc, svc, key=await trusted_service(daemon, svc))
     try:
         reply = await client.propose_raw(to_json(rank_proposal(svc)), service=svc)
         assert reply["error"]["code"] == "no_surface"

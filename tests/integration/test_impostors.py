@@ -21,7 +21,14 @@ from improved.protocol import subjects as S
 from improved.protocol.model import ApplyReport, ApplyResult, MetricSnapshot, to_json
 from improved.runtime import bus
 from improved_reference.ranking_store import RankingStore
-from tests.bus import daemon_config, eventually, measurement, trailers, trusted_service
+from tests.bus import (
+    daemon_config,
+    eventually,
+    measurement,
+    own_daemon,
+    trailers,
+    trusted_service,
+)
 from tests.factories import rank_proposal, skill_proposal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -83,19 +90,22 @@ async def test_an_impostor_answering_the_measurement_first_rolls_nothing_back(da
     await store.stop()
 
 
-async def test_an_impostor_cannot_hide_a_real_regression(daemon, nc, svc):
-    store = await signed_store(daemon, nc, svc, 0.3)  # 40 % below the baseline
-    client = MeshClient(nc, svc)
-    base = (await client.propose(rank_proposal(svc, value=1))).proposal_id
-    await eventually(lambda: status(client, base, "applied"))
-    impostor = await answering(nc, S.measure_request(svc), b'{"value": 0.5}')  # "held"
-    pid = (await client.propose(watched(svc, review_after=later(800)))).proposal_id
-    trailer = await measurement(daemon, svc, pid)
-    assert trailer["verdict"] == "regressed" and "value:0.3" in trailer["refs"]
-    assert any(r.startswith("rollback_proposal:") for r in trailer["refs"])
-    await eventually(lambda: status(client, pid, "rolled_back"), timeout=15)
-    await impostor.unsubscribe()
-    await store.stop()
+async def test_an_impostor_cannot_hide_a_real_regression(own_server, tmp_path, svc):
+    """A daemon of its own: the real regression rolls an autonomous change back, which counts
+    toward the breaker, as it must (the session daemon's other tests must not meet it)."""
+    async with own_daemon(own_server, tmp_path, "impostor-regression") as (nc, daemon):
+        store = await signed_store(daemon, nc, svc, 0.3)  # 40 % below the baseline
+        client = MeshClient(nc, svc)
+        base = (await client.propose(rank_proposal(svc, value=1))).proposal_id
+        await eventually(lambda: status(client, base, "applied"))
+        impostor = await answering(nc, S.measure_request(svc), b'{"value": 0.5}')  # "held"
+        pid = (await client.propose(watched(svc, review_after=later(800)))).proposal_id
+        trailer = await measurement(daemon, svc, pid)
+        assert trailer["verdict"] == "regressed" and "value:0.3" in trailer["refs"]
+        assert any(r.startswith("rollback_proposal:") for r in trailer["refs"])
+        await eventually(lambda: status(client, pid, "rolled_back"), timeout=15)
+        await impostor.unsubscribe()
+        await store.stop()
 
 
 async def test_with_no_key_for_the_service_no_answer_moves_learn_back(daemon, nc, svc):

@@ -42,7 +42,7 @@ from improved.protocol.model import to_json
 from improved.runtime import bus
 from improved.runtime.store import Store, tools_audit_config, tools_ledger_configs
 from improved_reference.tool_runtime import JetStreamLedger, ToolRuntimeService
-from tests.bus import daemon_key, eventually
+from tests.bus import daemon_key, eventually, own_daemon
 from tests.cli import improved
 from tests.keys import ALICE, MALLORY
 from tests.tool_surfaces import (
@@ -69,24 +69,6 @@ async def serving(nc, rt: Runtime, key=None):
         yield service
     finally:
         await service.stop()
-
-
-@contextlib.asynccontextmanager
-async def own_daemon(server, tmp_path, name: str):
-    """A connection to `server` and a daemon of its own on it, whose checkpoints the test
-    signs when it wants them (`daemon.engine.checkpoint`)."""
-    from improved.runtime.daemon import Daemon
-    from tests.bus import daemon_config
-
-    conn = await bus.connect(server.url, name)
-    daemon = Daemon(conn, msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
-                                                  data_dir=tmp_path / "data"))
-    await daemon.start()
-    try:
-        yield conn, daemon
-    finally:
-        await daemon.stop()
-        await bus.close(conn)
 
 
 async def ask(nc, subject: str, body) -> dict:
