@@ -22,7 +22,7 @@ from improved.protocol.model import MeasureDue, MetricSnapshot, to_json
 from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from improved_reference.ranking_store import RankingStore
-from tests.bus import daemon_config, eventually, trailers
+from tests.bus import daemon_config, eventually, measurement, trailers
 from tests.factories import rank_proposal, skill_proposal
 
 pytestmark = [pytest.mark.asyncio(loop_scope="session"), pytest.mark.timeout(90)]
@@ -112,6 +112,19 @@ def _later(ms: int) -> int:
     return int(time.time() * 1000) + ms
 
 
+async def _signed_ranking(server, svc: str, name: str):
+    """(config, connection, a started daemon, a started ranking store of `svc` whose
+    signed answers that daemon trusts)."""
+    config, key = _answering(svc)
+    nc = await bus.connect(server.url, name)
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    store = RankingStore(nc, svc)
+    store.use_key(key)
+    await store.start()
+    return config, nc, daemon, store
+
+
 def _answering(svc: str):
     """A daemon configuration that trusts a key as `service:<svc>`, and that key: the
     service's signed answers to `<svc>.improve.measure` are then its own (core.boundary)."""
@@ -134,13 +147,7 @@ def _answering(svc: str):
 async def test_an_owed_measurement_is_asked_after_a_restart_whatever_its_due_entry_says(
         own_server, done_to_it):
     svc = "duesvc"
-    config, key = _answering(svc)
-    nc = await bus.connect(own_server.url, "due-daemon")
-    daemon = Daemon(nc, config)
-    await daemon.start()
-    store = RankingStore(nc, svc)
-    store.use_key(key)
-    await store.start()
+    config, nc, daemon, store = await _signed_ranking(own_server, svc, "due-daemon")
     again = None
     try:
         kv = await store.js.key_value(store.values_bucket)
@@ -166,13 +173,7 @@ async def test_an_owed_measurement_is_asked_after_a_restart_whatever_its_due_ent
 
         again = Daemon(nc, config)  # a restart: nothing remembered but the chains and indexes
         await again.start()
-
-        async def measured():
-            chain = await trailers(again, svc, pid)
-            return next((t for t in chain if t.get("verdict") in ("held", "regressed",
-                                                                  "unmeasured")), None)
-
-        trailer = await eventually(measured, timeout=20)
+        trailer = await measurement(again, svc, pid, timeout=20)
         assert trailer["verdict"] == "held"
         assert trailer["at"] >= due_at
     finally:
@@ -194,13 +195,7 @@ async def test_every_checkpoint_counts_what_the_chains_say(own_server, capsys):
     from tests.factories import now_ms, review
 
     svc = "countsvc"
-    config, key = _answering(svc)
-    nc = await bus.connect(own_server.url, "count-daemon")
-    daemon = Daemon(nc, config)
-    await daemon.start()
-    store = RankingStore(nc, svc)
-    store.use_key(key)
-    await store.start()
+    config, nc, daemon, store = await _signed_ranking(own_server, svc, "count-daemon")
     again = None
     try:
         kv = await store.js.key_value(store.values_bucket)
