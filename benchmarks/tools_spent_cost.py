@@ -24,6 +24,7 @@ from improved.core.tools import Provider, Runtime, grant_token, sign_grant
 from improved.protocol import subjects as S
 from improved.runtime import bus
 from improved.runtime.store import Store, tools_ledger_configs
+from improved_reference.tool_gate import ToolGate
 from improved_reference.tool_runtime import JetStreamLedger
 
 STREAM = S.STREAM_TOOLS_SPENT
@@ -52,13 +53,13 @@ async def measure(n: int, window_s: float) -> dict[str, float]:
         for cfg in tools_ledger_configs():
             await Store(nc).ensure_stream(cfg)  # the spent marks' sentinel first
         sentinel = (await js.stream_info(STREAM)).state
-        rt.ledger = await JetStreamLedger.open(js, "agent")
+        gate = ToolGate(rt, await JetStreamLedger.open(js, "agent"))
         started = time.monotonic()
         for i in range(n):
             args = {"n": i}
             env = sign_grant(key, "operator:alice", token, "deploy", args, "bench", now_ms(),
                              int(window_s * 1000), nonce=secrets.token_hex(16))
-            reply = await rt.invoke("deploy", args, env, now_ms())
+            reply = await gate.invoke("deploy", args, env, now_ms())
             assert reply.get("ok") is True, reply
         took = time.monotonic() - started
         state = (await js.stream_info(STREAM)).state

@@ -1,9 +1,10 @@
 """An agent runtime's tool surface on NATS (SPEC 09 §3.1): list the catalog, call a tool,
 revoke a session upgrade.
 
-The authority rules are all in `improved.core.tools.Runtime`; this module carries them over
-request/reply and keeps what they need beyond one process on JetStream, so what an agent sees on
-the bus is exactly what the library decides:
+The authority rules are all in `improved.core.tools.Runtime`, carried out by
+`improved_reference.tool_gate.ToolGate`; this module carries them over request/reply and keeps
+what they need beyond one process on JetStream, so what an agent sees on the bus is exactly what
+the library decides:
 
 - `<runtime>.tools.list` answers the whole catalog (gated tools included, with their grant
   tokens and scopes); `<runtime>.tools.call` answers one invocation, a refusal or the error
@@ -21,7 +22,8 @@ the bus is exactly what the library decides:
   the replicas' clock skew), so the server removes it once its act is refused by its own time
   check anyway; a revocation carries none (its stream refuses TTLs). A forged mark can refuse
   a call, never allow one. An acceptance read back counts only when the signed grant it holds
-  verifies (`Runtime`); an erased one only refuses (the runtime asks for a grant again).
+  verifies (`Runtime.learn_acceptance`); an erased one only refuses (the runtime asks for a
+  grant again).
 - A limit set on a mark stream and set back, or the stream deleted and made again, would
   still erase marks; so before each spend and each look for a revocation the ledger reads the
   stream's info (one request, which for a revocation also says whether its mark is there) and
@@ -105,6 +107,7 @@ from improved.runtime.store import (
     tools_audit_config,
     tools_ledger_configs,
 )
+from improved_reference.tool_gate import ToolGate
 
 log = structlog.get_logger("improved_reference.tool_runtime")
 
@@ -133,7 +136,7 @@ def now_ms() -> int:
 
 
 class JetStreamLedger:
-    """`improved.core.tools.Ledger` for the runtime `runtime`: a grant (its act id) or a session
+    """`improved_reference.tool_gate.Ledger` for the runtime `runtime`: a grant (its act id) or a session
     proof (its digest) is spent by a mark on `IMPROVE_TOOLS_SPENT`
     (`improve.tools.spent.<act>`, with its per-message TTL, `spent_until`), an upgrade revoked
     by one on `IMPROVE_TOOLS_REVOKED` (`improve.tools.revoked.<runtime>.<upgrade act id>`, for
@@ -301,12 +304,14 @@ class JetStreamLedger:
 
 class ToolRuntimeService:
     """Serves one Runtime's catalog and calls over a nats-py Client; `key` signs the trailers
-    of the runtime's `_tools` chain. `start` puts the runtime's ledger on JetStream."""
+    of the runtime's `_tools` chain. `start` puts the runtime's ledger (`gate.ledger`) on
+    JetStream."""
 
     def __init__(self, nc: Client, runtime: Runtime, key: Ed25519PrivateKey, *,
                  replicas: int = 1, accept_ledger: bool = False):
         self.nc = nc
         self.runtime = runtime
+        self.gate = ToolGate(runtime)
         self.store = Store(nc, replicas, audit_stream=S.STREAM_TOOLS_AUDIT)
         self.store.signer = key
         self.keyid = keyid_of(raw_public(key.public_key()))
@@ -325,7 +330,7 @@ class ToolRuntimeService:
 
     async def listing(self) -> dict[str, Any]:
         rt = self.runtime
-        await rt.refresh()
+        await self.gate.refresh()
         return {"runtime": rt.name, "ceiling": rt.ceiling, "mode": rt.mode,
                 "tools": rt.catalog()}
 
@@ -349,7 +354,7 @@ class ToolRuntimeService:
                 raise RuntimeError(f"tool runtime {name}: {exc}") from None
         self.ledger = await JetStreamLedger.open(self.store.js, name, self.replicas)
         await self._settle_ledger(self.ledger)
-        self.runtime.ledger = self.ledger
+        self.gate.ledger = self.ledger
         for subject, cb in ((S.tools_list(name), self._on_list),
                             (S.tools_call(name), self._on_call),
                             (S.tools_revoke(name), self._on_revoke)):
@@ -451,9 +456,9 @@ class ToolRuntimeService:
                      code=err.code, field=err.field)
             return err.reply()
         try:
-            decision = await self.runtime.decide(call.tool, call.args, call.grant, now_ms(),
-                                                 session=call.session, upgrade=call.upgrade,
-                                                 proof=call.proof)
+            decision = await self.gate.decide(call.tool, call.args, call.grant, now_ms(),
+                                              session=call.session, upgrade=call.upgrade,
+                                              proof=call.proof)
             recorded = await self._record(decision)
             if decision.allowed and not recorded:
                 reply: dict[str, Any] = {"refused": {
@@ -462,7 +467,7 @@ class ToolRuntimeService:
                     "detail": "the call could not be recorded on the runtime's audit chain, "
                               "so it did not run"}}
             else:
-                reply = await self.runtime.run(decision)
+                reply = await self.gate.run(decision)
         except Exception as exc:
             log.exception("tool call failed", runtime=self.runtime.name, tool=call.tool)
             return wire.WireError(wire.INTERNAL, f"{type(exc).__name__}: {exc}"[:ERROR_LIMIT]
@@ -516,7 +521,7 @@ class ToolRuntimeService:
     async def _on_revoke(self, msg: Msg) -> None:
         try:
             request = wire.decode(msg.data, Revoke, MAX_MESSAGE_BYTES)
-            reply = await self.runtime.revoke(request.revocation)
+            reply = await self.gate.revoke(request.revocation)
             body = to_json(reply)
             log.info("upgrade revocation", runtime=self.runtime.name,
                      revoked=reply.get("revoked"), refused=reply.get("refused"))

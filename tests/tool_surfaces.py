@@ -1,6 +1,7 @@
 """Builders for the tool-surface tests (SPEC 09 §3.1): a runtime holding a read (L0), a write
-(L2) and a deploy (L4) tool whose bodies count their calls, and grants signed by ALICE. Pure;
-the same helpers serve the library tests and the tests over a real nats-server."""
+(L2) and a deploy (L4) tool whose bodies count their calls, its gate over a ledger, and grants
+signed by ALICE. The same helpers serve the library tests and the tests over a real
+nats-server."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from improved.core.tools import (
     upgrade_id,
 )
 from improved.protocol.model import Envelope
+from improved_reference.tool_gate import Ledger, ToolGate
 from tests.keys import ALICE
 
 NOW = 1768471200000
@@ -70,6 +72,13 @@ def runtime(mode: str = "autonomous", name: str = "agent", ceiling: str | None =
     for provider, _ in tools.values():
         rt.register(provider)
     return rt, tools
+
+
+def gate(mode: str = "autonomous", name: str = "agent", ceiling: str | None = None, *,
+         ledger: Ledger | None = None, **kw) -> tuple[ToolGate, dict[str, tuple[Provider, Counter]]]:
+    """`runtime(...)`'s gate over `ledger` (a ProcessLedger of its own unless given)."""
+    rt, tools = runtime(mode, name, ceiling, **kw)
+    return ToolGate(rt, ledger), tools
 
 
 def grant(provider: Provider, args=ARGS, *, key=ALICE, now: int = NOW, **kw) -> Envelope:

@@ -27,22 +27,27 @@ Orthogonal to the class, every call's arguments are checked against the capabili
 (`improved.core.scopes`): the tool's own, the runtime policy's, the upgrade's.
 
 What must outlive one process — spent grants, acceptances, revocations — is kept in a
-`Ledger`: `ProcessLedger` here (one process), JetStream marks and a bucket shared by every
-replica of a runtime in `improved_reference.tool_runtime`. A ledger is never believed on its
-own: an acceptance read from it counts only when the signed grant it holds verifies for this
-runtime and tool, and anything written as a spent or revoked mark counts as spent or revoked
-(a spent mark is kept until its act's own time check refuses it on every replica,
-`spent_until`; then it may go, so the spent marks follow the calls of the acts' windows, not
-the history).
+ledger, which the shell reads and writes (`improved_reference.tool_gate`: `ProcessLedger` for
+one process; JetStream marks and a bucket shared by every replica of a runtime in
+`improved_reference.tool_runtime`). A ledger is never believed on its own: an acceptance read
+from it counts only when the signed grant it holds verifies for this runtime and tool, and
+anything written as a spent or revoked mark counts as spent or revoked (a spent mark is kept
+until its act's own time check refuses it on every replica, `spent_until`; then it may go, so
+the spent marks follow the calls of the acts' windows, not the history).
 A ledger that cannot vouch that it forgot nothing (a limit set on its streams and set back,
 a stream made again: `improved.core.retention`) raises `LedgerUntrusted` instead of answering,
 and the call is refused `ledger_untrusted`: a spend or a revocation it may have lost is never
 taken for absent.
-Each call's decision is drafted as a trailer of the runtime's `_tools` chain (`call_draft`), as
-is the ledger a runtime trusts when it starts (`ledger_draft`).
 
-Pure: no NATS, no clock of its own (`now_ms` is passed in), no logging. A refusal changes
-nothing: the tool is not called and the grant is not spent.
+Sans-IO: `Runtime.gate` decides one call from values, and where it needs the ledger it answers
+a step (`ReadAcceptance`, `ReadRevoked`, `Spend`, `RecordAcceptance`) whose `then` takes the
+ledger's answer, until a `Decision`; the shell carries the steps out and runs the tool
+(`ran`, `raised` shape its answer). Each call's decision is drafted as a trailer of the
+runtime's `_tools` chain (`call_draft`), as is the ledger a runtime trusts when it starts
+(`ledger_draft`).
+
+Pure: no NATS, no clock of its own (`now_ms` is passed in), no logging, no awaiting. A refusal
+changes nothing: the tool is not called and the grant is not spent.
 """
 
 from __future__ import annotations
@@ -50,11 +55,10 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import inspect
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Annotated, Any, Literal
 
 import msgspec
 from cryptography.exceptions import InvalidSignature
@@ -139,7 +143,7 @@ class Provider:
     name: str
     authority: str
     description: str
-    run: Callable[[dict[str, Any]], Any]  # sync, or returning an awaitable
+    run: Callable[[dict[str, Any]], Any]  # sync, or returning an awaitable (the shell's)
     version: str | None = None
     scope: CapabilityScope | None = None
     scoped_args: Mapping[str, ScopeKind] = field(default_factory=dict)
@@ -484,67 +488,17 @@ def not_found(name: str) -> dict[str, Any]:
     return {"error": {"code": "not_found", "message": f"no tool named {name!r}", "field": "tool"}}
 
 
-# -- what outlives a process: the ledger ----------------------------------------------------------
+# -- what outlives a process: the ledger, read and written by the shell -------------------------
 
 
 class LedgerUntrusted(ActRefused):
     """The ledger cannot vouch that it kept every mark (`improved.core.retention.problem` says
     why): whatever it would answer, a spend or a revocation it lost would look absent, so the
-    call that relies on it is refused `ledger_untrusted`."""
+    call that relies on it is refused `ledger_untrusted`. The shell's ledger raises it; the
+    shell hands it to the step that asked (`ReadRevoked`, `Spend`) as that step's answer."""
 
     def __init__(self, reason: str):
         super().__init__("ledger_untrusted", reason)
-
-
-class Ledger(Protocol):
-    """Spent grants and session proofs, L2 acceptances and upgrade revocations, shared by
-    whoever shares the ledger (a proof's digest and a grant's act id hash different bytes, so
-    they share the spent marks).
-
-    `spend` is create-only: True for the one caller that spends `act`, False for every later
-    one, whatever was written under the key in between, until `until` (ms, `spent_until`):
-    after that the ledger may forget the act, whose own time check refuses it by then. `acceptance` answers the signed grant
-    recorded for (runtime, token), which the runtime verifies again before believing it.
-    `spend` and `revoked` raise LedgerUntrusted when the ledger cannot vouch for what it
-    kept."""
-
-    async def spend(self, act: str, until: int, now: int) -> bool: ...
-
-    async def acceptance(self, runtime: str, token: str) -> Envelope | None: ...
-
-    async def accept(self, runtime: str, token: str, grant: Envelope) -> None: ...
-
-    async def revoked(self, upgrade: str) -> bool: ...
-
-    async def revoke(self, upgrade: str, revocation: Envelope) -> None: ...
-
-
-class ProcessLedger:
-    """A ledger in this process's memory: for one process, and for tests."""
-
-    def __init__(self) -> None:
-        self.spent: dict[str, int] = {}  # act id → when it may be forgotten (ms)
-        self.accepted: dict[tuple[str, str], Envelope] = {}
-        self.revocations: dict[str, Envelope] = {}
-
-    async def spend(self, act: str, until: int, now: int) -> bool:
-        self.spent = {a: kept for a, kept in self.spent.items() if kept > now}
-        if act in self.spent:
-            return False
-        self.spent[act] = until
-        return True
-
-    async def acceptance(self, runtime: str, token: str) -> Envelope | None:
-        return self.accepted.get((runtime, token))
-
-    async def accept(self, runtime: str, token: str, grant: Envelope) -> None:
-        self.accepted[(runtime, token)] = grant
-
-    async def revoked(self, upgrade: str) -> bool:
-        return upgrade in self.revocations
-
-    async def revoke(self, upgrade: str, revocation: Envelope) -> None:
-        self.revocations.setdefault(upgrade, revocation)
 
 
 # -- one call's decision --------------------------------------------------------------------------
@@ -573,6 +527,123 @@ class Decision:
     @property
     def allowed(self) -> bool:
         return self.reply is None
+
+    @property
+    def refusal(self) -> dict[str, Any] | None:
+        """The answer to a call that may not run (its refusal, or not_found), None for one
+        that may: what the shell replies without calling the tool."""
+        if self.reply is not None or self.provider is None:
+            return self.reply or not_found(self.tool)
+        return None
+
+
+def ran(decision: Decision, result: Any) -> dict[str, Any]:
+    """The answer to an allowed call whose tool returned `result`."""
+    return {"ok": True, "result": result, **_allowed_by(decision)}
+
+
+def raised(decision: Decision, exc: BaseException) -> dict[str, Any]:
+    """The answer to an allowed call whose tool raised `exc`: its type and text, at most
+    ERROR_LIMIT characters."""
+    return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:ERROR_LIMIT],
+            **_allowed_by(decision)}
+
+
+def _allowed_by(decision: Decision) -> dict[str, Any]:
+    """Who let the call run, on its answer: the grant's or upgrade's signer, the upgrade."""
+    out: dict[str, Any] = {}
+    if decision.principal is not None:
+        out["granted_by"] = decision.principal
+    if decision.via == "upgrade":
+        out["upgrade"] = act_id(decision.act) if decision.act else None
+    return out
+
+
+# -- what a call's decision needs from the ledger: the steps the shell carries out ---------------
+#
+# Sans-IO, as the planner's Read steps: `Runtime.gate` answers the Decision when it needs nothing
+# from the ledger, else one of the steps below. The shell does what the step names and hands the
+# ledger's answer to the step's `then`, which gives the next step, until a Decision. A step
+# carries its own continuation, so nothing is checked twice and each answer has its own type.
+
+
+@dataclass(frozen=True)
+class ReadAcceptance:
+    """Read the acceptance the ledger holds for `runtime` and `token` (`acceptance`) and hand
+    `then` what it holds, or None; only a grant in it that verifies counts."""
+
+    runtime: str
+    token: str
+    then: Callable[[Envelope | None], Step] = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class ReadRevoked:
+    """Ask the ledger whether the upgrade whose act id is `upgrade` is revoked (`revoked`) and
+    hand `then` the answer, or the LedgerUntrusted the ledger raised."""
+
+    upgrade: str
+    then: Callable[[bool | LedgerUntrusted], Step] = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Spend:
+    """Spend `act` (a grant's act id or a session proof's digest) in the ledger, its mark kept
+    until `until` (`spend`), and hand `then` whether this call spent it (False: it was spent
+    before), or the LedgerUntrusted the ledger raised."""
+
+    act: str
+    until: int
+    now: int
+    then: Callable[[bool | LedgerUntrusted], Step] = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class RecordAcceptance:
+    """Record in the ledger the operator's acceptance of `token` on `runtime`, the grant
+    `grant` (`accept`), then `then()`: the grant that accepted it is spent by now."""
+
+    runtime: str
+    token: str
+    grant: Envelope
+    then: Callable[[], Step] = field(compare=False, repr=False)
+
+
+Step = Decision | ReadAcceptance | ReadRevoked | Spend | RecordAcceptance
+
+
+@dataclass(frozen=True)
+class RecordRevocation:
+    """Record in the ledger an operator's verified revocation (`revocation`) of the upgrade
+    whose act id is `upgrade` (`revoke`); `reply` answers it once recorded."""
+
+    upgrade: str
+    revocation: Envelope
+    principal: str
+
+    @property
+    def reply(self) -> dict[str, Any]:
+        return {"ok": True, "revoked": self.upgrade, "revoked_by": self.principal}
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call past its scope check, as the steps of its decision carry it along."""
+
+    provider: Provider
+    args: dict[str, Any]
+    grant: Envelope | None
+    now: int
+    session: str | None
+    upgrade: Envelope | None
+    proof: SessionProof | None
+    layers: list[tuple[str, CapabilityScope | None]]
+    gated: bool
+    unaccepted: bool = False
+
+    @property
+    def base(self) -> Decision:
+        return Decision(self.provider.name, self.args, self.provider, session=self.session)
 
 
 # -- the ledger a runtime trusts, on its chain ----------------------------------------------------
@@ -656,10 +727,11 @@ def call_draft(runtime: str, decision: Decision,
 
 
 class Runtime:
-    """An agent runtime's catalog and mount set, and the gate every call goes through."""
+    """An agent runtime's catalog and mount set, and the gate every call goes through: what a
+    call needs from the ledger and whether it may run, decided from what the shell hands it."""
 
     def __init__(self, name: str, ceiling: str | None = None, trust: TrustStore | None = None,
-                 mode: Mode = "autonomous", *, ledger: Ledger | None = None,
+                 mode: Mode = "autonomous", *,
                  scopes: Mapping[str, CapabilityScope] | None = None,
                  spent_margin_ms: int = SPENT_MARGIN_MS):
         if not isinstance(name, str) or not S.SERVICE_RE.match(name):
@@ -682,7 +754,6 @@ class Runtime:
         self.name, self.ceiling, self.mode = name, ceiling, mode
         self.spent_margin_ms = spent_margin_ms  # SPENT_MARGIN_MS; shorter only in tests
         self.trust = trust or TrustStore()
-        self.ledger: Ledger = ledger if ledger is not None else ProcessLedger()
         self.scopes = dict(scopes or {})  # the runtime policy's narrowing, by tool name
         self._providers: dict[str, Provider] = {}
         self._accepted: set[str] = set()  # tokens of L2 providers whose acceptance verified
@@ -702,15 +773,31 @@ class Runtime:
 
     def needs_acceptance(self, provider: Provider) -> bool:
         """A mounted L2 provider of an autonomous runtime whose first call was not accepted
-        (as far as this process knows: `refresh` reads the ledger)."""
+        (as far as this process knows: `learn_acceptance` takes what the ledger holds)."""
         return (self.mode == "autonomous" and provider.authority == "L2"
                 and self.mounted(provider) and grant_token(provider) not in self._accepted)
 
-    async def refresh(self) -> None:
-        """Learn the acceptances other replicas (or an earlier run) recorded in the ledger."""
-        for p in self._providers.values():
-            if self.needs_acceptance(p):
-                await self._recorded_acceptance(p)
+    def awaiting_acceptance(self) -> list[Provider]:
+        """The providers whose acceptance, if the ledger holds one, the catalog should show:
+        what the shell reads (`acceptance`) and hands to `learn_acceptance` before listing."""
+        return [p for p in self._providers.values() if self.needs_acceptance(p)]
+
+    def learn_acceptance(self, provider: Provider, env: Envelope | None) -> bool:
+        """Whether `env`, what the ledger holds as this tool's acceptance, is one: a grant
+        signed by a trusted operator for this very tool, token and runtime (then remembered).
+        A ledger entry is anyone's to write; only the signature inside it counts."""
+        token = grant_token(provider)
+        if env is None:
+            return False
+        try:
+            verified = self.trust.verify(env, PAYLOAD_TYPES["tool_grant"])
+            act = _decode(verified, ToolGrant, "a ToolGrant")
+        except ActRefused:
+            return False
+        if (act.tool, act.grant_token, act.runtime) != (provider.name, token, self.name):
+            return False
+        self._accepted.add(token)
+        return True
 
     def catalog(self) -> list[dict[str, Any]]:
         """Every provider, mounted or not, by name."""
@@ -732,111 +819,134 @@ class Runtime:
             out.append(entry)
         return out
 
-    async def invoke(self, name: str, args: dict[str, Any] | None,
-                     grant: Envelope | None, now_ms: int, *, session: str | None = None,
-                     upgrade: Envelope | None = None,
-                     proof: SessionProof | None = None) -> dict[str, Any]:
-        """`{"ok": true, "result"}`, `{"ok": false, "error"}` (the tool raised), `{"refused"}`
-        (nothing ran), or the not_found error reply for a name not in the catalog.
+    # -- one call: its steps -------------------------------------------------------------------
 
-        A grant or an upgrade is looked at only when the call needs one; otherwise it is
-        ignored, unspent. `decide` and `run` are the two halves, for a caller that records
-        the decision in between."""
-        decision = await self.decide(name, args, grant, now_ms, session=session,
-                                     upgrade=upgrade, proof=proof)
-        return await self.run(decision)
-
-    async def decide(self, name: str, args: dict[str, Any] | None, grant: Envelope | None,
-                     now_ms: int, *, session: str | None = None,
-                     upgrade: Envelope | None = None,
-                     proof: SessionProof | None = None) -> Decision:
-        """Whether this call may run, spending the grant or the session proof (or recording
-        the acceptance) that lets it; for a refused call nothing is spent and no acceptance
-        recorded."""
+    def gate(self, name: str, args: dict[str, Any] | None, grant: Envelope | None,
+             now_ms: int, *, session: str | None = None, upgrade: Envelope | None = None,
+             proof: SessionProof | None = None) -> Step:
+        """The first step of deciding whether this call may run: the Decision, or what the
+        ledger must be asked first (a Step whose `then` takes the answer). What the steps
+        spend or record (the grant, the session proof, the acceptance) is what lets the call
+        run; for a refused call nothing is spent and no acceptance recorded. A grant or an
+        upgrade is looked at only when the call needs one; otherwise it is ignored, unspent."""
         provider = self._providers.get(name)
         args = {} if args is None else args
         if not isinstance(args, dict):
             raise TypeError(f"args must be a dict, not {type(args).__name__}")
         if provider is None:
             return Decision(name, args, reply=not_found(name), session=session)
-        base = Decision(name, args, provider, session=session)
         layers = [("tool", provider.scope), ("runtime policy", self.scopes.get(name))]
+        call = _Call(provider, args, grant, now_ms, session, upgrade, proof, layers,
+                     gated=not self.mounted(provider))
         problem = scope_problem(provider.scoped_args, args, layers)
         if problem is not None:
-            return _refuse(base, problem.code, problem.reason)
-        gated = not self.mounted(provider)
-        unaccepted = self.needs_acceptance(provider) and not await self._recorded_acceptance(
-            provider)
-        if not (gated or unaccepted):
+            return _refuse(call.base, problem.code, problem.reason)
+        if self.needs_acceptance(provider):
+            return ReadAcceptance(self.name, grant_token(provider), lambda env: self._route(
+                call, unaccepted=not self.learn_acceptance(provider, env)))
+        return self._route(call, unaccepted=False)
+
+    def _route(self, call: _Call, *, unaccepted: bool) -> Step:
+        """A mounted, accepted tool runs; otherwise an upgrade, then a grant, may let it."""
+        provider = call.provider
+        if not (call.gated or unaccepted):
             via: Via = "accepted" if provider.authority == "L2" and self.mode == "autonomous" \
                 else "mounted"
-            return Decision(name, args, provider, via=via, session=session)
-        if upgrade is not None:
-            try:
-                act, verified = await self._check_upgrade(provider, upgrade, session, now_ms)
-                proved = check_proof(act, act_id(verified), self.name, name, args, proof,
-                                     now_ms)
-            except ActRefused as exc:
-                if grant is None:
-                    return _refuse(base, exc.code, exc.reason)
-            else:
-                layers.append(("session upgrade", act.scope))
-                problem = scope_problem(provider.scoped_args, args, layers)
-                if problem is not None:
-                    return _refuse(base, problem.code, problem.reason)
-                assert proof is not None and act.session_key is not None  # check_proof
-                until = spent_until(proof_lapse(proof), self.spent_margin_ms)
-                try:
-                    fresh = await self.ledger.spend(proved, until, now_ms)
-                except LedgerUntrusted as exc:
-                    return _refuse(base, exc.code, exc.reason)
-                if not fresh:
-                    return _refuse(base, "session_proof_replayed", "this proof was already "
-                                   "used; a proof runs one call, sign a new one (new at and "
-                                   "nonce) for each")
-                return Decision(name, args, provider, via="upgrade", act=verified,
-                                principal=act.principal, session=session, proof=proved,
-                                signed_proof=proof,
-                                session_key=keyid_of(raw_public(
-                                    parse_public_key(act.session_key))))
-        if grant is None:
-            if gated:
-                return _refuse(base, "authority_gated", "the tool is above this runtime's "
+            return Decision(provider.name, call.args, provider, via=via, session=call.session)
+        call = replace(call, unaccepted=unaccepted)
+        if call.upgrade is None:
+            return self._by_grant(call)
+        try:
+            act, verified = self._check_upgrade(provider, call.upgrade, call.session, call.now)
+        except ActRefused as exc:
+            return self._upgrade_refused(call, exc)
+        return ReadRevoked(act_id(verified),
+                           lambda revoked: self._by_upgrade(call, act, verified, revoked))
+
+    def _upgrade_refused(self, call: _Call, exc: ActRefused) -> Step:
+        """An upgrade that does not hold leaves the call to its grant; without one, the
+        upgrade's refusal stands."""
+        if call.grant is None:
+            return _refuse(call.base, exc.code, exc.reason)
+        return self._by_grant(call)
+
+    def _by_upgrade(self, call: _Call, act: SessionUpgrade, verified: Verified,
+                    revoked: bool | LedgerUntrusted) -> Step:
+        """The upgrade verified for this call and the ledger said whether it is revoked:
+        check the call's session proof and the upgrade's scope, then spend the proof."""
+        try:
+            if isinstance(revoked, LedgerUntrusted):
+                raise revoked
+            if revoked:
+                raise ActRefused("revoked", "an operator revoked this upgrade")
+            proved = check_proof(act, act_id(verified), self.name, call.provider.name,
+                                 call.args, call.proof, call.now)
+        except ActRefused as exc:
+            return self._upgrade_refused(call, exc)
+        layers = [*call.layers, ("session upgrade", act.scope)]
+        problem = scope_problem(call.provider.scoped_args, call.args, layers)
+        if problem is not None:
+            return _refuse(call.base, problem.code, problem.reason)
+        assert call.proof is not None and act.session_key is not None  # check_proof
+        session_key = keyid_of(raw_public(parse_public_key(act.session_key)))
+        allowed = Decision(call.provider.name, call.args, call.provider, via="upgrade",
+                           act=verified, principal=act.principal, session=call.session,
+                           proof=proved, signed_proof=call.proof, session_key=session_key)
+
+        def spent(fresh: bool | LedgerUntrusted) -> Step:
+            if isinstance(fresh, LedgerUntrusted):
+                return _refuse(call.base, fresh.code, fresh.reason)
+            if not fresh:
+                return _refuse(call.base, "session_proof_replayed", "this proof was already "
+                               "used; a proof runs one call, sign a new one (new at and "
+                               "nonce) for each")
+            return allowed
+
+        until = spent_until(proof_lapse(call.proof), self.spent_margin_ms)
+        return Spend(proved, until, call.now, spent)
+
+    def _by_grant(self, call: _Call) -> Step:
+        """Verify the call's grant for this very call, then spend it; for a tool the operator
+        accepts with it, record the acceptance once it is spent."""
+        provider = call.provider
+        if call.grant is None:
+            if call.gated:
+                return _refuse(call.base, "authority_gated", "the tool is above this runtime's "
                                f"ceiling {self.ceiling}; present a grant signed for "
                                f"{grant_token(provider)} or a session upgrade")
-            return _refuse(base, "acceptance_required", "the first call of this tool needs an "
-                           "operator's signed grant naming this runtime")
+            return _refuse(call.base, "acceptance_required", "the first call of this tool needs "
+                           "an operator's signed grant naming this runtime")
+        grant = call.grant
         try:
-            granted, verified = await self._check_grant(provider, args, grant, now_ms,
-                                                        for_acceptance=unaccepted)
+            granted, verified = self._check_grant(provider, call.args, grant, call.now,
+                                                  for_acceptance=call.unaccepted)
         except ActRefused as exc:
-            return _refuse(base, exc.code, exc.reason)
-        if unaccepted:  # mounted, so not gated: the operator accepts the tool on this runtime
-            await self.ledger.accept(self.name, grant_token(provider), grant)
-            self._accepted.add(grant_token(provider))
-        return Decision(name, args, provider, via="acceptance" if unaccepted else "grant",
-                        act=verified, principal=granted.principal, session=session)
+            return _refuse(call.base, exc.code, exc.reason)
+        token = grant_token(provider)
+        allowed = Decision(provider.name, call.args, provider,
+                           via="acceptance" if call.unaccepted else "grant", act=verified,
+                           principal=granted.principal, session=call.session)
 
-    async def run(self, decision: Decision) -> dict[str, Any]:
-        """Run an allowed call (`decide`); the refusal as it is for one that is not."""
-        if decision.reply is not None or decision.provider is None:
-            return decision.reply or not_found(decision.tool)
-        reply: dict[str, Any] = {}
-        if decision.principal is not None:
-            reply["granted_by"] = decision.principal
-        if decision.via == "upgrade":
-            reply["upgrade"] = act_id(decision.act) if decision.act else None
-        try:
-            result = decision.provider.run(decision.args)
-            if inspect.isawaitable(result):
-                result = await result
-        except Exception as exc:
-            return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:ERROR_LIMIT], **reply}
-        return {"ok": True, "result": result, **reply}
+        def recorded() -> Step:
+            self._accepted.add(token)
+            return allowed
 
-    async def revoke(self, env: Envelope) -> dict[str, Any]:
-        """Record an operator's signed revocation of one of this runtime's upgrades:
-        `{"ok": true, "revoked": <act id>}`, or `{"refused"}` when it does not verify."""
+        def spent(fresh: bool | LedgerUntrusted) -> Step:
+            if isinstance(fresh, LedgerUntrusted):
+                return _refuse(call.base, fresh.code, fresh.reason)
+            if not fresh:
+                return _refuse(call.base, "replayed", "this grant was already used; a grant "
+                               "runs one call")
+            if call.unaccepted:  # mounted, so not gated: the operator accepts the tool here
+                return RecordAcceptance(self.name, token, grant, recorded)
+            return allowed
+
+        until = spent_until(grant_lapse(granted), self.spent_margin_ms)
+        return Spend(act_id(verified), until, call.now, spent)
+
+    def revocation(self, env: Envelope) -> RecordRevocation | dict[str, Any]:
+        """An operator's signed revocation of one of this runtime's upgrades, to record in the
+        ledger (`RecordRevocation`), or the `{"refused"}` answer when it does not verify."""
         try:
             verified = self.trust.verify(env, PAYLOAD_TYPES["tool_revoke"])
             act = _decode(verified, UpgradeRevocation, "an UpgradeRevocation")
@@ -845,32 +955,14 @@ class Runtime:
                                  f"{act.runtime!r}, not {self.name!r}")
         except ActRefused as exc:
             return {"refused": {"reason": exc.code, "detail": exc.reason}}
-        await self.ledger.revoke(act.upgrade, env)
-        return {"ok": True, "revoked": act.upgrade, "revoked_by": act.principal}
+        return RecordRevocation(act.upgrade, env, act.principal)
 
     # -- the signed acts --------------------------------------------------------------------------
 
-    async def _recorded_acceptance(self, provider: Provider) -> bool:
-        """Whether the ledger holds an acceptance of this tool that verifies: a grant signed
-        by a trusted operator for this very tool, token and runtime. A ledger entry is
-        anyone's to write; only the signature inside it counts."""
-        token = grant_token(provider)
-        env = await self.ledger.acceptance(self.name, token)
-        if env is None:
-            return False
-        try:
-            verified = self.trust.verify(env, PAYLOAD_TYPES["tool_grant"])
-            act = _decode(verified, ToolGrant, "a ToolGrant")
-        except ActRefused:
-            return False
-        if (act.tool, act.grant_token, act.runtime) != (provider.name, token, self.name):
-            return False
-        self._accepted.add(token)
-        return True
-
-    async def _check_upgrade(self, provider: Provider, env: Envelope, session: str | None,
-                             now: int) -> tuple[SessionUpgrade, Verified]:
-        """Verify an upgrade for this call; ActRefused if it does not cover it."""
+    def _check_upgrade(self, provider: Provider, env: Envelope, session: str | None,
+                       now: int) -> tuple[SessionUpgrade, Verified]:
+        """Verify an upgrade for this call; ActRefused if it does not cover it. Whether it
+        was revoked is the ledger's to say (`ReadRevoked`)."""
         verified = self.trust.verify(env, PAYLOAD_TYPES["tool_upgrade"])
         act = _decode(verified, SessionUpgrade, "a SessionUpgrade")
         _window(act.at, act.expires_at, now, "upgrade")
@@ -892,13 +984,12 @@ class Runtime:
                 check_scope(act.scope, "the upgrade's scope")
             except ValueError as exc:
                 raise ActRefused("malformed", str(exc)) from None
-        if await self.ledger.revoked(act_id(verified)):
-            raise ActRefused("revoked", "an operator revoked this upgrade")
         return act, verified
 
-    async def _check_grant(self, provider: Provider, args: dict[str, Any], env: Envelope,
-                           now: int, *, for_acceptance: bool) -> tuple[ToolGrant, Verified]:
-        """Verify a grant for this very call and spend it; ActRefused (nothing spent) if not."""
+    def _check_grant(self, provider: Provider, args: dict[str, Any], env: Envelope,
+                     now: int, *, for_acceptance: bool) -> tuple[ToolGrant, Verified]:
+        """Verify a grant for this very call; ActRefused if it does not hold. Whether it was
+        spent before is the ledger's to say (`Spend`)."""
         verified = self.trust.verify(env, PAYLOAD_TYPES["tool_grant"])
         act = _decode(verified, ToolGrant, "a ToolGrant")
         lapse = grant_lapse(act)
@@ -925,9 +1016,6 @@ class Runtime:
         if for_acceptance and act.runtime is None:
             raise ActRefused("wrong_runtime", "an L2 acceptance holds on every replica and "
                              "after a restart, so its grant must name the runtime")
-        if not await self.ledger.spend(act_id(verified), spent_until(lapse,
-                                                                   self.spent_margin_ms), now):
-            raise ActRefused("replayed", "this grant was already used; a grant runs one call")
         return act, verified
 
 

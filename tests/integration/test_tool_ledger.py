@@ -205,7 +205,7 @@ async def test_a_limit_set_and_set_back_on_the_revocations_refuses_the_revoked_u
         assert (await call(service, upgraded(env, ARGS)))["ok"] is True
         revocation = sign_revocation(ALICE[1], ALICE[0], "agent", upgrade_id(env), "done",
                                      now_ms())
-        assert (await rt.revoke(revocation))["ok"] is True
+        assert (await service.gate.revoke(revocation))["ok"] is True
         assert refusal(await call(service, upgraded(env, {"n": 2}))) == "revoked"
         mark = S.tools_revoked("agent", upgrade_id(env))
         if attack == "per_subject":
@@ -271,8 +271,8 @@ async def test_mark_streams_made_again_while_the_runtime_was_down_are_refused_un
         env = upgrade("agent", "s-1", now=now_ms())
         async with serving(conn, rt) as service:
             assert (await call(service, request))["ok"] is True
-            await rt.revoke(sign_revocation(ALICE[1], ALICE[0], "agent", upgrade_id(env),
-                                            "done", now_ms()))
+            await service.gate.revoke(sign_revocation(ALICE[1], ALICE[0], "agent",
+                                                      upgrade_id(env), "done", now_ms()))
         for cfg in (SPENT, REVOKED):
             await js.delete_stream(cfg.name)
             await Store(conn).ensure_stream(cfg)

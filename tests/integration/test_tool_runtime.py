@@ -41,6 +41,7 @@ from improved.protocol import subjects
 from improved.protocol.model import to_json
 from improved.runtime import bus
 from improved.runtime.store import Store, tools_audit_config, tools_ledger_configs
+from improved_reference.tool_gate import ToolGate
 from improved_reference.tool_runtime import JetStreamLedger, ToolRuntimeService
 from tests.bus import daemon_key, eventually, own_daemon
 from tests.cli import improved
@@ -832,7 +833,7 @@ async def test_an_untrusted_runtime_key_on_a_tools_chain_opens_no_crisis(own_ser
 
         rogue, name = Ed25519PrivateKey.generate(), "rogue"
         rt, _ = runtime(name=name)
-        draft = call_draft(name, await rt.decide("read", ARGS, None, now_ms()))
+        draft = call_draft(name, await ToolGate(rt).decide("read", ARGS, None, now_ms()))
         assert draft is not None
         cid = tools_chain_id(name)
         sealed = audit.seal_next(draft, cid, ChainHead(length=0, last_hash=""), "L0",
@@ -868,7 +869,7 @@ async def test_a_chain_written_into_the_daemons_log_before_the_move_verifies_und
         await store.ensure()
         store.signer = key  # as a runtime wrote it then: on the daemon's log, with its own key
         rt, _ = runtime(name=name)
-        draft = call_draft(name, await rt.decide("read", ARGS, None, now_ms()))
+        draft = call_draft(name, await ToolGate(rt).decide("read", ARGS, None, now_ms()))
         cid = tools_chain_id(name)
         await store.append_sealed(subjects.legacy_tools_audit(cid), cid, "L0", "operation",
                                   lambda chain, now: draft, clock=now_ms)

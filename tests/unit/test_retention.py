@@ -13,7 +13,6 @@ from improved.core.tools import (
     LEDGER_STREAMS,
     Decision,
     LedgerUntrusted,
-    ProcessLedger,
     call_draft,
     ledger_draft,
     ledger_refs,
@@ -21,8 +20,9 @@ from improved.core.tools import (
     upgrade_id,
 )
 from improved.protocol import subjects as S
+from improved_reference.tool_gate import ProcessLedger
 from tests.keys import ALICE
-from tests.tool_surfaces import ARGS, NOW, grant, proof, runtime, upgrade
+from tests.tool_surfaces import ARGS, NOW, gate, grant, proof, runtime, upgrade
 
 MADE = "2026-01-15T10:00:00.123456+00:00"
 
@@ -127,7 +127,7 @@ class Untrusted(ProcessLedger):
 ])
 async def test_an_upgraded_call_on_a_ledger_that_cannot_vouch_is_refused(spend, revoked,
                                                                          reason):
-    rt, kit = runtime(ledger=Untrusted(spend, revoked))
+    rt, kit = gate(ledger=Untrusted(spend, revoked))
     env = upgrade(now=NOW)
     reply = await rt.invoke("deploy", ARGS, None, NOW, session="s-1", upgrade=env,
                             proof=proof(env, "deploy", ARGS, now=NOW))
@@ -138,7 +138,7 @@ async def test_an_upgraded_call_on_a_ledger_that_cannot_vouch_is_refused(spend, 
 
 async def test_a_granted_call_on_a_ledger_that_cannot_vouch_is_refused_and_spends_nothing():
     ledger = Untrusted()
-    rt, kit = runtime(ledger=ledger)
+    rt, kit = gate(ledger=ledger)
     reply = await rt.invoke("deploy", ARGS, grant(kit["deploy"][0], now=NOW), NOW)
     assert reply["refused"]["reason"] == "ledger_untrusted"
     assert kit["deploy"][1].calls == [] and ledger.spent == {}
@@ -148,7 +148,7 @@ async def test_a_granted_call_on_a_ledger_that_cannot_vouch_is_refused_and_spend
 async def test_an_upgrade_the_ledger_cannot_clear_falls_back_to_a_grant_sent_alongside():
     """Only the revocations cannot vouch: a grant sent with the upgrade relies on the spent
     marks alone, and runs once."""
-    rt, kit = runtime(ledger=Untrusted(spend=False, revoked=True))
+    rt, kit = gate(ledger=Untrusted(spend=False, revoked=True))
     env = upgrade(now=NOW)
     request = dict(session="s-1", upgrade=env, proof=proof(env, "deploy", ARGS, now=NOW))
     assert (await rt.invoke("deploy", ARGS, grant(kit["deploy"][0], now=NOW), NOW,

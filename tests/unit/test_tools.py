@@ -4,7 +4,6 @@ nats-server are in tests/integration/test_tool_runtime.py. Every tool counts its
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import json
@@ -28,12 +27,19 @@ from improved.core.tools import (
     MAX_GRANT_MS,
     PROOF_SKEW_MS,
     SPENT_MARGIN_MS,
-    ProcessLedger,
+    Decision,
+    LedgerUntrusted,
     Provider,
+    ReadAcceptance,
+    ReadRevoked,
+    RecordAcceptance,
+    RecordRevocation,
     Runtime,
     SessionProof,
     SessionUpgrade,
+    Spend,
     ToolGrant,
+    act_id,
     args_digest,
     call_draft,
     canonical_json,
@@ -53,6 +59,7 @@ from improved.core.tools import (
 )
 from improved.core.tools import chain_id as tools_chain_id
 from improved.protocol.model import DsseSignature, Envelope, to_json
+from improved_reference.tool_gate import ProcessLedger, ToolGate
 from tests.keys import ALICE, MALLORY
 from tests.tool_surfaces import (
     ARGS,
@@ -61,6 +68,7 @@ from tests.tool_surfaces import (
     SCOPED_ARGS,
     SESSION,
     by_name,
+    gate,
     grant,
     proof,
     runtime,
@@ -182,7 +190,7 @@ def test_interactive_catalog_mounts_everything():
 
 
 async def test_l4_runs_once_per_grant():
-    rt, tools = runtime()
+    rt, tools = gate()
     deploy, body = tools["deploy"]
     assert await rt.invoke("deploy", ARGS, None, NOW) == {"refused": {
         "reason": "authority_gated", "required": "L4",
@@ -233,7 +241,7 @@ def bad_grants(deploy: Provider, read: Provider) -> dict[str, Envelope]:
 
 
 async def test_bad_grants_are_refused_with_their_reason_and_spend_nothing():
-    rt, tools = runtime()
+    rt, tools = gate()
     (deploy, body), (read, _) = tools["deploy"], tools["read"]
     for reason, env in bad_grants(deploy, read).items():
         reply = await rt.invoke("deploy", ARGS, env, NOW)
@@ -249,7 +257,7 @@ async def test_bad_grants_are_refused_with_their_reason_and_spend_nothing():
 
 
 async def test_a_grant_without_expiry_lives_five_minutes():
-    rt, tools = runtime()
+    rt, tools = gate()
     deploy, body = tools["deploy"]
     env = resigned(grant(deploy), lambda g: msgspec.structs.replace(g, expires_at=None))
     assert (await rt.invoke("deploy", ARGS, env, NOW + 299_999))["ok"] is True
@@ -258,7 +266,7 @@ async def test_a_grant_without_expiry_lives_five_minutes():
 
 async def test_a_redressed_grant_is_still_a_replay():
     """Adding a signature changes the envelope digest, not the act."""
-    rt, tools = runtime()
+    rt, tools = gate()
     deploy, body = tools["deploy"]
     env = grant(deploy)
     assert (await rt.invoke("deploy", ARGS, env, NOW))["ok"] is True
@@ -272,15 +280,15 @@ async def test_a_redressed_grant_is_still_a_replay():
 async def test_a_grant_for_a_reclassified_tool_does_not_carry_over():
     old, _ = tool("deploy", "L4", version="1")
     env = grant(old)
-    rt = Runtime("agent", trust=trust())
+    rt = ToolGate(Runtime("agent", trust=trust()))
     new, body = tool("deploy", "L4", version="2")
-    rt.register(new)
+    rt.runtime.register(new)
     assert (await rt.invoke("deploy", ARGS, env, NOW))["refused"]["reason"] == "wrong_token"
     assert body.calls == []
 
 
 async def test_l2_needs_acceptance_once():
-    rt, tools = runtime()
+    rt, tools = gate()
     write, body = tools["write"]
     assert await rt.invoke("write", ARGS, None, NOW) == {"refused": {
         "reason": "acceptance_required", "required": "L2",
@@ -291,20 +299,20 @@ async def test_l2_needs_acceptance_once():
     # an acceptance is shared by every replica and outlives a restart: it names its runtime
     refusal = await rt.invoke("write", ARGS, grant(write), NOW)
     assert refusal["refused"]["reason"] == "wrong_runtime"
-    assert by_name(rt.catalog())["write"]["needs_acceptance"] is True
+    assert by_name(rt.runtime.catalog())["write"]["needs_acceptance"] is True
     assert body.calls == []
     assert (await rt.invoke("write", ARGS, grant(write, runtime="agent"), NOW))["granted_by"] == (
         ALICE[0])
-    assert "needs_acceptance" not in by_name(rt.catalog())["write"]
+    assert "needs_acceptance" not in by_name(rt.runtime.catalog())["write"]
     assert await rt.invoke("write", {"other": 1}, None, NOW) == {"ok": True,
                                                                 "result": "write ran"}
     assert body.calls == [ARGS, {"other": 1}]
 
 
 async def test_l2_over_a_lower_ceiling_is_gated_per_call():
-    rt, tools = runtime(ceiling="L0")
+    rt, tools = gate(ceiling="L0")
     write, body = tools["write"]
-    assert by_name(rt.catalog())["write"]["gated_authority"] == "L2"
+    assert by_name(rt.runtime.catalog())["write"]["gated_authority"] == "L2"
     assert (await rt.invoke("write", ARGS, None, NOW))["refused"] == {
         "reason": "authority_gated", "required": "L2", "detail": (
             f"the tool is above this runtime's ceiling L0; present a grant signed for "
@@ -315,18 +323,18 @@ async def test_l2_over_a_lower_ceiling_is_gated_per_call():
 
 
 async def test_interactive_runs_everything_and_ignores_grants():
-    rt, tools = runtime("interactive")
+    rt, tools = gate("interactive")
     for name, (_, body) in tools.items():
         assert await rt.invoke(name, ARGS, None, NOW) == {"ok": True, "result": f"{name} ran"}
         assert body.calls == [ARGS]
     env = grant(tools["deploy"][0])
     assert "granted_by" not in await rt.invoke("deploy", ARGS, env, NOW)  # not needed: unspent
-    auto, _ = runtime()
+    auto, _ = gate()
     assert (await auto.invoke("deploy", ARGS, env, NOW))["ok"] is True
 
 
 async def test_unknown_is_not_gated():
-    rt, _ = runtime()
+    rt, _ = gate()
     assert await rt.invoke("nope", {}, None, NOW) == {"error": {
         "code": "not_found", "message": "no tool named 'nope'", "field": "tool"}}
 
@@ -338,9 +346,9 @@ async def test_async_tools_and_failing_tools():
     def broken(args):
         raise RuntimeError("disk full")
 
-    rt = Runtime("agent", trust=trust(), mode="interactive")
-    rt.register(Provider("fetch", "L0", "", fetch))
-    rt.register(Provider("broken", "L0", "", broken))
+    rt = ToolGate(Runtime("agent", trust=trust(), mode="interactive"))
+    rt.runtime.register(Provider("fetch", "L0", "", fetch))
+    rt.runtime.register(Provider("broken", "L0", "", broken))
     assert await rt.invoke("fetch", {"x": 1}, None, NOW) == {"ok": True, "result": {"got": 1}}
     assert await rt.invoke("broken", {}, None, NOW) == {"ok": False, "error": "RuntimeError: disk full"}
     with pytest.raises(TypeError):
@@ -358,9 +366,9 @@ async def test_async_tools_and_failing_tools():
     {"other": "/etc/passwd"}, {},
 ])
 async def test_a_call_within_scope_runs(args):
-    rt, _ = runtime()
+    rt, _ = gate()
     files, body = scoped()
-    rt.register(files)
+    rt.runtime.register(files)
     assert (await rt.invoke("files", args, None, NOW))["ok"] is True
     assert body.calls == [args]
 
@@ -388,9 +396,9 @@ async def test_a_call_within_scope_runs(args):
     ({"url": "http://localhost:99999/"}, "out_of_scope", "valid host"),
 ])
 async def test_a_call_outside_scope_is_refused_and_nothing_runs(args, reason, cause):
-    rt, tools = runtime()
+    rt, tools = gate()
     files, body = scoped()
-    rt.register(files)
+    rt.runtime.register(files)
     reply = await rt.invoke("files", args, None, NOW)
     assert reply["refused"]["reason"] == reason, reply
     assert cause in reply["refused"]["detail"]
@@ -399,9 +407,9 @@ async def test_a_call_outside_scope_is_refused_and_nothing_runs(args, reason, ca
 
 
 async def test_an_out_of_scope_call_does_not_spend_its_grant():
-    rt, _ = runtime()
+    rt, _ = gate()
     files, body = scoped("push", "L4")
-    rt.register(files)
+    rt.runtime.register(files)
     outside = {"path": "/etc/passwd"}
     env = grant(files, outside)
     assert (await rt.invoke("push", outside, env, NOW))["refused"]["reason"] == "out_of_scope"
@@ -410,19 +418,19 @@ async def test_an_out_of_scope_call_does_not_spend_its_grant():
     assert (await rt.invoke("push", inside, env2, NOW))["ok"] is True
     assert body.calls == [inside]
     # the refused grant was not spent: with the scope widened by a new runtime, it runs
-    wide = Runtime("agent", trust=trust(), ledger=rt.ledger)
+    wide = ToolGate(Runtime("agent", trust=trust()), rt.ledger)
     wider, body2 = scoped("push", "L4", CapabilityScope(paths=["/**"], sets=[], origins=[]))
-    wide.register(wider)
+    wide.runtime.register(wider)
     assert (await wide.invoke("push", outside, env, NOW))["ok"] is True
     assert (await wide.invoke("push", inside, env2, NOW))["refused"]["reason"] == "replayed"
     assert body2.calls == [outside]
 
 
 async def test_the_runtime_policy_narrows_a_tool_scope():
-    rt, _ = runtime(scopes={"files": CapabilityScope(paths=["/srv/data/public/**"],
+    rt, _ = gate(scopes={"files": CapabilityScope(paths=["/srv/data/public/**"],
                                                      origins=[])})
     files, body = scoped()
-    rt.register(files)
+    rt.runtime.register(files)
     assert (await rt.invoke("files", {"path": "/srv/data/public/a"}, None, NOW))["ok"] is True
     reply = await rt.invoke("files", {"path": "/srv/data/private"}, None, NOW)
     assert reply["refused"]["reason"] == "out_of_scope"
@@ -430,7 +438,7 @@ async def test_the_runtime_policy_narrows_a_tool_scope():
     reply = await rt.invoke("files", {"url": "https://api.example.com/"}, None, NOW)
     assert "runtime policy scope (no origins)" in reply["refused"]["detail"]
     assert (await rt.invoke("files", {"set": "green"}, None, NOW))["ok"] is True  # sets: tool's
-    entry = by_name(rt.catalog())["files"]
+    entry = by_name(rt.runtime.catalog())["files"]
     assert entry["scoped_args"] == SCOPED_ARGS and entry["scope"]["sets"] == ["blue", "green"]
     assert entry["policy_scope"] == {"paths": ["/srv/data/public/**"], "origins": []}
     assert body.calls == [{"path": "/srv/data/public/a"}, {"set": "green"}]
@@ -458,7 +466,7 @@ def test_a_policy_scope_that_cannot_be_checked_is_refused():
 
 
 async def test_an_upgrade_mounts_l4_for_its_session_until_it_lapses():
-    rt, tools = runtime()
+    rt, tools = gate()
     deploy, body = tools["deploy"]
     env = upgrade()
     for n in range(3):  # no grant per call, any arguments: a proof by the session's key
@@ -499,7 +507,7 @@ def bad_upgrades() -> dict[str, Envelope]:
 
 
 async def test_bad_upgrades_are_refused_and_nothing_runs():
-    rt, tools = runtime()
+    rt, tools = gate()
     deploy, body = tools["deploy"]
     for reason, env in bad_upgrades().items():
         reply = await rt.invoke("deploy", ARGS, None, NOW, session="s-1", upgrade=env,
@@ -514,7 +522,7 @@ async def test_bad_upgrades_are_refused_and_nothing_runs():
 
 
 async def test_a_bad_upgrade_falls_back_to_a_grant_and_a_good_one_leaves_it_unspent():
-    rt, tools = runtime()
+    rt, tools = gate()
     deploy, body = tools["deploy"]
     env = grant(deploy)
     evil = upgrade(key=MALLORY)
@@ -529,9 +537,9 @@ async def test_a_bad_upgrade_falls_back_to_a_grant_and_a_good_one_leaves_it_unsp
 
 
 async def test_an_upgrade_by_tool_name_and_its_scope():
-    rt, _ = runtime()
+    rt, _ = gate()
     push, body = scoped("push", "L4")
-    rt.register(push)
+    rt.runtime.register(push)
     env = upgrade(tools=["push"], scope=CapabilityScope(paths=["/srv/data/releases/**"]))
     inside, outside = {"path": "/srv/data/releases/v2"}, {"path": "/srv/data/other"}
     ok = await rt.invoke("push", inside, None, NOW, session="s-1", upgrade=env,
@@ -547,7 +555,7 @@ async def test_an_upgrade_by_tool_name_and_its_scope():
 
 
 async def test_a_revoked_upgrade_is_refused_on_every_runtime_sharing_the_ledger():
-    rt, tools = runtime()
+    rt, tools = gate()
     deploy, body = tools["deploy"]
     env = upgrade()
     assert (await rt.invoke("deploy", {}, None, NOW, session="s-1", upgrade=env,
@@ -563,7 +571,7 @@ async def test_a_revoked_upgrade_is_refused_on_every_runtime_sharing_the_ledger(
     done = await rt.revoke(sign_revocation(ALICE[1], ALICE[0], "agent", upgrade_id(env),
                                            "session over", NOW + 5))
     assert done == {"ok": True, "revoked": upgrade_id(env), "revoked_by": ALICE[0]}
-    replica, _ = runtime(ledger=rt.ledger)
+    replica, _ = gate(ledger=rt.ledger)
     for r in (rt, replica):
         reply = await r.invoke("deploy", {}, None, NOW + 10, session="s-1", upgrade=env,
                                proof=proof(env, "deploy", now=NOW + 10))
@@ -595,7 +603,7 @@ def bad_proofs(env: Envelope) -> dict[str, SessionProof | None]:
 
 
 async def test_a_call_under_an_upgrade_needs_the_session_keys_proof_used_once():
-    rt, tools = runtime()
+    rt, tools = gate()
     deploy, body = tools["deploy"]
     env = upgrade()
     assert isinstance(rt.ledger, ProcessLedger)
@@ -612,7 +620,7 @@ async def test_a_call_under_an_upgrade_needs_the_session_keys_proof_used_once():
     digest = proof_digest(proof_message("agent", "deploy", args_digest(ARGS), upgrade_id(env),
                                         edge.at, edge.nonce))
     assert set(rt.ledger.spent) == {digest}
-    replica, replica_tools = runtime(ledger=rt.ledger)
+    replica, replica_tools = gate(ledger=rt.ledger)
     for r in (rt, replica):  # used once, on every runtime sharing the ledger
         again = await r.invoke("deploy", ARGS, None, NOW, session="s-1", upgrade=env,
                                proof=edge)
@@ -624,9 +632,9 @@ async def test_a_call_under_an_upgrade_needs_the_session_keys_proof_used_once():
 
 
 async def test_a_refused_upgraded_call_spends_no_proof():
-    rt, _ = runtime()
+    rt, _ = gate()
     push, body = scoped("push", "L4")
-    rt.register(push)
+    rt.runtime.register(push)
     env = upgrade(tools=["push"])
     outside = {"path": "/etc/passwd"}
     reply = await rt.invoke("push", outside, None, NOW, session="s-1", upgrade=env,
@@ -644,7 +652,7 @@ async def test_a_refused_upgraded_call_spends_no_proof():
 async def test_an_upgrade_signed_without_a_session_key_is_refused_unbound():
     """An upgrade from before `session_key` existed is a bearer token: refused, with the fix
     in the reason; a grant sent alongside still runs its one call."""
-    rt, tools = runtime()
+    rt, tools = gate()
     deploy, body = tools["deploy"]
     env = upgrade(session_key=None)
     assert b"session_key" not in base64.b64decode(env.payload)  # as one signed before it
@@ -661,7 +669,7 @@ async def test_an_upgrade_signed_without_a_session_key_is_refused_unbound():
 async def test_a_proof_written_into_the_ledger_beforehand_refuses_it():
     """Anyone who can write the ledger can refuse a proof (failing closed), never allow one."""
     ledger = ForgingLedger()
-    rt, tools = runtime(ledger=ledger)
+    rt, tools = gate(ledger=ledger)
     env = upgrade()
     made = proof(env, "deploy", ARGS)
     digest = proof_digest(proof_message("agent", "deploy", args_digest(ARGS), upgrade_id(env),
@@ -716,24 +724,124 @@ def proof_for(call: dict) -> SessionProof:
                       call["at"], nonce=call["nonce"])
 
 
+# -- the gate's steps, decided without a ledger ------------------------------------------------
+#
+# The core asks the ledger through steps and takes the answers as values; these drive the steps
+# by hand, with no ledger and no event loop, and check what each one asks.
+
+
+def test_a_call_that_needs_nothing_from_the_ledger_is_decided_at_once():
+    rt, tools = runtime("interactive")
+    decided = rt.gate("deploy", ARGS, grant(tools["deploy"][0]), NOW)
+    assert decided == Decision("deploy", ARGS, tools["deploy"][0], via="mounted")
+    assert rt.gate("nope", None, None, NOW) == Decision("nope", {}, reply={"error": {
+        "code": "not_found", "message": "no tool named 'nope'", "field": "tool"}})
+
+
+def test_a_granted_call_asks_the_ledger_to_spend_its_grant_and_decides_on_the_answer():
+    rt, tools = runtime(spent_margin_ms=7)
+    deploy, body = tools["deploy"]
+    env = grant(deploy, ttl_ms=1000)
+    step = rt.gate("deploy", ARGS, env, NOW)
+    assert isinstance(step, Spend)  # the act id, its mark kept past its lapse by the margin
+    assert (step.act, step.until, step.now) == (upgrade_id(env), NOW + 1000 + 7, NOW)
+    allowed = step.then(True)
+    assert isinstance(allowed, Decision) and allowed.allowed and allowed.via == "grant"
+    assert allowed.principal == ALICE[0] and act_id(allowed.act) == upgrade_id(env)
+    for answer, reason in ((False, "replayed"), (LedgerUntrusted("lost"), "ledger_untrusted")):
+        refused = step.then(answer)
+        assert isinstance(refused, Decision) and refused.reply is not None
+        assert refused.reply["refused"]["reason"] == reason
+    assert body.calls == []  # deciding runs nothing
+
+
+def test_a_first_l2_call_reads_the_acceptance_then_spends_and_records_its_own():
+    rt, tools = runtime()
+    write, _ = tools["write"]
+    env = grant(write, runtime="agent")
+    read = rt.gate("write", ARGS, env, NOW)
+    assert isinstance(read, ReadAcceptance)
+    assert (read.runtime, read.token) == ("agent", grant_token(write))
+    spend = read.then(None)  # the ledger holds none
+    assert isinstance(spend, Spend) and spend.act == upgrade_id(env)
+    record = spend.then(True)
+    assert isinstance(record, RecordAcceptance)
+    assert (record.runtime, record.token, record.grant) == ("agent", grant_token(write), env)
+    assert rt.needs_acceptance(write)  # until the ledger has recorded it
+    decided = record.then()
+    assert isinstance(decided, Decision) and decided.via == "acceptance"
+    assert not rt.needs_acceptance(write)  # recorded: the next call asks nothing
+    assert rt.gate("write", {}, None, NOW) == Decision("write", {}, write, via="accepted")
+
+
+def test_an_acceptance_the_ledger_holds_counts_only_when_it_verifies():
+    rt, tools = runtime()
+    write, _ = tools["write"]
+    read = rt.gate("write", ARGS, None, NOW)
+    assert isinstance(read, ReadAcceptance)
+    forged = read.then(grant(write, key=MALLORY, runtime="agent"))
+    assert isinstance(forged, Decision) and forged.reply is not None
+    assert forged.reply["refused"]["reason"] == "acceptance_required"
+    assert read.then(grant(write, runtime="agent")) == Decision("write", ARGS, write,
+                                                               via="accepted")
+
+
+def test_an_upgraded_call_asks_whether_its_upgrade_is_revoked_then_spends_its_proof():
+    rt, tools = runtime()
+    deploy, _ = tools["deploy"]
+    env, fallback = upgrade(), grant(deploy)
+    made = proof(env, "deploy", ARGS)
+    step = rt.gate("deploy", ARGS, None, NOW, session="s-1", upgrade=env, proof=made)
+    assert isinstance(step, ReadRevoked) and step.upgrade == upgrade_id(env)
+    spend = step.then(False)
+    digest = proof_digest(proof_message("agent", "deploy", args_digest(ARGS), upgrade_id(env),
+                                        made.at, made.nonce))
+    assert isinstance(spend, Spend)
+    assert (spend.act, spend.until, spend.now) == (digest, proof_lapse(made) + SPENT_MARGIN_MS,
+                                                   NOW)
+    decided = spend.then(True)
+    assert isinstance(decided, Decision) and decided.via == "upgrade" and decided.proof == digest
+    for answer, reason in ((True, "revoked"), (LedgerUntrusted("lost 1"), "ledger_untrusted")):
+        refused = step.then(answer)
+        assert isinstance(refused, Decision) and refused.reply is not None
+        assert refused.reply["refused"]["reason"] == reason
+    # with a grant sent alongside, an upgrade the ledger does not clear leaves the call to it
+    step = rt.gate("deploy", ARGS, fallback, NOW, session="s-1", upgrade=env, proof=made)
+    assert isinstance(step, ReadRevoked)
+    spend = step.then(True)
+    lapse = grant_lapse(msgspec.json.decode(base64.b64decode(fallback.payload), type=ToolGrant))
+    assert isinstance(spend, Spend)
+    assert (spend.act, spend.until) == (upgrade_id(fallback), lapse + SPENT_MARGIN_MS)
+
+
+def test_a_revocation_is_verified_before_it_is_recorded():
+    rt, _ = runtime()
+    env = upgrade()
+    signed = sign_revocation(ALICE[1], ALICE[0], "agent", upgrade_id(env), "over", NOW)
+    assert rt.revocation(signed) == RecordRevocation(upgrade_id(env), signed, ALICE[0])
+    refused = rt.revocation(sign_revocation(ALICE[1], ALICE[0], "other", upgrade_id(env), "r",
+                                            NOW))
+    assert isinstance(refused, dict) and refused["refused"]["reason"] == "wrong_runtime"
+
+
 # -- the ledger: what replicas share ------------------------------------------------------------
 
 
 async def test_replicas_sharing_a_ledger_spend_a_grant_once_and_share_acceptances():
     ledger = ProcessLedger()
-    a, ta = runtime(ledger=ledger)
-    b, tb = runtime(ledger=ledger)
+    a, ta = gate(ledger=ledger)
+    b, tb = gate(ledger=ledger)
     env = grant(ta["deploy"][0])
     assert (await a.invoke("deploy", ARGS, env, NOW))["ok"] is True
     assert (await b.invoke("deploy", ARGS, env, NOW))["refused"]["reason"] == "replayed"
     accept = grant(ta["write"][0], runtime="agent")
     assert (await a.invoke("write", ARGS, accept, NOW))["ok"] is True
-    assert by_name(b.catalog())["write"]["needs_acceptance"] is True  # not yet read
+    assert by_name(b.runtime.catalog())["write"]["needs_acceptance"] is True  # not yet read
     assert (await b.invoke("write", {"n": 1}, None, NOW))["ok"] is True
-    assert "needs_acceptance" not in by_name(b.catalog())["write"]
-    c, _ = runtime(ledger=ledger)
+    assert "needs_acceptance" not in by_name(b.runtime.catalog())["write"]
+    c, _ = gate(ledger=ledger)
     await c.refresh()
-    assert "needs_acceptance" not in by_name(c.catalog())["write"]
+    assert "needs_acceptance" not in by_name(c.runtime.catalog())["write"]
     assert tb["write"][1].calls == [{"n": 1}]
 
 
@@ -758,8 +866,9 @@ def test_a_spent_grants_key_outlives_every_replicas_acceptance(at, ttl, into, ma
     key_gone = now + spent_ttl_s(spent_until(grant_lapse(act), margin), now) * 1000
     assert key_gone - now <= MAX_GRANT_MS + margin + 1000  # a mark never outlives a day much
     other = key_gone + after - int(margin * skew)  # a replica behind by skew * margin
-    reply = asyncio.run(rt.invoke("deploy", ARGS, env, other))
-    assert reply["refused"]["reason"] == "expired"
+    decided = rt.gate("deploy", ARGS, env, other)  # refused before asking the ledger anything
+    assert isinstance(decided, Decision) and decided.reply is not None
+    assert decided.reply["refused"]["reason"] == "expired"
     assert tools["deploy"][1].calls == []
 
 
@@ -801,7 +910,7 @@ def test_the_rule_in_numbers():
 
 async def test_the_runtime_hands_the_ledger_the_keep_until_of_each_act():
     ledger = ProcessLedger()
-    rt, tools = runtime("interactive", ceiling="L2", ledger=ledger, spent_margin_ms=7)
+    rt, tools = gate("interactive", ceiling="L2", ledger=ledger, spent_margin_ms=7)
     env = grant(tools["deploy"][0], ttl_ms=1000)
     assert (await rt.invoke("deploy", ARGS, env, NOW))["ok"] is True
     assert ledger.spent == {upgrade_id(env): NOW + 1000 + 7}
@@ -825,7 +934,7 @@ class ForgingLedger(ProcessLedger):
 
 async def test_a_forged_acceptance_in_the_ledger_accepts_nothing():
     ledger = ForgingLedger()
-    rt, tools = runtime(ledger=ledger)
+    rt, tools = gate(ledger=ledger)
     write, body = tools["write"]
     token = grant_token(write)
     other, _ = runtime(name="other-agent")
@@ -841,7 +950,7 @@ async def test_a_forged_acceptance_in_the_ledger_accepts_nothing():
     for what, env in forged.items():
         ledger.accepted[("agent", token)] = env
         await rt.refresh()
-        assert by_name(rt.catalog())["write"]["needs_acceptance"] is True, what
+        assert by_name(rt.runtime.catalog())["write"]["needs_acceptance"] is True, what
         reply = await rt.invoke("write", ARGS, None, NOW)
         assert reply["refused"]["reason"] == "acceptance_required", what
     assert body.calls == []
@@ -854,7 +963,7 @@ async def test_decisions_are_drafted_for_the_tools_chain_without_the_arguments()
     from improved.core import audit, evidence
     from improved.core.record import ChainHead
 
-    rt, tools = runtime()
+    rt, tools = gate()
     deploy, _ = tools["deploy"]
     secret = {"password": "hunter2", "path": "/srv/data"}
     decisions = [
@@ -910,7 +1019,7 @@ async def _upgraded_chain(n: int = 2) -> tuple[str, list[dict], list]:
     from improved.core import audit, evidence
     from improved.core.record import ChainHead
 
-    rt, _ = runtime()
+    rt, _ = gate()
     up = upgrade()
     cid, head, bodies = tools_chain_id("agent"), ChainHead(), []
     for k in range(n):
@@ -1011,7 +1120,7 @@ async def test_a_runtime_key_writes_its_own_chain_and_no_other():
     writers = runtime_writers(signing.TrustStore.from_config({"agent": public}))
     kid = signing.keyid_of(signing.raw_public(key.public_key()))
     assert writers == {tools_chain_id("agent"): ("agent", kid)}
-    rt, _ = runtime()
+    rt, _ = gate()
     draft = call_draft("agent", await rt.decide("read", ARGS, None, NOW))
     cid = tools_chain_id("agent")
     body = msgspec.to_builtins(evidence.sign(audit.seal_next(
