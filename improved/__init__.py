@@ -19,17 +19,14 @@ Layers, each importing only the ones listed before it (tests/unit/test_architect
 The reference services, the demo and the bench live in the separate ``improved_reference``
 package, which depends on this one and never the other way round.
 
-This module re-exports what a mesh-service author writes against.
+This module re-exports what a mesh-service author writes against. The client's names are
+loaded on first use (`__getattr__`), so importing a pure layer (`improved.core.planner`,
+`improved.protocol`), which imports this package first, loads neither nats nor asyncio.
 """
 
-from improved.client.sdk import (
-    ImproveError,
-    MeshClient,
-    decode_order,
-    failed,
-    inbox_prefix,
-    serve_spec,
-)
+import importlib as _importlib
+import typing as _typing
+
 from improved.protocol.model import (
     AnalyzerRef,
     ApplyOrder,
@@ -51,6 +48,16 @@ from improved.protocol.model import (
     Trailer,
     TriageDecision,
 )
+
+if _typing.TYPE_CHECKING:
+    from improved.client.sdk import (
+        ImproveError,
+        MeshClient,
+        decode_order,
+        failed,
+        inbox_prefix,
+        serve_spec,
+    )
 
 __version__ = "0.1.0"
 
@@ -82,3 +89,20 @@ __all__ = [
     "inbox_prefix",
     "serve_spec",
 ]
+
+_LAZY = {name: "improved.client.sdk" for name in (
+    "ImproveError", "MeshClient", "decode_order", "failed", "inbox_prefix", "serve_spec")}
+
+
+def __getattr__(name: str) -> object:
+    """A client name, imported (with nats) the first time it is asked for, then kept."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
