@@ -1,11 +1,15 @@
 """The layering stated in improved/__init__.py, enforced: the core and the wire contract do no
-I/O, each layer imports only the layers below it, and nothing in `improved` imports the
-reference services. Read from the source (imports, not runtime behaviour)."""
+I/O and await nothing, each layer imports only the layers below it, and nothing in `improved`
+imports the reference services. Read from the source (imports, `async def`, `await`), and
+checked once in a fresh interpreter: importing any pure module loads no event loop and no
+broker client."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,6 +49,21 @@ def imports(path: Path, package: str | None = None) -> list[tuple[int, str]]:
     return out
 
 
+def awaits(path: Path) -> list[tuple[int, str]]:
+    """(line, what) of every `async def`, `await`, `async for`, `async with` and async
+    comprehension in a file."""
+    kinds = {ast.AsyncFunctionDef: "async def", ast.Await: "await", ast.AsyncFor: "async for",
+             ast.AsyncWith: "async with"}
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if type(node) in kinds:
+            found.append((node.lineno, kinds[type(node)]))
+        elif isinstance(node, ast.GeneratorExp | ast.ListComp | ast.SetComp | ast.DictComp) \
+                and any(g.is_async for g in node.generators):
+            found.append((node.lineno, "async comprehension"))
+    return sorted(found)
+
+
 def files(layer: str) -> list[Path]:
     return sorted((PACKAGE / layer).rglob("*.py"))
 
@@ -60,6 +79,40 @@ def test_the_pure_layers_import_no_io(layer):
              for path in files(layer) for line, module in imports(path)
              if module.split(".")[0] in IO_MODULES]
     assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("layer", ["protocol", "core"])
+def test_the_pure_layers_await_nothing(layer):
+    """A coroutine in the core would drive I/O from inside it: the core answers what to do
+    next (a step, a draft) and the shell awaits."""
+    found = [f"{path.relative_to(ROOT)}:{line} {what}"
+             for path in files(layer) for line, what in awaits(path)]
+    assert not found, "\n".join(found)
+
+
+EVENT_LOOPS = ("nats", "asyncio", "anyio")  # what a pure module must not load, even indirectly
+FIRST_LOADER = """
+import importlib, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in {loops!r})
+    if loaded:
+        print(f"import {{name}} loads {{', '.join(loaded[:4])}}")
+        break
+"""
+
+
+def test_importing_a_pure_module_loads_no_event_loop_and_no_broker_client():
+    """Imported in a fresh interpreter, one after the other, no module of the core or the
+    protocol (nor the package `improved`, which each imports first) loads nats, asyncio or
+    anyio; the first that does is named."""
+    modules = [".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+               for layer in ("protocol", "core") for path in files(layer)]
+    done = subprocess.run([sys.executable, "-c", FIRST_LOADER.format(loops=EVENT_LOOPS),
+                           "improved", *modules], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "", done.stdout
 
 
 @pytest.mark.parametrize("layer", sorted(BELOW_ONLY))
@@ -83,6 +136,10 @@ def test_the_checker_sees_io_and_upward_imports_relative_or_absolute(tmp_path):
     found = imports(probe, "improved.core")
     assert [m.split(".")[0] for _, m in found if m.split(".")[0] in IO_MODULES] == ["time"]
     assert [layer_of(m) for _, m in found] == [None, "runtime", "cli"]
+    probe.write_text("async def f(x):\n    async with x:\n        async for y in x:\n"
+                     "            await y\n\ndef g(x):\n    return (z async for z in x)\n")
+    assert awaits(probe) == [(1, "async def"), (2, "async with"), (3, "async for"),
+                             (4, "await"), (7, "async comprehension")]
 
 
 MAX_FUNCTION_LINES = 80  # past this a function decides too much in one place: split it
