@@ -40,6 +40,7 @@ interrupted one is finished rather than repeated.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import hashlib
@@ -55,7 +56,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 from nats.aio.client import Client
@@ -66,6 +67,7 @@ from nats.js.errors import (
     DigestMismatchError,
     NotFoundError,
 )
+from nats.js.object_store import ObjectStore
 
 from improved.client.sdk import answer_bytes, failed
 from improved.protocol import subjects as S
@@ -335,11 +337,19 @@ class Change:
     schema: dict[str, Any] | None = field(default=None, compare=False)  # a schema: change's class
 
 
-def parse_lkg(lkg: Any) -> dict[str, dict[str, str]]:
+class LkgEntry(TypedDict):
+    """One entry of a proposal's `lkg`: the digest to check (None: the current one) and the
+    smoke test to run on it."""
+
+    digest: str | None
+    smoke_test: str
+
+
+def parse_lkg(lkg: Any) -> dict[str, LkgEntry]:
     """`lkg` entries by artefact name, or Refused (ValueError for the LKG check)."""
     if not isinstance(lkg, list) or not lkg:
         raise Refused("lkg must be a non-empty list of {artefact, digest, smoke_test}")
-    out: dict[str, dict[str, str]] = {}
+    out: dict[str, LkgEntry] = {}
     for entry in lkg:
         if not isinstance(entry, dict):
             raise Refused("every lkg entry must be an object {artefact, digest, smoke_test}")
@@ -356,12 +366,13 @@ def parse_lkg(lkg: Any) -> dict[str, dict[str, str]]:
     return out
 
 
-class ArtefactStore(KVService):
+class ArtefactStore(KVService[Change]):
     """Blobs in Object Store `artefacts_<svc>`, the LKG manifest in KV `artefacts_heads_<svc>`,
     the per-proposal apply ledger in KV `artefacts_applies_<svc>`."""
 
     KIND = "artefact store"
     VALUES = "manifest"
+    objects: ObjectStore  # the blobs, once `open`
 
     def __init__(self, nc: Client, service: str,
                  smoke_tests: Mapping[str, SmokeTest] | None = None,
@@ -373,7 +384,6 @@ class ArtefactStore(KVService):
         self.objects_bucket, heads, ledger = bucket_names(service)
         super().__init__(nc, service, heads, ledger, verify_acceptance=True)
         self.smoke_tests: dict[str, SmokeTest] = {**DEFAULT_SMOKE_TESTS, **(smoke_tests or {})}
-        self.objects = None
         self.runners: dict[str, Runner] = {}
         self.health_window = HEALTH_WINDOW_S
         self.workdir: Path | None = None
@@ -463,7 +473,7 @@ class ArtefactStore(KVService):
             shutil.rmtree(self.workdir, ignore_errors=True)
         self.workdir = None
 
-    async def _object_store(self):
+    async def _object_store(self) -> ObjectStore:
         try:
             return await self.js.object_store(self.objects_bucket)
         except BucketNotFoundError:
@@ -519,8 +529,11 @@ class ArtefactStore(KVService):
         return None if digest is None else await self.blob(digest)
 
     async def _has_blob(self, digest: str) -> bool:
+        m = DIGEST_RE.match(digest)
+        if m is None:  # names no blob
+            return False
         try:
-            await self.objects.get_info(DIGEST_RE.match(digest).group(1))
+            await self.objects.get_info(m.group(1))
         except NotFoundError:
             return False
         return True
@@ -929,7 +942,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the artefacts' files are written (default: a temporary "
                         "directory, removed when the store stops)")
 
-    def setup(args) -> kv_service.Setup | None:
+    def setup(args: argparse.Namespace) -> kv_service.Setup | None:
         seeds = _seeds(args.seed)
         run, health = _commands("--run", args.run), _commands("--health", args.health)
         window = _window(args.health_window)
@@ -937,7 +950,7 @@ def main(argv: list[str] | None = None) -> int:
         if not seeds and not run:
             return None
 
-        async def install(store: kv_service.KVService) -> list[str]:
+        async def install(store: kv_service.KVService[Any]) -> list[str]:
             assert isinstance(store, ArtefactStore)
             store.configure(run, health, window, args.workdir)
             done = await store.seed_missing({name: text for name, (_, text) in seeds.items()})

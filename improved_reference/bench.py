@@ -26,8 +26,10 @@ on an error or Ctrl-C.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
+import functools
 import json
 import logging
 import os
@@ -39,6 +41,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,9 @@ import msgspec
 import structlog
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import NotFoundError
 
@@ -59,11 +65,13 @@ from improved.protocol.model import (
     AnalyzerRef,
     ApplyOrder,
     ApplyResult,
+    ChangeClass,
     GrantCommand,
     Origin,
     Proposal,
     Review,
     Summary,
+    Trailer,
     to_json,
 )
 from improved.runtime import bus
@@ -79,7 +87,7 @@ INTERRUPT_AGAIN_S = 0.2  # a Ctrl-C cancels the run again this often until it is
 
 
 def parse_mix(text: str) -> dict[str, float]:
-    mix = {}
+    mix: dict[str, float] = {}
     for part in text.split(","):
         name, _, weight = part.partition("=")
         if name.strip() not in KINDS:
@@ -96,28 +104,28 @@ SKILL = {"name": "bench_summarize", "description": "summarise a text for the ben
 
 
 def make_proposal(kind: str, i: int, t0: int) -> Proposal:
-    common = dict(
-        service=SVC, scope="knowledge", created_at=t0 + i,
-        origin=Origin(actor=f"mcp:bench-agent-{i % 97}:{i}", service=SVC),
-    )
+    """Proposal `i` of `kind`: an L0 `rank:` change, an L3 or L2 skill, or a skill filed as L0
+    (`reject`: triage refuses it, class_mismatch)."""
+    change_class: ChangeClass
     if kind == "l0":
         key = f"k{i}"
-        return Proposal(target_ref=f"rank:{key}", change_class="L0",
-                        analyzer=AnalyzerRef(id="bench.tuner/1"),
-                        summary=Summary(template_id="adjust_rank", args={"item": key, "delta": 1}),
-                        proposal_data={"set": {"key": key, "value": i}}, **common)
-    if kind in ("l3", "l2"):
-        return Proposal(target_ref=f"skill:{SKILL['name']}", change_class=kind.upper(),
-                        analyzer=AnalyzerRef(id=f"bench.skills{i}/1"),
-                        summary=Summary(template_id="new_skill", args={"name": SKILL["name"]}),
-                        proposal_data={"skill": SKILL}, **common)
-    return Proposal(target_ref=f"skill:{SKILL['name']}", change_class="L0",  # class_mismatch
-                    analyzer=AnalyzerRef(id=f"bench.bad{i}/1"),
-                    summary=Summary(template_id="new_skill", args={"name": SKILL["name"]}),
-                    proposal_data={"skill": SKILL}, **common)
+        target, change_class, analyzer = f"rank:{key}", "L0", "bench.tuner/1"
+        summary = Summary(template_id="adjust_rank", args={"item": key, "delta": 1})
+        data: dict[str, Any] = {"set": {"key": key, "value": i}}
+    else:
+        target = f"skill:{SKILL['name']}"
+        change_class, analyzer = (("L3", f"bench.skills{i}/1") if kind == "l3" else
+                                  ("L2", f"bench.skills{i}/1") if kind == "l2" else
+                                  ("L0", f"bench.bad{i}/1"))
+        summary = Summary(template_id="new_skill", args={"name": SKILL["name"]})
+        data = {"skill": SKILL}
+    return Proposal(service=SVC, target_ref=target, change_class=change_class, scope="knowledge",
+                    origin=Origin(actor=f"mcp:bench-agent-{i % 97}:{i}", service=SVC),
+                    analyzer=AnalyzerRef(id=analyzer), summary=summary, proposal_data=data,
+                    created_at=t0 + i)
 
 
-async def _is(read, value) -> bool:
+async def _is(read: Callable[[], Awaitable[object]], value: object) -> bool:
     return await read() == value
 
 
@@ -130,17 +138,17 @@ class InstantApplier:
     NAME = "instant"
     LABEL = "instant (answers at once, writes nothing)"
 
-    def __init__(self, js=None):
+    def __init__(self, js: JetStreamContext | None = None):
         self.orders: Counter[str] = Counter()
         self.refused = 0
         self.decoder = msgspec.json.Decoder(ApplyOrder)
         self.js = js
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
 
-    async def start(self, nc) -> None:
+    async def start(self, nc: Client) -> None:
         await nc.subscribe(S.apply_request(SVC), cb=self.handle)
 
-    async def handle(self, msg) -> None:
+    async def handle(self, msg: Msg) -> None:
         if self.js is None:
             await self._answer(msg)
             return
@@ -148,7 +156,7 @@ class InstantApplier:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _answer(self, msg) -> None:
+    async def _answer(self, msg: Msg) -> None:
         order = self.decoder.decode(msg.data)
         self.orders[order.proposal_id] += 1
         if self.js is not None:
@@ -172,14 +180,14 @@ class StoreApplier:
     LABEL = ("reference stores (RankingStore for rank: L0, SkillsStore for skill: L2/L3; "
              "JetStream KV, exactly once)")
 
-    def __init__(self, nc, verify_acceptance: bool):
+    def __init__(self, nc: Client, verify_acceptance: bool):
         self.ranking = RankingStore(nc, SVC, verify_acceptance=verify_acceptance)
         self.skills = SkillsStore(nc, SVC, verify_acceptance=verify_acceptance)
         self.client = MeshClient(nc, SVC)
         self.orders: Counter[str] = Counter()
         self.refused = 0
 
-    async def start(self, nc) -> None:
+    async def start(self, nc: Client) -> None:
         await self.ranking.open()
         await self.skills.open()
         await self.client.serve_apply(self.apply)
@@ -210,23 +218,95 @@ class Track:
     final_seq: int = 0  # the chain position of the final trailer
 
 
+class Watch:
+    """The chains of one drive as they are written (a core subscription on the bench
+    service's audit subjects): each proposal's Track, the trailers seen, and `done` once the
+    last proposal is final."""
+
+    def __init__(self, tracks: dict[str, Track], learn_back: bool, concurrency: int | None):
+        self.tracks = tracks
+        self.learn_back = learn_back
+        self.concurrency = concurrency  # closed loop: progress is shown
+        self.done = asyncio.Event()
+        self.finished = 0
+        self.transitions = 0
+        self.last: str | None = None  # the proposal that was final last
+        self.started = time.perf_counter()
+
+    async def on_trailer(self, msg: Msg) -> None:
+        t = trailer_decoder.decode(msg.data)
+        track = self.tracks.get(t.proposal_id)
+        if track is None:
+            return
+        self.transitions += 1
+        now = time.time()
+        # an approval and an order's dispatch (the intent before it) are kept apart, so
+        # `apply` is the outcome and gate→apply spans the service's answer
+        verdict = t.verdict
+        stage: str = verdict if verdict in ("approve", "dispatched") else t.to_stage
+        track.stages.setdefault(stage, t.at)
+        if t.to_stage == "triage" and track.decided is None:
+            track.decided = now
+        applied = t.to_stage == "apply" and verdict == "applied"
+        if applied and track.applied is None:
+            track.applied = now
+        final = (t.to_stage == "learn-back"
+                 if self.learn_back and FINAL[track.kind] == "applied"
+                 else applied or (t.to_stage == "triage" and verdict == "reject"))
+        if final and track.final is None:
+            track.final = now
+            track.final_seq = t.seq
+            self.last = t.proposal_id
+            self.finished += 1
+            if self.concurrency:
+                progress(self.finished, len(self.tracks), self.started)
+            if self.finished == len(self.tracks):
+                self.done.set()
+
+
+class Plan(msgspec.Struct, kw_only=True):
+    """What one drive asks of the publisher process (improved_reference.bench_publisher), in
+    a file of the run's: where, with which key, what to publish and how fast, where to report."""
+
+    url: str
+    key: str  # the bench operator's PEM file, to approve the L2 proposals
+    kinds: list[str]
+    t0: int
+    first: int
+    concurrency: int | None  # closed loop: at most this many unfinished at once
+    rate: float | None  # open loop: proposals per second
+    learn_back: bool
+    timeout: float
+    out: str  # where the Published report goes
+
+
+class Published(msgspec.Struct, kw_only=True):
+    """The publisher's report: when (time.time()) it published each proposal, by id, and the
+    CPU seconds it used from its first publish to its end."""
+
+    published: dict[str, float] = {}
+    cpu_s: float = float("nan")
+
+
+trailer_decoder = msgspec.json.Decoder(Trailer)
+
 ATOMIC_BATCH = 100  # messages per atomic batch in the atomic ceiling (the server allows 1000)
 ATOMIC_IN_FLIGHT = 4  # batches in flight per stream at once (the server allows 50)
 PACED_SHARES = (0.25, 0.5, 0.9)  # the paced runs' rates, as shares of the measured peak
 PACED_SECONDS = 4.0  # how long each paced run publishes
 
 
-def lat(values: list[float]) -> dict[str, Any]:
+def lat(values: Sequence[float]) -> dict[str, Any]:
     return {"p50_ms": round(percentile(values, 50), 2),
             "p99_ms": round(percentile(values, 99), 2), "n": len(values)}
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")
-    values = sorted(values)
-    k = min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))
-    return values[k]
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
 
 
 def progress(done: int, total: int, started: float) -> None:
@@ -262,12 +342,12 @@ def peak_rss_mb(pid: int) -> float:
 
 
 class Bench:
-    def __init__(self, args):
+    def __init__(self, args: argparse.Namespace):
         self.args = args
         self.tmp = Path(tempfile.mkdtemp(prefix="improved-bench-"))
         self.server: bus.EmbeddedServer | None = None
-        self.daemons: list[subprocess.Popen] = []
-        self.children: list[subprocess.Popen] = []  # the publisher process, while it runs
+        self.daemons: list[subprocess.Popen[bytes]] = []
+        self.children: list[subprocess.Popen[bytes]] = []  # the publisher, while it runs
         self.stopping = False  # the run reached its cleanup: a Ctrl-C need not cancel it again
         self.interrupted = False  # a Ctrl-C or SIGTERM came
         self.publisher_cpu_s: dict[int, float] = {}  # its CPU seconds while publishing, by run
@@ -283,7 +363,8 @@ class Bench:
 
     def start_server(self) -> str:
         if self.args.nats:
-            return self.args.nats
+            url: str = self.args.nats
+            return url
         self.server = bus.EmbeddedServer(self.tmp / "nats", bus.free_port(), sync=self.args.sync)
         return self.server.start()
 
@@ -301,7 +382,7 @@ class Bench:
                  "--nats", url, "--data-dir", str(self.tmp / "daemon")],
                 stdout=log, stderr=log, env=env, stdin=subprocess.DEVNULL))
 
-    async def wait_ready(self, nc) -> None:
+    async def wait_ready(self, nc: Client) -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -311,7 +392,7 @@ class Bench:
                 await asyncio.sleep(0.1)
         raise RuntimeError(f"the daemon did not come up; see {self.tmp}/daemon-*.log")
 
-    def spawn(self, name: str, module: str, *argv: str) -> subprocess.Popen:
+    def spawn(self, name: str, module: str, *argv: str) -> subprocess.Popen[bytes]:
         """A Python process of the bench's, logging to `<name>.log` in the temp directory."""
         log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115
         child = subprocess.Popen([sys.executable, "-m", module, *argv], stdout=log,
@@ -319,7 +400,7 @@ class Bench:
         self.children.append(child)
         return child
 
-    def reap(self, child: subprocess.Popen) -> None:
+    def reap(self, child: subprocess.Popen[bytes]) -> None:
         try:
             child.wait(60)
         except subprocess.TimeoutExpired:
@@ -360,16 +441,17 @@ class Bench:
 
     # -- what the streams gained, and the broker's own rate ----------------------------------------
 
-    async def streams(self, js) -> dict[str, dict[str, Any]]:
+    async def streams(self, js: JetStreamContext) -> dict[str, dict[str, Any]]:
         """Every stream's last sequence and storage type, by name."""
-        return {info.config.name: {"last_seq": info.state.last_seq,
+        return {info.config.name or "": {"last_seq": info.state.last_seq,
                                    "file": info.config.storage == jsapi.StorageType.FILE}
                 for info in await js.streams_info()}
 
-    async def mean_size(self, js, stream: str, last_seq: int, first_seq: int) -> int:
+    async def mean_size(self, js: JetStreamContext, stream: str, last_seq: int,
+                        first_seq: int) -> int:
         """The mean size (payload and headers) of up to 50 of the stream's newest messages that
         the run wrote (some may be gone: retained records keep the newest per subject)."""
-        sizes = []
+        sizes: list[int] = []
         seq = last_seq
         while seq > first_seq and len(sizes) < 50 and last_seq - seq < 500:
             try:
@@ -381,7 +463,7 @@ class Bench:
             seq -= 1
         return round(sum(sizes) / len(sizes)) if sizes else 256
 
-    async def writes(self, js, before: dict[str, dict[str, Any]], proposals: int,
+    async def writes(self, js: JetStreamContext, before: dict[str, dict[str, Any]], proposals: int,
                      applier_streams: set[str]) -> dict[str, Any]:
         """The messages each stream gained during the run, per proposal; those to file storage
         are the fsync'd writes (with sync always). The applier's own streams are counted apart."""
@@ -405,7 +487,7 @@ class Bench:
                 "loop_messages": sum(v["messages"] for v in per_stream.values()
                                      if v["by"] == "loop")}
 
-    async def ceiling(self, nc, pattern: dict[str, dict[str, Any]], total: int,
+    async def ceiling(self, nc: Client, pattern: dict[str, dict[str, Any]], total: int,
                       atomic: bool = False) -> dict[str, Any]:
         """The broker's rate for the loop's write pattern, on this server and sync setting:
         publishes to as many streams as the loop wrote, in parallel, each stream with its share
@@ -445,12 +527,13 @@ class Bench:
                             "per stream" if atomic else "pipelined")}
 
     @staticmethod
-    async def _publish_many(js, subject: str, payload: bytes, count: int) -> None:
+    async def _publish_many(js: JetStreamContext, subject: str, payload: bytes,
+                            count: int) -> None:
         futures = [await js.publish_async(subject, payload) for _ in range(count)]
         await asyncio.gather(*futures)
 
     @staticmethod
-    async def _batches(nc, subject: str, payload: bytes, count: int) -> None:
+    async def _batches(nc: Client, subject: str, payload: bytes, count: int) -> None:
         """`count` messages in atomic batches of ATOMIC_BATCH, one batch after the other: each
         message but the last published with the batch headers, the last one committing it and
         waiting for its PubAck (ADR-50)."""
@@ -564,7 +647,7 @@ class Bench:
             out.append(f"--- {log.name}\n" + "\n".join(text))
         return "\n".join(out)
 
-    async def grant(self, nc, t0: int) -> None:
+    async def grant(self, nc: Client, t0: int) -> None:
         """Before the clock starts, as SPEC 09 §3 has it: the skill's first execution approved
         and applied at L2, then a grant naming that proposal (the L3 share runs under it)."""
         first = msgspec.structs.replace(make_proposal("l2", 0, t0 - 1), created_at=t0 - 1)
@@ -574,7 +657,7 @@ class Bench:
         store = Store(nc)
         await store.bind()
 
-        async def until(what: str, done) -> None:
+        async def until(what: str, done: Callable[[], Awaitable[object]]) -> None:
             deadline = time.monotonic() + 10
             while not await done():
                 if time.monotonic() > deadline:
@@ -598,7 +681,7 @@ class Bench:
         await js.publish(S.GRANTS, to_json(env))
         await until("the grant", lambda: store.grant_active(identity, int(time.time() * 1000)))
 
-    async def drive(self, nc, url: str, kinds: list[str], t0: int, first: int, *,
+    async def drive(self, nc: Client, url: str, kinds: list[str], t0: int, first: int, *,
                     concurrency: int | None = None, rate: float | None = None,
                     ) -> dict[str, Any]:
         """Publish `kinds` from the publisher process (closed loop at `concurrency`, or open
@@ -606,78 +689,51 @@ class Bench:
         proposal's final trailer and outcome are read back."""
         learn_back = bool(self.args.learn_back)
         ids = [propose.identify(make_proposal(k, first + i, t0))[0] for i, k in enumerate(kinds)]
-        tracks = {pid: Track(kind) for pid, kind in zip(ids, kinds, strict=True)}
-        done = asyncio.Event()
-        finished = 0
-        transitions = 0
-        last: str | None = None
-        watch_started = time.perf_counter()
-
-        async def on_trailer(msg) -> None:
-            nonlocal finished, transitions, last
-            t = msgspec.json.decode(msg.data)
-            track = tracks.get(t["proposal_id"])
-            if track is None:
-                return
-            transitions += 1
-            now = time.time()
-            # an approval and an order's dispatch (the intent before it) are kept apart, so
-            # `apply` is the outcome and gate→apply spans the service's answer
-            verdict = t.get("verdict")
-            stage = verdict if verdict in ("approve", "dispatched") else t["to_stage"]
-            track.stages.setdefault(stage, t["at"])
-            if t["to_stage"] == "triage" and track.decided is None:
-                track.decided = now
-            applied = t["to_stage"] == "apply" and verdict == "applied"
-            if applied and track.applied is None:
-                track.applied = now
-            final = (t["to_stage"] == "learn-back"
-                     if learn_back and FINAL[track.kind] == "applied"
-                     else applied or (t["to_stage"] == "triage" and verdict == "reject"))
-            if final and track.final is None:
-                track.final = now
-                track.final_seq = t["seq"]
-                last = t["proposal_id"]
-                finished += 1
-                if concurrency:
-                    progress(finished, len(ids), watch_started)
-                if finished == len(ids):
-                    done.set()
-
-        sub = await nc.subscribe(f"{S.AUDIT}.{SVC}.*", cb=on_trailer)
+        watch = Watch({pid: Track(kind) for pid, kind in zip(ids, kinds, strict=True)},
+                      learn_back, concurrency)
+        sub = await nc.subscribe(f"{S.AUDIT}.{SVC}.*", cb=watch.on_trailer)
         await nc.flush()
         out = self.tmp / f"published-{first}.json"
         plan = self.tmp / f"plan-{first}.json"
-        plan.write_text(json.dumps({
-            "url": url, "key": str(self.key_file), "kinds": kinds, "t0": t0, "first": first,
-            "concurrency": concurrency, "rate": rate, "learn_back": learn_back,
-            "timeout": self.args.timeout, "out": str(out)}))
+        plan.write_bytes(msgspec.json.encode(Plan(
+            url=url, key=str(self.key_file), kinds=kinds, t0=t0, first=first,
+            concurrency=concurrency, rate=rate, learn_back=learn_back,
+            timeout=self.args.timeout, out=str(out))))
         publisher = self.spawn("publisher", "improved_reference.bench_publisher", str(plan))
         try:
-            await asyncio.wait_for(done.wait(), timeout=self.args.timeout)
+            await asyncio.wait_for(watch.done.wait(), timeout=self.args.timeout)
         except TimeoutError:
-            sys.stderr.write(f"\n  timed out with {finished}/{len(ids)} final\n")
+            sys.stderr.write(f"\n  timed out with {watch.finished}/{len(ids)} final\n")
         seen = time.time()
         durable = False
-        if last is not None and finished == len(ids):
-            durable = await self.read_back(nc, last, tracks[last])
+        if watch.last is not None and watch.finished == len(ids):
+            durable = await self.read_back(nc, watch.last, watch.tracks[watch.last])
         end = time.time()
         await sub.unsubscribe()
         await asyncio.get_running_loop().run_in_executor(None, self.reap, publisher)
-        report = json.loads(out.read_text()) if out.exists() else {}
-        published: dict[str, float] = report.get("published", {})
-        self.publisher_cpu_s[first] = report.get("cpu_s", float("nan"))
-        for pid, at in published.items():
-            tracks[pid].published = at
-        started = min(published.values(), default=end)
-        elapsed = max(end - started, 1e-9)
+        report = (msgspec.json.decode(out.read_bytes(), type=Published) if out.exists()
+                  else Published())
+        self.publisher_cpu_s[first] = report.cpu_s
+        for pid, at in report.published.items():
+            watch.tracks[pid].published = at
+        started = min(report.published.values(), default=end)
+        return self.figures(watch, kinds, concurrency, rate, elapsed=max(end - started, 1e-9),
+                            seen_to_read_back_s=end - seen, durable=durable)
+
+    def figures(self, watch: Watch, kinds: list[str], concurrency: int | None,
+                rate: float | None, *, elapsed: float, seen_to_read_back_s: float,
+                durable: bool) -> dict[str, Any]:
+        """What one drive measured: rates over `elapsed` (from the first publish to the read
+        back), the latencies from each proposal's publish and between its stages (from its
+        chain), in all and by kind."""
+        tracks = watch.tracks
         ms = 1000.0
 
         def since_publish(attr: str, kind: str | None = None) -> list[float]:
             return [(getattr(t, attr) - t.published) * ms for t in tracks.values()
                     if getattr(t, attr) and t.published and (kind is None or t.kind == kind)]
 
-        stage_lat = defaultdict(list)
+        stage_lat: defaultdict[str, list[int]] = defaultdict(list)
         for t in tracks.values():
             s = t.stages
             if "propose" in s and "triage" in s:
@@ -689,8 +745,9 @@ class Bench:
         by_kind = {kind: {"publish→decision": lat(since_publish("decided", kind)),
                           "publish→applied": lat(since_publish("applied", kind))}
                    for kind in sorted(set(kinds))}
+        learn_back, finished = watch.learn_back, watch.finished
         return {
-            "proposals": len(ids), "concurrency": concurrency, "rate": rate,
+            "proposals": len(tracks), "concurrency": concurrency, "rate": rate,
             "replicas": self.args.replicas, "mix": Counter(kinds), "learn_back": learn_back,
             "completed": finished, "elapsed_s": round(elapsed, 3),
             "clock_stop": ("the last proposal's final trailer "
@@ -701,10 +758,10 @@ class Bench:
                            "read back (the run fails)"),
             "clock_start": "the publisher process's first publish",
             "durable_read_back": durable,
-            "seen_to_read_back_ms": round((end - seen) * 1000, 2),
+            "seen_to_read_back_ms": round(seen_to_read_back_s * 1000, 2),
             "proposals_per_s": round(finished / elapsed, 1),
-            "audited_transitions": transitions,
-            "audited_transitions_per_s": round(transitions / elapsed, 1),
+            "audited_transitions": watch.transitions,
+            "audited_transitions_per_s": round(watch.transitions / elapsed, 1),
             "latency": {"publish→decision": lat(since_publish("decided")),
                         "publish→applied": lat(since_publish("applied")),
                         "publish→final": lat(since_publish("final")),
@@ -712,7 +769,7 @@ class Bench:
             "latency_by_kind": by_kind,
         }
 
-    async def read_back(self, nc, pid: str, track: Track) -> bool:
+    async def read_back(self, nc: Client, pid: str, track: Track) -> bool:
         """Read the proposal's outcome back through JetStream until it is stored: the chain's
         last trailer at or past the final one seen, and the retained record of the outcome
         (the apply outcome, ok, for an applied proposal; the triage decision for a rejected
@@ -729,14 +786,15 @@ class Bench:
             except NotFoundError:
                 await asyncio.sleep(0.001)
                 continue
-            body = msgspec.json.decode(stored.data)
-            if (msgspec.json.decode(trailer.data)["seq"] >= track.final_seq
+            body = msgspec.json.decode(stored.data or b"")
+            if (trailer_decoder.decode(trailer.data or b"").seq >= track.final_seq
                     and (FINAL[track.kind] != "applied" or body.get("ok") is True)):
                 return True
             await asyncio.sleep(0.001)
         return False
 
-    async def paced(self, nc, url: str, peak: float, t0: int, first: int) -> list[dict]:
+    async def paced(self, nc: Client, url: str, peak: float, t0: int, first: int
+                    ) -> list[dict[str, Any]]:
         """The same mix published at a fixed rate, at 25, 50 and 90 % of the measured peak:
         publish→decision and publish→applied, in all and by class."""
         out = []
@@ -768,8 +826,8 @@ class Bench:
             argv = [sys.executable, "-m", "improved.cli", "--log-level", "warning", "audit",
                     what, "--nats", url]
             started = time.perf_counter()
-            done = await loop.run_in_executor(None, lambda argv=argv: subprocess.run(
-                argv, env={**os.environ, "IMPROVED_CONFIG": str(self.config)},
+            done = await loop.run_in_executor(None, functools.partial(
+                subprocess.run, argv, env={**os.environ, "IMPROVED_CONFIG": str(self.config)},
                 capture_output=True, text=True, timeout=600))
             elapsed = time.perf_counter() - started
             out[what] = {"s": round(elapsed, 2), "exit": done.returncode,
@@ -851,7 +909,7 @@ def table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     # the in-process stores log each apply at info: on the bench's CPU and screen, not wanted
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     bench = Bench(args)

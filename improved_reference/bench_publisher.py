@@ -16,56 +16,64 @@ it used from its first publish to its end.
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from nats.aio.msg import Msg
+from nats.js.api import PubAck
 
 from improved.core import propose, signing
 from improved.protocol import subjects as S
 from improved.protocol.model import Review, Signal, to_json
-from improved.runtime import bus
-from improved_reference.bench import FINAL, OPERATOR, SVC, make_proposal
+from improved.runtime import bus, keys
+from improved_reference.bench import (
+    FINAL,
+    OPERATOR,
+    SVC,
+    Plan,
+    Published,
+    make_proposal,
+    trailer_decoder,
+)
 
 OBSERVER = "mcp:bench-observer:1"  # the learn-back signals' actor: never a proposer
 
 
-async def publish(plan: dict[str, Any], key: Any) -> dict[str, Any]:
-    nc = await bus.connect(plan["url"], "improved-bench-mesh")
+async def publish(plan: Plan, key: Ed25519PrivateKey) -> Published:
+    nc = await bus.connect(plan.url, "improved-bench-mesh")
     js = nc.jetstream(publish_async_max_pending=4096)
-    kinds: list[str] = plan["kinds"]
-    proposals = [make_proposal(k, plan["first"] + i, plan["t0"]) for i, k in enumerate(kinds)]
+    kinds = plan.kinds
+    proposals = [make_proposal(k, plan.first + i, plan.t0) for i, k in enumerate(kinds)]
     ids = [propose.identify(p)[0] for p in proposals]
     kind_of = dict(zip(ids, kinds, strict=True))
     published: dict[str, float] = {}
     finished: set[str] = set()
     done = asyncio.Event()
-    slots = asyncio.Semaphore(plan.get("concurrency") or len(ids))
-    pending: set[asyncio.Future] = set()
+    slots = asyncio.Semaphore(plan.concurrency or len(ids))
+    pending: set[asyncio.Future[PubAck]] = set()
 
-    def keep(future) -> None:
+    def keep(future: asyncio.Future[PubAck]) -> None:
         pending.add(future)
         future.add_done_callback(pending.discard)
 
-    async def on_trailer(msg) -> None:
-        t = msgspec.json.decode(msg.data)
-        pid = t.get("proposal_id")
+    async def on_trailer(msg: Msg) -> None:
+        t = trailer_decoder.decode(msg.data)
+        pid = t.proposal_id
         kind = kind_of.get(pid)
         if kind is None or pid in finished:
             return
-        if t.get("cause") == "awaiting_operator" and kind == "l2":
+        if t.cause == "awaiting_operator" and kind == "l2":
             review = Review(proposal_id=pid, verdict="approve", principal=OPERATOR,
                             reason="bench", at=int(time.time() * 1000))
             env = signing.sign(signing.PAYLOAD_TYPES["review"], to_json(review), key)
             keep(await js.publish_async(S.inbound_review(SVC), to_json(env)))
             return
-        applied = t["to_stage"] == "apply" and t.get("verdict") == "applied"
-        rejected = t["to_stage"] == "triage" and t.get("verdict") == "reject"
-        if applied and plan["learn_back"]:
+        applied = t.to_stage == "apply" and t.verdict == "applied"
+        rejected = t.to_stage == "triage" and t.verdict == "reject"
+        if applied and plan.learn_back:
             signal = Signal(kind="metric", actor=OBSERVER, service=SVC, positive=True,
                             at=int(time.time() * 1000), proposal_id=pid,
                             name="bench_quality", value=1.0)
@@ -74,7 +82,7 @@ async def publish(plan: dict[str, Any], key: Any) -> dict[str, Any]:
             keep(await js.publish_async(S.inbound_outcome(SVC), data,
                                         headers={"Nats-Msg-Id": S.message_id(digest, data)}))
             return
-        last = (t["to_stage"] == "learn-back" if plan["learn_back"] and FINAL[kind] == "applied"
+        last = (t.to_stage == "learn-back" if plan.learn_back and FINAL[kind] == "applied"
                 else applied or rejected)
         if last:
             finished.add(pid)
@@ -85,7 +93,7 @@ async def publish(plan: dict[str, Any], key: Any) -> dict[str, Any]:
     sub = await nc.subscribe(f"{S.AUDIT}.{SVC}.*", cb=on_trailer)
     await nc.flush()
     cpu_start = time.process_time()
-    interval = 1.0 / plan["rate"] if plan.get("rate") else 0.0
+    interval = 1.0 / plan.rate if plan.rate else 0.0
     start = time.perf_counter()
     for i, (pid, p) in enumerate(zip(ids, proposals, strict=True)):
         if interval:
@@ -98,7 +106,7 @@ async def publish(plan: dict[str, Any], key: Any) -> dict[str, Any]:
         keep(await js.publish_async(S.inbound_proposal(SVC), data,
                                     headers={"Nats-Msg-Id": S.message_id(pid, data)}))
     try:
-        await asyncio.wait_for(done.wait(), timeout=plan["timeout"])
+        await asyncio.wait_for(done.wait(), timeout=plan.timeout)
     except TimeoutError:
         pass
     if pending:
@@ -106,13 +114,13 @@ async def publish(plan: dict[str, Any], key: Any) -> dict[str, Any]:
     cpu_s = time.process_time() - cpu_start
     await sub.unsubscribe()
     await bus.close(nc)
-    return {"published": published, "cpu_s": cpu_s}
+    return Published(published=published, cpu_s=cpu_s)
 
 
 def main(argv: list[str]) -> int:
-    plan = json.loads(Path(argv[0]).read_text())
-    key = serialization.load_pem_private_key(Path(plan["key"]).read_bytes(), password=None)
-    Path(plan["out"]).write_text(json.dumps(asyncio.run(publish(plan, key))))
+    plan = msgspec.json.decode(Path(argv[0]).read_bytes(), type=Plan)
+    key = keys.load_key(Path(plan.key))
+    Path(plan.out).write_bytes(msgspec.json.encode(asyncio.run(publish(plan, key))))
     return 0
 
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import Any, Literal, TextIO, TypeVar
 
 import msgspec
 import structlog
@@ -46,11 +46,13 @@ from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import (
     AnalyzerRef,
+    ApplyOutcome,
     GrantCommand,
     MetricSnapshot,
     Origin,
     Proposal,
     ProposalEdit,
+    ProposalState,
     Review,
     Signal,
     Summary,
@@ -66,6 +68,7 @@ from improved_reference.artefact_store import ArtefactStore, digest_of
 from improved_reference.doc_store import DocStore
 from improved_reference.doc_store import digest as doc_digest
 from improved_reference.knowledge_store import KnowledgeStore
+from improved_reference.kv_service import KVService
 from improved_reference.ranking_store import RankingStore
 from improved_reference.skills_store import SkillsStore
 
@@ -182,7 +185,7 @@ class Demo:
         timeout = STEP_TIMEOUT if timeout is None else timeout
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        last: Any = None
+        last: T | Exception | None = None
         while True:
             try:
                 last = await check()
@@ -203,6 +206,16 @@ class Demo:
     # -- the mesh ------------------------------------------------------------------------------
 
     async def start(self, root: Path) -> None:
+        """The whole mesh, each part on its own connection: the server, the daemon trusting
+        the demo's keys, the reference services, and the agents' and operator's side."""
+        url, port = self._start_server(root)
+        self._trust(root, port)
+        await self._start_daemon(url)
+        await self._start_services(url)
+        await self._connect_mesh(url)
+
+    def _start_server(self, root: Path) -> tuple[str, int]:
+        """The embedded nats-server; its URL and port."""
         port = bus.free_port()
         self.server = bus.EmbeddedServer(root, port, sync=SYNC)
         url = self.server.start()  # synchronous on purpose: a cancelled start leaves no orphan
@@ -211,7 +224,11 @@ class Demo:
         self.event("server", f"nats-server with JetStream on {url}, sync_interval {SYNC!r}: "
                    f"{durable}")
         self.event("store", f"data directory {root}")
+        return url, port
 
+    def _trust(self, root: Path, port: int) -> None:
+        """Fresh keys for the operator, the evaluator and each service, and the daemon's
+        configuration that trusts them."""
         key = Ed25519PrivateKey.generate()
         self.operator_key = key
         self.evaluator_key = Ed25519PrivateKey.generate()
@@ -228,23 +245,36 @@ class Demo:
             apply=ApplySettings(timeout_s=2.0, attempts=2, max_deliveries=3),
         )
         self.conns: list[Client] = []
+
+    async def _start_daemon(self, url: str) -> None:
+        """The daemon, in this process, until `stop`; StepFailed when it does not come up."""
         self.nc_daemon = await bus.connect(url, "improved-demo-daemon")
         self.conns.append(self.nc_daemon)
         self.stop_daemon = asyncio.Event()
         ready: asyncio.Future[Daemon] = asyncio.get_running_loop().create_future()
+
+        def on_ready(daemon: Daemon) -> None:
+            if not ready.done():
+                ready.set_result(daemon)
+
         self.daemon_task = asyncio.create_task(run_until_stopped(
-            self.nc_daemon, self.config, stop=self.stop_daemon,
-            on_ready=lambda d: ready.done() or ready.set_result(d)), name="improved-demo-daemon")
-        await asyncio.wait([ready, self.daemon_task], timeout=STEP_TIMEOUT * 2,
+            self.nc_daemon, self.config, stop=self.stop_daemon, on_ready=on_ready),
+            name="improved-demo-daemon")
+        started: list[asyncio.Future[Daemon] | asyncio.Task[int]] = [ready, self.daemon_task]
+        await asyncio.wait(started, timeout=STEP_TIMEOUT * 2,
                            return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
             if self.daemon_task.done() and self.daemon_task.exception() is not None:
                 raise StepFailed(f"the daemon did not start: {self.daemon_task.exception()}")
             raise StepFailed("the daemon did not become ready")
         self.daemon = ready.result()
+        public = raw_public(self.operator_key.public_key())
         self.event("daemon", f"{self.daemon.actor} ready; trusts {OPERATOR} "
                    f"(fresh Ed25519 key {keyid_of(public)[:20]}...)")
 
+    async def _start_services(self, url: str) -> None:
+        """The reference services, each signing its answers, seeded with what the steps
+        change."""
         self.nc_skills = await bus.connect(url, "demo-skills-store")
         self.conns.append(self.nc_skills)
         self.skills = SkillsStore(self.nc_skills, "skills")
@@ -279,8 +309,9 @@ class Demo:
                    f"knowledge store, 2 duplicate facts in {NAMESPACE}) and docs (reference doc "
                    f"store, {GUIDE}) serve <svc>.improve.apply")
 
-        # The agents, the evaluator and the operator share one connection; so does the
-        # audit reader, which reads the chains straight from the stream, not from the daemon.
+    async def _connect_mesh(self, url: str) -> None:
+        """The agents, the evaluator and the operator share one connection; so does the
+        audit reader, which reads the chains straight from the stream, not from the daemon."""
         self.nc = await bus.connect(url, "demo-mesh")
         self.conns.append(self.nc)
         self.js = self.nc.jetstream()
@@ -357,7 +388,7 @@ class Demo:
         return d
 
     async def status(self, client: MeshClient, pid: str, status: str) -> None:
-        async def reached():
+        async def reached() -> ProposalState | None:
             state = await client.state(pid)
             return state if state is not None and state.status == status else None
 
@@ -371,7 +402,8 @@ class Demo:
         env = sign(PAYLOAD_TYPES[kind], to_json(body), self.operator_key)
         await self.js.publish(subject, to_json(env))
 
-    async def review(self, svc: str, pid: str, verdict: str, reason: str,
+    async def review(self, svc: str, pid: str, verdict: Literal["approve", "reject", "rollback"],
+                     reason: str,
                      body_digest: str | None = None) -> None:
         await self.signed(S.inbound_review(svc), "review", Review(
             proposal_id=pid, verdict=verdict, principal=OPERATOR, reason=reason,
@@ -388,7 +420,7 @@ class Demo:
                 return StepFailed(f"{failure}; the daemon refused the act: {last.get('reason')}")
         return failure
 
-    async def no_orders(self, store: Any, before: int, svc: str) -> None:
+    async def no_orders(self, store: KVService[Any], before: int, svc: str) -> None:
         await asyncio.sleep(SETTLE)
         self.expect(store.orders == before,
                     f"{svc} received {store.orders - before} apply order(s); expected none")
@@ -418,7 +450,7 @@ class Demo:
                     f"{d.gate_class}")
         l1 = self.ids.get("l1")
         if l1:
-            async def superseded():
+            async def superseded() -> list[dict[str, Any]] | None:
                 chain = await self.chain("skills", l1)
                 return chain if chain and chain[-1].get("verdict") == "superseded" else None
 
@@ -495,6 +527,8 @@ class Demo:
             service="skills", origin_actor=AGENT, analyzer_id="acme.skills/1",
             created_at=self.now_ms())
         proposal = msgspec.structs.replace(refined, change_class="L3")  # it asks for L3
+        if proposal.proposal_data is None:
+            raise StepFailed("the refinement carries no definition")
         new_identity = canonical.skill_identity(proposal.proposal_data["skill"])
         self.event("refine", f"instructions + {EXTRA_SENTENCE.strip()!r} -> "
                    f"{short_identity(new_identity)} (granted: {short_identity(self.identity)})")
@@ -537,7 +571,8 @@ class Demo:
                     "the evaluator's signal was not counted as independent")
         await self.status(self.search_client, pid, "applied")
         outcome = await self.search_client.outcome(pid)
-        self.expect(outcome is not None and outcome.ok, "no successful apply outcome")
+        if outcome is None or not outcome.ok:
+            raise StepFailed("no successful apply outcome")
         value = await self.search.value(RANK_KEY)
         self.event("apply", f"search set {RANK_KEY} {PRIOR} -> {value}, authority "
                    f"{outcome.authority}, inverse {to_json(outcome.inverse).decode()}")
@@ -702,7 +737,7 @@ class Demo:
                   "smoke_test": "json"} for name, text in new.items()],
             created_at=self.now_ms())
 
-    async def outcome(self, client: MeshClient, pid: str):
+    async def outcome(self, client: MeshClient, pid: str) -> ApplyOutcome:
         return await self.wait(f"the apply outcome of {short(pid)}", lambda: client.outcome(pid))
 
     async def step_l4(self) -> None:
@@ -730,15 +765,18 @@ class Demo:
         # the reversal travels on the chain (the `revert:` ref of the lkg_verified trailer)
         checked = chain[verdicts.index("lkg_verified")]
         reversal = next(r[len("revert:"):] for r in checked["refs"] if r.startswith("revert:"))
+        rid = out.revert_proposal_id
+        if rid is None:
+            raise StepFailed("the healthy swap's outcome names no revert_proposal_id")
         self.event("apply", f"{out.applied_id}; reversal recorded before the apply: "
-                   f"revert_proposal_id {short(out.revert_proposal_id)}")
+                   f"revert_proposal_id {short(rid)}")
         await self.deploy_client.publish(msgspec.json.decode(reversal))
-        rev = await self.outcome(self.deploy_client, out.revert_proposal_id)
+        rev = await self.outcome(self.deploy_client, rid)
         self.expect(rev.ok and rev.authority == OPERATOR,
                     f"the reversal did not run under {OPERATOR}: {rev.error or rev.authority}")
         await self.status(self.deploy_client, good, "rolled_back")
         self.expect(await self.deploy.manifest() == before, "the reversal left a new version")
-        self.event("revert", f"{short(out.revert_proposal_id)} inherited the approval of "
+        self.event("revert", f"{short(rid)} inherited the approval of "
                    f"{OPERATOR}: no second signature; both artefacts back")
         self.ok("L4: unhealthy swap refused whole; healthy swap applied, then reverted through "
                 "its revert_proposal_id without a second approval")
@@ -771,7 +809,7 @@ class Demo:
                               authority.will_run_digest(p))
             out = await self.outcome(self.deploy_client, pid)
             self.event("apply", f"ok={out.ok}: {out.error or out.applied_id}")
-            self.expect(out.ok == ok and (ok or out.error.startswith("schema_backward")),
+            self.expect(out.ok == ok and (ok or (out.error or "").startswith("schema_backward")),
                         f"qty maximum {maximum}: expected ok={ok}, got {out.error}")
         self.ok("schema: no revert, rejected; a change that only takes away, refused though "
                 "approved; a forward-compatible one, applied")

@@ -149,7 +149,7 @@ def edited(change: Change, current: Any) -> str:
     return new
 
 
-class DocStore(KVService):
+class DocStore(KVService[Change]):
     """Documents in KV `docs_<svc>`, the apply ledger in `docapplies_<svc>`."""
 
     KIND = "doc store"
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(str(exc))
         allow = tuple(args.allow) or DEFAULT_ALLOW
 
-        async def configure(store: KVService) -> list[str]:
+        async def configure(store: KVService[Any]) -> list[str]:
             assert isinstance(store, DocStore)
             store.allow = allow
             lines = [f"allowlist {', '.join(allow)}"]

@@ -120,7 +120,7 @@ def outcome(change: Change, state: Any, now: int) -> knowledge.Outcome:
         raise Refused(str(exc)) from None
 
 
-class KnowledgeStore(KVService):
+class KnowledgeStore(KVService[Change]):
     """Namespaces in KV `know_<svc>`, the apply ledger in `knowapplies_<svc>`."""
 
     KIND = "knowledge store"
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         if not writers:
             return None
 
-        async def narrow(store: KVService) -> list[str]:
+        async def narrow(store: KVService[Any]) -> list[str]:
             assert isinstance(store, KnowledgeStore)
             store.writers = writers
             return ["writers " + ", ".join(f"{w}={n}" for w, n in writers)]

@@ -29,7 +29,7 @@ import signal as signals
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 import structlog
@@ -44,6 +44,7 @@ from nats.js.errors import (
     KeyWrongLastSequenceError,
     NotFoundError,
 )
+from nats.js.kv import KeyValue
 
 from improved.client import acceptance
 from improved.client.sdk import MeshClient, Served, failed, serve_spec
@@ -71,20 +72,32 @@ def _conflicted(exc: Exception) -> bool:
         isinstance(exc, APIError) and exc.err_code in WRONG_LAST_SEQUENCE)
 
 
-async def read_json(kv: Any, key: str) -> tuple[Any, int]:
+async def read_json(kv: KeyValue, key: str) -> tuple[Any, int]:
     """(the JSON value at `key` in the KV bucket `kv`, its revision), or (None, 0) if absent."""
     try:
         entry = await kv.get(key)
     except KeyNotFoundError:
         return None, 0
-    return msgspec.json.decode(entry.value), entry.revision
+    return msgspec.json.decode(entry.value or b""), entry.revision or 0
 
 
-class KVService:
-    """Values in KV `bucket` (history `HISTORY`), the apply ledger in KV `ledger_bucket`."""
+class Keyed(Protocol):
+    """What every store's change names: the key of the values bucket it writes."""
+
+    @property
+    def key(self) -> str: ...
+
+
+C = TypeVar("C", bound=Keyed)
+
+
+class KVService(Generic[C]):
+    """Values in KV `bucket` (history `HISTORY`), the apply ledger in KV `ledger_bucket`; `C`
+    is the store's change, what `_change` makes of an order."""
 
     KIND = "kv service"  # how logs and the command line name the store
     VALUES = "values"  # what the values bucket holds
+    ledger: KeyValue  # the apply ledger, once `open`
 
     def __init__(self, nc: Client, service: str, bucket: str, ledger_bucket: str,
                  verify_acceptance: bool = False):
@@ -100,7 +113,6 @@ class KVService:
         self.stream = f"KV_{bucket}"
         self.applies = 0  # value writes made by this instance through apply
         self.orders = 0  # decoded ApplyOrders handled by this instance
-        self.ledger = None
         self.log = structlog.get_logger(type(self).__module__)
         self._subs: list[Served] = []
 
@@ -141,7 +153,7 @@ class KVService:
             except Exception as exc:  # already closed with the connection
                 self.log.debug("subscription drain failed", error=str(exc))
 
-    async def _bucket(self, name: str, history: int, description: str):
+    async def _bucket(self, name: str, history: int, description: str) -> KeyValue:
         try:
             return await self.js.key_value(name)
         except BucketNotFoundError:
@@ -165,8 +177,8 @@ class KVService:
             return None, 0
         headers = msg.headers or {}
         if headers.get(KV_OP) in ("DEL", "PURGE") or "Nats-Marker-Reason" in headers:
-            return None, msg.seq
-        return self._decode(msg.data or b"null"), msg.seq
+            return None, msg.seq or 0
+        return self._decode(msg.data or b"null"), msg.seq or 0
 
     @staticmethod
     def _decode(data: bytes) -> Any:
@@ -203,7 +215,7 @@ class KVService:
         return failed(f"could not apply {change.key!r}: it kept changing or the store did not "
                       f"answer ({ROUNDS} attempts)")
 
-    async def _prepare_change(self, order: ApplyOrder) -> Any:
+    async def _prepare_change(self, order: ApplyOrder) -> C:
         """The change an order asks for, or Refused: `_change`, after the acceptance check when
         the store verifies acceptance (a store may add checks that need I/O)."""
         if self.verify_acceptance and not await self._applied(order.proposal_id):
@@ -238,7 +250,7 @@ class KVService:
         return {"acceptance": f"trusted to the bus: only the daemon may publish "
                               f"{S.apply_request(self.service)}"}
 
-    async def _apply_once(self, pid: str, change: Any) -> ApplyResult:
+    async def _apply_once(self, pid: str, change: C) -> ApplyResult:
         entry, rev = await read_json(self.ledger, pid)
         if entry is not None and entry["revision"] is not None:
             return self._result(entry)
@@ -250,12 +262,13 @@ class KVService:
             rev = await self._ledger_write(pid, entry, 0)
             written = await self._write(pid, entry, current, cur_rev)
         else:
-            written = await self._own_write(pid, entry["key"], entry["prior_rev"])
-            if written is None:
+            found = await self._own_write(pid, entry["key"], entry["prior_rev"])
+            if found is None:
                 rebased = self._rebase(entry, current, cur_rev)
                 if rebased != entry:
                     entry, rev = rebased, await self._ledger_write(pid, rebased, rev)
-                written = await self._write(pid, entry, current, cur_rev)
+                found = await self._write(pid, entry, current, cur_rev)
+            written = found
         entry = {**entry, "revision": written}
         await self._ledger_write(pid, entry, rev)
         return self._result(entry)
@@ -263,6 +276,29 @@ class KVService:
     def _rebase(self, entry: dict[str, Any], current: Any, cur_rev: int) -> dict[str, Any]:
         """The unfinished entry to write against `cur_rev` (a store may record a new prior)."""
         return entry
+
+    # -- what each store supplies ----------------------------------------------------------------
+
+    def capabilities(self) -> dict[str, Any]:
+        """What `spec.get` answers: `surface()` and what the store adds."""
+        raise NotImplementedError
+
+    def _change(self, order: ApplyOrder) -> C:
+        """The change `order` asks for, or Refused."""
+        raise NotImplementedError
+
+    def _new_entry(self, change: C, current: Any, cur_rev: int) -> dict[str, Any]:
+        """The ledger entry of `change` read against `current` at `cur_rev`: at least `key`,
+        `prior_rev` and `revision` None."""
+        raise NotImplementedError
+
+    async def _write(self, pid: str, entry: dict[str, Any], current: Any, cur_rev: int) -> int:
+        """Write what `entry` says on top of `cur_rev`; the write's revision."""
+        raise NotImplementedError
+
+    def _result(self, entry: dict[str, Any]) -> ApplyResult:
+        """The ApplyResult a finished ledger entry answers."""
+        raise NotImplementedError
 
     async def _ledger_write(self, pid: str, entry: dict[str, Any], last: int) -> int:
         """Create (last=0) or compare-and-set the ledger entry; Conflict if someone moved it."""
@@ -278,7 +314,7 @@ class KVService:
     async def _publish(self, key: str, data: bytes, prior_rev: int, pid: str | None = None,
                        delete: bool = False) -> int:
         """A write to `key` only on top of `prior_rev`; tagged and counted when it applies `pid`."""
-        headers = {Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(prior_rev)}
+        headers: dict[str, str] = {Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(prior_rev)}
         if pid is not None:
             headers[PROVENANCE] = pid
         if delete:
@@ -324,7 +360,7 @@ class KVService:
                 return None
             if (msg.headers or {}).get(PROVENANCE) == pid:
                 return msg.seq
-            seq = msg.seq + 1
+            seq = (msg.seq or seq) + 1
         return None
 
 
@@ -333,10 +369,20 @@ class KVService:
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
-Setup = Callable[["KVService"], Awaitable[list[str]]]
+Setup = Callable[["KVService[Any]"], Awaitable[list[str]]]
 
 
-async def run(cls: type[KVService], url: str | None, service: str,
+class StoreClass(Protocol):
+    """A KVService subclass as `run` and `main` take it: how it is named and made."""
+
+    KIND: str
+    VALUES: str
+
+    def __call__(self, nc: Client, service: str, *,
+                 verify_acceptance: bool = False) -> KVService[Any]: ...
+
+
+async def run(cls: StoreClass, url: str | None, service: str,
               verify_acceptance: bool = False, setup: Setup | None = None,
               data_dir: Path = Path(".improved"), key_file: Path | None = None) -> int:
     """Serve `service` until SIGTERM or SIGINT; `setup` runs once the buckets are open,
@@ -431,7 +477,7 @@ def parser(module: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-def main(cls: type[KVService], argv: list[str] | None, module: str, description: str,
+def main(cls: StoreClass, argv: list[str] | None, module: str, description: str,
          p: argparse.ArgumentParser | None = None,
          setup: Callable[[argparse.Namespace], Setup | None] | None = None) -> int:
     """Parse the shared command line (or `p`, built on `parser`), then serve; `setup(args)`

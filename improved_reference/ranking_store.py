@@ -99,7 +99,7 @@ def parse_change(proposal: Proposal) -> Change:
     return Change(key=rest, op="set", value=body["value"])
 
 
-class RankingStore(KVService):
+class RankingStore(KVService[Change]):
     """Values in KV `rank_<svc>`, the per-proposal apply ledger in KV `applies_<svc>`."""
 
     KIND = "ranking store"

@@ -87,9 +87,9 @@ async def classify(store: ArtefactStore, proposal: Proposal) -> ClassifyReply:
     change = store.parse_change(proposal)
     manifest = await store.manifest()
     if change.op == "restore" and await _undoes(store, proposal, change, manifest):
-        names = ", ".join(sorted(change.set))
+        names, original = ", ".join(sorted(change.set)), rolls_back(proposal) or ""
         return ClassifyReply(class_="reversal", reason=(
-            f"{names}: the recorded reversal of {rolls_back(proposal)[:12]} (it puts back "
+            f"{names}: the recorded reversal of {original[:12]} (it puts back "
             "what that change replaced; not classified, as at apply time)")[:500])
     found = {}
     for name, digest in sorted(change.set.items()):

@@ -68,6 +68,7 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
 from improved.client import chains
 from improved.core.evidence import DaemonWriters
@@ -323,18 +324,18 @@ def _check_holder(holder_did: Any) -> None:
         raise Refused("a holder DID is a non-empty string")
 
 
-class SkillsStore(KVService):
+class SkillsStore(KVService[Change]):
     """Definitions in KV `skills_<svc>`, competence in `skillcomp_<svc>`, the apply ledger in
     `skillapplies_<svc>` (layout in the module doc)."""
 
     KIND = "skills store"
     VALUES = "definitions"
+    comp: KeyValue  # competence grains and chain heads, once `open`
 
     def __init__(self, nc: Client, service: str, verify_acceptance: bool = False):
         self.defs_bucket, self.comp_bucket, ledger_bucket = bucket_names(service)
         super().__init__(nc, service, self.defs_bucket, ledger_bucket, verify_acceptance)
         self.defs_stream = self.stream
-        self.comp = None
         # daemon key ids whose signatures a chain must carry before practice on it counts
         # (`--trust-daemon`); empty: hashes and links only, the writers trusted to the bus
         self.daemons: frozenset[str] = frozenset()
@@ -407,7 +408,8 @@ class SkillsStore(KVService):
         reason = verify(current, name, sha)
         if reason is not None:
             raise (NotStored if current is None else GrantMismatch)(reason)
-        return current
+        record: dict[str, Any] = current  # verified: a record of that definition
+        return record
 
     async def get_by_identity(self, identity: str) -> dict[str, Any]:
         """The definition stored as exactly `identity` (re-hashed on every read)."""
@@ -651,9 +653,9 @@ class SkillsStore(KVService):
         except KeyNotFoundError:
             return None
         try:
-            grain = msgspec.json.decode(entry.value)
+            grain = msgspec.json.decode(entry.value or b"", type=dict[str, Any])
             intact = address_of(grain) == address and canonical.skill_hash(grain) == sha
-        except (msgspec.DecodeError, canonical.CanonicalError, AttributeError, TypeError):
+        except (msgspec.MsgspecError, canonical.CanonicalError, AttributeError, TypeError):
             intact = False
         if not intact:
             raise CorruptRecord(f"competence grain {address} does not match its address or "
@@ -687,9 +689,10 @@ class SkillsStore(KVService):
                 return None
             address = await self._put_grain(grain)
             value: dict[str, Any] = {"address": address, "practice_count": grain["practice_count"]}
-            if counted is not None or (head or {}).get("counted"):
-                value["counted"] = with_counted(head, *counted) if counted is not None \
-                    else head["counted"]  # type: ignore[index]
+            if counted is not None:
+                value["counted"] = with_counted(head, *counted)
+            elif head is not None and head.get("counted"):
+                value["counted"] = head["counted"]
             body = to_json(value)
             try:
                 if rev == 0:
@@ -798,7 +801,7 @@ class SkillsStore(KVService):
         await self.record(identity)  # only a servable definition is handed on
         src_head, _ = await self._head(self._head_key(name, sha, from_holder))
         source = await self._load(src_head["address"], sha) if src_head else None
-        if source is None:
+        if source is None or src_head is None:
             raise NoCompetence(f"{from_holder} holds no competence record for {identity}")
         grain = competence_grain(
             definition_of(source), holder_did=to_holder, proficiency=0.0, practice_count=0,
@@ -844,7 +847,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.trust_daemon:
             return None
 
-        async def trust(store: kv_service.KVService) -> list[str]:
+        async def trust(store: kv_service.KVService[Any]) -> list[str]:
             assert isinstance(store, SkillsStore)
             store.daemons = frozenset(args.trust_daemon)
             return [f"practice counted only from chains signed by {len(store.daemons)} "

@@ -64,7 +64,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
@@ -72,6 +72,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import StreamInfo
 from nats.js.errors import APIError, BucketNotFoundError, KeyDeletedError, NotFoundError
 from nats.js.kv import KeyValue
 
@@ -110,6 +111,7 @@ from improved.runtime.store import (
 from improved_reference.tool_gate import ToolGate
 
 log = structlog.get_logger("improved_reference.tool_runtime")
+T = TypeVar("T")
 
 MAX_PER_SUBJECT = 10077  # JetStream: "maximum messages per subject exceeded" (discard new)
 
@@ -187,7 +189,8 @@ class JetStreamLedger:
         """`stream` as its info shows it now (one request; `subject`'s count included)."""
         return (await self._info(stream, subject))[0]
 
-    async def _info(self, stream: str, subject: str | None) -> tuple[retention.Seen, Any]:
+    async def _info(self, stream: str, subject: str | None
+                    ) -> tuple[retention.Seen, StreamInfo]:
         info = await self.js.stream_info(stream, subjects_filter=subject)
         return seen_of(info, self.wanted[stream]), info
 
@@ -207,7 +210,7 @@ class JetStreamLedger:
             raise RuntimeError(f"tool runtime {self.runtime}: what is on {subject} carries a "
                                "TTL, so it is no sentinel; once it has expired, run `improved "
                                "provision`, which writes the sentinel")
-        return msg.seq
+        return msg.seq or 0
 
     async def first_sight(self, stream: str) -> retention.Known:
         """What to trust of `stream` seen now for the first time."""
@@ -221,7 +224,7 @@ class JetStreamLedger:
         sentinel = await self.sentinel(stream) if stream in SENTINELS else None
         return retention.accepted(kind, await self.look(stream), sentinel)
 
-    async def vouch(self, stream: str, subject: str | None = None) -> Any:
+    async def vouch(self, stream: str, subject: str | None = None) -> StreamInfo:
         """The stream's info (`subject`'s count in it) when the stream can vouch that it forgot
         nothing; else LedgerUntrusted, the problem logged at error (once per problem)."""
         seen, info = await self._info(stream, subject)
@@ -288,13 +291,14 @@ class JetStreamLedger:
         return bool((info.state.subjects or {}).get(subject)) or legacy
 
     @staticmethod
-    async def _checked(check: Awaitable[Any], read: Awaitable[bool]) -> tuple[Any, bool]:
+    async def _checked(check: Awaitable[T], read: Awaitable[bool]) -> tuple[T, bool]:
         """`check`'s and `read`'s answers, both asked at once (one round trip); `check`'s
         exception (LedgerUntrusted, say) raised first, then `read`'s."""
         checked, answer = await asyncio.gather(check, read, return_exceptions=True)
-        for outcome in (checked, answer):
-            if isinstance(outcome, BaseException):
-                raise outcome
+        if isinstance(checked, BaseException):
+            raise checked
+        if isinstance(answer, BaseException):
+            raise answer
         return checked, bool(answer)
 
     async def revoke(self, upgrade: str, revocation: Envelope) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from improved.cli import (
     accounts,
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     configure_logging(args.log_level)
     try:
-        return args.func(args)
+        command: Callable[[argparse.Namespace], int] = args.func  # set by each subcommand
+        return command(args)
     except Failure as exc:
         print(f"improved {command_name(args)}: {exc}", file=sys.stderr)
         return exc.code

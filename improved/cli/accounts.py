@@ -30,7 +30,7 @@ def cmd_add_service(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `accounts` commands to the `improved` parser."""
     group = sub.add_parser("accounts", help="users of the embedded server run with --accounts")
     cmds = group.add_subparsers(dest="accounts_command", required=True, metavar="COMMAND")

@@ -26,6 +26,7 @@ from improved.runtime.bus import Target
 from improved.runtime.config import Config
 
 if TYPE_CHECKING:
+    from improved.core.epochs import Seal
     from improved.runtime.checkpointing import Since
     from improved.runtime.store import Store
     from improved.runtime.tool_chains import Witnesses
@@ -53,7 +54,7 @@ async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
     async with deployment(url, bind=False) as store:
         log_, view = await store.read_audit(pid)
         trust_log = (await store.read_audit(evidence.TRUST_ID))[0]
-        chains: dict[tuple[str | None, str | None], list[tuple[int, dict]]] = {}
+        chains: dict[tuple[str | None, str | None], list[tuple[int, dict[str, Any]]]] = {}
         for seq, subject, body in log_:
             chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append((seq, body))
         trust = chain_trust(trust_log, trusted, config)
@@ -193,7 +194,8 @@ _KEPT = "the last checkpoint kept in the data directory"
 
 async def _expected(store: Store, view: checkpoint.StreamView, kept: Anchor | str | None,
                     trust: evidence.ChainTrust, trusted: set[str], seal_roots: bool = True
-                    ) -> tuple[list, list[str], list[tuple[int, str, str]]]:
+                    ) -> tuple[list[tuple[Seal, dict[str, Any]]], list[str],
+                               list[tuple[int, str, str]]]:
     """What the log must hold: the seals on the stream with their trailers, what is already
     wrong (an unreadable checkpoint file, a seal chain that does not hold, a stream the file
     does not find in O(1)), and the roots to check as the read reaches their counts (each
@@ -290,7 +292,8 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
         return 1 if problems or since is None or not tools_ok else 0
 
 
-def chain_trust(log_: list, daemons: set[str], config: Config) -> evidence.ChainTrust:
+def chain_trust(log_: list[tuple[int, str, dict[str, Any]]], daemons: set[str],
+                config: Config) -> evidence.ChainTrust:
     """Whom the verifier trusts: the daemon keys it was given, and the operator, voter and
     signer keys the trust chain recorded (verified against those daemon keys), else the
     configuration's.
@@ -312,7 +315,8 @@ def chain_trust(log_: list, daemons: set[str], config: Config) -> evidence.Chain
     return trust
 
 
-def _verify_chains(chains: dict, trust: evidence.ChainTrust, trailers: int) -> int:
+def _verify_chains(chains: dict[tuple[str | None, str | None], list[tuple[int, dict[str, Any]]]],
+                   trust: evidence.ChainTrust, trailers: int) -> int:
     """Both passes over every chain, timed apart: hashes, links and the lifecycle (no status
     change OMS forbids), then who wrote each
     trailer and the signed act under each authority trailer. Prints the breaks and the rates;
@@ -341,7 +345,7 @@ def _verify_chains(chains: dict, trust: evidence.ChainTrust, trailers: int) -> i
 
 
 def _index_refs_problem(key: tuple[str | None, str | None],
-                        entries: list[tuple[int, dict]]) -> str | None:
+                        entries: list[tuple[int, dict[str, Any]]]) -> str | None:
     """Whether a proposal's chain says rightly which indexes each trailer moved it in or out
     of (`index:` refs, what the checkpoints count): its replay, trailer by trailer, decides."""
     from improved.core import indexes
@@ -543,7 +547,7 @@ def cmd_audit_rebuild(args: argparse.Namespace) -> int:
     return asyncio.run(_rebuild(url_of(args, config), config, args.write))
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `audit` commands to the `improved` parser."""
     aud = sub.add_parser("audit", help="verify the audit chains",
                          description="Audit chain tools.")

@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
@@ -42,6 +42,11 @@ from improved.protocol.model import (
 from improved.runtime import keys
 from improved.runtime.bus import Target
 from improved.runtime.store import Store
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from improved.core.record import ProposalRecord
 
 
 def cmd_keys_show(args: argparse.Namespace) -> int:
@@ -136,8 +141,8 @@ class ReviewAct:
     digest: str | None
 
 
-def review_act(record: Any, verdict: Literal["approve", "reject", "rollback"], principal: str,
-               key: Any, reason: str) -> ReviewAct:
+def review_act(record: ProposalRecord, verdict: Literal["approve", "reject", "rollback"],
+               principal: str, key: Ed25519PrivateKey, reason: str) -> ReviewAct:
     """Sign `verdict` (approve, reject, rollback) on the proposal `record` (read from its
     verified chain, `common.located`): an approval names the digest of what will run."""
     pid = record.proposal_id  # in full, whatever prefix named it: it is signed
@@ -198,7 +203,7 @@ def cmd_revert(args: argparse.Namespace) -> int:
     url = url_of(args, config_of(args))
     svc, record = located(url, args.id)
     pid = record.proposal_id
-    if record.revert is None:
+    if record.revert is None or record.revert_id is None:  # recorded together
         print(f"improved revert: {pid} has no recorded reversal (only an L4 apply that "
               "passed its last-known-good check has one)", file=sys.stderr)
         return 1
@@ -248,13 +253,13 @@ def cmd_vote(args: argparse.Namespace) -> int:
                    pid, f"improved show {pid}")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `authority` commands to the `improved` parser."""
     _register_keys_and_reviews(sub)
     _register_l4(sub)
 
 
-def _register_keys_and_reviews(sub: argparse._SubParsersAction) -> None:
+def _register_keys_and_reviews(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """keys new; approve, reject, rollback; grant, revoke."""
     keys = sub.add_parser("keys", help="operator signing keys",
                           description="Operator signing keys (Ed25519).")
@@ -320,7 +325,7 @@ def _register_keys_and_reviews(sub: argparse._SubParsersAction) -> None:
         act.set_defaults(func=cmd_grant_act, op=op, expires_in=None, proposal=None)
 
 
-def _register_l4(sub: argparse._SubParsersAction) -> None:
+def _register_l4(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """revert, vote (the quorum), crisis resolve."""
     revert = sub.add_parser(
         "revert", help="run the recorded reversal of an applied L4 proposal",

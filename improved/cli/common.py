@@ -12,7 +12,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -20,11 +20,16 @@ import structlog
 from improved.cli import ids
 from improved.cli.errors import USAGE, Failure
 from improved.protocol import subjects as S
-from improved.protocol.model import to_json
+from improved.protocol.model import Envelope, to_json
 from improved.runtime import accounts, bus, keys
 from improved.runtime.bus import Target
 from improved.runtime.config import Config, load
 from improved.runtime.store import Store
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from improved.core.record import ProposalRecord
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 
@@ -88,8 +93,8 @@ async def deployment(url: str | Target, bind: bool = True) -> AsyncIterator[Stor
 
 
 async def request(url: str | Target, subject: str, body: bytes, timeout: float) -> dict[str, Any]:
-    """One request and its JSON reply; nobody serving `subject`, or no answer in time, is a
-    Failure naming the subject."""
+    """One request and its JSON reply (an object); nobody serving `subject`, no answer in
+    time, or an answer that is no JSON object, is a Failure naming the subject."""
     from nats.errors import NoRespondersError
 
     async with deployment(url, bind=False) as store:
@@ -101,7 +106,10 @@ async def request(url: str | Target, subject: str, body: bytes, timeout: float) 
         except TimeoutError:
             raise Failure(f"no answer on {subject} within {timeout:g} s: is what serves it "
                           "busy or stuck? try again with a longer --timeout") from None
-        return msgspec.json.decode(reply.data)
+        try:
+            return msgspec.json.decode(reply.data, type=dict[str, Any])
+        except msgspec.MsgspecError as exc:
+            raise Failure(f"the answer on {subject} is no JSON object ({exc})") from None
 
 
 def read_input(path: str, what: str) -> bytes:
@@ -115,7 +123,7 @@ def read_input(path: str, what: str) -> bytes:
                       f"of a {what}, or - to read it from stdin", USAGE) from None
 
 
-async def chain_record(store: Any, svc: str, pid: str) -> Any:
+async def chain_record(store: Store, svc: str, pid: str) -> ProposalRecord | None:
     """The record of proposal `pid` as its chain says — never the state cache: None without a
     chain whose links verify, or with one whose registration cannot be read."""
     from improved.core import audit
@@ -133,7 +141,7 @@ async def chain_record(store: Any, svc: str, pid: str) -> Any:
         return None
 
 
-async def locate(url: str | Target, text: str) -> tuple[str, Any] | None:
+async def locate(url: str | Target, text: str) -> tuple[str, ProposalRecord] | None:
     """(service, record) of the proposal `text` names (a full id or a unique prefix,
     `cli.ids`) as its chain says (`chain_record`), since what an operator or a voter signs
     names it: None without a chain whose links verify. The record carries the full id."""
@@ -143,7 +151,7 @@ async def locate(url: str | Target, text: str) -> tuple[str, Any] | None:
         return None if record is None else (svc, record)
 
 
-def located(url: str | Target, text: str) -> tuple[str, Any]:
+def located(url: str | Target, text: str) -> tuple[str, ProposalRecord]:
     """`locate` for a command that acts on the proposal: a Failure (exit 1) without one."""
     found = asyncio.run(locate(url, text))
     if found is None:
@@ -159,7 +167,7 @@ async def full_id(url: str | Target, text: str) -> str:
         return await ids.full_id(store, text)
 
 
-def signer_of(args: argparse.Namespace) -> tuple[str, Any]:
+def signer_of(args: argparse.Namespace) -> tuple[str, Ed25519PrivateKey]:
     """(principal, private key) from --key, or from --principal's file in the key directory."""
     if args.key:
         key = load_signing_key(Path(args.key))
@@ -181,7 +189,7 @@ def signer_of(args: argparse.Namespace) -> tuple[str, Any]:
     return principal, load_signing_key(path)
 
 
-def load_signing_key(path: Path) -> Any:
+def load_signing_key(path: Path) -> Ed25519PrivateKey:
     """An Ed25519 private key from a PEM file; a Failure (usage) naming the file otherwise."""
     try:
         return keys.load_key(path)
@@ -194,7 +202,7 @@ def load_signing_key(path: Path) -> Any:
                       USAGE) from None
 
 
-async def publish_on(store: Store, subject: str, env: Any) -> None:
+async def publish_on(store: Store, subject: str, env: Envelope) -> None:
     """A signed act onto the inbound stream, where the daemon's consumer takes it."""
     await store.js.publish(subject, to_json(env), stream=S.STREAM_INBOUND)
 

@@ -34,7 +34,7 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from improved.cli import render, verdicts
 from improved.cli.common import add_connection_args, config_of, deployment, located, url_of
@@ -43,6 +43,11 @@ from improved.runtime import bus
 from improved.runtime.bus import Target
 from improved.runtime.config import Config
 from improved.runtime.store import StoreError
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from improved.cli.proposals import Shown
 
 HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
@@ -222,7 +227,7 @@ class Console:
 
     url: Target
     config: Config
-    signer: tuple[str, Any] | None
+    signer: tuple[str, Ed25519PrivateKey] | None
     csrf: str
     timeout: float
     port: int
@@ -364,7 +369,7 @@ class Handler(BaseHTTPRequestHandler):
         return {k: v[0] for k, v in urllib.parse.parse_qs(data).items() if v}
 
 
-async def _shown(url: Target, text: str, config: Config) -> Any:
+async def _shown(url: Target, text: str, config: Config) -> Shown:
     from improved.cli.proposals import shown
 
     async with deployment(url) as store:
@@ -417,7 +422,7 @@ def cmd_console(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add `improved console` to the `improved` parser."""
     con = sub.add_parser(
         "console", help="a local web console: the review queue, a proposal, the audit log",

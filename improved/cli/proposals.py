@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -31,9 +31,13 @@ from improved.client.sdk import signed
 from improved.core import audit, authority
 from improved.protocol import canonical
 from improved.protocol import subjects as S
+from improved.protocol.model import TriageRequest, to_json
 from improved.runtime.bus import Target
 from improved.runtime.config import Config
 from improved.runtime.store import Store
+
+if TYPE_CHECKING:
+    from improved.core.record import ProposalRecord
 
 
 def cmd_propose(args: argparse.Namespace) -> int:
@@ -146,7 +150,7 @@ async def shown(store: Store, text: str, config: Config, readable: bool = True) 
 
 
 def chain_verdict(pid: str, sequenced: list[tuple[int, dict[str, Any]]],
-                  trust: Any, writers: bool, service: str | None = None) -> str:
+                  trust: audit.Authenticity, writers: bool, service: str | None = None) -> str:
     """Whether one proposal's chain verifies, in the words `improved show` prints: its hashes
     and links and the lifecycle they record (`audit.verify_chain`), and with a trusted daemon key (`writers`) who wrote each
     trailer and the signed act under each authority trailer (`audit.verify_writers`)."""
@@ -159,7 +163,7 @@ def chain_verdict(pid: str, sequenced: list[tuple[int, dict[str, Any]]],
             f"BROKEN: {brk}")
 
 
-def _facts(record: Any) -> dict[str, Any]:
+def _facts(record: ProposalRecord) -> dict[str, Any]:
     """What the replay adds for a person; the status as of now (`record.status_at`: expired
     once `valid_to` passed, whether or not the chain records it yet)."""
     from improved.core.record import status_at
@@ -181,7 +185,8 @@ REPLACED_SCAN = 1000  # retained states of a service read, at most, to find what
 READ_AT_ONCE = 32
 
 
-async def replaced(store: Store, svc: str, record: Any) -> tuple[str, dict[str, Any]] | None:
+async def replaced(store: Store, svc: str, record: ProposalRecord
+                   ) -> tuple[str, dict[str, Any]] | None:
     """(id, will_run) of the proposal `record` superseded — the newest older content under the
     same dedup_key whose chain says `superseded_by` this one — or None. The retained states of
     the service (a cache) only say where to look; the chain decides. At most REPLACED_SCAN
@@ -264,7 +269,7 @@ async def _retry(url: str | Target, svc: str, pid: str, timeout: float
         head, _ = await store.chain_head(chain)
         try:
             reply = msgspec.json.decode((await store.nc.request(
-                S.triage_request(svc), msgspec.json.encode({"proposal_id": pid}),
+                S.triage_request(svc), to_json(TriageRequest(proposal_id=pid)),
                 timeout=timeout)).data)
         except NoRespondersError:
             raise Failure(f"nothing serves {S.triage_request(svc)}: is the daemon running "
@@ -354,7 +359,7 @@ def add_format_args(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--json", action="store_true", help="the same as --format json")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `proposals` commands to the `improved` parser."""
     prop = sub.add_parser(
         "propose", help="submit a proposal (JSON) and say how triage decided it",

@@ -55,9 +55,9 @@ async def sweep_dedup(store: Store, ttl_s: int) -> str:
     for key in keys:
         svc, _, dedup = key.partition(".")
         head = await store.dedup_head(svc, dedup)
-        if head is None or not isinstance(head.get("proposal_id"), str):
+        if head is None:  # none, or no head (the bucket is a hint)
             continue
-        record = await chain_record(store, svc, head["proposal_id"])
+        record = await chain_record(store, svc, head.proposal_id)
         if record is None:  # no chain, or one whose links do not verify: not believed
             continue
         if await store.expire_dedup_head(svc, dedup, ttl_s,
@@ -105,7 +105,7 @@ def cmd_provision(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `provision` command to the `improved` parser."""
     p = sub.add_parser(
         "provision", help="create or update the streams and buckets (admin credential)",

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import msgspec
+from nats.aio.client import Client
 
 from improved.cli.audit import trusted_daemons
 from improved.cli.common import deployment
@@ -89,7 +90,7 @@ SILENT = {"class": "unknown", "reason": "service did not answer"}
 classify_reply = msgspec.json.Decoder(ClassifyReply)
 
 
-def asker(nc: Any, trust: Trust | None) -> Answers:
+def asker(nc: Client, trust: Trust | None) -> Answers:
     """The requests of a read model, each answer judged as the daemon judges its own
     (`core.boundary`), against `trust` (none: nothing is attributable)."""
     trust = trust or Trust()
@@ -97,7 +98,7 @@ def asker(nc: Any, trust: Trust | None) -> Answers:
     return Answers(nc, lambda: signers, trust.subjects_bound)
 
 
-async def schema_class(nc: Any, proposal: Proposal, timeout: float = CLASSIFY_TIMEOUT_S,
+async def schema_class(nc: Client, proposal: Proposal, timeout: float = CLASSIFY_TIMEOUT_S,
                        trust: Trust | None = None, answers: Answers | None = None,
                        ) -> dict[str, str] | None:
     """What the owning schema store says of a `schema:` proposal (`<svc>.improve.classify`):

@@ -16,7 +16,8 @@ def reference_command(name: str) -> Callable[..., int]:
     imports them."""
     for ep in entry_points(group="improved.commands"):
         if ep.name == name:
-            return ep.load()
+            command: Callable[..., int] = ep.load()  # demo takes argv, bench the Namespace
+            return command
     raise Failure("the reference package is not installed (pip install improved)", USAGE)
 
 
@@ -25,7 +26,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return reference_command("demo")(argv)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `reference` commands to the `improved` parser."""
     bench = sub.add_parser(
         "bench", help="measure the loop against the broker's own limit",

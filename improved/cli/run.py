@@ -104,7 +104,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             server.stop()
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `run` commands to the `improved` parser."""
     run = sub.add_parser(
         "run", help="run the daemon",

@@ -245,7 +245,7 @@ def cmd_tools_revoke(args: argparse.Namespace) -> int:
     return 0 if reply.get("ok") else 1
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `tools` commands to the `improved` parser."""
     conf = sub.add_parser(
         "conformance", help="which SPEC 09 conformance level a live service (or the mesh) meets",
@@ -267,7 +267,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _register_tools(sub)
 
 
-def _register_tools(sub: argparse._SubParsersAction) -> None:
+def _register_tools(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`improved tools list|grant|upgrade|call|revoke`."""
     tls = sub.add_parser(
         "tools", help="an agent runtime's tool surface (SPEC 09 §3.1)",
@@ -303,7 +303,8 @@ def _register_tools(sub: argparse._SubParsersAction) -> None:
     _register_session_commands(tls_sub)
 
 
-def _register_session_commands(tls_sub: argparse._SubParsersAction) -> None:
+def _register_session_commands(
+        tls_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`improved tools upgrade|call|revoke`: what a session upgrade and its calls need."""
     tup = tls_sub.add_parser(
         "upgrade", help="sign a session-scoped upgrade: gated tools without per-call grants",

@@ -433,6 +433,7 @@ class SpecServer:
 
     async def drain(self) -> None:
         for sub in self._subs:
+            # nats-py 2.16 leaves Subscription.drain unannotated (it returns None)
             await sub.drain()  # type: ignore[no-untyped-call]
 
     async def unsubscribe(self, limit: int = 0) -> None:

@@ -86,7 +86,16 @@ from improved.core.signing import (
     sign,
 )
 from improved.protocol import subjects as S
-from improved.protocol.model import Actor, Envelope, Millis, ServiceName, ShortText, _In, to_json
+from improved.protocol.model import (
+    Actor,
+    ChangeClass,
+    Envelope,
+    Millis,
+    ServiceName,
+    ShortText,
+    _In,
+    to_json,
+)
 
 Authority = Literal["L0", "L2", "L4"]
 Mode = Literal["interactive", "autonomous"]
@@ -141,7 +150,7 @@ class Provider:
     `scope`, and which arguments address a path, a set or an origin (`scoped_args`)."""
 
     name: str
-    authority: str
+    authority: ChangeClass
     description: str
     run: Callable[[dict[str, Any]], Any]  # sync, or returning an awaitable (the shell's)
     version: str | None = None

@@ -266,6 +266,41 @@ class DedupHead(Struct, kw_only=True, frozen=True):
     created_at: int  # ms, the proposal's own
 
 
+class LedgerEntry(Struct, kw_only=True, frozen=True):
+    """The value of a key of the rejection ledger (`improved_ledger`, `<svc>.<dedup_key>`): an
+    operator's rejection of the proposal under that dedup_key. A hint only: it names the
+    rejected proposal, whose verified chain says whether it was rejected and on what evidence
+    (`triage.rejection_of`); the rest is what an operator reading the bucket sees."""
+
+    proposal_id: str
+    principal: str  # the operator who rejected it
+    reason: str
+    at: int  # ms, the rejection's
+    evidence: str  # `triage.evidence_digest` of the rejected proposal
+
+
+class Sentinel(Struct, kw_only=True, frozen=True):
+    """The first message of a stream whose messages expire by their own TTLs (core/retention.py),
+    written without a TTL: while it is there, no limit has removed anything after it. Only its
+    sequence is read."""
+
+    sentinel: str  # the stream's name
+    at: int  # ms, when it was written
+
+
+class Refusal(Struct, kw_only=True, frozen=True):
+    """A refused inbound message, as `improved.refused.<svc>` records it (stream
+    IMPROVED_REFUSED): where it came and why it was refused, never its payload, so bad input
+    stores nothing of itself."""
+
+    subject: str
+    code: str  # the WireError code
+    field: str | None  # the field it names, if any
+    message: str
+    size: int  # bytes
+    at: int  # ms, when it was refused
+
+
 # -- apply dispatch -----------------------------------------------------------------------------
 
 

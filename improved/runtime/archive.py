@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from improved.core import audit, epochs, merkle
 from improved.core.epochs import Seal
@@ -37,7 +38,7 @@ SEAL_SUBJECT = S.checkpoint_audit(epochs.SEAL_ID)
 HOUR_MS = 3_600_000
 
 
-async def read_seals(store: Store, trust: Any, trusted: set[str]
+async def read_seals(store: Store, trust: audit.Authenticity | None, trusted: set[str]
                      ) -> tuple[list[tuple[Seal, dict[str, Any]]], str | None]:
     """Every seal on the stream with its trailer, oldest first, and why the seal chain does
     not hold (a broken link, a trailer no trusted daemon wrote, a seal that does not verify),
@@ -74,7 +75,7 @@ async def last_seal(store: Store, trusted: set[str]) -> tuple[Seal | None, str |
     return seal, epochs.problem(seal, trusted)
 
 
-async def seal_if_due(store: Store, key: Any, actor: str, covered_to: int, now: int,
+async def seal_if_due(store: Store, key: Ed25519PrivateKey, actor: str, covered_to: int, now: int,
                       epoch_trailers: int, epoch_hours: float, retention_days: float,
                       trusted: set[str]) -> Seal | None:
     """Seal the next epoch, up to at most `covered_to` (what the last checkpoint verified),

@@ -60,7 +60,8 @@ def nats_server_binary() -> str:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]  # (host, port) for an AF_INET socket
+        return port
 
 
 def server_config(data_dir: Path, port: int, sync: str, extra: str = "") -> str:
@@ -92,7 +93,7 @@ class EmbeddedServer:
         self.port = port
         self.sync = sync
         self.extra = extra
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self._lock: int | None = None
 
     @property

@@ -18,6 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from improved.core import audit, checkpoint, evidence, indexes, merkle
 from improved.core.checkpoint import Anchor, Checkpoint, StreamView
@@ -26,7 +27,8 @@ from improved.protocol import subjects as S
 from improved.runtime.store import Store
 
 CP_SUBJECT = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
-Entry = tuple[int, str, dict | None, dict[str, str]]  # (stream seq, subject, body, headers)
+# (stream seq, subject, body, headers)
+Entry = tuple[int, str, dict[str, Any] | None, dict[str, str]]
 EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 
 
@@ -62,7 +64,8 @@ class _Timed:
     def start(self) -> object:
         return self.trust.start()
 
-    def problem(self, body: dict, chain_id: str, stream_seq: int, state: object) -> str | None:
+    def problem(self, body: dict[str, Any], chain_id: str, stream_seq: int,
+                state: object) -> str | None:
         started = time.perf_counter()
         try:
             return self.trust.problem(body, chain_id, stream_seq, state)
@@ -126,7 +129,7 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
                        report: Callable[[str], None] | None = None,
                        archived: Seal | None = None,
                        source: AsyncIterator[Entry] | None = None,
-                       on_checkpoint: Callable[[dict], Awaitable[None]] | None = None,
+                       on_checkpoint: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
                        sealed: Sequence[Seal] = (),
                        ) -> Since:
     """Read and verify every trailer after `base` up to the stream's last sequence: each in its
@@ -201,7 +204,7 @@ async def verify_since(store: Store, base: Anchor, view: StreamView,
     return since
 
 
-def _add_leaf(since: Since, subject: str, seq: int, body: dict,
+def _add_leaf(since: Since, subject: str, seq: int, body: dict[str, Any],
               roots: dict[int, list[tuple[str, str]]]) -> None:
     """The trailer at `seq` (not a checkpoint) joins the tree, and its index refs the
     members' counts; the roots claimed at its count are checked."""
@@ -252,9 +255,9 @@ def _at_the_end(since: Since, view: StreamView, gaps: _Gaps, archived: Seal | No
     return problems
 
 
-async def _step(store: Store, runs: OrderedDict[str, audit.ChainRun], subject: str, body: dict,
-                headers: dict[str, str], seq: int, trust: _Timed, since: Since,
-                base_seq: int) -> str | None:
+async def _step(store: Store, runs: OrderedDict[str, audit.ChainRun], subject: str,
+                body: dict[str, Any], headers: dict[str, str], seq: int, trust: _Timed,
+                since: Since, base_seq: int) -> str | None:
     """Verify one trailer in its chain, opening the chain's run when it is not held; why it
     does not verify, or None."""
     run = runs.get(subject)
@@ -353,7 +356,7 @@ def _altered(seqs: list[int]) -> str | None:
             f"say (stream sequence {', '.join(str(s) for s in seqs[:10])}): altered in storage")
 
 
-def _checkpoint_problem(body: dict | None, trusted: set[str], base: Anchor,
+def _checkpoint_problem(body: dict[str, Any] | None, trusted: set[str], base: Anchor,
                         roots: dict[int, list[tuple[str, str]]]) -> str | None:
     """A checkpoint appended after `base`: signed by a trusted daemon key, and its root is
     checked when the read reaches its count (one older than `base`, written by another replica
@@ -374,8 +377,9 @@ def _checkpoint_problem(body: dict | None, trusted: set[str], base: Anchor,
     return None
 
 
-async def _open(store: Store, subject: str, body: dict, headers: dict[str, str], seq: int,
-                trust: audit.Authenticity | None, base_seq: int, *, by_header: bool = False,
+async def _open(store: Store, subject: str, body: dict[str, Any], headers: dict[str, str],
+                seq: int, trust: audit.Authenticity | None, base_seq: int, *,
+                by_header: bool = False,
                 ) -> tuple[audit.ChainRun, bool] | str:
     """The run of a chain met at `body` (stream sequence `seq`) with no run held: new when it
     is the chain's first trailer, else continued after its earlier trailers (all before
@@ -407,8 +411,9 @@ async def _open(store: Store, subject: str, body: dict, headers: dict[str, str],
     return run, began <= base_seq
 
 
-async def continue_run(store: Store, subject: str, body: dict, headers: dict[str, str],
-                       seq: int, trust: audit.Authenticity | None) -> audit.ChainRun | str:
+async def continue_run(store: Store, subject: str, body: dict[str, Any],
+                       headers: dict[str, str], seq: int, trust: audit.Authenticity | None,
+                       ) -> audit.ChainRun | str:
     """The run of a long chain (a tool runtime's) met at `body` in the middle of a read that
     starts after its beginning: continued from the trailer before it (found by the append's
     `Nats-Expected-Last-Subject-Sequence`), else from the chain's first trailer, every one

@@ -322,7 +322,7 @@ def check_nats(settings: NatsSettings, env: bool = False) -> None:
         raise ConfigError(f"config error: {nats_key(have, env)}: needs {nats_key(need, env)}")
 
 
-def load(path: str | os.PathLike | None = None) -> Config:
+def load(path: str | os.PathLike[str] | None = None) -> Config:
     """Read the TOML file named by `path` or `IMPROVED_CONFIG` (defaults when neither is set),
     with the `[nats]` keys the environment sets (NATS_ENV) over the file's."""
     path = path or os.environ.get("IMPROVED_CONFIG")

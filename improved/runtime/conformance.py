@@ -184,9 +184,8 @@ def _show(value: Any) -> str:
 
 def _error_of(reply: Any) -> dict[str, Any] | None:
     """The inner object of an error reply `{"error": {...}}`, else None."""
-    if isinstance(reply, dict) and isinstance(reply.get("error"), dict):
-        return reply["error"]
-    return None
+    inner = reply.get("error") if isinstance(reply, dict) else None
+    return inner if isinstance(inner, dict) else None
 
 
 def _describe_error(err: dict[str, Any]) -> str:

@@ -44,6 +44,7 @@ import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import FetchTimeoutError
@@ -64,6 +65,7 @@ from improved.protocol.model import (
     Proposal,
     ProposeReply,
     RefineReply,
+    Refusal,
     ReviewEntry,
     Signal,
     TriageRequest,
@@ -98,12 +100,12 @@ PROBE_ORDER = b'{"proposal_id":"probe"}'  # answered as malformed by whatever se
 
 
 def backoff_s(delivered: int) -> float:
-    return min(0.5 * 2 ** max(delivered - 1, 0), 60.0)
+    return min(0.5 * 2.0 ** max(delivered - 1, 0), 60.0)
 
 
 def slow_backoff_s(past_budget: int, cap: float) -> float:
     """The delay before the next try of a given-up apply: a minute, doubling, up to `cap`."""
-    return min(60.0 * 2 ** min(max(past_budget, 0), 16), cap)
+    return min(60.0 * 2.0 ** min(max(past_budget, 0), 16), cap)
 
 
 def instance_actor() -> str:
@@ -137,8 +139,8 @@ class Daemon:
         self.engine.learn = self.observer.learn
         self._stopping = anyio.Event()
         self._in_flight = 0
-        self._subs: list = []
-        self._service: asyncio.Task | None = None  # runs serve(): every background task
+        self._subs: list[Subscription] = []
+        self._service: asyncio.Task[None] | None = None  # runs serve(): every background task
         self._scope: anyio.CancelScope | None = None  # serve()'s task group, to halt it
         self.ready = anyio.Event()
         self._refill = anyio.Lock()  # one refill of the records and the index at a time
@@ -811,15 +813,16 @@ class Daemon:
         if handled.record is None:
             raise _ProposalUnknown(f"no proposal {sig.proposal_id} for service {svc}")
 
-    async def _count(self, svc: str, sig: Signal, env: Envelope | None,
-                     **kw: Any) -> Handled:
+    async def _count(self, svc: str, sig: Signal, env: Envelope | None, *,
+                     republish: bool = False, fresh: bool = False,
+                     dispatch: bool = True) -> Handled:
         """Count a signal that arrived on `svc`'s subject for the proposal it names, whichever
         service that proposal is of (a world signal comes on its emitter's own subject)."""
         owner = await self.engine.service_of(sig.proposal_id or "") or svc
         async with self.engine.acting():  # a signed signal's key is checked, then recorded
             emitter, verified = self.engine.emitter_of(svc, sig, env)
-            return await self.engine.signal(owner, sig, emitter=emitter, envelope=verified,
-                                            **kw)
+            return await self.engine.signal(owner, sig, republish, fresh, dispatch,
+                                            emitter=emitter, envelope=verified)
 
     async def _review(self, svc: str, pid: str, env: Envelope | None, act: Act,
                       msg: Msg) -> None:
@@ -860,9 +863,9 @@ class Daemon:
                     reason=err.message)
         self.engine.metrics.refused(err.code)
         try:
-            await self.store.refuse(svc if S.SERVICE_RE.match(svc) else "_", {
-                "subject": subject, "code": err.code, "field": err.field,
-                "message": err.message, "size": size})
+            await self.store.refuse(svc if S.SERVICE_RE.match(svc) else "_", Refusal(
+                subject=subject, code=err.code, field=err.field, message=err.message,
+                size=size, at=int(time.time() * 1000)))
         except Exception as exc:  # the refusal log is best effort; the refusal itself stands
             log.warning("could not record a refusal", error=str(exc))
 

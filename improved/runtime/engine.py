@@ -73,9 +73,11 @@ from improved.protocol.model import (
     ApplyOutcome,
     ApplyResult,
     CrisisAct,
+    DedupHead,
     Envelope,
     Grant,
     GrantCommand,
+    LedgerEntry,
     MeasureReply,
     MeasureRequest,
     ObserverType,
@@ -167,7 +169,7 @@ def _acting(method: Callable[Concatenate[Engine, P], Awaitable[R]]
     """A method that checks a signed act and records it: run inside `Engine.acting`."""
 
     @functools.wraps(method)
-    async def run(self: Engine, *args: P.args, **kw: P.kwargs) -> R:
+    async def run(self: Engine, /, *args: P.args, **kw: P.kwargs) -> R:
         async with self.acting():
             return await method(self, *args, **kw)
 
@@ -299,11 +301,11 @@ class Engine:
                                     envelope)
 
         svc = proposal.service
-        claim: dict = {}
+        claim: dict[str, DedupHead] = {}  # the head this registration found, when newer
         future = propose.future_dated(proposal, now_ms())  # claims nothing; triage rejects it
         # Newer content that still stands under the key supersedes this one: then nothing of
         # this one is sent (decided below, before anything else carries it on).
-        seen: dict = {}  # the dedup head as `_standing_head` read it, when it did
+        seen: dict[str, DedupHead | None] = {}  # the head as `_standing_head` read it, if so
         standing = (None if future or not dispatch  # without dispatch nothing is sent anyway
                     else await self._standing_head(svc, dedup, pid, proposal, seen))
         dispatch_now = dispatch and standing is None
@@ -323,7 +325,7 @@ class Engine:
                 self.store.set_dedup_head(svc, dedup, pid, proposal.created_at,
                                           absent=seen.get("head", 0) is None),
                 self.store.ledger_get(svc, dedup))
-            if head and head["proposal_id"] != pid:
+            if head is not None and head.proposal_id != pid:
                 claim["head"] = head
             return await self._rejection(svc, dedup, pid, rejected)
 
@@ -332,7 +334,7 @@ class Engine:
         handled = await self.handle(svc, pid, ingest, proposal, republish, dispatch_now,
                                     fresh, optimistic=not (fresh or republish), prepare=prepare)
         head = claim.get("head")
-        other = await self._truth(svc, str(head["proposal_id"])) if head else None
+        other = await self._truth(svc, head.proposal_id) if head is not None else None
         if other is not None and propose.older_under_key(other, proposal, pid, dedup):
             await self.supersede(svc, other.proposal_id, pid)
         elif other is not None and propose.stands_over(other, proposal, pid, dedup):
@@ -343,13 +345,13 @@ class Engine:
         return handled
 
     async def _rejection(self, svc: str, dedup: str, pid: str,
-                         entry: dict[str, Any] | None) -> triage.Rejection | None:
+                         entry: LedgerEntry | None) -> triage.Rejection | None:
         """The operator's rejection a rejection-ledger entry points to, as the rejected
         proposal's verified chain records it under this dedup_key, or None: a bucket any bus
         participant may write never rejects anything itself. A chain gone (archived) or not
         verifying rejects nothing; the proposal then meets an operator again."""
-        named = entry.get("proposal_id") if isinstance(entry, dict) else None
-        if not isinstance(named, str) or not S.ID_RE.match(named) or named == pid:
+        named = entry.proposal_id if entry is not None else None
+        if named is None or not S.ID_RE.match(named) or named == pid:
             return None
         try:
             found = triage.rejection_of(await self._truth(svc, named))
@@ -358,14 +360,15 @@ class Engine:
         return found if found is not None and found.dedup_key == dedup else None
 
     async def _standing_head(self, svc: str, dedup: str, pid: str,
-                             proposal: Proposal, seen: dict) -> str | None:
+                             proposal: Proposal, seen: dict[str, DedupHead | None]
+                             ) -> str | None:
         """The newer content under `dedup` that still supersedes `proposal`, if any, as the
         chain of the proposal the bucket names says (`propose.stands_over`); the head read is
         left in `seen["head"]`."""
         head = seen["head"] = await self.store.dedup_head(svc, dedup)
-        if head is None or head.get("proposal_id") in (None, pid):
+        if head is None or head.proposal_id == pid:
             return None
-        other = await self._truth(svc, str(head["proposal_id"]))
+        other = await self._truth(svc, head.proposal_id)
         return other.proposal_id if other is not None and propose.stands_over(
             other, proposal, pid, dedup) else None
 
@@ -468,9 +471,9 @@ class Engine:
             """An operator's rejection enters the ledger before anyone can see it."""
             d = rec.decision
             if d is not None and d.verdict == "reject" and d.cause is None:
-                await self.store.ledger_put(svc, rec.dedup_key, {
-                    "proposal_id": pid, "principal": d.actor, "reason": d.rationale,
-                    "at": d.at, "evidence": triage.evidence_digest(rec.proposal)})
+                await self.store.ledger_put(svc, rec.dedup_key, LedgerEntry(
+                    proposal_id=pid, principal=d.actor, reason=d.rationale, at=d.at,
+                    evidence=triage.evidence_digest(rec.proposal)))
 
         return await self.handle(svc, pid, ingest, None, False, on_change=ledger)
 
@@ -542,9 +545,9 @@ class Engine:
                     (owner := await self.store.service_of(cmd.proposal_id)) is not None:
                 l2 = await self.rebuild(owner, cmd.proposal_id)
             refused = authority.tofu_problem(cmd, l2)
-        read: list[list[tuple[int, dict]]] = []
+        read: list[list[tuple[int, dict[str, Any]]]] = []
 
-        def next_draft(chain: list[tuple[int, dict]], now: int) -> Draft | None:
+        def next_draft(chain: list[tuple[int, dict[str, Any]]], now: int) -> Draft | None:
             read.append(chain)
             acts = [(r["act"], int(r["act_seq"])) for r in (refs_of(decode_trailer(body))
                                                             for _, body in chain) if "act" in r]
@@ -1076,7 +1079,7 @@ class Engine:
         """Append the next state (`change(state)`) to the autonomy chain, retrying on a race."""
         states: list[breaker.Autonomy] = []
 
-        def next_draft(chain: list[tuple[int, dict]], now: int) -> Draft:
+        def next_draft(chain: list[tuple[int, dict[str, Any]]], now: int) -> Draft:
             states.append(change(breaker.from_trailer(chain[-1][1] if chain else None)))
             return breaker.draft(states[-1], verdict, actor, observer, reason, extra, envelope)
 
@@ -1141,7 +1144,7 @@ class Engine:
         last one recorded; the appended trailer, or None when it was already in force."""
         digest = policy.digest(self.policy)
 
-        def next_draft(chain: list[tuple[int, dict]], now: int) -> Draft | None:
+        def next_draft(chain: list[tuple[int, dict[str, Any]]], now: int) -> Draft | None:
             if policy.recorded_digest(chain[-1][1] if chain else None) == digest:
                 return None
             return policy.draft(self.policy, self.actor)
@@ -1390,7 +1393,7 @@ class Engine:
         t = trust or self.config.trust
         keys = (dict(t.operators), dict(t.quorum), dict(t.signers))
 
-        def next_draft(chain: list[tuple[int, dict]], now: int) -> Draft | None:
+        def next_draft(chain: list[tuple[int, dict[str, Any]]], now: int) -> Draft | None:
             return evidence.trust_draft(keys, chain[-1][1] if chain else None, self.actor)
 
         trailer = await self.store.append_sealed(subject, evidence.TRUST_ID, "L0", "operation",
@@ -1490,7 +1493,8 @@ class Engine:
         trailers = [decode_trailer(body) for _, body in chain]
         return propose.rebuild_record(trailers, [seq for seq, _ in chain], self.policy)
 
-    async def verified(self, svc: str, chain_id: str, chain: list[tuple[int, dict]]) -> None:
+    async def verified(self, svc: str, chain_id: str,
+                       chain: list[tuple[int, dict[str, Any]]]) -> None:
         """Believe a chain only when it verifies — hashes, links, a trusted daemon's signature
         on every trailer, a valid signed act under every authority — else open a crisis and
         raise ChainBroken."""

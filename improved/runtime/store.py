@@ -43,6 +43,7 @@ import msgspec
 import structlog
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
@@ -66,9 +67,12 @@ from improved.protocol.model import (
     ChangeClass,
     DedupHead,
     IndexMarker,
+    LedgerEntry,
     MeasureDue,
+    Refusal,
     ReviewEntry,
     Scope,
+    Sentinel,
     Trailer,
     to_json,
 )
@@ -94,7 +98,7 @@ def is_conflict(exc: BaseException) -> bool:
         isinstance(exc, APIError) and exc.err_code in CONFLICT_CODES)
 
 
-async def kv_create(kv: Any, key: str, value: bytes) -> int:
+async def kv_create(kv: KeyValue, key: str, value: bytes) -> int:
     """`kv.create`, with a conflict always raised as KeyWrongLastSequenceError. nats-py's
     create, answered a conflict, reads the key to tell a deleted key (which it then updates)
     from a live one; on a cluster that read can miss the write that won (still in flight, or
@@ -112,8 +116,8 @@ LOOK_ATTEMPTS = 6
 LOOK_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 5.0)
 
 
-async def _patiently(what: str, call: Callable[[], Awaitable[Any]],
-                     silent: tuple[type[BaseException], ...]) -> Any:
+async def _patiently(what: str, call: Callable[[], Awaitable[T]],
+                     silent: tuple[type[BaseException], ...]) -> T:
     """`call()`, tried LOOK_ATTEMPTS times in all with a log line and a growing wait between,
     while JetStream answers 503 (not ready) or one of `silent` (no answer); the last such
     exception is raised. No responders at all (a 503 without a code) means no JetStream here:
@@ -146,7 +150,7 @@ INBOUND_ACK_WAIT_S = 5.0
 READ_IDLE_S = 5.0  # a read of the audit log that receives nothing this long has ended
 
 
-async def _nothing_pending(sub: Any) -> bool:
+async def _nothing_pending(sub: JetStreamContext.PullSubscription) -> bool:
     """Whether a consumer just made has nothing to deliver, so a read need not wait
     READ_IDLE_S to find out; False when its info does not come (a clustered consumer whose
     leader is not elected yet): the read then finds out by waiting."""
@@ -218,9 +222,14 @@ class StateConflict(Exception):
 trailer_decoder = msgspec.json.Decoder(Trailer)
 review_entry_decoder = msgspec.json.Decoder(ReviewEntry)
 dedup_head_decoder = msgspec.json.Decoder(DedupHead)
+ledger_entry_decoder = msgspec.json.Decoder(LedgerEntry)
 due_entry_decoder = msgspec.json.Decoder(MeasureDue)
+# what a subject of an index holds (core.indexes.INDEXES), and its decoder
+IndexEntry = ReviewEntry | MeasureDue
+IndexDecoder = msgspec.json.Decoder[ReviewEntry] | msgspec.json.Decoder[MeasureDue]
+E = TypeVar("E", ReviewEntry, MeasureDue)
 # index name (core.indexes.INDEXES) → (its subjects, an entry's subject, its entries' decoder)
-INDEX_SUBJECTS: dict[str, tuple[str, Callable[[str, str], str], Any]] = {
+INDEX_SUBJECTS: dict[str, tuple[str, Callable[[str, str], str], IndexDecoder]] = {
     "review": (S.REVIEW_FILTER, S.review_entry, review_entry_decoder),
     "due": (S.DUE_FILTER, S.due_entry, due_entry_decoder),
 }
@@ -241,10 +250,18 @@ class _GrantChain(NamedTuple):
     trailer then (stream sequence, hash), the trailers (stream sequence, body) and its acts
     (None: it does not verify whole)."""
 
-    trust: Any
+    trust: audit.Authenticity | None
     end: tuple[int, str]
     chain: chains.Sequenced
     acts: GrantActs | None
+
+
+def decoded(decoder: msgspec.json.Decoder[T], value: bytes | None) -> T | None:
+    """A bucket's value as `decoder` types it; None when empty or not of that type."""
+    try:
+        return decoder.decode(value) if value else None
+    except msgspec.MsgspecError:
+        return None
 
 
 def decode_trailer(body: dict[str, Any]) -> Trailer:
@@ -514,12 +531,13 @@ class Store:
         subject = SENTINELS[stream]
         expect = ("Nats-Expected-Last-Sequence" if made
                   else "Nats-Expected-Last-Subject-Sequence")
-        body = to_json({"sentinel": stream, "at": time.time_ns() // 1_000_000})
+        body = to_json(Sentinel(sentinel=stream, at=time.time_ns() // 1_000_000))
         what = f"stream {stream} has no sentinel"
         ack = await self._change(what, lambda: self.js.publish(
             subject, body, stream=stream, headers={expect: "0"}),
             refused="someone wrote on it first; remove the stream and make it again"
             if made else "a message is on its sentinel's subject")
+        assert ack is not None  # nothing counts as raced here: a refusal raises
         return ack.seq
 
     async def _sentinel_upgrade(self, stream: str) -> list[str]:
@@ -633,7 +651,7 @@ class Store:
             return None
 
     @staticmethod
-    async def _look(what: str, call: Callable[[], Awaitable[Any]]) -> Any:
+    async def _look(what: str, call: Callable[[], Awaitable[T]]) -> T:
         """A read of the deployment's shape. No answer (or a 503) is tried again (`_patiently`):
         a restarted cluster answers nothing while it elects its leaders. Still silent, it is an
         error of one line."""
@@ -648,8 +666,8 @@ class Store:
                 "loop's streams?)") from exc
 
     @staticmethod
-    async def _change(what: str, call: Callable[[], Awaitable[Any]], *,
-                      raced: tuple[int, ...] = (), refused: str = "") -> Any:
+    async def _change(what: str, call: Callable[[], Awaitable[T]], *,
+                      raced: tuple[int, ...] = (), refused: str = "") -> T | None:
         """Make one change: its result, or None when JetStream answers one of the `raced`
         codes (someone made it meanwhile). No answer means this user may not (NeedsProvision);
         a 503 (JetStream not ready, a cluster without a leader yet) is tried again as a look
@@ -680,25 +698,28 @@ class Store:
 
     # -- supersession and the rejection ledger ----------------------------------------------------
 
-    async def dedup_head(self, svc: str, dedup: str) -> dict[str, Any] | None:
+    async def dedup_head(self, svc: str, dedup: str) -> DedupHead | None:
+        """The head under `dedup`; None when there is none, or the key holds no head (the
+        bucket is a hint anyone on the bus could write)."""
         try:
             entry = await self.dedup.get(S.dedup_key_of(svc, dedup))
         except KeyNotFoundError:
             return None
-        return msgspec.json.decode(entry.value) if entry.value else None
+        return decoded(dedup_head_decoder, entry.value)
 
     async def set_dedup_head(self, svc: str, dedup: str, pid: str,
-                             created_at: int, absent: bool = False) -> dict[str, Any] | None:
+                             created_at: int, absent: bool = False) -> DedupHead | None:
         """Record `pid` as the newest content under `dedup` unless something newer is there;
-        return the head that was there before (None for a first proposal under the key).
-        With `absent` (the caller just read the key as absent) the create is tried first."""
-        value = to_json({"proposal_id": pid, "created_at": created_at})
+        return the head that was there before (None for a first proposal under the key, or a
+        value that is no head: written over). With `absent` (the caller just read the key as
+        absent) the create is tried first."""
+        value = to_json(DedupHead(proposal_id=pid, created_at=created_at))
 
-        def newest(current: bytes | None) -> tuple[bytes | None, dict[str, Any] | None]:
-            if current is None:
+        def newest(current: bytes | None) -> tuple[bytes | None, DedupHead | None]:
+            head = decoded(dedup_head_decoder, current)
+            if head is None:
                 return value, None
-            head = msgspec.json.decode(current)
-            if (head["created_at"], head["proposal_id"]) >= (created_at, pid):
+            if (head.created_at, head.proposal_id) >= (created_at, pid):
                 return None, head
             return value, head
 
@@ -739,7 +760,7 @@ class Store:
             raise
         return True
 
-    async def compare_and_set(self, kv: Any, bucket: str, key: str,
+    async def compare_and_set(self, kv: KeyValue, bucket: str, key: str,
                               decide: Callable[[bytes | None], tuple[bytes | None, T]], *,
                               absent: bool = False) -> T:
         """Read `key` (None when absent or deleted), let `decide` say what to write (None: write
@@ -779,7 +800,7 @@ class Store:
                 leader = True
         raise StateConflict(f"{key}: still conflicting after {MAX_APPEND_ATTEMPTS} attempts")
 
-    async def kv_read(self, kv: Any, bucket: str, key: str,
+    async def kv_read(self, kv: KeyValue, bucket: str, key: str,
                       leader: bool = False) -> tuple[bytes | None, int]:
         """(value, revision) of a key, (None, revision) when absent or deleted; with `leader`
         read from the bucket's stream leader rather than any replica."""
@@ -797,15 +818,17 @@ class Store:
             return None, msg.seq or 0
         return msg.data, msg.seq or 0
 
-    async def ledger_put(self, svc: str, dedup: str, entry: dict[str, Any]) -> None:
+    async def ledger_put(self, svc: str, dedup: str, entry: LedgerEntry) -> None:
         await self.ledger.put(S.dedup_key_of(svc, dedup), to_json(entry))
 
-    async def ledger_get(self, svc: str, dedup: str) -> dict[str, Any] | None:
+    async def ledger_get(self, svc: str, dedup: str) -> LedgerEntry | None:
+        """The rejection-ledger entry under `dedup`; None when there is none, or the key holds
+        no entry (a hint, like the dedup bucket)."""
         try:
             entry = await self.ledger.get(S.dedup_key_of(svc, dedup))
         except KeyNotFoundError:
             return None
-        return msgspec.json.decode(entry.value) if entry.value else None
+        return decoded(ledger_entry_decoder, entry.value)
 
     # -- the state cache -------------------------------------------------------------------------
 
@@ -953,14 +976,14 @@ class Store:
             return 0, None
         return msg.seq or 0, msgspec.json.decode(msg.data or b"null")
 
-    async def audit_log(self, pid: str | None = None) -> list[tuple[int, str, dict]]:
+    async def audit_log(self, pid: str | None = None) -> list[tuple[int, str, dict[str, Any]]]:
         """Every trailer (or one proposal's) as (stream sequence, subject, body), in stream
         order, read once through an ordered consumer (what could not be read is left out:
         `read_audit` names it)."""
         return (await self.read_audit(pid))[0]
 
     async def read_audit(self, pid: str | None = None,
-                         ) -> tuple[list[tuple[int, str, dict]], checkpoint.StreamView]:
+                         ) -> tuple[list[tuple[int, str, dict[str, Any]]], checkpoint.StreamView]:
         """The trailers as `audit_log` gives them, and what was found of the stream: its
         creation time (None when it does not exist), its last sequence, and — over the whole
         log — the sequences it holds but could not give back (a damaged block: the server
@@ -972,7 +995,7 @@ class Store:
             return [], checkpoint.StreamView(None)
         state = info.state
         subject = S.audit("*", pid) if pid else S.AUDIT_FILTER
-        log: list[tuple[int, str, dict]] = []
+        log: list[tuple[int, str, dict[str, Any]]] = []
         if state.messages and (not pid or await self._holds(subject)):
             log = await self._read_ordered(subject, state.last_seq)
         unreadable: tuple[int, ...] = ()
@@ -986,14 +1009,15 @@ class Store:
         filtered = await self.js.stream_info(S.STREAM_AUDIT, subjects_filter=subject)
         return bool(filtered.state.subjects)
 
-    async def _read_ordered(self, subject: str, last_seq: int) -> list[tuple[int, str, dict]]:
+    async def _read_ordered(self, subject: str, last_seq: int
+                            ) -> list[tuple[int, str, dict[str, Any]]]:
         """Read `subject` up to stream sequence `last_seq` (or until nothing is pending)."""
         return [(seq, subj, body) async for seq, subj, body, _ in self.follow(subject, 1, last_seq)
                 if body is not None]
 
     async def follow(self, subject: str, start: int, upto: int, *,
                      start_ms: int | None = None,
-                     ) -> AsyncIterator[tuple[int, str, dict | None, dict[str, str]]]:
+                     ) -> AsyncIterator[tuple[int, str, dict[str, Any] | None, dict[str, str]]]:
         """(stream sequence, subject, body or None when it is not JSON, headers) of every
         trailer on `subject` from stream sequence `start` to `upto`, one at a time: a reader of
         the whole log holds one batch (FOLLOW_BATCH trailers), not the log. It pulls each
@@ -1038,7 +1062,7 @@ class Store:
             await sub.unsubscribe()
 
     @staticmethod
-    async def _pull(sub: Any) -> list[Any]:
+    async def _pull(sub: JetStreamContext.PullSubscription) -> list[Msg]:
         """The next batch of a log read. A consumer just made on a clustered stream may not
         answer until its leader is elected (the server says "no responders"): try again for
         up to READ_IDLE_S, as for a silent read."""
@@ -1075,7 +1099,8 @@ class Store:
                                       first_seq=state.first_seq, messages=state.messages),
                 changed)
 
-    async def trailer_at(self, seq: int) -> tuple[str, dict | None, dict[str, str]] | None:
+    async def trailer_at(self, seq: int
+                         ) -> tuple[str, dict[str, Any] | None, dict[str, str]] | None:
         """(subject, body or None when not JSON, headers) of the message at `seq` of this
         store's audit stream."""
         try:
@@ -1089,23 +1114,26 @@ class Store:
         return (msg.subject or "", body if isinstance(body, dict) else None,
                 dict(msg.headers or {}))
 
-    async def all_chains(self, pid: str | None = None) -> dict[tuple[str, str], list[dict]]:
+    async def all_chains(self, pid: str | None = None
+                         ) -> dict[tuple[str, str], list[dict[str, Any]]]:
         """Every chain (or one proposal's), keyed by (service token, chain id), in order."""
-        chains: dict[tuple[str, str], list[dict]] = {}
+        chains: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for _, subject, body in await self.audit_log(pid):
             chains.setdefault(_chain_key(subject), []).append(body)
         return chains
 
-    async def sequenced_chains(self) -> dict[tuple[str, str], list[tuple[int, dict]]]:
+    async def sequenced_chains(self
+                               ) -> dict[tuple[str, str], list[tuple[int, dict[str, Any]]]]:
         """Every chain as (stream sequence, body) pairs, keyed like `all_chains`."""
-        chains: dict[tuple[str, str], list[tuple[int, dict]]] = {}
+        chains: dict[tuple[str, str], list[tuple[int, dict[str, Any]]]] = {}
         for seq, subject, body in await self.audit_log():
             chains.setdefault(_chain_key(subject), []).append((seq, body))
         return chains
 
     # -- retained records ------------------------------------------------------------------------
 
-    async def publish(self, subject: str, record: Any, ttl_s: int | None = None) -> None:
+    async def publish(self, subject: str, record: msgspec.Struct | None,
+                      ttl_s: int | None = None) -> None:
         """Publish a retained record, pipelined: sent at once, acknowledged when awaited. With
         `ttl_s` it carries that TTL (Nats-TTL): the server removes it then, with its subject;
         a None record is an empty message (a tombstone)."""
@@ -1124,7 +1152,7 @@ class Store:
         """Put `pid` in the measurement index (`entry`), or take it out (None)."""
         await self._retain(S.due_entry(svc, pid), entry)
 
-    async def _retain(self, subject: str, entry: Any) -> None:
+    async def _retain(self, subject: str, entry: IndexEntry | None) -> None:
         """An index entry, or for None a tombstone that replaces it and, after
         `tombstone_ttl_s`, leaves the stream with its subject."""
         if entry is not None:
@@ -1132,11 +1160,12 @@ class Store:
         else:
             await self.publish(subject, None, ttl_s=self.tombstone_ttl_s)
 
-    async def index_entry(self, index: str, svc: str, pid: str, entry: Any) -> None:
+    async def index_entry(self, index: str, svc: str, pid: str,
+                          entry: IndexEntry | None) -> None:
         """Put `pid` in the index named `index` (`entry`), or take it out (None)."""
         await self._retain(INDEX_SUBJECTS[index][1](svc, pid), entry)
 
-    async def index_subject(self, index: str, svc: str, pid: str) -> Any:
+    async def index_subject(self, index: str, svc: str, pid: str) -> IndexEntry | None:
         """The entry the subject of `pid` in the index named `index` holds: None when there
         is none, a tombstone, or anything that is no entry of its own."""
         _, subject, decoder = INDEX_SUBJECTS[index]
@@ -1156,7 +1185,7 @@ class Store:
         """Every entry of the measurement index, tombstones and anything malformed left out."""
         return await self._read_entries(S.DUE_FILTER, due_entry_decoder)
 
-    async def _read_entries(self, subjects: str, decoder: Any) -> list[Any]:
+    async def _read_entries(self, subjects: str, decoder: msgspec.json.Decoder[E]) -> list[E]:
         """The entries on `subjects` (`improve.<index>.<svc>.<id>`) whose service and id are
         their subject's (`_read_named`, tombstones left out). An entry only says where to
         look."""
@@ -1169,7 +1198,7 @@ class Store:
         subjects, _, decoder = INDEX_SUBJECTS[index]
         return await self._read_named(subjects, decoder)
 
-    async def _read_named(self, subjects: str, decoder: Any) -> list[indexes.Named]:
+    async def _read_named(self, subjects: str, decoder: IndexDecoder) -> list[indexes.Named]:
         """What each subject on `subjects` (`improve.<index>.<svc>.<id>`) names: the last
         message per subject, read once through an ordered consumer (O(open items and recent
         tombstones), never the history); its entry when it holds one for its own service and
@@ -1202,7 +1231,7 @@ class Store:
         finally:
             await sub.unsubscribe()
 
-    async def publish_once(self, subject: str, record: Any) -> None:
+    async def publish_once(self, subject: str, record: msgspec.Struct) -> None:
         """Publish an immutable record: only if the subject holds nothing yet."""
         try:
             await self.js.publish(subject, to_json(record), stream=S.STREAM_RECORDS,
@@ -1283,6 +1312,5 @@ class Store:
 
     # -- refusals --------------------------------------------------------------------------------
 
-    async def refuse(self, svc: str, entry: dict[str, Any]) -> None:
-        entry = {**entry, "at": int(time.time() * 1000)}
-        await self.js.publish(S.refused(svc), to_json(entry), stream=S.STREAM_REFUSED)
+    async def refuse(self, svc: str, refusal: Refusal) -> None:
+        await self.js.publish(S.refused(svc), to_json(refusal), stream=S.STREAM_REFUSED)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from nats.aio.client import Client
 
@@ -78,7 +79,7 @@ class Witnesses:
     lines: list[str] = field(default_factory=list)
     named: set[str] = field(default_factory=set)
 
-    async def fold(self, body: dict) -> None:
+    async def fold(self, body: dict[str, Any]) -> None:
         at = body.get("at")
         superseded, problems = checkpoint.witness(self.seen, checkpoint.runtime_heads(body),
                                                   at if isinstance(at, int) else 0)

@@ -191,7 +191,8 @@ async def test_a_signed_rejection_is_final_and_enters_the_ledger(daemon, nc, svc
     decision = await client.decision(pid)
     assert (decision.verdict, decision.actor) == ("reject", "operator:alice")
     ledger = await daemon.store.ledger_get(svc, (await client.state(pid)).dedup_key)
-    assert ledger["proposal_id"] == pid and ledger["principal"] == "operator:alice"
+    assert ledger is not None
+    assert (ledger.proposal_id, ledger.principal) == (pid, "operator:alice")
     # An approval after the rejection is refused: nothing moves.
     n = len(await trailers(daemon, svc, pid))
     await publish(nc, S.inbound_review(svc), review(pid))

@@ -21,7 +21,7 @@ from improved.core import audit, authority, signing
 from improved.core.authority import Act
 from improved.core.record import ChainHead
 from improved.protocol import subjects as S
-from improved.protocol.model import GrantCommand, to_json
+from improved.protocol.model import DedupHead, GrantCommand, to_json
 from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import LOOK_ATTEMPTS, ChainConflict, NeedsProvision, Store
@@ -179,11 +179,11 @@ async def test_racing_first_writes_to_the_buckets_give_one_conflict(cluster, on_
                                      store.set_dedup_head("clustersave", f"d{round_}", b, 2),
                                      return_exceptions=True)
         assert not [h for h in heads if isinstance(h, BaseException)], heads
-        assert heads[0] in (None, {"proposal_id": b, "created_at": 2}), heads
-        assert heads[1] in (None, {"proposal_id": a, "created_at": 1}), heads
+        assert heads[0] in (None, DedupHead(proposal_id=b, created_at=2)), heads
+        assert heads[1] in (None, DedupHead(proposal_id=a, created_at=1)), heads
 
         async def newest(key=f"d{round_}", want=b):  # any replica, once it has caught up
-            return (await store.dedup_head("clustersave", key))["proposal_id"] == want
+            return (await store.dedup_head("clustersave", key)).proposal_id == want
 
         await eventually(newest)
 
@@ -203,7 +203,7 @@ async def test_writers_racing_on_one_key_each_get_an_answer(cluster, on_cluster)
         assert not [h for h in heads if isinstance(h, BaseException)], (round_, heads)
 
         async def newest(key=key, want=pids[-1]):
-            return (await store.dedup_head("clustersave", key))["proposal_id"] == want
+            return (await store.dedup_head("clustersave", key)).proposal_id == want
 
         await eventually(newest)
 

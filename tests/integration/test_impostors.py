@@ -18,7 +18,13 @@ from improved.core import apply as apply_stage
 from improved.core import boundary, triage
 from improved.core.breaker import AUTONOMY_ID
 from improved.protocol import subjects as S
-from improved.protocol.model import ApplyReport, ApplyResult, MetricSnapshot, to_json
+from improved.protocol.model import (
+    ApplyReport,
+    ApplyResult,
+    LedgerEntry,
+    MetricSnapshot,
+    to_json,
+)
 from improved.runtime import bus
 from improved_reference.ranking_store import RankingStore
 from tests.bus import (
@@ -269,9 +275,9 @@ async def test_a_forged_ledger_entry_rejects_nothing(daemon, nc, svc):
                            created_at=first.created_at + 1000)
     record = await daemon.engine.rebuild(svc, pid)
     # the attacker claims an operator rejected `pid` on exactly the evidence `newer` carries
-    await daemon.store.ledger_put(svc, record.dedup_key, {
-        "proposal_id": pid, "principal": "operator:alice", "reason": "forged",
-        "at": later(0), "evidence": triage.evidence_digest(newer)})
+    await daemon.store.ledger_put(svc, record.dedup_key, LedgerEntry(
+        proposal_id=pid, principal="operator:alice", reason="forged", at=later(0),
+        evidence=triage.evidence_digest(newer)))
     reply = await client.propose(newer)
     assert reply.status == "pending"
     decision = await client.triage(reply.proposal_id)
