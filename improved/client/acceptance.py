@@ -20,14 +20,43 @@ from improved.client.chains import current_grant, read_chain
 from improved.core import authority, propose
 from improved.core.apply import rolls_back
 from improved.core.audit import verify_chain
+from improved.core.trailers import (
+    Approved,
+    Data,
+    Decided,
+    Inherited,
+    QuorumReached,
+    RollbackAsked,
+    Superseded,
+    TrailerData,
+    TrailerDataError,
+    decode_body,
+    moves_to,
+    verdict_of,
+)
 from improved.protocol import canonical, wire
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder
 
 PREFIX = "not_accepted: "
-ACCEPTING = frozenset({"approve", "inherit", "quorum"})  # verdicts that accept, by their actor
-WITHDRAWING = frozenset({"reject", "superseded"})  # verdicts that undo an earlier acceptance
-ROLLBACK = "rollback"
+# the trailers that accept, by their actor: an operator's approval, an inherited one, a quorum's
+ACCEPTING: tuple[type[Data], ...] = (Approved, Inherited, QuorumReached)
+
+
+def withdraws(data: TrailerData) -> bool:
+    """The trailer undoes an earlier acceptance: a rejection (or expiry), new content."""
+    return isinstance(data, Superseded) or moves_to(data) == "rejected"
+
+
+def _read(bodies: list[dict[str, Any]]) -> list[tuple[dict[str, Any], TrailerData]]:
+    """Each trailer with what it says; one this version cannot read says nothing here."""
+    out = []
+    for body in bodies:
+        try:
+            out.append((body, decode_body(body)))
+        except TrailerDataError:
+            continue
+    return out
 
 
 def _no(text: str) -> str:
@@ -46,18 +75,17 @@ async def _verified(js: Any, svc: str, chain_id: str) -> tuple[list[dict[str, An
 
 
 async def _approved(js: Any, svc: str, pid: str, authority: str,
-                    accepting: frozenset[str] = ACCEPTING) -> str | None:
+                    accepting: tuple[type[Data], ...] = ACCEPTING) -> str | None:
     """None when an accepting trailer by `authority` stands on the chain of `pid`."""
     bodies, refusal = await _verified(js, svc, pid)
     if refusal:
         return refusal
     accepted, withdrawn = False, None
-    for body in bodies:
-        verdict = body.get("verdict")
-        if verdict in accepting and body.get("actor") == authority:
+    for body, data in _read(bodies):
+        if isinstance(data, accepting) and body.get("actor") == authority:
             accepted, withdrawn = True, None
-        elif verdict in WITHDRAWING and accepted:
-            accepted, withdrawn = False, verdict
+        elif withdraws(data) and accepted:
+            accepted, withdrawn = False, verdict_of(data)
     if accepted:
         return None
     if withdrawn:
@@ -73,12 +101,11 @@ async def _auto_accepted(js: Any, svc: str, pid: str) -> str | None:
     if refusal:
         return refusal
     accepted = False
-    for body in bodies:
-        verdict = body.get("verdict")
-        if verdict == "accept" and body.get("to_stage") == "triage" \
+    for body, data in _read(bodies):
+        if isinstance(data, Decided) and data.verdict == "accept" \
                 and body.get("gate_class") == "L0":
             accepted = True
-        elif verdict in WITHDRAWING:
+        elif withdraws(data):
             accepted = False
     if accepted:
         return None
@@ -90,7 +117,8 @@ async def _rollback_asked(js: Any, svc: str, original: str, authority: str) -> s
     bodies, refusal = await _verified(js, svc, original)
     if refusal:
         return refusal
-    if any(b.get("verdict") == ROLLBACK and b.get("actor") == authority for b in bodies):
+    if any(isinstance(data, RollbackAsked) and body.get("actor") == authority
+           for body, data in _read(bodies)):
         return None
     return _no(f"no rollback by {authority} on the audit chain of {original[:8]}")
 
@@ -119,7 +147,7 @@ async def operator_approved(js: Any, order: ApplyOrder) -> str | None:
     if not order.authority.startswith("operator:"):
         return _no(f"{order.authority} is not an operator")
     return await _approved(js, order.proposal.service, order.proposal_id, order.authority,
-                           frozenset({"approve"}))
+                           (Approved,))
 
 
 def _bound(order: ApplyOrder) -> str | None:

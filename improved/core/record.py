@@ -1,15 +1,18 @@
-"""A proposal's cached state and how its status follows from the audit chain (DESIGN §4).
+"""A proposal's cached state and how it follows from the audit chain (DESIGN §4).
 
-The record is a cache: `status` and `stage` are never taken from a message, only folded from the
-trailers the loop wrote (`status_after`). Everything else the stages need — the proposal, its
-decision, its apply outcome, the signals counted — travels with it so a stage is a pure function
-of (record, input).
+The record is a cache: nothing in it is taken from a message, only folded from the trailers
+the loop wrote. `fold(record, trailer, stream_seq)` is the one place a trailer becomes record
+state: the engine folds each trailer it commits, and `replay` folds a whole chain, so a record
+committed and a record rebuilt are alike by construction. What a trailer says is typed in
+core/trailers.py; how the status follows is `trailers.status_after`. Everything else the
+stages need — the proposal, its decision, its apply outcome, the signals counted — travels
+with it so a stage is a pure function of (record, input) to the draft it decided.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final, Protocol, cast, get_args
+from typing import Final, cast, get_args
 
 import msgspec
 from msgspec import Struct
@@ -139,26 +142,11 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
         return sum(1 for s in self.signals if s.positive and s.independent)
 
 
-# Verdicts a trailer carries besides the triage verdicts (documented in docs/protocol.md).
-APPLIED: Final = "applied"
-APPLY_FAILED: Final = "failed"
-SIGNAL: Final = "signal"
-DISPATCHED: Final = "dispatched"  # the intent: an ApplyOrder (or rollback order) is about to leave
-UNDELIVERED: Final = "undelivered"  # that ApplyOrder provably reached no service: dispatch void
-APPROVE: Final = "approve"
-REFUSED: Final = "refused"  # a signed act that did not count; the status does not move
-SUPERSEDED: Final = "superseded"  # newer content arrived under the same dedup_key
-ROLLBACK: Final = "rollback"  # an operator asked for the recorded inverse
-ROLLED_BACK: Final = "rolled_back"  # the owning service applied the inverse
-ROLLBACK_FAILED: Final = "rollback_failed"
-LKG_VERIFIED: Final = "lkg_verified"  # L4: healthy last-known-good; the reversal is recorded
-INHERIT: Final = "inherit"  # an L4 reversal runs under its original's approval
-VOTE: Final = "vote"  # a counted quorum vote
-QUORUM: Final = "quorum"  # the quorum approved: status approved
-HELD: Final = "held"  # measured at review_after: the metric held
-REGRESSED: Final = "regressed"  # measured at review_after: beyond the tolerance; a rollback is proposed
-UNMEASURED: Final = "unmeasured"  # at review_after the owning service gave no usable value: not "held"
-MEASURED: Final = frozenset({HELD, REGRESSED, UNMEASURED})
+# What learn-back found at review_after, as `learnback.judge` decides it (the verdicts of a
+# `trailers.Measured` trailer; every other kind says its own verdict, core/trailers.py).
+HELD: Final = "held"  # the metric held
+REGRESSED: Final = "regressed"  # beyond the tolerance; a rollback is proposed
+UNMEASURED: Final = "unmeasured"  # the owning service gave no usable value: not "held"
 
 
 def closed(record: ProposalRecord) -> bool:
@@ -273,17 +261,6 @@ def with_trailer(record: ProposalRecord, trailer: Trailer, stream_seq: int,
     )
 
 
-# -- trailer refs: `name:value` strings that make each trailer self-sufficient for a rebuild ----
-
-def ref(name: str, value: object, *, as_json: bool = False) -> str:
-    """`name:value`; `as_json` keeps a value's type through a rebuild (e.g. a string inverse)."""
-    if as_json or not isinstance(value, str | bool):
-        value = msgspec.json.encode(value, order="sorted").decode()
-    elif isinstance(value, bool):
-        value = "true" if value else "false"
-    return f"{name}:{value}"
-
-
 SCHEMA_CLASSES: Final = frozenset(get_args(SchemaClass))
 
 
@@ -291,22 +268,6 @@ def schema_class(value: str | None) -> SchemaClass | None:
     """The `schema_class` ref of an `applied` trailer as the outcome carries it; anything else
     (no ref, an older chain) is none. Read back for auditors; nothing decides on it."""
     return cast("SchemaClass", value) if value in SCHEMA_CLASSES else None
-
-
-class HasRefs(Protocol):
-    """Anything that carries a trailer's refs: a Trailer, or a trailer decoded only as far."""
-
-    @property
-    def refs(self) -> Sequence[str]: ...
-
-
-def refs_of(trailer: HasRefs) -> dict[str, str]:
-    """The refs of a trailer by name; the first of a name wins."""
-    out: dict[str, str] = {}
-    for r in trailer.refs:
-        name, _, value = r.partition(":")
-        out.setdefault(name, value)
-    return out
 
 
 def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int]) -> ProposalRecord:
@@ -344,7 +305,7 @@ def _changes(record: ProposalRecord, t: Trailer, data: TrailerData) -> dict[str,
             return {"gate_class": t.gate_class, "dispatched_by": None, "dispatched_at": None,
                     "dispatched_seq": None, "decision": _decision(record, t, data)}
         case Inherited(authority=by) | QuorumReached(authority=by):
-            return {"approved_by": by, "decision": _accepted(record, t, by)}
+            return {"approved_by": by or t.actor, "decision": _accepted(record, t, by or t.actor)}
         case Voted():
             return {"ballots": (*record.ballots, _ballot(t, data))}
         case LkgVerified(revert=revert, revert_proposal_id=rid):

@@ -22,12 +22,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from functools import cache
-from typing import Any, ClassVar, Final, Literal, Protocol, cast
+from typing import Any, ClassVar, Final, Literal, Protocol, TypeVar, cast
 
 import msgspec
 from msgspec import Struct
 
 from improved.protocol.model import Cause, Proposal, Stage, Status, TrailerVerdict
+
+D = TypeVar("D", bound="Data")
 
 
 class TrailerDataError(ValueError):
@@ -112,7 +114,7 @@ class Inherited(Data, frozen=True, kw_only=True):
     STAGE: ClassVar[Stage] = "triage"
     verdict: Literal["inherit"] = "inherit"
     inherits: str | None = None
-    authority: str
+    authority: str | None = None  # written by every daemon; without it, the trailer's actor
 
 
 class Voted(Signed, frozen=True, kw_only=True):
@@ -120,12 +122,12 @@ class Voted(Signed, frozen=True, kw_only=True):
 
     STAGE: ClassVar[Stage] = "triage"
     verdict: Literal["vote"] = "vote"
-    keyid: str
-    session: str
-    vote: str
-    voted_at: int
+    keyid: str = ""
+    session: str = ""
+    vote: str = ""
+    voted_at: int = 0
     sig: str = ""
-    read: tuple[str, ...]
+    read: tuple[str, ...] = ()
 
 
 class QuorumReached(Data, frozen=True, kw_only=True):
@@ -134,7 +136,7 @@ class QuorumReached(Data, frozen=True, kw_only=True):
     STAGE: ClassVar[Stage] = "triage"
     MANY: ClassVar[frozenset[str]] = frozenset({"keyid"})
     verdict: Literal["quorum"] = "quorum"
-    authority: str
+    authority: str | None = None  # written by every daemon; without it, the trailer's actor
     keyid: tuple[str, ...] = ()
 
 
@@ -254,7 +256,7 @@ class GrantAct(Signed, frozen=True, kw_only=True):
 
     STAGE: ClassVar[Stage] = "triage"
     verdict: Literal["grant", "revoke"]
-    keyid: str
+    keyid: str | None = None
     skill: str
     l2: str | None = None
     expires_at: int | None = None
@@ -452,6 +454,12 @@ class Transition(Protocol):
     def cause(self) -> str | None: ...
 
 
+def moves_to(data: Data) -> Status | None:
+    """The status a trailer saying `data` moves its proposal to by its kind (STATUS), or
+    None: applied, rolled back, approved, rejected (or expired)."""
+    return STATUS.get((data.STAGE, verdict_of(data)))
+
+
 def status_after(status: Status, t: Transition) -> Status:
     """The lifecycle status after one trailer: the whole of how status is derived."""
     if t.to_stage == "propose":
@@ -466,6 +474,33 @@ def status_after(status: Status, t: Transition) -> Status:
 
 
 # -- the codec -------------------------------------------------------------------------------
+
+
+def ref(name: str, value: object, *, as_json: bool = False) -> str:
+    """One ref as the wire has it, written by hand (`encode` writes a kind's): `name:value`,
+    a value other than a string as JSON (`as_json`: a string too)."""
+    if as_json or not isinstance(value, str | bool):
+        value = msgspec.json.encode(value, order="sorted").decode()
+    elif isinstance(value, bool):
+        value = "true" if value else "false"
+    return f"{name}:{value}"
+
+
+class HasRefs(Protocol):
+    """Anything that carries a trailer's refs: a Trailer, or a trailer decoded only as far."""
+
+    @property
+    def refs(self) -> Sequence[str]: ...
+
+
+def refs_of(trailer: HasRefs) -> dict[str, str]:
+    """A trailer's refs as written, by name (the first of a name wins): what a reader of the
+    wire sees, before `decode` says what they mean."""
+    out: dict[str, str] = {}
+    for r in trailer.refs:
+        name, _, value = r.partition(":")
+        out.setdefault(name, value)
+    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -574,6 +609,33 @@ def decode(t: Trailerish) -> TrailerData:
     return cast("TrailerData", decode_as(kind_of(t), t.refs, t.verdict, t.cause))
 
 
+class _Body(Struct):
+    """A raw trailer body read only as far as its kind and refs."""
+
+    to_stage: str = ""
+    verdict: str | None = None
+    cause: str | None = None
+    refs: list[str] = []
+
+
+def decode_body(body: object, as_: type[D] | None = None) -> D | TrailerData:
+    """The typed data of a trailer body as a reader got it (JSON, or its builtins), however
+    little of a trailer it is: TrailerDataError when it is none. `as_`: read it as that kind,
+    whatever its stage and verdict say (a reader of one mesh chain knows what it holds)."""
+    try:
+        shape = msgspec.convert(body, _Body)
+    except msgspec.ValidationError as exc:
+        raise TrailerDataError(f"not a trailer: {exc}") from None
+    if as_ is not None:
+        return cast(D, decode_as(as_, shape.refs, shape.verdict, shape.cause))
+    return decode(shape)
+
+
+def body_as(cls: type[D], body: object) -> D:
+    """`body` read as the data of `cls` (`decode_body`)."""
+    return cast(D, decode_body(body, cls))
+
+
 def decode_as(cls: type[Data], refs: Sequence[str], verdict: str | None = None,
               cause: str | None = None) -> Data:
     """`refs` read as the data of `cls` (with the trailer's `verdict` and `cause`)."""
@@ -600,7 +662,7 @@ def decode_as(cls: type[Data], refs: Sequence[str], verdict: str | None = None,
         values[cls.REST] = {name: _json(cls, name, value, Any) for name, value in first.items()
                             if name not in known}
     attributes = set(cls.__struct_fields__)
-    if "verdict" in attributes:
+    if "verdict" in attributes and verdict is not None:
         values["verdict"] = verdict
     if "cause" in attributes:
         values["cause"] = cause

@@ -60,7 +60,6 @@ from improved.core.record import (
     ProposalRecord,
     closed,
     fold,
-    ref,
     same_state,
     status_at,
 )
@@ -83,7 +82,6 @@ from improved.protocol.model import (
     Review,
     Signal,
     Trailer,
-    TrailerVerdict,
     Vote,
     to_json,
 )
@@ -1075,16 +1073,16 @@ class Engine:
         return found
 
     async def _append_autonomy(self, change: Callable[[breaker.Autonomy], breaker.Autonomy],
-                               verdict: TrailerVerdict, actor: str,
+                               verdict: breaker.AutonomyVerdict, actor: str,
                                observer: ObserverType,
-                               reason: str, extra: tuple[str, ...] = (),
+                               reason: str, marks: breaker.Marks | None = None,
                                envelope: Envelope | None = None) -> breaker.Autonomy:
         """Append the next state (`change(state)`) to the autonomy chain, retrying on a race."""
         states: list[breaker.Autonomy] = []
 
         def next_draft(chain: list[tuple[int, dict]], now: int) -> Draft:
             states.append(change(breaker.from_trailer(chain[-1][1] if chain else None)))
-            return breaker.draft(states[-1], verdict, actor, observer, reason, extra, envelope)
+            return breaker.draft(states[-1], verdict, actor, observer, reason, marks, envelope)
 
         trailer = await self.store.append_sealed(
             S.autonomy_audit(breaker.AUTONOMY_ID), breaker.AUTONOMY_ID, "L0", "operation",
@@ -1100,7 +1098,7 @@ class Engine:
                                              p.breaker_pause_hours),
             "rollback", record.rollback_by or self.actor, "rec:system",
             f"autonomous apply {record.proposal_id} rolled back",
-            (ref("proposal", record.proposal_id),))
+            breaker.Marks(proposal=record.proposal_id))
         if state.blocks(at) == "circuit_open":
             log.warning("circuit breaker open: autonomous applies paused",
                         until=state.paused_until, rollbacks=len(state.rollbacks))
@@ -1467,8 +1465,8 @@ class Engine:
         await self._append_autonomy(lambda s: breaker.in_crisis(s, ""), "crisis_resolved",
                                     cmd.principal, "human",
                                     f"{cmd.crisis} resolved by {cmd.principal}: {cmd.reason}",
-                                    (ref("act", act.digest), ref("keyid", verified.keyid),
-                                     ref("resolved", cmd.crisis)), verified.envelope)
+                                    breaker.Marks(act=act.digest, keyid=verified.keyid,
+                                                  resolved=cmd.crisis), verified.envelope)
         log.warning("crisis resolved; applies resume", crisis=cmd.crisis,
                     principal=cmd.principal)
         return True

@@ -203,7 +203,8 @@ async def test_a_limit_on_the_audit_stream_lets_nothing_apply_on_a_forgetting_lo
 
 async def test_a_forged_crisis_resolution_resolves_nothing(mesh_bus):
     from improved.core import audit
-    from improved.core.record import ChainHead, ref
+    from improved.core.record import ChainHead
+    from improved.core.trailers import ref
     from improved.runtime.store import Store
 
     daemon = mesh_bus.daemon

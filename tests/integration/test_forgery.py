@@ -20,7 +20,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from improved.client.sdk import MeshClient
 from improved.core import audit, breaker, evidence
 from improved.core.audit import Draft
-from improved.core.record import ChainHead, ref
+from improved.core.record import ChainHead
+from improved.core.trailers import ref
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult
 from improved.runtime import bus

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from improved.core import audit, evidence, signing
 from improved.core.audit import Draft
-from improved.core.record import ChainHead, ref
+from improved.core.record import ChainHead
+from improved.core.trailers import ref
 from tests.factories import grant, review, vote
 from tests.keys import ALICE, MALLORY, VOTERS
 

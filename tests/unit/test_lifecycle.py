@@ -376,7 +376,7 @@ def test_l1_is_never_applied_even_when_approved():
     c = Chain(make_proposal(change_class="L1", target_ref="code:src/lib.rs", scope="code"))
     c.triage(grant=False)
     c.commit(audit.Draft(from_stage="triage", to_stage="triage", actor="operator:alice",
-                         observer_type="human", reason="looks fine", verdict=record.APPROVE))
+                         observer_type="human", reason="looks fine", verdict="approve"))
     assert c.t.record.status == "approved"
     assert not apply.needs_apply(c.t.record)
 

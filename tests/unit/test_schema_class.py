@@ -11,7 +11,8 @@ import pytest
 from improved.cli.queries import classified
 from improved.core import apply, audit, propose
 from improved.core.policy import Policy
-from improved.core.record import refs_of, replay
+from improved.core.record import replay
+from improved.core.trailers import refs_of
 from improved.protocol.model import ApplyReport, ApplyResult, ClassifyReply, to_json
 from improved.runtime.engine import parse_apply_reply
 from tests.builders import NOW, committed, make_proposal, said
