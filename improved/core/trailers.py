@@ -9,12 +9,12 @@ proposal's own JSON). A field in `MANY` is one ref per item (`keyid:` of a quoru
 moves (`core.indexes`) come last on any trailer, and `REST` collects every ref no field names
 (the policy trailer's changed keys). `verdict` and `cause` are the trailer's own fields, not
 refs. Decoding takes the first ref of a name, as readers always have; a ref a field cannot
-hold is a `TrailerDataError` (a `ValueError`), and so is a trailer of no kind this version
-knows (`kind_of`).
+hold is a `TrailerDataError` (a `ValueError`). A trailer of no kind this version knows is
+`Unknown`: its refs kept, nothing read from them.
 
-Adding a trailer kind: a Struct here with its `STAGE` and `verdict`, its row in `KINDS`, and,
-when it moves a proposal's record, one case in `core.record.fold` (and, when it moves the
-status, its row in `STATUS`).
+Adding a trailer kind: a Struct here with its `STAGE` and `verdict`, its row in `VERDICTS`
+(which says the status it moves to), and, when it changes a proposal's record, one case in
+`core.record.fold` (docs/architecture.md, "The trailer is the only way a record changes").
 """
 
 from __future__ import annotations
@@ -406,39 +406,52 @@ TrailerData = (Registration | Decided | Approved | Rejected | Refused | Supersed
                | AutonomyState | CheckpointMade | EpochSealed | PolicyInForce | TrustInForce
                | ToolCall | ToolRefused | LedgerTrusted | Unknown)
 
-# (to_stage, verdict) → the kind of a trailer; the few kinds that share a pair are told apart
-# by their refs (`kind_of`)
+# The one table of verdicts: (to_stage, verdict) → the kind of such a trailer and the status it
+# moves a proposal to (None: it keeps the status). The few kinds that share a row are told
+# apart by their refs (`kind_of`); `status_after` adds three rules: any registration is
+# `pending`, a rejection whose cause is `expired` is `expired`, and a supersession takes an
+# approval back to `pending`. `record.LIFECYCLE` is which changes a chain may make.
+VERDICTS: Final[Mapping[tuple[Stage, str | None], tuple[type[Data], Status | None]]] = {
+    ("propose", None): (Registration, "pending"),
+    ("triage", "accept"): (Decided, None),
+    ("triage", "defer"): (Decided, None),
+    ("triage", "reject"): (Decided, "rejected"),  # or Rejected: an operator's, signed
+    ("triage", "approve"): (Approved, "approved"),
+    ("triage", "refused"): (Refused, None),
+    ("triage", "superseded"): (Superseded, None),  # approved → pending
+    ("triage", "inherit"): (Inherited, "approved"),
+    ("triage", "vote"): (Voted, None),
+    ("triage", "quorum"): (QuorumReached, "approved"),
+    ("triage", "grant"): (GrantAct, None),
+    ("triage", "revoke"): (GrantAct, None),
+    ("apply", "lkg_verified"): (LkgVerified, None),
+    ("apply", "dispatched"): (Dispatched, None),
+    ("apply", "undelivered"): (Undelivered, None),
+    ("apply", "applied"): (Applied, "applied"),
+    ("apply", "failed"): (Applied, None),  # or LkgRefused: before any order
+    ("apply", "rollback"): (RollbackAsked, None),
+    ("apply", "rolled_back"): (RolledBack, "rolled_back"),
+    ("apply", "rollback_failed"): (RolledBack, None),
+    ("apply", "tool_call"): (ToolCall, None),
+    ("apply", "refused"): (ToolRefused, None),
+    ("apply", "ledger"): (LedgerTrusted, None),
+    ("learn-back", "signal"): (SignalCounted, None),
+    ("learn-back", "held"): (Measured, None),
+    ("learn-back", "regressed"): (Measured, None),
+    ("learn-back", "unmeasured"): (Measured, None),
+    ("learn-back", "rollback"): (AutonomyState, None),
+    ("learn-back", "autonomy_on"): (AutonomyState, None),
+    ("learn-back", "autonomy_off"): (AutonomyState, None),
+    ("learn-back", "crisis"): (AutonomyState, None),
+    ("learn-back", "crisis_resolved"): (AutonomyState, None),
+    ("learn-back", "checkpoint"): (CheckpointMade, None),  # or EpochSealed: an epoch's seal
+    ("learn-back", "policy"): (PolicyInForce, None),
+    ("learn-back", "trust"): (TrustInForce, None),
+}
 KINDS: Final[Mapping[tuple[Stage, str | None], type[Data]]] = {
-    ("propose", None): Registration,
-    ("triage", "accept"): Decided, ("triage", "defer"): Decided, ("triage", "reject"): Decided,
-    ("triage", "approve"): Approved, ("triage", "refused"): Refused,
-    ("triage", "superseded"): Superseded, ("triage", "inherit"): Inherited,
-    ("triage", "vote"): Voted, ("triage", "quorum"): QuorumReached,
-    ("triage", "grant"): GrantAct, ("triage", "revoke"): GrantAct,
-    ("apply", "lkg_verified"): LkgVerified, ("apply", "dispatched"): Dispatched,
-    ("apply", "undelivered"): Undelivered, ("apply", "applied"): Applied,
-    ("apply", "failed"): Applied, ("apply", "rollback"): RollbackAsked,
-    ("apply", "rolled_back"): RolledBack, ("apply", "rollback_failed"): RolledBack,
-    ("apply", "tool_call"): ToolCall, ("apply", "refused"): ToolRefused,
-    ("apply", "ledger"): LedgerTrusted,
-    ("learn-back", "signal"): SignalCounted, ("learn-back", "held"): Measured,
-    ("learn-back", "regressed"): Measured, ("learn-back", "unmeasured"): Measured,
-    ("learn-back", "rollback"): AutonomyState, ("learn-back", "autonomy_on"): AutonomyState,
-    ("learn-back", "autonomy_off"): AutonomyState, ("learn-back", "crisis"): AutonomyState,
-    ("learn-back", "crisis_resolved"): AutonomyState,
-    ("learn-back", "checkpoint"): CheckpointMade, ("learn-back", "policy"): PolicyInForce,
-    ("learn-back", "trust"): TrustInForce,
-}
-
-# (to_stage, verdict) → the status after it (DESIGN §4); a trailer of any other pair keeps the
-# status, but for the two rules `status_after` adds: any registration is `pending`, and a
-# rejection whose cause is `expired` is `expired`
+    row: kind for row, (kind, _) in VERDICTS.items()}
 STATUS: Final[Mapping[tuple[Stage, str | None], Status]] = {
-    ("triage", "reject"): "rejected",
-    ("triage", "approve"): "approved", ("triage", "inherit"): "approved",
-    ("triage", "quorum"): "approved",
-    ("apply", "applied"): "applied", ("apply", "rolled_back"): "rolled_back",
-}
+    row: status for row, (_, status) in VERDICTS.items() if status is not None}
 
 
 class Transition(Protocol):
@@ -461,9 +474,9 @@ def moves_to(data: Data) -> Status | None:
 
 
 def status_after(status: Status, t: Transition) -> Status:
-    """The lifecycle status after one trailer: the whole of how status is derived."""
+    """The lifecycle status after one trailer: the whole of how status is derived (VERDICTS)."""
     if t.to_stage == "propose":
-        return "pending"
+        return "pending"  # whatever its verdict says
     if t.to_stage == "triage" and t.verdict == "superseded":
         # an approval never carries to content nobody reviewed
         return "pending" if status == "approved" else status
