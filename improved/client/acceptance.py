@@ -21,6 +21,7 @@ from improved.core import authority, propose
 from improved.core.apply import rolls_back
 from improved.core.audit import verify_chain
 from improved.core.trailers import (
+    VERDICTS,
     Approved,
     Data,
     Decided,
@@ -28,11 +29,8 @@ from improved.core.trailers import (
     QuorumReached,
     RollbackAsked,
     Superseded,
-    TrailerData,
-    TrailerDataError,
-    decode_body,
-    moves_to,
-    verdict_of,
+    Unknown,
+    kind_of_body,
 )
 from improved.protocol import canonical, wire
 from improved.protocol import subjects as S
@@ -43,20 +41,15 @@ PREFIX = "not_accepted: "
 ACCEPTING: tuple[type[Data], ...] = (Approved, Inherited, QuorumReached)
 
 
-def withdraws(data: TrailerData) -> bool:
-    """The trailer undoes an earlier acceptance: a rejection (or expiry), new content."""
-    return isinstance(data, Superseded) or moves_to(data) == "rejected"
-
-
-def _read(bodies: list[dict[str, Any]]) -> list[tuple[dict[str, Any], TrailerData]]:
-    """Each trailer with what it says; one this version cannot read says nothing here."""
-    out = []
-    for body in bodies:
-        try:
-            out.append((body, decode_body(body)))
-        except TrailerDataError:
-            continue
-    return out
+def withdraws(body: dict[str, Any]) -> str | None:
+    """The verdict of a trailer that undoes an earlier acceptance — a rejection (or expiry),
+    new content — or None. Read as a triage verdict whatever stage the trailer claims, and
+    by its verdict alone: what takes an acceptance back is never missed for its refs."""
+    verdict = body.get("verdict")
+    if not isinstance(verdict, str):
+        return None
+    kind, status = VERDICTS.get(("triage", verdict), (Unknown, None))
+    return verdict if kind is Superseded or status == "rejected" else None
 
 
 def _no(text: str) -> str:
@@ -81,11 +74,11 @@ async def _approved(js: Any, svc: str, pid: str, authority: str,
     if refusal:
         return refusal
     accepted, withdrawn = False, None
-    for body, data in _read(bodies):
-        if isinstance(data, accepting) and body.get("actor") == authority:
+    for body in bodies:
+        if issubclass(kind_of_body(body), accepting) and body.get("actor") == authority:
             accepted, withdrawn = True, None
-        elif withdraws(data) and accepted:
-            accepted, withdrawn = False, verdict_of(data)
+        elif withdraws(body) and accepted:
+            accepted, withdrawn = False, withdraws(body)
     if accepted:
         return None
     if withdrawn:
@@ -101,11 +94,11 @@ async def _auto_accepted(js: Any, svc: str, pid: str) -> str | None:
     if refusal:
         return refusal
     accepted = False
-    for body, data in _read(bodies):
-        if isinstance(data, Decided) and data.verdict == "accept" \
+    for body in bodies:
+        if kind_of_body(body) is Decided and body.get("verdict") == "accept" \
                 and body.get("gate_class") == "L0":
             accepted = True
-        elif withdraws(data):
+        elif withdraws(body):
             accepted = False
     if accepted:
         return None
@@ -117,8 +110,8 @@ async def _rollback_asked(js: Any, svc: str, original: str, authority: str) -> s
     bodies, refusal = await _verified(js, svc, original)
     if refusal:
         return refusal
-    if any(isinstance(data, RollbackAsked) and body.get("actor") == authority
-           for body, data in _read(bodies)):
+    if any(kind_of_body(body) is RollbackAsked and body.get("actor") == authority
+           for body in bodies):
         return None
     return _no(f"no rollback by {authority} on the audit chain of {original[:8]}")
 

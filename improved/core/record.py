@@ -247,10 +247,11 @@ record_encoder = msgspec.msgpack.Encoder()
 record_decoder = msgspec.msgpack.Decoder(ProposalRecord)
 
 
-def with_trailer(record: ProposalRecord, trailer: Trailer, stream_seq: int,
-                 data: TrailerData | None = None) -> ProposalRecord:
-    """The record's head after `trailer` joined its chain at JetStream sequence `stream_seq`:
-    its status, stage, chain head and time (`fold` is the rest of what the trailer says)."""
+def _with_head(record: ProposalRecord, trailer: Trailer, stream_seq: int,
+               data: TrailerData) -> ProposalRecord:
+    """What every trailer says of the record, whatever its kind: the status after it, its
+    stage, where the chain ends, the time; and an ApplyOrder's intent, where it sits in the
+    stream (`dispatched_seq`)."""
     intent = isinstance(data, Dispatched) and data.dispatch == "apply"
     return record.replace(
         status=status_after(record.status, trailer),
@@ -282,7 +283,8 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
 def fold(record: ProposalRecord, trailer: Trailer, stream_seq: int) -> ProposalRecord:
     """The record after `trailer` joined its chain at JetStream sequence `stream_seq`: the one
     place a trailer becomes record state, for a commit and a rebuild alike. TrailerDataError
-    (a ValueError) when the trailer is of no kind, or its refs are not its kind's data."""
+    (a ValueError) when its refs are not its kind's data; a trailer of no kind known here
+    (`trailers.Unknown`) moves only the head."""
     data = decode(trailer)
     if isinstance(data, Signed) and data.act is not None:
         if data.act_seq is None:
@@ -291,7 +293,7 @@ def fold(record: ProposalRecord, trailer: Trailer, stream_seq: int) -> ProposalR
     changes = _changes(record, trailer, data)
     if changes:
         record = record.replace(**changes)
-    return with_trailer(record, trailer, stream_seq, data)
+    return _with_head(record, trailer, stream_seq, data)
 
 
 def _changes(record: ProposalRecord, t: Trailer, data: TrailerData) -> dict[str, object]:

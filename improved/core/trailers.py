@@ -644,6 +644,15 @@ def decode_body(body: object, as_: type[D] | None = None) -> D | TrailerData:
     return decode(shape)
 
 
+def kind_of_body(body: object) -> type[Data]:
+    """The kind of a raw trailer body by its stage, verdict and ref names, reading none of
+    its values (`Unknown` for what is no trailer)."""
+    try:
+        return kind_of(msgspec.convert(body, _Body))
+    except msgspec.ValidationError:
+        return Unknown
+
+
 def body_as(cls: type[D], body: object) -> D:
     """`body` read as the data of `cls` (`decode_body`)."""
     return cast(D, decode_body(body, cls))
