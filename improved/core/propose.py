@@ -13,7 +13,7 @@ from improved.core import identity
 from improved.core.audit import Draft, draft_of
 from improved.core.boundary import Answer, Attested
 from improved.core.policy import Policy
-from improved.core.record import CountedSignal, ProposalRecord, closed, replay
+from improved.core.record import CountedSignal, ProposalRecord, closed, fold, replay
 from improved.core.signing import PAYLOAD_TYPES, ActRefused, TrustStore, Verified
 from improved.core.trailers import Registration, Superseded, decode
 from improved.protocol import cal, canonical, wire
@@ -284,7 +284,7 @@ def rebuild_record(trailers: list[Trailer], seqs: list[int], policy: Policy) -> 
         raise ValueError(f"chain {trailers[0].proposal_id}: its registration carries the "
                          f"content of {pid}")
     start, _ = register(first.proposal, pid, dedup, policy, 0, first.proposer)
-    return replay(start, trailers, seqs)
+    return replay(fold(start, trailers[0], seqs[0], first), trailers[1:], seqs[1:])
 
 
 FUTURE_SKEW_MS = 5 * 60 * 1000  # how far a proposal's created_at may lie ahead of our clock

@@ -280,12 +280,14 @@ def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int
     return record
 
 
-def fold(record: ProposalRecord, trailer: Trailer, stream_seq: int) -> ProposalRecord:
+def fold(record: ProposalRecord, trailer: Trailer, stream_seq: int,
+         data: TrailerData | None = None) -> ProposalRecord:
     """The record after `trailer` joined its chain at JetStream sequence `stream_seq`: the one
-    place a trailer becomes record state, for a commit and a rebuild alike. TrailerDataError
+    place a trailer becomes record state, for a commit and a rebuild alike. `data`: what the
+    trailer says, when a caller decoded it already (`trailers.decode`). TrailerDataError
     (a ValueError) when its refs are not its kind's data; a trailer of no kind known here
     (`trailers.Unknown`) moves only the head."""
-    data = decode(trailer)
+    data = decode(trailer) if data is None else data
     if isinstance(data, Signed) and data.act is not None:
         if data.act_seq is None:
             raise TrailerDataError(f"trailer {trailer.seq} names its act without act_seq")

@@ -674,24 +674,46 @@ def decode_as(cls: type[Data], refs: Sequence[str], verdict: str | None = None,
     values: dict[str, Any] = {INDEX: tuple(every.get(INDEX, ()))}
     for f in _fields(cls):
         if f.how == "many":
-            values[f.ref] = tuple(every.get(f.ref, ()))
+            values[f.name] = tuple(every.get(f.ref, ()))
         elif f.ref in first:
-            values[f.ref] = _parse(cls, f, first[f.ref])
+            values[f.name] = _parse(cls, f, first[f.ref])
         elif f.required:
             raise TrailerDataError(f"a {cls.__name__} trailer carries no {f.ref}: ref")
     if cls.REST is not None:
         known = {f.ref for f in _fields(cls)} | {INDEX}
         values[cls.REST] = {name: _json(cls, name, value, Any) for name, value in first.items()
                             if name not in known}
-    attributes = set(cls.__struct_fields__)
-    if "verdict" in attributes and verdict is not None:
+    words = _words(cls)
+    if "verdict" in words and verdict is not None:
         values["verdict"] = verdict
-    if "cause" in attributes:
+    if "cause" in words:
         values["cause"] = cause
+    for field, value in values.items():
+        allowed = words.get(field)
+        if allowed is not None and value not in allowed:
+            raise TrailerDataError(f"a {cls.__name__} trailer's {field} is not one of "
+                                   f"{sorted(map(str, allowed))}: {value!r}")
     try:
-        return msgspec.convert(values, cls)
-    except msgspec.ValidationError as exc:
+        return cls(**values)  # each value is of its field's type: read by that type above
+    except TypeError as exc:  # a required verdict the trailer does not carry
         raise TrailerDataError(f"a {cls.__name__} trailer: {exc}") from None
+
+
+@cache
+def _words(cls: type[Data]) -> dict[str, frozenset[object]]:
+    """The trailer's own fields of `cls` (`verdict`, `cause`), each with the values its type
+    allows (a Literal, or None)."""
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    out: dict[str, frozenset[object]] = {}
+    for f in info.fields:
+        if f.name in _TOP:
+            types = f.type.types if isinstance(f.type, msgspec.inspect.UnionType) else (f.type,)
+            out[f.name] = frozenset(
+                v for t in types
+                for v in (t.values if isinstance(t, msgspec.inspect.LiteralType)
+                          else (None,) if isinstance(t, msgspec.inspect.NoneType) else ()))
+    return out
 
 
 def _parse(cls: type[Data], f: _Field, text: str) -> Any:
