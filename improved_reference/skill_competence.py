@@ -11,7 +11,7 @@ verified by the store itself; a retained learn-back record only says where to lo
 The holder whose competence an outcome describes is the agent that proposed running the skill.
 A signed proposal names it verifiably: the holder is the identity whose key signed it
 (`agent:<svc>:<name>` or `service:<svc>`), as its registration trailer records it beside the
-envelope (`propose.signed_proposer`). An unsigned one names it only by its own word, under the
+envelope (`propose.registration`). An unsigned one names it only by its own word, under the
 service that verifiably proposed it: `service:<svc>/<origin.actor>` (`holder_of`).
 `origin.actor` is only recorded, so an unsigned proposer could name any agent there; the
 verified service in front keeps that within its own service's holders — it can never move the
@@ -29,7 +29,7 @@ from improved.core import propose
 from improved.core.audit import Authenticity, verify_chain
 from improved.core.identity import of_subject as identity_of_subject
 from improved.core.identity import proposer_problem
-from improved.core.record import APPLIED, ROLLED_BACK, SIGNAL, refs_of
+from improved.core.trailers import Applied, Registration, RolledBack, SignalCounted, decode
 from improved.protocol import canonical, wire
 from improved.protocol.model import Proposal, Trailer
 
@@ -114,7 +114,9 @@ def practice_on_chain(proposal_id: str, bodies: list[Any], service: str,
         raise NotPractice(f"the audit chain of {proposal_id[:12]} does not verify: {broken}")
     try:
         trailers = [msgspec.convert(body, type=Trailer) for body in bodies]
-        proposal = propose.carried(trailers[0])
+        said = [decode(t) for t in trailers]
+        first = propose.registration(trailers[0])
+        proposal = first.proposal
         pid, _ = propose.identify(proposal)
     except (msgspec.ValidationError, msgspec.DecodeError, ValueError, wire.WireError) as exc:
         raise NotPractice(f"the chain of {proposal_id[:12]} carries no readable proposal: "
@@ -133,26 +135,24 @@ def practice_on_chain(proposal_id: str, bodies: list[Any], service: str,
         raise NotPractice(f"the skill of {proposal_id[:12]} has no identity: {exc}") from None
     outcomes: list[Outcome] = []
     live = False
-    for trailer in trailers:
-        if trailer.to_stage == "apply" and trailer.verdict == APPLIED:
-            live = True
-        elif trailer.to_stage == "apply" and trailer.verdict == ROLLED_BACK:
-            live = False
-        elif live and trailer.to_stage == "learn-back" and trailer.verdict == SIGNAL:
-            refs = refs_of(trailer)
-            if refs.get("independent") == "true":
-                at = refs.get("at", "")
-                outcomes.append(Outcome(seq=trailer.seq, positive=refs.get("positive") == "true",
-                                        at=int(at) if at.isdigit() else trailer.at))
+    for trailer, data in zip(trailers, said, strict=True):
+        match data:
+            case Applied(verdict="applied"):
+                live = True
+            case RolledBack(verdict="rolled_back"):
+                live = False
+            case SignalCounted(independent=True) if live:
+                outcomes.append(Outcome(seq=trailer.seq, positive=data.positive,
+                                        at=trailer.at if data.at is None else data.at))
     return Practice(proposal_id=proposal_id, identity=identity,
-                    holder=holder_on_chain(trailers[0], proposal), outcomes=tuple(outcomes))
+                    holder=holder_on_chain(trailers[0], first), outcomes=tuple(outcomes))
 
 
-def holder_on_chain(registration: Trailer, proposal: Proposal) -> str:
+def holder_on_chain(registration: Trailer, first: Registration) -> str:
     """The holder a registration names: its verified proposer when the proposal came signed
     (the chain's verification checks the envelope beside it), else `holder_of` the proposal.
     NotPractice for a signer the registration says is of another service."""
-    signer = propose.signed_proposer(registration)
+    proposal, signer = first.proposal, first.proposer
     if signer is None:
         return holder_of(proposal)
     problem = proposer_problem(signer, proposal.service)

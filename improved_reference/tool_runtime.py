@@ -77,8 +77,7 @@ from nats.js.errors import APIError, BucketNotFoundError, KeyDeletedError, NotFo
 from nats.js.kv import KeyValue
 
 from improved.client.sdk import MAX_MESSAGE_BYTES, Served, serve_spec
-from improved.core import audit, evidence, retention
-from improved.core.record import refs_of
+from improved.core import audit, evidence, retention, trailers
 from improved.core.signing import keyid_of, raw_public
 from improved.core.tools import (
     ERROR_LIMIT,
@@ -419,9 +418,13 @@ class ToolRuntimeService:
         if problem is not None:
             return {}, problem
         try:
-            return recorded_ledger(refs_of(decode_trailer(head))), None
-        except msgspec.MsgspecError as exc:
+            data = trailers.decode(decode_trailer(head))
+        except (msgspec.MsgspecError, trailers.TrailerDataError) as exc:
             return {}, f"not a trailer: {exc}"
+        if not isinstance(data, trailers.ToolCall | trailers.ToolRefused
+                          | trailers.LedgerTrusted):
+            return {}, f"not a trailer of a tool runtime's chain ({type(data).__name__})"
+        return recorded_ledger(data), None
 
     async def _record_ledger(self, trusted: dict[str, retention.Known], why: str) -> None:
         """Append the `ledger` trailer, unless the chain's last trailer (another replica's,

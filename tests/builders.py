@@ -5,8 +5,10 @@ messages with `tests.factories` instead."""
 from __future__ import annotations
 
 from improved.core import lkg
+from improved.core.audit import Draft, seal
 from improved.core.boundary import Attested
 from improved.core.policy import Policy
+from improved.core.record import ProposalRecord, fold
 from improved.protocol.model import AnalyzerRef, Origin, Proposal, Summary
 
 NOW = 1_700_000_000_000
@@ -71,3 +73,11 @@ def report(rc_b: int = 0) -> lkg.LkgReport:
                         rc=0),
         lkg.LkgArtefact(artefact="b", lkg_digest="sha256:" + "2" * 64, smoke_test="json",
                         rc=rc_b)])
+
+
+def committed(record: ProposalRecord, draft: Draft, at: int = NOW,
+              seq: int | None = None) -> ProposalRecord:
+    """What the engine's commit makes of `draft` on `record`, without the broker: the trailer
+    sealed at `at` and folded in at stream sequence `seq` (the next one by default)."""
+    seq = record.chain.stream_seq + 1 if seq is None else seq
+    return fold(record, seal(draft, record, at), seq)

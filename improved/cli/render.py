@@ -17,6 +17,24 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from improved.core.trailers import (
+    Approved,
+    AutonomyState,
+    Decided,
+    Dispatched,
+    GrantAct,
+    Inherited,
+    QuorumReached,
+    Refused,
+    Rejected,
+    RollbackAsked,
+    TrailerData,
+    TrailerDataError,
+    Voted,
+    decode_body,
+    verdict_of,
+)
+
 SHORT = 12  # digits of an id shown where the full id is not needed (the demo's 12)
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
@@ -176,20 +194,6 @@ def proposer_text(proposer: object, origin_actor: object, verified: bool = True)
 
 # -- who signed --------------------------------------------------------------------------------
 
-AUTHORITY = {"approve", "reject", "rollback", "vote", "quorum", "inherit", "refused", "grant",
-             "revoke", "crisis_resolved"}
-
-
-def refs(body: Mapping[str, Any]) -> dict[str, str]:
-    """A raw trailer's refs by name (the first of a name wins)."""
-    found: dict[str, str] = {}
-    for r in body.get("refs") or ():
-        if isinstance(r, str):
-            name, _, value = r.partition(":")
-            found.setdefault(name, value)
-    return found
-
-
 def keyids(body: Mapping[str, Any]) -> list[str]:
     env = body.get("envelope")
     sigs = env.get("signatures") if isinstance(env, Mapping) else None
@@ -201,27 +205,48 @@ def signed(trailers: Iterable[Mapping[str, Any]]) -> list[str]:
     it was signed with), every refusal of one, and the authority each apply ran under."""
     lines = []
     for body in trailers:
-        if not isinstance(body, Mapping):
+        data = _data(body)
+        if data is None:
             continue
-        verdict, r = body.get("verdict"), refs(body)
         by, at = clean(body.get("actor")), stamp(body.get("at"))
         keys = keyids(body)
         key = f" (key {', '.join(k[:24] for k in keys)})" if keys else ""
-        if verdict == "refused":
-            lines.append(f"refused act {clean(r.get('code', ''))} at {at}{key}: "
-                         f"{clean(body.get('reason', ''))}")
-        elif verdict == "vote":
-            lines.append(f"{clean(r.get('vote', 'vote'))} vote by {by} (session "
-                         f"{clean(r.get('session', '?'))}) at {at}{key}")
-        elif verdict in ("quorum", "inherit"):
-            lines.append(f"{verdict}: approved under {clean(r.get('authority', by))} at {at}")
-        elif verdict in AUTHORITY and (keys or str(body.get("actor", "")).startswith(
-                "operator:")):
-            lines.append(f"{verdict} by {by} at {at}{key}")
-        elif verdict == "dispatched" and "authority" in r:
-            what = "rollback" if r.get("dispatch") == "rollback" else "apply"
-            lines.append(f"{what} dispatched under {clean(r['authority'])} at {at}")
+        match data:
+            case Refused(code=code):
+                lines.append(f"refused act {clean(code)} at {at}{key}: "
+                             f"{clean(body.get('reason', ''))}")
+            case Voted(vote=vote, session=session):
+                lines.append(f"{clean(vote or 'vote')} vote by {by} (session "
+                             f"{clean(session or '?')}) at {at}{key}")
+            case QuorumReached(authority=under) | Inherited(authority=under):
+                lines.append(f"{verdict_of(data)}: approved under {clean(under or by)} at {at}")
+            case Approved() | Rejected() | Decided() | RollbackAsked() | GrantAct() \
+                    | AutonomyState() if _operators(data, body, keys):
+                lines.append(f"{verdict_of(data)} by {by} at {at}{key}")
+            case Dispatched(dispatch=dispatch, authority=str(under)):
+                what = "rollback" if dispatch == "rollback" else "apply"
+                lines.append(f"{what} dispatched under {clean(under)} at {at}")
     return lines
+
+
+def _operators(data: TrailerData, body: Mapping[str, Any], keys: list[str]) -> bool:
+    """An act an operator signed (or one claiming to be): a triage decision or an autonomy
+    trailer only when it is a rejection or a crisis resolution."""
+    if isinstance(data, Decided) and data.verdict != "reject":
+        return False
+    if isinstance(data, AutonomyState) and data.verdict != "crisis_resolved":
+        return False
+    return bool(keys) or str(body.get("actor", "")).startswith("operator:")
+
+
+def _data(body: object) -> TrailerData | None:
+    """What a raw trailer body says, or None when it is no trailer this version reads."""
+    if not isinstance(body, Mapping):
+        return None
+    try:
+        return decode_body(body)
+    except TrailerDataError:
+        return None
 
 
 # -- the terminal views ------------------------------------------------------------------------

@@ -19,12 +19,25 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 from improved.cli.errors import Failure
 from improved.core import gradient
-from improved.core.record import refs_of
+from improved.core.trailers import (
+    Applied,
+    Decided,
+    Inherited,
+    LkgRefused,
+    Refused,
+    Rejected,
+    RolledBack,
+    TrailerData,
+    TrailerDataError,
+    Undelivered,
+    decode_body,
+    moves_to,
+    verdict_of,
+)
 from improved.runtime.bus import Target
 from improved.runtime.store import Store
 
@@ -100,16 +113,15 @@ def of_act(digest: str, trailers: Iterable[dict[str, Any]], what: str, subject: 
     `trailers` (raw bodies, in chain order); None while it is not there. `what` names the act
     (`approve of <id>`), `subject` is how a hint names what it acts on (an id)."""
     for body in trailers:
-        refs = _refs(body)
-        if refs.get("act") != digest:
+        data = _data(body)
+        if data is None or getattr(data, "act", None) != digest:
             continue
-        verdict = body.get("verdict")
-        if verdict == "refused":
-            code = refs.get("code", "refused")
+        if isinstance(data, Refused):
             reason = str(body.get("reason", ""))
             why = reason.partition("): ")[2] or reason
-            fix = FIXES.get(code, "`improved show {id}` has the trailer").format(id=subject)
-            return Verdict(False, f"refused: {what} ({code}): {why}; {fix}", code)
+            fix = FIXES.get(data.code, "`improved show {id}` has the trailer").format(id=subject)
+            return Verdict(False, f"refused: {what} ({data.code}): {why}; {fix}", data.code)
+        verdict = verdict_of(data)
         template = ACCEPTED.get(str(verdict))
         if template is None:  # an act trailer of a kind this command does not know
             return Verdict(True, f"accepted: {what} ({verdict})")
@@ -155,12 +167,13 @@ def of_triage(pid: str, status: str, trailers: Sequence[dict[str, Any]],
               target_ref: str) -> Verdict:
     """`improved propose`: the triage decision the registration led to, with its cause and what
     follows or what to fix. Accepted unless rejected or expired."""
-    t = next((b for b in reversed(trailers) if b.get("to_stage") == "triage"
-              and b.get("verdict") in ("accept", "defer", "reject", "inherit")), None)
+    t = next((b for b in reversed(trailers)
+              if isinstance(_data(b), Decided | Rejected | Inherited)), None)
     ok = status not in ("rejected", "expired")
     if t is None:
         return Verdict(ok, f"{pid} {status}: not triaged yet; `improved show {pid}` follows it")
-    verdict, cause = str(t.get("verdict")), t.get("cause")
+    data, cause = _data(t), t.get("cause")
+    verdict = str(t.get("verdict"))
     reason = str(t.get("reason") or "")
     hint = gradient.unlisted(gradient.scheme_of(target_ref))
     if cause == "class_mismatch" and hint is not None:
@@ -168,7 +181,9 @@ def of_triage(pid: str, status: str, trailers: Sequence[dict[str, Any]],
             reason = f"{hint}; {reason}"
         fix = "fix the target's scheme, or propose at the class it needs"
     else:
-        key = "accept" if verdict in ("accept", "inherit") else str(cause)
+        accepted = isinstance(data, Inherited) or (isinstance(data, Decided)
+                                                   and data.verdict == "accept")
+        key = "accept" if accepted else str(cause)
         fix = TRIAGE_NEXT.get(key, "`improved show {id}` has the trailers").format(id=pid)
     said = f"{verdict}/{cause}" if cause else verdict
     return Verdict(ok, f"{pid} {status}: {said} at {t.get('gate_class')}: {reason}; {fix}",
@@ -179,17 +194,15 @@ def of_reversal(rid: str, trailers: Iterable[dict[str, Any]]) -> Verdict | None:
     """`improved revert`: the reversal inherits its original's approval, or is triaged like
     any proposal (then it does not run on its own)."""
     for body in trailers:
-        if body.get("to_stage") != "triage":
-            continue
-        verdict = body.get("verdict")
-        if verdict == "inherit":
-            return Verdict(True, f"accepted: reversal {rid} inherited the approval of "
-                                 f"{body.get('actor')} and runs; `improved show {rid}` shows "
-                                 "its outcome")
-        if verdict in ("accept", "defer", "reject"):
-            cause = body.get("cause")
-            return Verdict(False, f"refused: reversal {rid} did not inherit an approval: "
-                                  f"{verdict}/{cause}: {body.get('reason')}", cause)
+        match _data(body):
+            case Inherited():
+                return Verdict(True, f"accepted: reversal {rid} inherited the approval of "
+                                     f"{body.get('actor')} and runs; `improved show {rid}` "
+                                     "shows its outcome")
+            case Decided() | Rejected() as data:
+                cause = body.get("cause")
+                return Verdict(False, f"refused: reversal {rid} did not inherit an approval: "
+                                      f"{data.verdict}/{cause}: {body.get('reason')}", cause)
     return None
 
 
@@ -197,29 +210,28 @@ def of_apply(pid: str, trailers: Iterable[dict[str, Any]]) -> Verdict | None:
     """`improved retry`: the outcome of the apply it resumed — applied, failed (the service
     refused), or withdrawn because no service received it."""
     for body in trailers:
-        verdict, refs = body.get("verdict"), _refs(body)
-        if verdict in ("applied", "rolled_back"):
-            return Verdict(True, f"accepted: {pid} {verdict} by its service")
-        if verdict in ("failed", "rollback_failed"):
+        data = _data(body)
+        if isinstance(data, Applied | LkgRefused | RolledBack):
+            if moves_to(data) is not None:  # applied, or rolled back
+                return Verdict(True, f"accepted: {pid} {data.verdict} by its service")
             return Verdict(False, f"refused: the service refused {pid}: "
-                                  f"{refs.get('error') or body.get('reason')}; fix the cause "
+                                  f"{data.error or body.get('reason')}; fix the cause "
                                   "and propose again", "failed")
-        if verdict == "undelivered":
+        if isinstance(data, Undelivered):
             return Verdict(False, f"refused: no service took {pid} "
-                                  f"({refs.get('error') or body.get('reason')}): start the "
+                                  f"({data.error or body.get('reason')}): start the "
                                   "owning service; the daemon keeps retrying on its own, and "
                                   f"`improved retry {pid}` tries at once", "unreachable")
     return None
 
 
-def _refs(body: dict[str, Any]) -> dict[str, str]:
-    """The refs of a raw trailer body by name (the first of a name wins, as `refs_of`)."""
-    refs = body.get("refs")
-    return refs_of(SimpleNamespace(refs=[r for r in refs if isinstance(r, str)]
-                                   if isinstance(refs, list) else []))
-
-
-# -- the wait --------------------------------------------------------------------------------
+def _data(body: dict[str, Any]) -> TrailerData | None:
+    """What a raw trailer body says (`trailers.decode_body`), or None when it is no trailer
+    this version can read."""
+    try:
+        return decode_body(body)
+    except TrailerDataError:
+        return None
 
 
 def add_wait_args(p: argparse.ArgumentParser) -> None:

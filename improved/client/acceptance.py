@@ -20,14 +20,36 @@ from improved.client.chains import current_grant, read_chain
 from improved.core import authority, propose
 from improved.core.apply import rolls_back
 from improved.core.audit import verify_chain
+from improved.core.trailers import (
+    VERDICTS,
+    Approved,
+    Data,
+    Decided,
+    Inherited,
+    QuorumReached,
+    RollbackAsked,
+    Superseded,
+    Unknown,
+    kind_of_body,
+)
 from improved.protocol import canonical, wire
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder
 
 PREFIX = "not_accepted: "
-ACCEPTING = frozenset({"approve", "inherit", "quorum"})  # verdicts that accept, by their actor
-WITHDRAWING = frozenset({"reject", "superseded"})  # verdicts that undo an earlier acceptance
-ROLLBACK = "rollback"
+# the trailers that accept, by their actor: an operator's approval, an inherited one, a quorum's
+ACCEPTING: tuple[type[Data], ...] = (Approved, Inherited, QuorumReached)
+
+
+def withdraws(body: dict[str, Any]) -> str | None:
+    """The verdict of a trailer that undoes an earlier acceptance — a rejection (or expiry),
+    new content — or None. Read as a triage verdict whatever stage the trailer claims, and
+    by its verdict alone: what takes an acceptance back is never missed for its refs."""
+    verdict = body.get("verdict")
+    if not isinstance(verdict, str):
+        return None
+    kind, status = VERDICTS.get(("triage", verdict), (Unknown, None))
+    return verdict if kind is Superseded or status == "rejected" else None
 
 
 def _no(text: str) -> str:
@@ -46,18 +68,17 @@ async def _verified(js: Any, svc: str, chain_id: str) -> tuple[list[dict[str, An
 
 
 async def _approved(js: Any, svc: str, pid: str, authority: str,
-                    accepting: frozenset[str] = ACCEPTING) -> str | None:
+                    accepting: tuple[type[Data], ...] = ACCEPTING) -> str | None:
     """None when an accepting trailer by `authority` stands on the chain of `pid`."""
     bodies, refusal = await _verified(js, svc, pid)
     if refusal:
         return refusal
     accepted, withdrawn = False, None
     for body in bodies:
-        verdict = body.get("verdict")
-        if verdict in accepting and body.get("actor") == authority:
+        if issubclass(kind_of_body(body), accepting) and body.get("actor") == authority:
             accepted, withdrawn = True, None
-        elif verdict in WITHDRAWING and accepted:
-            accepted, withdrawn = False, verdict
+        elif withdraws(body) and accepted:
+            accepted, withdrawn = False, withdraws(body)
     if accepted:
         return None
     if withdrawn:
@@ -74,11 +95,10 @@ async def _auto_accepted(js: Any, svc: str, pid: str) -> str | None:
         return refusal
     accepted = False
     for body in bodies:
-        verdict = body.get("verdict")
-        if verdict == "accept" and body.get("to_stage") == "triage" \
+        if kind_of_body(body) is Decided and body.get("verdict") == "accept" \
                 and body.get("gate_class") == "L0":
             accepted = True
-        elif verdict in WITHDRAWING:
+        elif withdraws(body):
             accepted = False
     if accepted:
         return None
@@ -90,7 +110,8 @@ async def _rollback_asked(js: Any, svc: str, original: str, authority: str) -> s
     bodies, refusal = await _verified(js, svc, original)
     if refusal:
         return refusal
-    if any(b.get("verdict") == ROLLBACK and b.get("actor") == authority for b in bodies):
+    if any(kind_of_body(body) is RollbackAsked and body.get("actor") == authority
+           for body in bodies):
         return None
     return _no(f"no rollback by {authority} on the audit chain of {original[:8]}")
 
@@ -119,7 +140,7 @@ async def operator_approved(js: Any, order: ApplyOrder) -> str | None:
     if not order.authority.startswith("operator:"):
         return _no(f"{order.authority} is not an operator")
     return await _approved(js, order.proposal.service, order.proposal_id, order.authority,
-                           frozenset({"approve"}))
+                           (Approved,))
 
 
 def _bound(order: ApplyOrder) -> str | None:

@@ -9,27 +9,17 @@ from typing import Any
 import msgspec
 
 from improved.core import lkg
-from improved.core.audit import REASON_LIMIT, Draft
+from improved.core.audit import REASON_LIMIT, Draft, draft_of
 from improved.core.boundary import Answer, Attested, Conflict, Evidence
 from improved.core.gradient import AUTO_APPLY_CLASSES
 from improved.core.policy import Policy
 from improved.core.propose import identify
-from improved.core.record import (
-    APPLIED,
-    APPLY_FAILED,
-    DISPATCHED,
-    REGRESSED,
-    ROLLBACK_FAILED,
-    ROLLED_BACK,
-    UNDELIVERED,
-    ProposalRecord,
-    ref,
-)
+from improved.core.record import REGRESSED, ProposalRecord
+from improved.core.trailers import Applied, Dispatched, RolledBack, Undelivered
 from improved.protocol import cal, canonical
 from improved.protocol.model import (
     AnalyzerRef,
     ApplyOrder,
-    ApplyOutcome,
     ApplyResult,
     ChangeClass,
     ObserverType,
@@ -76,43 +66,30 @@ def grant_bound(record: ProposalRecord) -> bool:
     return record.gate_class == "L3" and record.approved_by is None and record.skill is not None
 
 
-def dispatch(record: ProposalRecord, policy: Policy, actor: str,
-             now: int) -> tuple[ProposalRecord, Draft]:
+def dispatch(record: ProposalRecord, policy: Policy, actor: str) -> Draft:
     """The intent: the ApplyOrder is recorded on the chain before it leaves. Whichever lands
     first on the chain, this or an operator's review, wins; a review after it is refused."""
     by = authority(record, policy)
-    draft = Draft(from_stage=record.stage, to_stage="apply", actor=actor,
-                  observer_type="rec:system", verdict=DISPATCHED,
-                  reason=f"ApplyOrder dispatched to {record.service} under {by}",
-                  refs=(ref("dispatch", "apply"), ref("order", record.proposal_id),
-                        ref("authority", by)))
-    return record.replace(dispatched_by=by, dispatched_at=now, updated_at=now), draft
+    return draft_of(Dispatched(dispatch="apply", order=record.proposal_id, authority=by),
+                    record.stage, actor, "rec:system",
+                    f"ApplyOrder dispatched to {record.service} under {by}")
 
 
-def undelivered(record: ProposalRecord, error: str, actor: str,
-                now: int) -> tuple[ProposalRecord, Draft]:
+def undelivered(record: ProposalRecord, error: str, actor: str) -> Draft:
     """The dispatch just recorded reached no service (no responder, or a "not now" error
     reply, on every attempt; never a timeout): nothing was applied, so the dispatch is void
     and the proposal is open to a decision again (a review, expiry, new content)."""
-    draft = Draft(from_stage=record.stage, to_stage="apply", actor=actor,
-                  observer_type="rec:system", verdict=UNDELIVERED,
-                  reason=f"the ApplyOrder reached no service: {error}"[:300],
-                  refs=(ref("order", record.proposal_id), ref("error", error)))
-    return record.replace(dispatched_by=None, dispatched_at=None, dispatched_seq=None,
-                          updated_at=now), draft
+    return draft_of(Undelivered(order=record.proposal_id, error=error), record.stage, actor,
+                    "rec:system", f"the ApplyOrder reached no service: {error}"[:300])
 
 
-def dispatch_rollback(record: ProposalRecord, actor: str,
-                      now: int) -> tuple[ProposalRecord, Draft]:
+def dispatch_rollback(record: ProposalRecord, actor: str) -> Draft:
     """The intent of an operator's rollback: its order is recorded before it leaves."""
     inverse_id, order_ = rollback_order(record, 1)
-    draft = Draft(from_stage=record.stage, to_stage="apply", actor=actor,
-                  observer_type="rec:system", verdict=DISPATCHED,
-                  reason=f"rollback order {inverse_id} dispatched to {record.service} under "
-                         f"{order_.authority}",
-                  refs=(ref("dispatch", "rollback"), ref("order", inverse_id),
-                        ref("authority", order_.authority)))
-    return record.replace(rollback_dispatched_at=now, updated_at=now), draft
+    return draft_of(Dispatched(dispatch="rollback", order=inverse_id, authority=order_.authority),
+                    record.stage, actor, "rec:system",
+                    f"rollback order {inverse_id} dispatched to {record.service} under "
+                    f"{order_.authority}")
 
 
 def needs_rollback(record: ProposalRecord) -> bool:
@@ -179,8 +156,7 @@ def rolls_back(proposal: Proposal) -> str | None:
     return None
 
 
-def rolled_back_by(record: ProposalRecord, inverse: ProposalRecord,
-                   now: int) -> tuple[ProposalRecord, Draft] | None:
+def rolled_back_by(record: ProposalRecord, inverse: ProposalRecord) -> Draft | None:
     """The original, once its rollback proposal was applied: rolled back."""
     if record.status != "applied" or record.rollback_outcome is not None:
         return None
@@ -188,14 +164,11 @@ def rolled_back_by(record: ProposalRecord, inverse: ProposalRecord,
     if out is None:
         raise ValueError(f"rollback {inverse.proposal_id} of {record.proposal_id} has not been "
                          "applied")
-    outcome = ApplyOutcome(proposal_id=record.proposal_id, service=record.service, ok=True,
-                           applied_id=out.applied_id, authority=out.authority, at=now)
     observer: ObserverType = "rec:policy" if inverse.approved_by is None else "human"
-    draft = Draft(from_stage=record.stage, to_stage="apply", actor=out.authority,
-                  observer_type=observer, verdict=ROLLED_BACK,
-                  reason=f"rolled back: its recorded inverse {inverse.proposal_id} was applied",
-                  refs=(ref("applied", out.applied_id), ref("inverse_of", inverse.proposal_id)))
-    return record.replace(rollback_outcome=outcome, updated_at=now), draft
+    return draft_of(RolledBack(verdict="rolled_back", applied=out.applied_id,
+                               inverse_of=inverse.proposal_id),
+                    record.stage, out.authority, observer,
+                    f"rolled back: its recorded inverse {inverse.proposal_id} was applied")
 
 
 def rollback_principal(record: ProposalRecord) -> str:
@@ -221,24 +194,16 @@ def rollback_order(record: ProposalRecord, attempt: int) -> tuple[str, ApplyOrde
 
 
 def rollback_transition(record: ProposalRecord, inverse_id: str,
-                        answer: Evidence[ApplyResult], now: int) -> tuple[ProposalRecord, Draft]:
+                        answer: Evidence[ApplyResult]) -> Draft:
     """The owning service's answer to a rollback order, with who answered (`answered_by`)."""
     result = answer.value
-    by = rollback_principal(record)
-    outcome = ApplyOutcome(proposal_id=record.proposal_id, service=record.service, ok=result.ok,
-                           applied_id=result.applied_id, authority=by,
-                           error=result.error, at=now)
-    refs = [ref("applied", result.applied_id), ref("inverse_of", inverse_id),
-            answered_by(answer)]
-    if result.error is not None:
-        refs.append(ref("error", result.error))
     reason = (f"rolled back by {record.service}: the recorded inverse applied as "
               f"{result.applied_id or inverse_id}" if result.ok else
               f"{record.service} refused the inverse: {result.error or 'no reason given'}")
-    draft = Draft(from_stage=record.stage, to_stage="apply", actor=by,
-                  observer_type="human", verdict=ROLLED_BACK if result.ok else ROLLBACK_FAILED,
-                  reason=reason, refs=tuple(refs))
-    return record.replace(rollback_outcome=outcome, updated_at=now), draft
+    return draft_of(RolledBack(verdict="rolled_back" if result.ok else "rollback_failed",
+                               applied=result.applied_id, inverse_of=inverse_id,
+                               answered_by=answered_by(answer), error=result.error),
+                    record.stage, rollback_principal(record), "human", reason)
 
 
 def expired(record: ProposalRecord, now: int) -> bool:
@@ -297,42 +262,28 @@ def recordable(result: ApplyResult) -> ApplyResult:
 
 
 def answered_by(answer: Answer[Any]) -> str:
-    """The `answered_by:` ref of a transition a service's answer made: the attested identity,
-    or `unattested` / `conflict` (core.boundary), so the chain tells an auditor what each
-    outcome rests on."""
+    """Who answered the request a transition records (its `answered_by:` ref): the attested
+    identity, or `unattested` / `conflict` (core.boundary), so the chain tells an auditor
+    what each outcome rests on."""
     if isinstance(answer, Attested):
-        return ref("answered_by", answer.by)
-    return ref("answered_by", "conflict" if isinstance(answer, Conflict) else "unattested")
+        return answer.by
+    return "conflict" if isinstance(answer, Conflict) else "unattested"
 
 
-def transition(record: ProposalRecord, answer: Evidence[ApplyResult], by: str,
-               now: int) -> tuple[ProposalRecord, Draft]:
+def transition(record: ProposalRecord, answer: Evidence[ApplyResult], by: str) -> Draft:
     """The owning service's ApplyResult as the apply transition, with who answered."""
     result = answer.value
     inverse, rollbackable = derived_inverse(record, result)
-    outcome = ApplyOutcome(
-        proposal_id=record.proposal_id, service=record.service, ok=result.ok,
-        applied_id=result.applied_id, authority=by, inverse=inverse,
-        rollbackable=rollbackable, error=result.error, at=now,
-        revert_proposal_id=record.revert_id if result.ok else None,
-        schema_class=result.schema_class if result.ok else None,
-    )
     observer: ObserverType = "rec:policy" if auto_applies(record) else "human"
     if result.ok:
         reason = f"applied by {record.service} as {result.applied_id or '(no id)'}" + (
-            "" if outcome.rollbackable else "; not rollbackable")
+            "" if rollbackable else "; not rollbackable")
     else:
         reason = f"{record.service} refused the apply: {result.error or 'no reason given'}"
-    refs = [ref("applied", outcome.applied_id), ref("rollbackable", outcome.rollbackable),
-            answered_by(answer)]
-    if outcome.revert_proposal_id is not None:
-        refs.append(ref("revert_proposal_id", outcome.revert_proposal_id))
-    if outcome.schema_class is not None:  # the service's claim, recorded for auditors only
-        refs.append(ref("schema_class", outcome.schema_class))
-    if outcome.inverse is not None:
-        refs.append(ref("inverse", outcome.inverse, as_json=True))
-    if outcome.error is not None:
-        refs.append(ref("error", outcome.error))
-    draft = Draft(from_stage=record.stage, to_stage="apply", actor=by, observer_type=observer,
-                  reason=reason, verdict=APPLIED if result.ok else APPLY_FAILED, refs=tuple(refs))
-    return record.replace(outcome=outcome, updated_at=now), draft
+    return draft_of(Applied(
+        verdict="applied" if result.ok else "failed", applied=result.applied_id,
+        rollbackable=rollbackable, answered_by=answered_by(answer),
+        revert_proposal_id=record.revert_id if result.ok else None,
+        # the service's claim, recorded for auditors only
+        schema_class=result.schema_class if result.ok else None,
+        inverse=inverse, error=result.error), record.stage, by, observer, reason)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 
 from improved.core.record import ChainHead, ProposalRecord, lifecycle_problem, lifecycle_step
+from improved.core.trailers import Data, encode, verdict_of
 from improved.protocol import canonical
 from improved.protocol.model import (
     Cause,
@@ -57,6 +58,19 @@ class Draft:
     cause: Cause | None = None
     refs: tuple[str, ...] = field(default_factory=tuple)
     envelope: Envelope | None = None  # the signed act an authority trailer rests on
+    gate_class: ChangeClass | None = None  # a decision's class; else the chain's (`seal`)
+
+
+def draft_of(data: Data, from_stage: Stage, actor: str, observer_type: ObserverType,
+             reason: str, envelope: Envelope | None = None,
+             gate_class: ChangeClass | None = None) -> Draft:
+    """The draft of a trailer saying `data`: its stage, verdict and cause, and its refs
+    (`trailers.encode`) — the one way a stage writes what it decided."""
+    return Draft(from_stage=from_stage, to_stage=data.STAGE, actor=actor,
+                 observer_type=observer_type, reason=reason, verdict=verdict_of(data),
+                 cause=cast("Cause | None", getattr(data, "cause", None))
+                 if "cause" in data.__struct_fields__ else None,
+                 refs=encode(data), envelope=envelope, gate_class=gate_class)
 
 
 def trailer_hash(body: dict[str, Any]) -> str:
@@ -67,8 +81,10 @@ def trailer_hash(body: dict[str, Any]) -> str:
 
 
 def seal(draft: Draft, record: ProposalRecord, at: int) -> Trailer:
-    return seal_next(draft, record.proposal_id, record.chain, record.gate_class,
-                     record.proposal.scope, at)
+    """The next trailer of `record`'s chain; `fold(record, seal(...), seq)` is the record
+    after it."""
+    return seal_next(draft, record.proposal_id, record.chain,
+                     draft.gate_class or record.gate_class, record.proposal.scope, at)
 
 
 def seal_next(draft: Draft, chain_id: str, head: ChainHead, gate_class: ChangeClass, scope: Scope,

@@ -15,17 +15,19 @@ from typing import Any, Protocol, TypeVar, overload
 
 import msgspec
 
-from improved.core.audit import REASON_LIMIT, Draft
-from improved.core.record import (
-    APPROVE,
-    REFUSED,
-    ROLLBACK,
-    ProposalRecord,
-    ref,
-    refs_of,
-    status_at,
-)
+from improved.core.audit import REASON_LIMIT, Draft, draft_of
+from improved.core.record import ProposalRecord, status_at
 from improved.core.signing import ActRefused, TrustStore, Verified
+from improved.core.trailers import (
+    KINDS,
+    Approved,
+    GrantAct,
+    Refused,
+    Rejected,
+    RollbackAsked,
+    Signed,
+    decode,
+)
 from improved.protocol import canonical
 from improved.protocol.model import (
     Envelope,
@@ -34,7 +36,6 @@ from improved.protocol.model import (
     Proposal,
     Review,
     Trailer,
-    TriageDecision,
 )
 
 CLOCK_SKEW_MS = 5 * 60 * 1000
@@ -157,18 +158,16 @@ def unrecorded(record: ProposalRecord, act: Act, verified: bool) -> str | None:
 
 
 def refusal(record: ProposalRecord, act: Act, code: str, why: str, actor: str,
-            keyid: str | None = None) -> tuple[ProposalRecord, Draft]:
-    refs = [ref("act", act.digest), ref("act_seq", act.stream_seq), ref("code", code)]
-    if keyid:
-        refs.append(ref("keyid", keyid))
-    draft = Draft(from_stage=record.stage, to_stage="triage", actor=actor,
-                  observer_type="rec:system", verdict=REFUSED,
-                  reason=f"signed act refused ({code}): {why}"[:REASON_LIMIT], refs=tuple(refs))
-    return record.replace(acts=(*record.acts, (act.digest, act.stream_seq))), draft
+            keyid: str | None = None) -> Draft:
+    """A signed act that does not count: recorded with why, so it is seen once (`seen`)."""
+    return draft_of(Refused(act=act.digest, act_seq=act.stream_seq, code=code,
+                            keyid=keyid or None),
+                    record.stage, actor, "rec:system",
+                    f"signed act refused ({code}): {why}"[:REASON_LIMIT])
 
 
 def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, superseded: bool,
-           actor: str, now: int) -> tuple[ProposalRecord, Draft]:
+           actor: str, now: int) -> Draft:
     """The transition a verified review makes: approve, reject, or a refusal with its reason."""
     if rv.proposal_id != record.proposal_id:
         return refusal(record, act, "wrong_proposal", f"the review is for {rv.proposal_id}",
@@ -180,14 +179,11 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
         if not (record.outcome and (record.outcome.rollbackable or record.revert_id)):
             return refusal(record, act, "not_rollbackable", "the apply was recorded as not "
                            "rollbackable: it has no inverse", actor, verified.keyid)
-        reason = f"rollback asked by {rv.principal}: {rv.reason}"[:REASON_LIMIT]
-        refs = (ref("act", act.digest), ref("act_seq", act.stream_seq),
-                ref("keyid", verified.keyid))
-        new = record.replace(rollback_by=rv.principal,
-                             acts=(*record.acts, (act.digest, act.stream_seq)), updated_at=now)
-        return new, Draft(from_stage=record.stage, to_stage="apply", actor=rv.principal,
-                          observer_type="human", verdict=ROLLBACK, reason=reason, refs=refs,
-                          envelope=verified.envelope)
+        return draft_of(RollbackAsked(act=act.digest, act_seq=act.stream_seq,
+                                      keyid=verified.keyid),
+                        record.stage, rv.principal, "human",
+                        f"rollback asked by {rv.principal}: {rv.reason}"[:REASON_LIMIT],
+                        verified.envelope)
     if record.in_flight:
         return refusal(record, act, "apply_in_flight", f"the ApplyOrder under "
                        f"{record.dispatched_by} was dispatched at {record.dispatched_at}; its "
@@ -217,27 +213,12 @@ def review(record: ProposalRecord, act: Act, verified: Verified, rv: Review, sup
     if rv.verdict == "reject" and record.status != "pending":
         return refusal(record, act, "not_awaiting_review", f"status {record.status}", actor,
                        verified.keyid)
-    refs = (ref("act", act.digest), ref("act_seq", act.stream_seq), ref("keyid", verified.keyid))
     # the trailer's words (hash-chained as written: chains that say "rejectd" still verify)
     done = "approved" if rv.verdict == "approve" else "rejected"
-    reason = f"{done} by {rv.principal}: {rv.reason}"[:REASON_LIMIT]
-    acts = (*record.acts, (act.digest, act.stream_seq))
-    if rv.verdict == "approve":
-        decision = TriageDecision(proposal_id=record.proposal_id, service=record.service,
-                                  verdict="accept", cause=None, gate_class=record.gate_class,
-                                  rationale=reason, actor=rv.principal, at=now)
-        new = record.replace(decision=decision, approved_by=rv.principal, acts=acts,
-                             updated_at=now)
-        return new, Draft(from_stage=record.stage, to_stage="triage", actor=rv.principal,
-                          observer_type="human", verdict=APPROVE, reason=reason, refs=refs,
-                          envelope=verified.envelope)
-    decision = TriageDecision(proposal_id=record.proposal_id, service=record.service,
-                              verdict="reject", cause=None, gate_class=record.gate_class,
-                              rationale=reason, actor=rv.principal, at=now)
-    new = record.replace(decision=decision, approved_by=None, acts=acts, updated_at=now)
-    return new, Draft(from_stage=record.stage, to_stage="triage", actor=rv.principal,
-                      observer_type="human", verdict="reject", reason=reason, refs=refs,
-                      envelope=verified.envelope)
+    data = (Approved if rv.verdict == "approve" else Rejected)(
+        act=act.digest, act_seq=act.stream_seq, keyid=verified.keyid)
+    return draft_of(data, record.stage, rv.principal, "human",
+                    f"{done} by {rv.principal}: {rv.reason}"[:REASON_LIMIT], verified.envelope)
 
 
 def _unseen(record: ProposalRecord, rv: Review) -> str | None:
@@ -285,37 +266,43 @@ def grant_act(acts: list[tuple[str, int]], act: Act, verified: Verified | None,
     Either `refused` says why the act did not verify, or `verified` and `cmd` are both set."""
     if (act.digest, act.stream_seq) in acts:
         return None
-    refs = [ref("act", act.digest), ref("act_seq", act.stream_seq)]
     if refused is None and any(d == act.digest for d, _ in acts):
         refused = ActRefused("replayed", "this signed act was already used")
     if refused is not None:
         seen = sum(1 for d, _ in acts if d == act.digest)
         if seen >= 2 or len(acts) >= MAX_REFUSED_ACTS:  # see `unrecorded`: only logged
             return None
-        refs.append(ref("code", refused.code))
-        return Draft(from_stage="triage", to_stage="triage", actor=actor,
-                     observer_type="rec:system", verdict=REFUSED, refs=tuple(refs),
-                     reason=f"signed act refused ({refused.code}): {refused.reason}"
-                     [:REASON_LIMIT])
+        return draft_of(Refused(act=act.digest, act_seq=act.stream_seq, code=refused.code),
+                        "triage", actor, "rec:system",
+                        f"signed act refused ({refused.code}): {refused.reason}"[:REASON_LIMIT])
     if verified is None or cmd is None:
         raise ValueError("grant_act: an act that was not refused needs its verification and "
                          "its command")
-    refs += [ref("keyid", verified.keyid), ref("skill", cmd.skill)]
-    if cmd.proposal_id is not None:
-        refs.append(ref("l2", cmd.proposal_id))
-    if cmd.expires_at is not None:
-        refs.append(ref("expires_at", cmd.expires_at))
-    return Draft(from_stage="triage", to_stage="triage", actor=cmd.principal,
-                 observer_type="human", verdict=cmd.op, refs=tuple(refs),
-                 envelope=verified.envelope,
-                 reason=f"{cmd.op} {cmd.skill} by {cmd.principal}: {cmd.reason}"[:REASON_LIMIT])
+    return draft_of(GrantAct(verdict=cmd.op, act=act.digest, act_seq=act.stream_seq,
+                             keyid=verified.keyid, skill=cmd.skill, l2=cmd.proposal_id,
+                             expires_at=cmd.expires_at),
+                    "triage", cmd.principal, "human",
+                    f"{cmd.op} {cmd.skill} by {cmd.principal}: {cmd.reason}"[:REASON_LIMIT],
+                    verified.envelope)
+
+
+def chain_acts(trailers: Sequence[Trailer]) -> list[tuple[str, int]]:
+    """(envelope digest, stream sequence) of every signed act a grant chain records, counted
+    or refused: what `grant_act` tells a redelivery and a replay by."""
+    out = []
+    for t in trailers:
+        data = decode(t)
+        if isinstance(data, Signed) and data.act is not None and data.act_seq is not None:
+            out.append((data.act, data.act_seq))
+    return out
 
 
 def grant_state(trailers: list[Trailer]) -> Grant | None:
     """The current grant of a skill hash: its last counted grant or revoke act."""
     for t in reversed(trailers):
-        if t.verdict in ("grant", "revoke"):
-            return _grant_of(t)
+        grant = _grant_of(t)
+        if grant is not None:
+            return grant
     return None
 
 
@@ -325,8 +312,8 @@ GrantActs = tuple[tuple[int, Grant], ...]
 def grant_acts(trailers: Sequence[Trailer], stream_seqs: Sequence[int]) -> GrantActs:
     """Each counted grant or revoke act of a verified grant chain with its stream sequence,
     oldest first: what the grant was as of any sequence of the audit stream (`grant_as_of`)."""
-    return tuple((seq, _grant_of(t)) for t, seq in zip(trailers, stream_seqs, strict=True)
-                 if t.verdict in ("grant", "revoke"))
+    return tuple((seq, grant) for t, seq in zip(trailers, stream_seqs, strict=True)
+                 if (grant := _grant_of(t)) is not None)
 
 
 def grant_as_of(acts: GrantActs, seq: int | None = None) -> Grant | None:
@@ -338,11 +325,14 @@ def grant_as_of(acts: GrantActs, seq: int | None = None) -> Grant | None:
     return None
 
 
-def _grant_of(t: Trailer) -> Grant:
-    refs = refs_of(t)
-    return Grant(skill=refs["skill"], active=t.verdict == "grant", principal=t.actor,
-                 reason=t.reason, at=t.at,
-                 expires_at=int(refs["expires_at"]) if "expires_at" in refs else None)
+def _grant_of(t: Trailer) -> Grant | None:
+    """The grant a counted grant or revoke trailer records; None for any other trailer."""
+    if KINDS.get((t.to_stage, t.verdict)) is not GrantAct:
+        return None
+    act = decode(t)
+    assert isinstance(act, GrantAct)
+    return Grant(skill=act.skill, active=act.verdict == "grant", principal=t.actor,
+                 reason=t.reason, at=t.at, expires_at=act.expires_at)
 
 
 def grant_covers(grant: Grant, identity: str, now: int) -> bool:

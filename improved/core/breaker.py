@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-import msgspec
+from improved.core.audit import Draft, draft_of
+from improved.core.trailers import AutonomyState, TrailerDataError, body_as
+from improved.protocol.model import Envelope, Held, ObserverType
 
-from improved.core.audit import Draft
-from improved.core.record import ref, refs_of
-from improved.protocol.model import Envelope, Held, ObserverType, TrailerVerdict
+AutonomyVerdict = Literal["rollback", "autonomy_on", "autonomy_off", "crisis", "crisis_resolved"]
 
 AUTONOMY_ID = hashlib.sha256(b"improved autonomy").hexdigest()
 DAY_MS = 24 * 3600 * 1000
@@ -65,7 +65,12 @@ def believed(body: dict[str, Any] | None, seq: int, problem: str | None) -> Auto
     it verifies (`problem` None): a head no trusted daemon wrote, or a resolution no operator
     signed, reads as a crisis (`unverified-autonomy-<seq>`) until the log is dealt with. What
     the daemon decides by and what `improved status` shows, alike."""
-    state = from_trailer(body)
+    try:
+        state = from_trailer(body)
+    except TrailerDataError:
+        if not problem:
+            raise
+        state = Autonomy()
     if body and problem:
         return in_crisis(state, state.crisis or f"unverified-autonomy-{seq}")
     return state
@@ -73,31 +78,42 @@ def believed(body: dict[str, Any] | None, seq: int, problem: str | None) -> Auto
 
 def resolved(chain: list[dict[str, Any]], crisis: str) -> bool:
     """Whether the autonomy chain (trailer bodies, in order) records `crisis` as resolved."""
-    mark = ref("resolved", crisis)
-    return any(body.get("verdict") == "crisis_resolved" and mark in body.get("refs", ())
-               for body in chain)
+    for body in chain:
+        try:
+            data = body_as(AutonomyState, body)
+        except TrailerDataError:
+            continue
+        if data.verdict == "crisis_resolved" and data.resolved == crisis:
+            return True
+    return False
 
 
-def draft(state: Autonomy, verdict: TrailerVerdict, actor: str, observer: ObserverType, reason: str,
-          extra: tuple[str, ...] = (), envelope: Envelope | None = None) -> Draft:
-    refs = (ref("rollbacks", list(state.rollbacks)), ref("paused_until", state.paused_until),
-            ref("autonomy", state.switch), ref("crisis", state.crisis), *extra)
-    return Draft(from_stage="learn-back", to_stage="learn-back", actor=actor,
-                 observer_type=observer, verdict=verdict, reason=reason, refs=refs,
-                 envelope=envelope)
+@dataclass(frozen=True)
+class Marks:
+    """What an autonomy trailer names besides the state: the autonomous apply rolled back, or
+    a resolution's signed act, its key and the crisis it clears."""
+
+    proposal: str | None = None
+    act: str | None = None
+    keyid: str | None = None
+    resolved: str | None = None
+
+
+def draft(state: Autonomy, verdict: AutonomyVerdict, actor: str, observer: ObserverType,
+          reason: str, marks: Marks | None = None, envelope: Envelope | None = None) -> Draft:
+    marks = marks or Marks()
+    return draft_of(AutonomyState(
+        verdict=verdict, rollbacks=state.rollbacks, paused_until=state.paused_until,
+        autonomy=state.switch, crisis=state.crisis, proposal=marks.proposal, act=marks.act,
+        keyid=marks.keyid, resolved=marks.resolved),
+        "learn-back", actor, observer, reason, envelope)
 
 
 def from_trailer(body: dict[str, Any] | None) -> Autonomy:
-    """The state a trailer of the autonomy chain records (the default for an empty chain)."""
+    """The state a trailer of the autonomy chain records (the default for an empty chain);
+    TrailerDataError when it records none."""
     if not body:
         return Autonomy()
-    refs = refs_of(msgspec.convert(body, type=_Refs))
-    return Autonomy(rollbacks=tuple(msgspec.json.decode(refs.get("rollbacks", "[]"))),
-                    paused_until=int(refs.get("paused_until", "0")),
-                    switch=refs.get("autonomy", "on"), crisis=refs.get("crisis", ""))
-
-
-class _Refs(msgspec.Struct):
-    refs: list[str] = []
-    seq: int = 0
-    proposal_id: str = ""
+    data = body_as(AutonomyState, body)
+    return Autonomy(rollbacks=data.rollbacks, paused_until=data.paused_until,
+                    switch=data.autonomy, crisis=data.crisis)

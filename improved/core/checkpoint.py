@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +23,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from improved.core import merkle, signing
-from improved.core.audit import Draft
+from improved.core.audit import Draft, draft_of
 from improved.core.merkle import Frontier, merkle_root
-from improved.core.record import ref, refs_of
+from improved.core.trailers import CheckpointMade, TrailerDataError, body_as, decode_body
 from improved.protocol import canonical
 
 CHECKPOINT_ID = hashlib.sha256(b"improved checkpoints").hexdigest()
@@ -102,38 +101,27 @@ def signature_ok(cp: Checkpoint) -> bool:
 
 
 def draft(cp: Checkpoint, actor: str) -> Draft:
-    return Draft(from_stage="learn-back", to_stage="learn-back", actor=actor,
-                 observer_type="rec:system", verdict="checkpoint",
-                 reason=f"checkpoint over {cp.count} trailers",
-                 refs=(ref("count", cp.count), ref("root", cp.root), ref("last_seq", cp.last_seq),
-                       ref("checkpoint_at", cp.at), ref("keyid", cp.keyid),
-                       ref("public", cp.public), ref("sig", cp.sig),
-                       ref("frontier", list(cp.frontier)), ref("last_hash", cp.last_hash))
-                 + ((ref("runtime_heads", {cid: [n, h, q] for cid, n, h, q in cp.runtimes}),)
-                    if cp.runtimes else ())
-                 + ((ref("members", dict(cp.members)),) if cp.members is not None else ()))
+    return draft_of(CheckpointMade(
+        count=cp.count, root=cp.root, last_seq=cp.last_seq, checkpoint_at=cp.at,
+        keyid=cp.keyid, public=cp.public, sig=cp.sig, frontier=list(cp.frontier),
+        last_hash=cp.last_hash,
+        runtime_heads={cid: [n, h, q] for cid, n, h, q in cp.runtimes} if cp.runtimes else None,
+        members=dict(cp.members) if cp.members is not None else None),
+        "learn-back", actor, "rec:system", f"checkpoint over {cp.count} trailers")
 
 
 def from_trailer(body: dict[str, Any]) -> Checkpoint:
-    refs = refs_of(_Refs(body.get("refs", [])))
-    try:
-        frontier = tuple(json.loads(refs.get("frontier", "[]")))
-    except ValueError:
-        frontier = ()
-    return Checkpoint(count=int(refs["count"]), root=refs["root"],
-                      last_seq=int(refs["last_seq"]), at=int(refs["checkpoint_at"]),
-                      keyid=refs["keyid"], public=refs["public"], sig=refs["sig"],
-                      frontier=frontier, last_hash=refs.get("last_hash", ""),
-                      runtimes=_heads(refs.get("runtime_heads")),
-                      members=_members(refs.get("members")))
+    """The checkpoint a trailer of the checkpoint chain carries; ValueError if it is none."""
+    cp = body_as(CheckpointMade, body)
+    frontier = cp.frontier if isinstance(cp.frontier, list) else []
+    return Checkpoint(count=cp.count, root=cp.root, last_seq=cp.last_seq, at=cp.checkpoint_at,
+                      keyid=cp.keyid, public=cp.public, sig=cp.sig, frontier=tuple(frontier),
+                      last_hash=cp.last_hash, runtimes=_heads(cp.runtime_heads),
+                      members=_members(cp.members))
 
 
-def _members(text: str | None) -> Members | None:
+def _members(doc: object) -> Members | None:
     """The `members:` ref, `{index name: count}`; None when absent or not well formed."""
-    try:
-        doc = json.loads(text) if text else None
-    except ValueError:
-        return None
     if not isinstance(doc, dict) or not all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
             for k, v in doc.items()):
@@ -141,13 +129,9 @@ def _members(text: str | None) -> Members | None:
     return tuple(sorted(doc.items()))
 
 
-def _heads(text: str | None) -> tuple[RuntimeHead, ...]:
+def _heads(doc: object) -> tuple[RuntimeHead, ...]:
     """The `runtime_heads:` ref, `{chain id: [length, last hash, its stream sequence]}`; what
     is not well formed is left out (a witness only)."""
-    try:
-        doc = json.loads(text) if text else {}
-    except ValueError:
-        return ()
     if not isinstance(doc, dict):
         return ()
     return tuple(sorted((cid, v[0], v[1], v[2]) for cid, v in doc.items()
@@ -159,8 +143,11 @@ def _heads(text: str | None) -> tuple[RuntimeHead, ...]:
 def runtime_heads(body: dict[str, Any]) -> tuple[RuntimeHead, ...]:
     """The tool runtimes' chain heads a checkpoint trailer witnessed (none when it is not a
     checkpoint or witnessed none)."""
-    refs = refs_of(_Refs(body.get("refs", []) if isinstance(body.get("refs"), list) else []))
-    return _heads(refs.get("runtime_heads"))
+    try:
+        data = decode_body(body)
+    except TrailerDataError:
+        return ()
+    return _heads(data.runtime_heads) if isinstance(data, CheckpointMade) else ()
 
 
 Witnessed = tuple[int, str, int, int]
@@ -228,11 +215,6 @@ def runtime_chain_problem(cid: str, witnessed: Witnessed, length: int | None,
         return (f"{cid} trailer {n - 1}: it is not the trailer {what}: the chain was "
                 "replaced or rewritten")
     return None
-
-
-@dataclass(frozen=True)
-class _Refs:
-    refs: list[str]
 
 
 def check(log_hashes: Sequence[str], cp: Checkpoint, trusted: set[str] | None = None) -> str | None:
@@ -312,7 +294,7 @@ def anchor_from(doc: Any) -> Anchor:
     if not isinstance(scrubbed, int) or isinstance(scrubbed, bool) or scrubbed < 0:
         raise ValueError("'scrubbed_to' is not a sequence number")
     members = doc.get("members")
-    counts = None if members is None else _members(json.dumps(members))
+    counts = None if members is None else _members(members)
     if members is not None and counts is None:
         raise ValueError("'members' is not a count per index")
     return Anchor(**fields, frontier=tuple(frontier), last_hash=doc.get("last_hash", ""),

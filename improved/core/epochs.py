@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +33,11 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from improved.core import indexes, merkle, signing
-from improved.core.audit import Draft, trailer_hash
+from improved.core.audit import Draft, draft_of, trailer_hash
 from improved.core.checkpoint import CHECKPOINT_ID
 from improved.core.merkle import Frontier
-from improved.core.record import lifecycle_step, ref, refs_of
+from improved.core.record import lifecycle_step
+from improved.core.trailers import EpochSealed, body_as
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import Status
@@ -103,30 +103,20 @@ def problem(seal: Seal, trusted: set[str]) -> str | None:
 
 
 def draft(seal: Seal, actor: str) -> Draft:
-    return Draft(from_stage="learn-back", to_stage="learn-back", actor=actor,
-                 observer_type="rec:system", verdict="checkpoint",
-                 reason=f"epoch {seal.epoch} sealed at stream sequence {seal.upto}",
-                 refs=(ref("epoch", seal.epoch), ref("upto", seal.upto),
-                       ref("count", seal.count), ref("root", seal.root),
-                       ref("removable", seal.removable), ref("checkpoint_at", seal.at),
-                       ref("keyid", seal.keyid), ref("public", seal.public),
-                       ref("sig", seal.sig), ref("frontier", list(seal.frontier)),
-                       ref("last_hash", seal.last_hash)))
+    return draft_of(EpochSealed(
+        epoch=seal.epoch, upto=seal.upto, count=seal.count, root=seal.root,
+        removable=seal.removable, checkpoint_at=seal.at, keyid=seal.keyid, public=seal.public,
+        sig=seal.sig, frontier=tuple(seal.frontier), last_hash=seal.last_hash),
+        "learn-back", actor, "rec:system",
+        f"epoch {seal.epoch} sealed at stream sequence {seal.upto}")
 
 
 def from_trailer(body: dict[str, Any]) -> Seal:
-    """The seal a trailer of the seal chain carries; KeyError or ValueError if it is none."""
-    refs = refs_of(_Refs(body.get("refs", [])))
-    return Seal(epoch=int(refs["epoch"]), upto=int(refs["upto"]), count=int(refs["count"]),
-                root=refs["root"], removable=int(refs["removable"]),
-                at=int(refs["checkpoint_at"]), frontier=tuple(json.loads(refs["frontier"])),
-                last_hash=refs.get("last_hash", ""), keyid=refs["keyid"],
-                public=refs["public"], sig=refs["sig"])
-
-
-@dataclass(frozen=True)
-class _Refs:
-    refs: list[str]
+    """The seal a trailer of the seal chain carries; ValueError if it is none."""
+    s = body_as(EpochSealed, body)
+    return Seal(epoch=s.epoch, upto=s.upto, count=s.count, root=s.root, removable=s.removable,
+                at=s.checkpoint_at, frontier=s.frontier, last_hash=s.last_hash, keyid=s.keyid,
+                public=s.public, sig=s.sig)
 
 
 def is_proposal_chain(subject: str) -> bool:

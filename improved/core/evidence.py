@@ -31,11 +31,26 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from improved.core import identity, propose, signing, tools
-from improved.core.audit import REASON_LIMIT, Draft
+from improved.core.audit import REASON_LIMIT, Draft, draft_of
 from improved.core.quorum import SIZE as QUORUM_SIZE
-from improved.core.record import ref, refs_of
 from improved.core.signing import PAYLOAD_TYPES, ActRefused, TrustStore
 from improved.core.tools import SessionUpgrade, ToolGrant
+from improved.core.trailers import (
+    AutonomyState,
+    D,
+    GrantAct,
+    QuorumReached,
+    Registration,
+    SignalCounted,
+    ToolCall,
+    TrailerData,
+    TrailerDataError,
+    TrustInForce,
+    Voted,
+    body_as,
+    decode,
+    kind_of,
+)
 from improved.protocol import canonical
 from improved.protocol.model import (
     CrisisAct,
@@ -165,16 +180,8 @@ def recorded(body: dict[str, Any] | None) -> Keys | None:
     """(operators, voters, signers) a trust trailer records, `principal → base64 key`."""
     if not body:
         return None
-    refs = refs_of(msgspec.convert(body, type=_Refs))
-
-    def keys(role: str) -> dict[str, str]:
-        return msgspec.json.decode(refs.get(role, "{}"), type=dict[str, str])
-
-    return keys("operators"), keys("voters"), keys("signers")
-
-
-class _Refs(msgspec.Struct):
-    refs: list[str] = []
+    keys = body_as(TrustInForce, body)
+    return keys.operators, keys.voters, keys.signers
 
 
 def ever(history: History) -> KeySet:
@@ -213,13 +220,9 @@ def trust_draft(keys: Keys, last: dict[str, Any] | None, actor: str) -> Draft | 
               f"signer keys; added "
               f"{', '.join(changes['added']) or 'none'}; removed "
               f"{', '.join(changes['removed']) or 'none'}")[:REASON_LIMIT]
-    return Draft(from_stage="learn-back", to_stage="learn-back", actor=actor,
-                 observer_type="rec:system", verdict="trust", reason=reason,
-                 refs=(ref("operators", operators, as_json=True),
-                       ref("voters", voters, as_json=True),
-                       ref("signers", signers, as_json=True),
-                       ref("added", changes["added"], as_json=True),
-                       ref("removed", changes["removed"], as_json=True)))
+    return draft_of(TrustInForce(operators=operators, voters=voters, signers=signers,
+                                 added=tuple(changes["added"]), removed=tuple(changes["removed"])),
+                    "learn-back", actor, "rec:system", reason)
 
 
 def key_changes(before: Keys, after: Keys) -> dict[str, list[str]]:
@@ -263,24 +266,37 @@ class ChainActs:
     proofs: bool = False
 
 
-def act_kind(t: Trailer) -> str | None:
-    """Which signed act the trailer's authority rests on (a PAYLOAD_TYPES key), or None."""
-    v = t.verdict
-    if v == "approve" or (v in ("reject", "rollback") and t.observer_type == "human"):
-        return "review"
-    if v in ("grant", "revoke"):
-        return "grant"
-    if v == "vote":
-        return "vote"
-    if v == "crisis_resolved":
-        return "crisis"
-    if v == "signal" and t.envelope is not None:  # a signed signal: its emitter is proven
-        return "signal"
-    if t.to_stage == "propose" and v is None and (
-            t.envelope is not None or "proposer" in refs_of(t)):  # a signed proposal
-        return "proposal"
-    if v == "tool_call" and t.envelope is not None:  # a call a grant or an upgrade allowed
-        return _TOOL_ACTS.get(t.envelope.payloadType, "tool_grant")
+# the verdicts a signed act backs, and which act; an operator's rejection or rollback request
+# only when its trailer says a person acted (a triage's rejection is the daemon's own)
+_ACT_OF: Final[Mapping[str | None, str]] = {
+    "approve": "review", "grant": "grant", "revoke": "grant", "vote": "vote",
+    "crisis_resolved": "crisis"}
+_HUMAN_ACT_OF: Final[Mapping[str | None, str]] = {"reject": "review", "rollback": "review"}
+# signed when they carry an envelope: a signal (its emitter is proven) and a tool call a
+# per-call grant or a session upgrade allowed (which, by the envelope's payload type)
+_ENVELOPED_ACT_OF: Final[Mapping[str | None, str]] = {"signal": "signal",
+                                                       "tool_call": "tool_grant"}
+
+
+def act_kind(t: Trailer, data: TrailerData | None = None) -> str | None:
+    """Which signed act the trailer's authority rests on (a PAYLOAD_TYPES key), or None.
+    `data`: the trailer's, when it is read already (a registration's `proposer:` is asked)."""
+    kind = _ACT_OF.get(t.verdict) or (
+        _HUMAN_ACT_OF.get(t.verdict) if t.observer_type == "human" else None)
+    if kind is not None:
+        return kind
+    enveloped = _ENVELOPED_ACT_OF.get(t.verdict) if t.envelope is not None else None
+    if enveloped is not None and t.envelope is not None:
+        return _TOOL_ACTS.get(t.envelope.payloadType, enveloped) if enveloped != "signal" \
+            else enveloped
+    if kind_of(t) is Registration:  # a signed proposal: its envelope, or a proposer named
+        if t.envelope is not None:
+            return "proposal"
+        try:
+            data = data or decode(t)
+        except TrailerDataError:
+            return None  # nothing is rebuilt from it either
+        return "proposal" if isinstance(data, Registration) and data.proposer else None
     return None
 
 
@@ -297,20 +313,26 @@ def act_problem(t: Trailer, chain_id: str, keys: KeySet, acts: ChainActs,
                 check: bool = True) -> str | None:
     """Why the authority `t` claims is not backed by a valid signed act, or None. `check`
     False (a trailer a trusted checkpoint vouches for) only notes what the pass needs."""
-    refs = refs_of(t)
-    if t.verdict == "quorum":
-        counted = [r.partition(":")[2] for r in t.refs if r.startswith("keyid:")]
-        if check and (len(set(counted)) < QUORUM_SIZE or not set(counted) <= acts.approvals):
+    if t.verdict == "quorum":  # backed by the votes before it, on any stage it claims
+        try:
+            counted = set(_read(t, QuorumReached).keyid)
+        except TrailerDataError as exc:
+            return f"the quorum decision does not read: {exc}"
+        if check and (len(counted) < QUORUM_SIZE or not counted <= acts.approvals):
             return ("the quorum decision is not backed by "
                     f"{QUORUM_SIZE} verified approving votes before it")
         return None
     kind = act_kind(t)
     if kind is None:
         return None
+    try:
+        data = decode(t)
+    except TrailerDataError as exc:
+        return f"the {t.verdict or 'registration'} does not read: {exc}"
     if not check:
-        if kind == "vote" and refs.get("vote") == "approve":
-            acts.approvals.add(refs.get("keyid", ""))
-        acts.proofs = acts.proofs or any(name in refs for name in tools.PROOF_REFS)
+        if isinstance(data, Voted) and data.vote == "approve":
+            acts.approvals.add(data.keyid)
+        acts.proofs = acts.proofs or (isinstance(data, ToolCall) and tools.proof_recorded(data))
         return None
     if t.envelope is None:
         return f"the {t.verdict} carries no signed act"
@@ -322,88 +344,96 @@ def act_problem(t: Trailer, chain_id: str, keys: KeySet, acts: ChainActs,
         return f"the signed act of the {t.verdict} does not verify ({exc.code}): {exc.reason}"
     except msgspec.MsgspecError as exc:
         return f"the signed act of the {t.verdict} is not a valid act: {exc}"
-    named = _named(kind, body, refs, chain_id, verified.digest)
+    named = _named(kind, body, data, chain_id, verified.digest)
     if named[0] != named[1]:
         return "the signed act is not the one the trailer names"
-    problem = _mismatch(kind, body, t, refs, chain_id, verified.principal)
-    if problem is None and kind == "vote" and refs.get("vote") == "approve":
+    problem = _mismatch(kind, body, t, data, chain_id, verified.principal)
+    if problem is None and isinstance(data, Voted) and data.vote == "approve":
         acts.approvals.add(verified.keyid)
-    if problem is None and kind == "tool_upgrade" and body.session_key is not None:
-        problem = _proof_problem(body, tools.act_id(verified), refs, acts)
+    if problem is None and kind == "tool_upgrade" and body.session_key is not None \
+            and isinstance(data, ToolCall):
+        problem = _proof_problem(body, tools.act_id(verified), data, acts)
     return problem
 
 
-def _named(kind: str, body: Any, refs: dict[str, str], chain_id: str,
+def _read(t: Trailer, cls: type[D]) -> D:
+    data = decode(t)
+    if not isinstance(data, cls):
+        raise TrailerDataError(f"not a {cls.__name__}")
+    return data
+
+
+def _named(kind: str, body: Any, data: TrailerData, chain_id: str,
            digest: str) -> tuple[str | None, str]:
     """(what the trailer names, what the act is): a signal by its digest, a proposal by its
     id (the chain's: the content's address, whoever signed it), any other act by its own."""
-    if kind == "signal":
-        return refs.get("signal"), canonical.digest(msgspec.to_builtins(body))
+    if isinstance(data, SignalCounted):
+        return data.signal, canonical.digest(msgspec.to_builtins(body))
     if kind == "proposal":
         try:
             return chain_id, propose.identify(body)[0]
         except WireError as exc:
             return chain_id, f"no proposal id ({exc.message})"
-    return refs.get("act"), digest
+    return getattr(data, "act", None), digest
 
 
-def _proof_problem(body: SessionUpgrade, upgrade: str, refs: dict[str, str],
+def _proof_problem(body: SessionUpgrade, upgrade: str, call: ToolCall,
                    acts: ChainActs) -> str | None:
     """The session proof an upgraded call's trailer records, re-checked against the upgrade's
     session key (`tools.recorded_proof_problem`). A trailer recording none was written before
     proofs were recorded, unless an earlier trailer of its chain recorded one."""
-    if any(name in refs for name in tools.PROOF_REFS):
+    if tools.proof_recorded(call):
         acts.proofs = True
-        return tools.recorded_proof_problem(body, upgrade, refs)
+        return tools.recorded_proof_problem(body, upgrade, call)
     if acts.proofs:
         return ("the session proof is not recorded (no proof_at, proof_nonce, proof_sig), "
                 "though earlier trailers of this chain record theirs")
     return None
 
 
-def _mismatch(kind: str, body: Any, t: Trailer, refs: dict[str, str], chain_id: str,
+def _mismatch(kind: str, body: Any, t: Trailer, data: TrailerData, chain_id: str,
               principal: str) -> str | None:
     """Where the signed act says something other than the trailer built on it."""
     if kind == "review":
         claims = [("proposal", body.proposal_id, chain_id), ("verdict", body.verdict, t.verdict),
                   ("principal", body.principal, t.actor)]
-    elif kind == "grant":
+    elif isinstance(data, GrantAct):
         claims = [("op", body.op, t.verdict), ("principal", body.principal, t.actor),
-                  ("skill", body.skill, refs.get("skill")),
+                  ("skill", body.skill, data.skill),
                   ("skill hash", body.skill.partition(":")[2], chain_id),
-                  ("L2 proposal", body.proposal_id, refs.get("l2"))]
-    elif kind == "vote":
+                  ("L2 proposal", body.proposal_id, data.l2)]
+    elif isinstance(data, Voted):
         claims = [("proposal", body.proposal_id, chain_id), ("voter", body.voter, t.actor),
-                  ("vote", body.vote, refs.get("vote"))]
-    elif kind == "crisis":
-        claims = [("crisis", body.crisis, refs.get("resolved")),
+                  ("vote", body.vote, data.vote)]
+    elif isinstance(data, AutonomyState):
+        claims = [("crisis", body.crisis, data.resolved),
                   ("principal", body.principal, t.actor)]
-    elif kind in ("tool_grant", "tool_upgrade"):
-        claims = [("principal", body.principal, t.actor)]
-        runtime = refs.get("runtime", "")
-        claims.append(("runtime's chain", tools.chain_id(runtime), chain_id))
+    elif isinstance(data, ToolCall):
+        claims = [("principal", body.principal, t.actor),
+                  ("runtime's chain", tools.chain_id(data.runtime), chain_id)]
         if kind == "tool_grant":
-            claims += [("tool", body.tool, refs.get("tool")), ("args", body.args_digest,
-                                                               refs.get("args"))]
+            claims += [("tool", body.tool, data.tool), ("args", body.args_digest, data.args)]
             if body.runtime is not None:
-                claims.append(("runtime", body.runtime, runtime))
+                claims.append(("runtime", body.runtime, data.runtime))
         else:
-            claims += [("runtime", body.runtime, runtime),
-                       ("session", body.session, refs.get("session"))]
+            claims += [("runtime", body.runtime, data.runtime),
+                       ("session", body.session, data.session)]
             if body.session_key is not None:  # an upgrade bound to a key names who proved
                 claims.append(("session key", signing.keyid_of(
-                    base64.b64decode(body.session_key)), refs.get("session_key")))
-    elif kind == "proposal":  # the signer is the proposer the registration names
+                    base64.b64decode(body.session_key)), data.session_key))
+    elif isinstance(data, Registration):  # the signer is the proposer the registration names
         problem = identity.proposer_problem(principal, body.service)
         if problem is not None:
             return f"the signed proposal's signer may not propose: {problem}"
-        return (None if refs.get("proposer") == principal
+        return (None if data.proposer == principal
                 else f"the signed proposal's signer is {principal!r}, the trailer says the "
-                     f"proposer is {refs.get('proposer')!r}")
-    else:  # a signed signal: the signer is the emitter the trailer names
-        return (None if (body.actor, principal) == (t.actor, refs.get("emitter"))
+                     f"proposer is {data.proposer!r}")
+    elif isinstance(data, SignalCounted):  # the signer is the emitter the trailer names
+        return (None if (body.actor, principal) == (t.actor, data.emitter)
                 else f"the signed signal is {body.actor!r} by {principal!r}, the trailer says "
-                     f"{t.actor!r} verified as {refs.get('emitter')!r}")
+                     f"{t.actor!r} verified as {data.emitter!r}")
+    else:
+        return f"a {type(data).__name__} trailer carries no signed act"
     claims.append(("signer", principal, t.actor))
     for what, signed, written in claims:
         if signed != written:

@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from improved.core import learnback, queue
+from improved.core import audit, learnback, queue
 from improved.core.audit import Draft
-from improved.core.record import ProposalRecord, status_after
+from improved.core.record import ProposalRecord, fold
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,13 @@ def moved(before: ProposalRecord | None, after: ProposalRecord) -> tuple[str, ..
             + tuple(f"{REF}:-{name}" for name in sorted(was - now)))
 
 
-def with_moves(before: ProposalRecord | None, record: ProposalRecord, draft: Draft) -> Draft:
-    """`draft` with the membership refs of its trailer: `record` is what the stage decided,
-    whose status the trailer then moves (`record.status_after`)."""
-    refs = moved(before, record.replace(status=status_after(record.status, draft)))
+def with_moves(before: ProposalRecord | None, record: ProposalRecord, draft: Draft,
+               at: int) -> Draft:
+    """`draft` with the membership refs of its trailer: `record` is the record it extends
+    (`before`, or the new record a registration starts; None before that), and the record
+    after it is what the fold of the trailer sealed at `at` makes of it."""
+    after = fold(record, audit.seal(draft, record, at), record.chain.stream_seq)
+    refs = moved(before, after)
     return dataclasses.replace(draft, refs=(*draft.refs, *refs)) if refs else draft
 
 

@@ -10,20 +10,13 @@ import math
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from improved.core import identity
-from improved.core.audit import Draft
+from improved.core import identity, trailers
+from improved.core.audit import Draft, draft_of
 from improved.core.boundary import Conflict, Unattested
 from improved.core.policy import Policy
 from improved.core.propose import count, signal_digest
-from improved.core.record import (
-    HELD,
-    REGRESSED,
-    SIGNAL,
-    UNMEASURED,
-    CountedSignal,
-    ProposalRecord,
-    ref,
-)
+from improved.core.record import HELD, REGRESSED, UNMEASURED, CountedSignal, ProposalRecord
+from improved.core.trailers import SignalCounted
 from improved.protocol.model import (
     Envelope,
     LearnBack,
@@ -40,7 +33,7 @@ MAX_QUERY_REF: Final = 200  # characters of the query, on the trailer
 
 def observe_signal(record: ProposalRecord, signal: Signal, policy: Policy, now: int,
                    emitter: str = identity.UNVERIFIED, envelope: Envelope | None = None,
-                   ) -> tuple[ProposalRecord, Draft, CountedSignal] | None:
+                   ) -> tuple[Draft, CountedSignal] | None:
     """Count `signal` for `record`; None when it was counted before (a redelivery).
     `emitter` is who verifiably sent it (a signature, or a bound subject); a signed signal's
     envelope goes on the trailer so the chain proves it."""
@@ -54,17 +47,12 @@ def observe_signal(record: ProposalRecord, signal: Signal, policy: Policy, now: 
     sign = "positive" if signal.positive else "negative"
     independence = "independent" if counted.independent else "not independent"
     source = f"verified as {emitter}" if emitter else "unverified"
-    draft = Draft(
-        from_stage=record.stage, to_stage="learn-back", actor=signal.actor,
-        observer_type=observer, verdict=SIGNAL, envelope=envelope,
-        reason=f"{sign} {signal.kind} signal from {signal.service} ({source}), {independence}",
-        refs=(ref("signal", digest), ref("kind", signal.kind), ref("service", signal.service),
-              ref("positive", signal.positive), ref("independent", counted.independent),
-              ref("at", signal.at), ref("emitter", emitter))
-        + ((ref("name", signal.name),) if signal.name is not None else ())
-        + ((ref("value", signal.value),) if signal.value is not None else ()),
-    )
-    return record.replace(signals=(*record.signals, counted), updated_at=now), draft, counted
+    data = SignalCounted(signal=digest, kind=signal.kind, service=signal.service,
+                         positive=signal.positive, independent=counted.independent,
+                         at=signal.at, emitter=emitter, name=signal.name, value=signal.value)
+    return draft_of(data, record.stage, signal.actor, observer,
+                    f"{sign} {signal.kind} signal from {signal.service} ({source}), "
+                    f"{independence}", envelope), counted
 
 
 def verdict(record: ProposalRecord) -> str:
@@ -201,32 +189,26 @@ def unmeasurable(reading: Reading) -> str:
 
 
 def measured(record: ProposalRecord, verdict: Measured, reading: Reading,
-             rollback_id: str | None, actor: str, now: int) -> tuple[ProposalRecord, Draft]:
+             rollback_id: str | None, actor: str, answered_by: str | None = None) -> Draft:
     """The learn-back trailer recording what asking the owning service found."""
     snap = record.proposal.metric_snapshot
     if snap is None:  # `due` asks nothing without one
         raise ValueError(f"{record.proposal_id} has no metric_snapshot to measure against")
     how = f"asked {record.service}"
-    refs = [ref("metric", snap.metric), ref("baseline", snap.baseline), ref("measured_by", how)]
-    if snap.query is not None:
-        refs.append(ref("query", snap.query[:MAX_QUERY_REF]))
-    value = None
+    value = cause = None
     if verdict == UNMEASURED:
         cause = unmeasurable(reading)[:MAX_CAUSE]
-        refs.append(ref("cause", cause))
         reason = (f"{snap.metric} unmeasured ({how}): {cause}; whether the change held is "
                   "unknown")
     else:
         value = reading.value
-        refs.append(ref("value", value))
         reason = (f"{snap.metric} {value} against baseline {snap.baseline} ({how}): "
                   + ("a regression beyond the tolerance; its recorded rollback is proposed as "
                      f"{rollback_id}" if verdict == REGRESSED and rollback_id
                      else "a regression beyond the tolerance; nothing recorded to roll back"
                      if verdict == REGRESSED else "held"))
-    if rollback_id:
-        refs.append(ref("rollback_proposal", rollback_id))
-    draft = Draft(from_stage=record.stage, to_stage="learn-back", actor=actor,
-                  observer_type="rec:system", verdict=verdict, reason=reason[:500],
-                  refs=tuple(refs))
-    return record.replace(measured=verdict, measured_value=value, updated_at=now), draft
+    return draft_of(trailers.Measured(
+        verdict=verdict, metric=snap.metric, baseline=snap.baseline, measured_by=how,
+        query=snap.query[:MAX_QUERY_REF] if snap.query is not None else None, why=cause,
+        value=value, rollback_proposal=rollback_id or None, answered_by=answered_by),
+        record.stage, actor, "rec:system", reason[:500])

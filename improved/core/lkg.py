@@ -16,17 +16,16 @@ import msgspec
 from msgspec import Meta, Struct
 
 from improved.core import schemas
-from improved.core.audit import REASON_LIMIT, Draft
+from improved.core.audit import REASON_LIMIT, Draft, draft_of
 from improved.core.guards import EscapingPath, UncanonicalPath, canonical_path
-from improved.core.record import APPLY_FAILED, INHERIT, LKG_VERIFIED, ProposalRecord, ref
+from improved.core.record import ProposalRecord
+from improved.core.trailers import Inherited, LkgRefused, LkgVerified
 from improved.protocol import wire
 from improved.protocol.model import (
     AnalyzerRef,
-    ApplyOutcome,
     Origin,
     Proposal,
     Summary,
-    TriageDecision,
 )
 
 REVERT_ANALYZER = "improved.revert/1"
@@ -235,33 +234,26 @@ def reverts(proposal: Proposal) -> str | None:
 
 
 def verified(record: ProposalRecord, report: LkgReport, rev: Proposal, rev_id: str,
-             actor: str) -> tuple[ProposalRecord, Draft]:
+             actor: str, answered_by: str | None = None) -> Draft:
     """Every artefact has a healthy last-known-good; the reversal is recorded before apply."""
     lkg = [msgspec.to_builtins(a) for a in report.artefacts]
-    draft = Draft(from_stage=record.stage, to_stage="apply", actor=actor,
-                  observer_type="rec:system", verdict=LKG_VERIFIED,
-                  reason=f"healthy last-known-good for {len(lkg)} artefact(s); reversal "
-                         f"{rev_id} generated and validated before apply",
-                  refs=(ref("lkg", lkg, as_json=True), ref("revert_proposal_id", rev_id),
-                        ref("revert", msgspec.to_builtins(rev), as_json=True)))
-    return record.replace(revert=rev, revert_id=rev_id), draft
+    return draft_of(LkgVerified(lkg=lkg, revert_proposal_id=rev_id, revert=rev,
+                                answered_by=answered_by),
+                    record.stage, actor, "rec:system",
+                    f"healthy last-known-good for {len(lkg)} artefact(s); reversal {rev_id} "
+                    "generated and validated before apply")
 
 
-def refused(record: ProposalRecord, why: str, by: str, now: int) -> tuple[ProposalRecord, Draft]:
+def refused(record: ProposalRecord, why: str, by: str,
+            answered_by: str | None = None) -> Draft:
     """No healthy last-known-good (or no valid reversal): the apply fails before any order is
     sent, so nothing changed. Final, like a service's refusal."""
     error = f"lkg: {why}"[:REASON_LIMIT]
-    outcome = ApplyOutcome(proposal_id=record.proposal_id, service=record.service, ok=False,
-                           applied_id="", authority=by, error=error, at=now)
-    draft = Draft(from_stage=record.stage, to_stage="apply", actor=by, observer_type="rec:system",
-                  verdict=APPLY_FAILED, reason=f"refused before apply, nothing changed: {error}"
-                  [:REASON_LIMIT], refs=(ref("applied", ""), ref("rollbackable", False),
-                                         ref("error", error)))
-    return record.replace(outcome=outcome, updated_at=now), draft
+    return draft_of(LkgRefused(error=error, answered_by=answered_by), record.stage, by,
+                    "rec:system", f"refused before apply, nothing changed: {error}"[:REASON_LIMIT])
 
 
-def inherit(record: ProposalRecord, original: ProposalRecord | None,
-            now: int) -> tuple[ProposalRecord, Draft] | None:
+def inherit(record: ProposalRecord, original: ProposalRecord | None) -> Draft | None:
     """The recorded reversal of an applied L4 proposal runs under the original's approval
     (SPEC 09 §7.3): no second approval. Anything else claiming to be one is gated as usual."""
     if (original is None or original.revert_id != record.proposal_id
@@ -270,11 +262,6 @@ def inherit(record: ProposalRecord, original: ProposalRecord | None,
     by = original.approved_by
     reason = (f"the recorded reversal of {original.proposal_id} inherits its approval by {by} "
               "(SPEC 09 §7)")[:REASON_LIMIT]
-    decision = TriageDecision(proposal_id=record.proposal_id, service=record.service,
-                              verdict="accept", cause=None, gate_class="L4", rationale=reason,
-                              actor=by, at=now)
-    draft = Draft(from_stage=record.stage, to_stage="triage", actor=by,
-                  observer_type="rec:policy", verdict=INHERIT, reason=reason,
-                  refs=(ref("inherits", original.proposal_id), ref("authority", by)))
-    return record.replace(decision=decision, approved_by=by, updated_at=now), draft
+    return draft_of(Inherited(inherits=original.proposal_id, authority=by), record.stage, by,
+                    "rec:policy", reason)
 

@@ -25,7 +25,7 @@ from typing import Final, Protocol, TypeVar
 import msgspec
 from msgspec import Struct
 
-from improved.core import gradient
+from improved.core import gradient, trailers
 from improved.core.guards import session_of
 from improved.protocol.model import AnalyzerRef, Origin, Proposal, Signal, Summary, Trailer
 
@@ -226,10 +226,14 @@ def lesson(trailer: Trailer) -> bool | None:
     """What a committed trailer teaches the analyzer of its proposal: accepted (an operator's
     approval, or an automatic apply under the policy), rejected (an operator's rejection), or
     nothing (None)."""
-    if trailer.verdict == "approve" or (trailer.verdict == "applied"
-                                        and trailer.observer_type == "rec:policy"):
+    try:
+        data = trailers.decode(trailer)
+    except trailers.TrailerDataError:
+        return None
+    after = trailers.moves_to(data)
+    if isinstance(data, trailers.Approved) or (after == "applied" and trailer.observer_type == "rec:policy"):
         return True
-    if trailer.verdict == "reject" and trailer.observer_type == "human":
+    if after == "rejected" and trailer.observer_type == "human":
         return False
     return None
 

@@ -36,7 +36,7 @@ The priority order, first match wins:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Final
+from typing import Final
 
 import msgspec
 
@@ -97,9 +97,9 @@ class View:
 
 @dataclass(frozen=True)
 class Commit:
-    """Append `draft` as the next trailer; `record` is the record after it."""
+    """Append `draft` as the next trailer of the record planned on; the record after it is
+    `record.fold(record, audit.seal(draft, record, at), stream_seq)`, as for every trailer."""
 
-    record: ProposalRecord
     draft: Draft
     why: str  # which rule decided: triage, hold, inherit, quorum, revoked
 
@@ -198,10 +198,10 @@ def next_step(record: ProposalRecord, view: View, policy: Policy, actor: str) ->
         # accepted before the breaker opened (or autonomy went off): hold it back now; it was
         # accepted as autonomous, so the gate sees its grant as it was then
         decision = triage.decide(record, policy, view.now, True, actor, None, held)
-        return Commit(*triage.transition(record, decision), why="hold")
-    decided = quorum.decided(record, actor, view.now)
+        return Commit(triage.transition(record, decision), why="hold")
+    decided = quorum.decided(record, actor)
     if decided is not None:
-        return Commit(*decided, why="quorum")
+        return Commit(decided, why="quorum")
     return _dispatch(record, view, policy, actor) or _after_apply(record, view, policy, actor)
 
 
@@ -217,9 +217,9 @@ def _triage(record: ProposalRecord, view: View, policy: Policy, actor: str,
     if original is not None and triage.needs_triage(record):
         if isinstance(view.original, _Unread):
             return ReadOriginal(original)
-        inherited = lkg.inherit(record, view.original, view.now)
+        inherited = lkg.inherit(record, view.original)
         if inherited is not None:
-            return Commit(*inherited, why="inherit")
+            return Commit(inherited, why="inherit")
     grant = False
     # without a skill definition there is no `<name>:<sha256>` a grant could cover
     if record.proposal.change_class == "L3" and record.skill is not None:
@@ -227,7 +227,7 @@ def _triage(record: ProposalRecord, view: View, policy: Policy, actor: str,
             return ReadGrant(record.skill)
         grant = view.grant
     decision = triage.decide(record, policy, view.now, grant, actor, view.rejected, held)
-    return Commit(*triage.transition(record, decision), why="triage")
+    return Commit(triage.transition(record, decision), why="triage")
 
 
 def _dispatch(record: ProposalRecord, view: View, policy: Policy, actor: str) -> Step | None:
@@ -241,8 +241,7 @@ def _dispatch(record: ProposalRecord, view: View, policy: Policy, actor: str) ->
                     "resolves it")
     if rollback:
         if record.rollback_dispatched_at is None:
-            return Commit(*apply_stage.dispatch_rollback(record, actor, view.now),
-                          why="dispatched")
+            return Commit(apply_stage.dispatch_rollback(record, actor), why="dispatched")
         return SendRollback(*apply_stage.rollback_order(record, 1))
     if lkg.needs_check(record):
         return CheckLkg()
@@ -268,7 +267,7 @@ def _intent(record: ProposalRecord, view: View, policy: Policy, actor: str) -> S
             return ReadGrant(record.skill or "")
         if not view.grant:
             return revoked(record, policy, view.now, actor)
-    return Commit(*apply_stage.dispatch(record, policy, actor, view.now), why="dispatched")
+    return Commit(apply_stage.dispatch(record, policy, actor), why="dispatched")
 
 
 def _after_apply(record: ProposalRecord, view: View, policy: Policy, actor: str) -> Step:
@@ -283,7 +282,7 @@ def _after_apply(record: ProposalRecord, view: View, policy: Policy, actor: str)
 
 
 def after_measure(record: ProposalRecord, answer: Answer[learnback.Reading], policy: Policy,
-                  actor: str, now: int) -> Measure:
+                  actor: str) -> Measure:
     """What the owning service answered at review_after as the learn-back transition: held;
     regressed, with the recorded rollback proposed when there is one to propose; or
     unmeasured (no usable answer), which proposes nothing and is never taken for held. Only an
@@ -300,13 +299,9 @@ def after_measure(record: ProposalRecord, answer: Answer[learnback.Reading], pol
                                  or record.revert is not None):
         rollback = apply_stage.rollback_proposal(record)
     rollback_id = propose.identify(rollback)[0] if rollback is not None else None
-    record, draft = learnback.measured(record, verdict, reading, rollback_id, actor, now)
-    return Measure(Commit(record, answered(draft, answer), why="measured"), rollback)
-
-
-def answered(draft: Draft, answer: Answer[Any]) -> Draft:
-    """`draft` with who answered the request it records (`apply.answered_by`)."""
-    return replace(draft, refs=(*draft.refs, apply_stage.answered_by(answer)))
+    draft = learnback.measured(record, verdict, reading, rollback_id, actor,
+                               apply_stage.answered_by(answer))
+    return Measure(Commit(draft, why="measured"), rollback)
 
 
 def after_lkg(record: ProposalRecord, answer: Evidence[lkg.LkgReport], policy: Policy,
@@ -328,11 +323,11 @@ def after_lkg(record: ProposalRecord, answer: Evidence[lkg.LkgReport], policy: P
             start, _ = propose.register(rev, rev_id, rev_dedup, policy, 0)
             check = triage.decide(start, policy, now, False, actor)
             if check.verdict != "reject":
-                after, draft = lkg.verified(record, report, rev, rev_id, actor)
-                return Commit(after, answered(draft, answer), why="lkg_verified")
+                return Commit(lkg.verified(record, report, rev, rev_id, actor,
+                                           apply_stage.answered_by(answer)), why="lkg_verified")
             why = f"the reversal would be rejected: {check.cause}: {check.rationale}"
-    after, draft = lkg.refused(record, why, by, now)
-    return Commit(after, answered(draft, answer), why="lkg_refused")
+    return Commit(lkg.refused(record, why, by, apply_stage.answered_by(answer)),
+                  why="lkg_refused")
 
 
 def withdrawable(record: ProposalRecord, intended_here: bool, maybe_delivered: bool) -> bool:
@@ -351,12 +346,12 @@ def recheck_grant(record: ProposalRecord, intended_here: bool, maybe_delivered: 
 
 
 def unreachable(record: ProposalRecord, intended_here: bool, maybe_delivered: bool, error: str,
-                actor: str, now: int) -> Commit | None:
+                actor: str) -> Commit | None:
     """The order found no service: its dispatch is withdrawn on the chain when it still may
     be (see `withdrawable`), else it stays in flight."""
     if not withdrawable(record, intended_here, maybe_delivered):
         return None
-    return Commit(*apply_stage.undelivered(record, error, actor, now), why="undelivered")
+    return Commit(apply_stage.undelivered(record, error, actor), why="undelivered")
 
 
 def revoked(record: ProposalRecord, policy: Policy, now: int, actor: str) -> Commit:
@@ -365,7 +360,7 @@ def revoked(record: ProposalRecord, policy: Policy, now: int, actor: str) -> Com
     that reached no service: the apply is stopped, a dispatch on the chain is void (its
     order never sent), and the proposal is gated as L2 again."""
     decision = triage.decide(record, policy, now, False, actor)
-    return Commit(*triage.transition(record, decision), why="revoked")
+    return Commit(triage.transition(record, decision), why="revoked")
 
 
 def with_read(view: View, step: ReadGrant | ConfirmGrant | ReadOriginal,

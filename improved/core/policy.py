@@ -23,10 +23,11 @@ import msgspec
 from msgspec import Meta, field
 
 from improved.core import gradient
-from improved.core.audit import REASON_LIMIT, Draft
+from improved.core.audit import REASON_LIMIT, Draft, draft_of
 from improved.core.gradient import CLASSES, FALLBACK_MIN_CLASS
 from improved.core.guards import DEFAULT_FORBIDDEN
-from improved.core.record import ProposalRecord, ref, refs_of
+from improved.core.record import ProposalRecord
+from improved.core.trailers import PolicyInForce, body_as
 from improved.protocol import canonical
 from improved.protocol.model import ChangeClass, ProposalId
 
@@ -156,29 +157,21 @@ def differences(policy: Policy) -> dict[str, Any]:
 
 
 POLICY_ID: Final = hashlib.sha256(b"improved policy").hexdigest()  # the one `_policy` chain
-DIGEST_REF: Final = "digest"
 
 
 def recorded_digest(body: dict[str, Any] | None) -> str | None:
     """The policy digest a trailer of the `_policy` chain records (None for an empty chain)."""
     if not body:
         return None
-    return refs_of(msgspec.convert(body, type=_Refs)).get(DIGEST_REF)
-
-
-class _Refs(msgspec.Struct):
-    refs: list[str] = []
+    return body_as(PolicyInForce, body).digest
 
 
 def draft(policy: Policy, actor: str) -> Draft:
     """The trailer recording `policy` as in force: refs `digest:` and `<key>:<JSON value>` for
     each key that differs from the default."""
     changed = differences(policy)
-    refs = (ref(DIGEST_REF, digest(policy)),
-            *(ref(name, value, as_json=True) for name, value in changed.items()))
     what = ("differs from the defaults in " + ", ".join(changed)) if changed else \
         "the defaults"
-    return Draft(from_stage="learn-back", to_stage="learn-back", actor=actor,
-                 observer_type="rec:system", verdict="policy",
-                 reason=f"effective policy {digest(policy)[:12]}: {what}"[:REASON_LIMIT],
-                 refs=refs)
+    return draft_of(PolicyInForce(digest=digest(policy), changed=changed), "learn-back", actor,
+                    "rec:system",
+                    f"effective policy {digest(policy)[:12]}: {what}"[:REASON_LIMIT])

@@ -10,19 +10,12 @@ from typing import Any
 import msgspec
 
 from improved.core import identity
-from improved.core.audit import Draft
+from improved.core.audit import Draft, draft_of
 from improved.core.boundary import Answer, Attested
 from improved.core.policy import Policy
-from improved.core.record import (
-    SUPERSEDED,
-    CountedSignal,
-    ProposalRecord,
-    closed,
-    ref,
-    refs_of,
-    replay,
-)
+from improved.core.record import CountedSignal, ProposalRecord, closed, fold, replay
 from improved.core.signing import PAYLOAD_TYPES, ActRefused, TrustStore, Verified
+from improved.core.trailers import Registration, Superseded, decode
 from improved.protocol import cal, canonical, wire
 from improved.protocol.model import (
     DedupHead,
@@ -31,7 +24,6 @@ from improved.protocol.model import (
     Proposal,
     Signal,
     Trailer,
-    to_json,
 )
 from improved.protocol.subjects import SKILL_NAME_RE
 
@@ -252,56 +244,47 @@ def register(proposal: Proposal, pid: str, dedup: str, policy: Policy, now: int,
         updated_at=now,
     )
     observer: ObserverType = "rec:agent"  # an origin, signed or not, proves no operator
-    signed = (ref("proposer", proposer),) if proposer is not None else ()
-    draft = Draft(
-        from_stage="observe", to_stage="propose", actor=proposal.origin.actor,
-        observer_type=observer, reason=f"proposed: {summary}"
+    draft = draft_of(
+        Registration(analyzer=proposal.analyzer.id, dedup_key=dedup, proposal=proposal,
+                     proposer=proposer),
+        "observe", proposal.origin.actor, observer, f"proposed: {summary}"
         + (f" (signed by {proposer})" if proposer is not None else ""),
-        refs=(f"analyzer:{proposal.analyzer.id}", f"dedup_key:{dedup}",
-              "proposal:" + to_json(proposal).decode(), *signed),
-        envelope=envelope if proposer is not None else None,
-    )
+        envelope if proposer is not None else None)
     return record, draft
 
 
-def supersede(record: ProposalRecord, by: str, actor: str) -> tuple[ProposalRecord, Draft] | None:
+def supersede(record: ProposalRecord, by: str, actor: str) -> Draft | None:
     """Newer content under the same dedup_key: this proposal will never be applied, and an
     approval it had is withdrawn. None when it is already settled or superseded, or its order
     is recorded as dispatched (its outcome decides it)."""
     if (record.superseded_by is not None or record.status not in ("pending", "approved")
             or record.in_flight):
         return None
-    draft = Draft(from_stage=record.stage, to_stage="triage", actor=actor,
-                  observer_type="rec:system", verdict=SUPERSEDED, refs=(ref("superseded_by", by),),
-                  reason=f"superseded by {by}: new content under the same dedup_key")
-    return record.replace(superseded_by=by, approved_by=None), draft
+    return draft_of(Superseded(superseded_by=by), record.stage, actor, "rec:system",
+                    f"superseded by {by}: new content under the same dedup_key")
 
 
-def carried(trailer: Trailer) -> Proposal:
-    """The proposal a registration trailer carries (its `proposal:` ref)."""
-    for r in trailer.refs:
-        if r.startswith("proposal:"):
-            return msgspec.json.decode(r[len("proposal:"):].encode(), type=Proposal)
-    raise ValueError(f"trailer {trailer.seq} of {trailer.proposal_id} carries no proposal")
+def registration(trailer: Trailer) -> Registration:
+    """What a chain's first trailer registers: the proposal itself (its `proposal:` ref) and
+    the verified proposer, if it was signed (`proposer:`). The proposer is as good as the
+    chain's verification: `improved audit verify` and the daemon check the envelope beside it
+    against the trust store (core/evidence.py). ValueError when it registers nothing."""
+    data = decode(trailer)
+    if not isinstance(data, Registration):
+        raise ValueError(f"trailer {trailer.seq} of {trailer.proposal_id} registers no proposal")
+    return data
 
 
 def rebuild_record(trailers: list[Trailer], seqs: list[int], policy: Policy) -> ProposalRecord:
     """Replay a chain from its registration trailer, which carries the proposal itself; the
     proposal must hash to the chain's id, so a chain cannot be rebuilt around other content."""
-    proposal = carried(trailers[0])
-    pid, dedup = identify(proposal)
+    first = registration(trailers[0])
+    pid, dedup = identify(first.proposal)
     if pid != trailers[0].proposal_id:
         raise ValueError(f"chain {trailers[0].proposal_id}: its registration carries the "
                          f"content of {pid}")
-    start, _ = register(proposal, pid, dedup, policy, 0, signed_proposer(trailers[0]))
-    return replay(start, trailers, seqs)
-
-
-def signed_proposer(registration: Trailer) -> str | None:
-    """The verified proposer a registration trailer records (its `proposer:` ref), None for
-    an unsigned proposal. As good as the chain's verification: `improved audit verify` and
-    the daemon check the envelope beside it against the trust store (core/evidence.py)."""
-    return refs_of(registration).get("proposer")
+    start, _ = register(first.proposal, pid, dedup, policy, 0, first.proposer)
+    return replay(fold(start, trailers[0], seqs[0], first), trailers[1:], seqs[1:])
 
 
 FUTURE_SKEW_MS = 5 * 60 * 1000  # how far a proposal's created_at may lie ahead of our clock

@@ -11,11 +11,12 @@ its reason — and the decision is a trailer of its own; the QuorumRecord is the
 from __future__ import annotations
 
 from improved.core import identity
-from improved.core.audit import REASON_LIMIT, Draft
+from improved.core.audit import REASON_LIMIT, Draft, draft_of
 from improved.core.authority import Act, refusal, will_run_digest
 from improved.core.guards import session_of
-from improved.core.record import QUORUM, VOTE, Ballot, ProposalRecord, ref
+from improved.core.record import ProposalRecord
 from improved.core.signing import Verified
+from improved.core.trailers import Decided, QuorumReached, Voted
 from improved.protocol import canonical
 from improved.protocol.model import QuorumBallot, QuorumRecord, TriageDecision, Vote
 
@@ -68,10 +69,10 @@ def proposer_votes(vote: Vote, record: ProposalRecord) -> bool:
 
 
 def count(record: ProposalRecord, act: Act, verified: Verified, vote: Vote, sig: str,
-          actor: str) -> tuple[ProposalRecord, Draft]:
+          actor: str) -> Draft:
     """A verified vote: counted (a `vote` trailer) or refused with the rule it broke."""
 
-    def refuse(code: str, why: str) -> tuple[ProposalRecord, Draft]:
+    def refuse(code: str, why: str) -> Draft:
         return refusal(record, act, code, why, actor, verified.keyid)
 
     if vote.proposal_id != record.proposal_id:
@@ -95,20 +96,13 @@ def count(record: ProposalRecord, act: Act, verified: Verified, vote: Vote, sig:
     if any(b.session == session for b in record.ballots):
         return refuse("correlated_session", f"session {session} has voted already (with "
                       "another key): correlated votes count once")
-    ballot = Ballot(keyid=verified.keyid, voter=vote.voter, session=session, vote=vote.vote,
-                    at=vote.at, act=act.digest, sig=sig, read=tuple(vote.read))
-    ballots = (*record.ballots, ballot)
-    approvals = sum(1 for b in ballots if b.vote == "approve")
+    approvals = sum(1 for b in record.ballots if b.vote == "approve") + (vote.vote == "approve")
     reason = (f"{vote.vote} by {vote.voter} (session {session}): {approvals} of {SIZE} "
               "approvals")[:REASON_LIMIT]
-    refs = (ref("act", act.digest), ref("act_seq", act.stream_seq), ref("keyid", verified.keyid),
-            ref("session", session), ref("vote", vote.vote), ref("voted_at", vote.at),
-            ref("sig", sig), ref("read", list(vote.read), as_json=True))
-    draft = Draft(from_stage=record.stage, to_stage="triage", actor=vote.voter,
-                  observer_type="rec:agent", verdict=VOTE, reason=reason, refs=refs,
-                  envelope=verified.envelope)
-    return record.replace(ballots=ballots, acts=(*record.acts, (act.digest, act.stream_seq)),
-                          updated_at=max(record.updated_at, vote.at)), draft
+    return draft_of(Voted(act=act.digest, act_seq=act.stream_seq, keyid=verified.keyid,
+                          session=session, vote=vote.vote, voted_at=vote.at, sig=sig,
+                          read=tuple(vote.read)),
+                    record.stage, vote.voter, "rec:agent", reason, verified.envelope)
 
 
 def authority_of(record: ProposalRecord) -> str:
@@ -116,7 +110,7 @@ def authority_of(record: ProposalRecord) -> str:
     return f"quorum:{record.proposal_id[:16]}"
 
 
-def decided(record: ProposalRecord, actor: str, now: int) -> tuple[ProposalRecord, Draft] | None:
+def decided(record: ProposalRecord, actor: str) -> Draft | None:
     """One dissent defers to the operator; three approvals approve; else still open."""
     if not is_open(record) or not record.ballots:
         return None
@@ -126,23 +120,14 @@ def decided(record: ProposalRecord, actor: str, now: int) -> tuple[ProposalRecor
     if dissent:
         reason = (f"{dissent[0].voter} dissents: deferred to an operator (quorum is not "
                   f"majority rule; voters {voters})")[:REASON_LIMIT]
-        d = TriageDecision(proposal_id=record.proposal_id, service=record.service,
-                           verdict="defer", cause="quorum_dissent", gate_class=record.gate_class,
-                           rationale=reason, actor=actor, at=now)
-        return record.replace(decision=d, updated_at=now), Draft(
-            from_stage=record.stage, to_stage="triage", actor=actor, observer_type="rec:system",
-            verdict="defer", cause="quorum_dissent", reason=reason)
+        return draft_of(Decided(verdict="defer", cause="quorum_dissent"), record.stage, actor,
+                        "rec:system", reason)
     if len(approvals) < SIZE:
         return None
     by = authority_of(record)
     reason = f"approved by a quorum of {len(approvals)}: {voters}"[:REASON_LIMIT]
-    d = TriageDecision(proposal_id=record.proposal_id, service=record.service, verdict="accept",
-                       cause=None, gate_class=record.gate_class, rationale=reason, actor=by,
-                       at=now)
-    draft = Draft(from_stage=record.stage, to_stage="triage", actor=by,
-                  observer_type="rec:agent", verdict=QUORUM, reason=reason,
-                  refs=(ref("authority", by), *(ref("keyid", b.keyid) for b in approvals)))
-    return record.replace(decision=d, approved_by=by, updated_at=now), draft
+    return draft_of(QuorumReached(authority=by, keyid=tuple(b.keyid for b in approvals)),
+                    record.stage, by, "rec:agent", reason)
 
 
 def outcome_of(record: ProposalRecord) -> str | None:

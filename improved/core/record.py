@@ -1,19 +1,45 @@
-"""A proposal's cached state and how its status follows from the audit chain (DESIGN §4).
+"""A proposal's cached state and how it follows from the audit chain (DESIGN §4).
 
-The record is a cache: `status` and `stage` are never taken from a message, only folded from the
-trailers the loop wrote (`status_after`). Everything else the stages need — the proposal, its
-decision, its apply outcome, the signals counted — travels with it so a stage is a pure function
-of (record, input).
+The record is a cache: nothing in it is taken from a message, only folded from the trailers
+the loop wrote. `fold(record, trailer, stream_seq)` is the one place a trailer becomes record
+state: the engine folds each trailer it commits, and `replay` folds a whole chain, so a record
+committed and a record rebuilt are alike by construction. What a trailer says is typed in
+core/trailers.py; how the status follows is `trailers.status_after`. Everything else the
+stages need — the proposal, its decision, its apply outcome, the signals counted — travels
+with it so a stage is a pure function of (record, input) to the draft it decided.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final, Protocol, cast, get_args
+from typing import Final, cast, get_args
 
 import msgspec
 from msgspec import Struct
 
+from improved.core.trailers import (
+    Applied,
+    Approved,
+    Decided,
+    Dispatched,
+    Inherited,
+    LkgRefused,
+    LkgVerified,
+    Measured,
+    QuorumReached,
+    Rejected,
+    RollbackAsked,
+    RolledBack,
+    SignalCounted,
+    Signed,
+    Superseded,
+    TrailerData,
+    TrailerDataError,
+    Undelivered,
+    Voted,
+    decode,
+    status_after,
+)
 from improved.protocol.model import (
     ApplyOutcome,
     ChangeClass,
@@ -116,60 +142,11 @@ class ProposalRecord(Struct, kw_only=True, frozen=True):
         return sum(1 for s in self.signals if s.positive and s.independent)
 
 
-# Verdicts a trailer carries besides the triage verdicts (documented in docs/protocol.md).
-APPLIED: Final = "applied"
-APPLY_FAILED: Final = "failed"
-SIGNAL: Final = "signal"
-DISPATCHED: Final = "dispatched"  # the intent: an ApplyOrder (or rollback order) is about to leave
-UNDELIVERED: Final = "undelivered"  # that ApplyOrder provably reached no service: dispatch void
-APPROVE: Final = "approve"
-REFUSED: Final = "refused"  # a signed act that did not count; the status does not move
-SUPERSEDED: Final = "superseded"  # newer content arrived under the same dedup_key
-ROLLBACK: Final = "rollback"  # an operator asked for the recorded inverse
-ROLLED_BACK: Final = "rolled_back"  # the owning service applied the inverse
-ROLLBACK_FAILED: Final = "rollback_failed"
-LKG_VERIFIED: Final = "lkg_verified"  # L4: healthy last-known-good; the reversal is recorded
-INHERIT: Final = "inherit"  # an L4 reversal runs under its original's approval
-VOTE: Final = "vote"  # a counted quorum vote
-QUORUM: Final = "quorum"  # the quorum approved: status approved
-HELD: Final = "held"  # measured at review_after: the metric held
-REGRESSED: Final = "regressed"  # measured at review_after: beyond the tolerance; a rollback is proposed
-UNMEASURED: Final = "unmeasured"  # at review_after the owning service gave no usable value: not "held"
-MEASURED: Final = frozenset({HELD, REGRESSED, UNMEASURED})
-
-
-class Transition(Protocol):
-    """What of a trailer moves the status: a Trailer, or a trailer read only as far."""
-
-    @property
-    def to_stage(self) -> str: ...
-
-    @property
-    def verdict(self) -> str | None: ...
-
-    @property
-    def cause(self) -> str | None: ...
-
-
-def status_after(status: Status, trailer: Transition) -> Status:
-    """The lifecycle status after one trailer: the whole of how status is derived."""
-    if trailer.to_stage == "propose":
-        return "pending"
-    if trailer.to_stage == "triage":
-        if trailer.verdict == "reject":
-            return "expired" if trailer.cause == "expired" else "rejected"
-        if trailer.verdict in (APPROVE, INHERIT, QUORUM):
-            return "approved"
-        if trailer.verdict == SUPERSEDED and status == "approved":
-            return "pending"  # an approval never carries to content nobody reviewed
-        return status
-    if trailer.to_stage == "apply" and trailer.verdict == APPLIED:
-        return "applied"
-    if trailer.to_stage == "apply" and trailer.verdict == ROLLED_BACK:
-        return "rolled_back"
-    # `dispatched` (the intent before an order) moves nothing: the status stays `approved` (or
-    # pending-accepted) until the outcome is recorded
-    return status
+# What learn-back found at review_after, as `learnback.judge` decides it (the verdicts of a
+# `trailers.Measured` trailer; every other kind says its own verdict, core/trailers.py).
+HELD: Final = "held"  # the metric held
+REGRESSED: Final = "regressed"  # beyond the tolerance; a rollback is proposed
+UNMEASURED: Final = "unmeasured"  # the owning service gave no usable value: not "held"
 
 
 def closed(record: ProposalRecord) -> bool:
@@ -270,32 +247,19 @@ record_encoder = msgspec.msgpack.Encoder()
 record_decoder = msgspec.msgpack.Decoder(ProposalRecord)
 
 
-def with_trailer(record: ProposalRecord, trailer: Trailer, stream_seq: int) -> ProposalRecord:
-    """The record after `trailer` joined its chain at JetStream sequence `stream_seq`."""
+def _with_head(record: ProposalRecord, trailer: Trailer, stream_seq: int,
+               data: TrailerData) -> ProposalRecord:
+    """What every trailer says of the record, whatever its kind: the status after it, its
+    stage, where the chain ends, the time; and an ApplyOrder's intent, where it sits in the
+    stream (`dispatched_seq`)."""
+    intent = isinstance(data, Dispatched) and data.dispatch == "apply"
     return record.replace(
         status=status_after(record.status, trailer),
         stage=trailer.to_stage,
         chain=ChainHead(length=trailer.seq + 1, last_hash=trailer.hash, stream_seq=stream_seq),
         updated_at=max(record.updated_at, trailer.at),
-        dispatched_seq=stream_seq if is_intent(trailer) else record.dispatched_seq,
+        dispatched_seq=stream_seq if intent else record.dispatched_seq,
     )
-
-
-def is_intent(trailer: Trailer) -> bool:
-    """The dispatch of an ApplyOrder (not of a rollback order)."""
-    return (trailer.to_stage == "apply" and trailer.verdict == DISPATCHED
-            and ref("dispatch", "rollback") not in trailer.refs)
-
-
-# -- trailer refs: `name:value` strings that make each trailer self-sufficient for a rebuild ----
-
-def ref(name: str, value: object, *, as_json: bool = False) -> str:
-    """`name:value`; `as_json` keeps a value's type through a rebuild (e.g. a string inverse)."""
-    if as_json or not isinstance(value, str | bool):
-        value = msgspec.json.encode(value, order="sorted").decode()
-    elif isinstance(value, bool):
-        value = "true" if value else "false"
-    return f"{name}:{value}"
 
 
 SCHEMA_CLASSES: Final = frozenset(get_args(SchemaClass))
@@ -307,96 +271,109 @@ def schema_class(value: str | None) -> SchemaClass | None:
     return cast("SchemaClass", value) if value in SCHEMA_CLASSES else None
 
 
-class HasRefs(Protocol):
-    """Anything that carries a trailer's refs: a Trailer, or a trailer decoded only as far."""
-
-    @property
-    def refs(self) -> Sequence[str]: ...
-
-
-def refs_of(trailer: HasRefs) -> dict[str, str]:
-    """The refs of a trailer by name; the first of a name wins."""
-    out: dict[str, str] = {}
-    for r in trailer.refs:
-        name, _, value = r.partition(":")
-        out.setdefault(name, value)
-    return out
-
-
 def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int]) -> ProposalRecord:
-    """Rebuild a record from its registration and its chain alone (the store is only a cache)."""
+    """Rebuild a record from its registration and its chain alone (the store is only a cache):
+    the fold of every trailer, as each was committed."""
     record = start
     for trailer, stream_seq in zip(trailers, stream_seqs, strict=True):
-        refs = refs_of(trailer)
-        if "act" in refs:
-            record = record.replace(acts=(*record.acts, (refs["act"], int(refs["act_seq"]))))
-        if trailer.to_stage == "triage" and trailer.verdict == SUPERSEDED:
-            record = record.replace(superseded_by=refs["superseded_by"], approved_by=None)
-        elif trailer.to_stage == "triage" and trailer.verdict == APPROVE:
-            record = record.replace(approved_by=trailer.actor, decision=TriageDecision(
-                proposal_id=record.proposal_id, service=record.service, verdict="accept",
-                cause=None, gate_class=trailer.gate_class, rationale=trailer.reason,
-                actor=trailer.actor, at=trailer.at))
-        elif trailer.to_stage == "triage" and trailer.verdict in ("accept", "defer", "reject"):
-            record = record.replace(
-                gate_class=trailer.gate_class, dispatched_by=None, dispatched_at=None,
-                dispatched_seq=None,
-                decision=TriageDecision(
-                    proposal_id=record.proposal_id, service=record.service,
-                    verdict=trailer.verdict, cause=trailer.cause,
-                    gate_class=trailer.gate_class, rationale=trailer.reason,
-                    actor=trailer.actor, at=trailer.at))
-        elif trailer.to_stage == "triage" and trailer.verdict in (INHERIT, QUORUM):
-            record = record.replace(approved_by=refs["authority"], decision=TriageDecision(
-                proposal_id=record.proposal_id, service=record.service, verdict="accept",
-                cause=None, gate_class=trailer.gate_class, rationale=trailer.reason,
-                actor=refs["authority"], at=trailer.at))
-        elif trailer.to_stage == "triage" and trailer.verdict == VOTE:
-            record = record.replace(ballots=(*record.ballots, Ballot(
-                keyid=refs["keyid"], voter=trailer.actor, session=refs["session"],
-                vote=refs["vote"], at=int(refs["voted_at"]), act=refs["act"],
-                sig=refs.get("sig", ""), read=tuple(msgspec.json.decode(refs["read"])))))
-        elif trailer.to_stage == "apply" and trailer.verdict == LKG_VERIFIED:
-            record = record.replace(
-                revert=msgspec.json.decode(refs["revert"], type=Proposal),
-                revert_id=refs["revert_proposal_id"])
-        elif trailer.to_stage == "apply" and trailer.verdict == DISPATCHED:
-            record = (record.replace(rollback_dispatched_at=trailer.at)
-                      if refs.get("dispatch") == "rollback" else
-                      record.replace(dispatched_by=refs["authority"], dispatched_at=trailer.at))
-        elif trailer.to_stage == "apply" and trailer.verdict == UNDELIVERED:
-            record = record.replace(dispatched_by=None, dispatched_at=None, dispatched_seq=None)
-        elif trailer.to_stage == "apply" and trailer.verdict == ROLLBACK:
-            record = record.replace(rollback_by=trailer.actor)
-        elif trailer.to_stage == "apply" and trailer.verdict in (ROLLED_BACK, ROLLBACK_FAILED):
-            record = record.replace(rollback_outcome=ApplyOutcome(
-                proposal_id=record.proposal_id, service=record.service,
-                ok=trailer.verdict == ROLLED_BACK, applied_id=refs.get("applied", ""),
-                authority=trailer.actor, error=refs.get("error"), at=trailer.at))
-        elif trailer.to_stage == "apply":
-            ok = trailer.verdict == APPLIED
-            record = record.replace(outcome=ApplyOutcome(
-                proposal_id=record.proposal_id, service=record.service, ok=ok,
-                applied_id=refs.get("applied", ""), authority=trailer.actor,
-                inverse=msgspec.json.decode(refs["inverse"]) if "inverse" in refs else None,
-                rollbackable=refs.get("rollbackable") == "true",
-                error=refs.get("error"), at=trailer.at,
-                revert_proposal_id=record.revert_id if ok else None,
-                schema_class=schema_class(refs.get("schema_class"))))
-        elif trailer.to_stage == "learn-back" and trailer.verdict == SIGNAL:
-            record = record.replace(signals=(*record.signals, CountedSignal(
-                digest=refs["signal"], kind=refs.get("kind", ""), actor=trailer.actor,
-                service=refs.get("service", ""), positive=refs.get("positive") == "true",
-                at=int(refs.get("at", trailer.at)),
-                independent=refs.get("independent") == "true", name=refs.get("name"),
-                value=float(refs["value"]) if "value" in refs else None,
-                emitter=refs.get("emitter", ""))))
-        elif trailer.to_stage == "learn-back" and trailer.verdict in MEASURED:
-            record = record.replace(measured=trailer.verdict,
-                                    measured_value=float(refs["value"]) if "value" in refs
-                                    else None)
-        record = with_trailer(record, trailer, stream_seq)
+        record = fold(record, trailer, stream_seq)
     return record
+
+
+def fold(record: ProposalRecord, trailer: Trailer, stream_seq: int,
+         data: TrailerData | None = None) -> ProposalRecord:
+    """The record after `trailer` joined its chain at JetStream sequence `stream_seq`: the one
+    place a trailer becomes record state, for a commit and a rebuild alike. `data`: what the
+    trailer says, when a caller decoded it already (`trailers.decode`). TrailerDataError
+    (a ValueError) when its refs are not its kind's data; a trailer of no kind known here
+    (`trailers.Unknown`) moves only the head."""
+    data = decode(trailer) if data is None else data
+    if isinstance(data, Signed) and data.act is not None:
+        if data.act_seq is None:
+            raise TrailerDataError(f"trailer {trailer.seq} names its act without act_seq")
+        record = record.replace(acts=(*record.acts, (data.act, data.act_seq)))
+    changes = _changes(record, trailer, data)
+    if changes:
+        record = record.replace(**changes)
+    return _with_head(record, trailer, stream_seq, data)
+
+
+def _changes(record: ProposalRecord, t: Trailer, data: TrailerData) -> dict[str, object]:
+    """What one trailer of a proposal's chain says of the record, by its kind."""
+    match data:
+        case Superseded(superseded_by=by):
+            return {"superseded_by": by, "approved_by": None}
+        case Approved():
+            return {"approved_by": t.actor, "decision": _accepted(record, t, t.actor)}
+        case Decided() | Rejected():
+            return {"gate_class": t.gate_class, "dispatched_by": None, "dispatched_at": None,
+                    "dispatched_seq": None, "decision": _decision(record, t, data)}
+        case Inherited(authority=by) | QuorumReached(authority=by):
+            return {"approved_by": by or t.actor, "decision": _accepted(record, t, by or t.actor)}
+        case Voted():
+            return {"ballots": (*record.ballots, _ballot(t, data))}
+        case LkgVerified(revert=revert, revert_proposal_id=rid):
+            return {"revert": revert, "revert_id": rid}
+        case Dispatched(dispatch="rollback"):
+            return {"rollback_dispatched_at": t.at}
+        case Dispatched(authority=by):
+            return {"dispatched_by": by, "dispatched_at": t.at}
+        case Undelivered():
+            return {"dispatched_by": None, "dispatched_at": None, "dispatched_seq": None}
+        case RollbackAsked():
+            return {"rollback_by": t.actor}
+        case RolledBack():
+            return {"rollback_outcome": _rolled_back(record, t, data)}
+        case Applied() | LkgRefused():
+            return {"outcome": _outcome(record, t, data)}
+        case SignalCounted():
+            return {"signals": (*record.signals, _signal(t, data))}
+        case Measured(verdict=verdict, value=value):
+            return {"measured": verdict, "measured_value": value}
+    return {}
+
+
+def _decision(record: ProposalRecord, t: Trailer, data: Decided | Rejected) -> TriageDecision:
+    return TriageDecision(proposal_id=record.proposal_id, service=record.service,
+                          verdict=data.verdict, cause=data.cause if isinstance(data, Decided)
+                          else None, gate_class=t.gate_class, rationale=t.reason,
+                          actor=t.actor, at=t.at)
+
+
+def _accepted(record: ProposalRecord, t: Trailer, by: str) -> TriageDecision:
+    """The decision an approval makes: accepted under `by`."""
+    return TriageDecision(proposal_id=record.proposal_id, service=record.service,
+                          verdict="accept", cause=None, gate_class=t.gate_class,
+                          rationale=t.reason, actor=by, at=t.at)
+
+
+def _ballot(t: Trailer, v: Voted) -> Ballot:
+    return Ballot(keyid=v.keyid, voter=t.actor, session=v.session, vote=v.vote, at=v.voted_at,
+                  act=v.act or "", sig=v.sig, read=v.read)
+
+
+def _rolled_back(record: ProposalRecord, t: Trailer, data: RolledBack) -> ApplyOutcome:
+    return ApplyOutcome(proposal_id=record.proposal_id, service=record.service,
+                        ok=data.verdict == "rolled_back", applied_id=data.applied,
+                        authority=t.actor, error=data.error, at=t.at)
+
+
+def _outcome(record: ProposalRecord, t: Trailer, data: Applied | LkgRefused) -> ApplyOutcome:
+    ok = isinstance(data, Applied) and data.verdict == "applied"
+    return ApplyOutcome(
+        proposal_id=record.proposal_id, service=record.service, ok=ok,
+        applied_id=data.applied, authority=t.actor,
+        inverse=data.inverse if isinstance(data, Applied) else None,
+        rollbackable=data.rollbackable, error=data.error, at=t.at,
+        revert_proposal_id=record.revert_id if ok else None,
+        schema_class=schema_class(data.schema_class if isinstance(data, Applied) else None))
+
+
+def _signal(t: Trailer, s: SignalCounted) -> CountedSignal:
+    return CountedSignal(digest=s.signal, kind=s.kind, actor=t.actor, service=s.service,
+                         positive=s.positive, at=t.at if s.at is None else s.at,
+                         independent=s.independent, name=s.name, value=s.value,
+                         emitter=s.emitter)
 
 
 def same_state(a: ProposalRecord, b: ProposalRecord) -> bool:

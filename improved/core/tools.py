@@ -66,8 +66,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from msgspec import Meta
 
 from improved.core import retention
-from improved.core.audit import Draft
-from improved.core.record import ref
+from improved.core.audit import Draft, draft_of
 from improved.core.scopes import (
     CapabilityScope,
     ScopeKind,
@@ -85,6 +84,7 @@ from improved.core.signing import (
     raw_public,
     sign,
 )
+from improved.core.trailers import LedgerTrusted, ToolCall, ToolRefused
 from improved.protocol import subjects as S
 from improved.protocol.model import (
     Actor,
@@ -419,37 +419,36 @@ PROOF_REFS: tuple[str, ...] = ("proof_at", "proof_nonce", "proof_sig")
 `sig`), beside `proof:` (its digest): enough to re-check the proof from the chain alone."""
 
 
-def proof_refs(proof: SessionProof) -> list[str]:
-    """The refs that record `proof` on its call's trailer (PROOF_REFS)."""
-    return [ref("proof_at", str(proof.at)), ref("proof_nonce", proof.nonce),
-            ref("proof_sig", proof.sig)]
+def proof_recorded(call: ToolCall) -> bool:
+    """The call's trailer records (some of) its session proof (PROOF_REFS)."""
+    return any(v is not None for v in (call.proof_at, call.proof_nonce, call.proof_sig))
 
 
-def recorded_proof_problem(act: SessionUpgrade, upgrade: str, refs: Mapping[str, str],
-                           ) -> str | None:
-    """Why the session proof an upgraded call's trailer records (`refs`, by name) does not
-    hold, or None: it must be the signature of the upgrade's `session_key` over this runtime,
-    tool, arguments' digest and upgrade (act id `upgrade`), as `verify_proof` checks it at
-    the call, and hash to the `proof:` digest. A trailer with none of PROOF_REFS was written
-    before they were recorded: None (its digest and key id are all it says)."""
-    present = [name for name in PROOF_REFS if name in refs]
-    if not present or act.session_key is None:
+def recorded_proof_problem(act: SessionUpgrade, upgrade: str, call: ToolCall) -> str | None:
+    """Why the session proof an upgraded call's trailer records does not hold, or None: it
+    must be the signature of the upgrade's `session_key` over this runtime, tool, arguments'
+    digest and upgrade (act id `upgrade`), as `verify_proof` checks it at the call, and hash
+    to the `proof:` digest. A trailer with none of PROOF_REFS was written before they were
+    recorded: None (its digest and key id are all it says)."""
+    parts = {"proof_at": call.proof_at, "proof_nonce": call.proof_nonce,
+             "proof_sig": call.proof_sig}
+    if not proof_recorded(call) or act.session_key is None:
         return None
-    if len(present) < len(PROOF_REFS):
-        missing = ", ".join(name for name in PROOF_REFS if name not in present)
+    missing = ", ".join(name for name, value in parts.items() if value is None)
+    if missing:
         return f"the session proof is recorded without {missing}"
     try:
-        proof = msgspec.convert({"at": int(refs["proof_at"]), "nonce": refs["proof_nonce"],
-                                 "sig": refs["proof_sig"]}, SessionProof)
-        digest = verify_proof(act.session_key, refs.get("runtime", ""), refs.get("tool", ""),
-                              refs.get("args", ""), upgrade, proof)
+        proof = msgspec.convert({"at": int(call.proof_at or ""), "nonce": call.proof_nonce,
+                                 "sig": call.proof_sig}, SessionProof)
+        digest = verify_proof(act.session_key, call.runtime, call.tool, call.args, upgrade,
+                              proof)
     except (ValueError, msgspec.ValidationError) as exc:
         return f"the recorded session proof is not a proof: {exc}"
     except ActRefused as exc:
         return f"the recorded session proof does not verify ({exc.code}): {exc.reason}"
-    if digest != refs.get("proof"):
+    if digest != call.proof:
         return (f"the recorded session proof has digest {digest}, the trailer names "
-                f"{refs.get('proof')!r}")
+                f"{call.proof!r}")
     return None
 
 
@@ -657,6 +656,15 @@ class _Call:
 
 # -- the ledger a runtime trusts, on its chain ----------------------------------------------------
 
+
+@dataclass(frozen=True)
+class Ledgered:
+    """The ledger refs' values of a `_tools` trailer (`Known.ref`), or None: not trusted."""
+
+    spent_stream: str | None = None
+    revoked_stream: str | None = None
+    audit_stream: str | None = None
+
 LEDGER_STREAMS: dict[str, tuple[str, retention.Kind]] = {
     S.STREAM_TOOLS_SPENT: ("spent_stream", "expires"),
     S.STREAM_TOOLS_REVOKED: ("revoked_stream", "keeps"),
@@ -667,29 +675,36 @@ it reads at start the ledger it trusts — with the ref that names on each trail
 trusts (`Known.ref`), and how each is checked (`improved.core.retention`)."""
 
 
-def ledger_refs(known: Mapping[str, retention.Known]) -> list[str]:
-    """The refs that name, on a trailer, the streams the runtime trusts (LEDGER_STREAMS)."""
-    return [ref(name, known[stream].ref()) for stream, (name, _) in LEDGER_STREAMS.items()
-            if stream in known]
+def ledger_of(known: Mapping[str, retention.Known]) -> Ledgered:
+    """The ledger refs that name, on a trailer, the streams the runtime trusts
+    (LEDGER_STREAMS): as the fields of a `_tools` trailer's data."""
+    return Ledgered(**{name: known[stream].ref() for stream, (name, _) in LEDGER_STREAMS.items()
+                       if stream in known})
 
 
-def recorded_ledger(refs: Mapping[str, str]) -> dict[str, retention.Known]:
-    """The streams a trailer's refs (by name) say its runtime trusted, by stream name."""
+def recorded_ledger(trailer: Ledgered | ToolCall | ToolRefused | LedgerTrusted,
+                    ) -> dict[str, retention.Known]:
+    """The streams a `_tools` trailer says its runtime trusted, by stream name."""
+    recorded = {"spent_stream": trailer.spent_stream, "revoked_stream": trailer.revoked_stream,
+                "audit_stream": trailer.audit_stream}
     out = {}
     for stream, (name, kind) in LEDGER_STREAMS.items():
-        known = retention.ref_value(stream, kind, refs.get(name, ""))
+        known = retention.ref_value(stream, kind, recorded.get(name) or "")
         if known is not None:
             out[stream] = known
     return out
 
 
 def ledger_draft(runtime: str, known: Mapping[str, retention.Known], why: str) -> Draft:
-    """The trailer that records the streams a runtime trusts from now on (`ledger_refs`), and
+    """The trailer that records the streams a runtime trusts from now on (`ledger_of`), and
     `why`: seen for the first time, or accepted by an operator as they are now. Every later
     trailer names them too, so the chain's last trailer says what the runtime trusts."""
-    return Draft(from_stage="apply", to_stage="apply", actor=runtime, observer_type="rec:system",
-                 verdict="ledger", refs=(ref("runtime", runtime), *ledger_refs(known)),
-                 reason=f"runtime {runtime} trusts its ledger: {why}")
+    ledger = ledger_of(known)
+    return draft_of(LedgerTrusted(runtime=runtime, spent_stream=ledger.spent_stream,
+                                  revoked_stream=ledger.revoked_stream,
+                                  audit_stream=ledger.audit_stream),
+                    "apply", runtime, "rec:system",
+                    f"runtime {runtime} trusts its ledger: {why}")
 
 
 def call_draft(runtime: str, decision: Decision,
@@ -706,33 +721,32 @@ def call_draft(runtime: str, decision: Decision,
         digest = args_digest(decision.args)
     except (TypeError, msgspec.EncodeError):
         digest = "unencodable"
-    refs = [ref("runtime", runtime), ref("tool", p.name), ref("class", p.authority),
-            ref("token", grant_token(p)), ref("args", digest), *ledger_refs(known or {})]
-    if decision.session is not None:
-        refs.append(ref("session", decision.session))
+    ledger = ledger_of(known or {})
     if decision.allowed:
-        refs.append(ref("via", decision.via or "mounted"))
-        if decision.act is not None:
-            refs += [ref("act", decision.act.digest), ref("act_id", act_id(decision.act))]
-        if decision.proof is not None:
-            refs.append(ref("proof", decision.proof))
-        if decision.signed_proof is not None:
-            refs += proof_refs(decision.signed_proof)
-        if decision.session_key is not None:
-            refs.append(ref("session_key", decision.session_key))
-        who = decision.principal or runtime
-        return Draft(from_stage="apply", to_stage="apply", actor=who,
-                     observer_type="human" if decision.act is not None else "rec:agent",
-                     verdict="tool_call", refs=tuple(refs),
-                     reason=f"{p.name} ({p.authority}) called on {runtime}, {decision.via}",
-                     envelope=decision.act.envelope if decision.act is not None else None)
+        act, signed = decision.act, decision.signed_proof
+        call = ToolCall(
+            runtime=runtime, tool=p.name, class_=p.authority, token=grant_token(p), args=digest,
+            spent_stream=ledger.spent_stream, revoked_stream=ledger.revoked_stream,
+            audit_stream=ledger.audit_stream, session=decision.session,
+            via=decision.via or "mounted", act=act.digest if act is not None else None,
+            act_id=act_id(act) if act is not None else None, proof=decision.proof,
+            proof_at=str(signed.at) if signed is not None else None,
+            proof_nonce=signed.nonce if signed is not None else None,
+            proof_sig=signed.sig if signed is not None else None,
+            session_key=decision.session_key)
+        return draft_of(call, "apply", decision.principal or runtime,
+                        "human" if act is not None else "rec:agent",
+                        f"{p.name} ({p.authority}) called on {runtime}, {decision.via}",
+                        act.envelope if act is not None else None)
     assert decision.reply is not None
     body = decision.reply.get("refused", {})
-    refs.append(ref("refused", str(body.get("reason"))))
-    return Draft(from_stage="apply", to_stage="apply", actor=runtime, observer_type="rec:agent",
-                 verdict="refused", refs=tuple(refs),
-                 reason=f"{p.name} ({p.authority}) refused on {runtime}: "
-                        f"{body.get('reason')}: {body.get('detail', '')}")
+    return draft_of(ToolRefused(
+        runtime=runtime, tool=p.name, class_=p.authority, token=grant_token(p), args=digest,
+        spent_stream=ledger.spent_stream, revoked_stream=ledger.revoked_stream,
+        audit_stream=ledger.audit_stream, session=decision.session,
+        refused=str(body.get("reason"))), "apply", runtime, "rec:agent",
+        f"{p.name} ({p.authority}) refused on {runtime}: "
+        f"{body.get('reason')}: {body.get('detail', '')}")
 
 
 class Runtime:

@@ -13,7 +13,7 @@ from typing import Protocol, get_args
 import msgspec
 
 from improved.core import gradient, lkg, propose
-from improved.core.audit import REASON_LIMIT, Draft
+from improved.core.audit import REASON_LIMIT, Draft, draft_of
 from improved.core.guards import (
     forbidden_match,
     on_allowlist,
@@ -23,6 +23,7 @@ from improved.core.guards import (
 )
 from improved.core.policy import Policy
 from improved.core.record import ProposalRecord
+from improved.core.trailers import Decided
 from improved.protocol import canonical
 from improved.protocol.model import Cause, ChangeClass, Held, Proposal, TriageDecision, Verdict
 
@@ -223,10 +224,8 @@ def needs_triage(record: ProposalRecord) -> bool:
             and not self_confirmed(record.positives, record.independent_positives))
 
 
-def transition(record: ProposalRecord, d: TriageDecision) -> tuple[ProposalRecord, Draft]:
-    draft = Draft(from_stage=record.stage, to_stage="triage", actor=d.actor,
-                  observer_type="rec:system", reason=d.rationale, verdict=d.verdict,
-                  cause=d.cause)
-    # a new decision voids a dispatch that was recorded but never sent (a revoked grant)
-    return record.replace(decision=d, gate_class=d.gate_class, updated_at=d.at,
-                          dispatched_by=None, dispatched_at=None, dispatched_seq=None), draft
+def transition(record: ProposalRecord, d: TriageDecision) -> Draft:
+    """The decision as its trailer, at its gate class; folded, it also voids a dispatch that
+    was recorded but never sent (a revoked grant)."""
+    return draft_of(Decided(verdict=d.verdict, cause=d.cause), record.stage, d.actor,
+                    "rec:system", d.rationale, gate_class=d.gate_class)

@@ -59,11 +59,9 @@ from improved.core.record import (
     CountedSignal,
     ProposalRecord,
     closed,
-    ref,
-    refs_of,
+    fold,
     same_state,
     status_at,
-    with_trailer,
 )
 from improved.core.signing import PAYLOAD_TYPES, ActRefused
 from improved.protocol import subjects as S
@@ -86,7 +84,6 @@ from improved.protocol.model import (
     Review,
     Signal,
     Trailer,
-    TrailerVerdict,
     Vote,
     to_json,
 )
@@ -150,8 +147,14 @@ B = TypeVar("B", bound=authority.SignedBody)
 # Before each attempt of an order: (attempt, whether an earlier one may have been delivered);
 # raises to stop the send (GrantRevoked).
 Allowed = Callable[[int, bool], Awaitable[None]]
-# An ingest step: (record or None) → (new record, draft) or None when there is nothing to do.
+# An ingest step: (record or None) → (the record the draft extends, draft) or None when there
+# is nothing to do. The record extended is the one given, but for a registration's new record.
 Ingest = Callable[[ProposalRecord | None, int], tuple[ProposalRecord, Draft] | None]
+
+
+def _onto(record: ProposalRecord, draft: Draft | None) -> tuple[ProposalRecord, Draft] | None:
+    """A stage's draft (or nothing to do) as an ingest step on `record`."""
+    return None if draft is None else (record, draft)
 
 
 @dataclass
@@ -375,7 +378,7 @@ class Engine:
     async def supersede(self, svc: str, old: str, new: str) -> Handled:
         """Mark `old` superseded by `new` (same dedup_key, new content)."""
         return await self.handle(
-            svc, old, lambda record, now: propose.supersede(record, new, self.actor)
+            svc, old, lambda record, now: _onto(record, propose.supersede(record, new, self.actor))
             if record is not None else None, None, False)
 
     def verified_proposer(self, proposal: Proposal, env: Envelope | None) -> str | None:
@@ -421,9 +424,9 @@ class Engine:
                 digest = propose.signal_digest(signal)
                 box["counted"] = next(s for s in record.signals if s.digest == digest)
                 return None
-            new, draft, counted = step
+            draft, counted = step
             box["counted"] = counted
-            return new, draft
+            return record, draft
 
         handled = await self.handle(svc, signal.proposal_id or "", ingest, None, republish,
                                     dispatch=dispatch, fresh=fresh)
@@ -446,8 +449,8 @@ class Engine:
             if record is None or not apply_stage.needs_apply(record):
                 return None
             taken = True
-            return apply_stage.transition(record, result,
-                                          apply_stage.authority(record, self.policy), now)
+            return record, apply_stage.transition(record, result,
+                                                  apply_stage.authority(record, self.policy))
 
         handled = await self.handle(svc, pid, ingest, None, False)
         return handled, taken
@@ -483,7 +486,7 @@ class Engine:
         with its reason; the quorum's decision follows in the same pass."""
 
         def count(record: ProposalRecord, verified: signing.Verified, vote: Vote,
-                  now: int) -> tuple[ProposalRecord, Draft]:
+                  now: int) -> Draft:
             sig = next(s.sig for s in env.signatures if s.keyid == verified.keyid)
             return quorum.count(record, act, verified, vote, sig, self.actor)
 
@@ -493,8 +496,7 @@ class Engine:
 
     def _signed_act(self, act: Act, env: Envelope | None, trust: signing.TrustStore, kind: str,
                     decode_as: type[B],
-                    step: Callable[[ProposalRecord, signing.Verified, B, int],
-                                   tuple[ProposalRecord, Draft]],
+                    step: Callable[[ProposalRecord, signing.Verified, B, int], Draft],
                     principal_of: Callable[[B], str] | None = None) -> Ingest:
         """The ingest of a signed act on a proposal's chain: a redelivery changes nothing; a
         replay, a bare (unsigned) act or one that does not verify is refused there with its
@@ -520,8 +522,9 @@ class Engine:
                     log.warning("signed act refused, not recorded", proposal_id=record.proposal_id,
                                 code=refused.code, why=skip)
                     return None
-                return authority.refusal(record, act, refused.code, refused.reason, self.actor)
-            return step(record, verified, body, now)
+                return record, authority.refusal(record, act, refused.code, refused.reason,
+                                                 self.actor)
+            return record, step(record, verified, body, now)
 
         return ingest
 
@@ -549,8 +552,7 @@ class Engine:
 
         def next_draft(chain: list[tuple[int, dict[str, Any]]], now: int) -> Draft | None:
             read.append(chain)
-            acts = [(r["act"], int(r["act_seq"])) for r in (refs_of(decode_trailer(body))
-                                                            for _, body in chain) if "act" in r]
+            acts = authority.chain_acts([decode_trailer(body) for _, body in chain])
             return authority.grant_act(acts, act, verified, cmd, refused, self.actor)
 
         appended = await self.store.append_sealed(subject, sha, "L3", "knowledge", next_draft,
@@ -781,12 +783,15 @@ class Engine:
 
     async def _commit(self, before: ProposalRecord | None, record: ProposalRecord,
                       draft: Draft, at: int) -> ProposalRecord:
-        """Seal `draft` at `at` (the instant the stage decided) and append it: the commit.
-        `before` is the record at the chain's end (None: the chain begins), `record` what the
-        stage made of it; the trailer says which indexes it moves (`indexes.with_moves`)."""
-        draft = indexes.with_moves(before, record, draft)
+        """Seal `draft` at `at` (the instant the stage decided) onto `record` and append it:
+        the commit; the record after it is the fold of the trailer (`record.fold`), as a
+        rebuild makes it. `before` is the record at the chain's end (None: the chain begins,
+        and `record` is the registration's new record); the trailer says which indexes it
+        moves (`indexes.with_moves`)."""
+        draft = indexes.with_moves(before, record, draft, at)
         trailer = audit.seal(draft, record, at)
         seq = await self.store.append(record, trailer)
+        record = fold(record, trailer, seq)
         moved = indexes.moves(draft.refs)
         if moved:  # what this pass moved, for `_settle`'s index writes
             self._moved.setdefault(record.proposal_id, set()).update(moved)
@@ -804,7 +809,7 @@ class Engine:
                                       else trailer.verdict)
         if self.learn is not None and (accepted := observe.lesson(trailer)) is not None:
             await self.learn(record.proposal.analyzer.id, accepted, trailer.hash)
-        return with_trailer(record, trailer, seq)
+        return record
 
     async def _advance(self, record: ProposalRecord, dispatch: bool,
                        rejected: triage.Rejection | None = None) -> ProposalRecord:
@@ -825,29 +830,28 @@ class Engine:
                 step = planner.next_step(record, view, self.policy, self.actor)
             try:
                 match step:
-                    case planner.Commit(record=after, draft=draft, why=why):
+                    case planner.Commit(draft=draft, why=why):
                         if why == "revoked" and record.in_flight:
                             log.warning("dispatch withdrawn: the grant was not active as of "
                                         "it; no order is sent", proposal_id=record.proposal_id,
                                         skill=record.skill, intent_seq=record.dispatched_seq)
-                        record = await self._commit(record, after, draft, now)
+                        record = await self._commit(record, record, draft, now)
                         intended = intended or why == "dispatched"
                     case planner.SendRollback():
                         record = await self._rollback(record, step)
                     case planner.CheckLkg():
-                        record = await self._commit(record, *await self._lkg_check(record),
-                                                    now_ms())
+                        draft = await self._lkg_check(record)
+                        record = await self._commit(record, record, draft, now_ms())
                     case planner.SendApply():
                         record = await self._apply(record, step, intended)
                     case planner.AskMeasure(request=request):
                         reading = await self._measure(record, request)
                         at = now_ms()
                         measure = planner.after_measure(record, reading, self.policy,
-                                                        self.actor, at)
+                                                        self.actor)
                         if measure.rollback is not None:
                             await self.propose_rollback(record, measure.rollback)
-                        record = await self._commit(record, measure.commit.record,
-                                                    measure.commit.draft, at)
+                        record = await self._commit(record, record, measure.commit.draft, at)
                     case planner.FinishRollback(original_id=original):
                         await self.rolled_back(record.service, original, record)
                         break
@@ -881,7 +885,7 @@ class Engine:
         result = await self._send(record, step.order)
         at = now_ms()
         record = await self._commit(
-            record, *apply_stage.rollback_transition(record, step.inverse_id, result, at), at)
+            record, record, apply_stage.rollback_transition(record, step.inverse_id, result), at)
         if result.value.ok and record.approved_by is None:
             await self.count_autonomous_rollback(record, at)
         return record
@@ -902,25 +906,25 @@ class Engine:
         try:
             result = await self._send(record, step.order, allowed)
         except GrantRevoked:
-            commit = planner.revoked(record, self.policy, now_ms(), self.actor)
-            return await self._commit(record, commit.record, commit.draft,
-                                      commit.record.updated_at)
+            at = now_ms()
+            commit = planner.revoked(record, self.policy, at, self.actor)
+            return await self._commit(record, record, commit.draft, at)
         except ServiceUnreachable as exc:
             at = now_ms()
             void = planner.unreachable(record, intended, exc.maybe_delivered, str(exc),
-                                       self.actor, at)
+                                       self.actor)
             if void is not None:
-                exc.record = await self._commit(record, void.record, void.draft, at)
+                exc.record = await self._commit(record, record, void.draft, at)
             raise
         at = now_ms()
         return await self._commit(
-            record, *apply_stage.transition(record, result, step.authority, at), at)
+            record, record, apply_stage.transition(record, result, step.authority), at)
 
     async def _original(self, svc: str, pid: str) -> ProposalRecord | None:
         """The record of the proposal a reversal reverts, as its chain says."""
         return await self._truth(svc, pid)
 
-    async def _lkg_check(self, record: ProposalRecord) -> tuple[ProposalRecord, Draft]:
+    async def _lkg_check(self, record: ProposalRecord) -> Draft:
         """SPEC 09 §7.1: ask the owning service for a healthy last-known-good of every
         artefact; the planner turns the answer into the transition."""
         body = to_json(lkg.check_request(record))
@@ -932,7 +936,7 @@ class Engine:
         if commit.why == "lkg_refused":
             log.warning("L4 refused before apply", proposal_id=record.proposal_id,
                         reason=commit.draft.reason)
-        return commit.record, commit.draft
+        return commit.draft
 
     async def _measure(self, record: ProposalRecord,
                        request: MeasureRequest) -> boundary.Answer[learnback.Reading]:
@@ -1014,8 +1018,8 @@ class Engine:
 
     async def rolled_back(self, svc: str, original: str, inverse: ProposalRecord) -> None:
         handled = await self.handle(
-            svc, original, lambda record, now: apply_stage.rolled_back_by(record, inverse, now)
-            if record is not None else None, None, False)
+            svc, original, lambda record, now: _onto(record, apply_stage.rolled_back_by(
+                record, inverse)) if record is not None else None, None, False)
         if handled.changed and handled.record is not None and \
                 apply_stage.counts_toward_breaker(handled.record, inverse):
             await self.count_autonomous_rollback(handled.record, now_ms())
@@ -1072,16 +1076,16 @@ class Engine:
         return found
 
     async def _append_autonomy(self, change: Callable[[breaker.Autonomy], breaker.Autonomy],
-                               verdict: TrailerVerdict, actor: str,
+                               verdict: breaker.AutonomyVerdict, actor: str,
                                observer: ObserverType,
-                               reason: str, extra: tuple[str, ...] = (),
+                               reason: str, marks: breaker.Marks | None = None,
                                envelope: Envelope | None = None) -> breaker.Autonomy:
         """Append the next state (`change(state)`) to the autonomy chain, retrying on a race."""
         states: list[breaker.Autonomy] = []
 
         def next_draft(chain: list[tuple[int, dict[str, Any]]], now: int) -> Draft:
             states.append(change(breaker.from_trailer(chain[-1][1] if chain else None)))
-            return breaker.draft(states[-1], verdict, actor, observer, reason, extra, envelope)
+            return breaker.draft(states[-1], verdict, actor, observer, reason, marks, envelope)
 
         trailer = await self.store.append_sealed(
             S.autonomy_audit(breaker.AUTONOMY_ID), breaker.AUTONOMY_ID, "L0", "operation",
@@ -1097,7 +1101,7 @@ class Engine:
                                              p.breaker_pause_hours),
             "rollback", record.rollback_by or self.actor, "rec:system",
             f"autonomous apply {record.proposal_id} rolled back",
-            (ref("proposal", record.proposal_id),))
+            breaker.Marks(proposal=record.proposal_id))
         if state.blocks(at) == "circuit_open":
             log.warning("circuit breaker open: autonomous applies paused",
                         until=state.paused_until, rollbacks=len(state.rollbacks))
@@ -1464,8 +1468,8 @@ class Engine:
         await self._append_autonomy(lambda s: breaker.in_crisis(s, ""), "crisis_resolved",
                                     cmd.principal, "human",
                                     f"{cmd.crisis} resolved by {cmd.principal}: {cmd.reason}",
-                                    (ref("act", act.digest), ref("keyid", verified.keyid),
-                                     ref("resolved", cmd.crisis)), verified.envelope)
+                                    breaker.Marks(act=act.digest, keyid=verified.keyid,
+                                                  resolved=cmd.crisis), verified.envelope)
         log.warning("crisis resolved; applies resume", crisis=cmd.crisis,
                     principal=cmd.principal)
         return True

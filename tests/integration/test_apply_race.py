@@ -24,7 +24,8 @@ import pytest
 
 from improved.client.sdk import MeshClient
 from improved.core import audit, signing
-from improved.core.record import fold_status, refs_of
+from improved.core.record import fold_status
+from improved.core.trailers import refs_of
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult, Trailer

@@ -62,13 +62,15 @@ def order(p: Proposal, authority: str = OPERATOR) -> ApplyOrder:
 
 async def append(js, svc: str, chain_id: str, *steps: tuple[str | None, str],
                  gate_class: str = "L4") -> None:
-    """Seal and append one trailer per (verdict, actor) to a chain, as the daemon would."""
+    """Seal and append one trailer per (verdict, actor) to a chain, as the daemon would: each
+    at its verdict's stage (an apply's outcome and an operator's rollback request at apply)."""
     bodies = await acceptance.read_chain(js, S.audit(svc, chain_id))
     head = ChainHead(length=len(bodies), last_hash=bodies[-1]["hash"] if bodies else "")
     for verdict, actor in steps:
+        stage = "apply" if verdict in ("applied", "rollback") else "triage"
         draft = (audit.Draft("observe", "propose", actor, "rec:agent", "proposed")
                  if verdict is None else
-                 audit.Draft("triage", "triage", actor, "human", f"{verdict} by {actor}",
+                 audit.Draft("triage", stage, actor, "human", f"{verdict} by {actor}",
                              verdict=verdict))
         trailer = audit.seal_next(draft, chain_id, head, gate_class, "operation", unique_ms())
         await js.publish(S.audit(svc, chain_id), to_json(trailer), stream=S.STREAM_AUDIT)

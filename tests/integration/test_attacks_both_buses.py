@@ -203,7 +203,7 @@ async def test_a_limit_on_the_audit_stream_lets_nothing_apply_on_a_forgetting_lo
 
 async def test_a_forged_crisis_resolution_resolves_nothing(mesh_bus):
     from improved.core import audit
-    from improved.core.record import ChainHead, ref
+    from improved.core.record import ChainHead
     from improved.runtime.store import Store
 
     daemon = mesh_bus.daemon
@@ -214,8 +214,8 @@ async def test_a_forged_crisis_resolution_resolves_nothing(mesh_bus):
     chain = await daemon.store.read_chain_at(subject)
     last_seq, last = chain[-1]
     draft = breaker.draft(breaker.in_crisis(breaker.from_trailer(last), ""), "crisis_resolved",
-                          "operator:alice", "human", f"{crisis} resolved", (ref("resolved",
-                                                                                 crisis),))
+                          "operator:alice", "human", f"{crisis} resolved",
+                          breaker.Marks(resolved=crisis))
     head = ChainHead(length=last["seq"] + 1, last_hash=last["hash"], stream_seq=last_seq)
     forged = audit.seal_next(draft, breaker.AUTONOMY_ID, head, "L0", "operation",
                              last["at"] + 1)

@@ -20,7 +20,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from improved.client.sdk import MeshClient
 from improved.core import audit, breaker, evidence
 from improved.core.audit import Draft
-from improved.core.record import ChainHead, ref
+from improved.core.record import ChainHead
+from improved.core.trailers import ref
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult
 from improved.runtime import bus
@@ -170,7 +171,7 @@ async def test_a_forged_crisis_resolution_keeps_the_crisis(own_server, tmp_path)
         resolved = breaker.draft(breaker.in_crisis(await daemon.engine.autonomy(2**62), ""),
                                  "crisis_resolved", "operator:alice", "human",
                                  f"{crisis} resolved by operator:alice: fine",
-                                 (ref("resolved", crisis),))
+                                 breaker.Marks(resolved=crisis))
         await _forge(nc, subject, breaker.AUTONOMY_ID, resolved)
         assert await _in_crisis(daemon)  # the head is not believed
         # `improved status` reads the head as the daemon does: the crisis it holds

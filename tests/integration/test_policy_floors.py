@@ -16,7 +16,7 @@ import pytest
 from improved.client.sdk import MeshClient
 from improved.core import audit
 from improved.core import policy as P
-from improved.core.record import refs_of
+from improved.core.trailers import refs_of
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
 from improved.runtime import bus

@@ -14,7 +14,7 @@ import pytest_asyncio
 from improved.client.sdk import MeshClient
 from improved.core import signing
 from improved.core.audit import Draft
-from improved.core.record import ref
+from improved.core.trailers import ref
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import Origin, to_json

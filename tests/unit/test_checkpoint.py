@@ -96,7 +96,7 @@ def test_the_anchor_round_trips_and_refuses_a_bad_file():
 
 def test_a_crisis_is_resolved_only_by_a_trailer_that_names_it():
     from improved.core import breaker
-    from improved.core.record import ref
+    from improved.core.trailers import ref
 
     chain = [{"verdict": "crisis", "refs": [ref("crisis", "crisis-1")]},
              {"verdict": "crisis_resolved", "refs": [ref("resolved", "crisis-1")]}]

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from improved.core import audit, evidence, signing
 from improved.core.audit import Draft
-from improved.core.record import ChainHead, ref
+from improved.core.record import ChainHead
+from improved.core.trailers import ref
 from tests.factories import grant, review, vote
 from tests.keys import ALICE, MALLORY, VOTERS
 
@@ -142,7 +143,7 @@ def test_a_signed_signal_proves_its_emitter_and_only_its_own_content():
     sig = Signal(kind="check", actor=CHECK[0], service="ci", positive=True, at=1_000,
                  proposal_id=pid)
     env = signing.sign(signing.PAYLOAD_TYPES["signal"], msgspec.json.encode(sig), CHECK[1])
-    _, draft, _ = learnback.observe_signal(record, sig, Policy(), 1_001, CHECK[0], env)
+    draft, _ = learnback.observe_signal(record, sig, Policy(), 1_001, CHECK[0], env)
     trust = dataclasses.replace(TRUST, history=evidence.History(
         fallback=evidence.KeySet.from_config({}, {}, {CHECK[0]: b64(CHECK[1])})))
     assert audit.verify_chain(pid, chain(reg, draft, chain_id=pid), trust) is None

@@ -22,7 +22,7 @@ from improved.core.policy import Policy
 from improved.core.record import ProposalRecord, status_at
 from improved.core.signing import TrustStore
 from improved.protocol.model import Review, Signal, TriageDecision
-from tests.builders import NOW, TRIAGER, make_proposal
+from tests.builders import NOW, TRIAGER, committed, make_proposal
 
 POLICY = Policy()
 STATUSES = ("pending", "approved", "rejected", "applied", "rolled_back", "expired")
@@ -97,11 +97,12 @@ def review_at(r: ProposalRecord, verdict: str, now: int):
 @pytest.mark.parametrize("verdict", ["approve", "reject"])
 def test_a_review_after_valid_to_is_refused_even_before_the_expiry_is_recorded(verdict):
     r = record()
-    _, ok = review_at(r, verdict, NOW + 9)
+    ok = review_at(r, verdict, NOW + 9)
     assert ok.verdict == verdict
-    after, late = review_at(r, verdict, NOW + 10)
+    late = review_at(r, verdict, NOW + 10)
     assert late.verdict == "refused" and "code:not_awaiting_review" in late.refs
     assert "expired" in late.reason and str(NOW + 10) in late.reason
+    after = committed(r, late, NOW + 10)
     assert (after.status, after.approved_by) == ("pending", None)
 
 
@@ -126,7 +127,7 @@ def test_a_pass_after_valid_to_records_the_expiry(r):
     assert isinstance(step, planner.Commit), step
     assert (step.draft.to_stage, step.draft.verdict, step.draft.cause) == (
         "triage", "reject", "expired")
-    assert step.record.decision.cause == "expired"
+    assert committed(r, step.draft, NOW + 10).decision.cause == "expired"
 
 
 def test_a_superseded_proposal_is_left_as_it_is():

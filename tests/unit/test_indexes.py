@@ -24,7 +24,7 @@ from improved.core import (
 from improved.core.authority import Act
 from improved.core.breaker import Autonomy
 from improved.core.policy import Policy
-from improved.core.record import ProposalRecord, with_trailer
+from improved.core.record import ProposalRecord, fold
 from improved.protocol.model import ApplyResult, MetricSnapshot, Review, Summary, Trailer
 from tests.builders import NOW, TRIAGER, make_proposal, said
 from tests.unit.test_planner import ALICE, OPERATORS
@@ -47,10 +47,10 @@ class Chain:
         self.record = self.commit(None, record, draft)
 
     def commit(self, before: ProposalRecord | None, record: ProposalRecord, draft) -> ProposalRecord:
-        trailer = audit.seal(indexes.with_moves(before, record, draft), record, NOW)
+        trailer = audit.seal(indexes.with_moves(before, record, draft, NOW), record, NOW)
         self.trailers.append(trailer)
         self.seqs.append(next(_SEQ))
-        self.record = with_trailer(record, trailer, self.seqs[-1])
+        self.record = fold(record, trailer, self.seqs[-1])
         return self.record
 
     def settle(self, now: int = NOW) -> planner.Step:
@@ -60,7 +60,7 @@ class Chain:
                                      POLICY, TRIAGER)
             if not isinstance(step, planner.Commit):
                 return step
-            self.commit(self.record, step.record, step.draft)
+            self.commit(self.record, self.record, step.draft)
         raise AssertionError("the planner kept committing")
 
     def refs(self) -> list[str]:
@@ -81,8 +81,8 @@ def waiting(name: str = "greet") -> Chain:
 
 def applied(chain: Chain, step: planner.Step) -> None:
     assert isinstance(step, planner.SendApply), step
-    chain.commit(chain.record, *apply.transition(
-        chain.record, said(ApplyResult(ok=True, applied_id="a")), step.authority, NOW))
+    chain.commit(chain.record, chain.record, apply.transition(
+        chain.record, said(ApplyResult(ok=True, applied_id="a")), step.authority))
 
 
 def approve(chain: Chain) -> None:
@@ -91,8 +91,8 @@ def approve(chain: Chain) -> None:
                 principal="operator:alice", reason="looked at it", at=NOW)
     env = signing.sign(signing.PAYLOAD_TYPES["review"], msgspec.json.encode(rv), ALICE)
     verified = OPERATORS.verify(env, signing.PAYLOAD_TYPES["review"])
-    chain.commit(chain.record, *authority.review(chain.record, Act(verified.digest, next(_SEQ)),
-                                                 verified, rv, False, TRIAGER, NOW))
+    chain.commit(chain.record, chain.record, authority.review(
+        chain.record, Act(verified.digest, next(_SEQ)), verified, rv, False, TRIAGER, NOW))
 
 
 def measured_later() -> Chain:
@@ -112,9 +112,8 @@ def test_the_trailer_that_moves_a_proposal_in_or_out_of_an_index_says_so():
 
     due = measured_later()
     assert due.refs() == ["index:+due"] and indexes.members(due.record) == {"due"}
-    step = planner.after_measure(due.record, said(learnback.Reading(value=0.2)), POLICY, TRIAGER,
-                                 NOW + 200)
-    due.commit(due.record, step.commit.record, step.commit.draft)
+    step = planner.after_measure(due.record, said(learnback.Reading(value=0.2)), POLICY, TRIAGER)
+    due.commit(due.record, due.record, step.commit.draft)
     assert due.refs() == ["index:+due", "index:-due"]
 
     plain = Chain(**L0)  # no review_after, never gated: it never costs a ref
@@ -245,9 +244,8 @@ def test_an_owed_measurement_holds_the_epoch_cut():
                   msgspec_builtins(trailer))
     far = NOW + 365 * epochs.DAY_MS  # applied and untouched for a year: closed, but owed
     assert scan.cut(chain.seqs[-1], far, 30) == chain.seqs[0] - 1
-    step = planner.after_measure(chain.record, said(learnback.Reading(value=0.2)), POLICY, TRIAGER,
-                                 NOW + 200)
-    chain.commit(chain.record, step.commit.record, step.commit.draft)
+    step = planner.after_measure(chain.record, said(learnback.Reading(value=0.2)), POLICY, TRIAGER)
+    chain.commit(chain.record, chain.record, step.commit.draft)
     scan.feed(chain.seqs[-1], "improve.audit.svc." + chain.record.proposal_id,
               msgspec_builtins(chain.trailers[-1]))
     assert scan.cut(chain.seqs[-1], far, 30) == chain.seqs[-1]
@@ -265,8 +263,8 @@ def test_a_pass_that_moves_a_proposal_in_and_out_again_leaves_its_tombstone():
     chain = measured_later()
     before = propose.rebuild_record(chain.trailers[:1], chain.seqs[:1], POLICY)
     step = planner.after_measure(chain.record, said(learnback.Reading(value=0.2)), POLICY,
-                                 TRIAGER, NOW + 200)
-    after = chain.commit(chain.record, step.commit.record, step.commit.draft)
+                                 TRIAGER)
+    after = chain.commit(chain.record, chain.record, step.commit.draft)
     assert learnback.due_change(before, after, False) is None
     assert learnback.due_change(before, after, False, moved=True) == learnback.DueWrite(None)
     # the same for the queue: in and out within one pass

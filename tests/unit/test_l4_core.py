@@ -21,6 +21,7 @@ from tests.builders import (
     NOW,
     QUORUM_POLICY,
     TRIAGER,
+    committed,
     l4,
     report,
 )
@@ -147,7 +148,7 @@ def test_an_unhealthy_last_known_good_refuses_the_apply_before_any_order():
     assert lkg.needs_check(record)
     why = lkg.report_problem(record, report(rc_b=1))
     assert why is not None and "b (rc 1)" in why
-    after, draft = lkg.refused(record, why, "operator:alice", NOW)
+    after = committed(record, lkg.refused(record, why, "operator:alice"))
     assert after.outcome.ok is False and after.outcome.error.startswith("lkg:")
     assert not apply.needs_apply(after) and not lkg.needs_check(after)
 
@@ -164,7 +165,8 @@ def test_the_reversal_restores_every_artefact_and_is_recorded_before_apply():
                                              "b": "sha256:" + "2" * 64}}
     assert lkg.reverts(rev) == record.proposal_id and not lkg.needs_lkg(rev)
     rev_id, _ = propose.identify(rev)
-    after, draft = lkg.verified(record, report(), rev, rev_id, TRIAGER)
+    draft = lkg.verified(record, report(), rev, rev_id, TRIAGER)
+    after = committed(record, draft)
     assert after.revert_id == rev_id and not lkg.needs_check(after)
     assert apply.needs_apply(after)
     # the chain alone rebuilds it (the reversal travels in the trailer)
@@ -184,15 +186,15 @@ def test_the_reversal_inherits_the_approval_only_of_its_applied_original():
     original = approved(l4())
     rev = lkg.reversal(original, report())
     rev_id, _ = propose.identify(rev)
-    original, _ = lkg.verified(original, report(), rev, rev_id, TRIAGER)
+    original = committed(original, lkg.verified(original, report(), rev, rev_id, TRIAGER))
     reversal = registered(rev)
-    assert lkg.inherit(reversal, original, NOW) is None  # not applied yet
+    assert lkg.inherit(reversal, original) is None  # not applied yet
     applied = original.replace(status="applied")
-    new, draft = lkg.inherit(reversal, applied, NOW)
+    draft = lkg.inherit(reversal, applied)
+    new = committed(reversal, draft)
     assert new.approved_by == "operator:alice" and draft.verdict == "inherit"
     other = registered(l4(created_at=NOW - 5))  # a look-alike that was not recorded
-    assert lkg.inherit(other.replace(proposal=rev), applied.replace(revert_id="0" * 64),
-                       NOW) is None
+    assert lkg.inherit(other.replace(proposal=rev), applied.replace(revert_id="0" * 64)) is None
 
 
 # -- the quorum ------------------------------------------------------------------------------------
@@ -211,11 +213,12 @@ def cast(record, voter: str, session: str, vote: str = "approve", read=None):
              read=read if read is not None else quorum.expected_reads(record), at=NOW)
     env = signing.sign(signing.PAYLOAD_TYPES["vote"], msgspec.json.encode(v), VOTERS[voter])
     verified = TRUST.verify(env, signing.PAYLOAD_TYPES["vote"])
-    new, draft = quorum.count(record, Act(verified.digest, next(_SEQ)), verified, v,
-                              env.signatures[0].sig, TRIAGER)
-    step = quorum.decided(new, TRIAGER, NOW)
+    draft = quorum.count(record, Act(verified.digest, next(_SEQ)), verified, v,
+                         env.signatures[0].sig, TRIAGER)
+    new = committed(record, draft)
+    step = quorum.decided(new, TRIAGER)
     if step is not None:
-        new, _ = step
+        new = committed(new, step)
     return new, draft
 
 
@@ -282,7 +285,8 @@ def test_the_proposer_never_votes_whatever_its_session(voter):
     key = VOTERS["agent-a"]
     env = signing.sign(signing.PAYLOAD_TYPES["vote"], msgspec.json.encode(v), key)
     verified = signing.Verified(b"", "ed25519:x", voter, signing.envelope_digest(env), env)
-    r2, draft = quorum.count(r, Act(verified.digest, next(_SEQ)), verified, v, "sig", TRIAGER)
+    draft = quorum.count(r, Act(verified.digest, next(_SEQ)), verified, v, "sig", TRIAGER)
+    r2 = committed(r, draft)
     assert draft.verdict == "refused" and "(proposer)" in draft.reason
     assert not r2.ballots
 
@@ -327,7 +331,8 @@ def _approve(record, body_digest):
     env = signing.sign(signing.PAYLOAD_TYPES["review"], msgspec.json.encode(rv), ALICE[1])
     verified = signing.Verified(b"", "ed25519:alice", ALICE[0], signing.envelope_digest(env),
                                 env)
-    return authority.review(record, Act(verified.digest, 1), verified, rv, False, TRIAGER, NOW)
+    draft = authority.review(record, Act(verified.digest, 1), verified, rv, False, TRIAGER, NOW)
+    return committed(record, draft), draft
 
 
 def _waiting(p: Proposal):

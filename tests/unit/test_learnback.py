@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from improved.core import apply, audit, learnback, propose
 from improved.core.policy import Policy
-from improved.core.record import ProposalRecord, replay, with_trailer
+from improved.core.record import ProposalRecord, replay
 from improved.protocol.model import ApplyResult, MetricSnapshot
-from tests.builders import NOW, TRIAGER, make_proposal, said
+from tests.builders import NOW, TRIAGER, committed, make_proposal, said
 
 POLICY = Policy(metric_direction={"latency_ms": "lower"})
 finite = st.floats(allow_nan=False, allow_infinity=False, min_value=-1e9, max_value=1e9)
@@ -35,11 +35,9 @@ def applied(metric: str = "ctr", baseline: float = 0.5, review_after: int | None
         "key": "x", "value": 1}}, metric_snapshot=snap)
     pid, dedup = propose.identify(proposal)
     record, draft = propose.register(proposal, pid, dedup, POLICY, NOW - 1)
-    record = with_trailer(record, audit.seal(draft, record, NOW - 1), 1)
-    record = record.replace(status="applied", stage="apply", outcome=None)
+    record = committed(record, draft, NOW - 1, 1)
     result = ApplyResult(ok=True, applied_id="a-1", inverse={"delete": "x"}, rollbackable=True)
-    after, draft = apply.transition(record, said(result), "policy:x", NOW)
-    return with_trailer(after, audit.seal(draft, record, NOW), 2)
+    return committed(record, apply.transition(record, said(result), "policy:x"), NOW, 2)
 
 
 @given(baseline=finite, value=finite, lower=st.booleans(), tol=tolerance)
@@ -66,7 +64,8 @@ def test_without_a_finite_value_the_verdict_is_unmeasured_never_held(reading, to
     verdict = learnback.judge(record, reading, Policy(regression_tolerance=tol))
     has_value = reading.value is not None and math.isfinite(reading.value)
     assert (verdict == "unmeasured") == (not has_value)
-    after, draft = learnback.measured(record, verdict, reading, None, TRIAGER, NOW + 200)
+    draft = learnback.measured(record, verdict, reading, None, TRIAGER)
+    after = committed(record, draft, NOW + 200)
     assert draft.verdict == verdict and after.measured == verdict
     assert len(draft.reason) <= 500 and "measured_by:asked svc" in draft.refs
     assert any(r.startswith("value:") for r in draft.refs) == has_value
@@ -97,8 +96,8 @@ def test_the_request_is_due_once_at_review_after_and_never_after_the_verdict():
     assert learnback.due(record, NOW + 99) is None
     request = learnback.due(record, NOW + 100)
     assert request is not None and (request.metric, request.query) == ("ctr", "metrics.ctr")
-    after, _ = learnback.measured(record, "unmeasured", learnback.Reading(cause="x"), None,
-                                  TRIAGER, NOW + 100)
+    after = committed(record, learnback.measured(record, "unmeasured",
+                                                 learnback.Reading(cause="x"), None, TRIAGER))
     assert learnback.due(after, NOW + 100) is None and learnback.awaiting(after) is None
     assert learnback.awaiting(applied(review_after=None)) is None
     no_query = learnback.due(applied(query=None), NOW + 100)
@@ -174,8 +173,8 @@ def test_the_measurement_index_gets_the_entry_at_the_apply_and_a_tombstone_at_th
     assert (write.entry.proposal_id, write.entry.review_after) == (record.proposal_id, NOW + 100)
     assert learnback.due_change(record, record, republish=False) is None  # nothing moved
     assert learnback.due_change(record, record, republish=True) == write  # a lost write mended
-    after, _ = learnback.measured(record, "held", learnback.Reading(value=0.6), None, TRIAGER,
-                                  NOW + 100)
+    after = committed(record, learnback.measured(record, "held", learnback.Reading(value=0.6),
+                                                 None, TRIAGER))
     gone = learnback.due_change(record, after, republish=False)
     assert gone is not None and gone.entry is None
     assert learnback.due_change(after, after, republish=True) == gone  # the tombstone again
@@ -194,8 +193,8 @@ def test_a_proposal_is_closed_once_nothing_more_is_awaited_of_it():
 
     watched = applied()
     assert not closed(watched)  # its measurement is still to make
-    measured, _ = learnback.measured(watched, "held", learnback.Reading(value=0.6), None,
-                                     TRIAGER, NOW + 100)
+    measured = committed(watched, learnback.measured(watched, "held",
+                                                     learnback.Reading(value=0.6), None, TRIAGER))
     assert closed(measured)
     assert closed(applied(review_after=None))
     pending = watched.replace(status="pending", outcome=None)

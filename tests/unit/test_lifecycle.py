@@ -97,17 +97,20 @@ class Chain:
         rec, draft = propose.register(proposal, pid, dedup, POLICY, now)
         start, _ = propose.register(proposal, pid, dedup, POLICY, 0)
         self.t = Tracked(start=start, record=rec)
-        self.commit(rec, draft)
+        self.commit(draft, rec)
 
     @property
     def pid(self) -> str:
         return self.t.record.proposal_id
 
-    def commit(self, rec: ProposalRecord, draft: audit.Draft) -> Trailer:
+    def commit(self, draft: audit.Draft, rec: ProposalRecord | None = None) -> Trailer:
+        """Seal `draft` onto the record (`rec`: a registration's new one) and fold it in, as
+        the engine's commit does."""
+        rec = self.t.record if rec is None else rec
         trailer = audit.seal(draft, rec, self.now)
         self.stream[0] += 1
         before = self.t.record.status
-        self.t.record = record.with_trailer(rec, trailer, self.stream[0])
+        self.t.record = record.fold(rec, trailer, self.stream[0])
         self.t.trailers.append(trailer)
         self.t.seqs.append(self.stream[0])
         if before == "applied":
@@ -127,7 +130,9 @@ class Chain:
             # the only class change is L2 → L3, and only a grant makes it
             assert (d.verdict == "accept") == grant
             assert d.gate_class == ("L3" if grant else "L2")
-        self.commit(*triage.transition(self.t.record, d))
+        self.commit(triage.transition(self.t.record, d))
+        # the chain says what the stage decided: the decision, at its gate class
+        assert self.t.record.decision == d and self.t.record.gate_class == d.gate_class
         return True
 
     def apply(self, result: ApplyResult) -> bool:
@@ -136,7 +141,11 @@ class Chain:
             return False
         by = apply.authority(r, POLICY)
         assert by == POLICY.policy_principal != r.proposal.origin.actor
-        self.commit(*apply.transition(r, said(result), by, self.now))
+        self.commit(apply.transition(r, said(result), by))
+        out = self.t.record.outcome
+        assert out is not None and (out.ok, out.applied_id, out.authority, out.error) == (
+            result.ok, result.applied_id, by, result.error)
+        assert out.inverse == apply.derived_inverse(r, result)[0]
         assert not apply.needs_apply(self.t.record), "an outcome is final"
         return True
 
@@ -146,9 +155,10 @@ class Chain:
             digest = propose.signal_digest(sig)
             assert any(s.digest == digest for s in self.t.record.signals)
             return False
-        new, draft, counted = step
+        draft, counted = step
         assert counted.digest == propose.signal_digest(sig)
-        self.commit(new, draft)
+        self.commit(draft)
+        assert self.t.record.signals[-1] == counted  # the chain counts what the stage counted
         assert learnback.observe_signal(self.t.record, sig, POLICY, self.now) is None
         return True
 
@@ -365,9 +375,8 @@ def test_replay_equals_live_for_a_long_forbidden_path():
 def test_l1_is_never_applied_even_when_approved():
     c = Chain(make_proposal(change_class="L1", target_ref="code:src/lib.rs", scope="code"))
     c.triage(grant=False)
-    c.commit(c.t.record, audit.Draft(from_stage="triage", to_stage="triage",
-                                     actor="operator:alice", observer_type="human",
-                                     reason="looks fine", verdict=record.APPROVE))
+    c.commit(audit.Draft(from_stage="triage", to_stage="triage", actor="operator:alice",
+                         observer_type="human", reason="looks fine", verdict="approve"))
     assert c.t.record.status == "approved"
     assert not apply.needs_apply(c.t.record)
 

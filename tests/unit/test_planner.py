@@ -19,7 +19,7 @@ from improved.core.authority import Act
 from improved.core.boundary import Conflict, Unattested
 from improved.core.breaker import Autonomy
 from improved.core.policy import Policy
-from improved.core.record import ProposalRecord, replay, same_state, with_trailer
+from improved.core.record import ProposalRecord, fold, replay, same_state
 from improved.core.signing import TrustStore
 from improved.protocol.model import (
     ApplyResult,
@@ -48,9 +48,22 @@ def registered(policy: Policy = POLICY, **overrides) -> ProposalRecord:
     return commit(record, draft)
 
 
+CHAINS: dict[str, list] = {}  # proposal id → its chain as `commit` appended it
+
+
 def commit(record: ProposalRecord, draft, at: int = NOW) -> ProposalRecord:
-    """What the engine's commit does, without the broker: seal, append, carry the head on."""
-    return with_trailer(record, audit.seal(draft, record, at), next(_SEQ))
+    """What the engine's commit does, without the broker: seal, append, fold the trailer in."""
+    trailer, seq = audit.seal(draft, record, at), next(_SEQ)
+    if trailer.seq == 0:
+        CHAINS[record.proposal_id] = []
+    CHAINS[record.proposal_id].append((trailer, seq))
+    return fold(record, trailer, seq)
+
+
+def rebuilt(record: ProposalRecord) -> ProposalRecord:
+    """`record` rebuilt from its chain alone, as another replica or a restart would."""
+    chain = CHAINS[record.proposal_id]
+    return propose.rebuild_record([t for t, _ in chain], [q for _, q in chain], POLICY)
 
 
 def view(autonomy: Autonomy = OPEN, now: int = NOW, **over) -> planner.View:
@@ -83,14 +96,14 @@ def settle(record: ProposalRecord, v: planner.View | None = None, policy: Policy
         if not isinstance(step, planner.Commit):
             return record, rules, step
         rules.append(step.why)
-        record = commit(step.record, step.draft)
+        record = commit(record, step.draft)
     raise AssertionError(f"the planner kept committing: {rules}")
 
 
 def applied(record: ProposalRecord, step: planner.SendApply, ok: bool = True,
             **result) -> ProposalRecord:
     res = ApplyResult(ok=ok, applied_id="a-1" if ok else "", **result)
-    return commit(*apply.transition(record, said(res), step.authority, NOW))
+    return commit(record, apply.transition(record, said(res), step.authority))
 
 
 ALICE = Ed25519PrivateKey.generate()
@@ -104,7 +117,7 @@ def signed_review(record: ProposalRecord, verdict: str) -> ProposalRecord:
                 reason="looked at it", at=NOW)
     env = signing.sign(signing.PAYLOAD_TYPES["review"], msgspec.json.encode(rv), ALICE)
     verified = OPERATORS.verify(env, signing.PAYLOAD_TYPES["review"])
-    return commit(*authority.review(record, Act(verified.digest, next(_SEQ)), verified, rv,
+    return commit(record, authority.review(record, Act(verified.digest, next(_SEQ)), verified, rv,
                                     False, TRIAGER, NOW))
 
 
@@ -169,7 +182,7 @@ def test_a_grant_revoked_before_the_dispatch_regates_the_l3_as_l2():
 
 
 def review_of(record: ProposalRecord, verdict: str):
-    """(record, draft) of an operator's signed review, as the review ingest makes it."""
+    """The draft of an operator's signed review, as the review ingest makes it."""
     rv = Review(proposal_id=record.proposal_id, verdict=verdict, principal="operator:alice",
                 reason="changed my mind", at=NOW)
     env = signing.sign(signing.PAYLOAD_TYPES["review"], msgspec.json.encode(rv), ALICE)
@@ -187,7 +200,7 @@ def test_an_accepted_proposal_commits_its_dispatch_before_the_order_is_sent():
                                                                  "rec:system")
     assert d.refs == ("dispatch:apply", f"order:{record.proposal_id}",
                       "authority:operator:alice")
-    sent = commit(intent.record, intent.draft)
+    sent = commit(record, intent.draft)
     assert sent.in_flight and sent.status == "approved" and sent.stage == "apply"
     assert (sent.dispatched_by, sent.dispatched_at) == ("operator:alice", NOW)
     step = step_of(sent)
@@ -202,16 +215,16 @@ def test_a_pending_intent_after_a_restart_sends_the_same_order_and_records_its_o
 
     def on_chain(record: ProposalRecord, draft) -> ProposalRecord:
         trailers.append(audit.seal(draft, record, NOW))
-        return with_trailer(record, trailers[-1], len(trailers))
+        return fold(record, trailers[-1], len(trailers))
 
     proposal = make_proposal()
     pid, dedup = propose.identify(proposal)
     record = on_chain(*propose.register(proposal, pid, dedup, POLICY, NOW - 1))
     triaged = step_of(record)
-    record = on_chain(triaged.record, triaged.draft)
-    record = on_chain(*review_of(record, "approve"))
+    record = on_chain(record, triaged.draft)
+    record = on_chain(record, review_of(record, "approve"))
     intent = step_of(record)
-    record = on_chain(intent.record, intent.draft)
+    record = on_chain(record, intent.draft)
     before = step_of(record)
     # the replica dies here, the order maybe sent; another rebuilds the record from the chain
     rebuilt = propose.rebuild_record(trailers, list(range(1, len(trailers) + 1)), POLICY)
@@ -226,10 +239,10 @@ def test_a_pending_intent_after_a_restart_sends_the_same_order_and_records_its_o
 @pytest.mark.parametrize("verdict", ["reject", "approve"])
 def test_a_review_after_the_intent_is_refused_and_changes_nothing(verdict):
     sent, _, send = settle(approved(registered()))
-    after, draft = review_of(sent, verdict)
+    draft = review_of(sent, verdict)
     assert (draft.to_stage, draft.verdict) == ("triage", "refused")
     assert "code:apply_in_flight" in draft.refs and "apply_in_flight" in draft.reason
-    refused = commit(after, draft)
+    refused = commit(sent, draft)
     assert (refused.status, refused.decision, refused.approved_by) == (
         sent.status, sent.decision, sent.approved_by)
     assert step_of(refused) == send  # the same order, and its outcome is still recorded
@@ -238,7 +251,7 @@ def test_a_review_after_the_intent_is_refused_and_changes_nothing(verdict):
 
 def test_a_reject_before_any_approval_wins_and_no_order_is_sent():
     record, _, _ = settle(registered())
-    rejected = commit(*review_of(record, "reject"))
+    rejected = commit(record, review_of(record, "reject"))
     assert rejected.status == "rejected" and step_of(rejected) == planner.DONE
 
 
@@ -246,11 +259,11 @@ def test_an_approved_proposal_cannot_be_rejected():
     """OMS has no approved → rejected: the reject is refused on the chain, the approval
     stands and its apply goes on (rollback, once applied, is the way back)."""
     record = approved(registered())
-    after, draft = review_of(record, "reject")
+    draft = review_of(record, "reject")
     assert (draft.to_stage, draft.verdict) == ("triage", "refused")
     assert "code:not_awaiting_review" in draft.refs
     assert "approved" in draft.reason and "rollback" in draft.reason
-    refused = commit(after, draft)
+    refused = commit(record, draft)
     assert (refused.status, refused.approved_by) == ("approved", "operator:alice")
     _, rules, send = settle(refused)
     assert rules == ["dispatched"] and isinstance(send, planner.SendApply)
@@ -264,12 +277,12 @@ def test_a_review_trailer_says_approved_or_rejected_and_the_old_wording_still_ve
     trailers = []
     while True:  # registered, then triaged: the chain an operator's review continues
         trailers.append(audit.seal(draft, record, NOW))
-        record = with_trailer(record, trailers[-1], next(_SEQ))
+        record = fold(record, trailers[-1], next(_SEQ))
         if not isinstance(step := step_of(record), planner.Commit):
             break
-        record, draft = step.record, step.draft
-    assert review_of(record, "approve")[1].reason == "approved by operator:alice: changed my mind"
-    draft = review_of(record, "reject")[1]
+        draft = step.draft
+    assert review_of(record, "approve").reason == "approved by operator:alice: changed my mind"
+    draft = review_of(record, "reject")
     assert draft.reason == "rejected by operator:alice: changed my mind"
     old = dataclasses.replace(draft, reason="rejectd by operator:alice: changed my mind")
     bodies = [msgspec.to_builtins(t) for t in (*trailers, audit.seal(old, record, NOW))]
@@ -287,17 +300,17 @@ def test_after_the_intent_neither_expiry_nor_a_hold_nor_new_content_stops_the_ou
 def test_an_order_that_provably_reached_no_service_withdraws_its_dispatch():
     sent, _, send = settle(approved(registered()))
     # an earlier pass recorded it, or an attempt timed out: it may have been delivered
-    assert planner.unreachable(sent, False, False, "no service", TRIAGER, NOW) is None
-    assert planner.unreachable(sent, True, True, "timed out", TRIAGER, NOW) is None
+    assert planner.unreachable(sent, False, False, "no service", TRIAGER) is None
+    assert planner.unreachable(sent, True, True, "timed out", TRIAGER) is None
     void = planner.unreachable(sent, True, False, "no service answers svc.improve.apply",
-                               TRIAGER, NOW)
+                               TRIAGER)
     assert void is not None and (void.draft.to_stage, void.draft.verdict) == ("apply",
                                                                               "undelivered")
-    back = commit(void.record, void.draft)
+    back = commit(sent, void.draft)
     assert not back.in_flight and back.status == "approved"
     # open to a decision again: new content supersedes it (an approval is never rejected)
     assert propose.supersede(back, "f" * 64, TRIAGER) is not None
-    assert review_of(back, "reject")[1].verdict == "refused"
+    assert review_of(back, "reject").verdict == "refused"
     _, rules, step = settle(back)
     assert rules == ["dispatched"] and step == send  # or recorded and sent again
 
@@ -312,7 +325,7 @@ def test_an_l3_intent_is_judged_as_of_its_own_stream_sequence_before_its_order_i
     assert rules == ["triage"]
     intent = step_of(record, view(grant=True))
     assert isinstance(intent, planner.Commit) and intent.why == "dispatched"
-    sent = commit(intent.record, intent.draft)
+    sent = commit(record, intent.draft)
     assert sent.dispatched_seq == sent.chain.stream_seq  # the intent's own sequence
     ask = step_of(sent, view(grant=True))
     assert ask == planner.ConfirmGrant(sent.skill, sent.dispatched_seq, sent.dispatched_at)
@@ -343,14 +356,14 @@ def test_a_pass_that_finds_an_l3_intent_judges_it_as_of_its_sequence_before_send
 
     def on_chain(record: ProposalRecord, draft) -> ProposalRecord:
         trailers.append(audit.seal(draft, record, NOW))
-        return with_trailer(record, trailers[-1], 10 * len(trailers))
+        return fold(record, trailers[-1], 10 * len(trailers))
 
     proposal = make_proposal(change_class="L3")
     record = on_chain(*propose.register(proposal, *propose.identify(proposal), POLICY, NOW - 1))
     triaged = planner.next_step(record, view(grant=True), POLICY, TRIAGER)
-    record = on_chain(triaged.record, triaged.draft)
+    record = on_chain(record, triaged.draft)
     intent = planner.next_step(record, view(grant=True), POLICY, TRIAGER)
-    record = on_chain(intent.record, intent.draft)
+    record = on_chain(record, intent.draft)
     rebuilt = propose.rebuild_record(trailers, [10 * (i + 1) for i in range(len(trailers))],
                                      POLICY)
     assert rebuilt == record and rebuilt.in_flight and rebuilt.dispatched_seq == 30
@@ -363,7 +376,7 @@ def test_a_pass_that_finds_an_l3_intent_judges_it_as_of_its_sequence_before_send
         assert after.order == apply.order(rebuilt, POLICY, 1)
     else:
         assert isinstance(after, planner.Commit) and after.why == "revoked"
-        assert not commit(after.record, after.draft).in_flight
+        assert not commit(rebuilt, after.draft).in_flight
 
 
 def test_a_retried_l3_order_rechecks_its_grant_only_while_its_dispatch_may_be_withdrawn():
@@ -373,7 +386,7 @@ def test_a_retried_l3_order_rechecks_its_grant_only_while_its_dispatch_may_be_wi
     assert not planner.recheck_grant(sent, True, True)  # a timed-out attempt may have landed
     assert not planner.recheck_grant(sent, False, False)  # recorded by an earlier pass
     c = planner.revoked(sent, POLICY, NOW, TRIAGER)
-    back = commit(c.record, c.draft)
+    back = commit(sent, c.draft)
     assert not back.in_flight and back.decision.cause == "no_grant"
     assert step_of(back) == planner.DONE
 
@@ -429,8 +442,8 @@ def test_a_self_confirmed_proposal_waits_and_an_independent_signal_releases_it()
     assert record.decision.cause == "feedback_collapse" and step == planner.DONE
     other = Signal(kind="check", actor="mcp:other:1", service="other", positive=True,
                    at=NOW - 4)
-    new, draft, _ = learnback.observe_signal(record, other, POLICY, NOW, "check:ci")
-    record, rules, _ = settle(commit(new, draft))
+    draft, _ = learnback.observe_signal(record, other, POLICY, NOW, "check:ci")
+    record, rules, _ = settle(commit(record, draft))
     assert rules == ["triage"] and record.decision.cause == "awaiting_operator"
 
 
@@ -444,8 +457,8 @@ def vote(record: ProposalRecord, voter: str, session: str, verdict: str = "appro
              read=quorum.expected_reads(record), at=NOW)
     env = signing.sign(signing.PAYLOAD_TYPES["vote"], msgspec.json.encode(v), VOTERS[voter])
     verified = TRUST.verify(env, signing.PAYLOAD_TYPES["vote"])
-    return commit(*quorum.count(record, Act(verified.digest, next(_SEQ)), verified, v,
-                                env.signatures[0].sig, TRIAGER))
+    return commit(record, quorum.count(record, Act(verified.digest, next(_SEQ)), verified, v,
+                                       env.signatures[0].sig, TRIAGER))
 
 
 def test_three_votes_approve_and_the_l4_goes_to_its_lkg_check_first():
@@ -468,15 +481,17 @@ def test_one_dissent_hands_the_l4_to_an_operator():
 def test_an_unhealthy_lkg_fails_the_apply_with_nothing_sent():
     record = approved(registered(**_l4_fields()))
     c = planner.after_lkg(record, said(report(rc_b=1)), POLICY, TRIAGER, 1 << 20, NOW)
-    assert c.why == "lkg_refused" and c.record.outcome.ok is False
-    assert step_of(commit(c.record, c.draft)) == planner.DONE
+    after = commit(record, c.draft)
+    assert c.why == "lkg_refused" and after.outcome.ok is False
+    assert step_of(after) == planner.DONE
 
 
 def test_a_healthy_lkg_records_the_reversal_before_the_order():
     record = approved(registered(**_l4_fields()))
     c = planner.after_lkg(record, said(report()), POLICY, TRIAGER, 1 << 20, NOW)
-    assert c.why == "lkg_verified" and c.record.revert_id is not None
-    _, rules, step = settle(commit(c.record, c.draft))
+    after = commit(record, c.draft)
+    assert c.why == "lkg_verified" and after.revert_id is not None
+    _, rules, step = settle(after)
     assert rules == ["dispatched"]
     assert isinstance(step, planner.SendApply) and step.authority == "operator:alice"
 
@@ -490,13 +505,13 @@ def test_a_reversal_too_large_to_propose_refuses_the_apply():
 def test_a_reversal_reads_its_original_and_inherits_an_applied_originals_approval():
     original = approved(registered(**_l4_fields()))
     c = planner.after_lkg(original, said(report()), POLICY, TRIAGER, 1 << 20, NOW)
-    original = commit(c.record, c.draft).replace(status="applied")
+    original = commit(original, c.draft).replace(status="applied")
     reversal = registered_proposal(original.revert)
     assert step_of(reversal) == planner.ReadOriginal(original.proposal_id)
     v = planner.with_read(view(), planner.ReadOriginal(original.proposal_id), original)
     step = step_of(reversal, v)
     assert isinstance(step, planner.Commit) and step.why == "inherit"
-    assert step.record.approved_by == "operator:alice"
+    assert commit(reversal, step.draft).approved_by == "operator:alice"
     # not found (or not applied): an ordinary triage
     v = planner.with_read(view(), planner.ReadOriginal(original.proposal_id), None)
     assert step_of(reversal, v).why == "triage"
@@ -521,10 +536,11 @@ def test_an_operators_rollback_goes_before_anything_else_and_is_halted_by_a_cris
     assert f"order:{step.inverse_id}" in intent.draft.refs
 
 
-def rebuilt_alike(before: ProposalRecord, step: planner.Commit) -> bool:
-    """The chain says what the step said: its trailer replayed on `before` gives its record."""
-    trailer = audit.seal(step.draft, before, NOW + 200)
-    return same_state(replay(before, [trailer], [7]), with_trailer(step.record, trailer, 7))
+def rebuilt_alike(before: ProposalRecord, step: planner.Commit, done: ProposalRecord) -> bool:
+    """The chain says what the step said: its trailer replayed on `before` gives the record
+    the commit made (one fold for both, so alike by construction)."""
+    trailer = audit.seal(step.draft, before, NOW)
+    return same_state(replay(before, [trailer], [7]), done)
 
 
 def under_review(rollbackable: bool = True, query: str | None = "metrics.ctr"):
@@ -548,20 +564,19 @@ def test_a_regression_at_review_after_proposes_the_recorded_rollback_then_commit
     # a reading arriving as a signal decides nothing: the service is asked
     reading = Signal(kind="metric", actor="mcp:meter:1", service="metrics", positive=False,
                      at=NOW + 150, name="ctr", value=0.1)
-    new, draft, _ = learnback.observe_signal(record, reading, POLICY, NOW + 150, "check:meter")
-    record = commit(new, draft)
+    draft, _ = learnback.observe_signal(record, reading, POLICY, NOW + 150, "check:meter")
+    record = commit(record, draft)
     assert isinstance(step_of(record, view(now=NOW + 200)), planner.AskMeasure)
-    step = planner.after_measure(record, said(learnback.Reading(value=0.1)), POLICY, TRIAGER,
-                                 NOW + 200)
+    step = planner.after_measure(record, said(learnback.Reading(value=0.1)), POLICY, TRIAGER)
     assert step.rollback is not None and step.commit.draft.verdict == "regressed"
     rollback_id, _ = propose.identify(step.rollback)
     refs = step.commit.draft.refs
     assert f"rollback_proposal:{rollback_id}" in refs and "value:0.1" in refs
     assert "measured_by:asked svc" in refs and "query:metrics.ctr" in refs
-    done = commit(step.commit.record, step.commit.draft)
+    done = commit(record, step.commit.draft)
     assert done.measured == "regressed" and done.measured_value == 0.1
     assert step_of(done, view(now=NOW + 200)) == planner.DONE  # never measured twice
-    assert rebuilt_alike(record, step.commit)
+    assert rebuilt_alike(record, step.commit, done)
 
 
 @pytest.mark.parametrize("reading", [learnback.Reading(cause="no service answers x"),
@@ -569,16 +584,16 @@ def test_a_regression_at_review_after_proposes_the_recorded_rollback_then_commit
                                      learnback.Reading(value=float("inf"))])
 def test_no_answer_is_recorded_unmeasured_never_held(reading):
     record = under_review()
-    step = planner.after_measure(record, said(reading), POLICY, TRIAGER, NOW + 200)
+    step = planner.after_measure(record, said(reading), POLICY, TRIAGER)
     draft = step.commit.draft
     assert step.rollback is None and draft.verdict == "unmeasured"
     assert not any(r.startswith("value:") for r in draft.refs)
     assert any(r.startswith("cause:") for r in draft.refs) and "unknown" in draft.reason
-    done = commit(step.commit.record, draft)
+    done = commit(record, draft)
     assert done.measured == "unmeasured" and done.measured_value is None
     assert learnback.summary(done, NOW).measured == "unmeasured"
     assert step_of(done, view(now=NOW + 300)) == planner.DONE
-    assert rebuilt_alike(record, step.commit)
+    assert rebuilt_alike(record, step.commit, done)
 
 
 @pytest.mark.parametrize("answer", [
@@ -590,7 +605,7 @@ def test_a_regressing_value_nobody_can_attest_is_unmeasured_and_rolls_nothing_ba
     """On an open bus anyone may answer the measurement first: what is not the service's own
     (or what its own answers contradict) is recorded, and decides nothing."""
     record = under_review()
-    step = planner.after_measure(record, answer, POLICY, TRIAGER, NOW + 200)
+    step = planner.after_measure(record, answer, POLICY, TRIAGER)
     draft = step.commit.draft
     assert step.rollback is None and draft.verdict == "unmeasured"
     assert not any(r.startswith(("value:", "rollback_proposal:")) for r in draft.refs)
@@ -598,14 +613,13 @@ def test_a_regressing_value_nobody_can_attest_is_unmeasured_and_rolls_nothing_ba
     assert "0.1" in cause, cause
     who = "conflict" if isinstance(answer, Conflict) else "unattested"
     assert f"answered_by:{who}" in draft.refs
-    done = commit(step.commit.record, draft)
-    assert done.measured == "unmeasured" and rebuilt_alike(record, step.commit)
+    done = commit(record, draft)
+    assert done.measured == "unmeasured" and rebuilt_alike(record, step.commit, done)
 
 
 def test_a_regression_with_nothing_recorded_to_undo_proposes_nothing():
     record = under_review(rollbackable=False)
-    step = planner.after_measure(record, said(learnback.Reading(value=0.0)), POLICY, TRIAGER,
-                                 NOW + 200)
+    step = planner.after_measure(record, said(learnback.Reading(value=0.0)), POLICY, TRIAGER)
     assert step.rollback is None and step.commit.draft.verdict == "regressed"
     assert "nothing recorded to roll back" in step.commit.draft.reason
 
@@ -673,3 +687,5 @@ def test_the_planner_always_settles_and_never_sends_what_its_gate_forbids(
         assert isinstance(step, planner.Done | planner.Halt)
         assert not isinstance(step, planner.Halt) or (autonomy.crisis and dispatch)
     assert not lkg.needs_check(record)
+    # what the commits made is what the chain says: one fold for a commit and a rebuild
+    assert rebuilt(record) == record

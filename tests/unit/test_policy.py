@@ -13,7 +13,8 @@ from improved.core import audit, gradient, propose
 from improved.core import policy as P
 from improved.core.guards import DEFAULT_FORBIDDEN
 from improved.core.policy import Policy
-from improved.core.record import ChainHead, ProposalRecord, refs_of
+from improved.core.record import ChainHead, ProposalRecord
+from improved.core.trailers import refs_of
 from improved.protocol.model import ProposalEdit, Summary
 from tests.builders import CHANGELOG_DIFF, CONSTITUTION, NOW, make_proposal
 

@@ -12,13 +12,15 @@ from improved.core.retention import Known, Seen
 from improved.core.tools import (
     LEDGER_STREAMS,
     Decision,
+    Ledgered,
     LedgerUntrusted,
     call_draft,
     ledger_draft,
-    ledger_refs,
+    ledger_of,
     recorded_ledger,
     upgrade_id,
 )
+from improved.core.trailers import decode
 from improved.protocol import subjects as S
 from improved_reference.tool_gate import ProcessLedger
 from tests.keys import ALICE
@@ -81,13 +83,13 @@ def test_what_a_runtime_trusts_reads_back_from_its_refs():
     known = {S.STREAM_TOOLS_SPENT: Known(S.STREAM_TOOLS_SPENT, "expires", MADE, 1),
              S.STREAM_TOOLS_REVOKED: Known(S.STREAM_TOOLS_REVOKED, "keeps", MADE, 0),
              S.STREAM_TOOLS_AUDIT: Known(S.STREAM_TOOLS_AUDIT, "keeps", MADE, 2)}
-    refs = ledger_refs(known)
-    assert refs == [f"spent_stream:{MADE} sentinel=1", f"revoked_stream:{MADE} lost=0",
-                    f"audit_stream:{MADE} lost=2"]
-    assert recorded_ledger(dict(r.split(":", 1) for r in refs)) == known
+    draft = ledger_draft("rt", known, "seen")
+    assert draft.refs == ("runtime:rt", f"spent_stream:{MADE} sentinel=1",
+                          f"revoked_stream:{MADE} lost=0", f"audit_stream:{MADE} lost=2")
+    assert recorded_ledger(decode(draft)) == recorded_ledger(ledger_of(known)) == known
     # a ref of another kind, or none, names nothing
-    assert recorded_ledger({"spent_stream": f"{MADE} lost=0", "revoked_stream": "x",
-                            "audit_stream": f"{MADE} lost=two"}) == {}
+    assert recorded_ledger(Ledgered(spent_stream=f"{MADE} lost=0", revoked_stream="x",
+                                    audit_stream=f"{MADE} lost=two")) == {}
     assert set(LEDGER_STREAMS) == set(known)
 
 

@@ -11,10 +11,11 @@ import pytest
 from improved.cli.queries import classified
 from improved.core import apply, audit, propose
 from improved.core.policy import Policy
-from improved.core.record import refs_of, replay
+from improved.core.record import replay
+from improved.core.trailers import refs_of
 from improved.protocol.model import ApplyReport, ApplyResult, ClassifyReply, to_json
 from improved.runtime.engine import parse_apply_reply
-from tests.builders import NOW, make_proposal, said
+from tests.builders import NOW, committed, make_proposal, said
 
 
 def record():
@@ -29,7 +30,8 @@ def record():
 def test_the_class_goes_on_the_applied_trailer_and_in_the_outcome_and_replays(kind):
     rec = record()
     result = ApplyResult(ok=True, applied_id="manifest@3", schema_class=kind)
-    after, draft = apply.transition(rec, said(result), "operator:alice", NOW + 1)
+    draft = apply.transition(rec, said(result), "operator:alice")
+    after = committed(rec, draft, NOW + 1)
     assert after.outcome is not None and after.outcome.schema_class == kind
     assert f"schema_class:{kind}" in draft.refs
     trailer = audit.seal(draft, rec, NOW + 1)
@@ -39,10 +41,11 @@ def test_the_class_goes_on_the_applied_trailer_and_in_the_outcome_and_replays(ki
 
 def test_without_a_class_nothing_is_added_and_a_refusal_carries_none():
     rec = record()
-    _, draft = apply.transition(rec, said(ApplyResult(ok=True, applied_id="x")), "p", NOW)
+    draft = apply.transition(rec, said(ApplyResult(ok=True, applied_id="x")), "p")
     assert "schema_class" not in refs_of(draft)
-    after, draft = apply.transition(rec, said(ApplyResult(ok=False, error="no",
-                                                     schema_class="breaking")), "p", NOW)
+    draft = apply.transition(rec, said(ApplyResult(ok=False, error="no",
+                                                   schema_class="breaking")), "p")
+    after = committed(rec, draft)
     assert after.outcome.schema_class is None and "schema_class" not in refs_of(draft)
 
 

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from improved.core import audit, evidence, identity, propose, signing
 from improved.core.policy import Policy
-from improved.core.record import ref
+from improved.core.trailers import ref
 from improved.protocol import wire
 from improved.protocol.model import Envelope, Origin, Trailer, to_json
 from improved_reference.skill_competence import holder_of, practice_on_chain

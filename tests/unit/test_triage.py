@@ -15,7 +15,7 @@ from improved.core.guards import DEFAULT_FORBIDDEN
 from improved.core.policy import Policy
 from improved.core.record import ProposalRecord
 from improved.protocol.model import Proposal, Signal, TriageDecision
-from tests.builders import NOW, ORIGIN_ACTOR, SKILL, TRIAGER, make_proposal
+from tests.builders import NOW, ORIGIN_ACTOR, SKILL, TRIAGER, committed, make_proposal
 
 POLICY = Policy(doc_allowlist=("**",))
 def make_record(policy: Policy = POLICY, now: int = NOW, **overrides) -> ProposalRecord:
@@ -235,7 +235,8 @@ def test_a_policy_adds_to_the_floors_and_never_removes_from_them():
 def test_transition_records_decision_and_gate_class():
     record = make_record(change_class="L3")
     d = decide(record, grant=False)
-    new, draft = triage.transition(record, d)
+    draft = triage.transition(record, d)
+    new = committed(record, draft, d.at)
     assert new.decision == d
     assert new.gate_class == "L2"
     assert new.updated_at == NOW
@@ -247,10 +248,15 @@ def test_transition_records_decision_and_gate_class():
 # -- needs_triage ------------------------------------------------------------------------------
 
 
+def transitioned(record, d):
+    """The record after the decision `d` was committed at its own time."""
+    return committed(record, triage.transition(record, d), d.at)
+
+
 def test_needs_triage_new_then_decided():
     record = make_record()
     assert triage.needs_triage(record)
-    record, _ = triage.transition(record, decide(record))
+    record = transitioned(record, decide(record))
     assert record.decision.cause == "awaiting_operator"
     assert not triage.needs_triage(record)
 
@@ -262,25 +268,27 @@ def test_needs_triage_new_then_decided():
 ])
 def test_no_retriage_after_other_decisions(kwargs):
     record = make_record(**kwargs)
-    record, _ = triage.transition(record, decide(record))
+    record = transitioned(record, decide(record))
     assert not triage.needs_triage(record)
 
 
 def test_feedback_collapse_retriaged_once_independently_confirmed():
     record = make_record(signals=[signal("mcp:aaa:7")])
-    record, _ = triage.transition(record, decide(record))
+    record = transitioned(record, decide(record))
     assert record.decision.cause == "feedback_collapse"
     assert not triage.needs_triage(record)
 
     # more self-confirmation changes nothing
-    record, draft, counted = learnback.observe_signal(record, signal("mcp:bbb:9", at=NOW + 1),
-                                                      POLICY, NOW + 1, "service:svc")
+    draft, counted = learnback.observe_signal(record, signal("mcp:bbb:9", at=NOW + 1),
+                                              POLICY, NOW + 1, "service:svc")
+    record = committed(record, draft, NOW + 1)
     assert not counted.independent and draft.to_stage == "learn-back"
     assert not triage.needs_triage(record)
 
     # an independent negative is not a confirmation
-    record, _, counted = learnback.observe_signal(
+    draft, counted = learnback.observe_signal(
         record, signal("mcp:bbb:1", positive=False, at=NOW + 2), POLICY, NOW + 2, "check:ci")
+    record = committed(record, draft, NOW + 2)
     assert counted.independent
     assert not triage.needs_triage(record)
 
@@ -289,13 +297,14 @@ def test_feedback_collapse_retriaged_once_independently_confirmed():
     assert learnback.observe_signal(record, again, POLICY, NOW + 3) is None
 
     # an independent positive re-opens triage, which now reaches the gate
-    record, _, counted = learnback.observe_signal(
+    draft, counted = learnback.observe_signal(
         record, signal("mcp:bbb:1", at=NOW + 4), POLICY, NOW + 4, "agent:other:b")
+    record = committed(record, draft, NOW + 4)
     assert counted.independent
     assert triage.needs_triage(record)
     d = decide(record, now=NOW + 5)
     assert (d.verdict, d.cause) == ("defer", "awaiting_operator")
-    record, _ = triage.transition(record, d)
+    record = transitioned(record, d)
     assert not triage.needs_triage(record)
 
 

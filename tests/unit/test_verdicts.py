@@ -10,9 +10,14 @@ DIGEST = "cd" * 32
 OTHER = "ef" * 32
 
 
+STAGE = {"rollback": "apply", "crisis_resolved": "learn-back"}  # else triage
+
+
 def trailer(verdict: str, *refs: str, reason: str = "", **kw) -> dict:
-    return {"proposal_id": PID, "to_stage": "triage", "verdict": verdict, "reason": reason,
-            "actor": kw.pop("actor", "improved:x"), "refs": list(refs), **kw}
+    """A trailer as the daemon writes it: at its verdict's stage (a grant names its skill)."""
+    refs += ("skill:s:1",) if verdict in ("grant", "revoke") else ()
+    return {"proposal_id": PID, "to_stage": STAGE.get(verdict, "triage"), "verdict": verdict,
+            "reason": reason, "actor": kw.pop("actor", "improved:x"), "refs": list(refs), **kw}
 
 
 def test_no_trailer_for_the_act_is_no_verdict_yet():
@@ -115,10 +120,13 @@ def test_a_reversal_inherits_or_is_triaged():
 
 
 def test_a_resumed_apply_is_applied_failed_or_still_unreachable():
-    assert verdicts.of_apply(PID, [{"verdict": "dispatched"}]) is None
-    ok = verdicts.of_apply(PID, [{"verdict": "dispatched"}, {"verdict": "applied"}])
+    def apply(verdict: str, *refs: str) -> dict:
+        return {"to_stage": "apply", "verdict": verdict, "refs": list(refs)}
+
+    assert verdicts.of_apply(PID, [apply("dispatched")]) is None
+    ok = verdicts.of_apply(PID, [apply("dispatched"), apply("applied")])
     assert ok is not None and ok.accepted
-    failed = verdicts.of_apply(PID, [{"verdict": "failed", "refs": ["error:bad diff"]}])
+    failed = verdicts.of_apply(PID, [apply("failed", "error:bad diff")])
     assert failed is not None and not failed.accepted and "bad diff" in failed.line
-    gone = verdicts.of_apply(PID, [{"verdict": "undelivered", "refs": ["error:no responders"]}])
+    gone = verdicts.of_apply(PID, [apply("undelivered", "error:no responders")])
     assert gone is not None and not gone.accepted and f"improved retry {PID}" in gone.line
