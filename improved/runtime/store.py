@@ -224,6 +224,7 @@ review_entry_decoder = msgspec.json.Decoder(ReviewEntry)
 dedup_head_decoder = msgspec.json.Decoder(DedupHead)
 ledger_entry_decoder = msgspec.json.Decoder(LedgerEntry)
 due_entry_decoder = msgspec.json.Decoder(MeasureDue)
+sentinel_decoder = msgspec.json.Decoder(Sentinel)
 # what a subject of an index holds (core.indexes.INDEXES), and its decoder
 IndexEntry = ReviewEntry | MeasureDue
 IndexDecoder = msgspec.json.Decoder[ReviewEntry] | msgspec.json.Decoder[MeasureDue]
@@ -507,7 +508,7 @@ class Store:
             if await self._change(f"stream {name} is missing", lambda: self.js.add_stream(cfg),
                                   raced=(10058,)) is not None:
                 if name in SENTINELS:
-                    await self._write_sentinel(name, made=True)
+                    await self._sentinel_of_new(name)
                 return [f"created stream {name}"]
             have = await self._stream_config(name)  # another replica created it meanwhile
             if have is None:
@@ -539,6 +540,21 @@ class Store:
             if made else "a message is on its sentinel's subject")
         assert ack is not None  # nothing counts as raced here: a refusal raises
         return ack.seq
+
+    async def _sentinel_of_new(self, stream: str) -> None:
+        """The sentinel of a stream just made: written as its first message, unless another
+        replica making it at the same moment (creating a stream that exists with this config
+        succeeds) wrote it first, which is the same sentinel."""
+        try:
+            await self._write_sentinel(stream, made=True)
+        except StoreError as refused:
+            try:
+                first = await self._look(f"stream {stream}", lambda: self.js.get_msg(stream, 1))
+            except NotFoundError:
+                raise refused from None
+            theirs = decoded(sentinel_decoder, first.data)
+            if first.subject != SENTINELS[stream] or theirs is None or theirs.sentinel != stream:
+                raise
 
     async def _sentinel_upgrade(self, stream: str) -> list[str]:
         """Write the sentinel into a stream an earlier version made without one: the one-time

@@ -371,6 +371,42 @@ async def test_a_broker_restart_and_a_runtime_restart_change_nothing(own_server)
         await bus.close(conn)
 
 
+async def test_makers_starting_at_once_share_one_sentinel(own_server):
+    """Daemons (or runtimes) started together against a fresh server all make the spent marks'
+    stream (making a stream that exists with this config succeeds) and race to write its
+    sentinel: every one starts, and the stream holds one sentinel, its first message."""
+    conns = [await bus.connect(own_server.url, f"maker-{i}") for i in range(4)]
+    try:
+        js = conns[0].jetstream()
+        for _ in range(5):
+            with contextlib.suppress(NotFoundError):
+                await js.delete_stream(S.STREAM_TOOLS_SPENT)
+            await asyncio.gather(*(Store(c).ensure_stream(SPENT) for c in conns))
+            info = await js.stream_info(S.STREAM_TOOLS_SPENT)
+            first = await js.get_msg(S.STREAM_TOOLS_SPENT, 1)
+            assert (info.state.messages, first.subject) == (1, S.TOOLS_SPENT_SENTINEL)
+    finally:
+        for c in conns:
+            await bus.close(c)
+
+
+async def test_a_new_stream_whose_first_message_is_no_sentinel_is_refused(own_server):
+    """The attack on that allowance: someone writes a mark first into the spent stream a
+    maker has just made. Only a sentinel of this stream at sequence 1 counts as another
+    maker's; anything else leaves the maker refusing, naming the fix."""
+    conn = await bus.connect(own_server.url, "maker-hostile")
+    try:
+        js = conn.jetstream()
+        with contextlib.suppress(NotFoundError):
+            await js.delete_stream(S.STREAM_TOOLS_SPENT)
+        await js.add_stream(SPENT)
+        await js.publish(S.TOOLS_SPENT_SENTINEL, b'{"sentinel": "SOMETHING_ELSE", "at": 1}')
+        with pytest.raises(RuntimeError, match="someone wrote on it first; remove the stream"):
+            await Store(conn)._sentinel_of_new(S.STREAM_TOOLS_SPENT)
+    finally:
+        await bus.close(conn)
+
+
 async def test_a_spent_stream_made_by_an_earlier_version_needs_provision_once(own_server):
     """A spent marks' stream an earlier version made has no sentinel: the runtime refuses to
     start, in one line naming `improved provision`; provisioning writes the sentinel (once:
