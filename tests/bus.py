@@ -14,8 +14,10 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
+import nats.js.errors
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -242,13 +244,30 @@ async def serving(nc, store, buckets):
             await nc.jetstream().delete_key_value(bucket)
 
 
+class KVRevision(NamedTuple):
+    value: bytes
+    revision: int
+
+
+async def kv_history(nc, bucket: str, key: str) -> list[KVRevision]:
+    """Every revision KV `bucket` keeps of `key`, oldest first, read message by message from
+    the bucket's stream (not a history watch, whose end-of-history marker can arrive before
+    the first entry on a loaded machine)."""
+    js, stream, subject = nc.jetstream(), f"KV_{bucket}", f"$KV.{bucket}.{key}"
+    found: list[KVRevision] = []
+    seq = 1
+    while True:
+        try:
+            msg = await js.get_msg(stream, seq, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            return found
+        found.append(KVRevision(msg.data or b"", msg.seq))
+        seq = msg.seq + 1
+
+
 async def kv_revisions(nc, bucket: str, key: str) -> int:
     """How many revisions KV `bucket` keeps of `key` (0 when it has none)."""
-    kv = await nc.jetstream().key_value(bucket)
-    try:
-        return len(await kv.history(key))
-    except Exception:  # no such key yet
-        return 0
+    return len(await kv_history(nc, bucket, key))
 
 
 async def rolled_back(nc, client, svc, pid, reason: str = "undo it"):

@@ -24,7 +24,7 @@ from improved.protocol.model import (
 )
 from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore, bucket_names, main, parse_change
-from tests.bus import crash_once_after_the_write, send
+from tests.bus import KVRevision, crash_once_after_the_write, kv_history, send
 
 KEY = "search.title_boost"
 
@@ -48,9 +48,8 @@ def order(p: Proposal, attempt: int = 1) -> ApplyOrder:
 
 
 
-async def history(nc, svc: str, key: str) -> list:
-    kv = await nc.jetstream().key_value(bucket_names(svc)[0])
-    return await kv.history(key)
+async def history(nc, svc: str, key: str) -> list[KVRevision]:
+    return await kv_history(nc, bucket_names(svc)[0], key)
 
 
 @pytest_asyncio.fixture(loop_scope="session")

@@ -32,7 +32,7 @@ from improved_reference.skills_store import (
     bucket_names,
     main,
 )
-from tests.bus import crash_once_after_the_write, record_grant, send
+from tests.bus import KVRevision, crash_once_after_the_write, kv_history, record_grant, send
 
 AT = 1768471200000
 ANALYZER = "acme.skills/1"
@@ -87,9 +87,8 @@ async def store(nc, svc):
         await js.delete_key_value(bucket)
 
 
-async def kv_history(nc, svc: str, key: str) -> list:
-    kv = await nc.jetstream().key_value(bucket_names(svc)[0])
-    return await kv.history(key)
+async def stored(nc, svc: str, key: str) -> list[KVRevision]:
+    return await kv_history(nc, bucket_names(svc)[0], key)
 
 
 # -- applying ------------------------------------------------------------------------------------
@@ -103,16 +102,16 @@ async def test_apply_stores_under_hash_and_a_repeat_changes_nothing(nc, svc, sto
     assert first.ok, first.error
     assert (first.applied_id, first.inverse, first.rollbackable) == (
         identity, {"retract": identity}, True)
-    (entry,) = await kv_history(nc, svc, f"{name}.{sha}")
+    (entry,) = await stored(nc, svc, f"{name}.{sha}")
     record = msgspec.json.decode(entry.value)
     assert record["sha256"] == sha and record["name"] == name and record["created_at"] == AT
     assert record["definition"] == defn
     _, again_bytes = await send(nc, svc, order(o.proposal, attempt=2))
     assert again_bytes == first_bytes
-    assert len(await kv_history(nc, svc, f"{name}.{sha}")) == 1
+    assert len(await stored(nc, svc, f"{name}.{sha}")) == 1
     assert (store.applies, store.orders) == (1, 2)
     assert await store.put_definition(defn) == identity  # already there: no second write
-    assert len(await kv_history(nc, svc, f"{name}.{sha}")) == 1
+    assert len(await stored(nc, svc, f"{name}.{sha}")) == 1
 
 
 async def test_name_mismatch_is_refused_and_stores_nothing(nc, svc, store, name):
@@ -167,7 +166,7 @@ async def test_crash_after_the_write_adopts_it_without_writing_again(nc, svc, st
     assert not crashed.ok and "crashed after the write" in crashed.error
     result, _ = await send(nc, svc, o)
     assert result.ok and result.applied_id == canonical.skill_identity(defn)
-    assert len(await kv_history(nc, svc, f"{name}.{canonical.skill_hash(defn)}")) == 1
+    assert len(await stored(nc, svc, f"{name}.{canonical.skill_hash(defn)}")) == 1
     assert store.applies == 1
 
 
@@ -418,6 +417,6 @@ async def test_undoing_an_apply_that_found_the_definition_stored_keeps_it(nc, sv
     undone, _ = await send(nc, svc, order(proposal(svc, rerun.inverse, target=f"skill:{name}",
                                                    at=AT + 2)))
     assert undone.ok and undone.inverse == {"keep": identity}
-    assert len(await kv_history(nc, svc, f"{name}.{sha}")) == 1  # stored once, still there
+    assert len(await stored(nc, svc, f"{name}.{sha}")) == 1  # stored once, still there
     assert await store.get_by_identity(identity) == defn
     assert store.applies == 1
