@@ -127,16 +127,55 @@ async def amendment(url: str, svc: str = "charter", *, approved: bool = True,
     return pid
 
 
-async def eventually(check, timeout: float = 10.0, interval: float = 0.05):
-    """Await `check()` until it returns something truthy; fail with its last value."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    last = None
-    while asyncio.get_running_loop().time() < deadline:
-        last = await check()
+async def eventually(check, timeout: float = 10.0, interval: float = 0.05, *,
+                     what: str = "condition", tolerate: tuple[type[BaseException], ...] = ()):
+    """Await `check()` until it returns something truthy, and return that; fail naming `what`
+    with its last value. An exception of a `tolerate`d type counts as not yet (a broker
+    restarting, a cluster electing its leader). The tests' one way of waiting for an effect."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = await check()
+        except tolerate as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"{what} not met within {timeout}s (last: {last!r})")
+
+
+def log_events(log: Path, event: str) -> list[str]:
+    """The lines of a JSON log naming `event`."""
+    return [line for line in log.read_text().splitlines() if f'"event": "{event}"' in line]
+
+
+def eventually_blocking(check, timeout: float = 10.0, interval: float = 0.1, *,
+                        what: str = "condition"):
+    """`eventually` for a test that is not a coroutine (a daemon in another process, the
+    `improved` command): call `check()` until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        last = check()
         if last:
             return last
-        await asyncio.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s (last: {last!r})")
+        time.sleep(interval)
+    raise AssertionError(f"{what} not met within {timeout}s (last: {last!r})")
+
+
+def wait_for_event(log: Path, event: str, count: int = 1, timeout: float = 15.0) -> str:
+    """The `count`-th line of a JSON log naming `event`, waited for."""
+    def found() -> str | None:
+        lines = log_events(log, event)
+        return lines[count - 1] if len(lines) >= count else None
+
+    try:
+        return eventually_blocking(found, timeout, 0.05)
+    except AssertionError:
+        raise AssertionError(f"no {count}× {event!r} in the log:\n{log.read_text()[-3000:]}")\
+            from None
 
 
 async def publish(nc, subject: str, env) -> None:

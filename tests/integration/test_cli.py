@@ -17,6 +17,7 @@ import pytest
 from improved.core import signing
 from improved.runtime import bus
 from improved.runtime.keys import key_path
+from tests.bus import eventually_blocking
 from tests.cli import ENV, IMPROVED, improved
 from tests.factories import rank_proposal, skill_proposal
 
@@ -257,13 +258,11 @@ def test_an_operator_signs_from_the_terminal(tmp_path):
         approved = improved("approve", pid, "--nats", url, "--reason", "read it",
                             "--key", str(key_file), "--principal", "operator:carol")
         assert approved.returncode == 0, approved.stderr
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
+        def approved_view() -> dict | None:
             view = json.loads(improved("show", "--nats", url, pid).stdout)
-            if view["state"]["status"] == "approved":
-                break
-            time.sleep(0.2)
-        assert view["state"]["status"] == "approved"  # no service applies it here
+            return view if view["state"]["status"] == "approved" else None
+
+        view = eventually_blocking(approved_view, 20, 0.2)  # no service applies it here
         approvals = [t for t in view["trailers"] if t.get("verdict") == "approve"]
         assert [t["actor"] for t in approvals] == ["operator:carol"]
         assert pid not in improved("review", "--nats", url).stdout

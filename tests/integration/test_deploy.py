@@ -42,7 +42,7 @@ from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import STATE_TTL_S, Store, stream_configs, windows_config
 from improved_reference.ranking_store import RankingStore
-from tests.bus import scratch
+from tests.bus import eventually, eventually_blocking, scratch
 from tests.cluster import ACCOUNTS, CLUSTER, DEPLOY, PASSWORDS, Cluster, start_server, stop_server
 from tests.cluster import listening as _listening
 from tests.cluster import local_copy as _local_copy
@@ -63,18 +63,6 @@ def daemon_config() -> Config:
     return Config(apply=ApplySettings(timeout_s=1.0, attempts=2, max_deliveries=3),
                   trust=Trust(operators={ALICE[0]: alice}),
                   data_dir=scratch("improved-deploy-"))
-
-
-async def eventually(check, timeout: float = 10.0, interval: float = 0.05):
-    """Await `check()` until it returns something truthy; fail with its last value."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s (last: {last!r})")
 
 
 # -- a) provisioning: look first, change only what is missing or differs --------------------
@@ -1426,15 +1414,15 @@ def test_up_and_down_scripts_run_the_cluster_and_two_daemons(tmp_path):
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
         pid = msgspec.json.decode(done.stdout)["proposal_id"]
-        deadline = time.monotonic() + 20
-        while True:  # the proposal's chain: registered, triaged, dispatched, applied
+        def verified() -> subprocess.CompletedProcess | None:
             check = subprocess.run([improved, "audit", "verify", pid, "--nats", url,
                                     "--checkpoint",  # names the daemons' key, to trust
                                     str(run_dir / "daemon-1" / "last-checkpoint.json")],
                                    capture_output=True, text=True, timeout=60)
-            if "4 trailers" in check.stdout or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
+            return check if "4 trailers" in check.stdout else None
+
+        # the proposal's chain: registered, triaged, dispatched, applied
+        check = eventually_blocking(verified, 20, 0.5)
         assert check.returncode == 0 and "1/1 chains verified, 4 trailers" in check.stdout, (
             check.stdout + check.stderr)
         # and the whole log, with the replicas' signed checkpoints, verifies too

@@ -21,7 +21,7 @@ from improved.core import audit
 from improved.protocol import subjects as S
 from improved.runtime import bus
 from improved_reference.ranking_store import RankingStore
-from tests.bus import eventually
+from tests.bus import eventually, eventually_blocking
 from tests.cli import ENV, IMPROVED, improved
 from tests.factories import rank_proposal
 from tests.factories import signal as outcome_signal
@@ -158,10 +158,8 @@ def test_commands_and_a_reference_store_find_their_own_credentials(tmp_path):
             assert shown.returncode == 0, shown.stderr
             return shown.stdout
 
-        deadline = time.monotonic() + 20
-        while '"status": "applied"' not in status():
-            assert time.monotonic() < deadline, status()
-            time.sleep(0.2)
+        eventually_blocking(lambda: '"status": "applied"' in status(), 20, 0.2,
+                            what=f"{pid} applied")
         for command in (("review",), ("status",), ("audit", "verify")):
             done = improved(*command, cwd=tmp_path)
             assert done.returncode == 0, (command, done.stderr)

@@ -173,20 +173,6 @@ class Node:
                 self.proc.wait()
 
 
-async def until(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = await check()
-            if last:
-                return last
-        except Exception as exc:
-            last = exc
-        await asyncio.sleep(0.25)
-    raise AssertionError(f"{what} not within {timeout}s (last: {last!r})")
-
-
 async def r3_buckets(js, svc: str) -> bool:
     """The reference store creates its buckets R1; on a cluster that loses nodes they must be
     R3 like the daemon's, so create them first (the store opens buckets as they are)."""
@@ -222,9 +208,11 @@ async def test_a_cluster_node_stopped_mid_load_loses_and_repeats_nothing(tmp_pat
             node.start()
         nc = await bus.connect(urls, "cluster-test")
         js = nc.jetstream(timeout=5)
-        await until(js.account_info, 60, "a JetStream meta leader")
+        await eventually(js.account_info, 60, 0.25, what="a JetStream meta leader",
+                         tolerate=(Exception,))
         svc = "clustered"
-        await until(lambda: r3_buckets(js, svc), 60, "R3 service buckets")
+        await eventually(lambda: r3_buckets(js, svc), 60, 0.25, what="R3 service buckets",
+                         tolerate=(Exception,))
         ranking = RankingStore(nc, svc)
         await ranking.start()
         daemon = DaemonProcess(urls, tmp_path / "daemon.log",
@@ -246,7 +234,8 @@ async def test_a_cluster_node_stopped_mid_load_loses_and_repeats_nothing(tmp_pat
             if pick == "audit leader":
                 name = (await js.stream_info(S.STREAM_AUDIT)).cluster.leader
             else:
-                name = await until(lambda: daemon_node(nodes), 10, "the daemon's node")
+                name = await eventually(lambda: daemon_node(nodes), 10, 0.25,
+                                        what="the daemon's node", tolerate=(Exception,))
             victim = next(node for node in nodes if node.name == name)
             began = time.monotonic()
             await asyncio.to_thread(victim.stop)
@@ -257,8 +246,8 @@ async def test_a_cluster_node_stopped_mid_load_loses_and_repeats_nothing(tmp_pat
         figures = await settle_and_check(nc, publisher.acked, ranking, timeout=200,
                                          attempted=publisher.attempted)
         for stream in (S.STREAM_AUDIT, S.STREAM_INBOUND, S.STREAM_RECORDS):
-            await until(lambda stream=stream: all_current(js, stream), 60,
-                        f"{stream} replicas current again")
+            await eventually(lambda stream=stream: all_current(js, stream), 60, 0.25,
+                             what=f"{stream} replicas current again", tolerate=(Exception,))
         new_leader = (await js.stream_info(S.STREAM_AUDIT)).cluster.leader
         print("\n" + figures.line(
             "cluster nodes down", outages=outages,

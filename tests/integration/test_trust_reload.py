@@ -11,10 +11,8 @@ import base64
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
-import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -24,6 +22,7 @@ from improved.protocol import subjects as S
 from improved.runtime import bus
 from improved.runtime.store import Store
 from improved.testing import skill_proposal
+from tests.bus import eventually_blocking, log_events, wait_for_event
 from tests.cli import ENV, IMPROVED
 from tests.keys import ALICE
 
@@ -40,21 +39,6 @@ def pem(path: Path, key: Ed25519PrivateKey) -> str:
 def entry(who: tuple[str, Ed25519PrivateKey]) -> str:
     public = base64.b64encode(signing.raw_public(who[1].public_key())).decode()
     return f'"{who[0]}" = "{public}"'
-
-
-def events(log: Path, event: str) -> list[str]:
-    return [line for line in log.read_text().splitlines() if f'"event": "{event}"' in line]
-
-
-def wait_for(log: Path, event: str, count: int, timeout: float = 15.0) -> str:
-    """The `count`-th line naming `event` in the daemon's JSON log, waited for."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = events(log, event)
-        if len(found) >= count:
-            return found[count - 1]
-        time.sleep(0.05)
-    pytest.fail(f"no {count}× {event!r} in the daemon's log:\n{log.read_text()[-3000:]}")
 
 
 async def propose(url: str, svc: str, names: list[str]) -> list[str]:
@@ -98,10 +82,11 @@ def test_sighup_reloads_the_trust_store_and_a_broken_file_changes_nothing(own_se
         daemon = subprocess.Popen([*IMPROVED, "run", "--config", str(config)], cwd=tmp_path,
                                   env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while "improved: ready as" not in log.read_text():
-            assert daemon.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
+        def ready() -> bool:
+            assert daemon.poll() is None, log.read_text()
+            return "improved: ready as" in log.read_text()
+
+        eventually_blocking(ready, 30, 0.05, what="the daemon ready")
         assert f"(pid {daemon.pid})" in log.read_text()
         pids = asyncio.run(propose(url, "reload", ["one", "two", "three", "four"]))
 
@@ -111,7 +96,7 @@ def test_sighup_reloads_the_trust_store_and_a_broken_file_changes_nothing(own_se
 
         config.write_text(f"[trust.operators]\n{entry(ALICE)}\n{entry(BOB)}\n")
         hup()
-        line = wait_for(log, "trust store reloaded", 1)
+        line = wait_for_event(log, "trust store reloaded", 1)
         assert "operator operator:bob ed25519:" in line and '"removed": []' in line, line
         assert "not_reloaded" not in line  # nothing else changed
         ok = approve(pids[1], BOB, bob)
@@ -121,7 +106,7 @@ def test_sighup_reloads_the_trust_store_and_a_broken_file_changes_nothing(own_se
         recorded = asyncio.run(trust_chain_length(url))
         config.write_text('[trust.operators]\n"operator:bob" = "not a key"\n')
         hup()
-        bad = wait_for(log, "trust store not reloaded", 1)
+        bad = wait_for_event(log, "trust store not reloaded", 1)
         assert "trust.operators" in bad and "base64" in bad, bad
         assert asyncio.run(trust_chain_length(url)) == recorded  # nothing recorded
         still = approve(pids[2], BOB, bob)  # the trust in force stayed
@@ -129,7 +114,7 @@ def test_sighup_reloads_the_trust_store_and_a_broken_file_changes_nothing(own_se
 
         config.write_text(f"[trust.operators]\n{entry(BOB)}\n[policy]\nautonomy = \"off\"\n")
         hup()
-        line = wait_for(log, "trust store reloaded", 2)
+        line = wait_for_event(log, "trust store reloaded", 2)
         assert "operator operator:alice ed25519:" in line and '"added": []' in line, line
         assert '"not_reloaded_restart_to_apply": ["policy"]' in line, line
         gone = approve(pids[3], ALICE, alice)
@@ -148,5 +133,5 @@ def test_sighup_reloads_the_trust_store_and_a_broken_file_changes_nothing(own_se
     text = log.read_text()
     assert daemon.returncode == 0, text[-3000:]
     assert "Traceback" not in text, text
-    assert len(events(log, "trust store not reloaded")) == 1
+    assert len(log_events(log, "trust store not reloaded")) == 1
     assert os.path.exists(tmp_path / ".improved" / "checkpoint.pem")

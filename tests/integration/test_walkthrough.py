@@ -40,6 +40,7 @@ from improved.runtime import bus
 from improved_reference.artefact_store import bucket_names as artefact_buckets
 from improved_reference.artefact_store import digest_of
 from improved_reference.skills_store import bucket_names as skills_buckets
+from tests.bus import wait_for_event
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -212,7 +213,7 @@ def test_the_operators_first_hour_runs_as_written(own_server, tmp_path):
             for command, template in lines:
                 (walk.serve if kind == "serve" else walk.step)(command, template)
         daemon_log = walk.served[0][2]
-        reloaded = wait_for_line(daemon_log, "trust store reloaded")
+        reloaded = wait_for_event(daemon_log, "trust store reloaded")
         effects = asyncio.run(broker_effects(own_server.url))
     finally:
         ended = walk.stop()
@@ -255,24 +256,13 @@ def test_the_operators_first_hour_runs_as_written_on_the_bus_with_users(tmp_path
                     walk.step("improved accounts add-service demo",
                               "svc-demo: a user of .improved …")
                 (walk.serve if kind == "serve" else walk.step)(command, template)
-        wait_for_line(walk.served[0][2], "trust store reloaded")
+        wait_for_event(walk.served[0][2], "trust store reloaded")
     finally:
         ended = walk.stop()
     for command, code, output in ended:
         assert code == 0, f"`{command}` exited {code} on SIGTERM:\n{output[-2000:]}"
     log = (walk.work / ".improved" / "nats-server.log").read_text()
     assert "Violation" not in log, [line for line in log.splitlines() if "Violation" in line]
-
-
-def wait_for_line(log: Path, event: str, timeout: float = 15.0) -> str:
-    """The first line of a JSON log naming `event`, waited for."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in log.read_text().splitlines():
-            if f'"event": "{event}"' in line:
-                return line
-        time.sleep(0.1)
-    pytest.fail(f"no {event!r} in the daemon's log:\n{log.read_text()[-3000:]}")
 
 
 async def broker_effects(url: str) -> dict:
