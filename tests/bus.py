@@ -146,6 +146,18 @@ async def eventually(check, timeout: float = 10.0, interval: float = 0.05, *,
     raise AssertionError(f"{what} not met within {timeout}s (last: {last!r})")
 
 
+async def logged(logs: list[dict], event: str, timeout: float = 10.0, **fields) -> dict:
+    """The first entry of `logs` (structlog.testing.capture_logs) that is `event` with these
+    `fields`, waited for: the event that proves a thing did not happen (the daemon refused the
+    apply) instead of a sleep before looking."""
+    def first() -> dict | None:
+        return next((e for e in logs if e.get("event") == event
+                     and all(e.get(k) == v for k, v in fields.items())), None)
+
+    return await eventually(lambda: asyncio.sleep(0, first()), timeout,
+                            what=f"{event!r} logged with {fields}")
+
+
 def log_events(log: Path, event: str) -> list[str]:
     """The lines of a JSON log naming `event`."""
     return [line for line in log.read_text().splitlines() if f'"event": "{event}"' in line]

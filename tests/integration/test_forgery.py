@@ -15,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import structlog.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from improved.client.sdk import MeshClient
@@ -27,7 +28,7 @@ from improved.protocol.model import ApplyResult
 from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
-from tests.bus import Applier, approve, daemon_config, daemon_key, eventually
+from tests.bus import Applier, approve, daemon_config, daemon_key, eventually, logged
 from tests.cli import improved
 from tests.factories import rank_proposal, skill_proposal
 
@@ -106,9 +107,10 @@ async def test_an_unsigned_approval_on_a_running_daemon_applies_nothing(own_serv
         assert msgspec.json.decode(reply.data)["error"]["code"] == "chain_broken"
         assert await _in_crisis(daemon)
         # the honest path stays shut too: a crisis refuses every apply
-        other = (await client.propose(rank_proposal(SVC, key="after"))).proposal_id
-        assert (await client.triage(other)).verdict == "accept"
-        await asyncio.sleep(0.5)
+        with structlog.testing.capture_logs() as logs:
+            other = (await client.propose(rank_proposal(SVC, key="after"))).proposal_id
+            assert (await client.triage(other)).verdict == "accept"
+            await logged(logs, "applies refused", proposal_id=other)
         assert applier.orders == []
         verify = await _verify(own_server.url, config)
         assert verify.returncode == 1
@@ -187,9 +189,10 @@ async def test_a_forged_crisis_resolution_keeps_the_crisis(own_server, tmp_path)
         assert (await _status(own_server.url))["autonomy_chain"].startswith(
             "not verified: no daemon key here")
         assert await daemon.engine.checkpoint(daemon._checkpoint_key) is not None
-        pid = (await client.propose(rank_proposal(SVC, key="after"))).proposal_id
-        assert (await client.triage(pid)).verdict == "accept"
-        await asyncio.sleep(0.5)
+        with structlog.testing.capture_logs() as logs:
+            pid = (await client.propose(rank_proposal(SVC, key="after"))).proposal_id
+            assert (await client.triage(pid)).verdict == "accept"
+            await logged(logs, "applies refused", proposal_id=pid)
         assert applier.orders == []
         verify = await _verify(own_server.url, config)
         assert "not signed by a daemon" in verify.stdout, verify.stdout
@@ -351,8 +354,9 @@ async def test_a_limit_set_on_the_audit_stream_stops_applies_before_the_next_che
         if put_back:
             await js.update_stream(cfg)
         await asyncio.sleep(1.1)  # the next pass reads the autonomy state afresh
-        later = (await client.propose(rank_proposal(svc, key="after"))).proposal_id
-        await asyncio.sleep(0.8)
+        with structlog.testing.capture_logs() as logs:
+            later = (await client.propose(rank_proposal(svc, key="after"))).proposal_id
+            await logged(logs, "applies refused", proposal_id=later)
         assert later not in orders
         assert await _in_crisis(daemon)
         await sub.unsubscribe()
