@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import msgspec
+import nats.errors
 import nats.js.errors
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client.parser import text_string_to_metric_families
@@ -156,6 +157,26 @@ async def logged(logs: list[dict], event: str, timeout: float = 10.0, **fields) 
 
     return await eventually(lambda: asyncio.sleep(0, first()), timeout,
                             what=f"{event!r} logged with {fields}")
+
+
+async def refusal(nc, svc: str, subject: str, timeout: float = 10.0) -> dict:
+    """The daemon's record (stream IMPROVED_REFUSED) of the first message it refused on
+    `subject`, waited for: the event that proves a hostile message moved nothing."""
+    js = nc.jetstream()
+    sub = await js.subscribe(subjects.refused(svc), ordered_consumer=True,
+                             stream=subjects.STREAM_REFUSED)
+    try:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                record = msgspec.json.decode((await sub.next_msg(timeout=left)).data)
+            except nats.errors.TimeoutError:
+                break
+            if record["subject"] == subject:
+                return record
+        raise AssertionError(f"nothing refused on {subject} within {timeout}s")
+    finally:
+        await sub.unsubscribe()
 
 
 def log_events(log: Path, event: str) -> list[str]:

@@ -15,6 +15,7 @@ import asyncio
 import time
 
 import pytest
+import structlog.testing
 from nats.js.api import StreamConfig
 
 from improved.client.sdk import MeshClient, serve_spec
@@ -23,7 +24,7 @@ from improved.core import breaker, triage
 from improved.protocol import subjects as S
 from improved.protocol.model import MetricSnapshot, to_json
 from improved_reference.ranking_store import RankingStore
-from tests.bus import eventually, measurement, publish, trusted_service
+from tests.bus import eventually, logged, measurement, publish, trusted_service
 from tests.factories import rank_proposal, review
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -127,8 +128,10 @@ async def test_a_review_on_another_services_subject_moves_nothing(mesh_bus):
                                               change_class="L2"))).proposal_id
     assert (await client.triage(pid)).cause == "awaiting_operator"
     operator = await mesh_bus.connect("operator")
-    await publish(operator.nc, S.inbound_review("skills"), review(pid))
-    await asyncio.sleep(0.8)
+    with structlog.testing.capture_logs() as logs:
+        await publish(operator.nc, S.inbound_review("skills"), review(pid))
+        refused = await logged(logs, "refused", subject=S.inbound_review("skills"))
+    assert refused["code"] == "not_found", refused
     assert (await client.state(pid)).status == "pending"
     await publish(operator.nc, S.inbound_review(SVC), review(pid))
     await eventually(lambda: status(client, pid, "applied"))
@@ -189,15 +192,17 @@ async def test_a_limit_on_the_audit_stream_lets_nothing_apply_on_a_forgetting_lo
         await js.update_stream(cfg)  # and back, before any checkpoint looks
     except Exception:  # refused (under accounts the server drops it: a timeout)
         assert mesh_bus.accounts
-    await asyncio.sleep(1.2)
-    pid = (await client.propose(rank_proposal(SVC, key="attack.limit2", value=2))).proposal_id
-    if mesh_bus.accounts:  # nothing was lost: the loop goes on
-        assert (await daemon_js.stream_info(S.STREAM_AUDIT)).config.max_msgs == cfg.max_msgs
-        await eventually(lambda: status(client, pid, "applied"))
-    else:  # the log forgot: a crisis at once, nothing more applied
-        await asyncio.sleep(0.8)
-        assert (await client.state(pid)).status != "applied"
-        assert (await mesh_bus.daemon.engine.autonomy(2**62)).crisis
+    await asyncio.sleep(1.2)  # the next pass compares the audit stream's retention
+    with structlog.testing.capture_logs() as logs:
+        pid = (await client.propose(rank_proposal(SVC, key="attack.limit2",
+                                                  value=2))).proposal_id
+        if mesh_bus.accounts:  # nothing was lost: the loop goes on
+            assert (await daemon_js.stream_info(S.STREAM_AUDIT)).config.max_msgs == cfg.max_msgs
+            await eventually(lambda: status(client, pid, "applied"))
+        else:  # the log forgot: a crisis at once, the apply refused
+            await logged(logs, "applies refused", proposal_id=pid)
+            assert (await client.state(pid)).status != "applied"
+            assert (await mesh_bus.daemon.engine.autonomy(2**62)).crisis
     await store.stop()
 
 

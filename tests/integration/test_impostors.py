@@ -32,6 +32,7 @@ from tests.bus import (
     eventually,
     measurement,
     own_daemon,
+    refusal,
     trailers,
     trusted_service,
 )
@@ -181,7 +182,7 @@ async def test_a_report_in_a_known_services_name_counts_only_signed(daemon, nc, 
     await asyncio.sleep(0.3)
     forged = ApplyReport(proposal_id=pid, service=svc, ok=True, applied_id="forged")
     await js.publish(S.inbound_applied(svc), to_json(forged), stream=S.STREAM_INBOUND)
-    await asyncio.sleep(1.0)
+    assert (await refusal(nc, svc, S.inbound_applied(svc)))["code"] == "not_attested"
     assert not [t for t in await trailers(daemon, svc, pid) if t.get("verdict") == "applied"]
     await client.report(ApplyReport(proposal_id=pid, service=svc, ok=True, applied_id="real"))
     await eventually(lambda: status(client, pid, "applied"))

@@ -26,7 +26,7 @@ from improved.protocol import subjects as S
 from improved.protocol.model import Envelope, to_json
 from improved.runtime.store import Store
 from improved_reference.skills_store import SkillsStore
-from tests.bus import approve, daemon_key, eventually, outcome
+from tests.bus import approve, daemon_key, eventually, outcome, refusal
 from tests.cli import improved
 from tests.factories import now_ms, signal, skill_proposal
 from tests.integration.test_forgery import _config, _running, _verify
@@ -79,17 +79,8 @@ async def test_a_forged_signature_is_refused_and_changes_nothing(daemon, nc, how
         js = nc.jetstream()
         await js.publish(S.inbound_proposal(SIGNED), forged,
                          headers={"Nats-Msg-Id": S.message_id(pid, forged)})
-        sub = await js.subscribe(S.refused(SIGNED), ordered_consumer=True,
-                                 stream=S.STREAM_REFUSED)
-        try:
-            while True:  # the refusals of SIGNED's other tests come first
-                refused = msgspec.json.decode((await sub.next_msg(timeout=5)).data)
-                if refused["subject"] == S.inbound_proposal(SIGNED):
-                    break
-        finally:
-            await sub.unsubscribe()
+        refused = await refusal(nc, SIGNED, S.inbound_proposal(SIGNED))
         assert refused["code"] == "bad_signature", refused
-    await asyncio.sleep(0.3)
     assert await client.state(pid) is None
     assert await daemon.store.read_chain(SIGNED, pid) == []
 
