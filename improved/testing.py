@@ -27,7 +27,7 @@ from improved.runtime.bus import Target
 from improved.runtime.config import Config
 from improved.runtime.daemon import Daemon
 
-__all__ = ["nats_server", "rank_proposal", "running_daemon", "skill_proposal"]
+__all__ = ["nats_server", "proposal", "rank_proposal", "running_daemon", "skill_proposal"]
 
 _clock = itertools.count(1)
 
@@ -70,39 +70,37 @@ async def running_daemon(url: str | Target, config: Config | None = None,
                 await nc.drain()
 
 
+def proposal(svc: str, target_ref: str, change_class: str = "L2", *, template: str = "change",
+             args: dict[str, Any] | None = None, actor: str | None = None,
+             **fields: Any) -> Proposal:
+    """Any proposal of `svc` on `target_ref`: its envelope filled in (an agent of `svc` as the
+    origin unless `actor`, scope knowledge, the summary's template, a `created_at` no other
+    proposal of this process has), the change itself from `fields` (`proposal_data`,
+    `proposal_edit`, `lkg`, `revert`, ...). Any field may be given; `analyzer` may be its id."""
+    analyzer = fields.pop("analyzer", "acme.tests/1")
+    body: dict[str, Any] = dict(
+        service=svc, target_ref=target_ref, change_class=change_class, scope="knowledge",
+        origin=Origin(actor=actor or f"mcp:{svc}-agent:1", service=svc),
+        analyzer=AnalyzerRef(id=analyzer) if isinstance(analyzer, str) else analyzer,
+        summary=Summary(template_id=template, args=args or {}), created_at=unique_ms())
+    return Proposal(**{**body, **fields})
+
+
 def rank_proposal(svc: str, key: str = "search.title_boost", value: Any = 1.5,
                   change_class: str = "L0", **over: Any) -> Proposal:
     """An L0 ranking change (`rank:<key>`), applied automatically once triaged."""
-    fields: dict[str, Any] = dict(
-        service=svc,
-        target_ref=f"rank:{key}",
-        change_class=change_class,
-        scope="knowledge",
-        origin=Origin(actor=f"mcp:{svc}-agent:1", service=svc),
-        analyzer=AnalyzerRef(id="acme.tuner/1"),
-        summary=Summary(template_id="adjust_rank", args={"item": key, "delta": value}),
-        proposal_data={"set": {"key": key, "value": value}},
-        created_at=unique_ms(),
-    )
-    fields.update(over)
-    return Proposal(**fields)
+    return proposal(svc, **{"target_ref": f"rank:{key}", "change_class": change_class,
+                            "template": "adjust_rank", "args": {"item": key, "delta": value},
+                            "analyzer": "acme.tuner/1",
+                            "proposal_data": {"set": {"key": key, "value": value}}, **over})
 
 
 def skill_proposal(svc: str, name: str = "summarize", change_class: str = "L2",
                    instructions: str = "Read the text, then write three bullet points.",
                    **over: Any) -> Proposal:
     """A new skill (`skill:<name>`): L2 waits for an operator; L3 runs under a grant."""
-    fields: dict[str, Any] = dict(
-        service=svc,
-        target_ref=f"skill:{name}",
-        change_class=change_class,
-        scope="knowledge",
-        origin=Origin(actor=f"mcp:{svc}-agent:1", service=svc),
-        analyzer=AnalyzerRef(id="acme.skills/1"),
-        summary=Summary(template_id="new_skill", args={"name": name}),
-        proposal_data={"skill": {"name": name, "description": "summarise a text",
-                                 "instructions": instructions}},
-        created_at=unique_ms(),
-    )
-    fields.update(over)
-    return Proposal(**fields)
+    data = {"skill": {"name": name, "description": "summarise a text",
+                      "instructions": instructions}}
+    return proposal(svc, **{"target_ref": f"skill:{name}", "change_class": change_class,
+                            "template": "new_skill", "args": {"name": name},
+                            "analyzer": "acme.skills/1", "proposal_data": data, **over})

@@ -22,19 +22,17 @@ import nats.js.errors
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client.parser import text_string_to_metric_families
 
+from improved import testing
 from improved.client.sdk import MeshClient
 from improved.core import authority, quorum, signing
 from improved.core.authority import Act
 from improved.protocol import canonical, subjects
 from improved.protocol.model import (
-    AnalyzerRef,
     ApplyOrder,
     ApplyResult,
     GrantCommand,
-    Origin,
     Proposal,
     ProposalEdit,
-    Summary,
     to_json,
 )
 from improved.runtime import bus, keys
@@ -92,11 +90,9 @@ QUORUM_AMENDS = "VII: IV.2 an L4 change may pass on a signed quorum (SPEC 09 §6
 
 def charter(svc: str, amends: str = QUORUM_AMENDS) -> Proposal:
     """A constitution edit (scope charter, L4, `amends`, a CHANGELOG entry in its diff)."""
-    return Proposal(
-        service=svc, target_ref=f"doc:{CONSTITUTION}", change_class="L4", scope="charter",
-        origin=Origin(actor="operator:alice", service=svc),
-        analyzer=AnalyzerRef(id="ops.amend/1"), summary=Summary(template_id="amend", args={}),
-        amends=amends, created_at=now_ms(),
+    return testing.proposal(
+        svc, f"doc:{CONSTITUTION}", "L4", template="amend", analyzer="ops.amend/1",
+        actor="operator:alice", scope="charter", amends=amends, created_at=now_ms(),
         proposal_edit=ProposalEdit(format="unified", base_digest=sha("v5"),
                                    diff=CHANGELOG_DIFF))
 

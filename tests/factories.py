@@ -8,15 +8,14 @@ import hashlib
 import time
 from typing import Any
 
+from improved import testing
 from improved.core.signing import PAYLOAD_TYPES, sign
 from improved.protocol.model import (
-    AnalyzerRef,
     GrantCommand,
     Origin,
     Proposal,
     Review,
     Signal,
-    Summary,
     Vote,
     to_json,
 )
@@ -58,16 +57,12 @@ def swap(svc: str, new: dict[str, str], smoke: dict[str, str] | None = None,
          actor: str = "agentd:run-7:1") -> Proposal:
     """An L4 swap of `svc`'s artefacts to the `new` texts, each with its last-known-good."""
     smoke = smoke or {}
-    return Proposal(
-        service=svc, target_ref=f"binary:{svc}", change_class="L4", scope="operation",
-        origin=Origin(actor=actor, service="agentd"),
-        analyzer=AnalyzerRef(id="acme.deployer/1"),
-        summary=Summary(template_id="swap_binary", args={"n": len(new)}),
-        proposal_data={"artefacts": new},
+    return testing.proposal(
+        svc, f"binary:{svc}", "L4", template="swap_binary", args={"n": len(new)},
+        analyzer="acme.deployer/1", scope="operation", created_at=now_ms(),
+        origin=Origin(actor=actor, service="agentd"), proposal_data={"artefacts": new},
         lkg=[{"artefact": name, "digest": sha(text), "smoke_test": smoke.get(name, "json")}
-             for name, text in new.items()],
-        created_at=now_ms(),
-    )
+             for name, text in new.items()])
 
 
 def vote(reads: list[str], voter: str, session: str, verdict: str = "approve"):

@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 
+from improved import testing
 from improved.client import acceptance
 from improved.core import audit, propose
 from improved.core.apply import ROLLBACK_ANALYZER
@@ -41,14 +42,10 @@ def lkg(contents: dict[str, str], smoke: dict[str, str] = SMOKE) -> list[dict[st
 
 def l4(svc: str, data: dict, lkg_entries: list | None, change_class: str = "L4",
        **over) -> Proposal:
-    fields = dict(
-        service=svc, target_ref=f"binary:{svc}", change_class=change_class, scope="operation",
-        origin=Origin(actor=f"mcp:{svc}-agent:1", service=svc),
-        analyzer=AnalyzerRef(id="acme.release/1"),
-        summary=Summary(template_id="swap_artefacts", args={}),
-        proposal_data=data, lkg=lkg_entries, created_at=unique_ms())
-    fields.update(over)
-    return Proposal(**fields)
+    return testing.proposal(svc, **{
+        "target_ref": f"binary:{svc}", "change_class": change_class,
+        "template": "swap_artefacts", "analyzer": "acme.release/1", "scope": "operation",
+        "proposal_data": data, "lkg": lkg_entries, **over})
 
 
 def swap(svc: str, contents: dict[str, str], **over) -> Proposal:

@@ -7,16 +7,15 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
+from improved import testing
 from improved.client.sdk import MeshClient
 from improved.core import propose
 from improved.protocol import subjects
 from improved.protocol.model import (
-    AnalyzerRef,
     ApplyOrder,
     Origin,
     Proposal,
     ProposalEdit,
-    Summary,
 )
 from improved_reference import diffs
 from improved_reference.doc_store import DocStore, bucket_names, digest, doc_key, main
@@ -30,7 +29,7 @@ from tests.bus import (
     serving,
     trailers,
 )
-from tests.factories import review, unique_ms
+from tests.factories import review
 
 GUIDE = "docs/guide.md"
 V1 = "# Guide\n\nRun `improved demo`.\n"
@@ -39,22 +38,18 @@ V2 = "# Guide\n\nRun `improved demo` to see the loop.\n"
 
 def edit(svc: str, old: str, new: str, path: str = GUIDE, *, target: str | None = None,
          base: str | None = None, diff: str | None = None) -> Proposal:
-    return Proposal(
-        service=svc, target_ref=target or f"doc:{path}", change_class="L2", scope="knowledge",
-        origin=Origin(actor=f"mcp:{svc}-writer:1", service=svc),
-        analyzer=AnalyzerRef(id="acme.docs/1"), summary=Summary(template_id="edit_doc", args={}),
+    return testing.proposal(
+        svc, target or f"doc:{path}", template="edit_doc", analyzer="acme.docs/1",
+        actor=f"mcp:{svc}-writer:1",
         proposal_edit=ProposalEdit(format="unified", base_digest=base or digest(old),
-                                   diff=diff if diff is not None else diffs.make(old, new, path)),
-        created_at=unique_ms())
+                                   diff=diff if diff is not None else diffs.make(old, new, path)))
 
 
 def undo(svc: str, inverse: dict, path: str = GUIDE) -> Proposal:
-    return Proposal(
-        service=svc, target_ref=f"doc:{path}", change_class="L2", scope="knowledge",
-        origin=Origin(actor="improved", service="improved"),
-        analyzer=AnalyzerRef(id="improved.rollback/1"),
-        summary=Summary(template_id="rollback", args={}), proposal_data=inverse,
-        created_at=unique_ms())
+    return testing.proposal(svc, f"doc:{path}", template="rollback",
+                            analyzer="improved.rollback/1",
+                            origin=Origin(actor="improved", service="improved"),
+                            proposal_data=inverse)
 
 
 def order(p: Proposal, attempt: int = 1) -> ApplyOrder:

@@ -8,16 +8,14 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
+from improved import testing
 from improved.client.sdk import MeshClient
 from improved.core import propose
 from improved.protocol import subjects
 from improved.protocol.model import (
-    AnalyzerRef,
     ApplyOrder,
-    Origin,
     Proposal,
     ProposalEdit,
-    Summary,
     to_json,
 )
 from improved_reference.knowledge_store import (
@@ -36,7 +34,7 @@ from tests.bus import (
     serving,
     trailers,
 )
-from tests.factories import review, unique_ms
+from tests.factories import review
 
 NS = "agent:recommendations"
 ALICE = "operator:alice"
@@ -50,14 +48,11 @@ MERGE = ('SUPERSEDE facts WHERE subject = "user:jo" AND relation = "prefers" '
 
 def proposal(svc: str, *, cal: str | None = None, data: dict | None = None,
              namespace: str | None = NS, change_class: str = "L2", **over) -> Proposal:
-    fields = dict(
-        service=svc, target_ref="entity:prefs/user:jo", change_class=change_class,
-        scope="knowledge", origin=Origin(actor=f"mcp:{svc}-curator:1", service=svc),
-        analyzer=AnalyzerRef(id="curator.duplicate_sweep/1"),
-        summary=Summary(template_id="merge_duplicate_facts", args={"subject": "user:jo"}),
-        proposal_cal=cal, proposal_data=data, namespace=namespace, created_at=unique_ms())
-    fields.update(over)
-    return Proposal(**fields)
+    return testing.proposal(svc, **{
+        "target_ref": "entity:prefs/user:jo", "change_class": change_class,
+        "template": "merge_duplicate_facts", "args": {"subject": "user:jo"},
+        "analyzer": "curator.duplicate_sweep/1", "actor": f"mcp:{svc}-curator:1",
+        "proposal_cal": cal, "proposal_data": data, "namespace": namespace, **over})
 
 
 def order(p: Proposal, authority: str = ALICE, attempt: int = 1) -> ApplyOrder:

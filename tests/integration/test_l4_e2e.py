@@ -16,18 +16,13 @@ from improved.client.sdk import MeshClient
 from improved.core import signing
 from improved.protocol import subjects as S
 from improved.protocol.model import (
-    AnalyzerRef,
-    Origin,
-    Proposal,
-    ProposalEdit,
     QuorumRecord,
-    Summary,
     Vote,
     to_json,
 )
-from tests.builders import CHANGELOG_DIFF, CONSTITUTION
 from tests.bus import (
     approve,
+    charter,
     eventually,
     outcome,
     publish,
@@ -150,12 +145,7 @@ async def test_a_constitution_edit_is_prepared_and_never_applied(daemon, nc, svc
         raise AssertionError("a constitution edit must never be dispatched")
 
     sub = await client.serve_apply(applier)
-    proposal = Proposal(
-        service=svc, target_ref=f"doc:{CONSTITUTION}", change_class="L4", scope="charter",
-        origin=Origin(actor="operator:alice", service=svc),
-        analyzer=AnalyzerRef(id="ops.amend/1"), summary=Summary(template_id="amend", args={}),
-        amends="VII: IV.2 tiers", created_at=now_ms(),
-        proposal_edit=ProposalEdit(format="unified", base_digest=sha("v5"), diff=CHANGELOG_DIFF))
+    proposal = charter(svc, amends="VII: IV.2 tiers")
     pid = (await client.propose(proposal)).proposal_id
     decision = await client.triage(pid)
     assert (decision.verdict, decision.cause) == ("defer", "awaiting_operator")

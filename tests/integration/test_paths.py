@@ -6,12 +6,12 @@ sidestepped). One table, one test."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
+from improved import testing
 from improved.client.sdk import MeshClient
-from improved.protocol.model import AnalyzerRef, Origin, Proposal, ProposalEdit, Summary
+from improved.protocol.model import Proposal, ProposalEdit
 from improved_reference.ranking_store import RankingStore
 from tests.factories import rank_proposal
 
@@ -31,24 +31,19 @@ def target(svc: str, ref: str, change_class: str = "L2", scope: str = "code") ->
 
 
 def doc_edit(svc: str, _path: str) -> Proposal:
-    return Proposal(service=svc, target_ref="doc:docs/guide.md", change_class="L2",
-                    scope="knowledge", origin=Origin(actor=f"mcp:{svc}-agent:1", service=svc),
-                    analyzer=AnalyzerRef(id="acme.docs/1"),
-                    summary=Summary(template_id="edit_doc", args={}),
-                    proposal_edit=ProposalEdit(format="unified-diff", base_digest="sha256:" + "0" * 64,
-                                               diff=EDIT),
-                    created_at=int(time.time() * 1000))
+    return testing.proposal(svc, "doc:docs/guide.md", template="edit_doc",
+                            analyzer="acme.docs/1",
+                            proposal_edit=ProposalEdit(format="unified-diff",
+                                                       base_digest="sha256:" + "0" * 64,
+                                                       diff=EDIT))
 
 
 def l4_artefact(svc: str, path: str) -> Proposal:
-    return Proposal(service=svc, target_ref=f"binary:{svc}", change_class="L4",
-                    scope="operation", origin=Origin(actor=f"mcp:{svc}-agent:1", service=svc),
-                    analyzer=AnalyzerRef(id="acme.swap/1"),
-                    summary=Summary(template_id="swap", args={}),
-                    proposal_data={"artefacts": {path: "new"}},
-                    lkg=[{"artefact": path, "digest": "sha256:" + "a" * 64,
-                          "smoke_test": "nonempty"}],
-                    created_at=int(time.time() * 1000))
+    return testing.proposal(svc, f"binary:{svc}", "L4", template="swap",
+                            analyzer="acme.swap/1", scope="operation",
+                            proposal_data={"artefacts": {path: "new"}},
+                            lkg=[{"artefact": path, "digest": "sha256:" + "a" * 64,
+                                  "smoke_test": "nonempty"}])
 
 
 CASES = [

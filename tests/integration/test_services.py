@@ -9,17 +9,15 @@ import msgspec
 import pytest
 import pytest_asyncio
 
+from improved import testing
 from improved.client.sdk import ImproveError, MeshClient, serve_spec
 from improved.core import propose
 from improved.protocol import subjects
 from improved.protocol.model import (
-    AnalyzerRef,
     ApplyOrder,
     ApplyResult,
-    Origin,
     Proposal,
     ProposalState,
-    Summary,
     to_json,
 )
 from improved.runtime.store import Store
@@ -31,14 +29,10 @@ KEY = "search.title_boost"
 
 def proposal(svc: str, *, target: str = f"rank:{KEY}", data=None, value=1.5,
              at: int = 1768471200000) -> Proposal:
-    return Proposal(
-        service=svc, target_ref=target, change_class="L0", scope="knowledge",
-        origin=Origin(actor=f"{svc}:agent-1", service=svc),
-        analyzer=AnalyzerRef(id="acme.tuner/1"),
-        summary=Summary(template_id="adjust_rank", args={"item": "title", "delta": value}),
-        proposal_data=data if data is not None else {"set": {"key": KEY, "value": value}},
-        created_at=at,
-    )
+    return testing.proposal(
+        svc, target, "L0", template="adjust_rank", args={"item": "title", "delta": value},
+        analyzer="acme.tuner/1", actor=f"{svc}:agent-1", created_at=at,
+        proposal_data=data if data is not None else {"set": {"key": KEY, "value": value}})
 
 
 def order(p: Proposal, attempt: int = 1) -> ApplyOrder:

@@ -11,15 +11,13 @@ import pytest_asyncio
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from improved import testing
 from improved.core import propose
 from improved.protocol import canonical, subjects
 from improved.protocol.model import (
-    AnalyzerRef,
     ApplyOrder,
-    Origin,
     Proposal,
     Signal,
-    Summary,
     to_json,
 )
 from improved.runtime.store import Store
@@ -46,12 +44,9 @@ def skill(name: str, instructions: str = "Summarise the text in three bullets.")
 
 
 def proposal(svc: str, data: dict, *, target: str, at: int = AT) -> Proposal:
-    return Proposal(
-        service=svc, target_ref=target, change_class="L2", scope="knowledge",
-        origin=Origin(actor=f"{svc}:agent-1", service=svc), analyzer=AnalyzerRef(id=ANALYZER),
-        summary=Summary(template_id="new_skill", args={"name": target.partition(":")[2]}),
-        proposal_data=data, created_at=at,
-    )
+    return testing.proposal(svc, target, template="new_skill",
+                            args={"name": target.partition(":")[2]}, analyzer=ANALYZER,
+                            actor=f"{svc}:agent-1", proposal_data=data, created_at=at)
 
 
 def order(p: Proposal, attempt: int = 1) -> ApplyOrder:
