@@ -53,7 +53,7 @@ from improved.core import propose, triage  # noqa: E402
 from improved.core.policy import Policy  # noqa: E402
 from improved.protocol.model import ApplyOrder, Signal  # noqa: E402
 from improved.runtime import bus  # noqa: E402
-from improved_reference.bench import SVC, make_proposal  # noqa: E402
+from improved_bench.bench import SVC, make_proposal  # noqa: E402
 from improved_reference.ranking_store import RankingStore  # noqa: E402
 
 try:

@@ -16,8 +16,14 @@ Layers, each importing only the ones listed before it (tests/unit/test_architect
 - ``improved.cli`` — the `improved` command.
 - ``improved.testing`` — a real broker, a real daemon and valid proposals for tests.
 
-The reference services, the demo and the bench live in the separate ``improved_reference``
-package, which depends on this one and never the other way round.
+Outside this package, each depending on it and never the other way round:
+
+- ``improved_reference`` (``services/``) — the reference mesh services; they import neither
+  the bench nor the demo.
+- ``improved_bench`` (``benchmarks/``) and ``improved_demo`` (``examples/``) — ``improved
+  bench`` and ``improved demo``: they run a daemon next to the reference services, so they
+  import both; nothing imports them (the commands find them through the
+  ``improved.commands`` entry points).
 
 This module re-exports what a mesh-service author writes against. The client's names are
 loaded on first use (`__getattr__`), so importing a pure layer (`improved.core.planner`,

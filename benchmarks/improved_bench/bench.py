@@ -265,7 +265,7 @@ class Watch:
 
 
 class Plan(msgspec.Struct, kw_only=True):
-    """What one drive asks of the publisher process (improved_reference.bench_publisher), in
+    """What one drive asks of the publisher process (improved_bench.publisher), in
     a file of the run's: where, with which key, what to publish and how fast, where to report."""
 
     url: str
@@ -699,7 +699,7 @@ class Bench:
             url=url, key=str(self.key_file), kinds=kinds, t0=t0, first=first,
             concurrency=concurrency, rate=rate, learn_back=learn_back,
             timeout=self.args.timeout, out=str(out))))
-        publisher = self.spawn("publisher", "improved_reference.bench_publisher", str(plan))
+        publisher = self.spawn("publisher", "improved_bench.publisher", str(plan))
         try:
             await asyncio.wait_for(watch.done.wait(), timeout=self.args.timeout)
         except TimeoutError:

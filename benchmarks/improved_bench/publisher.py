@@ -8,7 +8,7 @@ Either closed loop (`concurrency`: at most that many proposals unfinished at onc
 trailer is written: the learn-back trailer of its signal for an applied one (or the apply when
 signals are off), the rejection for a rejected one.
 
-Run as `python -m improved_reference.bench_publisher PLAN.json`; it writes to the plan's `out`
+Run as `python -m improved_bench.publisher PLAN.json`; it writes to the plan's `out`
 the wall-clock time (time.time()) each proposal was published at, by id, and the CPU seconds
 it used from its first publish to its end.
 """
@@ -29,7 +29,7 @@ from improved.core import propose, signing
 from improved.protocol import subjects as S
 from improved.protocol.model import Review, Signal, to_json
 from improved.runtime import bus, keys
-from improved_reference.bench import (
+from improved_bench.bench import (
     FINAL,
     OPERATOR,
     SVC,
