@@ -1,7 +1,8 @@
 """The layering stated in improved/__init__.py, enforced: the core and the wire contract do no
 I/O and await nothing, each layer imports only the layers below it, nothing in `improved`
-imports the reference services, the bench or the demo, and the services import neither of
-those two. Read from the source (imports, `async def`, `await`), and
+imports the reference services, the bench or the demo, and the services stand on the client
+(with the protocol and the core), never on the daemon's shell, its command line, the bench or
+the demo. Read from the source (imports, `async def`, `await`), and
 checked once in a fresh interpreter: importing any pure module loads no event loop and no
 broker client."""
 
@@ -149,9 +150,35 @@ def test_nothing_in_improved_imports_the_reference_package():
     assert not found, "\n".join(found)
 
 
-def test_the_services_import_neither_the_bench_nor_the_demo():
-    found = foreign(sorted(SERVICES.rglob("*.py")), (*ON_TOP, "tests"))
+# What a reference service may not import: a mesh service takes part through improved.client
+# (connecting, keys, its chain and streams), never through the daemon's shell or command line
+BELOW_SERVICES = {"runtime", "cli", "testing"}
+
+
+def service_violations(paths: list[Path], package: str | None = None) -> list[str]:
+    """`path:line imports module` for each import by one of `paths` that a service may not
+    make: the shell, the command line, the testing kit, the bench, the demo, the tests."""
+    return [f"{path.name if package else path.relative_to(ROOT)}:{line} imports {module}"
+            for path in paths for line, module in imports(path, package)
+            if layer_of(module) in BELOW_SERVICES
+            or module.split(".")[0] in (*ON_TOP, "tests")]
+
+
+def test_the_services_stand_on_the_client_not_on_the_daemons_shell():
+    found = service_violations(sorted(SERVICES.rglob("*.py")))
     assert not found, "\n".join(found)
+
+
+def test_the_service_rule_sees_the_shell_the_command_line_and_the_bench(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from improved.client import connection\nfrom improved.core import audit\n"
+                     "from improved.runtime.store import Store\nimport improved.runtime.bus\n"
+                     "from improved import cli\nfrom improved_bench import bench\n"
+                     "from improved_reference import kv_service\n")
+    found = service_violations([probe], "improved_reference")
+    assert found == ["probe.py:3 imports improved.runtime.store", "probe.py:4 imports "
+                     "improved.runtime.bus", "probe.py:5 imports improved.cli",
+                     "probe.py:6 imports improved_bench"]
 
 
 def test_the_checker_sees_io_and_upward_imports_relative_or_absolute(tmp_path):
