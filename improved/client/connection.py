@@ -31,17 +31,19 @@ DEFAULT_INBOX = "_INBOX"  # nats-py's own, for a connection that names no user
 
 
 class BusError(RuntimeError):
-    pass
+    """NATS cannot be reached, or refused the connection: one line naming the servers, never a
+    credential."""
 
 
 class ConfigError(ValueError):
-    pass
+    """A setting cannot be used as given (the config file, the environment, a credential file
+    it names): one line naming the key, e.g. `config error: nats.password_file: …`."""
 
 
 class NatsSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """How the daemon and the CLI authenticate to NATS (`[nats]`), each key also given by an
-    environment variable (NATS_ENV, which wins over the file). Secrets live in files, read at
-    start: never in the URL, the config file or a log line."""
+    """How the daemon, the CLI and a service authenticate to NATS (`[nats]`), each key also
+    given by an environment variable (NATS_ENV, which wins over the file). Secrets live in
+    files, read at start: never in the URL, the config file or a log line."""
 
     user: Text | None = None  # with password_file
     password_file: Path | None = None  # the password, alone in the file
