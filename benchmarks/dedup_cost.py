@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.history_cost import fill
+from improved.client import connection
 from improved.protocol import subjects as S
 from improved.runtime import bus
 from improved.runtime.config import Config
@@ -35,7 +36,7 @@ async def measure(n: int, ttl_s: float) -> dict[str, float]:
     server = bus.EmbeddedServer(tmp / "nats", bus.free_port(), sync="2m")
     try:
         url = server.start()
-        nc = await bus.connect(url, "measure-dedup")
+        nc = await connection.connect(url, "measure-dedup")
         cfg = Config(data_dir=tmp / "d", checkpoint_interval_s=0,
                      records_ttl_days=ttl_s / 86400)
         d = Daemon(nc, cfg)

@@ -34,10 +34,12 @@ from pathlib import Path
 
 from improved.cli import ids
 from improved.cli.queries import review_view
+from improved.client import connection
+from improved.client.keys import load_key
 from improved.client.sdk import MeshClient
 from improved.core.policy import Policy
 from improved.protocol.model import ApplyResult
-from improved.runtime import archive, bus, indexing, keys
+from improved.runtime import archive, bus, indexing
 from improved.runtime.config import Config
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
@@ -136,9 +138,9 @@ async def fill(nc, n: int) -> None:
 async def seal_and_archive(url: str, cfg: Config, tmp: Path, n: int) -> dict[str, float]:
     """Seal everything the last checkpoint covered as one epoch (as the daemon does when one
     is due), then export and remove it with `improved audit archive --remove`."""
-    nc = await bus.connect(url, "measure-seal")
+    nc = await connection.connect(url, "measure-seal")
     store = Store(nc)
-    store.signer = keys.load_key(cfg.data_dir / "checkpoint.pem")
+    store.signer = load_key(cfg.data_dir / "checkpoint.pem")
     kept = json.loads((cfg.data_dir / "last-checkpoint.json").read_text())
     row: dict[str, float] = {}
     started = time.perf_counter()
@@ -169,7 +171,7 @@ async def after_restart(url: str, started: float) -> dict[str, float]:
     queue, source = await review_view(url, Policy())
     seen = {"review_s": time.perf_counter() - began, "listed": len(queue),
             "from_index": float(source == "index")}
-    nc = await bus.connect(url, "measure-restart")
+    nc = await connection.connect(url, "measure-restart")
     store = Store(nc)
     while not await store.filled():  # noqa: ASYNC110 - polls the broker
         await asyncio.sleep(0.1)
@@ -182,7 +184,7 @@ async def purged_review(url: str, config: Path, n: int) -> float:
     """`improved review` once the review index is purged (a subject-filtered purge, as any bus
     participant may ask for): it falls short of the checkpoint's count and reads the chains
     after the last seal instead; every waiting proposal is still listed."""
-    nc = await bus.connect(url, "measure-purge")
+    nc = await connection.connect(url, "measure-purge")
     await nc.jetstream().purge_stream("IMPROVE_RECORDS", subject="improve.review.m.*")
     await nc.close()
     seconds, _, out = run_cli("review", "--nats", url, "--config", str(config),
@@ -198,7 +200,7 @@ async def measure(n: int, records: str) -> dict[str, float]:
     config.write_text(f'records_storage = "{records}"\n')
     try:
         url = server.start()
-        nc = await bus.connect(url, "measure")
+        nc = await connection.connect(url, "measure")
         cfg = Config(data_dir=tmp / "d", checkpoint_interval_s=0, records_storage=records)
         keyed = tmp / "keyed.toml"  # an operator's config on the daemon's host: its key
         keyed.write_text(f'data_dir = "{cfg.data_dir}"\n')

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import structlog
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.protocol.model import Signal
 from improved.runtime import bus
@@ -73,7 +74,7 @@ async def main(n: int) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="observe-cost-"))
     server = bus.EmbeddedServer(tmp / "nats", bus.free_port(), sync="2m")
     url = server.start()
-    nc = await bus.connect(url, "observe-cost")
+    nc = await connection.connect(url, "observe-cost")
     d = Daemon(nc, Config(data_dir=tmp / "d", checkpoint_interval_s=0))
     await d.start()
     try:

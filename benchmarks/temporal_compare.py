@@ -49,11 +49,12 @@ import structlog
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from improved.client import connection  # noqa: E402
 from improved.core import propose, triage  # noqa: E402
 from improved.core.policy import Policy  # noqa: E402
 from improved.protocol.model import ApplyOrder, Signal  # noqa: E402
 from improved.runtime import bus  # noqa: E402
-from improved_reference.bench import SVC, make_proposal  # noqa: E402
+from improved_bench.bench import SVC, make_proposal  # noqa: E402
 from improved_reference.ranking_store import RankingStore  # noqa: E402
 
 try:
@@ -157,7 +158,7 @@ async def temporal_run(n: int, concurrency: int, tmp: Path, server: subprocess.P
                        port: int, nats: bus.EmbeddedServer) -> dict[str, Any]:
     global STORE
     assert nats.proc is not None
-    nc = await bus.connect(nats.url, "compare-temporal-applier")
+    nc = await connection.connect(nats.url, "compare-temporal-applier")
     try:
         client = None
         for _ in range(300):

@@ -26,6 +26,7 @@ from pathlib import Path
 import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from improved.client import connection
 from improved.core import signing
 from improved.core.tools import (
     Provider,
@@ -68,7 +69,7 @@ async def measure(n: int) -> dict[str, tuple[float, float, float, float]]:
     server = bus.EmbeddedServer(tmp / "nats", bus.free_port(), sync="2m")
     try:
         url = server.start()
-        nc = await bus.connect(url, "measure-calls")
+        nc = await connection.connect(url, "measure-calls")
         await Store(nc).ensure()
         key = Ed25519PrivateKey.generate()
         session = Ed25519PrivateKey.generate()
@@ -112,7 +113,7 @@ async def measure(n: int) -> dict[str, tuple[float, float, float, float]]:
             q = statistics.quantiles(took, n=20)
             out[kind] = (statistics.fmean(took), q[9], q[18], (counted.n - sent) / len(took))
         await service.stop()
-        await bus.close(nc)
+        await connection.close(nc)
         return out
     finally:
         server.stop()

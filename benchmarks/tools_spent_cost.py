@@ -19,11 +19,13 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from improved.client import connection
+from improved.client.streams import tools_ledger_configs
 from improved.core import signing
 from improved.core.tools import Provider, Runtime, grant_token, sign_grant
 from improved.protocol import subjects as S
 from improved.runtime import bus
-from improved.runtime.store import Store, tools_ledger_configs
+from improved.runtime.store import Store
 from improved_reference.tool_gate import ToolGate
 from improved_reference.tool_runtime import JetStreamLedger
 
@@ -41,7 +43,7 @@ async def measure(n: int, window_s: float) -> dict[str, float]:
     server = bus.EmbeddedServer(tmp / "nats", bus.free_port(), sync="2m")
     try:
         url = server.start()
-        nc = await bus.connect(url, "measure-tools")
+        nc = await connection.connect(url, "measure-tools")
         js = nc.jetstream()
         key = Ed25519PrivateKey.generate()
         public = base64.b64encode(signing.raw_public(key.public_key())).decode()

@@ -9,15 +9,25 @@ Layers, each importing only the ones listed before it (tests/unit/test_architect
   authority, the quorum, the breaker, last-known-good, tool surfaces, checkpoints, and the
   planner that picks each proposal's next step. No I/O, no clock, no randomness.
 - ``improved.client`` — what a mesh service needs: `MeshClient` (propose, refine, signal,
-  serve its ApplyOrders) and the check, on the audit chain, that an order was accepted.
+  serve its ApplyOrders), the check, on the audit chain, that an order was accepted, the
+  connection to the bus as its own user, its key file, its streams brought to their
+  configuration and the append to its own chain (which the daemon's store extends).
 - ``improved.runtime`` — the daemon's imperative shell: the store over JetStream, the engine
   that carries out the planner's steps, the daemon's consumers, configuration, metrics, keys,
   the embedded nats-server.
 - ``improved.cli`` — the `improved` command.
 - ``improved.testing`` — a real broker, a real daemon and valid proposals for tests.
 
-The reference services, the demo and the bench live in the separate ``improved_reference``
-package, which depends on this one and never the other way round.
+Outside this package, each depending on it and never the other way round:
+
+- ``improved_reference`` (``services/``) — the reference mesh services: like any mesh service
+  they stand on ``improved.client`` (with the protocol and the core), never on
+  ``improved.runtime``, ``improved.cli`` or ``improved.testing``, and import neither the
+  bench nor the demo.
+- ``improved_bench`` (``benchmarks/``) and ``improved_demo`` (``examples/``) — ``improved
+  bench`` and ``improved demo``: they run a daemon next to the reference services, so they
+  import both; nothing imports them (the commands find them through the
+  ``improved.commands`` entry points).
 
 This module re-exports what a mesh-service author writes against. The client's names are
 loaded on first use (`__getattr__`), so importing a pure layer (`improved.core.planner`,

@@ -21,9 +21,10 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
+from improved.client import connection
+from improved.client.connection import Target
 from improved.protocol.model import AnalyzerRef, Origin, Proposal, Summary
 from improved.runtime import bus
-from improved.runtime.bus import Target
 from improved.runtime.config import Config
 from improved.runtime.daemon import Daemon
 
@@ -58,7 +59,7 @@ async def running_daemon(url: str | Target, config: Config | None = None,
     with tempfile.TemporaryDirectory(prefix="improved-daemon-") as tmp:
         # without a config, a data directory of its own: one left behind would hold the last
         # checkpoint of a server that is gone, which the next run's daemon calls a loss
-        nc = await bus.connect(url, name)
+        nc = await connection.connect(url, name)
         daemon = Daemon(nc, config or Config(data_dir=Path(tmp)))
         try:
             await daemon.start()

@@ -18,7 +18,7 @@ anyone may do anything there) and asserts what must hold on either bus, e.g.
         ...  # and on both: nothing the daemon decides changed
 
 `mesh_bus.daemon` is the Daemon, `mesh_bus.url` the server, `mesh_bus.target(user)` what
-`bus.connect` and the CLI helpers take, `mesh_bus.env(user)` the IMPROVED_NATS_* variables for
+`connection.connect` and the CLI helpers take, `mesh_bus.env(user)` the IMPROVED_NATS_* variables for
 a subprocess (empty on the open bus), `mesh_bus.violations(user)` the permissions violations
 the server logged. Each `connect` is closed when the test ends.
 """
@@ -36,9 +36,10 @@ import nats
 from nats.aio.client import Client
 
 from improved.cli.provision import provisioned
+from improved.client import connection, credentials
+from improved.client.connection import NatsSettings
 from improved.client.sdk import inbox_prefix
 from improved.runtime import accounts, bus
-from improved.runtime.config import NatsSettings
 from improved.runtime.daemon import Daemon
 from tests.bus import daemon_config, eventually
 
@@ -94,14 +95,14 @@ class Mesh:
         return self.server.url
 
     def password_file(self, user: str) -> Path:
-        return accounts.password_file(self.data_dir, user)
+        return credentials.password_file(self.data_dir, user)
 
-    def target(self, user: str) -> bus.Target:
+    def target(self, user: str) -> connection.Target:
         """The server as `user` (on the open bus: without credentials)."""
         if not self.accounts:
-            return bus.target(self.url, NatsSettings())
-        return bus.target(self.url, NatsSettings(user=user,
-                                                 password_file=self.password_file(user)))
+            return connection.target(self.url, NatsSettings())
+        return connection.target(self.url, NatsSettings(user=user,
+                                                        password_file=self.password_file(user)))
 
     def env(self, user: str) -> dict[str, str]:
         """The IMPROVED_NATS_* variables a subprocess connects as `user` with."""
@@ -157,7 +158,7 @@ async def started(mode: str, base: Path) -> AsyncIterator[Mesh]:
                               config.records_storage)
             config = msgspec.structs.replace(config, trust=msgspec.structs.replace(
                 config.trust, subjects_bound=True))
-        nc = await bus.connect(mesh.target(accounts.DAEMON), "improved-test-daemon")
+        nc = await connection.connect(mesh.target(accounts.DAEMON), "improved-test-daemon")
         mesh.daemon = Daemon(nc, config)
         await mesh.daemon.start()
         try:
@@ -165,6 +166,6 @@ async def started(mode: str, base: Path) -> AsyncIterator[Mesh]:
         finally:
             await mesh.close()
             await mesh.daemon.stop()
-            await bus.close(nc)
+            await connection.close(nc)
     finally:
         server.stop()

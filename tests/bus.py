@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client.parser import text_string_to_metric_families
 
 from improved import testing
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core import authority, quorum, signing
 from improved.core.authority import Act
@@ -35,7 +36,7 @@ from improved.protocol.model import (
     ProposalEdit,
     to_json,
 )
-from improved.runtime import bus, keys
+from improved.runtime import keys
 from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import Store
@@ -102,7 +103,7 @@ async def amendment(url: str, svc: str = "charter", *, approved: bool = True,
     """The id of a constitution edit permitting the L4 quorum, proposed through a daemon with
     the quorum off and (with `approved`) approved by ALICE's signed review, as an operator
     would before switching the quorum on. That daemon is stopped again."""
-    nc = await bus.connect(url, "amendment")
+    nc = await connection.connect(url, "amendment")
     from improved.runtime.daemon import Daemon
 
     daemon = Daemon(nc, daemon_config())
@@ -120,7 +121,7 @@ async def amendment(url: str, svc: str = "charter", *, approved: bool = True,
             await eventually(is_approved)
     finally:
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
     return pid
 
 
@@ -379,7 +380,7 @@ async def whole_log_breaks(url: str) -> list[str]:
         {ALICE[0]: b64(ALICE[1])}, {name: b64(k) for name, k in VOTERS.items()},
         {name: b64(k) for name, k in (CHECK, EVALUATOR, AGENT_A, AGENT_B)})
     trust = evidence.ChainTrust(frozenset({daemon}), evidence.History(fallback=keyset))
-    nc = await bus.connect(url, "improved-test-audit")
+    nc = await connection.connect(url, "improved-test-audit")
     try:
         log, _ = await Store(nc).read_audit()
         tools = Store(nc, audit_stream=subjects.STREAM_TOOLS_AUDIT)
@@ -388,7 +389,7 @@ async def whole_log_breaks(url: str) -> list[str]:
                 in tools.follow(subjects.TOOLS_AUDIT_FILTER, 1, view.last_seq)
                 if body is not None]
     finally:
-        await bus.close(nc)
+        await connection.close(nc)
     chains: dict[str, list[tuple[int, dict]]] = {}
     for seq, subject, body in log:
         chains.setdefault(subject, []).append((seq, body))
@@ -460,7 +461,7 @@ async def daemon_with_records_ttl(url: str, svc: str, ttl_s: float, name: str):
     (daemon, connection, the service's MeshClient)."""
     from improved.runtime.daemon import Daemon
 
-    nc = await bus.connect(url, name)
+    nc = await connection.connect(url, name)
     daemon = Daemon(nc, msgspec.structs.replace(daemon_config(), records_ttl_days=ttl_s / 86400))
     await daemon.start()
     client = MeshClient(nc, svc)
@@ -474,7 +475,7 @@ async def daemon_with_records_ttl(url: str, svc: str, ttl_s: float, name: str):
     finally:
         await sub.unsubscribe()
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def trusted_service(daemon, svc: str) -> Ed25519PrivateKey:
@@ -507,10 +508,10 @@ async def own_daemon(server, tmp_path, name: str):
     """A connection to `server` and a daemon of its own on it, whose checkpoints the test
     signs when it wants them (`daemon.engine.checkpoint`): for a test that trips mesh-wide
     state (the breaker, a crisis) the session daemon's other tests must not meet."""
-    from improved.runtime import bus
+    from improved.client import connection
     from improved.runtime.daemon import Daemon
 
-    conn = await bus.connect(server.url, name)
+    conn = await connection.connect(server.url, name)
     daemon = Daemon(conn, msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
                                                   data_dir=tmp_path / "data"))
     await daemon.start()
@@ -518,4 +519,4 @@ async def own_daemon(server, tmp_path, name: str):
         yield conn, daemon
     finally:
         await daemon.stop()
-        await bus.close(conn)
+        await connection.close(conn)

@@ -15,6 +15,7 @@ import uuid
 import pytest
 import pytest_asyncio
 
+from improved.client import connection
 from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from tests.accounts import MODES, started
@@ -54,7 +55,7 @@ def nats_url(nats_server) -> str:
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def daemon(nats_url):
-    nc = await bus.connect(nats_url, "improved-test-daemon")
+    nc = await connection.connect(nats_url, "improved-test-daemon")
     d = Daemon(nc, daemon_config())
     await d.start()
     yield d
@@ -64,7 +65,7 @@ async def daemon(nats_url):
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def nc(nats_url):
-    conn = await bus.connect(nats_url, "improved-test-client")
+    conn = await connection.connect(nats_url, "improved-test-client")
     yield conn
     await conn.drain()
 
@@ -84,12 +85,12 @@ async def quorum_daemon(own_server):
     The quorum is permitted as in production: by a constitution edit ALICE approved (proposed
     and approved through a daemon with the quorum off first)."""
     pid = await amendment(own_server.url)
-    nc = await bus.connect(own_server.url, "quorum")
+    nc = await connection.connect(own_server.url, "quorum")
     daemon = Daemon(nc, quorum_config(pid))
     await daemon.start()
     yield nc, daemon
     await daemon.stop()
-    await bus.close(nc)
+    await connection.close(nc)
 
 
 @pytest_asyncio.fixture(loop_scope="session", params=MODES)

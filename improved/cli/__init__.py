@@ -38,10 +38,11 @@ from improved.cli import (
 )
 from improved.cli.common import configure_logging
 from improved.cli.errors import Failure, command_name
-from improved.runtime import bus, metrics
-from improved.runtime.accounts import AccountsError
-from improved.runtime.config import ConfigError
-from improved.runtime.store import StoreError
+from improved.client import connection
+from improved.client.connection import ConfigError
+from improved.client.credentials import AccountsError
+from improved.client.streams import StoreError
+from improved.runtime import metrics
 
 GROUPS = (run, accounts, provision, proposals, audit, authority, tools, console, reference)
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"improved: {exc}", file=sys.stderr)
         return 2
-    except (bus.BusError, StoreError, metrics.EndpointError, AccountsError) as exc:
+    except (connection.BusError, StoreError, metrics.EndpointError, AccountsError) as exc:
         print(f"improved: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -16,13 +16,13 @@ import msgspec
 
 from improved.cli import ids
 from improved.cli.common import add_connection_args, config_of, deployment, full_id, url_of
+from improved.client.connection import Target
 from improved.core import audit, checkpoint, evidence
 from improved.core.checkpoint import Anchor
 from improved.core.record import same_state
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
 from improved.runtime import accounts
-from improved.runtime.bus import Target
 from improved.runtime.config import Config
 
 if TYPE_CHECKING:
@@ -348,11 +348,11 @@ def _index_refs_problem(key: tuple[str | None, str | None],
                         entries: list[tuple[int, dict[str, Any]]]) -> str | None:
     """Whether a proposal's chain says rightly which indexes each trailer moved it in or out
     of (`index:` refs, what the checkpoints count): its replay, trailer by trailer, decides."""
+    from improved.client.chain_writer import decode_trailer
     from improved.core import indexes
     from improved.core.policy import Policy
     from improved.core.propose import rebuild_record
     from improved.core.record import replay
-    from improved.runtime.store import decode_trailer
 
     if key[0] in S.MESH_CHAINS:
         return None
@@ -375,14 +375,14 @@ def _rate(n: int, seconds: float) -> str:
 def trusted_daemons(config: Config) -> set[str]:
     """Daemon keys this verifier trusts: `[trust] daemons`, and the checkpoint key of the
     daemon whose data directory (or `checkpoint_key`) the configuration names, if present."""
+    from improved.client.keys import load_key
     from improved.core import signing
-    from improved.runtime import keys
 
     trusted = config.trust.daemon_keyids()
     own = config.checkpoint_key or config.data_dir / "checkpoint.pem"
     if own.exists():
         with suppress(OSError, ValueError):
-            trusted.add(signing.keyid_of(signing.raw_public(keys.load_key(own).public_key())))
+            trusted.add(signing.keyid_of(signing.raw_public(load_key(own).public_key())))
     return trusted
 
 

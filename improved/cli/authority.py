@@ -26,6 +26,7 @@ from improved.cli.common import (
     signer_of,
     url_of,
 )
+from improved.client.connection import Target
 from improved.client.sdk import enqueue
 from improved.core import authority, breaker, quorum, signing
 from improved.core.identity import IDENTITY_RE
@@ -40,7 +41,6 @@ from improved.protocol.model import (
     to_json,
 )
 from improved.runtime import keys
-from improved.runtime.bus import Target
 from improved.runtime.store import Store
 
 if TYPE_CHECKING:

@@ -19,10 +19,12 @@ import structlog
 
 from improved.cli import ids
 from improved.cli.errors import USAGE, Failure
+from improved.client import connection, credentials
+from improved.client.connection import Target
+from improved.client.keys import load_key
 from improved.protocol import subjects as S
 from improved.protocol.model import Envelope, to_json
-from improved.runtime import accounts, bus, keys
-from improved.runtime.bus import Target
+from improved.runtime import accounts, keys
 from improved.runtime.config import Config, load
 from improved.runtime.store import Store
 
@@ -63,16 +65,16 @@ def config_of(args: argparse.Namespace) -> Config:
     return config
 
 
-def url_of(args: argparse.Namespace, config: Config) -> bus.Target:
+def url_of(args: argparse.Namespace, config: Config) -> connection.Target:
     """Where the command connects (--nats, else $IMPROVED_NATS_URL, else the config's
     nats_url, else the embedded server running in the data directory, else the default) and
     as whom: the config's `[nats]` credentials and TLS files, or the environment's; with
     none, to the embedded server of the data directory run with --accounts, as the user the
     command needs (`as_user`, set by its parser: the operator unless it says otherwise),
     with its password file there."""
-    return accounts.target(args.nats or config.nats_url, config.data_dir,
-                           getattr(args, "as_user", accounts.OPERATOR), config.nats,
-                           DEFAULT_URL)
+    return credentials.target(args.nats or config.nats_url, config.data_dir,
+                              getattr(args, "as_user", accounts.OPERATOR), config.nats,
+                              DEFAULT_URL)
 
 
 def out(obj: Any) -> None:
@@ -82,14 +84,14 @@ def out(obj: Any) -> None:
 @asynccontextmanager
 async def deployment(url: str | Target, bind: bool = True) -> AsyncIterator[Store]:
     """A one-shot connection to a running deployment, its buckets bound (nothing created)."""
-    nc = await bus.connect(url, "improved-cli", persistent=False)
+    nc = await connection.connect(url, "improved-cli", persistent=False)
     try:
         store = Store(nc)
         if bind:
             await store.bind()
         yield store
     finally:
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def request(url: str | Target, subject: str, body: bytes, timeout: float) -> dict[str, Any]:
@@ -126,10 +128,10 @@ def read_input(path: str, what: str) -> bytes:
 async def chain_record(store: Store, svc: str, pid: str) -> ProposalRecord | None:
     """The record of proposal `pid` as its chain says — never the state cache: None without a
     chain whose links verify, or with one whose registration cannot be read."""
+    from improved.client.chain_writer import decode_trailer
     from improved.core import audit
     from improved.core.policy import Policy
     from improved.core.propose import rebuild_record
-    from improved.runtime.store import decode_trailer
 
     chain = await store.read_chain(svc, pid)
     if not chain or audit.verify_links(pid, [body for _, body in chain]) is not None:
@@ -192,7 +194,7 @@ def signer_of(args: argparse.Namespace) -> tuple[str, Ed25519PrivateKey]:
 def load_signing_key(path: Path) -> Ed25519PrivateKey:
     """An Ed25519 private key from a PEM file; a Failure (usage) naming the file otherwise."""
     try:
-        return keys.load_key(path)
+        return load_key(path)
     except OSError as exc:
         raise Failure(f"cannot read key file {path}: {exc.strerror or exc}; give the file "
                       "`improved keys new` wrote", USAGE) from None

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from improved.cli import render, verdicts
 from improved.cli.common import add_connection_args, config_of, deployment, located, url_of
 from improved.cli.errors import USAGE, Failure
-from improved.runtime import bus
-from improved.runtime.bus import Target
+from improved.client import connection
+from improved.client.connection import Target
+from improved.client.streams import StoreError
 from improved.runtime.config import Config
-from improved.runtime.store import StoreError
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -295,7 +295,7 @@ class Handler(BaseHTTPRequestHandler):
         except Failure as exc:
             status, text = 404 if exc.code == 1 else 400, message_page(
                 "not found" if exc.code == 1 else "bad request", str(exc), self.console.mode)
-        except (bus.BusError, StoreError) as exc:
+        except (connection.BusError, StoreError) as exc:
             status, text = 502, message_page("no broker", str(exc), self.console.mode)
         except Exception as exc:  # a request never takes the console down
             sys.stderr.write(f"improved console: {self.path}: {type(exc).__name__}: {exc}\n")

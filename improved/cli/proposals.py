@@ -27,12 +27,12 @@ from improved.cli.common import (
 )
 from improved.cli.errors import Failure
 from improved.cli.queries import review_read, schema_class, status_view
+from improved.client.connection import Target
 from improved.client.sdk import signed
 from improved.core import audit, authority
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import TriageRequest, to_json
-from improved.runtime.bus import Target
 from improved.runtime.config import Config
 from improved.runtime.store import Store
 
@@ -104,10 +104,10 @@ class Shown:
 async def shown(store: Store, text: str, config: Config, readable: bool = True) -> Shown:
     """Read one proposal (its id or a unique prefix) as `improved show` shows it; `readable`:
     for a person, so the proposal it superseded is looked up too (`replaced`)."""
+    from improved.client.chain_writer import decode_trailer
     from improved.core import evidence
     from improved.core.policy import Policy
     from improved.core.propose import rebuild_record
-    from improved.runtime.store import decode_trailer
 
     svc, pid = await ids.resolve(store, text)
     view: dict[str, Any] = {}
@@ -191,9 +191,9 @@ async def replaced(store: Store, svc: str, record: ProposalRecord
     same dedup_key whose chain says `superseded_by` this one — or None. The retained states of
     the service (a cache) only say where to look; the chain decides. At most REPLACED_SCAN
     states are read: beyond that the body is shown without a diff."""
+    from improved.client.chain_writer import decode_trailer
     from improved.core.policy import Policy
     from improved.core.propose import rebuild_record
-    from improved.runtime.store import decode_trailer
 
     listing = await store.js.stream_info(S.STREAM_RECORDS,
                                          subjects_filter=S.proposal_state(svc, "*"))

@@ -18,10 +18,12 @@ import nats
 from nats.js.errors import ServiceUnavailableError
 
 from improved.cli.common import add_connection_args, chain_record, config_of, url_of
+from improved.client import connection
+from improved.client.connection import Target
+from improved.client.streams import NeedsProvision, StoreError
 from improved.core import propose
-from improved.runtime import accounts, bus
-from improved.runtime.bus import Target
-from improved.runtime.store import NeedsProvision, Store, StoreError
+from improved.runtime import accounts
+from improved.runtime.store import Store
 
 ADMIN = "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"
 
@@ -29,7 +31,7 @@ ADMIN = "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"
 async def provisioned(url: str | Target, replicas: int, records_storage: str,
                       sweep_ttl_s: int | None = None) -> list[str]:
     """What provisioning changed (nothing when all is in place), connected to `url`."""
-    nc = await bus.connect(url, "improved-provision", persistent=False)
+    nc = await connection.connect(url, "improved-provision", persistent=False)
     try:
         store = Store(nc, replicas, records_storage)
         changes = await store.ensure(strict=True)
@@ -37,7 +39,7 @@ async def provisioned(url: str | Target, replicas: int, records_storage: str,
             changes.append(await sweep_dedup(store, sweep_ttl_s))
         return changes
     finally:
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def sweep_dedup(store: Store, ttl_s: int) -> str:

@@ -12,6 +12,7 @@ from nats.aio.client import Client
 
 from improved.cli.audit import trusted_daemons
 from improved.cli.common import deployment
+from improved.client.connection import Target
 from improved.core import authority, boundary, indexes, queue, schemas
 from improved.core.policy import Policy
 from improved.core.record import ProposalRecord
@@ -19,7 +20,6 @@ from improved.protocol import subjects as S
 from improved.protocol.model import ClassifyReply, ClassifyRequest, Proposal, to_json
 from improved.runtime import indexing
 from improved.runtime.answers import Answers
-from improved.runtime.bus import Target
 from improved.runtime.config import Config, Trust
 from improved.runtime.indexing import IndexRead
 from improved.runtime.store import TOMBSTONE_TTL_S, Store

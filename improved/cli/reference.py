@@ -1,5 +1,6 @@
-"""`demo` and `bench` run the reference services, which live in improved_reference; they
-are found through the `improved.commands` entry points, so nothing in `improved` imports them."""
+"""`demo` and `bench` run a daemon next to the reference services (improved_reference); they
+live in improved_demo and improved_bench, found through the `improved.commands` entry points,
+so nothing in `improved` imports them."""
 
 from __future__ import annotations
 
@@ -11,9 +12,7 @@ from improved.cli.errors import USAGE, Failure
 
 
 def reference_command(name: str) -> Callable[..., int]:
-    """`demo` and `bench` live with the reference services they run (improved_reference);
-    they are found through the `improved.commands` entry points, so nothing in `improved`
-    imports them."""
+    """The command `name` (`demo`, `bench`) of the `improved.commands` entry points."""
     for ep in entry_points(group="improved.commands"):
         if ep.name == name:
             command: Callable[..., int] = ep.load()  # demo takes argv, bench the Namespace

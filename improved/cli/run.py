@@ -9,8 +9,10 @@ import sys
 
 from improved.cli.common import add_connection_args, config_of
 from improved.cli.errors import USAGE, Failure
+from improved.client import connection, credentials
+from improved.client.connection import NatsSettings
 from improved.runtime import accounts, bus
-from improved.runtime.config import Config, NatsSettings
+from improved.runtime.config import Config
 
 
 def configured(args: argparse.Namespace) -> Config:
@@ -48,14 +50,14 @@ def embedded_accounts(config: Config) -> str:
         raise Failure(f"data directory {where} was run with --accounts: give --accounts (or "
                       "accounts = true) again; without it anyone on the bus may publish "
                       f"anything, and the loop kept there would not be seen (remove "
-                      f"{accounts.directory(where)} only to start that directory afresh, open)",
+                      f"{credentials.directory(where)} only to start that directory afresh, open)",
                       USAGE)
     return ""
 
 
-def as_user(config: Config, url: str, user: str) -> bus.Target:
+def as_user(config: Config, url: str, user: str) -> connection.Target:
     """The embedded server of `config`, as one of its data directory's users."""
-    return bus.target(url, NatsSettings(user=user, password_file=accounts.password_file(
+    return connection.target(url, NatsSettings(user=user, password_file=credentials.password_file(
         config.data_dir, user)))
 
 
@@ -75,7 +77,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                                     embedded_accounts(config))
         url = server.start()
         users = (f"; users and permissions of deploy/accounts.conf, credentials in "
-                 f"{accounts.directory(config.data_dir)}" if config.accounts else "")
+                 f"{credentials.directory(config.data_dir)}" if config.accounts else "")
         print(f"improved: embedded nats-server (JetStream, sync={config.sync}) listening on "
               f"{url}; store {config.data_dir.resolve() / 'jetstream'}{users}", file=sys.stderr,
               flush=True)
@@ -88,7 +90,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"improved: provisioned as {accounts.ADMIN}: "
                   + (f"{len(changes)} changed" if changes else "nothing changed"),
                   file=sys.stderr, flush=True)
-        nc = await bus.connect(where, "improved")
+        nc = await connection.connect(where, "improved")
         return await run_until_stopped(
             nc, config, stop=stop, reread=lambda: configured(args),
             on_ready=lambda d: print(f"improved: ready as {d.actor} on {where.where} "
@@ -97,7 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         # the credential files are read here, once
         where = (as_user(config, url, accounts.DAEMON) if config.accounts
-                 else bus.target(url, config.nats))
+                 else connection.target(url, config.nats))
         return asyncio.run(main())
     finally:
         if server is not None:

@@ -27,9 +27,10 @@ from improved.cli.common import (
     url_of,
 )
 from improved.cli.errors import USAGE, Failure
+from improved.client import connection
 from improved.protocol import subjects as S
 from improved.protocol.model import Envelope, to_json
-from improved.runtime import accounts, bus
+from improved.runtime import accounts
 
 SESSION_KEY_HELP = ("the session's own Ed25519 key (`improved keys new` makes one; `improved "
                     "keys show FILE` prints its public half): the upgrade is bound to it, and "
@@ -79,13 +80,13 @@ def cmd_conformance(args: argparse.Namespace) -> int:
         return 2
 
     async def probe() -> conformance.Report | conformance.MeshReport:
-        nc = await bus.connect(url_of(args, config_of(args)), "improved-conformance")
+        nc = await connection.connect(url_of(args, config_of(args)), "improved-conformance")
         try:
             if args.mesh:
                 return await conformance.probe_mesh(nc, args.service, timeout=args.timeout)
             return await conformance.probe(nc, args.service[0], timeout=args.timeout)
         finally:
-            await bus.close(nc)
+            await connection.close(nc)
 
     report = asyncio.run(probe())
     if isinstance(report, conformance.MeshReport):

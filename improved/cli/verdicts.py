@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from improved.cli.errors import Failure
+from improved.client.connection import Target
 from improved.core import gradient
 from improved.core.trailers import (
     Applied,
@@ -38,7 +39,6 @@ from improved.core.trailers import (
     moves_to,
     verdict_of,
 )
-from improved.runtime.bus import Target
 from improved.runtime.store import Store
 
 DEFAULT_TIMEOUT_S = 10.0

@@ -52,7 +52,7 @@ DUE_FILTER = f"{DUE}.*.*"
 # [a-z]), and a purge of the review subjects takes it too.
 FILLED_MARKER = f"{REVIEW}._filled.records"
 AUDIT_FILTER = f"{AUDIT}.*.*"
-# The tool runtimes' audit chains (one per runtime, improved_reference/tool_runtime.py) live in
+# The tool runtimes' audit chains (one per runtime, services/improved_reference/tool_runtime.py) live in
 # a stream of their own, which no daemon writes or checkpoints (a checkpoint only witnesses each
 # chain's last trailer, `runtime_heads:`): a runtime is not one of
 # the daemon log's writers, so nothing a runtime (or anyone who may write its subjects) puts

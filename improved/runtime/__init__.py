@@ -3,4 +3,4 @@ records), `engine` (loads a record, asks the planner, carries out one step at a 
 `daemon` (consumers, request handlers, checkpoints), `checkpointing` (verifying what the
 log gained), `archive` (sealing, exporting and removing epochs of the log), `anchor`,
 `config`, `keys`, `metrics`, `notify`,
-`bus` (connections and the embedded nats-server), `conformance` (probing a live service)."""
+`bus` (the embedded nats-server), `accounts` (its users), `conformance` (probing a live service)."""

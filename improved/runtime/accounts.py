@@ -9,14 +9,13 @@ reused by every restart (0600); `nats.conf`, the block the server's configuratio
 (0600); and `services`, the services `improved accounts add-service` gave a user of their own.
 No password is printed or logged.
 
-A command or a reference store finds its user's file there by itself (`target`) and sends it
-to the server running in that data directory only (its lock and ports file say where), never
-to a server named by anything else.
+A command or a reference store finds its user's file there by itself
+(`improved.client.credentials.target`) and sends it to the server running in that data
+directory only (its lock and ports file say where), never to a server named by anything else.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -24,18 +23,12 @@ import signal
 import stat
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from urllib.parse import urlsplit
 
-import msgspec
-
+from improved.client.credentials import DIR, AccountsError, directory, password_file, running_in
 from improved.protocol import subjects as S
-from improved.runtime import bus
-from improved.runtime.config import Config, NatsSettings, with_env
 
-DIR = "accounts"
 SERVER_BLOCK = "nats.conf"
 SERVICES = "services"
 # the line of <data_dir>/nats-server.conf that takes the block in (relative to that file)
@@ -52,11 +45,6 @@ _ENTRY = re.compile(r'(?P<head>\buser:\s*(?P<user>[A-Za-z0-9_.-]+)\s*,?\s*passwo
                     r'"[^"]*"')
 _PASSWORD = re.compile(r"[\x21-\x7e]{16,256}")  # printable, no space: safe in a quoted string
 _USERS_LIST = re.compile(r"^[ \t]*users:[ \t]*\[[ \t]*\n", re.M)  # the line, with its end
-_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
-class AccountsError(ValueError):
-    """A data directory's credentials cannot be used as they are: one line saying why."""
 
 
 # -- the text: pure ---------------------------------------------------------------------------
@@ -114,14 +102,6 @@ def server_block(text: str, passwords: Mapping[str, str]) -> str:
 
 
 # -- the files --------------------------------------------------------------------------------
-
-
-def directory(data_dir: Path) -> Path:
-    return Path(data_dir) / DIR
-
-
-def password_file(data_dir: Path, user: str) -> Path:
-    return directory(data_dir) / f"{user}.pw"
 
 
 def added(data_dir: Path) -> list[str]:
@@ -212,36 +192,6 @@ def _write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-# -- the server running in a data directory ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Running:
-    """The embedded nats-server running in a data directory: its pid and where it listens."""
-
-    pid: int
-    url: str
-
-
-def running_in(data_dir: Path) -> Running | None:
-    """The server holding the data directory's lock, when it runs and says where it listens
-    (`<binary>_<pid>.ports`, which it writes once it does)."""
-    data_dir = Path(data_dir)
-    try:
-        pid = int((data_dir / bus.EmbeddedServer.LOCK).read_text().strip())
-        os.kill(pid, 0)
-    except (OSError, ValueError):
-        return None
-    for ports in data_dir.glob(f"*_{pid}.ports"):
-        try:
-            urls = json.loads(ports.read_text()).get("nats") or []
-        except (OSError, ValueError, AttributeError):
-            continue
-        if urls and isinstance(urls[0], str):
-            return Running(pid, urls[0])
-    return None
-
-
 def reload(data_dir: Path, timeout: float = 5.0) -> bool:
     """Have the server running in the data directory read its configuration again (SIGHUP),
     and wait until its log says it did; False when none runs there."""
@@ -267,34 +217,3 @@ def reload(data_dir: Path, timeout: float = 5.0) -> bool:
         time.sleep(0.05)
     raise AccountsError(f"the server of {data_dir} did not say it reloaded within "
                         f"{timeout:g}s; see {log}")
-
-
-def _address(url: str) -> tuple[str, int]:
-    parsed = urlsplit(url if "://" in url else f"nats://{url}")
-    host = parsed.hostname or ""
-    return ("127.0.0.1" if host in _LOOPBACK else host), parsed.port or 4222
-
-
-def target(url: str | None, data_dir: Path, user: str, settings: NatsSettings | None = None,
-           default: str = "nats://127.0.0.1:4222") -> bus.Target:
-    """Where a command or a service of this machine connects, and as whom: `url`, else the
-    server running in `data_dir`, else `default`; with the credentials `settings` (else the
-    environment, IMPROVED_NATS_*) or the URL name — or, when they name none and the server is
-    the one running in `data_dir` with accounts, as `user`, with its password file there."""
-    server = running_in(data_dir)
-    where = url or (server.url if server is not None else default)
-    if settings is None:
-        settings = with_env(Config()).nats
-    servers, in_url = bus.split_credentials(where)
-    if (server is not None and not settings.credentials() and not in_url
-            and directory(data_dir).exists()
-            and _address(server.url) in {_address(s) for s in servers}):
-        path = password_file(data_dir, user)
-        if not path.exists():
-            svc = user.removeprefix("svc-")
-            raise AccountsError(
-                f"the server of {data_dir} runs with accounts and has no user {user}"
-                + (f": give it one with `improved accounts add-service {svc}`"
-                   if user != svc else ""))
-        settings = msgspec.structs.replace(settings, user=user, password_file=path)
-    return bus.target(where, settings)

@@ -97,16 +97,12 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, field
 
+from improved.client.connection import ConfigError, NatsSettings, check_nats, nats_from_env
 from improved.core.identity import IDENTITY_RE
 from improved.core.policy import YEARS_10_S as _YEARS_10_S
 from improved.core.policy import Policy, Positive, Text, loosening
 from improved.core.signing import TrustStore
 from improved.protocol import subjects as S
-
-
-class ConfigError(ValueError):
-    pass
-
 
 # Enumerated values, and ranges. A Meta's description is what an error says was expected.
 RecordsStorage = Literal["file", "memory"]
@@ -171,37 +167,6 @@ class AuditSettings(_Section, frozen=True, kw_only=True):
     epoch_trailers: Positive = 1_000_000  # seal when the epoch holds this many trailers ...
     epoch_hours: Annotated[float, Meta(gt=0.0, le=24.0 * 3660)] = 168.0  # ... or is this old
     retention_days: Annotated[float, Meta(ge=0.0, le=3660.0)] = 30.0
-
-
-class NatsSettings(_Section, frozen=True, kw_only=True):
-    """How the daemon and the CLI authenticate to NATS (`[nats]`), each key also given by an
-    environment variable (NATS_ENV, which wins over the file). Secrets live in files, read at
-    start: never in the URL, the config file or a log line."""
-
-    user: Text | None = None  # with password_file
-    password_file: Path | None = None  # the password, alone in the file
-    token_file: Path | None = None  # an authorization token, alone in the file
-    creds_file: Path | None = None  # a NATS `.creds` file (user JWT and nkey seed)
-    tls_cert: Path | None = None  # a client certificate (PEM), with tls_key
-    tls_key: Path | None = None
-    tls_ca: Path | None = None  # the CA that signed the servers' certificates (PEM)
-
-    def credentials(self) -> list[str]:
-        """The credential options set, by key name."""
-        return [k for k in ("user", "password_file", "token_file", "creds_file")
-                if getattr(self, k) is not None]
-
-
-# `[nats]` keys given by the environment, which wins over the file
-NATS_ENV = {
-    "user": "IMPROVED_NATS_USER",
-    "password_file": "IMPROVED_NATS_PASSWORD_FILE",
-    "token_file": "IMPROVED_NATS_TOKEN_FILE",
-    "creds_file": "IMPROVED_NATS_CREDS_FILE",
-    "tls_cert": "IMPROVED_NATS_TLS_CERT",
-    "tls_key": "IMPROVED_NATS_TLS_KEY",
-    "tls_ca": "IMPROVED_NATS_TLS_CA",
-}
 
 
 class Config(_Section, frozen=True, kw_only=True):
@@ -287,39 +252,8 @@ def with_env(config: Config, environ: typing.Mapping[str, str] | None = None) ->
     url = environ.get(URL_ENV)
     if url:
         config = msgspec.structs.replace(config, nats_url=url)
-    given = {key: environ[var] for key, var in NATS_ENV.items() if environ.get(var)}
-    if not given:
-        return config
-    settings = msgspec.structs.replace(config.nats, **{
-        key: value if key == "user" else Path(value) for key, value in given.items()})
-    check_nats(settings, env=True)
-    return msgspec.structs.replace(config, nats=settings)
-
-
-def nats_key(key: str, env: bool = False) -> str:
-    """How a `[nats]` key is named in an error: `nats.password_file`, or with its variable."""
-    var = NATS_ENV[key]
-    return f"nats.{key} ({var})" if env or os.environ.get(var) else f"nats.{key}"
-
-
-def check_nats(settings: NatsSettings, env: bool = False) -> None:
-    """One credential at most, and each with what it needs."""
-    given = settings.credentials()
-    if settings.user is not None and settings.password_file is None:
-        raise ConfigError(f"config error: {nats_key('user', env)}: needs "
-                          f"{nats_key('password_file', env)} (the password, in a file)")
-    if settings.password_file is not None and settings.user is None:
-        raise ConfigError(f"config error: {nats_key('password_file', env)}: needs "
-                          f"{nats_key('user', env)}")
-    kinds = {"password" if k in ("user", "password_file") else k for k in given}
-    if len(kinds) > 1:
-        raise ConfigError(f"config error: {nats_key(given[-1], env)}: one credential only "
-                          "(user and password_file, token_file or creds_file), got "
-                          + ", ".join(f"nats.{k}" for k in given))
-    if (settings.tls_cert is None) != (settings.tls_key is None):
-        have, need = (("tls_cert", "tls_key") if settings.tls_key is None
-                      else ("tls_key", "tls_cert"))
-        raise ConfigError(f"config error: {nats_key(have, env)}: needs {nats_key(need, env)}")
+    settings = nats_from_env(config.nats, environ)
+    return config if settings is config.nats else msgspec.structs.replace(config, nats=settings)
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Config:

@@ -49,6 +49,8 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import FetchTimeoutError
 
+from improved.client import connection
+from improved.client.connection import ConfigError
 from improved.client.sdk import enqueue, publish_deduplicated
 from improved.core import apply as apply_stage
 from improved.core import boundary, indexes, policy, propose, queue
@@ -71,8 +73,8 @@ from improved.protocol.model import (
     TriageRequest,
     to_json,
 )
-from improved.runtime import bus, indexing, keys, metrics, notify
-from improved.runtime.config import Config, ConfigError
+from improved.runtime import indexing, keys, metrics, notify
+from improved.runtime.config import Config
 from improved.runtime.engine import ChainBroken, Engine, Handled, ServiceUnreachable
 from improved.runtime.observing import Observing
 from improved.runtime.store import Store
@@ -176,7 +178,7 @@ class Daemon:
         # verifies the log as it was left; counting the index members from the chains, when
         # the last checkpoint has no counts, waits until after ready unless the log is short
         await self.engine.checkpoint(self._checkpoint_key, count_limit=START_COUNT_LIMIT)
-        bus.on_reconnect(self.nc, self._reconnected)
+        connection.on_reconnect(self.nc, self._reconnected)
         for subject, handler in (
             (S.PROPOSE_REQUESTS, self.on_propose),
             (S.TRIAGE_REQUESTS, self.on_triage),
@@ -1137,7 +1139,7 @@ async def run_until_stopped(nc: Client, config: Config,
             asyncio.get_running_loop().remove_signal_handler(signals.SIGHUP)
         if http is not None:
             http.close()
-        await bus.close(nc)
+        await connection.close(nc)
         raise
     settle_garbage_collector()  # before "ready" is said: it holds the loop for a moment
     if on_ready:
@@ -1163,5 +1165,5 @@ async def run_until_stopped(nc: Client, config: Config,
     if http is not None:
         http.close()
     await daemon.stop()
-    await bus.close(nc)
+    await connection.close(nc)
     return 0

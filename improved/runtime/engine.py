@@ -29,7 +29,9 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import NotFoundError
 
+from improved.client.chain_writer import ChainConflict, decode_trailer, pause_after_conflict
 from improved.client.sdk import enqueue
+from improved.client.streams import NeedsProvision
 from improved.core import apply as apply_stage
 from improved.core import (
     audit,
@@ -92,14 +94,7 @@ from improved.runtime import archive, checkpointing, indexing, tool_chains
 from improved.runtime.answers import Answers
 from improved.runtime.config import Config, Trust
 from improved.runtime.metrics import Metrics
-from improved.runtime.store import (
-    ChainConflict,
-    NeedsProvision,
-    StateConflict,
-    Store,
-    decode_trailer,
-    pause_after_conflict,
-)
+from improved.runtime.store import StateConflict, Store
 
 log = structlog.get_logger("improved.engine")
 

@@ -22,6 +22,8 @@ from collections import Counter
 
 import pytest
 
+from improved.client import connection
+from improved.client.chain_writer import decode_trailer
 from improved.client.sdk import MeshClient
 from improved.core import audit, signing
 from improved.core.record import fold_status
@@ -29,9 +31,8 @@ from improved.core.trailers import refs_of
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult, Trailer
-from improved.runtime import bus
 from improved.runtime.daemon import Daemon
-from improved.runtime.store import Store, decode_trailer
+from improved.runtime.store import Store
 from tests.bus import daemon_config, eventually, publish
 from tests.factories import review, skill_proposal
 
@@ -121,9 +122,9 @@ async def _round(nc, client: MeshClient, applier: SlowApplier, svc: str, n: int)
 @pytest.mark.slow  # half a minute of a deliberately slow service: with the fault suites
 @pytest.mark.timeout(180)
 async def test_approve_then_reject_with_two_replicas_and_a_slow_service(own_server):
-    conns = [await bus.connect(own_server.url, f"race-replica-{i}") for i in range(2)]
+    conns = [await connection.connect(own_server.url, f"race-replica-{i}") for i in range(2)]
     replicas = [Daemon(c, daemon_config()) for c in conns]
-    nc = await bus.connect(own_server.url, "race-client")
+    nc = await connection.connect(own_server.url, "race-client")
     svc = "racesvc"
     try:
         for d in replicas:  # one after the other: the first creates the streams
@@ -144,4 +145,4 @@ async def test_approve_then_reject_with_two_replicas_and_a_slow_service(own_serv
         for d in replicas:
             await d.stop()
         for c in (*conns, nc):
-            await bus.close(c)
+            await connection.close(c)

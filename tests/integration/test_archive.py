@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult
-from improved.runtime import archive, bus
+from improved.runtime import archive
 from improved.runtime.config import AuditSettings
 from improved.runtime.daemon import Daemon
 from tests.bus import daemon_config, eventually
@@ -46,7 +47,7 @@ async def test_a_sealed_epoch_is_exported_removed_and_verified_across(own_server
     config = _config(tmp_path)
     cfg_file = _toml(tmp_path, config)
     anchor = str(config.data_dir / "last-checkpoint.json")
-    nc = await bus.connect(own_server.url, "epochs")
+    nc = await connection.connect(own_server.url, "epochs")
     daemon = Daemon(nc, config)
     await daemon.start()
     client = MeshClient(nc, SVC)
@@ -135,7 +136,7 @@ async def test_a_sealed_epoch_is_exported_removed_and_verified_across(own_server
         assert (await beyond.engine.autonomy(2**62)).crisis.startswith("crisis-")
     finally:
         await beyond.stop()
-        await bus.close(nc)
+        await connection.close(nc)
     named = await _cli("audit", "verify", "--nats", own_server.url, "--config", cfg_file)
     assert named.returncode == 1 and "BROKEN" in named.stdout, named.stdout
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core import epochs
 from improved.protocol.model import ApplyResult
@@ -61,7 +62,7 @@ async def exported(tmp_path_factory):
     cfg_file = root / "improved.toml"
     cfg_file.write_text(f'data_dir = "{config.data_dir}"\n'
                         f'checkpoint_key = "{config.checkpoint_key}"\n')
-    nc = await bus.connect(server.url, "exports")
+    nc = await connection.connect(server.url, "exports")
     daemon = Daemon(nc, config)
     await daemon.start()
     client = MeshClient(nc, SVC)
@@ -90,7 +91,7 @@ async def exported(tmp_path_factory):
     finally:
         await sub.unsubscribe()
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
     directory = root / "archive"
     done = await _cli("audit", "archive", str(directory), "--remove", "--nats", server.url,
                       "--config", str(cfg_file))

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 
 from improved import testing
-from improved.client import acceptance
+from improved.client import acceptance, connection
 from improved.core import audit, propose
 from improved.core.apply import ROLLBACK_ANALYZER
 from improved.core.record import ChainHead
@@ -98,7 +98,7 @@ def module_server(tmp_path_factory):
 async def nc(module_server):
     """A connection to this module's server, where the loop's streams exist (as a daemon
     makes them); no daemon runs there."""
-    conn = await bus.connect(module_server.url, "improved-test-artefacts")
+    conn = await connection.connect(module_server.url, "improved-test-artefacts")
     await Store(conn).ensure()
     yield conn
     await conn.drain()
@@ -345,7 +345,7 @@ async def test_acceptance_rules_for_other_classes_and_tampering(nc, svc, store):
 
 async def test_a_chain_that_does_not_verify_is_no_evidence(own_server):
     """On a server of its own: a broken chain would put the session daemon in crisis."""
-    nc = await bus.connect(own_server.url, "tamper")
+    nc = await connection.connect(own_server.url, "tamper")
     try:
         await Store(nc).ensure()
         js = nc.jetstream()
@@ -358,7 +358,7 @@ async def test_a_chain_that_does_not_verify_is_no_evidence(own_server):
         await js.publish(S.audit(svc, o.proposal_id), to_json(body), stream=S.STREAM_AUDIT)
         assert "does not verify" in await acceptance.check(js, o)
     finally:
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 # -- capabilities ----------------------------------------------------------------------------------

@@ -11,12 +11,12 @@ import time
 
 import msgspec
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core.breaker import AUTONOMY_ID
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult
-from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from tests.bus import applied_at_l2, daemon_config, eventually, publish
 from tests.factories import grant, rank_proposal, review, skill_proposal
@@ -28,7 +28,7 @@ async def _status(client, pid, status):
 
 
 async def test_three_autonomous_rollbacks_hold_the_fourth_l3_back(own_server):
-    nc = await bus.connect(own_server.url, "breaker")
+    nc = await connection.connect(own_server.url, "breaker")
     daemon = Daemon(nc, daemon_config())
     await daemon.start()
     svc = "brk"
@@ -73,11 +73,11 @@ async def test_three_autonomous_rollbacks_hold_the_fourth_l3_back(own_server):
     finally:
         await sub.unsubscribe()
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def test_autonomy_off_holds_l0_back_until_it_is_on_again(own_server):
-    nc = await bus.connect(own_server.url, "autonomy")
+    nc = await connection.connect(own_server.url, "autonomy")
     off = msgspec.structs.replace(daemon_config(), policy=msgspec.structs.replace(
         daemon_config().policy, autonomy="off"))
     daemon = Daemon(nc, off)
@@ -108,4 +108,4 @@ async def test_autonomy_off_holds_l0_back_until_it_is_on_again(own_server):
     finally:
         await sub.unsubscribe()
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)

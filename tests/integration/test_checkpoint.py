@@ -11,12 +11,12 @@ import time
 
 import msgspec
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core.breaker import AUTONOMY_ID
 from improved.core.signing import PAYLOAD_TYPES, sign
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult, CrisisAct, to_json
-from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from tests.bus import daemon_config, eventually
 from tests.cli import improved
@@ -33,7 +33,7 @@ def resolve(crisis: str, who=ALICE):
 async def test_a_broken_log_means_crisis_until_an_operator_resolves_it(own_server, tmp_path):
     config = msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
                                      data_dir=tmp_path / "data")
-    nc = await bus.connect(own_server.url, "crisis")
+    nc = await connection.connect(own_server.url, "crisis")
     daemon = Daemon(nc, config)
     await daemon.start()
     svc = "cri"
@@ -94,7 +94,7 @@ async def test_a_broken_log_means_crisis_until_an_operator_resolves_it(own_serve
     finally:
         await sub.unsubscribe()
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def _resolve_from_the_terminal(url: str, crisis: str, who, tmp_path, *more: str):
@@ -124,7 +124,7 @@ async def test_a_full_verify_reads_on_past_a_broken_chain_holding_few_chains(
 
     config = msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
                                      data_dir=tmp_path / "data")
-    nc = await bus.connect(own_server.url, "stream-verify")
+    nc = await connection.connect(own_server.url, "stream-verify")
     daemon = Daemon(nc, config)
     await daemon.start()
     svc = "streamverify"
@@ -182,7 +182,7 @@ async def test_a_full_verify_reads_on_past_a_broken_chain_holding_few_chains(
     roomy_opened = opened
     tight, tight_named = await verify(2)
     assert opened > roomy_opened  # chains were dropped and met again
-    await bus.close(nc)
+    await connection.close(nc)
     for since, named in ((roomy, roomy_named), (tight, tight_named)):
         assert since.broken == 1 and len(named) == 1 and pids[1] in named[0], named
         assert since.read == view.last_seq  # read to the end, past the forgery

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from improved.client import connection
 from improved.core import signing
 from improved.runtime import bus
 from improved.runtime.keys import key_path
@@ -272,11 +273,11 @@ def test_an_operator_signs_from_the_terminal(tmp_path):
 
 
 def test_credentials_in_the_url_go_to_every_server():
-    assert bus.split_credentials("nats://u:p%40x@h1:4222,nats://h2:4223") == (
+    assert connection.split_credentials("nats://u:p%40x@h1:4222,nats://h2:4223") == (
         ["nats://h1:4222", "nats://h2:4223"], {"user": "u", "password": "p@x"})
-    assert bus.split_credentials("nats://s3cret@h:4222") == (["nats://h:4222"],
-                                                             {"token": "s3cret"})
-    assert bus.split_credentials("nats://127.0.0.1:4222") == (["nats://127.0.0.1:4222"], {})
+    assert connection.split_credentials("nats://s3cret@h:4222") == (["nats://h:4222"],
+                                                                    {"token": "s3cret"})
+    assert connection.split_credentials("nats://127.0.0.1:4222") == (["nats://127.0.0.1:4222"], {})
 
 
 def test_run_tells_systemd_when_it_is_ready_and_when_it_stops(tmp_path):

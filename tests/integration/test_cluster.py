@@ -16,15 +16,17 @@ import pytest
 import pytest_asyncio
 import structlog
 
+from improved.client import connection
+from improved.client.chain_writer import ChainConflict
 from improved.client.sdk import ImproveError, MeshClient, inbox_prefix
+from improved.client.streams import LOOK_ATTEMPTS, NeedsProvision
 from improved.core import audit, authority, signing
 from improved.core.authority import Act
 from improved.core.record import ChainHead
 from improved.protocol import subjects as S
 from improved.protocol.model import DedupHead, GrantCommand, to_json
-from improved.runtime import bus
 from improved.runtime.daemon import Daemon
-from improved.runtime.store import LOOK_ATTEMPTS, ChainConflict, NeedsProvision, Store
+from improved.runtime.store import Store
 from improved.testing import rank_proposal
 from tests.bus import daemon_config, eventually
 from tests.cli import improved
@@ -54,7 +56,7 @@ def cluster(tmp_path_factory):
 async def provisioned(cluster: Cluster) -> None:
     """The loop's streams and buckets made R3 as improved-admin, retried while the cluster
     elects its leaders."""
-    nc = await bus.connect(cluster.url(1, "improved-admin"), "test-provision", persistent=False)
+    nc = await connection.connect(cluster.url(1, "improved-admin"), "test-provision", persistent=False)
     try:
         async def ensured():
             try:
@@ -65,7 +67,7 @@ async def provisioned(cluster: Cluster) -> None:
 
         await eventually(ensured, timeout=60, interval=0.5)
     finally:
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -75,13 +77,13 @@ async def on_cluster(cluster):
     await provisioned(cluster)
     daemons = []
     for n in (1, 2):
-        nc = await bus.connect(cluster.url(n, "improved"), f"test-daemon-{n}")
+        nc = await connection.connect(cluster.url(n, "improved"), f"test-daemon-{n}")
         daemons.append(Daemon(nc, daemon_config(replicas=3)))
         await daemons[-1].start()
     yield daemons[0]
     for daemon in daemons:
         await daemon.stop()
-        await bus.close(daemon.nc)
+        await connection.close(daemon.nc)
 
 
 async def as_operator(cluster: Cluster, n: int):
@@ -233,12 +235,12 @@ async def test_provision_brings_r1_streams_and_buckets_to_r3(fresh_cluster):
     refuses to start before that and starts after it."""
     first = provision(fresh_cluster, "--replicas", "1")
     assert first.returncode == 0, first.stdout + first.stderr
-    nc = await bus.connect(fresh_cluster.url(1, "improved"), "test-daemon")
+    nc = await connection.connect(fresh_cluster.url(1, "improved"), "test-daemon")
     try:
         with pytest.raises(NeedsProvision, match="improved provision"):
             await Daemon(nc, daemon_config(replicas=3)).start()
     finally:
-        await bus.close(nc)
+        await connection.close(nc)
     raised = provision(fresh_cluster, "--replicas", "3")
     assert raised.returncode == 0, raised.stdout + raised.stderr
     for bucket in (S.BUCKET_STATE, S.BUCKET_DEDUP, S.BUCKET_LEDGER, S.BUCKET_LEARNED):
@@ -246,7 +248,7 @@ async def test_provision_brings_r1_streams_and_buckets_to_r3(fresh_cluster):
     # the windows bucket's stream is the store's own config, compared whole
     assert f"updated bucket {S.BUCKET_WINDOWS} (num_replicas)" in raised.stdout, raised.stdout
     assert "updated stream IMPROVE_AUDIT (num_replicas)" in raised.stdout, raised.stdout
-    nc = await bus.connect(fresh_cluster.url(2, "improved"), "test-daemon")
+    nc = await connection.connect(fresh_cluster.url(2, "improved"), "test-daemon")
     daemon = Daemon(nc, daemon_config(replicas=3))
     try:
         await daemon.start()
@@ -257,7 +259,7 @@ async def test_provision_brings_r1_streams_and_buckets_to_r3(fresh_cluster):
             assert (await js.stream_info(stream)).config.num_replicas == 3, stream
     finally:
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
     again = provision(fresh_cluster, "--replicas", "3")
     assert again.returncode == 0 and "nothing changed" in again.stdout, again.stdout
 
@@ -269,7 +271,7 @@ async def test_a_daemon_starting_with_a_restarted_cluster_waits_for_its_leaders(
     assert provision(fresh_cluster, "--replicas", "3").returncode == 0
     fresh_cluster.stop()
     fresh_cluster.start()
-    nc = await bus.connect(fresh_cluster.url(1, "improved"), "test-daemon")
+    nc = await connection.connect(fresh_cluster.url(1, "improved"), "test-daemon")
     daemon = Daemon(nc, daemon_config(replicas=3))
     try:
         with structlog.testing.capture_logs() as logs:
@@ -284,7 +286,7 @@ async def test_a_daemon_starting_with_a_restarted_cluster_waits_for_its_leaders(
         assert await daemon.store.read_chain("restarted", pid)
     finally:
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
     retries = [e for e in logs if e["event"].startswith("JetStream did not answer")]
     # on two cores the leaders take seconds to elect: the first looks go unanswered
     assert retries, [e["event"] for e in logs]

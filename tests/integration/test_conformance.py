@@ -395,12 +395,12 @@ async def test_the_mesh_meets_the_lowest_level_of_the_services_in_the_loop(own_s
     lowest participant's level; a named service that never answers leaves it at no level."""
     import asyncio
 
-    from improved.runtime import bus
+    from improved.client import connection
     from improved.runtime.conformance import probe_mesh, render_mesh
     from improved.runtime.store import Store
     from tests.cli import improved
 
-    nc = await bus.connect(own_server.url, "mesh-conformance")
+    nc = await connection.connect(own_server.url, "mesh-conformance")
     await Store(nc).ensure()  # the audit stream a store verifying acceptance reads
     ranking = RankingStore(nc, "ranking")
     skills_ = SkillsStore(nc, "skills", verify_acceptance=True)
@@ -434,7 +434,7 @@ async def test_the_mesh_meets_the_lowest_level_of_the_services_in_the_loop(own_s
     finally:
         await quiet.unsubscribe()
         await skills_.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 def test_conformance_wants_one_service_or_the_mesh():

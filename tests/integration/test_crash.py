@@ -13,6 +13,7 @@ import random
 
 import pytest
 
+from improved.client import connection
 from improved.runtime import bus
 from improved_reference.ranking_store import RankingStore
 from tests.harness import (
@@ -53,7 +54,7 @@ def log_errors(daemon: DaemonProcess) -> int:
 @pytest.mark.timeout(300)
 async def test_sigkill_at_random_moments_loses_and_repeats_nothing(durable_server, tmp_path):
     seed, rng = seeded()
-    nc = await bus.connect(durable_server.url, "crash-test")
+    nc = await connection.connect(durable_server.url, "crash-test")
     svc = "crash"
     ranking = RankingStore(nc, svc)
     await ranking.start()
@@ -80,7 +81,7 @@ async def test_sigkill_at_random_moments_loses_and_repeats_nothing(durable_serve
     finally:
         code = daemon.stop()
         await ranking.stop()
-        await bus.close(nc)
+        await connection.close(nc)
     assert code == 0
 
 
@@ -90,7 +91,7 @@ async def test_one_of_two_replicas_killed_repeatedly(durable_server, tmp_path):
     while the other keeps running. The survivor carries the flow; the victim's unacknowledged
     messages come back to whoever fetches them after the ack wait."""
     seed, rng = seeded()
-    nc = await bus.connect(durable_server.url, "crash-replicas-test")
+    nc = await connection.connect(durable_server.url, "crash-replicas-test")
     svc = "crash2"
     ranking = RankingStore(nc, svc)
     await ranking.start()
@@ -120,5 +121,5 @@ async def test_one_of_two_replicas_killed_repeatedly(durable_server, tmp_path):
     finally:
         codes = [steady.stop(), victim.stop()]
         await ranking.stop()
-        await bus.close(nc)
+        await connection.close(nc)
     assert codes == [0, 0]

@@ -12,9 +12,9 @@ import pytest
 from nats.js import api as jsapi
 from nats.js.errors import NotFoundError
 
+from improved.client import connection
 from improved.core import propose
 from improved.protocol import subjects as S
-from improved.runtime import bus
 from improved.runtime.store import Store
 from tests.bus import daemon_with_records_ttl, eventually, publish, trailers
 from tests.cli import improved
@@ -137,7 +137,7 @@ async def test_a_head_a_newer_proposal_wrote_gets_no_ttl_from_the_olders_close(t
 async def test_a_bucket_without_message_ttls_is_given_them(own_server):
     """An earlier version's dedup bucket (no allow_msg_ttl) is brought to take TTLs by a user
     allowed to change it, as `improved provision` is."""
-    nc = await bus.connect(own_server.url, "dedup-ttl-ensure")
+    nc = await connection.connect(own_server.url, "dedup-ttl-ensure")
     try:
         js = nc.jetstream()
         await js.add_stream(jsapi.StreamConfig(
@@ -153,7 +153,7 @@ async def test_a_bucket_without_message_ttls_is_given_them(own_server):
         assert f"updated bucket {S.BUCKET_DEDUP} (allow_msg_ttl)" not in await again.ensure()
         assert again.dedup_ttl
     finally:
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def test_provision_sweep_gives_keys_closed_before_ttls_theirs(own_server, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from improved.protocol import canonical
-from improved_reference import demo
+from improved_demo import demo
 
 
 def _in_order(text: str, *parts: str) -> bool:

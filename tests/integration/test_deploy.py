@@ -24,7 +24,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
-from improved.client import chains
+from improved.client import chains, connection
 from improved.client.sdk import MeshClient, inbox_prefix
 from improved.core import observe, propose, signing
 from improved.protocol import canonical
@@ -72,7 +72,7 @@ async def test_ensure_changes_only_what_is_missing_or_differs(own_server):
     """Without accounts the daemon still makes everything itself; once it is there, a start
     changes nothing (a daemon user under accounts.conf could not), and a weakened audit
     stream or a lost bucket is put back."""
-    nc = await bus.connect(own_server.url, "provision-test")
+    nc = await connection.connect(own_server.url, "provision-test")
     try:
         store = Store(nc)
         made = await store.ensure()
@@ -119,11 +119,11 @@ async def test_every_reply_comes_under_the_connections_own_inbox_prefix(own_serv
     async def echo(msg):
         await msg.respond(msg.data)
 
-    watcher = await bus.connect(own_server.url, "watcher")
+    watcher = await connection.connect(own_server.url, "watcher")
     await watcher.subscribe(">", cb=note)
     await watcher.subscribe("inboxes.echo", cb=echo)
     await watcher.flush()
-    nc = await bus.connect(own_server.url, "prefixed", inbox_prefix=prefix)
+    nc = await connection.connect(own_server.url, "prefixed", inbox_prefix=prefix)
     try:
         assert (await nc.request("inboxes.echo", b"hi", timeout=2)).data == b"hi"
         js = nc.jetstream(timeout=2.0)
@@ -539,7 +539,7 @@ async def test_provision_writes_the_sentinel_into_a_spent_stream_an_earlier_vers
     permission violation on either side."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from improved.runtime.store import tools_audit_config, tools_ledger_configs
+    from improved.client.streams import tools_audit_config, tools_ledger_configs
     from improved_reference.tool_runtime import ToolRuntimeService
     from tests.tool_surfaces import ARGS, grant, runtime
 
@@ -1033,14 +1033,14 @@ async def test_a_client_on_anothers_inbox_prefix_or_the_default_one_hears_nothin
 
 
 def test_a_connection_hears_replies_on_its_urls_users_inboxes():
-    """bus.connect names the inbox prefix after the URL's user (what accounts.conf grants); no
+    """connection.connect names the inbox prefix after the URL's user (what accounts.conf grants); no
     user, no accounts: nats-py's default."""
-    _, creds = bus.split_credentials("nats://svc-ranking:pw@127.0.0.1:4222")
-    assert bus.inbox_of(creds) == "_INBOX_svc-ranking"
-    assert bus.inbox_of(creds, "_INBOX_mine") == "_INBOX_mine"
-    assert bus.inbox_of({}) == "_INBOX" and bus.inbox_of({"token": "s3cret"}) == "_INBOX"
-    with pytest.raises(bus.BusError, match="cannot name an inbox"):
-        bus.inbox_of({"user": "svc.ranking", "password": "pw"})
+    _, creds = connection.split_credentials("nats://svc-ranking:pw@127.0.0.1:4222")
+    assert connection.inbox_of(creds) == "_INBOX_svc-ranking"
+    assert connection.inbox_of(creds, "_INBOX_mine") == "_INBOX_mine"
+    assert connection.inbox_of({}) == "_INBOX" and connection.inbox_of({"token": "s3cret"}) == "_INBOX"
+    with pytest.raises(connection.BusError, match="cannot name an inbox"):
+        connection.inbox_of({"user": "svc.ranking", "password": "pw"})
 
 
 # -- records and chains: a service's own only -----------------------------------------------

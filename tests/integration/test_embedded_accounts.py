@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from improved.client import chains
+from improved.client import chains, connection
 from improved.client.sdk import MeshClient
 from improved.core import audit
 from improved.protocol import subjects as S
@@ -193,8 +193,8 @@ async def test_the_permissions_are_in_force(accounts_bus):
     await operator.nc.publish(S.refine_request("ranking"), b"{}")
     await operator.nc.flush()
     await operator.violation(S.refine_request("ranking"))
-    with pytest.raises(bus.BusError, match="refused a connection without credentials"):
-        await bus.connect(accounts_bus.url, "anonymous", persistent=False)
+    with pytest.raises(connection.BusError, match="refused a connection without credentials"):
+        await connection.connect(accounts_bus.url, "anonymous", persistent=False)
 
 
 async def test_the_loop_runs_alike_on_the_open_bus_and_under_accounts(mesh_bus):

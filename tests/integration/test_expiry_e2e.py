@@ -14,11 +14,11 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from improved.cli.queries import review_view
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core import signing
 from improved.core.policy import Policy
 from improved.protocol import subjects as S
-from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from tests.bus import Applier, daemon_config, eventually, publish, trailers
 from tests.cli import improved
@@ -116,7 +116,7 @@ async def test_with_no_daemon_running_expiry_is_still_shown_then_recorded_at_sta
     daemon's first sweep records the expiry and takes the proposal out of the index."""
     url = own_server.url
     config = daemon_config()
-    conn = await bus.connect(url, "expiry-first")
+    conn = await connection.connect(url, "expiry-first")
     first = Daemon(conn, config)
     await first.start()
     svc = "expirysvc"
@@ -126,10 +126,10 @@ async def test_with_no_daemon_running_expiry_is_still_shown_then_recorded_at_sta
     assert (await client.triage(pid)).cause == "awaiting_operator"
     await eventually(lambda: _indexed(conn, svc, pid))
     await first.stop()
-    await bus.close(conn)
+    await connection.close(conn)
 
     await asyncio.sleep(max(0.0, (valid_to - now_ms()) / 1000) + 0.05)
-    nc = await bus.connect(url, "expiry-client")
+    nc = await connection.connect(url, "expiry-client")
     try:
         assert await _expiry_recorded(nc, svc, pid) is None  # nobody recorded it
         assert await _indexed(nc, svc, pid)  # the index still names it
@@ -138,7 +138,7 @@ async def test_with_no_daemon_running_expiry_is_still_shown_then_recorded_at_sta
         late = review(pid)
         await publish(nc, S.inbound_review(svc), late)
 
-        conn = await bus.connect(url, "expiry-second")
+        conn = await connection.connect(url, "expiry-second")
         second = Daemon(conn, config)
         await second.start()
         try:
@@ -151,9 +151,9 @@ async def test_with_no_daemon_running_expiry_is_still_shown_then_recorded_at_sta
             assert (await MeshClient(nc, svc).state(pid)).status == "expired"
         finally:
             await second.stop()
-            await bus.close(conn)
+            await connection.close(conn)
     finally:
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def _with(daemon, svc, pid, act):

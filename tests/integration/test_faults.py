@@ -20,6 +20,7 @@ import msgspec
 import pytest
 from nats.errors import NoRespondersError
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
 from improved.runtime import bus
@@ -53,7 +54,7 @@ async def test_a_broker_restart_mid_load_loses_and_repeats_nothing(tmp_path):
     rng = random.Random()
     server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="always")
     server.start()
-    nc = await bus.connect(server.url, "restart-test")
+    nc = await connection.connect(server.url, "restart-test")
     svc = "restart"
     ranking = RankingStore(nc, svc)
     await ranking.start()
@@ -87,7 +88,7 @@ async def test_a_broker_restart_mid_load_loses_and_repeats_nothing(tmp_path):
     finally:
         code = daemon.stop()
         await ranking.stop()
-        await bus.close(nc)
+        await connection.close(nc)
         server.stop()
     assert code == 0
 
@@ -206,7 +207,7 @@ async def test_a_cluster_node_stopped_mid_load_loses_and_repeats_nothing(tmp_pat
     try:
         for node in nodes:
             node.start()
-        nc = await bus.connect(urls, "cluster-test")
+        nc = await connection.connect(urls, "cluster-test")
         js = nc.jetstream(timeout=5)
         await eventually(js.account_info, 60, 0.25, what="a JetStream meta leader",
                          tolerate=(Exception,))
@@ -262,7 +263,7 @@ async def test_a_cluster_node_stopped_mid_load_loses_and_repeats_nothing(tmp_pat
         if ranking is not None:
             await ranking.stop()
         if nc is not None:
-            await bus.close(nc)
+            await connection.close(nc)
         for node in nodes:
             node.stop()
     assert code == 0
@@ -277,7 +278,7 @@ async def end_to_end(tmp_path: Path, sync: str, n: int) -> tuple[float, dict]:
     server = bus.EmbeddedServer(tmp_path / f"nats-{sync}-{time.monotonic_ns()}", bus.free_port(),
                                 sync=sync)
     server.start()
-    nc = await bus.connect(server.url, "sync-cost")
+    nc = await connection.connect(server.url, "sync-cost")
     svc = "synccost"
     ranking = RankingStore(nc, svc)
     await ranking.start()
@@ -308,7 +309,7 @@ async def end_to_end(tmp_path: Path, sync: str, n: int) -> tuple[float, dict]:
     finally:
         daemon.stop()
         await ranking.stop()
-        await bus.close(nc)
+        await connection.close(nc)
         server.stop()
 
 
@@ -349,10 +350,10 @@ async def test_a_record_ack_lost_in_a_broker_restart_does_not_wedge_the_proposal
     server.start()
     proxy = LossyProxy(server.port)  # the daemon reaches the broker through it
     await proxy.start()
-    dnc = await bus.connect(proxy.url, "wedge-daemon")
+    dnc = await connection.connect(proxy.url, "wedge-daemon")
     daemon = Daemon(dnc, daemon_config(data_dir=tmp_path / "data"))
     await daemon.start()
-    nc = await bus.connect(server.url, "wedge-client")
+    nc = await connection.connect(server.url, "wedge-client")
     js = nc.jetstream()
     try:
         # Lose the acks of the daemon's pipelined record publishes (only those: the chain
@@ -393,7 +394,7 @@ async def test_a_record_ack_lost_in_a_broker_restart_does_not_wedge_the_proposal
                 f"healthy()={daemon.healthy()}, acks lost={len(proxy.dropped)})") from None
     finally:
         halt(daemon)
-        await bus.close(nc)
+        await connection.close(nc)
         with suppress(Exception):
             await dnc.close()
         await proxy.close()
@@ -412,10 +413,10 @@ async def test_a_delivery_lost_with_the_old_connection_is_served_soon_after_the_
     server.start()
     proxy = LossyProxy(server.port)
     await proxy.start()
-    dnc = await bus.connect(proxy.url, "lost-delivery-daemon")
+    dnc = await connection.connect(proxy.url, "lost-delivery-daemon")
     daemon = Daemon(dnc, daemon_config(data_dir=tmp_path / "data"))
     await daemon.start()
-    nc = await bus.connect(server.url, "lost-delivery-client")
+    nc = await connection.connect(server.url, "lost-delivery-client")
     js = nc.jetstream()
     try:
         # the consumer's deliveries (a pull's replies carry the message's own subject)
@@ -434,7 +435,7 @@ async def test_a_delivery_lost_with_the_old_connection_is_served_soon_after_the_
         assert daemon.healthy()
     finally:
         halt(daemon)
-        await bus.close(nc)
+        await connection.close(nc)
         with suppress(Exception):
             await dnc.close()
         await proxy.close()
@@ -460,10 +461,10 @@ class AfterRestart:
         self.server.start()
         config = daemon_config(data_dir=self.tmp / "data", records_storage="memory",
                                apply=ApplySettings(timeout_s=0.3, attempts=1, max_deliveries=1))
-        self.dnc = await bus.connect(self.server.url, "restart-daemon")
+        self.dnc = await connection.connect(self.server.url, "restart-daemon")
         self.daemon = Daemon(self.dnc, config)
         await self.daemon.start()
-        self.nc = await bus.connect(self.server.url, "restart-client")
+        self.nc = await connection.connect(self.server.url, "restart-client")
         filler = Publisher(self.nc)
         await filler.run(mix("filler", 1500, random.Random(7), l0=0.0, l2=1.0), rate=None)
         assert not await wait_records(self.nc, filler.acked, 60)
@@ -561,7 +562,7 @@ class FlakyRankingStore(RankingStore):
 async def test_a_transient_broker_error_in_the_service_does_not_fail_the_apply_for_good(tmp_path):
     server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="2m")
     server.start()
-    nc = await bus.connect(server.url, "flaky")
+    nc = await connection.connect(server.url, "flaky")
     daemon = Daemon(nc, daemon_config(data_dir=tmp_path / "data"))
     await daemon.start()
     ranking = FlakyRankingStore(nc, "flaky")
@@ -581,5 +582,5 @@ async def test_a_transient_broker_error_in_the_service_does_not_fail_the_apply_f
     finally:
         await ranking.stop()
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
         server.stop()

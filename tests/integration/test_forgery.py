@@ -18,6 +18,7 @@ import pytest
 import structlog.testing
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core import audit, breaker, evidence
 from improved.core.audit import Draft
@@ -25,7 +26,6 @@ from improved.core.record import ChainHead
 from improved.core.trailers import ref
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult
-from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
 from tests.bus import Applier, approve, daemon_config, daemon_key, eventually, logged
@@ -80,7 +80,7 @@ async def _in_crisis(daemon) -> str:
 @asynccontextmanager
 async def _running(url: str, config):
     """A daemon on `url` with `config`, and the service SVC's client and applier."""
-    nc = await bus.connect(url, "forge")
+    nc = await connection.connect(url, "forge")
     daemon = Daemon(nc, config)
     await daemon.start()
     client = MeshClient(nc, SVC)
@@ -91,7 +91,7 @@ async def _running(url: str, config):
     finally:
         await sub.unsubscribe()
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def test_an_unsigned_approval_on_a_running_daemon_applies_nothing(own_server, tmp_path):
@@ -120,7 +120,7 @@ async def test_an_unsigned_approval_on_a_running_daemon_applies_nothing(own_serv
 async def test_an_unsigned_approval_while_the_daemon_was_stopped_is_a_crisis_at_start(
         own_server, tmp_path):
     config = _config(tmp_path)
-    nc = await bus.connect(own_server.url, "forge")
+    nc = await connection.connect(own_server.url, "forge")
     daemon = Daemon(nc, config)
     await daemon.start()
     client = MeshClient(nc, SVC)
@@ -143,7 +143,7 @@ async def test_an_unsigned_approval_while_the_daemon_was_stopped_is_a_crisis_at_
     finally:
         await sub.unsubscribe()
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def test_a_daemon_key_alone_cannot_make_up_an_operators_approval(own_server, tmp_path):

@@ -31,6 +31,7 @@ import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core import propose, signing
 from improved.protocol import subjects as S
@@ -453,10 +454,10 @@ async def private_daemon(tmp_path):
     session daemon must survive for the rest of the suite)."""
     server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="2m")
     server.start()
-    conn = await bus.connect(server.url, "poison-daemon")
+    conn = await connection.connect(server.url, "poison-daemon")
     d = Daemon(conn, daemon_config(data_dir=tmp_path / "data"))
     await d.start()
-    client = await bus.connect(server.url, "poison-client")
+    client = await connection.connect(server.url, "poison-client")
     try:
         yield d, client
     finally:

@@ -13,11 +13,11 @@ from collections import Counter
 
 import pytest
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core import audit, propose
 from improved.protocol import subjects as S
 from improved.protocol.model import to_json
-from improved.runtime import bus
 from improved_reference.ranking_store import RankingStore
 from tests.bus import eventually
 from tests.factories import rank_proposal, skill_proposal
@@ -121,7 +121,7 @@ async def wait_ready(nc) -> None:
 
 
 async def test_a_daemon_killed_mid_flight_neither_loses_nor_repeats_a_step(own_server, tmp_path):
-    nc = await bus.connect(own_server.url, "kill-test")
+    nc = await connection.connect(own_server.url, "kill-test")
     svc = "killsvc"
     proc = start_daemon(own_server.url, tmp_path)
     try:
@@ -166,11 +166,11 @@ async def test_a_daemon_killed_mid_flight_neither_loses_nor_repeats_a_step(own_s
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def test_a_stopped_daemon_exits_zero_and_a_second_start_is_harmless(own_server, tmp_path):
-    nc = await bus.connect(own_server.url, "restart-test")
+    nc = await connection.connect(own_server.url, "restart-test")
     first = start_daemon(own_server.url, tmp_path)
     second = start_daemon(own_server.url, tmp_path)
     try:
@@ -189,7 +189,7 @@ async def test_a_stopped_daemon_exits_zero_and_a_second_start_is_harmless(own_se
         for proc in (first, second):
             proc.send_signal(signals.SIGTERM)
         codes = [proc.wait(20) for proc in (first, second)]
-        await bus.close(nc)
+        await connection.close(nc)
     assert codes == [0, 0]
     log = (tmp_path / "daemon.log").read_text()
     assert "Traceback" not in log, log
@@ -206,9 +206,9 @@ async def test_a_message_held_past_the_ack_wait_is_kept_not_redelivered(own_serv
     from improved.runtime.store import INBOUND_ACK_WAIT_S
     from tests.bus import daemon_config
 
-    conn = await bus.connect(own_server.url, "held-daemon")
+    conn = await connection.connect(own_server.url, "held-daemon")
     daemon = Daemon(conn, daemon_config(apply=ApplySettings(timeout_s=15.0, attempts=1)))
-    nc = await bus.connect(own_server.url, "held-client")
+    nc = await connection.connect(own_server.url, "held-client")
     svc = "heldsvc"
     orders: Counter[str] = Counter()
 
@@ -234,5 +234,5 @@ async def test_a_message_held_past_the_ack_wait_is_kept_not_redelivered(own_serv
         assert orders == {pid: 1}
     finally:
         await daemon.stop()
-        await bus.close(conn)
-        await bus.close(nc)
+        await connection.close(conn)
+        await connection.close(nc)

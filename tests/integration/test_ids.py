@@ -11,9 +11,9 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from improved.cli import ids
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
-from improved.runtime import bus
 from improved.runtime.store import Store
 from tests.bus import eventually, trailers
 from tests.cli import improved
@@ -55,7 +55,7 @@ async def test_the_demos_twelve_digits_name_a_proposal_everywhere(daemon, nc, na
 async def test_an_ambiguous_or_unknown_prefix_is_one_line(own_server):
     """The listing reads the audit stream's chain subjects only: two chains under one prefix
     are made by hand here, on a server of the test's own."""
-    nc = await bus.connect(own_server.url, "ids-test")
+    nc = await connection.connect(own_server.url, "ids-test")
     try:
         await Store(nc).ensure()
         js = nc.jetstream()

@@ -13,6 +13,7 @@ import time
 import msgspec
 import pytest
 
+from improved.client import connection
 from improved.client.sdk import MeshClient, serve_spec
 from improved.core import apply as apply_stage
 from improved.core import boundary, triage
@@ -25,7 +26,6 @@ from improved.protocol.model import (
     MetricSnapshot,
     to_json,
 )
-from improved.runtime import bus
 from improved_reference.ranking_store import RankingStore
 from tests.bus import (
     daemon_config,
@@ -239,7 +239,7 @@ async def test_a_rollback_proposal_anyone_publishes_does_not_open_the_breaker(ow
     from improved.runtime.daemon import Daemon
 
     svc = "reverted"
-    nc = await bus.connect(own_server.url, "impostor-rollbacks")
+    nc = await connection.connect(own_server.url, "impostor-rollbacks")
     daemon = Daemon(nc, msgspec.structs.replace(daemon_config(), data_dir=tmp_path / "d"))
     await daemon.start()
     store = RankingStore(nc, svc)
@@ -263,7 +263,7 @@ async def test_a_rollback_proposal_anyone_publishes_does_not_open_the_breaker(ow
     finally:
         await store.stop()
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def test_a_forged_ledger_entry_rejects_nothing(daemon, nc, svc):

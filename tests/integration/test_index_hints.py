@@ -14,12 +14,12 @@ import pytest
 import structlog
 
 from improved.cli.queries import review_view
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core.indexes import INDEXES
 from improved.core.policy import Policy
 from improved.protocol import subjects as S
 from improved.protocol.model import MeasureDue, MetricSnapshot, to_json
-from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from improved_reference.ranking_store import RankingStore
 from tests.bus import daemon_config, eventually, measurement, trailers
@@ -46,7 +46,7 @@ async def _entry(nc, subject: str):
 async def _waiting_and_counted(own_server, name: str) -> tuple[Daemon, object, set[str]]:
     """A daemon of its own with two L2 proposals waiting for an operator, and a checkpoint
     signed after both (the checkpoint timer's, taken at once)."""
-    nc = await bus.connect(own_server.url, name)
+    nc = await connection.connect(own_server.url, name)
     daemon = Daemon(nc, daemon_config())
     await daemon.start()
     client = MeshClient(nc, SVC)
@@ -78,7 +78,7 @@ async def test_a_tombstoned_review_entry_hides_no_waiting_proposal(own_server):
         assert await _listed(own_server.url) == (waiting, "index")
     finally:
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def _purge(nc, subject_filter: str) -> None:
@@ -105,7 +105,7 @@ async def test_a_purge_of_review_entries_hides_no_waiting_proposal(own_server, p
         assert await _listed(own_server.url) == (waiting, "index")
     finally:
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 def _later(ms: int) -> int:
@@ -116,7 +116,7 @@ async def _signed_ranking(server, svc: str, name: str):
     """(config, connection, a started daemon, a started ranking store of `svc` whose
     signed answers that daemon trusts)."""
     config, key = _answering(svc)
-    nc = await bus.connect(server.url, name)
+    nc = await connection.connect(server.url, name)
     daemon = Daemon(nc, config)
     await daemon.start()
     store = RankingStore(nc, svc)
@@ -180,7 +180,7 @@ async def test_an_owed_measurement_is_asked_after_a_restart_whatever_its_due_ent
         if again is not None:
             await again.stop()
         await store.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def test_every_checkpoint_counts_what_the_chains_say(own_server, capsys):
@@ -251,7 +251,7 @@ async def test_every_checkpoint_counts_what_the_chains_say(own_server, capsys):
             await again.stop()
         await daemon.stop()
         await store.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def test_a_checkpoint_older_than_the_tombstones_still_checks_the_index_if_nothing_moved(
@@ -267,7 +267,7 @@ async def test_a_checkpoint_older_than_the_tombstones_still_checks_the_index_if_
     from tests.factories import review
 
     config = msgspec.structs.replace(daemon_config(), checkpoint_interval_s=60.0)
-    nc = await bus.connect(own_server.url, "stopped-daemon")
+    nc = await connection.connect(own_server.url, "stopped-daemon")
     daemon = Daemon(nc, config)
     await daemon.start()
     client = MeshClient(nc, SVC)
@@ -294,4 +294,4 @@ async def test_a_checkpoint_older_than_the_tombstones_still_checks_the_index_if_
         await again.stop()
         assert await read() == ({waiting[1]}, "chains")
     finally:
-        await bus.close(nc)
+        await connection.close(nc)

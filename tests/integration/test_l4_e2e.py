@@ -165,14 +165,14 @@ async def test_an_l4_swap_that_fails_its_health_window_ends_rolled_back_and_not_
     """The artefact store runs `app` (a Python program) and gives a swap a health window; the
     approved new version crashes at once. A daemon of its own: its order timeout leaves room
     for the window (the session daemon's is 1s)."""
-    from improved.runtime import bus
+    from improved.client import connection
     from improved.runtime.config import ApplySettings
     from improved.runtime.daemon import Daemon
     from improved_reference.artefact_store import ArtefactStore, digest_of
     from tests.bus import daemon_config
 
     svc = "health"
-    nc = await bus.connect(own_server.url, "health")
+    nc = await connection.connect(own_server.url, "health")
     daemon = Daemon(nc, daemon_config(apply=ApplySettings(timeout_s=10.0, attempts=2,
                                                           max_deliveries=3)))
     await daemon.start()
@@ -201,7 +201,7 @@ async def test_an_l4_swap_that_fails_its_health_window_ends_rolled_back_and_not_
     finally:
         await store.stop()
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def _seen(path, versions: list[str]) -> bool:

@@ -14,11 +14,11 @@ from pathlib import Path
 import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core import checkpoint
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult
-from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
 from tests.bus import daemon_config, eventually
@@ -44,7 +44,7 @@ class _Applier:
 
 async def _history(url: str, config, proposals: int = 3) -> list[str]:
     """A daemon applies a few L0 proposals, signs a checkpoint over them and stops."""
-    nc = await bus.connect(url, "loss-history")
+    nc = await connection.connect(url, "loss-history")
     daemon = Daemon(nc, config)
     await daemon.start()
     client = MeshClient(nc, SVC)
@@ -58,7 +58,7 @@ async def _history(url: str, config, proposals: int = 3) -> list[str]:
     finally:
         await sub.unsubscribe()
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
     return pids
 
 
@@ -69,7 +69,7 @@ async def _applied(client, pid):
 
 async def _restart(url: str, config, bound_s: float = 30.0):
     """A new daemon on the same data directory; its start must end within `bound_s`."""
-    nc = await bus.connect(url, "loss-restart")
+    nc = await connection.connect(url, "loss-restart")
     daemon = Daemon(nc, config)
     started = time.monotonic()
     await asyncio.wait_for(daemon.start(), bound_s)
@@ -101,9 +101,9 @@ async def test_a_stream_deleted_while_the_daemon_was_stopped_is_a_crisis(own_ser
     anchor = config.data_dir / "last-checkpoint.json"
     count = json.loads(anchor.read_text())["count"]  # every trailer but the checkpoints'
     assert count >= 9  # three proposals of at least three trailers, the policy chain
-    nc = await bus.connect(own_server.url, "attacker")
+    nc = await connection.connect(own_server.url, "attacker")
     await nc.jetstream().delete_stream(S.STREAM_AUDIT)
-    await bus.close(nc)
+    await connection.close(nc)
 
     gone = await _verify(own_server.url, "--checkpoint", str(anchor))
     assert gone.returncode == 1, gone.stdout + gone.stderr
@@ -121,7 +121,7 @@ async def test_a_stream_deleted_while_the_daemon_was_stopped_is_a_crisis(own_ser
         assert json.loads(anchor.read_text())["crisis"].startswith("crisis-")
     finally:
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def test_a_rewritten_stream_with_a_rogue_checkpoint_is_named(own_server, tmp_path):
@@ -129,7 +129,7 @@ async def test_a_rewritten_stream_with_a_rogue_checkpoint_is_named(own_server, t
     pids = await _history(own_server.url, config)
     anchor = config.data_dir / "last-checkpoint.json"
     count = json.loads(anchor.read_text())["count"]
-    nc = await bus.connect(own_server.url, "attacker")
+    nc = await connection.connect(own_server.url, "attacker")
     try:
         store = Store(nc)
         log = await store.audit_log()
@@ -146,7 +146,7 @@ async def test_a_rewritten_stream_with_a_rogue_checkpoint_is_named(own_server, t
         await store.append_sealed(cp_subject, checkpoint.CHECKPOINT_ID, "L0", "operation",
                                   lambda chain, at: checkpoint.draft(rogue, "improved:rogue"))
     finally:
-        await bus.close(nc)
+        await connection.close(nc)
 
     verify = await _verify(own_server.url, "--checkpoint", str(anchor))
     assert verify.returncode == 1, verify.stdout + verify.stderr
@@ -180,7 +180,7 @@ async def test_one_byte_altered_on_disk_is_a_crisis_not_a_hang(own_server, tmp_p
         assert "Traceback" not in verify.stderr, verify.stderr
     finally:
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def test_a_normal_restart_is_no_crisis(own_server, tmp_path):
@@ -200,7 +200,7 @@ async def test_a_normal_restart_is_no_crisis(own_server, tmp_path):
         assert "holds" in verify.stdout
     finally:
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def test_a_checkpoint_reads_what_is_new_and_still_finds_covered_trailers_removed(
@@ -234,4 +234,4 @@ async def test_a_checkpoint_reads_what_is_new_and_still_finds_covered_trailers_r
         await _no_apply_in_crisis(nc, daemon)
     finally:
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)

@@ -10,17 +10,17 @@ import uuid
 
 import pytest
 
-from improved.client import chains
+from improved.client import chains, connection
+from improved.client.chain_writer import ChainConflict, ChainKeptMoving
 from improved.core import audit
 from improved.core.audit import Draft
-from improved.runtime import bus
-from improved.runtime.store import ChainConflict, ChainKeptMoving, Store
+from improved.runtime.store import Store
 
 
 @pytest.fixture
 async def store(own_server):
     """A store on a server of its own: these chains are no proposal's and no mesh chain's."""
-    nc = await bus.connect(own_server.url, "improved-test-mesh-chains")
+    nc = await connection.connect(own_server.url, "improved-test-mesh-chains")
     s = Store(nc)
     await s.ensure()
     yield s
@@ -87,7 +87,7 @@ async def test_a_chain_read_through_its_own_consumer_is_the_chain_the_leader_ser
 
 
 async def test_reading_a_chain_without_an_audit_stream_finds_none(own_server):
-    nc = await bus.connect(own_server.url, "improved-test-no-stream")
+    nc = await connection.connect(own_server.url, "improved-test-no-stream")
     try:
         js = nc.jetstream(timeout=2.0)
         assert await chains.read_sequenced(js, f"improve.audit._test.{'ab' * 32}") == []

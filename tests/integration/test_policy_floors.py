@@ -13,14 +13,15 @@ from contextlib import asynccontextmanager
 import msgspec
 import pytest
 
+from improved.client import connection
+from improved.client.connection import ConfigError
 from improved.client.sdk import MeshClient
 from improved.core import audit
 from improved.core import policy as P
 from improved.core.trailers import refs_of
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
-from improved.runtime import bus
-from improved.runtime.config import ConfigError, Policy, load
+from improved.runtime.config import Policy, load
 from improved.runtime.daemon import Daemon
 from tests.bus import amendment, approve, daemon_config, eventually, quorum_case, quorum_config
 from tests.cli import improved
@@ -31,14 +32,14 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 @asynccontextmanager
 async def running(url: str, config):
-    nc = await bus.connect(url, "floors")
+    nc = await connection.connect(url, "floors")
     daemon = Daemon(nc, config)
     try:
         await daemon.start()
         yield nc, daemon
         await daemon.stop()
     finally:
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def refused(url: str, config) -> str:
@@ -50,13 +51,13 @@ async def refused(url: str, config) -> str:
 
 
 async def policy_chain(url: str) -> list[Trailer]:
-    nc = await bus.connect(url, "floors-reader")
+    nc = await connection.connect(url, "floors-reader")
     try:
         store = Daemon(nc, daemon_config()).store
         await store.bind()
         bodies = [b for _, b in await store.read_chain_at(S.policy_audit(P.POLICY_ID))]
     finally:
-        await bus.close(nc)
+        await connection.close(nc)
     assert bodies == [] or audit.verify_chain(P.POLICY_ID, bodies) is None
     return [msgspec.convert(b, Trailer) for b in bodies]
 

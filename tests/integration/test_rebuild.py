@@ -8,17 +8,17 @@ import subprocess
 import sys
 from collections import Counter
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult
-from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from tests.bus import daemon_config, eventually, publish
 from tests.factories import rank_proposal, review, skill_proposal
 
 
 async def test_rebuild_from_the_chains_equals_the_live_state(own_server):
-    nc = await bus.connect(own_server.url, "rebuild")
+    nc = await connection.connect(own_server.url, "rebuild")
     daemon = Daemon(nc, daemon_config())
     await daemon.start()
     svc = "rb"
@@ -92,4 +92,4 @@ async def test_rebuild_from_the_chains_equals_the_live_state(own_server):
     finally:
         await sub.unsubscribe()
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)

@@ -10,10 +10,10 @@ import msgspec
 import pytest
 
 from improved.cli.queries import review_view
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core.policy import Policy
 from improved.protocol import subjects as S
-from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from improved_reference.ranking_store import RankingStore
 from tests.bus import daemon_config, eventually
@@ -31,10 +31,10 @@ async def _applied(client, pid):
 @pytest.mark.slow  # a broker restart and the refill after it: with the fault suites
 async def test_memory_records_come_back_after_a_broker_restart(own_server):
     config = msgspec.structs.replace(daemon_config(), records_storage="memory")
-    nc = await bus.connect(own_server.url, "recovery-daemon")
+    nc = await connection.connect(own_server.url, "recovery-daemon")
     daemon = Daemon(nc, config)
     await daemon.start()
-    client_nc = await bus.connect(own_server.url, "recovery-client")
+    client_nc = await connection.connect(own_server.url, "recovery-client")
     client = MeshClient(client_nc, "recsvc")
     store = RankingStore(client_nc, "recsvc")
     await store.start()
@@ -62,8 +62,8 @@ async def test_memory_records_come_back_after_a_broker_restart(own_server):
     finally:
         await store.stop()
         await daemon.stop()
-        await bus.close(client_nc)
-        await bus.close(nc)
+        await connection.close(client_nc)
+        await connection.close(nc)
 
 
 async def _reviewed(url: str, pid: str) -> bool:
@@ -75,7 +75,7 @@ async def _reviewed(url: str, pid: str) -> bool:
 
 
 async def test_purged_records_are_republished_when_the_daemon_starts(own_server):
-    nc = await bus.connect(own_server.url, "purge-daemon")
+    nc = await connection.connect(own_server.url, "purge-daemon")
     daemon = Daemon(nc, daemon_config())
     await daemon.start()
     client = MeshClient(nc, "purgesvc")
@@ -104,7 +104,7 @@ async def test_purged_records_are_republished_when_the_daemon_starts(own_server)
     finally:
         await again.stop()
         await asyncio.sleep(0)
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def test_records_a_broker_outage_kept_from_being_published_are_published_again(
@@ -112,7 +112,7 @@ async def test_records_a_broker_outage_kept_from_being_published_are_published_a
     """The chain moved but the retained records did not land (the broker went away between
     the append and the publish): nothing else will ever touch a proposal that now waits for
     an operator, so the daemon publishes its records again on its own."""
-    nc = await bus.connect(own_server.url, "unpublished-daemon")
+    nc = await connection.connect(own_server.url, "unpublished-daemon")
     daemon = Daemon(nc, daemon_config())
     await daemon.start()
     client = MeshClient(nc, "unpubsvc")
@@ -139,7 +139,7 @@ async def test_records_a_broker_outage_kept_from_being_published_are_published_a
     finally:
         daemon.store.publish = real_publish
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def test_the_state_cache_forgets_what_is_not_touched(own_server):
@@ -150,7 +150,7 @@ async def test_the_state_cache_forgets_what_is_not_touched(own_server):
 
     from improved.runtime.store import STATE_TTL_S
 
-    nc = await bus.connect(own_server.url, "ttl")
+    nc = await connection.connect(own_server.url, "ttl")
     js = nc.jetstream()
     await js.create_key_value(bucket=S.BUCKET_STATE, history=1,
                               storage=jsapi.StorageType.MEMORY)  # as an older daemon made it
@@ -161,4 +161,4 @@ async def test_the_state_cache_forgets_what_is_not_touched(own_server):
         assert info.config.max_age == STATE_TTL_S
     finally:
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)

@@ -10,13 +10,13 @@ import asyncio
 import pytest
 from nats.js.api import DiscardPolicy
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core import observe, propose
 from improved.core.authority import Act
 from improved.core.signing import envelope_digest
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult, Signal
-from improved.runtime import bus
 from improved.runtime import daemon as daemon_module
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import WINDOWS_MAX_KEYS
@@ -30,7 +30,7 @@ STALE = observe.StaleSkillAnalyzer().id
 async def replicas(url: str, n: int = 2) -> list[Daemon]:
     started = []
     for i in range(n):  # one after the other: the first creates the streams
-        d = Daemon(await bus.connect(url, f"replica-{i}"), daemon_config())
+        d = Daemon(await connection.connect(url, f"replica-{i}"), daemon_config())
         await d.start()
         started.append(d)
     return started
@@ -39,7 +39,7 @@ async def replicas(url: str, n: int = 2) -> list[Daemon]:
 async def stop(*daemons: Daemon) -> None:
     for d in daemons:
         await d.stop()
-        await bus.close(d.nc)
+        await connection.close(d.nc)
 
 
 def negatives(svc: str, target: str, sessions: range, kind: str = "metric") -> list[Signal]:

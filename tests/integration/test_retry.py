@@ -9,9 +9,9 @@ from contextlib import asynccontextmanager
 
 import pytest
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.protocol.model import ApplyResult
-from improved.runtime import bus
 from improved.runtime.config import ApplySettings
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
@@ -42,13 +42,13 @@ class Late:
 async def gives_up_fast(url: str, tmp_path, retry_max_s: float):
     """A daemon of its own that gives an unreachable apply two deliveries, then retries it
     slowly (at most every `retry_max_s`); yields a client connection."""
-    conn = await bus.connect(url, "retry-daemon")
+    conn = await connection.connect(url, "retry-daemon")
     daemon = Daemon(conn, daemon_config(
         data_dir=tmp_path / "data",
         apply=ApplySettings(timeout_s=0.3, attempts=1, max_deliveries=2,
                             retry_max_s=retry_max_s)))
     await daemon.start()
-    nc = await bus.connect(url, "retry-client")
+    nc = await connection.connect(url, "retry-client")
     try:
         yield nc
     finally:

@@ -23,9 +23,9 @@ import time
 import pytest
 
 from improved.cli.queries import review_queue, review_view
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
-from improved.runtime import bus
 from improved.runtime.config import Policy
 from improved.runtime.daemon import Daemon
 from tests.bus import amendment, eventually, publish, quorum_config, quorum_reads, value
@@ -63,10 +63,10 @@ async def _propose_during_reconnect(client: MeshClient, svc: str, n: int) -> str
 @pytest.mark.asyncio(loop_scope="session")
 async def test_review_lists_every_waiting_proposal_after_each_broker_restart(own_server):
     config = quorum_config(await amendment(own_server.url))
-    dnc = await bus.connect(own_server.url, "review-restart-daemon")
+    dnc = await connection.connect(own_server.url, "review-restart-daemon")
     daemon = Daemon(dnc, config)
     await daemon.start()
-    nc = await bus.connect(own_server.url, "review-restart-client")
+    nc = await connection.connect(own_server.url, "review-restart-client")
     svc = "waitsvc"
     client = MeshClient(nc, svc, timeout=1.0)
     waiting: dict[str, str] = {}  # proposal id -> the cause it waits for
@@ -129,8 +129,8 @@ async def test_review_lists_every_waiting_proposal_after_each_broker_restart(own
               f"({HISTORY} proposals of history, {len(waiting)} waiting)")
     finally:
         await daemon.stop()
-        await bus.close(nc)
-        await bus.close(dnc)
+        await connection.close(nc)
+        await connection.close(dnc)
 
 
 async def _decided(client: MeshClient, pid: str, svc: str, cause: str):

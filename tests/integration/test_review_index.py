@@ -11,11 +11,11 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from improved.cli.queries import review_queue, review_view
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core.policy import Policy
 from improved.protocol import subjects as S
 from improved.protocol.model import ReviewEntry, to_json
-from improved.runtime import bus
 from improved.runtime.daemon import CACHE_CHECK_S, Daemon
 from improved.runtime.store import Store, stream_configs
 from tests.bus import daemon_config, eventually, publish, value
@@ -102,7 +102,7 @@ async def _status(client: MeshClient, pid: str, status: str) -> bool:
 
 
 async def test_a_tombstone_leaves_the_stream_after_its_ttl(own_server):
-    nc = await bus.connect(own_server.url, "ttl-daemon")
+    nc = await connection.connect(own_server.url, "ttl-daemon")
     daemon = Daemon(nc, daemon_config())
     daemon.store.tombstone_ttl_s = 1
     await daemon.start()
@@ -126,7 +126,7 @@ async def test_a_tombstone_leaves_the_stream_after_its_ttl(own_server):
         assert await review_queue(own_server.url) == []
     finally:
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 class _Refills:
@@ -145,11 +145,11 @@ class _Refills:
 
 @pytest.mark.timeout(120)
 async def test_a_broker_restart_with_file_records_refills_nothing(own_server):
-    nc = await bus.connect(own_server.url, "restart-daemon")
+    nc = await connection.connect(own_server.url, "restart-daemon")
     daemon = Daemon(nc, daemon_config())
     refills = _Refills(daemon)
     await daemon.start()
-    client_nc = await bus.connect(own_server.url, "restart-client")
+    client_nc = await connection.connect(own_server.url, "restart-client")
     try:
         client = MeshClient(client_nc, "restartsvc", timeout=1.0)
         before = (await client.propose(skill_proposal("restartsvc", name="a"))).proposal_id
@@ -179,13 +179,13 @@ async def test_a_broker_restart_with_file_records_refills_nothing(own_server):
         assert await daemon.store.filled()
     finally:
         await daemon.stop()
-        await bus.close(client_nc)
-        await bus.close(nc)
+        await connection.close(client_nc)
+        await connection.close(nc)
 
 
 @pytest.mark.timeout(120)
 async def test_an_upgrade_without_the_index_refills_once_and_builds_it(own_server):
-    nc = await bus.connect(own_server.url, "upgrade")
+    nc = await connection.connect(own_server.url, "upgrade")
     js = nc.jetstream()
     # the records stream as an earlier version provisioned it: no index subjects, no TTLs
     old = next(c for c in stream_configs() if c.name == S.STREAM_RECORDS)
@@ -228,12 +228,12 @@ async def test_an_upgrade_without_the_index_refills_once_and_builds_it(own_serve
         assert refills.calls == 0  # once is enough
     finally:
         await again.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 @pytest.mark.timeout(120)
 async def test_the_metric_is_the_review_count_on_every_replica(own_server):
-    conns = [await bus.connect(own_server.url, f"replica-{n}") for n in range(2)]
+    conns = [await connection.connect(own_server.url, f"replica-{n}") for n in range(2)]
     replicas = [Daemon(c, daemon_config()) for c in conns]
     for d in replicas:
         await d.start()
@@ -257,4 +257,4 @@ async def test_the_metric_is_the_review_count_on_every_replica(own_server):
         for d in replicas:
             await d.stop()
         for c in conns:
-            await bus.close(c)
+            await connection.close(c)

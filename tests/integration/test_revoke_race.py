@@ -22,14 +22,15 @@ from collections import Counter
 
 import pytest
 
+from improved.client import connection
+from improved.client.chain_writer import decode_trailer
 from improved.client.sdk import MeshClient, enqueue
 from improved.core import propose
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import AnalyzerRef, ApplyResult, Trailer, to_json
-from improved.runtime import bus
 from improved.runtime.daemon import Daemon
-from improved.runtime.store import Store, decode_trailer
+from improved.runtime.store import Store
 from tests.bus import applied_at_l2, daemon_config, eventually, publish, whole_log_breaks
 from tests.factories import grant, skill_proposal
 
@@ -160,9 +161,9 @@ async def _round(nc, applier: SlowApplier, svc: str, n: int) -> tuple[int, int, 
 
 
 async def _rounds(url: str, rounds: int) -> None:
-    conns = [await bus.connect(url, f"revoke-replica-{i}") for i in range(2)]
+    conns = [await connection.connect(url, f"revoke-replica-{i}") for i in range(2)]
     replicas = [Daemon(c, daemon_config()) for c in conns]
-    nc = await bus.connect(url, "revoke-client")
+    nc = await connection.connect(url, "revoke-client")
     svc = "revokesvc"
     try:
         for d in replicas:  # one after the other: the first creates the streams
@@ -186,7 +187,7 @@ async def _rounds(url: str, rounds: int) -> None:
         for d in replicas:
             await d.stop()
         for c in (*conns, nc):
-            await bus.close(c)
+            await connection.close(c)
 
 
 @pytest.mark.timeout(120)

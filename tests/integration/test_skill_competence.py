@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import pytest_asyncio
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core import signing
 from improved.core.audit import Draft
@@ -18,7 +19,6 @@ from improved.core.trailers import ref
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import Origin, to_json
-from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from improved_reference.skill_competence import ALPHA
 from improved_reference.skills_store import SkillsStore
@@ -127,7 +127,7 @@ async def test_a_forged_outcome_on_the_chain_counts_for_nothing_to_a_store_that_
     nothing. (On a server of its own: the forged chain is a crisis for the daemon.)"""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    nc = await bus.connect(own_server.url, "competence-forgery")
+    nc = await connection.connect(own_server.url, "competence-forgery")
     daemon = Daemon(nc, daemon_config())
     await daemon.start()
     svc = "skills-forged"
@@ -150,7 +150,7 @@ async def test_a_forged_outcome_on_the_chain_counts_for_nothing_to_a_store_that_
     finally:
         await store.stop()
         await daemon.stop()
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def test_a_forged_learn_back_record_is_only_a_wake_up(daemon, nc, svc, store):

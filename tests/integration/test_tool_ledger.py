@@ -20,11 +20,12 @@ import structlog.testing
 from nats.js import api as jsapi
 from nats.js.errors import NotFoundError
 
+from improved.client import connection
+from improved.client.streams import tools_ledger_configs
 from improved.core.tools import chain_id, sign_revocation, upgrade_id
 from improved.protocol import subjects as S
 from improved.protocol.model import to_json
-from improved.runtime import bus
-from improved.runtime.store import Store, tools_ledger_configs
+from improved.runtime.store import Store
 from improved_reference.tool_runtime import ToolRuntimeService
 from tests.bus import daemon_key
 from tests.cli import improved
@@ -42,12 +43,12 @@ def now_ms() -> int:
 async def made(server):
     """A connection to `server`, with the loop's streams made as a daemon without accounts
     makes them."""
-    conn = await bus.connect(server.url, "tool-ledger")
+    conn = await connection.connect(server.url, "tool-ledger")
     try:
         await Store(conn).ensure()
         yield conn
     finally:
-        await bus.close(conn)
+        await connection.close(conn)
 
 
 @contextlib.asynccontextmanager
@@ -360,7 +361,7 @@ async def test_a_broker_restart_and_a_runtime_restart_change_nothing(own_server)
         assert (await call(service, request))["ok"] is True
     own_server.stop()
     own_server.start()
-    conn = await bus.connect(own_server.url, "tool-ledger-again")
+    conn = await connection.connect(own_server.url, "tool-ledger-again")
     try:
         async with serving(conn, rt) as service:
             assert refusal(await call(service, request)) == "replayed"
@@ -368,14 +369,14 @@ async def test_a_broker_restart_and_a_runtime_restart_change_nothing(own_server)
         ledger = [b for b in await chain(conn.jetstream()) if b["verdict"] == "ledger"]
         assert len(ledger) == 1  # recorded once, when first seen
     finally:
-        await bus.close(conn)
+        await connection.close(conn)
 
 
 async def test_makers_starting_at_once_share_one_sentinel(own_server):
     """Daemons (or runtimes) started together against a fresh server all make the spent marks'
     stream (making a stream that exists with this config succeeds) and race to write its
     sentinel: every one starts, and the stream holds one sentinel, its first message."""
-    conns = [await bus.connect(own_server.url, f"maker-{i}") for i in range(4)]
+    conns = [await connection.connect(own_server.url, f"maker-{i}") for i in range(4)]
     try:
         js = conns[0].jetstream()
         for _ in range(5):
@@ -387,14 +388,14 @@ async def test_makers_starting_at_once_share_one_sentinel(own_server):
             assert (info.state.messages, first.subject) == (1, S.TOOLS_SPENT_SENTINEL)
     finally:
         for c in conns:
-            await bus.close(c)
+            await connection.close(c)
 
 
 async def test_a_new_stream_whose_first_message_is_no_sentinel_is_refused(own_server):
     """The attack on that allowance: someone writes a mark first into the spent stream a
     maker has just made. Only a sentinel of this stream at sequence 1 counts as another
     maker's; anything else leaves the maker refusing, naming the fix."""
-    conn = await bus.connect(own_server.url, "maker-hostile")
+    conn = await connection.connect(own_server.url, "maker-hostile")
     try:
         js = conn.jetstream()
         with contextlib.suppress(NotFoundError):
@@ -404,7 +405,7 @@ async def test_a_new_stream_whose_first_message_is_no_sentinel_is_refused(own_se
         with pytest.raises(RuntimeError, match="someone wrote on it first; remove the stream"):
             await Store(conn)._sentinel_of_new(S.STREAM_TOOLS_SPENT)
     finally:
-        await bus.close(conn)
+        await connection.close(conn)
 
 
 async def test_a_spent_stream_made_by_an_earlier_version_needs_provision_once(own_server):

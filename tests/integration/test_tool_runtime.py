@@ -23,7 +23,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.js import api as jsapi
 from nats.js.errors import APIError, NotFoundError
 
+from improved.client import connection
 from improved.client.chains import read_sequenced
+from improved.client.streams import tools_audit_config, tools_ledger_configs
 from improved.core import audit, evidence, signing
 from improved.core.tools import (
     Provider,
@@ -40,7 +42,7 @@ from improved.core.tools import chain_id as tools_chain_id
 from improved.protocol import subjects
 from improved.protocol.model import to_json
 from improved.runtime import bus
-from improved.runtime.store import Store, tools_audit_config, tools_ledger_configs
+from improved.runtime.store import Store
 from improved_reference.tool_gate import ToolGate
 from improved_reference.tool_runtime import JetStreamLedger, ToolRuntimeService
 from tests.bus import daemon_key, eventually, own_daemon
@@ -311,7 +313,7 @@ async def replicas(nats_url, name: str, n: int = 2):
     conns, services, made = [], [], []
     try:
         for i in range(n):
-            conn = await bus.connect(nats_url, f"tool-replica-{i}")
+            conn = await connection.connect(nats_url, f"tool-replica-{i}")
             conns.append(conn)
             rt, tools = runtime(name=name)
             service = ToolRuntimeService(conn, rt, daemon_key())
@@ -323,7 +325,7 @@ async def replicas(nats_url, name: str, n: int = 2):
         for service in services:
             await service.stop()
         for conn in conns:
-            await bus.close(conn)
+            await connection.close(conn)
 
 
 def calls_of(made, tool_name: str) -> list:
@@ -606,7 +608,7 @@ async def test_an_earlier_versions_spent_and_revoked_keys_still_refuse(own_serve
     allowed TTLs): opened, it is not changed, and each of its `spent.`/`revoked.` keys still
     counts, so a grant spent or an upgrade revoked before the upgrade stays so; a new spend
     is a mark, with its TTL, on the mark stream, create-only."""
-    conn = await bus.connect(own_server.url, "tool-ledger-old-bucket")
+    conn = await connection.connect(own_server.url, "tool-ledger-old-bucket")
     try:
         js = conn.jetstream()
         await js.add_stream(jsapi.StreamConfig(
@@ -629,7 +631,7 @@ async def test_an_earlier_versions_spent_and_revoked_keys_still_refuse(own_serve
         assert await ledger.revoked(revoked) is True
         assert await ledger.revoked("e" * 64) is False
     finally:
-        await bus.close(conn)
+        await connection.close(conn)
 
 
 async def test_a_runtime_that_may_not_create_the_mark_streams_does_not_start(tmp_path, svc):
@@ -642,8 +644,8 @@ async def test_a_runtime_that_may_not_create_the_mark_streams_does_not_start(tmp
              '"$JS.API.STREAM.CREATE.*", "$JS.API.STREAM.UPDATE.*"]}}}\n  ]\n}\n')
     server = bus.EmbeddedServer(tmp_path / "nats", bus.free_port(), sync="2m", extra=users)
     url = server.start()
-    admin = await bus.connect(url.replace("nats://", "nats://admin:a@"), "tool-ledger-admin")
-    user = await bus.connect(url.replace("nats://", "nats://rt:r@"), "tool-ledger-rt")
+    admin = await connection.connect(url.replace("nats://", "nats://admin:a@"), "tool-ledger-admin")
+    user = await connection.connect(url.replace("nats://", "nats://rt:r@"), "tool-ledger-rt")
     try:
         await admin.jetstream().add_stream(tools_audit_config())
         rt, _ = runtime(name=svc)
@@ -659,8 +661,8 @@ async def test_a_runtime_that_may_not_create_the_mark_streams_does_not_start(tmp
         async with serving(user, rt):
             assert (await call(user, rt, "read"))["ok"] is True
     finally:
-        await bus.close(user)
-        await bus.close(admin)
+        await connection.close(user)
+        await connection.close(admin)
         server.stop()
 
 
@@ -712,7 +714,7 @@ async def test_e2e_a_call_that_cannot_be_recorded_does_not_run(nc, svc):
         async def broken(*a, **kw):
             raise ConnectionError("audit stream unavailable")
 
-        service.store.append_sealed = broken
+        service.chains.append_sealed = broken
         env = grant(deploy, now=now_ms(), runtime=svc)
         reply = await call(nc, rt, "deploy", ARGS, env)
         assert reply["refused"]["reason"] == "unaudited"
@@ -721,14 +723,14 @@ async def test_e2e_a_call_that_cannot_be_recorded_does_not_run(nc, svc):
 
 
 async def test_the_runtime_needs_an_audit_stream(own_server, svc):
-    conn = await bus.connect(own_server.url, "tool-runtime-no-stream")
+    conn = await connection.connect(own_server.url, "tool-runtime-no-stream")
     try:
         rt, _ = runtime(name=svc)
         with pytest.raises(RuntimeError,
                            match="audit stream IMPROVE_TOOLS_AUDIT does not exist"):
             await ToolRuntimeService(conn, rt, daemon_key()).start()
     finally:
-        await bus.close(conn)
+        await connection.close(conn)
 
 
 async def test_improved_audit_verify_checks_the_tools_chain(own_server, svc, tmp_path):
@@ -815,7 +817,7 @@ async def test_an_untrusted_runtime_key_on_a_tools_chain_opens_no_crisis(own_ser
 
     config = msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
                                      data_dir=tmp_path / "data")
-    conn = await bus.connect(own_server.url, "untrusted-runtime")
+    conn = await connection.connect(own_server.url, "untrusted-runtime")
     daemon = Daemon(conn, config)
     await daemon.start()
     client = MeshClient(conn, "rank")
@@ -850,7 +852,7 @@ async def test_an_untrusted_runtime_key_on_a_tools_chain_opens_no_crisis(own_ser
     finally:
         await sub.unsubscribe()
         await daemon.stop()
-        await bus.close(conn)
+        await connection.close(conn)
 
 
 async def test_a_chain_written_into_the_daemons_log_before_the_move_verifies_under_its_runtime(
@@ -863,7 +865,7 @@ async def test_a_chain_written_into_the_daemons_log_before_the_move_verifies_und
     from improved.core.tools import call_draft
 
     key, name = Ed25519PrivateKey.generate(), "legacy"
-    conn = await bus.connect(own_server.url, "tool-runtime-legacy")
+    conn = await connection.connect(own_server.url, "tool-runtime-legacy")
     try:
         store = Store(conn)
         await store.ensure()
@@ -874,7 +876,7 @@ async def test_a_chain_written_into_the_daemons_log_before_the_move_verifies_und
         await store.append_sealed(subjects.legacy_tools_audit(cid), cid, "L0", "operation",
                                   lambda chain, now: draft, clock=now_ms)
     finally:
-        await bus.close(conn)
+        await connection.close(conn)
     b64 = base64.b64encode
     daemon_public = b64(signing.raw_public(daemon_key().public_key())).decode()
     base = (f'data_dir = "{tmp_path / "verifier"}"\n[trust]\n'
@@ -926,7 +928,7 @@ async def test_audit_verify_rechecks_the_session_proof_a_trailer_records(own_ser
     verify` re-checks the recorded proof against the upgrade's session key and names it."""
 
     key = Ed25519PrivateKey.generate()
-    conn = await bus.connect(own_server.url, "tool-runtime-proof")
+    conn = await connection.connect(own_server.url, "tool-runtime-proof")
     try:
         await Store(conn).ensure()
         rt, _ = runtime(name=svc)
@@ -956,7 +958,7 @@ async def test_audit_verify_rechecks_the_session_proof_a_trailer_records(own_ser
                 f"(session_proof_invalid)") in broken.stdout, broken.stdout
         assert "Traceback" not in broken.stdout + broken.stderr
     finally:
-        await bus.close(conn)
+        await connection.close(conn)
 
 
 async def test_audit_verify_since_and_by_chain_check_the_runtime_chains(own_server, svc,

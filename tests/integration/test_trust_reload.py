@@ -16,10 +16,10 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core import evidence, signing
 from improved.protocol import subjects as S
-from improved.runtime import bus
 from improved.runtime.store import Store
 from improved.testing import skill_proposal
 from tests.bus import eventually_blocking, log_events, wait_for_event
@@ -42,20 +42,20 @@ def entry(who: tuple[str, Ed25519PrivateKey]) -> str:
 
 
 async def propose(url: str, svc: str, names: list[str]) -> list[str]:
-    nc = await bus.connect(url, "reload-test", persistent=False)
+    nc = await connection.connect(url, "reload-test", persistent=False)
     try:
         client = MeshClient(nc, svc)
         return [(await client.propose(skill_proposal(svc, name=n))).proposal_id for n in names]
     finally:
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 async def trust_chain_length(url: str) -> int:
-    nc = await bus.connect(url, "reload-test", persistent=False)
+    nc = await connection.connect(url, "reload-test", persistent=False)
     try:
         return len(await Store(nc).read_chain_at(S.trust_audit(evidence.TRUST_ID)))
     finally:
-        await bus.close(nc)
+        await connection.close(nc)
 
 
 def test_sighup_reloads_the_trust_store_and_a_broken_file_changes_nothing(own_server,

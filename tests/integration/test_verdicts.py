@@ -12,8 +12,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
-from improved.runtime import bus
 from improved.runtime.store import Store
 from tests.bus import eventually
 from tests.cli import improved
@@ -68,7 +68,7 @@ async def test_no_daemon_is_no_verdict_in_time_and_no_wait_returns_at_once(own_s
     from improved.testing import skill_proposal
     from tests.bus import daemon_config
 
-    conn = await bus.connect(own_server.url, "verdicts-test")
+    conn = await connection.connect(own_server.url, "verdicts-test")
     daemon = Daemon(conn, daemon_config())
     await daemon.start()
     pid = (await MeshClient(conn, "quiet").propose(skill_proposal("quiet"))).proposal_id

@@ -35,6 +35,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from improved.client import connection
 from improved.protocol import canonical
 from improved.runtime import bus
 from improved_reference.artefact_store import bucket_names as artefact_buckets
@@ -269,7 +270,7 @@ async def broker_effects(url: str) -> dict:
     """What the walk left on the broker, read there directly."""
     from improved.protocol import subjects as S
 
-    nc = await bus.connect(url, "walkthrough-check", persistent=False)
+    nc = await connection.connect(url, "walkthrough-check", persistent=False)
     try:
         js = nc.jetstream()
         rank = await (await js.key_value("rank_demo")).get("search.title_boost")
@@ -297,4 +298,4 @@ async def broker_effects(url: str) -> dict:
         return {"rank": msgspec.json.decode(rank.value), "skill": skill, "manifest": manifest,
                 "chains": chains, "outcomes": outcomes}
     finally:
-        await bus.close(nc)
+        await connection.close(nc)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from improved.client import credentials
+from improved.client.connection import NatsSettings
+from improved.client.credentials import AccountsError
 from improved.runtime import accounts, bus
-from improved.runtime.accounts import AccountsError
-from improved.runtime.config import NatsSettings
 from tests.cluster import ACCOUNTS, PASSWORDS
 
 REFERENCE_PASSWORD = re.compile(r'password: "[^"]*"')
@@ -36,7 +37,7 @@ def test_the_embedded_users_and_permissions_are_deploy_accounts_conf_but_for_the
     assert accounts.users(body) == accounts.users(reference)
     assert set(accounts.users(reference)) == {*PASSWORDS, "sys"}
     for user in accounts.users(reference):
-        own = accounts.password_file(tmp_path, user).read_text().strip()
+        own = credentials.password_file(tmp_path, user).read_text().strip()
         assert f'password: "{own}"' in body
         assert own not in reference and PASSWORDS.get(user, "dev-sys-pw") not in body
 
@@ -56,7 +57,7 @@ def test_credentials_are_private_made_once_and_reused(tmp_path):
 
 def test_a_credential_open_to_others_or_not_a_password_is_refused(tmp_path):
     accounts.prepare(tmp_path)
-    operator = accounts.password_file(tmp_path, "operator")
+    operator = credentials.password_file(tmp_path, "operator")
     operator.chmod(0o644)
     with pytest.raises(AccountsError, match=re.escape(f"{operator} is open to others (mode "
                                                       f"0644): `chmod 600 {operator}`")):
@@ -109,30 +110,30 @@ def test_a_password_goes_to_the_server_running_in_its_data_directory_only(tmp_pa
     accounts.prepare(data_dir)
     none = NatsSettings()
     # nothing runs there: nothing is sent, and the default is where a command goes
-    assert accounts.target(None, data_dir, "operator", none).user is None
+    assert credentials.target(None, data_dir, "operator", none).user is None
     pretend_running(data_dir, 4333)
-    found = accounts.target(None, data_dir, "operator", none)
+    found = credentials.target(None, data_dir, "operator", none)
     assert found.where == "nats://127.0.0.1:4333" and found.user == "operator"
     assert found.options["password"] == \
-        accounts.password_file(data_dir, "operator").read_text().strip()
-    assert accounts.target("nats://localhost:4333", data_dir, "improved-admin",
-                           none).user == "improved-admin"
+        credentials.password_file(data_dir, "operator").read_text().strip()
+    assert credentials.target("nats://localhost:4333", data_dir, "improved-admin",
+                              none).user == "improved-admin"
     # another server, credentials given, or a data directory run open: none of its passwords
-    assert accounts.target("nats://127.0.0.1:4222", data_dir, "operator", none).user is None
-    assert accounts.target("nats://10.0.0.7:4333", data_dir, "operator", none).user is None
+    assert credentials.target("nats://127.0.0.1:4222", data_dir, "operator", none).user is None
+    assert credentials.target("nats://10.0.0.7:4333", data_dir, "operator", none).user is None
     given = tmp_path / "pw"
     given.write_text("s3cret-s3cret-s3cret\n")
     mine = NatsSettings(user="alice", password_file=given)
-    assert accounts.target(None, data_dir, "operator", mine).user == "alice"
-    assert accounts.target("nats://bob:pw@127.0.0.1:4333", data_dir, "operator",
-                           none).user == "bob"
+    assert credentials.target(None, data_dir, "operator", mine).user == "alice"
+    assert credentials.target("nats://bob:pw@127.0.0.1:4333", data_dir, "operator",
+                              none).user == "bob"
     with pytest.raises(AccountsError, match=re.escape(
             f"the server of {data_dir} runs with accounts and has no user svc-demo: give it "
             "one with `improved accounts add-service demo`")):
-        accounts.target(None, data_dir, "svc-demo", none)
+        credentials.target(None, data_dir, "svc-demo", none)
     open_dir = tmp_path / "open"
     pretend_running(open_dir, 4334)
-    assert accounts.target(None, open_dir, "operator", none).user is None
+    assert credentials.target(None, open_dir, "operator", none).user is None
 
 
 def test_a_data_directory_says_which_way_it_was_run(tmp_path):

@@ -1,6 +1,8 @@
 """The layering stated in improved/__init__.py, enforced: the core and the wire contract do no
-I/O and await nothing, each layer imports only the layers below it, and nothing in `improved`
-imports the reference services. Read from the source (imports, `async def`, `await`), and
+I/O and await nothing, each layer imports only the layers below it, nothing in `improved`
+imports the reference services, the bench or the demo, and the services stand on the client
+(with the protocol and the core), never on the daemon's shell, its command line, the bench or
+the demo. Read from the source (imports, `async def`, `await`), and
 checked once in a fresh interpreter: importing any pure module loads no event loop and no
 broker client."""
 
@@ -16,7 +18,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "improved"
-REFERENCE = ROOT / "improved_reference"  # the reference services, held to the same limits
+SERVICES = ROOT / "services"  # the source root of improved_reference, held to the same limits
+BENCH = ROOT / "benchmarks" / "improved_bench"  # `improved bench`, held to them too
+DEMO = ROOT / "examples" / "improved_demo"  # `improved demo`, likewise
+SOURCE_ROOTS = (SERVICES, BENCH.parent, DEMO.parent, ROOT)  # where each import name starts
 
 # What a pure layer may not import: I/O, clocks, randomness, the environment, logging.
 IO_MODULES = {"asyncio", "anyio", "nats", "time", "os", "secrets", "tomllib", "pathlib",
@@ -35,7 +40,7 @@ def imports(path: Path, package: str | None = None) -> list[tuple[int, str]]:
     """(line, absolute module) of every import in a file, relative ones resolved."""
     tree = ast.parse(path.read_text(), str(path))
     if package is None:
-        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+        package = ".".join(module_of(path).split(".")[:-1])
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -48,6 +53,12 @@ def imports(path: Path, package: str | None = None) -> list[tuple[int, str]]:
             out += [(node.lineno, f"{base}.{a.name}" if base in ("improved", "") else base)
                     for a in node.names]
     return out
+
+
+def module_of(path: Path) -> str:
+    """The import name of a source file, from the source root it lies under."""
+    root = next(r for r in SOURCE_ROOTS if path.is_relative_to(r))
+    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
 
 
 def awaits(path: Path) -> list[tuple[int, str]]:
@@ -107,8 +118,7 @@ def test_importing_a_pure_module_loads_no_event_loop_and_no_broker_client():
     """Imported in a fresh interpreter, one after the other, no module of the core or the
     protocol (nor the package `improved`, which each imports first) loads nats, asyncio or
     anyio; the first that does is named."""
-    modules = [".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-               for layer in ("protocol", "core") for path in files(layer)]
+    modules = [module_of(path) for layer in ("protocol", "core") for path in files(layer)]
     done = subprocess.run([sys.executable, "-c", FIRST_LOADER.format(loops=EVENT_LOOPS),
                            "improved", *modules], capture_output=True, text=True, timeout=60,
                           cwd=ROOT)
@@ -124,11 +134,51 @@ def test_each_layer_imports_only_the_layers_below_it(layer):
     assert not found, "\n".join(found)
 
 
+ON_TOP = ("improved_bench", "improved_demo")  # they run the daemon: nothing imports them
+
+
+def foreign(paths: list[Path], packages: tuple[str, ...]) -> list[str]:
+    """`path:line imports module` for each import by one of `paths` of one of `packages`."""
+    return [f"{path.relative_to(ROOT)}:{line} imports {module}"
+            for path in paths for line, module in imports(path)
+            if module.split(".")[0] in packages]
+
+
 def test_nothing_in_improved_imports_the_reference_package():
-    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
-             for path in sorted(PACKAGE.rglob("*.py")) for line, module in imports(path)
-             if module.split(".")[0] in ("improved_reference", "services", "tests")]
+    found = foreign(sorted(PACKAGE.rglob("*.py")),
+                    ("improved_reference", "services", *ON_TOP, "tests"))
     assert not found, "\n".join(found)
+
+
+# What a reference service may not import: a mesh service takes part through improved.client
+# (connecting, keys, its chain and streams), never through the daemon's shell or command line
+BELOW_SERVICES = {"runtime", "cli", "testing"}
+
+
+def service_violations(paths: list[Path], package: str | None = None) -> list[str]:
+    """`path:line imports module` for each import by one of `paths` that a service may not
+    make: the shell, the command line, the testing kit, the bench, the demo, the tests."""
+    return [f"{path.name if package else path.relative_to(ROOT)}:{line} imports {module}"
+            for path in paths for line, module in imports(path, package)
+            if layer_of(module) in BELOW_SERVICES
+            or module.split(".")[0] in (*ON_TOP, "tests")]
+
+
+def test_the_services_stand_on_the_client_not_on_the_daemons_shell():
+    found = service_violations(sorted(SERVICES.rglob("*.py")))
+    assert not found, "\n".join(found)
+
+
+def test_the_service_rule_sees_the_shell_the_command_line_and_the_bench(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from improved.client import connection\nfrom improved.core import audit\n"
+                     "from improved.runtime.store import Store\nimport improved.runtime.bus\n"
+                     "from improved import cli\nfrom improved_bench import bench\n"
+                     "from improved_reference import kv_service\n")
+    found = service_violations([probe], "improved_reference")
+    assert found == ["probe.py:3 imports improved.runtime.store", "probe.py:4 imports "
+                     "improved.runtime.bus", "probe.py:5 imports improved.cli",
+                     "probe.py:6 imports improved_bench"]
 
 
 def test_the_checker_sees_io_and_upward_imports_relative_or_absolute(tmp_path):
@@ -146,11 +196,11 @@ def test_the_checker_sees_io_and_upward_imports_relative_or_absolute(tmp_path):
 MAX_FUNCTION_LINES = 80  # past this a function decides too much in one place: split it
 
 
-def test_no_function_in_improved_or_the_reference_services_is_longer_than_the_limit():
-    """Branches are held to 20 by ruff (PLR0912, `ruff check improved improved_reference`);
-    length is held here."""
+def test_no_function_in_improved_the_services_the_bench_or_the_demo_is_longer_than_the_limit():
+    """Branches are held to 20 by ruff (PLR0912, `ruff check improved services benchmarks
+    examples`); length is held here."""
     found = []
-    for path in sorted([*PACKAGE.rglob("*.py"), *REFERENCE.rglob("*.py")]):
+    for path in sorted(p for top in (PACKAGE, SERVICES, BENCH, DEMO) for p in top.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 length = (node.end_lineno or node.lineno) - node.lineno + 1

@@ -14,6 +14,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from improved.client import connection
+from improved.client.connection import ConfigError, NatsSettings
 from improved.core.guards import DEFAULT_FORBIDDEN
 from improved.core.policy import loosening
 from improved.core.signing import raw_public
@@ -21,8 +23,6 @@ from improved.runtime import config as config_module
 from improved.runtime.config import (
     ApplySettings,
     Config,
-    ConfigError,
-    NatsSettings,
     Policy,
     Trust,
     load,
@@ -386,31 +386,27 @@ def test_trust_runtimes_names_runtimes_and_their_keys():
 
 
 def test_credentials_come_from_their_files_and_never_show_in_the_servers(tmp_path):
-    from improved.runtime import bus
-
     pw = tmp_path / "pw"
     pw.write_text("s3cret-pw\n")
-    where = bus.target("nats://127.0.0.1:4222,nats://127.0.0.1:4223",
-                       NatsSettings(user="improved", password_file=pw))
+    where = connection.target("nats://127.0.0.1:4222,nats://127.0.0.1:4223",
+                              NatsSettings(user="improved", password_file=pw))
     assert where.options == {"user": "improved", "password": "s3cret-pw"}
     assert where.where == "nats://127.0.0.1:4222,nats://127.0.0.1:4223"
     assert "s3cret" not in f"{where} {where!r}"
     token = tmp_path / "token"
     token.write_text("t0ken")
-    assert bus.target("nats://h:4222", NatsSettings(token_file=token)).options == {
+    assert connection.target("nats://h:4222", NatsSettings(token_file=token)).options == {
         "token": "t0ken"}
     # the older form still connects, its credentials split off the servers
-    old = bus.target("nats://svc-ranking:p%40ss@h1:4222,nats://h2:4222")
+    old = connection.target("nats://svc-ranking:p%40ss@h1:4222,nats://h2:4222")
     assert old.where == "nats://h1:4222,nats://h2:4222"
     assert old.options == {"user": "svc-ranking", "password": "p@ss"}
 
 
 def test_a_credential_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, monkeypatch):
-    from improved.runtime import bus
-
     def line(url: str, settings) -> str:
         with pytest.raises(ConfigError) as caught:
-            bus.target(url, settings)
+            connection.target(url, settings)
         assert "\n" not in str(caught.value)
         return str(caught.value)
 
@@ -431,7 +427,7 @@ def test_a_credential_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, m
     # given by the environment, the error names the variable too
     monkeypatch.setenv("IMPROVED_NATS_CREDS_FILE", str(missing))
     with pytest.raises(ConfigError) as caught:
-        bus.target("nats://h:4222", load(None).nats)
+        connection.target("nats://h:4222", load(None).nats)
     assert str(caught.value) == (f"config error: nats.creds_file (IMPROVED_NATS_CREDS_FILE): "
                                  f"cannot read {missing}: No such file or directory")
 
@@ -463,7 +459,6 @@ def test_tls_files_make_a_client_context(tmp_path):
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    from improved.runtime import bus
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "improved")])
@@ -477,15 +472,15 @@ def test_tls_files_make_a_client_context(tmp_path):
     (tmp_path / "key.pem").write_bytes(key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption()))
-    where = bus.target("nats://h:4222", NatsSettings(
+    where = connection.target("nats://h:4222", NatsSettings(
         tls_cert=tmp_path / "cert.pem", tls_key=tmp_path / "key.pem",
         tls_ca=tmp_path / "cert.pem"))
     assert isinstance(where.options["tls"], ssl.SSLContext)
     assert where.options["tls"].verify_mode == ssl.CERT_REQUIRED
     with pytest.raises(ConfigError, match=r"^config error: nats.tls_cert: .* are not a "
                                           r"certificate and its key"):
-        bus.target("nats://h:4222", NatsSettings(tls_cert=tmp_path / "key.pem",
-                                                 tls_key=tmp_path / "key.pem"))
+        connection.target("nats://h:4222", NatsSettings(tls_cert=tmp_path / "key.pem",
+                                                        tls_key=tmp_path / "key.pem"))
 
 
 def test_the_environment_names_the_server_over_the_file(tmp_path, monkeypatch):

@@ -9,12 +9,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from improved.client.streams import decoded
 from improved.protocol.model import DedupHead, LedgerEntry, Refusal, Sentinel, to_json
-from improved.runtime.store import (
-    decoded,
-    dedup_head_decoder,
-    ledger_entry_decoder,
-)
+from improved.runtime.store import dedup_head_decoder, ledger_entry_decoder
 
 PID = "ab" * 32
 

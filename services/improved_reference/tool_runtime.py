@@ -76,7 +76,16 @@ from nats.js.api import StreamInfo
 from nats.js.errors import APIError, BucketNotFoundError, KeyDeletedError, NotFoundError
 from nats.js.kv import KeyValue
 
+from improved.client.chain_writer import ChainWriter, decode_trailer
 from improved.client.sdk import MAX_MESSAGE_BYTES, Served, serve_spec
+from improved.client.streams import (
+    SENTINELS,
+    StoreError,
+    is_conflict,
+    seen_of,
+    tools_audit_config,
+    tools_ledger_configs,
+)
 from improved.core import audit, evidence, retention, trailers
 from improved.core.signing import keyid_of, raw_public
 from improved.core.tools import (
@@ -97,16 +106,6 @@ from improved.core.tools import (
 from improved.protocol import subjects as S
 from improved.protocol import wire
 from improved.protocol.model import Envelope, _In, to_json
-from improved.runtime.store import (
-    SENTINELS,
-    Store,
-    StoreError,
-    decode_trailer,
-    is_conflict,
-    seen_of,
-    tools_audit_config,
-    tools_ledger_configs,
-)
 from improved_reference.tool_gate import ToolGate
 
 log = structlog.get_logger("improved_reference.tool_runtime")
@@ -315,8 +314,8 @@ class ToolRuntimeService:
         self.nc = nc
         self.runtime = runtime
         self.gate = ToolGate(runtime)
-        self.store = Store(nc, replicas, audit_stream=S.STREAM_TOOLS_AUDIT)
-        self.store.signer = key
+        # its chain on the tool runtimes' audit stream, signed with its key; the mark streams
+        self.chains = ChainWriter(nc, audit_stream=S.STREAM_TOOLS_AUDIT, signer=key)
         self.keyid = keyid_of(raw_public(key.public_key()))
         self.replicas = replicas
         self.chain = chain_id(runtime.name)
@@ -344,18 +343,18 @@ class ToolRuntimeService:
         this user may not make them (`improved provision` does)."""
         name = self.runtime.name
         try:
-            await self.store.js.stream_info(S.STREAM_TOOLS_AUDIT)
+            await self.chains.js.stream_info(S.STREAM_TOOLS_AUDIT)
         except NotFoundError:
             raise RuntimeError(f"tool runtime {name}: the audit stream {S.STREAM_TOOLS_AUDIT} "
                                "does not exist, so no call could be recorded; run `improved "
                                "provision` (or start a daemon without accounts) first") from None
         for cfg in tools_ledger_configs(self.replicas):
             try:
-                for change in await self.store.ensure_stream(cfg):
+                for change in await self.chains.ensure_stream(cfg):
                     log.info(change, runtime=name)
             except StoreError as exc:
                 raise RuntimeError(f"tool runtime {name}: {exc}") from None
-        self.ledger = await JetStreamLedger.open(self.store.js, name, self.replicas)
+        self.ledger = await JetStreamLedger.open(self.chains.js, name, self.replicas)
         await self._settle_ledger(self.ledger)
         self.gate.ledger = self.ledger
         for subject, cb in ((S.tools_list(name), self._on_list),
@@ -372,7 +371,7 @@ class ToolRuntimeService:
         an operator accepts it (`accept_ledger`), and record that on the chain. What cannot be
         vouched for is logged at error: the calls that rely on it are refused."""
         name, subject = self.runtime.name, S.tools_audit(self.chain)
-        _, head = await self.store.chain_head(subject)
+        _, head = await self.chains.chain_head(subject)
         recorded, foreign = self._recorded(head)
         trusted: dict[str, retention.Known] = {}
         for stream in LEDGER_STREAMS:
@@ -437,7 +436,7 @@ class ToolRuntimeService:
             return ledger_draft(name, trusted, why)
 
         try:
-            await self.store.append_sealed(S.tools_audit(self.chain), self.chain, "L0",
+            await self.chains.append_sealed(S.tools_audit(self.chain), self.chain, "L0",
                                            "operation", draft, clock=now_ms)
         except Exception as exc:
             raise RuntimeError(f"tool runtime {name}: could not record on its chain the mark "
@@ -495,7 +494,7 @@ class ToolRuntimeService:
         if draft is None or decision.provider is None:
             return True
         try:
-            await self.store.append_sealed(S.tools_audit(self.chain), self.chain,
+            await self.chains.append_sealed(S.tools_audit(self.chain), self.chain,
                                            decision.provider.authority, "operation",
                                            lambda chain, now: draft, clock=now_ms)
         except Exception as exc:

@@ -38,6 +38,7 @@ import structlog
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 
+from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core import audit, authority
 from improved.core.breaker import AUTONOMY_ID, from_trailer
@@ -248,7 +249,7 @@ class Demo:
 
     async def _start_daemon(self, url: str) -> None:
         """The daemon, in this process, until `stop`; StepFailed when it does not come up."""
-        self.nc_daemon = await bus.connect(url, "improved-demo-daemon")
+        self.nc_daemon = await connection.connect(url, "improved-demo-daemon")
         self.conns.append(self.nc_daemon)
         self.stop_daemon = asyncio.Event()
         ready: asyncio.Future[Daemon] = asyncio.get_running_loop().create_future()
@@ -275,25 +276,25 @@ class Demo:
     async def _start_services(self, url: str) -> None:
         """The reference services, each signing its answers, seeded with what the steps
         change."""
-        self.nc_skills = await bus.connect(url, "demo-skills-store")
+        self.nc_skills = await connection.connect(url, "demo-skills-store")
         self.conns.append(self.nc_skills)
         self.skills = SkillsStore(self.nc_skills, "skills")
         self.skills.use_key(self.service_keys["skills"])
         await self.skills.start()
-        self.nc_search = await bus.connect(url, "demo-ranking-store")
+        self.nc_search = await connection.connect(url, "demo-ranking-store")
         self.conns.append(self.nc_search)
         self.search = RankingStore(self.nc_search, "search")
         self.search.use_key(self.service_keys["search"])
         await self.search.start()
         values = await self.nc_search.jetstream().key_value(self.search.values_bucket)
         await values.put(RANK_KEY, to_json(PRIOR))
-        self.nc_deploy = await bus.connect(url, "demo-artefact-store")
+        self.nc_deploy = await connection.connect(url, "demo-artefact-store")
         self.conns.append(self.nc_deploy)
         self.deploy = ArtefactStore(self.nc_deploy, "deploy")
         self.deploy.use_key(self.service_keys["deploy"])
         await self.deploy.start()
         await self.deploy.seed(ARTEFACTS)
-        self.nc_memory = await bus.connect(url, "demo-knowledge-doc-stores")
+        self.nc_memory = await connection.connect(url, "demo-knowledge-doc-stores")
         self.conns.append(self.nc_memory)
         self.memory = KnowledgeStore(self.nc_memory, "memory")
         self.memory.use_key(self.service_keys["memory"])
@@ -312,7 +313,7 @@ class Demo:
     async def _connect_mesh(self, url: str) -> None:
         """The agents, the evaluator and the operator share one connection; so does the
         audit reader, which reads the chains straight from the stream, not from the daemon."""
-        self.nc = await bus.connect(url, "demo-mesh")
+        self.nc = await connection.connect(url, "demo-mesh")
         self.conns.append(self.nc)
         self.js = self.nc.jetstream()
         self.skills_client = MeshClient(self.nc, "skills", timeout=STEP_TIMEOUT)
@@ -339,7 +340,7 @@ class Demo:
         for nc in getattr(self, "conns", ()):
             if not nc.is_closed:
                 with suppress(BaseException):
-                    await asyncio.wait_for(bus.close(nc), CLEANUP_TIMEOUT)
+                    await asyncio.wait_for(connection.close(nc), CLEANUP_TIMEOUT)
             if not nc.is_closed:
                 with suppress(BaseException):
                     await nc.close()

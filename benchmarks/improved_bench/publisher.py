@@ -8,7 +8,7 @@ Either closed loop (`concurrency`: at most that many proposals unfinished at onc
 trailer is written: the learn-back trailer of its signal for an applied one (or the apply when
 signals are off), the rejection for a rejected one.
 
-Run as `python -m improved_reference.bench_publisher PLAN.json`; it writes to the plan's `out`
+Run as `python -m improved_bench.publisher PLAN.json`; it writes to the plan's `out`
 the wall-clock time (time.time()) each proposal was published at, by id, and the CPU seconds
 it used from its first publish to its end.
 """
@@ -25,11 +25,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.msg import Msg
 from nats.js.api import PubAck
 
+from improved.client import connection
+from improved.client.keys import load_key
 from improved.core import propose, signing
 from improved.protocol import subjects as S
 from improved.protocol.model import Review, Signal, to_json
-from improved.runtime import bus, keys
-from improved_reference.bench import (
+from improved_bench.bench import (
     FINAL,
     OPERATOR,
     SVC,
@@ -43,7 +44,7 @@ OBSERVER = "mcp:bench-observer:1"  # the learn-back signals' actor: never a prop
 
 
 async def publish(plan: Plan, key: Ed25519PrivateKey) -> Published:
-    nc = await bus.connect(plan.url, "improved-bench-mesh")
+    nc = await connection.connect(plan.url, "improved-bench-mesh")
     js = nc.jetstream(publish_async_max_pending=4096)
     kinds = plan.kinds
     proposals = [make_proposal(k, plan.first + i, plan.t0) for i, k in enumerate(kinds)]
@@ -113,13 +114,13 @@ async def publish(plan: Plan, key: Ed25519PrivateKey) -> Published:
         await asyncio.gather(*pending, return_exceptions=True)
     cpu_s = time.process_time() - cpu_start
     await sub.unsubscribe()
-    await bus.close(nc)
+    await connection.close(nc)
     return Published(published=published, cpu_s=cpu_s)
 
 
 def main(argv: list[str]) -> int:
     plan = msgspec.json.decode(Path(argv[0]).read_bytes(), type=Plan)
-    key = keys.load_key(Path(plan.key))
+    key = load_key(Path(plan.key))
     Path(plan.out).write_bytes(msgspec.json.encode(asyncio.run(publish(plan, key))))
     return 0
 

@@ -56,7 +56,7 @@ from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import NotFoundError
 
-from improved.client import acceptance
+from improved.client import acceptance, connection
 from improved.client.sdk import MeshClient
 from improved.core import propose, signing
 from improved.protocol import canonical
@@ -265,7 +265,7 @@ class Watch:
 
 
 class Plan(msgspec.Struct, kw_only=True):
-    """What one drive asks of the publisher process (improved_reference.bench_publisher), in
+    """What one drive asks of the publisher process (improved_bench.publisher), in
     a file of the run's: where, with which key, what to publish and how fast, where to report."""
 
     url: str
@@ -570,8 +570,8 @@ class Bench:
         for sig in (signals.SIGINT, signals.SIGTERM):
             loop.add_signal_handler(sig, interrupt)
         url = self.start_server()
-        nc = await bus.connect(url, "improved-bench")
-        service = await bus.connect(url, "improved-bench-applier")  # the owning service's own
+        nc = await connection.connect(url, "improved-bench")
+        service = await connection.connect(url, "improved-bench-applier")  # the owning service's own
         try:
             t0 = int(time.time() * 1000)
             kinds = random.Random(7).choices(list(self.mix), weights=list(self.mix.values()),
@@ -628,7 +628,7 @@ class Bench:
                 for conn in (service, nc):
                     # interrupted, nothing is left to flush: a drain would wait on callbacks
                     # the cancel cut short, up to nats-py's drain timeout (30 s)
-                    await (conn.close() if self.interrupted else bus.close(conn))
+                    await (conn.close() if self.interrupted else connection.close(conn))
             finally:
                 self.stop()
 
@@ -699,7 +699,7 @@ class Bench:
             url=url, key=str(self.key_file), kinds=kinds, t0=t0, first=first,
             concurrency=concurrency, rate=rate, learn_back=learn_back,
             timeout=self.args.timeout, out=str(out))))
-        publisher = self.spawn("publisher", "improved_reference.bench_publisher", str(plan))
+        publisher = self.spawn("publisher", "improved_bench.publisher", str(plan))
         try:
             await asyncio.wait_for(watch.done.wait(), timeout=self.args.timeout)
         except TimeoutError:
@@ -815,11 +815,11 @@ class Bench:
         rebuild`, run as an operator runs them, timed from start to exit: reading the log is
         part of the figure."""
         loop = asyncio.get_running_loop()
-        nc = await bus.connect(url, "improved-bench-count")
+        nc = await connection.connect(url, "improved-bench-count")
         try:
             info = await nc.jetstream().stream_info(S.STREAM_AUDIT)
         finally:
-            await bus.close(nc)
+            await connection.close(nc)
         trailers = info.state.messages
         out: dict[str, Any] = {"trailers": trailers}
         for what in ("verify", "rebuild"):

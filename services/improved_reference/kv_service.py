@@ -46,7 +46,8 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from improved.client import acceptance
+from improved.client import acceptance, connection, credentials
+from improved.client.keys import load_key
 from improved.client.sdk import MeshClient, Served, failed, serve_spec
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder, ApplyResult, to_json
@@ -388,18 +389,16 @@ async def run(cls: StoreClass, url: str | None, service: str,
     """Serve `service` until SIGTERM or SIGINT; `setup` runs once the buckets are open,
     before the first order is taken, and returns lines to print (what it did). With
     `key_file` (the service's Ed25519 key) every answer to the daemon is signed."""
-    from improved.runtime import accounts, bus, keys
-
-    key = keys.load_key(key_file) if key_file is not None else None
+    key = load_key(key_file) if key_file is not None else None
 
     name = f"{cls.KIND.replace(' ', '-')}-{service}"
     # credentials from the URL or the IMPROVED_NATS_* files; else, on the server of
     # `data_dir` run with --accounts, the service's own user's there
-    where = accounts.target(url, data_dir, f"svc-{service}", default=DEFAULT_URL)
+    where = credentials.target(url, data_dir, f"svc-{service}", default=DEFAULT_URL)
     try:  # reconnects are forever once up, but a first connection that never comes is an error
-        nc = await asyncio.wait_for(bus.connect(where, name), CONNECT_S)
+        nc = await asyncio.wait_for(connection.connect(where, name), CONNECT_S)
     except TimeoutError:
-        raise bus.BusError(f"cannot reach NATS at {where.where} within {CONNECT_S:g}s") from None
+        raise connection.BusError(f"cannot reach NATS at {where.where} within {CONNECT_S:g}s") from None
     store = cls(nc, service, verify_acceptance=verify_acceptance)
     store.use_key(key)
     try:
@@ -409,7 +408,7 @@ async def run(cls: StoreClass, url: str | None, service: str,
                 print(f"{cls.KIND} {service!r}: {line}", file=sys.stderr, flush=True)
         await store.start()
     except BaseException:
-        await bus.close(nc)
+        await connection.close(nc)
         raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,1 +1,0 @@
-"""Reference mesh services and the client SDK they use."""
