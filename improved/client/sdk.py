@@ -47,7 +47,7 @@ from improved.protocol.model import (
     to_json,
 )
 
-log = structlog.get_logger("improved_reference.sdk")
+log = structlog.get_logger("improved.client")
 
 T = TypeVar("T")
 ProposalLike = Proposal | dict[str, Any]
