@@ -47,11 +47,12 @@ from improved.core import (
     propose,
     queue,
     quorum,
+    replies,
     signing,
     triage,
 )
 from improved.core import checkpoint as checkpoints
-from improved.core.audit import REASON_LIMIT, Draft
+from improved.core.audit import Draft
 from improved.core.authority import Act
 from improved.core.epochs import Seal
 from improved.core.merkle import merkle_root
@@ -61,7 +62,7 @@ from improved.core.record import (
     closed,
     fold,
     same_state,
-    status_at,
+    state_of,
 )
 from improved.core.signing import PAYLOAD_TYPES, ActRefused
 from improved.protocol import subjects as S
@@ -76,11 +77,9 @@ from improved.protocol.model import (
     Grant,
     GrantCommand,
     LedgerEntry,
-    MeasureReply,
     MeasureRequest,
     ObserverType,
     Proposal,
-    ProposalState,
     Review,
     Signal,
     Trailer,
@@ -111,8 +110,6 @@ WITNESS_TIMEOUT_S = 2.0  # how long a checkpoint waits for the runtime chains' h
 WITNESS_RETRY_MS = 3600 * 1000  # after a failed read of them, when to try again
 # after a measurement's first attested answer, how long to listen for one that disagrees
 CONFLICT_GRACE_S = 0.25
-apply_result_decoder = msgspec.json.Decoder(ApplyResult)
-measure_reply_decoder = msgspec.json.Decoder(MeasureReply)
 
 
 def now_ms() -> int:
@@ -929,7 +926,7 @@ class Engine:
         artefact; the planner turns the answer into the transition."""
         body = to_json(lkg.check_request(record))
         report: boundary.Evidence[lkg.LkgReport] = await self._ask(
-            record, S.lkg_request(record.service), lambda _: body, parse_lkg_reply,
+            record, S.lkg_request(record.service), lambda _: body, replies.parse_lkg_reply,
             self._counting(record.service, lkg.LkgReport))
         commit = planner.after_lkg(record, report, self.policy, self.actor,
                                    self.config.max_message_bytes, now_ms())
@@ -952,7 +949,7 @@ class Engine:
 
         try:
             return await self._ask(record, S.measure_request(record.service), lambda _: body,
-                                   parse_measure_reply, chosen, grace=CONFLICT_GRACE_S)
+                                   replies.parse_measure_reply, chosen, grace=CONFLICT_GRACE_S)
         except ServiceUnreachable as exc:
             return boundary.Unattested(learnback.Reading(cause=str(exc)), "no answer")
 
@@ -968,7 +965,7 @@ class Engine:
         return await self._ask(
             record, S.apply_request(record.service),
             lambda attempt: to_json(msgspec.structs.replace(order, attempt=attempt)),
-            parse_apply_reply, self._counting(record.service, ApplyResult), allowed)
+            replies.parse_apply_reply, self._counting(record.service, ApplyResult), allowed)
 
     async def _ask(self, record: ProposalRecord, subject: str, body: Callable[[int], bytes],
                    parse: Callable[[bytes], T | None],
@@ -998,7 +995,7 @@ class Engine:
                 picked = pick(boundary.present(parsed))
                 if picked is not None:
                     return picked
-                last_error, silent = _unanswered(subject, heard, parsed)
+                last_error, silent = replies.unanswered(subject, heard, parsed)
                 maybe_delivered = maybe_delivered or silent
             log.warning("request to the owning service failed", proposal_id=record.proposal_id,
                         subject=subject, attempt=attempt, error=last_error)
@@ -1581,7 +1578,7 @@ class Engine:
         ttl = self.records_ttl_s if self.records_ttl_s and closed(record) else None
         if ttl is not None and since is not None and not closed(since):
             since = None
-        jobs = [self.store.publish(S.proposal_state(svc, pid), state_of(record), ttl)]
+        jobs = [self.store.publish(S.proposal_state(svc, pid), state_of(record, now_ms()), ttl)]
         if record.decision is not None and (since is None or record.decision != since.decision):
             jobs.append(self.store.publish(S.triage_decision(svc, pid), record.decision, ttl))
         if record.outcome is not None and (since is None or record.outcome != since.outcome):
@@ -1603,85 +1600,3 @@ class Engine:
                                applied_id="", authority=apply_stage.authority(record, self.policy),
                                error=f"unreachable: {error}", at=now_ms())
         await self.store.publish(S.apply_outcome(record.service, record.proposal_id), outcome)
-
-
-def _unanswered(subject: str, heard: list[boundary.Evidence[bytes]],
-                parsed: list[boundary.Evidence[Any]]) -> tuple[str, bool]:
-    """Why the answers heard to one attempt gave nothing to take, and whether the service
-    may have received the order all the same: a "not now" (an error reply) it may be
-    trusted to have said refuses this attempt; anything else is as good as silence."""
-    for raw, answer in zip(heard, parsed, strict=True):
-        if answer.value is None and (isinstance(raw, boundary.Attested) or not any(
-                isinstance(h, boundary.Attested) for h in heard)):
-            return f"{subject} answered not now: {error_message(raw.value)}", False
-    why = "; ".join(sorted({h.why for h in heard if isinstance(h, boundary.Unattested)}))
-    return (f"{subject} was answered only by parties it cannot attribute to the service "
-            f"({why})"), True
-
-
-def parse_apply_reply(data: bytes) -> ApplyResult | None:
-    """The service's ApplyResult (`ok: false` is final: the service refused); None for an
-    error reply (DESIGN §3.1: the service could not process it now), which is retried; and
-    anything else a failed result."""
-    try:
-        return apply_stage.recordable(apply_result_decoder.decode(data))
-    except msgspec.MsgspecError as exc:
-        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    try:
-        if isinstance(msgspec.json.decode(data).get("error"), dict):
-            return None
-    except (msgspec.MsgspecError, AttributeError):
-        pass
-    return ApplyResult(ok=False, error=(f"the service answered with something that is not an "
-                                        f"ApplyResult: {why}")[:REASON_LIMIT])
-
-
-def parse_lkg_reply(data: bytes) -> lkg.LkgReport | None:
-    """The service's LKG report; None for an error reply (retried); anything else a report
-    that confirms nothing."""
-    try:
-        return lkg.report_decoder.decode(data)
-    except msgspec.MsgspecError:
-        pass
-    if parse_apply_reply(data) is None:  # an error reply: not now
-        return None
-    return lkg.LkgReport(ok=False, error="the service answered something that is not an LKG "
-                         "report")
-
-
-def parse_measure_reply(data: bytes) -> learnback.Reading:
-    """The service's answer to a MeasureRequest, strictly: `{"value": number}` is a reading;
-    an error reply, or anything else, is none, with the cause (never an exception)."""
-    try:
-        return learnback.Reading(value=measure_reply_decoder.decode(data).value)
-    except msgspec.MsgspecError as exc:
-        problem = str(exc)
-    try:
-        if isinstance(msgspec.json.decode(data).get("error"), dict):
-            return learnback.Reading(cause=f"the service could not measure: "
-                                     f"{error_message(data)}")
-    except (msgspec.MsgspecError, AttributeError):
-        pass
-    return learnback.Reading(cause=f"the service answered a malformed reply: {problem}"[:300])
-
-
-def error_message(data: bytes) -> str:
-    try:
-        err = msgspec.json.decode(data)["error"]
-        return str(err.get("message") or err.get("code"))[:300]
-    except (msgspec.MsgspecError, KeyError, TypeError, AttributeError):
-        return "error reply"
-
-
-def state_of(record: ProposalRecord, now: int | None = None) -> ProposalState:
-    """The retained ProposalState, its status as of `now` (`record.status_at`: expired once
-    `valid_to` passed, even before the chain records it)."""
-    p = record.proposal
-    return ProposalState(
-        proposal_id=record.proposal_id, service=record.service, target_ref=p.target_ref,
-        change_class=p.change_class, gate_class=record.gate_class, scope=p.scope,
-        dedup_key=record.dedup_key, stage=record.stage,
-        status=status_at(record, now_ms() if now is None else now),
-        summary_text=record.summary_text, updated_at=record.updated_at,
-        proposer=record.proposer,
-    )
