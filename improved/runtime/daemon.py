@@ -79,8 +79,12 @@ from improved.protocol.model import (
 )
 from improved.runtime import bus, indexing, keys, metrics, notify
 from improved.runtime.config import Config, ConfigError
-from improved.runtime.engine import ChainBroken, Engine, Handled, ServiceUnreachable
+from improved.runtime.engine import Engine, Handled
+from improved.runtime.intake import Intake
 from improved.runtime.observing import Observing
+from improved.runtime.records import ChainBroken
+from improved.runtime.service_requests import ServiceUnreachable
+from improved.runtime.signed_acts import SignedActs
 from improved.runtime.store import Store
 from improved.runtime.surfaces import Surfaces
 
@@ -138,6 +142,9 @@ class Daemon:
         # tombstones outlive the next two checkpoints: a reader finds what left since the last
         self.store.tombstone_ttl_s = indexes.tombstone_ttl_s(config.checkpoint_interval_s)
         self.engine = Engine(nc, self.store, config, self.actor)
+        # what enters a pass: registrations, signals and reports; signed acts
+        self.intake = Intake(self.engine)
+        self.acts = SignedActs(self.engine)
         # what each service advertises: its own (attested) "improve": false refuses proposals
         self.surfaces = Surfaces(self.engine.answers)
         self.observer = Observing(self.store,
@@ -172,16 +179,16 @@ class Daemon:
         # the daemon key signs every trailer this replica writes and every checkpoint
         self._checkpoint_key = keys.load_or_create_key(
             self.config.checkpoint_key or self.config.data_dir / "checkpoint.pem")
-        self.engine.use_key(self._checkpoint_key)
+        self.engine.trust.use_key(self._checkpoint_key)
         changed = await self.store.ensure()
         if changed:
             log.info("streams and buckets brought to this configuration", changes=changed)
-        await self.engine.record_trust()
+        await self.engine.trust.record_trust()
         await self._policy_in_force()
-        await self.engine.sync_switch()
+        await self.engine.autonomy.sync_switch()
         # verifies the log as it was left; counting the index members from the chains, when
         # the last checkpoint has no counts, waits until after ready unless the log is short
-        await self.engine.checkpoint(self._checkpoint_key, count_limit=START_COUNT_LIMIT)
+        await self.engine.checkpoints.checkpoint(self._checkpoint_key, count_limit=START_COUNT_LIMIT)
         bus.on_reconnect(self.nc, self._reconnected)
         for subject, handler in (
             (S.PROPOSE_REQUESTS, self.on_propose),
@@ -210,13 +217,13 @@ class Daemon:
         loose = policy.loosening(p)  # config.parse refuses it too; a Config built in code here
         if loose is not None:
             raise ConfigError(f"config error: policy.{'.'.join(loose[0])}: {loose[1]}")
-        problem = await self.engine.amendment_problem()
+        problem = await self.engine.policy_chain.amendment_problem()
         if problem is not None:
             raise ConfigError(f"config error: policy.quorum_amendment: {problem}")
         log.info("effective policy", digest=policy.digest(p), forbidden_targets=list(p.forbidden),
                  min_class=policy.effective(p).min_class, fallback_min_class=p.fallback_min_class,
                  quorum=p.quorum, quorum_amendment=p.quorum_amendment)
-        await self.engine.record_policy()
+        await self.engine.policy_chain.record_policy()
 
     async def serve(self) -> None:
         """Every background task of a started daemon, in one task group: the inbound consumer
@@ -247,10 +254,10 @@ class Daemon:
         remembered from it). None of it is read by a decision (every decision replays its
         chain), only by watchers, `review`, the metric and the wake-ups."""
         await self._restore(ensure=False)
-        counted = self.engine.counted
+        counted = self.engine.checkpoints.counted
         if counted is None or counted.members is None:
             try:
-                await self.engine.checkpoint(self._checkpoint_key)
+                await self.engine.checkpoints.checkpoint(self._checkpoint_key)
             except Exception as exc:  # an outage: the checkpoint timer counts them
                 log.warning("checkpoint failed", error=f"{type(exc).__name__}: {exc}")
         await self._recount()
@@ -267,7 +274,7 @@ class Daemon:
         """Each index read against the last checkpoint this process signed: at start, and
         after every checkpoint (so at most once per checkpoint), once the passes in progress
         here have written what their trailers moved."""
-        await self.engine.passes_done(SETTLE_S)
+        await self.engine.locks.passes_done(SETTLE_S)
         for name in indexes.INDEXES:
             await self._check_index(name)
 
@@ -277,8 +284,8 @@ class Daemon:
         from the chains, named in an error; counts the chains do not bear out are counted
         again at the next checkpoint. For the measurement index, every member is remembered
         with the review_after its chain says. Never raises: the next checkpoint tries again."""
-        daemons = set(self.engine.chain_trust.daemons)
-        counted = self.engine.counted
+        daemons = set(self.engine.trust.chain_trust.daemons)
+        counted = self.engine.checkpoints.counted
         try:
             found = await indexing.read(
                 self.store, name, counted, "this daemon has signed no checkpoint yet",
@@ -304,7 +311,7 @@ class Daemon:
         rewritten: list[str] = []
         for record in found.wrong:
             pid = record.proposal_id
-            if self.engine.busy(pid):
+            if self.engine.locks.busy(pid):
                 continue
             entry = index.entry(record)
             held = await self.store.index_subject(found.index, record.service, pid)
@@ -321,7 +328,7 @@ class Daemon:
                 log.error("an index count is off the chains; counting again at the next "
                           "checkpoint", index=found.index, counted=count,
                           chains=found.chains_counted)
-                self.engine.recount()
+                self.engine.checkpoints.recount()
         why = {"why": found.why} if found.source == "chains" else {}
         if lost:
             log.error("index entries of members lost (tombstoned, purged or never written); "
@@ -427,10 +434,10 @@ class Daemon:
         while not self._stopping.is_set():
             await self._pause(self.config.checkpoint_interval_s)
             try:
-                if await self.engine.checkpoint(self._checkpoint_key) is None \
+                if await self.engine.checkpoints.checkpoint(self._checkpoint_key) is None \
                         and not self._stopping.is_set():  # a seal reads its epoch: not on the way out
                     await self._check_indexes()
-                    await self.engine.seal_if_due(self._checkpoint_key)
+                    await self.engine.checkpoints.seal_if_due(self._checkpoint_key)
             except Exception as exc:  # a broker outage: the next interval tries again
                 log.warning("checkpoint failed", error=str(exc))
 
@@ -438,7 +445,7 @@ class Daemon:
         """SIGHUP: take the trust store of `config`, the configuration file read again — its
         `[trust.operators]`, `[trust.quorum]` and `[trust.signers]` keys and `act_max_age_s` —
         and log in one line what changed. The new keys are recorded on the trust chain before
-        any act is accepted under them (`Engine.retrust`). Everything else in the file
+        any act is accepted under them (`TrustInForce.retrust`). Everything else in the file
         (`[trust] daemons` and `subjects_bound` included) is read at start only: a difference
         is named in that line as needing a restart, and not applied."""
         old = self.config
@@ -449,8 +456,8 @@ class Daemon:
                  if f.name != "trust" and getattr(old, f.name) != getattr(config, f.name)]
         later += [f"trust.{name}" for name in ("daemons", "subjects_bound")
                   if getattr(old.trust, name) != getattr(config.trust, name)]
-        changes = await self.engine.retrust(new_trust)
-        self.config = msgspec.structs.replace(old, trust=self.engine.config.trust)
+        changes = await self.engine.trust.retrust(new_trust)
+        self.config = msgspec.structs.replace(old, trust=self.engine.trust.config)
         changed = changes["added"] or changes["removed"] or \
             old.trust.act_max_age_s != new_trust.act_max_age_s
         say = log.warning if changed else log.info
@@ -467,7 +474,7 @@ class Daemon:
         across a broker restart, a purge, or an upgrade from a version without the index —
         republish them from the chains, so `review`, the metric and late joiners read the
         truth again; True when it did. A broker restart over file storage loses neither (the
-        state cache it does lose fills lazily, `Engine._load`).
+        state cache it does lose fills lazily, `ChainRecords.load`).
 
         A loss is told by the marker a complete refill leaves in the records stream
         (`Store.filled`), never by an empty stream: a proposal that arrives during the
@@ -483,7 +490,7 @@ class Daemon:
                 log.warning("retained records or the review index incomplete; refilling them "
                             "from the audit chains")
                 started = time.perf_counter()
-                count = await self.engine.republish_all()
+                count = await self.engine.publisher.republish_all()
                 log.info("records and review index republished", chains=count,
                          seconds=round(time.perf_counter() - started, 2))
             await self.store.mark_filled(seen)
@@ -669,11 +676,11 @@ class Daemon:
                                      "proposal_id")
             return Job(pid, lambda: self._vote(pid, env, act), msg)
         if env.payloadType == PAYLOAD_TYPES["crisis"]:  # improve.grants carries both
-            return Job("crisis", lambda: self.engine.resolve_crisis(env, act), msg)
+            return Job("crisis", lambda: self.engine.autonomy.resolve_crisis(env, act), msg)
         claimed = payload.get("skill")
         if not isinstance(claimed, str) or not GRANT_SKILL_RE.match(claimed):
             raise wire.WireError(wire.INVALID_VALUE, "a grant names `<name>:<sha256>`", "skill")
-        return Job(f"grant:{claimed}", lambda: self.engine.grant(env, claimed, act), msg)
+        return Job(f"grant:{claimed}", lambda: self.acts.grant(env, claimed, act), msg)
 
     async def _service_job(self, kind: str, svc: str, msg: Msg, act: Act) -> Job:
         """A message on one of `svc`'s inbound subjects (`improve.<kind>.<svc>`)."""
@@ -734,7 +741,7 @@ class Daemon:
                 if record is None:
                     record, _ = await self.store.load(S.token(msg.subject, 2) or "", job.key)
                 if record is not None:
-                    await self.engine.publish_unreachable(record, str(exc))
+                    await self.engine.publisher.publish_unreachable(record, str(exc))
             return await self._park(job, delivered - budget, str(exc))
         except _ProposalUnknown as exc:
             if delivered < NOT_FOUND_RETRIES:
@@ -809,9 +816,9 @@ class Daemon:
                        republish: bool) -> None:
         """Register a proposal from the inbound stream; a signed one only once its signature
         verified (a WireError otherwise: refused, and nothing changes)."""
-        async with self.engine.acting():  # the signer's key is checked, then recorded
-            proposer = self.engine.verified_proposer(proposal, env)
-            await self.engine.submit(proposal, pid, dedup, republish, proposer=proposer,
+        async with self.engine.trust.acting():  # the signer's key is checked, then recorded
+            proposer = self.engine.trust.verified_proposer(proposal, env)
+            await self.intake.submit(proposal, pid, dedup, republish, proposer=proposer,
                                      envelope=env)
 
     async def _signal(self, svc: str, sig: Signal, env: Envelope | None, msg: Msg) -> None:
@@ -824,21 +831,21 @@ class Daemon:
                      dispatch: bool = True) -> Handled:
         """Count a signal that arrived on `svc`'s subject for the proposal it names, whichever
         service that proposal is of (a world signal comes on its emitter's own subject)."""
-        owner = await self.engine.service_of(sig.proposal_id or "") or svc
-        async with self.engine.acting():  # a signed signal's key is checked, then recorded
-            emitter, verified = self.engine.emitter_of(svc, sig, env)
-            return await self.engine.signal(owner, sig, republish, fresh, dispatch,
+        owner = await self.engine.records.service_of(sig.proposal_id or "") or svc
+        async with self.engine.trust.acting():  # a signed signal's key is checked, then recorded
+            emitter, verified = self.engine.trust.emitter_of(svc, sig, env)
+            return await self.intake.signal(owner, sig, republish, fresh, dispatch,
                                             emitter=emitter, envelope=verified)
 
     async def _review(self, svc: str, pid: str, env: Envelope | None, act: Act,
                       msg: Msg) -> None:
-        handled = await self.engine.review(svc, pid, env, act)
+        handled = await self.acts.review(svc, pid, env, act)
         if handled.record is None:
             raise _ProposalUnknown(f"no proposal {pid} for service {svc}")
 
     async def _vote(self, pid: str, env: Envelope, act: Act) -> None:
-        svc = await self.engine.service_of(pid)
-        handled = await self.engine.vote(svc, pid, env, act) if svc else None
+        svc = await self.engine.records.service_of(pid)
+        handled = await self.acts.vote(svc, pid, env, act) if svc else None
         if handled is None or handled.record is None:
             raise _ProposalUnknown(f"no proposal {pid}")
 
@@ -849,7 +856,7 @@ class Daemon:
         result = said.map(lambda r: apply_stage.recordable(ApplyResult(
             ok=r.ok, applied_id=r.applied_id, inverse=r.inverse, rollbackable=r.rollbackable,
             error=r.error, schema_class=r.schema_class)))
-        handled, taken = await self.engine.report(report.service, report.proposal_id, result)
+        handled, taken = await self.intake.report(report.service, report.proposal_id, result)
         if handled.record is None:
             raise _ProposalUnknown(f"no proposal {report.proposal_id} for {report.service}")
         if not taken:
@@ -913,21 +920,21 @@ class Daemon:
         if apply_stage.rolls_back(proposal) is not None:
             return
         problem = propose.surface_problem(svc, await self.surfaces.spec(svc))
-        if problem is not None and await self.engine.service_of(pid) is None:
+        if problem is not None and await self.engine.records.service_of(pid) is None:
             raise wire.WireError(wire.NO_SURFACE, problem, "service")
 
     async def on_propose(self, svc: str, msg: Msg) -> bytes:
         proposal, env = proposal_of(msg.data, svc, self.config.max_message_bytes)
         pid, dedup = propose.identify(proposal)
         await self._check_surface(svc, pid, proposal)
-        async with self.engine.acting():
+        async with self.engine.trust.acting():
             # a signed proposal that does not verify is refused before anything is kept
-            proposer = self.engine.verified_proposer(proposal, env)
+            proposer = self.engine.trust.verified_proposer(proposal, env)
             # Durable first: once the stream has it, a crash cannot lose it.
             await enqueue(self.store.js, svc, msg.data, pid)
             # Register and triage now, so the reply carries the status; the inbound consumer,
             # which has the message too, carries the apply with its retries.
-            handled = await self.engine.submit(proposal, pid, dedup, dispatch=False,
+            handled = await self.intake.submit(proposal, pid, dedup, dispatch=False,
                                                fresh=True, proposer=proposer, envelope=env)
         status = (status_at(handled.record, int(time.time() * 1000)) if handled.record
                   else "pending")

@@ -53,7 +53,7 @@ async def _waiting_and_counted(own_server, name: str) -> tuple[Daemon, object, s
     waiting = {(await client.propose(skill_proposal(SVC, name=n))).proposal_id
                for n in ("first", "second")}
     assert await _listed(own_server.url) == (waiting, "index")
-    assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None  # noqa: SLF001
+    assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None  # noqa: SLF001
     return daemon, nc, waiting
 
 
@@ -228,8 +228,8 @@ async def test_every_checkpoint_counts_what_the_chains_say(own_server, capsys):
                     and any(t.get("verdict") == "held" for t in chain))
 
         await eventually(settled, timeout=20)
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None  # noqa: SLF001
-        counted = daemon.engine.counted
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None  # noqa: SLF001
+        counted = daemon.engine.checkpoints.counted
         records, _ = await indexing.from_chains(daemon.store, 1, counted.last_seq, None,
                                                 Policy())
         assert counted.members == indexing.counts_of(records) == {"review": 3, "due": 2}
@@ -240,7 +240,7 @@ async def test_every_checkpoint_counts_what_the_chains_say(own_server, capsys):
 
         again = Daemon(nc, _answering(svc)[0])  # another data directory: the stream's checkpoint
         await again.start()
-        assert again.engine.counted.members == counted.members
+        assert again.engine.checkpoints.counted.members == counted.members
 
         trusted = {signing.keyid_of(signing.raw_public(daemon_key().public_key()))}
         for pid in (owed, done, approved, rejected, waits, surfaced, newer):

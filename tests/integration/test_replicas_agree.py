@@ -173,7 +173,7 @@ async def test_an_approval_recorded_by_one_replica_is_in_the_others_weight(own_s
         await eventually(lambda: _status(client, pid, "pending"))
         assert await b.observer.counts(STALE) == observe.NO_COUNTS
         env = review(pid)  # ALICE's signed approval, handled by replica A: A commits it
-        handled = await a.engine.review(svc, pid, env, Act(envelope_digest(env), 1))
+        handled = await a.acts.review(svc, pid, env, Act(envelope_digest(env), 1))
         assert handled.record.approved_by is not None
         counts = await b.observer.counts(STALE)
         assert (counts.accepted, counts.rejected) == (1, 0)

@@ -130,17 +130,17 @@ async def test_a_tombstone_leaves_the_stream_after_its_ttl(own_server):
 
 
 class _Refills:
-    """Counts the daemon's refills (`Engine.republish_all`)."""
+    """Counts the daemon's refills (`Publisher.republish_all`)."""
 
     def __init__(self, daemon: Daemon):
         self.calls = 0
-        original = daemon.engine.republish_all
+        original = daemon.engine.publisher.republish_all
 
         async def counted(*args, **kw):
             self.calls += 1
             return await original(*args, **kw)
 
-        daemon.engine.republish_all = counted  # type: ignore[method-assign]
+        daemon.engine.publisher.republish_all = counted  # type: ignore[method-assign]
 
 
 @pytest.mark.timeout(120)
