@@ -23,7 +23,8 @@ from improved.core import signing
 from improved.core.tools import Provider, Runtime, grant_token, sign_grant
 from improved.protocol import subjects as S
 from improved.runtime import bus
-from improved.runtime.store import Store, tools_ledger_configs
+from improved.runtime.provisioning import tools_ledger_configs
+from improved.runtime.store import Store
 from improved_reference.tool_gate import ToolGate
 from improved_reference.tool_runtime import JetStreamLedger
 

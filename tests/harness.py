@@ -42,7 +42,8 @@ from improved.core.policy import Policy
 from improved.core.propose import rebuild_record
 from improved.protocol import subjects as S
 from improved.protocol.model import Proposal, to_json
-from improved.runtime.store import Store, trailer_decoder
+from improved.runtime.audit_log import trailer_decoder
+from improved.runtime.store import Store
 from improved_reference.kv_service import PROVENANCE
 from improved_reference.ranking_store import RankingStore
 from tests.factories import rank_proposal, skill_proposal

@@ -41,7 +41,7 @@ from improved.cli.errors import Failure, command_name
 from improved.runtime import bus, metrics
 from improved.runtime.accounts import AccountsError
 from improved.runtime.config import ConfigError
-from improved.runtime.store import StoreError
+from improved.runtime.provisioning import StoreError
 
 GROUPS = (run, accounts, provision, proposals, audit, authority, tools, console, reference)
 

@@ -352,7 +352,7 @@ def _index_refs_problem(key: tuple[str | None, str | None],
     from improved.core.policy import Policy
     from improved.core.propose import rebuild_record
     from improved.core.record import replay
-    from improved.runtime.store import decode_trailer
+    from improved.runtime.audit_log import decode_trailer
 
     if key[0] in S.MESH_CHAINS:
         return None

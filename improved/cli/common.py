@@ -129,7 +129,7 @@ async def chain_record(store: Store, svc: str, pid: str) -> ProposalRecord | Non
     from improved.core import audit
     from improved.core.policy import Policy
     from improved.core.propose import rebuild_record
-    from improved.runtime.store import decode_trailer
+    from improved.runtime.audit_log import decode_trailer
 
     chain = await store.read_chain(svc, pid)
     if not chain or audit.verify_links(pid, [body for _, body in chain]) is not None:

@@ -42,7 +42,7 @@ from improved.cli.errors import USAGE, Failure
 from improved.runtime import bus
 from improved.runtime.bus import Target
 from improved.runtime.config import Config
-from improved.runtime.store import StoreError
+from improved.runtime.provisioning import StoreError
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey

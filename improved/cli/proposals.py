@@ -107,7 +107,7 @@ async def shown(store: Store, text: str, config: Config, readable: bool = True) 
     from improved.core import evidence
     from improved.core.policy import Policy
     from improved.core.propose import rebuild_record
-    from improved.runtime.store import decode_trailer
+    from improved.runtime.audit_log import decode_trailer
 
     svc, pid = await ids.resolve(store, text)
     view: dict[str, Any] = {}
@@ -193,7 +193,7 @@ async def replaced(store: Store, svc: str, record: ProposalRecord
     states are read: beyond that the body is shown without a diff."""
     from improved.core.policy import Policy
     from improved.core.propose import rebuild_record
-    from improved.runtime.store import decode_trailer
+    from improved.runtime.audit_log import decode_trailer
 
     listing = await store.js.stream_info(S.STREAM_RECORDS,
                                          subjects_filter=S.proposal_state(svc, "*"))

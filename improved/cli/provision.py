@@ -21,7 +21,8 @@ from improved.cli.common import add_connection_args, chain_record, config_of, ur
 from improved.core import propose
 from improved.runtime import accounts, bus
 from improved.runtime.bus import Target
-from improved.runtime.store import NeedsProvision, Store, StoreError
+from improved.runtime.provisioning import NeedsProvision, StoreError
+from improved.runtime.store import Store
 
 ADMIN = "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"
 

@@ -23,7 +23,8 @@ from improved.runtime import archive, checkpointing, indexing, tool_chains
 from improved.runtime.autonomy import AutonomyChain
 from improved.runtime.clock import now_ms
 from improved.runtime.config import Config
-from improved.runtime.store import NeedsProvision, Store
+from improved.runtime.provisioning import NeedsProvision
+from improved.runtime.store import Store
 from improved.runtime.trusting import TrustInForce
 
 log = structlog.get_logger("improved.engine")

@@ -46,13 +46,14 @@ from improved.runtime.autonomy import AutonomyChain
 from improved.runtime.checkpointer import Checkpointer
 from improved.runtime.clock import now_ms
 from improved.runtime.config import Config
+from improved.runtime.conflicts import ChainConflict, pause_after_conflict
 from improved.runtime.metrics import Metrics
 from improved.runtime.passes import ProposalLocks
 from improved.runtime.policy_chain import PolicyInForce
 from improved.runtime.publishing import Publisher
 from improved.runtime.records import ChainRecords
 from improved.runtime.service_requests import GrantRevoked, ServiceRequests, ServiceUnreachable
-from improved.runtime.store import ChainConflict, Store, pause_after_conflict
+from improved.runtime.store import Store
 from improved.runtime.trusting import TrustInForce
 
 log = structlog.get_logger("improved.engine")

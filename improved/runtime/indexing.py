@@ -24,7 +24,8 @@ from improved.core.policy import Policy
 from improved.core.propose import rebuild_record
 from improved.core.record import ProposalRecord, replay
 from improved.protocol import subjects as S
-from improved.runtime.store import Store, decode_trailer
+from improved.runtime.audit_log import decode_trailer
+from improved.runtime.store import Store
 
 CP_SUBJECT = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
 SEAL_SUBJECT = S.checkpoint_audit(epochs.SEAL_ID)

@@ -15,8 +15,9 @@ from improved.core.audit import Draft
 from improved.core.policy import Policy
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
+from improved.runtime.audit_log import decode_trailer
 from improved.runtime.clock import now_ms
-from improved.runtime.store import Store, decode_trailer
+from improved.runtime.store import Store
 from improved.runtime.trusting import TrustInForce
 
 log = structlog.get_logger("improved.engine")

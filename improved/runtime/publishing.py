@@ -18,10 +18,11 @@ from improved.core.policy import Policy
 from improved.core.record import ProposalRecord, closed, state_of
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOutcome, Trailer
+from improved.runtime.audit_log import decode_trailer
 from improved.runtime.clock import now_ms
 from improved.runtime.passes import ProposalLocks
 from improved.runtime.records import CACHE_SIZE, ChainRecords
-from improved.runtime.store import Store, decode_trailer
+from improved.runtime.store import Store
 
 log = structlog.get_logger("improved.engine")
 

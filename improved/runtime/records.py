@@ -15,8 +15,10 @@ from improved.core.policy import Policy
 from improved.core.record import ProposalRecord, same_state
 from improved.protocol import subjects as S
 from improved.protocol.model import Proposal
+from improved.runtime.audit_log import decode_trailer
 from improved.runtime.autonomy import AutonomyChain
-from improved.runtime.store import StateConflict, Store, decode_trailer
+from improved.runtime.conflicts import StateConflict
+from improved.runtime.store import Store
 from improved.runtime.trusting import TrustInForce
 
 log = structlog.get_logger("improved.engine")

@@ -18,9 +18,9 @@ from improved.core.record import ProposalRecord
 from improved.core.signing import PAYLOAD_TYPES, ActRefused
 from improved.protocol import subjects as S
 from improved.protocol.model import Envelope, Grant, GrantCommand, LedgerEntry, Review, Vote
+from improved.runtime.audit_log import decode_trailer
 from improved.runtime.clock import now_ms
 from improved.runtime.engine import Engine, Handled, Ingest
-from improved.runtime.store import decode_trailer
 from improved.runtime.trusting import recorded_act
 
 log = structlog.get_logger("improved.engine")

@@ -30,8 +30,9 @@ from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult, Trailer
 from improved.runtime import bus
+from improved.runtime.audit_log import decode_trailer
 from improved.runtime.daemon import Daemon
-from improved.runtime.store import Store, decode_trailer
+from improved.runtime.store import Store
 from tests.bus import daemon_config, eventually, publish
 from tests.factories import review, skill_proposal
 

@@ -23,8 +23,10 @@ from improved.core.record import ChainHead
 from improved.protocol import subjects as S
 from improved.protocol.model import DedupHead, GrantCommand, to_json
 from improved.runtime import bus
+from improved.runtime.conflicts import ChainConflict
 from improved.runtime.daemon import Daemon
-from improved.runtime.store import LOOK_ATTEMPTS, ChainConflict, NeedsProvision, Store
+from improved.runtime.provisioning import LOOK_ATTEMPTS, NeedsProvision
+from improved.runtime.store import Store
 from improved.testing import rank_proposal
 from tests.bus import daemon_config, eventually
 from tests.cli import improved

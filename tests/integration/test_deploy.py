@@ -40,7 +40,8 @@ from improved.protocol.model import (
 from improved.runtime import bus
 from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon
-from improved.runtime.store import STATE_TTL_S, Store, stream_configs, windows_config
+from improved.runtime.provisioning import STATE_TTL_S, stream_configs, windows_config
+from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore
 from tests.bus import scratch
 from tests.cluster import ACCOUNTS, CLUSTER, DEPLOY, PASSWORDS, Cluster, start_server, stop_server
@@ -551,7 +552,7 @@ async def test_provision_writes_the_sentinel_into_a_spent_stream_an_earlier_vers
     permission violation on either side."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from improved.runtime.store import tools_audit_config, tools_ledger_configs
+    from improved.runtime.provisioning import tools_audit_config, tools_ledger_configs
     from improved_reference.tool_runtime import ToolRuntimeService
     from tests.tool_surfaces import ARGS, grant, runtime
 

@@ -14,7 +14,8 @@ from improved.client import chains
 from improved.core import audit
 from improved.core.audit import Draft
 from improved.runtime import bus
-from improved.runtime.store import ChainConflict, ChainKeptMoving, Store
+from improved.runtime.conflicts import ChainConflict, ChainKeptMoving
+from improved.runtime.store import Store
 
 
 @pytest.fixture

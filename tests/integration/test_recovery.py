@@ -148,7 +148,7 @@ async def test_the_state_cache_forgets_what_is_not_touched(own_server):
     before the bound had one is brought to it."""
     from nats.js import api as jsapi
 
-    from improved.runtime.store import STATE_TTL_S
+    from improved.runtime.provisioning import STATE_TTL_S
 
     nc = await bus.connect(own_server.url, "ttl")
     js = nc.jetstream()

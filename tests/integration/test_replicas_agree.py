@@ -19,7 +19,7 @@ from improved.protocol.model import ApplyResult, Signal
 from improved.runtime import bus
 from improved.runtime import daemon as daemon_module
 from improved.runtime.daemon import Daemon
-from improved.runtime.store import WINDOWS_MAX_KEYS
+from improved.runtime.provisioning import WINDOWS_MAX_KEYS
 from tests.bus import daemon_config, eventually
 from tests.factories import now_ms, review, signal
 

@@ -17,7 +17,8 @@ from improved.protocol import subjects as S
 from improved.protocol.model import ReviewEntry, to_json
 from improved.runtime import bus
 from improved.runtime.daemon import CACHE_CHECK_S, Daemon
-from improved.runtime.store import Store, stream_configs
+from improved.runtime.provisioning import stream_configs
+from improved.runtime.store import Store
 from tests.bus import daemon_config, eventually, publish, value
 from tests.factories import now_ms, rank_proposal, review, skill_proposal
 

@@ -28,8 +28,9 @@ from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import AnalyzerRef, ApplyResult, Trailer, to_json
 from improved.runtime import bus
+from improved.runtime.audit_log import decode_trailer
 from improved.runtime.daemon import Daemon
-from improved.runtime.store import Store, decode_trailer
+from improved.runtime.store import Store
 from tests.bus import applied_at_l2, daemon_config, eventually, publish, whole_log_breaks
 from tests.factories import grant, skill_proposal
 

@@ -24,7 +24,8 @@ from improved.core.tools import chain_id, sign_revocation, upgrade_id
 from improved.protocol import subjects as S
 from improved.protocol.model import to_json
 from improved.runtime import bus
-from improved.runtime.store import Store, tools_ledger_configs
+from improved.runtime.provisioning import tools_ledger_configs
+from improved.runtime.store import Store
 from improved_reference.tool_runtime import ToolRuntimeService
 from tests.bus import daemon_key
 from tests.cli import improved

@@ -40,7 +40,8 @@ from improved.core.tools import chain_id as tools_chain_id
 from improved.protocol import subjects
 from improved.protocol.model import to_json
 from improved.runtime import bus
-from improved.runtime.store import Store, tools_audit_config, tools_ledger_configs
+from improved.runtime.provisioning import tools_audit_config, tools_ledger_configs
+from improved.runtime.store import Store
 from improved_reference.tool_gate import ToolGate
 from improved_reference.tool_runtime import JetStreamLedger, ToolRuntimeService
 from tests.bus import daemon_key, eventually, own_daemon

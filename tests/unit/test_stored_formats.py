@@ -10,11 +10,7 @@ import msgspec
 import pytest
 
 from improved.protocol.model import DedupHead, LedgerEntry, Refusal, Sentinel, to_json
-from improved.runtime.store import (
-    decoded,
-    dedup_head_decoder,
-    ledger_entry_decoder,
-)
+from improved.runtime.buckets import decoded, dedup_head_decoder, ledger_entry_decoder
 
 PID = "ab" * 32
 
