@@ -107,7 +107,7 @@ class Engine:
         self.queue_size = 0
         self._started: dict[str, float] = {}  # when handling of a proposal began
         # told the `valid_to` of every review index entry this process writes, so the daemon's
-        # expiry sweep wakes when the earliest is due (`Daemon._expiries`)
+        # expiry sweep wakes when the earliest is due (`Upkeep.expiries`)
         self.on_indexed: Callable[[int], None] | None = None
         # applied proposals awaiting their measurement: proposal id → (review_after, service);
         # only a wake-up call (the pass it makes decides from the chain), see `due_reviews`

@@ -73,7 +73,7 @@ async def _patiently(what: str, call: Callable[[], Awaitable[T]],
 # How long the inbound consumer waits for an ack before it delivers a message again. Short: a
 # delivery the broker hands to a pull request of a connection that is dying never arrives, and
 # only this wait brings it back. The daemon extends it for every message it holds
-# (`Daemon._keep_alive`), however long the job takes.
+# (`InboundConsumer._keep_alive`), however long the job takes.
 INBOUND_ACK_WAIT_S = 5.0
 INBOUND_MAX_AGE_S = 30 * 24 * 3600
 REFUSED_MAX_AGE_S = 30 * 24 * 3600

@@ -70,7 +70,7 @@ async def test_a_tombstoned_review_entry_hides_no_waiting_proposal(own_server):
 
         # the daemon's check after its next checkpoint names the loss and rewrites the entry
         with structlog.testing.capture_logs() as logs:
-            await daemon._check_indexes()  # noqa: SLF001 - what runs after each checkpoint
+            await daemon.index_checks.check_indexes()  # what runs after each checkpoint
         errors = [e for e in logs if e["log_level"] == "error"]
         assert [e.get("index") for e in errors] == ["review"], logs
         assert hidden in str(errors[0])
@@ -101,7 +101,7 @@ async def test_a_purge_of_review_entries_hides_no_waiting_proposal(own_server, p
         assert await daemon.store.filled()  # the marker still vouches for the index
         assert not [e for e in await daemon.store.read_index() if e.service == SVC]
         assert await _listed(own_server.url) == (waiting, "chains")
-        await daemon._check_indexes()  # noqa: SLF001
+        await daemon.index_checks.check_indexes()
         assert await _listed(own_server.url) == (waiting, "index")
     finally:
         await daemon.stop()

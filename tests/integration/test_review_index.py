@@ -16,9 +16,10 @@ from improved.core.policy import Policy
 from improved.protocol import subjects as S
 from improved.protocol.model import ReviewEntry, to_json
 from improved.runtime import bus
-from improved.runtime.daemon import CACHE_CHECK_S, Daemon
+from improved.runtime.daemon import Daemon
 from improved.runtime.provisioning import stream_configs
 from improved.runtime.store import Store
+from improved.runtime.upkeep import CACHE_CHECK_S
 from tests.bus import daemon_config, eventually, publish, value
 from tests.factories import now_ms, rank_proposal, review, skill_proposal
 
