@@ -192,8 +192,9 @@ class AutonomyChain:
     async def resolve_crisis(self, env: Envelope, act: Act) -> bool:
         """An operator's signed act clears the crisis it names; anything else is refused."""
         try:
-            verified, cmd = authority.check_signed(self.trust.operators, env, PAYLOAD_TYPES["crisis"],
-                                                   CrisisAct, now_ms(), self.trust.max_act_age_ms)
+            verified, cmd = authority.check_signed(
+                self.trust.operators, env, PAYLOAD_TYPES["crisis"], CrisisAct, now_ms(),
+                self.trust.max_act_age_ms)
         except ActRefused as refused:
             log.warning("crisis resolution refused", code=refused.code, reason=refused.reason)
             return False

@@ -101,7 +101,8 @@ class Daemon:
         await self.engine.autonomy.sync_switch()
         # verifies the log as it was left; counting the index members from the chains, when
         # the last checkpoint has no counts, waits until after ready unless the log is short
-        await self.engine.checkpoints.checkpoint(self._checkpoint_key, count_limit=START_COUNT_LIMIT)
+        await self.engine.checkpoints.checkpoint(self._checkpoint_key,
+                                                 count_limit=START_COUNT_LIMIT)
         bus.on_reconnect(self.nc, self.upkeep.reconnected)
         await self.requests.subscribe()
         await self.inbound.bind()
@@ -155,9 +156,9 @@ class Daemon:
         across a restart, a purge, an upgrade from a version without the index); count the
         index members from the chains when the start's checkpoint could not (the first start
         after an upgrade, over a long log); then count the queue from the index and check
-        both indexes against the checkpoint (`IndexChecks.check_indexes`: the measurements still owed are
-        remembered from it). None of it is read by a decision (every decision replays its
-        chain), only by watchers, `review`, the metric and the wake-ups."""
+        both indexes against the checkpoint (`IndexChecks.check_indexes`: the measurements
+        still owed are remembered from it). None of it is read by a decision (every decision
+        replays its chain), only by watchers, `review`, the metric and the wake-ups."""
         await self.upkeep.restore(ensure=False)
         counted = self.engine.checkpoints.counted
         if counted is None or counted.members is None:

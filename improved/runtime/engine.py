@@ -206,8 +206,8 @@ class Engine:
         proposal), and the measurement index entry when a measurement fell due or was made
         (`learnback.due_change`: never for a proposal without review_after). Of the retained
         records, only those that differ from what this process last published for the
-        proposal (`Publisher.publish_changes`) are sent again; with nothing shown here (another process's work, a
-        restart) all of them are."""
+        proposal are sent again (`Publisher.publish_changes`); with nothing shown here
+        (another process's work, a restart) all of them are."""
         pid = record.proposal_id
         self.expect_review(record)
         republish = republish or self.publisher.owes(pid)

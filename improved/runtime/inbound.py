@@ -330,7 +330,8 @@ class InboundConsumer:
             await msg.term()
             return False
         except wire.WireError as err:
-            await self.admission.refuse(S.token(msg.subject, 2) or "_", msg.subject, err, len(msg.data))
+            await self.admission.refuse(S.token(msg.subject, 2) or "_", msg.subject, err,
+                                        len(msg.data))
             await msg.term()
             return False
         except ChainBroken as exc:  # the crisis is open; nothing is decided on this chain
@@ -399,7 +400,8 @@ class InboundConsumer:
                                      envelope=env)
 
     async def _signal(self, svc: str, sig: Signal, env: Envelope | None, msg: Msg) -> None:
-        handled = await self.admission.count(svc, sig, env, republish=msg.metadata.num_delivered > 1)
+        handled = await self.admission.count(svc, sig, env,
+                                             republish=msg.metadata.num_delivered > 1)
         if handled.record is None:
             raise ProposalUnknown(f"no proposal {sig.proposal_id} for service {svc}")
 

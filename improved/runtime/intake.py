@@ -42,9 +42,9 @@ class Intake:
                      envelope: Envelope | None = None) -> Handled:
         """Register a proposal (once) and carry it as far as its gate allows (short of the
         apply when `dispatch` is False: the inbound consumer then carries the apply). A
-        signed one's `proposer` (`verified_proposer`) and `envelope` go on its registration;
-        the first registration decides, so a later signed copy of registered content, or a
-        later bare one, changes nothing."""
+        signed one's `proposer` (`TrustInForce.verified_proposer`) and `envelope` go on its
+        registration; the first registration decides, so a later signed copy of registered
+        content, or a later bare one, changes nothing."""
 
         def ingest(record: ProposalRecord | None, now: int) -> tuple[ProposalRecord, Draft] | None:
             if record is not None:
@@ -57,7 +57,7 @@ class Intake:
         future = propose.future_dated(proposal, now_ms())  # claims nothing; triage rejects it
         # Newer content that still stands under the key supersedes this one: then nothing of
         # this one is sent (decided below, before anything else carries it on).
-        seen: dict[str, DedupHead | None] = {}  # the head as `_standing_head` read it, if so
+        seen: dict[str, DedupHead | None] = {}  # the head as `Engine.standing_head` read it
         standing = (None if future or not dispatch  # without dispatch nothing is sent anyway
                     else await self.engine.standing_head(svc, dedup, pid, proposal, seen))
         dispatch_now = dispatch and standing is None

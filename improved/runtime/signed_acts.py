@@ -126,8 +126,9 @@ class SignedActs:
         subject = S.grant_audit(sha)
         verified = cmd = refused = None
         try:
-            verified, cmd = authority.check_signed(self.trust.operators, env, PAYLOAD_TYPES["grant"],
-                                                   GrantCommand, now_ms(), self.trust.max_act_age_ms)
+            verified, cmd = authority.check_signed(
+                self.trust.operators, env, PAYLOAD_TYPES["grant"], GrantCommand, now_ms(),
+                self.trust.max_act_age_ms)
         except ActRefused as exc:
             refused = exc
         if cmd is not None:

@@ -1,9 +1,9 @@
 """JetStream streams, the state bucket, and the chain append (DESIGN §7 "store").
 
 Four streams, five buckets and the inbound consumer, made to match this configuration by
-`Store.ensure` (`runtime.provisioning`), which looks before it changes anything: under deploy/accounts.conf only the
-provisioning user (`improved provision`) may create or change most of them, and the daemon
-finds them as they should be.
+`Store.ensure` (`runtime.provisioning`), which looks before it changes anything: under
+deploy/accounts.conf only the provisioning user (`improved provision`) may create or change
+most of them, and the daemon finds them as they should be.
 - IMPROVE_IN: inbound requests (`improve.proposals.<svc>`, …), kept so nothing is lost while no
   daemon runs; one durable pull consumer shared by every replica.
 - IMPROVE_RECORDS: retained records, one message per subject (the current state), among them
