@@ -1,7 +1,7 @@
 """The cost of one observed signal (a signal that names no proposal, which only the analyzers
 read). `python benchmarks/observe_cost.py 3000` starts an embedded server (sync 2m) and an
 in-process daemon, then measures
-  1. the observe stage alone: `Daemon._observe` awaited once per signal, N negative metric
+  1. the observe stage alone: `InboundConsumer.observe` awaited once per signal, N negative metric
      signals about N/3 targets from three sessions (so every third one completes a window and
      proposes an L1), mean and p50/p99 per signal; then N signals each about a target of its
      own;
@@ -55,11 +55,11 @@ async def idle(nc) -> None:
 
 
 async def alone(d: Daemon, sigs: list[Signal]) -> list[float]:
-    """Seconds `Daemon._observe` took for each signal, sorted."""
+    """Seconds `InboundConsumer.observe` took for each signal, sorted."""
     took = []
     for sig in sigs:
         started = time.perf_counter()
-        await d._observe(sig.service, sig)
+        await d.inbound.observe(sig.service, sig)
         took.append(time.perf_counter() - started)
     return sorted(took)
 

@@ -405,7 +405,7 @@ async def whole_log_breaks(url: str) -> list[str]:
 async def quorum_reads(daemon, svc: str, pid: str) -> list[str]:
     """What a voter reads of `pid`: the digests of the proposal, its body and its triage
     record as its chain has them, and the SPEC version."""
-    return quorum.expected_reads(await daemon.engine.rebuild(svc, pid))
+    return quorum.expected_reads(await daemon.engine.records.rebuild(svc, pid))
 
 
 # -- reading the daemon's metrics --------------------------------------------------------------
@@ -506,7 +506,7 @@ async def measurement(daemon, svc: str, pid: str, timeout: float = 15.0) -> dict
 @asynccontextmanager
 async def own_daemon(server, tmp_path, name: str):
     """A connection to `server` and a daemon of its own on it, whose checkpoints the test
-    signs when it wants them (`daemon.engine.checkpoint`): for a test that trips mesh-wide
+    signs when it wants them (`daemon.engine.checkpoints.checkpoint`): for a test that trips mesh-wide
     state (the breaker, a crisis) the session daemon's other tests must not meet."""
     from improved.client import connection
     from improved.runtime.daemon import Daemon

@@ -22,7 +22,8 @@ from improved.runtime import indexing
 from improved.runtime.answers import Answers
 from improved.runtime.config import Config, Trust
 from improved.runtime.indexing import IndexRead
-from improved.runtime.store import TOMBSTONE_TTL_S, Store
+from improved.runtime.retained import TOMBSTONE_TTL_S
+from improved.runtime.store import Store
 
 
 async def review_queue(url: str | Target, policy: Policy | None = None) -> list[dict[str, Any]]:

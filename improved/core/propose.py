@@ -341,8 +341,8 @@ def head_may_expire(record: ProposalRecord, head: DedupHead | None) -> bool:
       evidence changes, however long that takes; it is written once per operator rejection, so
       it grows with what operators do, not with the traffic.
     - Content dated before P that arrives after it: P supersedes it when P still `supersedes`
-      (applied, rolled back: `Engine._standing_head`), and a review of it is refused
-      `superseded` whatever P's status (`Engine.review`). That is the one decision an expired
+      (applied, rolled back: `Engine.standing_head`), and a review of it is refused
+      `superseded` whatever P's status (`SignedActs.review`). That is the one decision an expired
       head changes: content dated before P that arrives, or is reviewed, more than
       `records_ttl_days` after P closed is taken as new. Its `created_at` then lies at least that long (less
       `FUTURE_SKEW_MS`) before the moment it is decided on, since P's own `created_at` lies

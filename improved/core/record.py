@@ -44,6 +44,7 @@ from improved.protocol.model import (
     ApplyOutcome,
     ChangeClass,
     Proposal,
+    ProposalState,
     SchemaClass,
     Stage,
     Status,
@@ -180,6 +181,19 @@ def status_at(record: ProposalRecord, now: int) -> Status:
             and expired_at(record.proposal.valid_to, now)):
         return "expired"
     return record.status
+
+
+def state_of(record: ProposalRecord, now: int) -> ProposalState:
+    """The retained ProposalState, its status as of `now` (`status_at`: expired once
+    `valid_to` passed, even before the chain records it)."""
+    p = record.proposal
+    return ProposalState(
+        proposal_id=record.proposal_id, service=record.service, target_ref=p.target_ref,
+        change_class=p.change_class, gate_class=record.gate_class, scope=p.scope,
+        dedup_key=record.dedup_key, stage=record.stage, status=status_at(record, now),
+        summary_text=record.summary_text, updated_at=record.updated_at,
+        proposer=record.proposer,
+    )
 
 
 def expiry_unrecorded(record: ProposalRecord, now: int) -> bool:

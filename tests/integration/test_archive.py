@@ -64,11 +64,11 @@ async def test_a_sealed_epoch_is_exported_removed_and_verified_across(own_server
         waiting = (await client.propose(skill_proposal(SVC))).proposal_id  # stays open
         late = (await client.propose(rank_proposal(SVC, key="late"))).proposal_id
         await eventually(lambda: _applied(client, late))
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
-        await daemon.engine.seal_if_due(daemon._checkpoint_key)  # as the periodic loop does
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
+        await daemon.engine.checkpoints.seal_if_due(daemon._checkpoint_key)  # as the periodic loop does
 
         js = nc.jetstream()
-        trusted = daemon.engine._trusted_daemons(daemon._checkpoint_key)
+        trusted = daemon.engine.trust.trusted_daemons(daemon._checkpoint_key)
         seal, problem = await archive.last_seal(daemon.store, trusted)
         assert problem is None and seal is not None and seal.epoch == 1
         first_waiting, _ = (await daemon.store.read_chain(SVC, waiting))[0]
@@ -86,7 +86,7 @@ async def test_a_sealed_epoch_is_exported_removed_and_verified_across(own_server
         for pid in early:  # the closed chains left the stream, whole
             assert await daemon.store.read_chain(SVC, pid) == []
         # the open proposal and the mesh chains are whole
-        assert (await daemon.engine.rebuild(SVC, waiting)).status == "pending"
+        assert (await daemon.engine.records.rebuild(SVC, waiting)).status == "pending"
         assert (await daemon.store.read_chain_at(archive.SEAL_SUBJECT))[0][1]["seq"] == 0
         # again: nothing more to export or remove, and the export still checks out
         again = await _cli("audit", "archive", str(out), "--remove", "--nats", own_server.url,
@@ -94,14 +94,14 @@ async def test_a_sealed_epoch_is_exported_removed_and_verified_across(own_server
         assert again.returncode == 0 and "already in" in again.stdout, again.stdout
 
         # the daemon goes on: its next checkpoint, and one after a restart
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
     finally:
         await sub.unsubscribe()
         await daemon.stop()
     restarted = Daemon(nc, config)
     await restarted.start()
     try:
-        assert (await restarted.engine.autonomy(2**62)).crisis == ""
+        assert (await restarted.engine.autonomy.state(2**62)).crisis == ""
     finally:
         await restarted.stop()
 
@@ -133,7 +133,7 @@ async def test_a_sealed_epoch_is_exported_removed_and_verified_across(own_server
     beyond = Daemon(nc, config)
     await beyond.start()
     try:
-        assert (await beyond.engine.autonomy(2**62)).crisis.startswith("crisis-")
+        assert (await beyond.engine.autonomy.state(2**62)).crisis.startswith("crisis-")
     finally:
         await beyond.stop()
         await connection.close(nc)

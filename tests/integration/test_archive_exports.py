@@ -78,14 +78,14 @@ async def exported(tmp_path_factory):
                     for i in range(4)]
             for pid in pids:
                 await eventually(lambda pid=pid: _applied(client, pid))
-            assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
-            await daemon.engine.seal_if_due(daemon._checkpoint_key)
+            assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
+            await daemon.engine.checkpoints.seal_if_due(daemon._checkpoint_key)
             first = first or pids
         late = await client.refine(signal(SVC, "agent:exports:late", proposal_id=first[0]))
         assert late.counted
         await client.propose(rank_proposal(SVC, key="after"))
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
-        trusted = daemon.engine._trusted_daemons(daemon._checkpoint_key)
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
+        trusted = daemon.engine.trust.trusted_daemons(daemon._checkpoint_key)
         seal, problem = await archive.last_seal(daemon.store, trusted)
         assert problem is None and seal is not None and seal.epoch == 2
     finally:

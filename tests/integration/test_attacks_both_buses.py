@@ -144,7 +144,7 @@ async def test_a_forged_ledger_entry_rejects_nothing(mesh_bus):
     pid = (await client.propose(first)).proposal_id
     newer = rank_proposal(SVC, key="attack.ledger", value=2, change_class="L2",
                           created_at=first.created_at + 1000)
-    record = await mesh_bus.daemon.engine.rebuild(SVC, pid)
+    record = await mesh_bus.daemon.engine.records.rebuild(SVC, pid)
     attacker = await mesh_bus.connect(ATTACKER)
     entry = {"proposal_id": pid, "principal": "operator:alice", "reason": "forged",
              "at": later(0), "evidence": triage.evidence_digest(newer)}
@@ -167,7 +167,7 @@ async def test_a_published_rollback_does_not_open_the_breaker(mesh_bus):
         pid = (await client.propose(rank_proposal(SVC, key=f"attack.k{n}", value=n + 2)))
         pid = pid.proposal_id
         await eventually(lambda pid=pid: status(client, pid, "applied"))
-        inverse = apply_stage.rollback_proposal(await mesh_bus.daemon.engine.rebuild(SVC, pid))
+        inverse = apply_stage.rollback_proposal(await mesh_bus.daemon.engine.records.rebuild(SVC, pid))
         await client.publish(inverse)
         await eventually(lambda pid=pid: status(client, pid, "rolled_back"), timeout=15)
     autonomy = [b for _, b in await mesh_bus.daemon.store.read_chain_at(
@@ -182,7 +182,7 @@ async def test_a_limit_on_the_audit_stream_lets_nothing_apply_on_a_forgetting_lo
     store, client = await ranking(mesh_bus)
     first = (await client.propose(rank_proposal(SVC, key="attack.limit", value=1)))
     await eventually(lambda: status(client, first.proposal_id, "applied"))
-    await mesh_bus.daemon.engine.checkpoint(mesh_bus.daemon._checkpoint_key)  # noqa: SLF001
+    await mesh_bus.daemon.engine.checkpoints.checkpoint(mesh_bus.daemon._checkpoint_key)  # noqa: SLF001
     attacker = await mesh_bus.connect(ATTACKER)
     js = attacker.nc.jetstream(timeout=2.0)
     daemon_js = mesh_bus.daemon.store.js
@@ -202,7 +202,7 @@ async def test_a_limit_on_the_audit_stream_lets_nothing_apply_on_a_forgetting_lo
         else:  # the log forgot: a crisis at once, the apply refused
             await logged(logs, "applies refused", proposal_id=pid)
             assert (await client.state(pid)).status != "applied"
-            assert (await mesh_bus.daemon.engine.autonomy(2**62)).crisis
+            assert (await mesh_bus.daemon.engine.autonomy.state(2**62)).crisis
     await store.stop()
 
 
@@ -212,8 +212,8 @@ async def test_a_forged_crisis_resolution_resolves_nothing(mesh_bus):
     from improved.runtime.store import Store
 
     daemon = mesh_bus.daemon
-    await daemon.engine.chain_broken("a test opens a crisis")
-    crisis = (await daemon.engine.autonomy(2**62)).crisis
+    await daemon.engine.autonomy.chain_broken("a test opens a crisis")
+    crisis = (await daemon.engine.autonomy.state(2**62)).crisis
     attacker = await mesh_bus.connect(ATTACKER)
     subject = S.autonomy_audit(breaker.AUTONOMY_ID)
     chain = await daemon.store.read_chain_at(subject)
@@ -228,5 +228,5 @@ async def test_a_forged_crisis_resolution_resolves_nothing(mesh_bus):
         await Store(attacker.nc).append_to(subject, forged, last_seq)
     except Exception:  # refused under accounts: only the daemon writes trailers
         assert mesh_bus.accounts
-    daemon.engine._autonomy = None  # noqa: SLF001 - read the chain afresh
-    assert (await daemon.engine.autonomy(2**62)).crisis  # still in crisis, on either bus
+    daemon.engine.autonomy.forget()  # read the chain afresh
+    assert (await daemon.engine.autonomy.state(2**62)).crisis  # still in crisis, on either bus

@@ -429,7 +429,7 @@ async def test_an_approval_on_another_services_subject_applies_nothing_whatever_
     pid = (await client.propose(skill_proposal(svc))).proposal_id
     assert (await client.triage(pid)).cause == "awaiting_operator"
     if not remembered:
-        daemon.engine._cache.clear()  # noqa: SLF001 - as another replica, or after a restart
+        daemon.engine.records.cache.clear()  # as another replica, or after a restart
     await publish(nc, S.inbound_review(f"{svc}-other"), review(pid))
     await asyncio.sleep(0.8)
     assert applier.orders == []

@@ -55,7 +55,7 @@ async def test_a_rewritten_state_entry_saying_approved_sends_no_order(daemon, nc
                                 gate_class="L2", rationale="approved by operator:alice",
                                 actor="operator:alice", at=decision.at + 1))
     await store.kv.put(S.state_key(svc, pid), record_encoder.encode(forged))
-    daemon.engine._cache.clear()  # as after a restart: the daemon's own memory is gone
+    daemon.engine.records.cache.clear()  # as after a restart: the daemon's own memory is gone
 
     decision = await client.triage(pid)  # one triage request: "carry it on"
     await asyncio.sleep(0.5)

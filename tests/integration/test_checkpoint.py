@@ -49,7 +49,7 @@ async def test_a_broken_log_means_crisis_until_an_operator_resolves_it(own_serve
     try:
         first = (await client.propose(rank_proposal(svc, key="a"))).proposal_id
         await eventually(lambda: _applied(client, first))
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
 
         # Someone with write access forges a trailer onto the proposal's chain.
         forged = {"proposal_id": first, "seq": 3, "from_stage": "apply", "to_stage": "apply",
@@ -57,9 +57,9 @@ async def test_a_broken_log_means_crisis_until_an_operator_resolves_it(own_serve
                   "observer_type": "rec:system", "reason": "nothing to see", "at": 1,
                   "prev": "0" * 64, "hash": "0" * 64}
         await js.publish(S.audit(svc, first), to_json(forged))
-        problem = await daemon.engine.checkpoint(daemon._checkpoint_key)
+        problem = await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key)
         assert problem is not None and first in problem
-        state = await daemon.engine.autonomy(2**62)
+        state = await daemon.engine.autonomy.state(2**62)
         assert state.crisis.startswith("crisis-")
 
         # No apply while in crisis, whatever the class.
@@ -76,7 +76,7 @@ async def test_a_broken_log_means_crisis_until_an_operator_resolves_it(own_serve
         # sees no verdict in time); a trusted operator can, and the command says so.
         await js.publish(S.GRANTS, to_json(resolve(state.crisis, who=MALLORY)))
         await asyncio.sleep(0.5)
-        assert (await daemon.engine.autonomy(2**62)).crisis == state.crisis
+        assert (await daemon.engine.autonomy.state(2**62)).crisis == state.crisis
         mallory = await _resolve_from_the_terminal(own_server.url, state.crisis, MALLORY,
                                                    tmp_path, "--timeout", "0.5")
         assert mallory.returncode == 1 and "no verdict within 0.5 s" in mallory.stderr
@@ -85,7 +85,7 @@ async def test_a_broken_log_means_crisis_until_an_operator_resolves_it(own_serve
         assert alice.returncode == 0, alice.stderr
         assert alice.stdout == (f"accepted: resolution of {state.crisis} signed by "
                                 f"{ALICE[0]}: resolved; applies resume\n")
-        assert not (await daemon.engine.autonomy(2**62)).crisis
+        assert not (await daemon.engine.autonomy.state(2**62)).crisis
         await client.triage(second)
         await eventually(lambda: _applied(client, second))
         chain = [b for _, b in await daemon.store.read_chain_at(S.autonomy_audit(AUTONOMY_ID))]
@@ -155,7 +155,7 @@ async def test_a_full_verify_reads_on_past_a_broken_chain_holding_few_chains(
 
     store = daemon.store
     view = await store.audit_view()
-    trusted = daemon.engine._trusted_daemons(daemon._checkpoint_key)
+    trusted = daemon.engine.trust.trusted_daemons(daemon._checkpoint_key)
     trust = chain_trust([], trusted, config)
 
     opened = 0

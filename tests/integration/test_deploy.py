@@ -40,7 +40,8 @@ from improved.protocol.model import (
 from improved.runtime import bus
 from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon
-from improved.runtime.store import STATE_TTL_S, Store, stream_configs, windows_config
+from improved.runtime.provisioning import STATE_TTL_S, stream_configs, windows_config
+from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore
 from tests.bus import eventually, eventually_blocking, scratch
 from tests.cluster import ACCOUNTS, CLUSTER, DEPLOY, PASSWORDS, Cluster, start_server, stop_server
@@ -902,7 +903,7 @@ async def test_a_tool_runtime_records_its_calls_under_its_own_user(mesh):
                 {ALICE[0]: base64.b64encode(signing.raw_public(ALICE[1].public_key()))
                  .decode()}, {})))
         assert (found.chains, found.verified, found.trailers) == (1, 1, 5), found.lines
-        assert await mesh["daemon"].engine.checkpoint(mesh["daemon"]._checkpoint_key) is None
+        assert await mesh["daemon"].engine.checkpoints.checkpoint(mesh["daemon"]._checkpoint_key) is None
         unexpected = [v for v in conn.violations()
                       if not any(f'"{subject.lower()}"' in v.lower() for subject in forbidden)]
         assert unexpected == [] and op.violations() == [], (unexpected, op.violations())

@@ -74,7 +74,7 @@ async def _verify(url: str, config, *extra: str):
 
 
 async def _in_crisis(daemon) -> str:
-    return (await daemon.engine.autonomy(2**62)).crisis
+    return (await daemon.engine.autonomy.state(2**62)).crisis
 
 
 @asynccontextmanager
@@ -99,7 +99,7 @@ async def test_an_unsigned_approval_on_a_running_daemon_applies_nothing(own_serv
     async with _running(own_server.url, config) as (nc, daemon, client, applier):
         pid = await _waiting_l2(client)
         await _forge(nc, S.audit(SVC, pid), pid, _approval(pid))
-        daemon.engine._cache.clear()  # as after a restart: the chain is read again
+        daemon.engine.records.cache.clear()  # as after a restart: the chain is read again
         reply = await nc.request(S.triage_request(SVC), msgspec.json.encode(
             {"proposal_id": pid}), timeout=5)
         await asyncio.sleep(0.5)
@@ -153,7 +153,7 @@ async def test_a_daemon_key_alone_cannot_make_up_an_operators_approval(own_serve
     async with _running(own_server.url, config) as (nc, daemon, client, applier):
         pid = await _waiting_l2(client)
         await _forge(nc, S.audit(SVC, pid), pid, _approval(pid), key=daemon_key())
-        daemon.engine._cache.clear()
+        daemon.engine.records.cache.clear()
         await nc.request(S.triage_request(SVC), msgspec.json.encode({"proposal_id": pid}),
                          timeout=5)
         await asyncio.sleep(0.5)
@@ -166,11 +166,11 @@ async def test_a_daemon_key_alone_cannot_make_up_an_operators_approval(own_serve
 async def test_a_forged_crisis_resolution_keeps_the_crisis(own_server, tmp_path):
     config = _config(tmp_path)
     async with _running(own_server.url, config) as (nc, daemon, client, applier):
-        await daemon.engine.chain_broken("a test opens a crisis")
+        await daemon.engine.autonomy.chain_broken("a test opens a crisis")
         crisis = await _in_crisis(daemon)
         assert crisis
         subject = S.autonomy_audit(breaker.AUTONOMY_ID)
-        resolved = breaker.draft(breaker.in_crisis(await daemon.engine.autonomy(2**62), ""),
+        resolved = breaker.draft(breaker.in_crisis(await daemon.engine.autonomy.state(2**62), ""),
                                  "crisis_resolved", "operator:alice", "human",
                                  f"{crisis} resolved by operator:alice: fine",
                                  breaker.Marks(resolved=crisis))
@@ -181,14 +181,14 @@ async def test_a_forged_crisis_resolution_keeps_the_crisis(own_server, tmp_path)
         keyed.write_text(f'data_dir = "{config.data_dir}"\n'
                          f'checkpoint_key = "{config.checkpoint_key}"\n')
         status = await _status(own_server.url, keyed)
-        daemon.engine._autonomy = None  # noqa: SLF001 - read the chain afresh
+        daemon.engine.autonomy.forget()  # read the chain afresh
         assert status["crisis"] == await _in_crisis(daemon), status
         assert status["autonomy_chain"].startswith("BROKEN: ")
         assert "not signed by a daemon" in status["autonomy_chain"]
         # where no daemon key is known, it says it could not check, not that all is well
         assert (await _status(own_server.url))["autonomy_chain"].startswith(
             "not verified: no daemon key here")
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is not None
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is not None
         with structlog.testing.capture_logs() as logs:
             pid = (await client.propose(rank_proposal(SVC, key="after"))).proposal_id
             assert (await client.triage(pid)).verdict == "accept"
@@ -231,7 +231,7 @@ async def test_signed_approvals_verify_from_the_chain_and_an_old_act_after_key_r
         trust = await Store(nc).read_chain_at(S.trust_audit(evidence.TRUST_ID))
         assert len(trust) == 2 and "removed" in trust[-1][1]["reason"]
         assert "operator:alice" in trust[-1][1]["reason"]
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
         verify = await _verify(own_server.url, config)
         assert verify.returncode == 0, verify.stdout + verify.stderr
         assert "daemon signatures and signed acts" in verify.stdout
@@ -255,7 +255,7 @@ async def test_a_forged_grant_after_a_revocation_is_not_taken_from_a_remembered_
         sha = identity.split(":", 1)[1]
         await publish(nc, S.GRANTS, grant(identity, proposal=l2))
         await eventually(lambda: daemon.store.grant_active(identity, now_ms(),
-                                                           daemon.engine.chain_trust))
+                                                           daemon.engine.trust.chain_trust))
         pid3 = (await client.propose(first)).proposal_id  # the memo is warm after this one
         assert (await eventually(lambda: client.outcome(pid3))).ok
 
@@ -316,7 +316,7 @@ async def test_a_chain_copied_under_another_services_subject_is_a_break(own_serv
         assert verify.returncode == 1
         assert f"filed under service 'elsewhere', but its registration is a proposal of " \
                f"'{SVC}'" in verify.stdout, verify.stdout
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is not None  # noqa: SLF001
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is not None  # noqa: SLF001
         assert await _in_crisis(daemon)
 
 
@@ -346,7 +346,7 @@ async def test_a_limit_set_on_the_audit_stream_stops_applies_before_the_next_che
             return first in orders
 
         await eventually(applied)
-        await daemon.engine.checkpoint(daemon._checkpoint_key)  # noqa: SLF001 - covers it
+        await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key)  # noqa: SLF001 - covers it
         js = nc.jetstream()
         cfg = (await js.stream_info(S.STREAM_AUDIT)).config
         await js.update_stream(StreamConfig.from_response(

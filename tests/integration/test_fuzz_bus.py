@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core import propose, signing
+from improved.core.inbound import proposal_of, signal_of
 from improved.protocol import subjects as S
 from improved.protocol import wire
 from improved.protocol.model import (
@@ -45,7 +46,7 @@ from improved.protocol.model import (
     to_json,
 )
 from improved.runtime import bus
-from improved.runtime.daemon import Daemon, proposal_of, signal_of
+from improved.runtime.daemon import Daemon
 from tests.bus import daemon_config, eventually
 from tests.factories import rank_proposal, signal, skill_proposal
 from tests.keys import AGENT_A

@@ -203,7 +203,7 @@ async def test_a_message_held_past_the_ack_wait_is_kept_not_redelivered(own_serv
     from improved.protocol.model import ApplyResult
     from improved.runtime.config import ApplySettings
     from improved.runtime.daemon import Daemon
-    from improved.runtime.store import INBOUND_ACK_WAIT_S
+    from improved.runtime.provisioning import INBOUND_ACK_WAIT_S
     from tests.bus import daemon_config
 
     conn = await connection.connect(own_server.url, "held-daemon")

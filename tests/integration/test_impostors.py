@@ -250,13 +250,13 @@ async def test_a_rollback_proposal_anyone_publishes_does_not_open_the_breaker(ow
             pid = (await client.propose(rank_proposal(svc, value=n + 1, key=f"k{n}")))
             pid = pid.proposal_id
             await eventually(lambda pid=pid: status(client, pid, "applied"))
-            record = await daemon.engine.rebuild(svc, pid)
+            record = await daemon.engine.records.rebuild(svc, pid)
             inverse = apply_stage.rollback_proposal(record)
             await client.publish(inverse)
             await eventually(lambda pid=pid: status(client, pid, "rolled_back"), timeout=15)
         chain = [b for _, b in await daemon.store.read_chain_at(S.autonomy_audit(AUTONOMY_ID))]
         assert not [b for b in chain if b.get("verdict") == "rollback"]
-        assert (await daemon.engine.autonomy(later(10_000))).blocks(later(0)) is None
+        assert (await daemon.engine.autonomy.state(later(10_000))).blocks(later(0)) is None
         # the mesh still applies autonomously
         last = (await client.propose(rank_proposal(svc, value=9, key="after"))).proposal_id
         await eventually(lambda: status(client, last, "applied"))
@@ -274,7 +274,7 @@ async def test_a_forged_ledger_entry_rejects_nothing(daemon, nc, svc):
     pid = (await client.propose(first)).proposal_id
     newer = skill_proposal(svc, instructions="first, refreshed",
                            created_at=first.created_at + 1000)
-    record = await daemon.engine.rebuild(svc, pid)
+    record = await daemon.engine.records.rebuild(svc, pid)
     # the attacker claims an operator rejected `pid` on exactly the evidence `newer` carries
     await daemon.store.ledger_put(svc, record.dedup_key, LedgerEntry(
         proposal_id=pid, principal="operator:alice", reason="forged", at=later(0),

@@ -53,7 +53,7 @@ async def _waiting_and_counted(own_server, name: str) -> tuple[Daemon, object, s
     waiting = {(await client.propose(skill_proposal(SVC, name=n))).proposal_id
                for n in ("first", "second")}
     assert await _listed(own_server.url) == (waiting, "index")
-    assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None  # noqa: SLF001
+    assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None  # noqa: SLF001
     return daemon, nc, waiting
 
 
@@ -70,7 +70,7 @@ async def test_a_tombstoned_review_entry_hides_no_waiting_proposal(own_server):
 
         # the daemon's check after its next checkpoint names the loss and rewrites the entry
         with structlog.testing.capture_logs() as logs:
-            await daemon._check_indexes()  # noqa: SLF001 - what runs after each checkpoint
+            await daemon.index_checks.check_indexes()  # what runs after each checkpoint
         errors = [e for e in logs if e["log_level"] == "error"]
         assert [e.get("index") for e in errors] == ["review"], logs
         assert hidden in str(errors[0])
@@ -101,7 +101,7 @@ async def test_a_purge_of_review_entries_hides_no_waiting_proposal(own_server, p
         assert await daemon.store.filled()  # the marker still vouches for the index
         assert not [e for e in await daemon.store.read_index() if e.service == SVC]
         assert await _listed(own_server.url) == (waiting, "chains")
-        await daemon._check_indexes()  # noqa: SLF001
+        await daemon.index_checks.check_indexes()
         assert await _listed(own_server.url) == (waiting, "index")
     finally:
         await daemon.stop()
@@ -228,8 +228,8 @@ async def test_every_checkpoint_counts_what_the_chains_say(own_server, capsys):
                     and any(t.get("verdict") == "held" for t in chain))
 
         await eventually(settled, timeout=20)
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None  # noqa: SLF001
-        counted = daemon.engine.counted
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None  # noqa: SLF001
+        counted = daemon.engine.checkpoints.counted
         records, _ = await indexing.from_chains(daemon.store, 1, counted.last_seq, None,
                                                 Policy())
         assert counted.members == indexing.counts_of(records) == {"review": 3, "due": 2}
@@ -240,7 +240,7 @@ async def test_every_checkpoint_counts_what_the_chains_say(own_server, capsys):
 
         again = Daemon(nc, _answering(svc)[0])  # another data directory: the stream's checkpoint
         await again.start()
-        assert again.engine.counted.members == counted.members
+        assert again.engine.checkpoints.counted.members == counted.members
 
         trusted = {signing.keyid_of(signing.raw_public(daemon_key().public_key()))}
         for pid in (owed, done, approved, rejected, waits, surfaced, newer):

@@ -54,7 +54,7 @@ async def _history(url: str, config, proposals: int = 3) -> list[str]:
                 for i in range(proposals)]
         for pid in pids:
             await eventually(lambda pid=pid: _applied(client, pid))
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
     finally:
         await sub.unsubscribe()
         await daemon.stop()
@@ -82,7 +82,7 @@ async def _verify(url: str, *extra: str):
 
 async def _no_apply_in_crisis(nc, daemon) -> None:
     """An open crisis on the autonomy chain, and an accepted L0 proposal is not applied."""
-    assert (await daemon.engine.autonomy(2**62)).crisis.startswith("crisis-")
+    assert (await daemon.engine.autonomy.state(2**62)).crisis.startswith("crisis-")
     client = MeshClient(nc, SVC)
     applier = _Applier()
     sub = await client.serve_apply(applier)
@@ -190,7 +190,7 @@ async def test_a_normal_restart_is_no_crisis(own_server, tmp_path):
     before = json.loads(anchor.read_text())
     nc, daemon, _ = await _restart(own_server.url, config)
     try:
-        assert (await daemon.engine.autonomy(2**62)).crisis == ""
+        assert (await daemon.engine.autonomy.state(2**62)).crisis == ""
         after = json.loads(anchor.read_text())
         assert after["count"] == before["count"] and after["crisis"] == ""
         assert after["stream_created"] == before["stream_created"]
@@ -212,9 +212,9 @@ async def test_a_checkpoint_reads_what_is_new_and_still_finds_covered_trailers_r
     anchor = json.loads((config.data_dir / "last-checkpoint.json").read_text())
     nc, daemon, _ = await _restart(own_server.url, config)
     try:
-        assert (await daemon.engine.autonomy(2**62)).crisis == ""
+        assert (await daemon.engine.autonomy.state(2**62)).crisis == ""
         # since the last one: the stop's checkpoint trailer and this start's few trailers
-        assert 0 < daemon.engine.checkpoint_read < 8 < anchor["count"]
+        assert 0 < daemon.engine.checkpoints.checkpoint_read < 8 < anchor["count"]
         assert json.loads((config.data_dir / "last-checkpoint.json").read_text())["count"] \
             >= anchor["count"]
         since = await _verify(own_server.url, "--since", "--checkpoint",
@@ -226,7 +226,7 @@ async def test_a_checkpoint_reads_what_is_new_and_still_finds_covered_trailers_r
         info = await js.stream_info(S.STREAM_AUDIT)
         await js.update_stream(dataclasses.replace(info.config,
                                                    max_msgs=info.state.messages - 2))
-        problem = await daemon.engine.checkpoint(daemon._checkpoint_key)
+        problem = await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key)
         assert problem is not None and "removed or lost" in problem, problem
         since = await _verify(own_server.url, "--since", "--checkpoint",
                               str(config.data_dir / "last-checkpoint.json"))

@@ -189,7 +189,7 @@ async def test_a_restart_remembers_the_measurements_still_due(daemon, nc, svc):
     # as a new process would start, long after the apply: nothing remembered, no state cache
     daemon.engine.reviews.clear()
     await daemon.store.kv.purge(S.state_key(svc, pid))
-    await daemon._find_reviews()  # noqa: SLF001 - what start-up runs after ready
+    await daemon.index_checks.find_reviews()  # what start-up runs after ready
     assert daemon.engine.reviews[pid] == (due_at, svc)
     assert (await measurement(daemon, svc, pid))["verdict"] == "held"
     assert pid not in daemon.engine.reviews
@@ -215,7 +215,7 @@ async def test_a_forged_due_entry_only_makes_a_pass_that_finds_nothing_to_measur
     await nc.jetstream().publish(S.due_entry(svc, pid), to_json(MeasureDue(
         proposal_id=pid, service=svc, review_after=later(0))), stream=S.STREAM_RECORDS)
     daemon.engine.reviews.pop(pid, None)
-    await daemon._find_reviews()  # noqa: SLF001
+    await daemon.index_checks.find_reviews()
     await asyncio.sleep(1.0)
     assert not [t for t in await trailers(daemon, svc, pid)
                 if t.get("to_stage") == "learn-back"]

@@ -128,14 +128,14 @@ async def test_records_a_broker_outage_kept_from_being_published_are_published_a
     try:
         with pytest.raises(Exception):  # noqa: B017 - the request path fails with the outage
             await client.propose(skill_proposal("unpubsvc"))
-        [pid] = list(daemon.engine._unpublished)
+        [pid] = list(daemon.engine.publisher.unpublished)
         assert await client.state(pid) is None  # the chain holds it; watchers do not see it
         failing["on"] = False
         # what the watch loop (and a reconnect) runs; the inbound job's retry may beat it
         await daemon.engine.republish_unpublished()
         state = await eventually(lambda: client.state(pid))
         assert state.status == "pending"
-        assert daemon.engine._unpublished == {}
+        assert daemon.engine.publisher.unpublished == {}
     finally:
         daemon.store.publish = real_publish
         await daemon.stop()
@@ -148,7 +148,7 @@ async def test_the_state_cache_forgets_what_is_not_touched(own_server):
     before the bound had one is brought to it."""
     from nats.js import api as jsapi
 
-    from improved.runtime.store import STATE_TTL_S
+    from improved.runtime.provisioning import STATE_TTL_S
 
     nc = await connection.connect(own_server.url, "ttl")
     js = nc.jetstream()

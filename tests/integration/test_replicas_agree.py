@@ -17,9 +17,9 @@ from improved.core.authority import Act
 from improved.core.signing import envelope_digest
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult, Signal
-from improved.runtime import daemon as daemon_module
+from improved.runtime import inbound as inbound_module
 from improved.runtime.daemon import Daemon
-from improved.runtime.store import WINDOWS_MAX_KEYS
+from improved.runtime.provisioning import WINDOWS_MAX_KEYS
 from tests.bus import daemon_config, eventually
 from tests.factories import now_ms, review, signal
 
@@ -78,9 +78,9 @@ async def test_three_sessions_split_across_two_replicas_make_one_proposal(own_se
     try:
         svc = "split"
         s1, s2, s3 = negatives(svc, "rank:split.boost", range(3))
-        await a._observe(svc, s1)
-        await b._observe(svc, s2)
-        await a._observe(svc, s3)
+        await a.inbound.observe(svc, s1)
+        await b.inbound.observe(svc, s2)
+        await a.inbound.observe(svc, s3)
         (pid,) = await settled(a, svc, REGRESSION, 1)
         (alone,), _ = _fold(observe.RegressionAnalyzer(), [s1, s2, s3], svc)
         assert pid == _identify(alone)
@@ -88,7 +88,7 @@ async def test_three_sessions_split_across_two_replicas_make_one_proposal(own_se
 
         racing = "race"
         signals = [s for t in range(20) for s in negatives(racing, f"rank:race.{t}", range(4))]
-        await asyncio.gather(*((a if i % 2 else b)._observe(racing, s)
+        await asyncio.gather(*((a if i % 2 else b).inbound.observe(racing, s)
                                for i, s in enumerate(signals)))
         made = await settled(a, racing, REGRESSION, 20)
         assert len(made) == 20
@@ -101,17 +101,17 @@ async def test_signals_through_the_shared_consumer_make_one_proposal_per_target(
         own_server, monkeypatch):
     """Both replicas fetching one message at a time from the shared consumer, so the signals
     of a target are split between them: one proposal per target all the same."""
-    monkeypatch.setattr(daemon_module, "FETCH_BATCH", 1)
+    monkeypatch.setattr(inbound_module, "FETCH_BATCH", 1)
     a, b = await replicas(own_server.url)
     seen: dict[str, set[str]] = {}
     for d in (a, b):
-        observed = d._observe
+        observed = d.inbound.observe
 
         async def noted(svc, sig, d=d, observed=observed):
             seen.setdefault(sig.target_ref, set()).add(d.actor)
             await observed(svc, sig)
 
-        d._observe = noted
+        d.inbound.observe = noted
     try:
         svc = "viabus"
         client = MeshClient(a.nc, svc)
@@ -132,13 +132,13 @@ async def test_a_restart_between_signals_keeps_the_window(own_server):
     svc = "restarted"
     s1, s2, s3 = negatives(svc, "rank:restart.boost", range(3))
     try:
-        await first._observe(svc, s1)
-        await first._observe(svc, s2)
+        await first.inbound.observe(svc, s1)
+        await first.inbound.observe(svc, s2)
     finally:
         await stop(first)
     (second,) = await replicas(own_server.url, 1)
     try:
-        await second._observe(svc, s3)
+        await second.inbound.observe(svc, s3)
         assert len(await settled(second, svc, REGRESSION, 1)) == 1
         # the window was spent on the proposal: it holds its evidence, no pending signals
         key = S.window_key(REGRESSION, svc, "rank:restart.boost")
@@ -168,12 +168,12 @@ async def test_an_approval_recorded_by_one_replica_is_in_the_others_weight(own_s
     await client.serve_apply(applied)
     try:
         for s in negatives(svc, "skill:tired", range(3), kind="check"):
-            await a._observe(svc, s)
+            await a.inbound.observe(svc, s)
         (pid,) = await settled(a, svc, STALE, 1)
         await eventually(lambda: _status(client, pid, "pending"))
         assert await b.observer.counts(STALE) == observe.NO_COUNTS
         env = review(pid)  # ALICE's signed approval, handled by replica A: A commits it
-        handled = await a.engine.review(svc, pid, env, Act(envelope_digest(env), 1))
+        handled = await a.acts.review(svc, pid, env, Act(envelope_digest(env), 1))
         assert handled.record.approved_by is not None
         counts = await b.observer.counts(STALE)
         assert (counts.accepted, counts.rejected) == (1, 0)

@@ -16,8 +16,10 @@ from improved.client.sdk import MeshClient
 from improved.core.policy import Policy
 from improved.protocol import subjects as S
 from improved.protocol.model import ReviewEntry, to_json
-from improved.runtime.daemon import CACHE_CHECK_S, Daemon
-from improved.runtime.store import Store, stream_configs
+from improved.runtime.daemon import Daemon
+from improved.runtime.provisioning import stream_configs
+from improved.runtime.store import Store
+from improved.runtime.upkeep import CACHE_CHECK_S
 from tests.bus import daemon_config, eventually, publish, value
 from tests.factories import now_ms, rank_proposal, review, skill_proposal
 
@@ -130,17 +132,17 @@ async def test_a_tombstone_leaves_the_stream_after_its_ttl(own_server):
 
 
 class _Refills:
-    """Counts the daemon's refills (`Engine.republish_all`)."""
+    """Counts the daemon's refills (`Publisher.republish_all`)."""
 
     def __init__(self, daemon: Daemon):
         self.calls = 0
-        original = daemon.engine.republish_all
+        original = daemon.engine.publisher.republish_all
 
         async def counted(*args, **kw):
             self.calls += 1
             return await original(*args, **kw)
 
-        daemon.engine.republish_all = counted  # type: ignore[method-assign]
+        daemon.engine.publisher.republish_all = counted  # type: ignore[method-assign]
 
 
 @pytest.mark.timeout(120)

@@ -155,7 +155,7 @@ async def test_a_forged_state_record_does_not_make_a_proposal_signed(daemon, nc)
     pid = (await client.propose(proposal)).proposal_id
     record, rev = await daemon.store.load(SIGNED, pid)
     await daemon.store.save(record.replace(proposer=AGENT_A[0]), rev)
-    daemon.engine._cache.pop(pid, None)  # as after a restart: the next read is the bucket's
+    daemon.engine.records.cache.pop(pid, None)  # as after a restart: the next read is the bucket's
     late = await client.refine(signal(SIGNED, AGENT_B[0], proposal_id=pid), key=AGENT_B[1])
     assert late.counted and not late.independent
 

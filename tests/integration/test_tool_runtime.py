@@ -777,8 +777,8 @@ async def test_improved_audit_verify_checks_the_tools_chain(own_server, svc, tmp
                          f'checked (add {svc} = "<base64 public key>" to verify them)'], \
             unknown.stdout
         assert "BROKEN" not in unknown.stdout  # the daemon's log verifies all the same
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
-        assert not (await daemon.engine.autonomy(2**62)).crisis
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
+        assert not (await daemon.engine.autonomy.state(2**62)).crisis
 
         store = Store(conn, audit_stream=subjects.STREAM_TOOLS_AUDIT)
         seq, last = await store.chain_head(subjects.tools_audit(cid))
@@ -789,7 +789,7 @@ async def test_improved_audit_verify_checks_the_tools_chain(own_server, svc, tmp
         assert broken.returncode == 1
         assert (f"BROKEN {cid} trailer 3: not signed by a runtime: a trailer anyone on the bus "
                 f"could have written (tool runtime {svc}, IMPROVE_TOOLS_AUDIT)") in broken.stdout
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
 
 
 # -- a runtime nobody trusts cannot stop the loop -----------------------------------------------
@@ -831,7 +831,7 @@ async def test_an_untrusted_runtime_key_on_a_tools_chain_opens_no_crisis(own_ser
     try:
         first = (await client.propose(rank_proposal("rank", key="before"))).proposal_id
         await eventually(lambda: _applied(client, first))
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
 
         rogue, name = Ed25519PrivateKey.generate(), "rogue"
         rt, _ = runtime(name=name)
@@ -844,8 +844,8 @@ async def test_an_untrusted_runtime_key_on_a_tools_chain_opens_no_crisis(own_ser
         assert audit.verify_chain(cid, [signed]) is None  # correctly hashed and linked
         await conn.jetstream().publish(subjects.tools_audit(cid), to_json(signed))
 
-        assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
-        assert not (await daemon.engine.autonomy(2**62)).crisis
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
+        assert not (await daemon.engine.autonomy.state(2**62)).crisis
         second = (await client.propose(rank_proposal("rank", key="after"))).proposal_id
         await eventually(lambda: _applied(client, second))
         assert orders == [first, second]
@@ -976,7 +976,7 @@ async def test_audit_verify_since_and_by_chain_check_the_runtime_chains(own_serv
             await call(conn, rt, "read", ARGS)
             await call(conn, rt, "read", {"path": "/srv/data/1"})
             await asyncio.sleep(0.05)
-            assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
+            assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
             await asyncio.sleep(0.05)
             await call(conn, rt, "deploy", ARGS, grant(tools["deploy"][0], now=now_ms()))
         cfg = _verifier_config(tmp_path, svc, key)
@@ -1045,8 +1045,8 @@ async def test_a_removed_or_replaced_runtime_chain_is_named_against_the_checkpoi
                     await call(conn, rt, "read", {"path": f"/srv/data/{tag}{k}"})
 
         async def checkpoint_witnesses() -> str:
-            assert await daemon.engine.checkpoint(daemon._checkpoint_key) is None
-            assert not (await daemon.engine.autonomy(2**62)).crisis
+            assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
+            assert not (await daemon.engine.autonomy.state(2**62)).crisis
             _, cp = await daemon.store.chain_head(checkpointing_subject())
             return next((r for r in cp["refs"] if r.startswith("runtime_heads:")), "")
 

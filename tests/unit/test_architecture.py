@@ -210,6 +210,41 @@ def test_no_function_in_improved_the_services_the_bench_or_the_demo_is_longer_th
     assert not found, "\n".join(found)
 
 
+MAX_CLASS_LINES = 400  # past this a class holds more than one concern: give each its own home
+# Reference-service classes still over the limit, by (file name, class): the next to split,
+# each by concern as the daemon's shell was. An entry is taken out once its class fits.
+OVER_THE_CLASS_LIMIT = {
+    ("demo.py", "Demo"),
+    ("bench.py", "Bench"),
+    ("skills_store.py", "SkillsStore"),
+    ("artefact_store.py", "ArtefactStore"),
+}
+
+
+def class_lengths(paths: list[Path]) -> list[tuple[Path, ast.ClassDef, int]]:
+    """(file, class, lines from its `class` line to its last) of every class in `paths`."""
+    return [(path, node, (node.end_lineno or node.lineno) - node.lineno + 1)
+            for path in paths for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.ClassDef)]
+
+
+def test_no_class_in_improved_or_the_reference_services_is_longer_than_the_limit():
+    """A class over MAX_CLASS_LINES is split by concern (composition, each part handed what it
+    needs); only the reference classes named in OVER_THE_CLASS_LIMIT wait for it, and an entry
+    whose class fits now must leave the list."""
+    found, fits = [], []
+    held = (PACKAGE, SERVICES, BENCH, DEMO)
+    for path, node, length in class_lengths(
+            sorted(path for root in held for path in root.rglob("*.py"))):
+        exempt = (path.name, node.name) in OVER_THE_CLASS_LIMIT and PACKAGE not in path.parents
+        if length > MAX_CLASS_LINES and not exempt:
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
+        elif exempt and length <= MAX_CLASS_LINES:
+            fits.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} fits now "
+                        f"({length} lines): take it out of OVER_THE_CLASS_LIMIT")
+    assert not found and not fits, "\n".join(found + fits)
+
+
 LINE_PATTERNS = ("_DIFF_PATH", "_GIT_HEADER", "_CHANGELOG_HEADER")  # matched line by line
 
 

@@ -117,7 +117,7 @@ def test_the_request_is_due_once_at_review_after_and_never_after_the_verdict():
     (b'{"error": "plain"}', None, "malformed reply"),
 ])
 def test_a_reply_is_a_value_or_a_one_line_cause(reply, value, cause):
-    from improved.runtime.engine import parse_measure_reply
+    from improved.core.replies import parse_measure_reply
 
     reading = parse_measure_reply(reply)
     assert reading.value == value
@@ -130,7 +130,7 @@ def test_a_reply_is_a_value_or_a_one_line_cause(reply, value, cause):
 
 @given(data=st.binary(max_size=64))
 def test_no_reply_bytes_make_the_parser_raise(data):
-    from improved.runtime.engine import parse_measure_reply
+    from improved.core.replies import parse_measure_reply
 
     reading = parse_measure_reply(data)
     assert (reading.value is None) != (reading.cause is None)

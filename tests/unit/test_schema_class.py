@@ -12,9 +12,9 @@ from improved.cli.queries import classified
 from improved.core import apply, audit, propose
 from improved.core.policy import Policy
 from improved.core.record import replay
+from improved.core.replies import parse_apply_reply
 from improved.core.trailers import refs_of
 from improved.protocol.model import ApplyReport, ApplyResult, ClassifyReply, to_json
-from improved.runtime.engine import parse_apply_reply
 from tests.builders import NOW, committed, make_proposal, said
 
 

@@ -1,6 +1,6 @@
-"""The slow retry of a given-up apply (runtime/daemon.py): a minute, doubling, up to its cap."""
+"""The slow retry of a given-up apply (runtime/inbound.py): a minute, doubling, up to its cap."""
 
-from improved.runtime.daemon import slow_backoff_s
+from improved.runtime.inbound import slow_backoff_s
 
 
 def test_the_slow_backoff_grows_to_its_cap():

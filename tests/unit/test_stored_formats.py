@@ -11,7 +11,7 @@ import pytest
 
 from improved.client.streams import decoded
 from improved.protocol.model import DedupHead, LedgerEntry, Refusal, Sentinel, to_json
-from improved.runtime.store import dedup_head_decoder, ledger_entry_decoder
+from improved.runtime.buckets import dedup_head_decoder, ledger_entry_decoder
 
 PID = "ab" * 32
 

@@ -1,0 +1,204 @@
+"""The KV buckets a pass reads and writes besides the chains: the state cache (each proposal's
+record, rebuildable from its chain), the dedup heads (the newest proposal per dedup_key) and
+the rejection ledger. Each is a hint anyone on the bus could write: a value that is no such
+entry reads as none (`decoded`), and the chain decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.errors import (
+    APIError,
+    KeyNotFoundError,
+    NotFoundError,
+)
+from nats.js.kv import KeyValue
+
+from improved.client.chain_writer import MAX_APPEND_ATTEMPTS, pause_after_conflict
+from improved.client.streams import decoded, is_conflict
+from improved.core.record import ProposalRecord, record_decoder, record_encoder
+from improved.protocol import subjects as S
+from improved.protocol.model import (
+    DedupHead,
+    LedgerEntry,
+    to_json,
+)
+from improved.runtime.conflicts import StateConflict, kv_create
+
+T = TypeVar("T")
+dedup_head_decoder = msgspec.json.Decoder(DedupHead)
+ledger_entry_decoder = msgspec.json.Decoder(LedgerEntry)
+
+
+class Buckets:
+    """The state cache, the dedup heads and the rejection ledger, opened by `Provisioning`."""
+
+    js: JetStreamContext
+    kv: KeyValue
+    dedup: KeyValue
+    ledger: KeyValue
+
+    async def dedup_head(self, svc: str, dedup: str) -> DedupHead | None:
+        """The head under `dedup`; None when there is none, or the key holds no head (the
+        bucket is a hint anyone on the bus could write)."""
+        try:
+            entry = await self.dedup.get(S.dedup_key_of(svc, dedup))
+        except KeyNotFoundError:
+            return None
+        return decoded(dedup_head_decoder, entry.value)
+
+    async def set_dedup_head(self, svc: str, dedup: str, pid: str,
+                             created_at: int, absent: bool = False) -> DedupHead | None:
+        """Record `pid` as the newest content under `dedup` unless something newer is there;
+        return the head that was there before (None for a first proposal under the key, or a
+        value that is no head: written over). With `absent` (the caller just read the key as
+        absent) the create is tried first."""
+        value = to_json(DedupHead(proposal_id=pid, created_at=created_at))
+
+        def newest(current: bytes | None) -> tuple[bytes | None, DedupHead | None]:
+            head = decoded(dedup_head_decoder, current)
+            if head is None:
+                return value, None
+            if (head.created_at, head.proposal_id) >= (created_at, pid):
+                return None, head
+            return value, head
+
+        return await self.compare_and_set(self.dedup, S.BUCKET_DEDUP,
+                                          S.dedup_key_of(svc, dedup), newest, absent=absent)
+
+    async def expire_dedup_head(self, svc: str, dedup: str, ttl_s: int,
+                                may_expire: Callable[[DedupHead], bool]) -> bool:
+        """Write the head under `dedup` again, as it is, with the per-message TTL `ttl_s`
+        (Nats-TTL: the server then removes the key, without a delete marker), when
+        `may_expire(head)` says so and it carries no TTL yet; True when it was written. The
+        write is a compare-and-set at the revision read (Nats-Expected-Last-Subject-Sequence),
+        so a head written meanwhile (a newer proposal's claim) stays as written, and this one
+        is left alone: not retried. nats-py's KeyValue.update takes no TTL, so this publishes to
+        the key's subject as that update does. Needs `dedup_ttl`."""
+        stream = f"KV_{S.BUCKET_DEDUP}"
+        subject = f"$KV.{S.BUCKET_DEDUP}.{S.dedup_key_of(svc, dedup)}"
+        try:  # from the bucket's stream leader (its buckets take no direct gets)
+            msg = await self.js.get_msg(stream, subject=subject)
+        except NotFoundError:
+            return False
+        headers = msg.headers or {}
+        if headers.get("KV-Operation") in ("DEL", "PURGE") or headers.get("Nats-TTL"):
+            return False
+        try:
+            head = dedup_head_decoder.decode(msg.data or b"")
+        except msgspec.MsgspecError:
+            return False
+        if not may_expire(head):
+            return False
+        try:
+            # no Nats-Expected-Stream: the bucket's stream keeps every header, for the TTL
+            await self.js.publish(subject, msg.data or b"", msg_ttl=ttl_s,
+                                  headers={"Nats-Expected-Last-Subject-Sequence": str(msg.seq)})
+        except APIError as exc:
+            if is_conflict(exc):
+                return False
+            raise
+        return True
+
+    async def compare_and_set(self, kv: KeyValue, bucket: str, key: str,
+                              decide: Callable[[bytes | None], tuple[bytes | None, T]], *,
+                              absent: bool = False) -> T:
+        """Read `key` (None when absent or deleted), let `decide` say what to write (None: write
+        nothing) and what to return, and write it only if the key is still as read: created
+        when it was absent, else updated at the revision read. On a conflict read again and
+        decide again, so `decide` must be pure. StateConflict when every attempt lost.
+        With `absent` (the caller expects a new key) the create is tried without a read, one
+        round trip instead of two; a conflict, or nothing to write, falls back to reading."""
+        if absent:
+            value, result = decide(None)
+            if value is not None:
+                try:
+                    await kv_create(kv, key, value)
+                    return result
+                except APIError as exc:
+                    if not is_conflict(exc):
+                        raise
+        leader = False
+        for attempt in range(MAX_APPEND_ATTEMPTS):
+            if leader:
+                await pause_after_conflict(attempt - 1)
+            current, revision = await self.kv_read(kv, bucket, key, leader)
+            value, result = decide(current)
+            if value is None:
+                return result
+            try:
+                if current is None:
+                    await kv_create(kv, key, value)
+                else:
+                    await kv.update(key, value, last=revision)
+                return result
+            except APIError as exc:
+                if not is_conflict(exc):
+                    raise
+                # someone wrote first: read what they wrote where it was written (a direct
+                # get may be served by a replica that has not seen it yet)
+                leader = True
+        raise StateConflict(f"{key}: still conflicting after {MAX_APPEND_ATTEMPTS} attempts")
+
+    async def kv_read(self, kv: KeyValue, bucket: str, key: str,
+                      leader: bool = False) -> tuple[bytes | None, int]:
+        """(value, revision) of a key, (None, revision) when absent or deleted; with `leader`
+        read from the bucket's stream leader rather than any replica."""
+        if not leader:
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:  # or deleted
+                return None, 0
+            return entry.value, entry.revision or 0
+        try:
+            msg = await self.js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}")
+        except NotFoundError:
+            return None, 0
+        if msg.headers and msg.headers.get("KV-Operation") in ("DEL", "PURGE"):
+            return None, msg.seq or 0
+        return msg.data, msg.seq or 0
+
+    async def ledger_put(self, svc: str, dedup: str, entry: LedgerEntry) -> None:
+        await self.ledger.put(S.dedup_key_of(svc, dedup), to_json(entry))
+
+    async def ledger_get(self, svc: str, dedup: str) -> LedgerEntry | None:
+        """The rejection-ledger entry under `dedup`; None when there is none, or the key holds
+        no entry (a hint, like the dedup bucket)."""
+        try:
+            entry = await self.ledger.get(S.dedup_key_of(svc, dedup))
+        except KeyNotFoundError:
+            return None
+        return decoded(ledger_entry_decoder, entry.value)
+
+    async def load(self, svc: str, pid: str) -> tuple[ProposalRecord | None, int]:
+        try:
+            entry = await self.kv.get(S.state_key(svc, pid))
+        except KeyNotFoundError:
+            return None, 0
+        if entry.value is None:
+            return None, entry.revision or 0
+        return record_decoder.decode(entry.value), entry.revision or 0
+
+    async def save(self, record: ProposalRecord, revision: int) -> int:
+        key = S.state_key(record.service, record.proposal_id)
+        data = record_encoder.encode(record)
+        try:
+            if revision == 0:
+                return await kv_create(self.kv, key, data)
+            return await self.kv.update(key, data, last=revision)
+        except APIError as exc:
+            if is_conflict(exc):
+                raise StateConflict(key) from exc
+            raise
+
+    async def keys(self) -> list[str]:
+        """The keys of every cached record (a marker an earlier version kept here left out)."""
+        try:
+            keys = await self.kv.keys()
+        except Exception:  # nats-py raises NoKeysError on an empty bucket
+            return []
+        return [k for k in keys if not k.startswith("_")]

@@ -1,0 +1,95 @@
+"""Whether an L3 skill's grant is active, as its verified grant chain says — never the retained
+record, never a lookup by name — read from the stream leader, so a grant revoked a moment ago is
+never read as active. A grant chain only ever grows: it is read and verified whole only when
+its end moved since the last whole read under the same trust.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.errors import (
+    NotFoundError,
+)
+
+from improved.client import chains
+from improved.core import audit
+from improved.core.authority import GrantActs, grant_as_of, grant_covers
+from improved.protocol import subjects as S
+
+GRANT_MEMO_SIZE = 4096  # grant chains whose verified end each process remembers
+
+
+class _GrantChain(NamedTuple):
+    """A grant chain as read whole from the leader: the trust it was verified under, its last
+    trailer then (stream sequence, hash), the trailers (stream sequence, body) and its acts
+    (None: it does not verify whole)."""
+
+    trust: audit.Authenticity | None
+    end: tuple[int, str]
+    chain: chains.Sequenced
+    acts: GrantActs | None
+
+
+class GrantReads:
+    """Grant chains as last read whole, by skill hash (at most GRANT_MEMO_SIZE of them)."""
+
+    js: JetStreamContext
+    _grants: OrderedDict[str, _GrantChain]
+
+    async def grant_active(self, identity: str | None, now_ms: int,
+                           trust: audit.Authenticity | None = None) -> bool:
+        """An active, unexpired grant for exactly `<name>:<sha256>`, as its verified grant
+        chain says (never the retained record, never a lookup by name), read from the stream
+        leader: a grant revoked a moment ago is never read as active here."""
+        read = await self._grant_chain(identity, trust)
+        grant = grant_as_of(read.acts) if read is not None and read.acts else None
+        return (grant is not None and identity is not None
+                and grant_covers(grant, identity, now_ms))
+
+    async def grant_active_as_of(self, identity: str | None, seq: int, at: int,
+                                 trust: audit.Authenticity | None = None) -> bool:
+        """Was the grant of exactly `<name>:<sha256>` active as of stream sequence `seq` of the
+        audit stream — only the grant chain's acts recorded below `seq` count — and unexpired
+        at `at`? Whether the intent at `seq` (recorded at `at`) stands. Asked after that
+        intent's append was acknowledged, so the read from the leader sees every act below it,
+        and judged on the chain's trailers below `seq` alone: whatever lands later (a revoke,
+        or a trailer that does not verify) changes no verdict already given on it."""
+        read = await self._grant_chain(identity, trust)
+        if read is None or identity is None:
+            return False
+        acts = read.acts
+        if acts is None:  # a break somewhere: what stood below `seq` is what its prefix says
+            acts = chains.verified_acts(identity, [t for t in read.chain if t[0] < seq], trust)
+        grant = grant_as_of(acts, seq) if acts else None
+        return grant is not None and grant_covers(grant, identity, at)
+
+    async def _grant_chain(self, identity: str | None,
+                           trust: audit.Authenticity | None) -> _GrantChain | None:
+        """The grant chain of `identity` read from the leader and verified under `trust`;
+        None for a bad identity or no chain. It is read and verified whole only when its last
+        trailer (one read) is not the one it ended with at the last whole read under the same
+        trust: a grant chain only ever grows, so a verified prefix stays verified, and one read
+        of its end, made now, says whether anything was added since."""
+        subject = chains.grant_chain_subject(identity)
+        if subject is None or identity is None:
+            return None
+        sha = identity.split(":", 1)[1]
+        try:
+            msg = await self.js.get_msg(S.STREAM_AUDIT, subject=subject)
+        except NotFoundError:
+            return None
+        end = (msg.seq or 0, msgspec.json.decode(msg.data or b"{}").get("hash", ""))
+        memo = self._grants.get(sha)
+        if memo is not None and memo.trust is trust and memo.end == end:
+            self._grants.move_to_end(sha)
+            return memo
+        chain = await chains.read_from_leader(self.js, subject)
+        read = _GrantChain(trust, end, chain, chains.verified_acts(identity, chain, trust))
+        self._grants[sha] = read
+        while len(self._grants) > GRANT_MEMO_SIZE:
+            self._grants.popitem(last=False)
+        return read
