@@ -215,7 +215,6 @@ MAX_CLASS_LINES = 400  # past this a class holds more than one concern: give eac
 # each by concern as the daemon's shell was. An entry is taken out once its class fits.
 OVER_THE_CLASS_LIMIT = {
     ("demo.py", "Demo"),
-    ("bench.py", "Bench"),
 }
 
 
