@@ -34,11 +34,9 @@ import json
 import logging
 import os
 import random
-import shutil
 import signal as signals
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Sequence
@@ -53,7 +51,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js import api as jsapi
 from nats.js.errors import NotFoundError
 
 from improved.client import acceptance, connection
@@ -74,8 +71,9 @@ from improved.protocol.model import (
     Trailer,
     to_json,
 )
-from improved.runtime import bus
 from improved.runtime.store import Store
+from improved_bench import broker
+from improved_bench.processes import BenchProcesses, peak_rss_mb
 from improved_reference.ranking_store import RankingStore
 from improved_reference.skills_store import SkillsStore
 
@@ -290,8 +288,6 @@ class Published(msgspec.Struct, kw_only=True):
 
 trailer_decoder = msgspec.json.Decoder(Trailer)
 
-ATOMIC_BATCH = 100  # messages per atomic batch in the atomic ceiling (the server allows 1000)
-ATOMIC_IN_FLIGHT = 4  # batches in flight per stream at once (the server allows 50)
 PACED_SHARES = (0.25, 0.5, 0.9)  # the paced runs' rates, as shares of the measured peak
 PACED_SECONDS = 4.0  # how long each paced run publishes
 
@@ -322,233 +318,23 @@ def progress(done: int, total: int, started: float) -> None:
     sys.stderr.flush()
 
 
-def cpu_s(pid: int) -> float:
-    """The CPU time (user and system) a process has used so far, in seconds."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def peak_rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
 class Bench:
+    """One `improved bench` run: the loop driven and measured on the processes it starts
+    (BenchProcesses), against the broker's own rate (broker)."""
+
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.tmp = Path(tempfile.mkdtemp(prefix="improved-bench-"))
-        self.server: bus.EmbeddedServer | None = None
-        self.daemons: list[subprocess.Popen[bytes]] = []
-        self.children: list[subprocess.Popen[bytes]] = []  # the publisher, while it runs
+        self.processes = BenchProcesses(args)
+        self.tmp = self.processes.tmp
         self.stopping = False  # the run reached its cleanup: a Ctrl-C need not cancel it again
         self.interrupted = False  # a Ctrl-C or SIGTERM came
         self.publisher_cpu_s: dict[int, float] = {}  # its CPU seconds while publishing, by run
         self.key = Ed25519PrivateKey.generate()
-        self.config = self.tmp / "bench.toml"
         self.key_file = self.tmp / "operator.pem"  # the bench operator's, for the publisher
         self.key_file.write_bytes(self.key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption()))
         self.mix: dict[str, float] = parse_mix(args.mix)
-
-    # -- setup ----------------------------------------------------------------------------------
-
-    def start_server(self) -> str:
-        if self.args.nats:
-            url: str = self.args.nats
-            return url
-        self.server = bus.EmbeddedServer(self.tmp / "nats", bus.free_port(), sync=self.args.sync)
-        return self.server.start()
-
-    def start_daemons(self, url: str, replicas: int) -> None:
-        public = base64.b64encode(signing.raw_public(self.key.public_key())).decode()
-        config = self.config
-        config.write_text(f'records_storage = "{self.args.records}"\n'
-                          f'data_dir = "{self.tmp / "daemon"}"\n\n'
-                          f'[trust.operators]\n"{OPERATOR}" = "{public}"\n')
-        env = {**os.environ, "IMPROVED_CONFIG": str(config)}
-        for i in range(replicas):
-            log = open(self.tmp / f"daemon-{i}.log", "ab")  # noqa: SIM115
-            self.daemons.append(subprocess.Popen(
-                [sys.executable, "-m", "improved.cli", "--log-level", "warning", "run",
-                 "--nats", url, "--data-dir", str(self.tmp / "daemon")],
-                stdout=log, stderr=log, env=env, stdin=subprocess.DEVNULL))
-
-    async def wait_ready(self, nc: Client) -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                await nc.request(S.SPEC_GET, b"{}", timeout=0.5)
-                return
-            except Exception:
-                await asyncio.sleep(0.1)
-        raise RuntimeError(f"the daemon did not come up; see {self.tmp}/daemon-*.log")
-
-    def spawn(self, name: str, module: str, *argv: str) -> subprocess.Popen[bytes]:
-        """A Python process of the bench's, logging to `<name>.log` in the temp directory."""
-        log = open(self.tmp / f"{name}.log", "ab")  # noqa: SIM115
-        child = subprocess.Popen([sys.executable, "-m", module, *argv], stdout=log,
-                                 stderr=log, stdin=subprocess.DEVNULL)
-        self.children.append(child)
-        return child
-
-    def reap(self, child: subprocess.Popen[bytes]) -> None:
-        try:
-            child.wait(60)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
-        if child in self.children:
-            self.children.remove(child)
-
-    def cpu(self) -> dict[str, float]:
-        """CPU seconds used so far by the daemons (together), the broker (when embedded) and
-        this process (the publisher and the owning service)."""
-        out = {"daemon": sum(cpu_s(d.pid) for d in self.daemons),
-               "applier and clock": cpu_s(os.getpid())}
-        if self.server is not None and self.server.proc is not None:
-            out["broker"] = cpu_s(self.server.proc.pid)
-        return out
-
-    def stop(self) -> None:
-        """Stop the daemons and the embedded server; a second call does nothing."""
-        for child in self.children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-        self.children = []
-        daemons, self.daemons = self.daemons, []
-        for d in daemons:
-            if d.poll() is None:
-                d.send_signal(signals.SIGTERM)
-        for d in daemons:
-            try:
-                d.wait(30)
-            except subprocess.TimeoutExpired:
-                d.kill()
-                d.wait()
-        server, self.server = self.server, None
-        if server is not None:
-            server.stop()
-
-    # -- what the streams gained, and the broker's own rate ----------------------------------------
-
-    async def streams(self, js: JetStreamContext) -> dict[str, dict[str, Any]]:
-        """Every stream's last sequence and storage type, by name."""
-        return {info.config.name or "": {"last_seq": info.state.last_seq,
-                                   "file": info.config.storage == jsapi.StorageType.FILE}
-                for info in await js.streams_info()}
-
-    async def mean_size(self, js: JetStreamContext, stream: str, last_seq: int,
-                        first_seq: int) -> int:
-        """The mean size (payload and headers) of up to 50 of the stream's newest messages that
-        the run wrote (some may be gone: retained records keep the newest per subject)."""
-        sizes: list[int] = []
-        seq = last_seq
-        while seq > first_seq and len(sizes) < 50 and last_seq - seq < 500:
-            try:
-                msg = await js.get_msg(stream, seq=seq)
-                head = sum(len(k) + len(v) + 4 for k, v in (msg.headers or {}).items())
-                sizes.append(len(msg.data or b"") + head)
-            except NotFoundError:
-                pass
-            seq -= 1
-        return round(sum(sizes) / len(sizes)) if sizes else 256
-
-    async def writes(self, js: JetStreamContext, before: dict[str, dict[str, Any]], proposals: int,
-                     applier_streams: set[str]) -> dict[str, Any]:
-        """The messages each stream gained during the run, per proposal; those to file storage
-        are the fsync'd writes (with sync always). The applier's own streams are counted apart."""
-        after = await self.streams(js)
-        per_stream = {}
-        for name, state in after.items():
-            gained = state["last_seq"] - before.get(name, {"last_seq": 0})["last_seq"]
-            if gained > 0:
-                per_stream[name] = {"messages": gained, "file": state["file"],
-                                    "per_proposal": round(gained / max(proposals, 1), 2),
-                                    "by": "applier" if name in applier_streams else "loop",
-                                    "mean_bytes": await self.mean_size(
-                                        js, name, state["last_seq"], state["last_seq"] - gained)}
-        fsyncd = sum(v["messages"] for v in per_stream.values() if v["file"])
-        fsyncd_loop = sum(v["messages"] for v in per_stream.values()
-                          if v["file"] and v["by"] == "loop")
-        return {"streams": per_stream,
-                "fsyncd_per_proposal": round(fsyncd / max(proposals, 1), 2),
-                "fsyncd_loop_per_proposal": round(fsyncd_loop / max(proposals, 1), 2),
-                "fsyncd_loop_messages": fsyncd_loop,
-                "loop_messages": sum(v["messages"] for v in per_stream.values()
-                                     if v["by"] == "loop")}
-
-    async def ceiling(self, nc: Client, pattern: dict[str, dict[str, Any]], total: int,
-                      atomic: bool = False) -> dict[str, Any]:
-        """The broker's rate for the loop's write pattern, on this server and sync setting:
-        publishes to as many streams as the loop wrote, in parallel, each stream with its share
-        of the messages, of the size and storage type that stream received. Pipelined; or,
-        with `atomic`, in atomic batches of ATOMIC_BATCH (`allow_atomic`, one commit each),
-        ATOMIC_IN_FLIGHT batches in flight per stream."""
-        loop = {name: v for name, v in pattern.items() if v["by"] == "loop"}
-        weight = sum(v["messages"] for v in loop.values()) or 1
-        tasks = []
-        names = []
-        counted = 0
-        for i, (_, v) in enumerate(sorted(loop.items())):
-            stream = f"IMPROVED_BENCH_CEILING_{'A' if atomic else 'P'}{i}"
-            subject = f"improved.bench.ceiling.{stream.lower()}"
-            storage = jsapi.StorageType.FILE if v["file"] else jsapi.StorageType.MEMORY
-            js = nc.jetstream(publish_async_max_pending=2000)
-            await js.add_stream(jsapi.StreamConfig(name=stream, subjects=[f"{subject}.>"],
-                                                   storage=storage, allow_atomic=atomic))
-            names.append(stream)
-            count = max(1, round(total * v["messages"] / weight))
-            counted += count
-            payload = os.urandom(v["mean_bytes"] // 2 + 1).hex().encode()[:v["mean_bytes"]]
-            if atomic:
-                tasks += [self._batches(nc, f"{subject}.{k}", payload, count // ATOMIC_IN_FLIGHT)
-                          for k in range(ATOMIC_IN_FLIGHT)]
-            else:
-                tasks.append(self._publish_many(js, f"{subject}.p", payload, count))
-        started = time.perf_counter()
-        await asyncio.gather(*tasks)
-        elapsed = time.perf_counter() - started
-        js = nc.jetstream()
-        for stream in names:
-            await js.delete_stream(stream)
-        return {"messages_per_s": round(counted / elapsed), "messages": counted,
-                "streams": len(names), "storage_mirrors_the_loop": True,
-                "pattern": (f"atomic batches of {ATOMIC_BATCH}, {ATOMIC_IN_FLIGHT} in flight "
-                            "per stream" if atomic else "pipelined")}
-
-    @staticmethod
-    async def _publish_many(js: JetStreamContext, subject: str, payload: bytes,
-                            count: int) -> None:
-        futures = [await js.publish_async(subject, payload) for _ in range(count)]
-        await asyncio.gather(*futures)
-
-    @staticmethod
-    async def _batches(nc: Client, subject: str, payload: bytes, count: int) -> None:
-        """`count` messages in atomic batches of ATOMIC_BATCH, one batch after the other: each
-        message but the last published with the batch headers, the last one committing it and
-        waiting for its PubAck (ADR-50)."""
-        for start in range(0, count, ATOMIC_BATCH):
-            size = min(ATOMIC_BATCH, count - start)
-            batch = nc.new_inbox().rsplit(".", 1)[-1]
-            for seq in range(1, size):
-                await nc.publish(subject, payload, headers={
-                    "Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(seq)})
-            reply = await nc.request(subject, payload, timeout=30, headers={
-                "Nats-Batch-Id": batch, "Nats-Batch-Sequence": str(size),
-                "Nats-Batch-Commit": "1"})
-            ack = msgspec.json.decode(reply.data)
-            if "error" in ack:
-                raise RuntimeError(f"atomic batch refused: {ack['error']}")
 
     # -- the run ----------------------------------------------------------------------------------
 
@@ -569,15 +355,16 @@ class Bench:
 
         for sig in (signals.SIGINT, signals.SIGTERM):
             loop.add_signal_handler(sig, interrupt)
-        url = self.start_server()
+        url = self.processes.start_server()
         nc = await connection.connect(url, "improved-bench")
         service = await connection.connect(url, "improved-bench-applier")  # the owning service's own
         try:
             t0 = int(time.time() * 1000)
             kinds = random.Random(7).choices(list(self.mix), weights=list(self.mix.values()),
                                              k=a.n)
-            self.start_daemons(url, a.replicas)
-            await self.wait_ready(nc)
+            public = base64.b64encode(signing.raw_public(self.key.public_key())).decode()
+            self.processes.start_daemons(url, a.replicas, OPERATOR, public)
+            await self.processes.wait_ready(nc)
             applier: InstantApplier | StoreApplier
             if a.applier == "instant":
                 applier = InstantApplier(service.jetstream() if a.verify_acceptance else None)
@@ -586,21 +373,21 @@ class Bench:
             await applier.start(service)
             await self.grant(nc, t0)
             js = nc.jetstream()
-            before = await self.streams(js)
+            before = await broker.streams(js)
             applier_streams = {name for name in before if name.startswith("KV_")
                                and name.removeprefix("KV_").endswith(f"_{SVC}")}
-            cpu_before = self.cpu()
+            cpu_before = self.processes.cpu()
             result = await self.drive(nc, url, kinds, t0, 1, concurrency=a.concurrency)
-            cpu_after = self.cpu()
+            cpu_after = self.processes.cpu()
             per = 1000 / max(result["completed"], 1)
             result["cpu_ms_per_proposal"] = {
                 **{who: round((cpu_after[who] - s) * per, 3) for who, s in cpu_before.items()},
                 "publisher": round(self.publisher_cpu_s.get(1, float("nan")) * per, 3)}
-            result["writes"] = await self.writes(js, before, result["completed"],
-                                                 applier_streams)
+            result["writes"] = await broker.writes(js, before, result["completed"],
+                                                   applier_streams)
             total = min(max(result["writes"]["loop_messages"], 4000), 20000)
-            ceiling = await self.ceiling(nc, result["writes"]["streams"], total)
-            atomic = await self.ceiling(nc, result["writes"]["streams"], total, atomic=True)
+            ceiling = await broker.ceiling(nc, result["writes"]["streams"], total)
+            atomic = await broker.ceiling(nc, result["writes"]["streams"], total, atomic=True)
             loop_writes_per_s = result["writes"]["loop_messages"] / result["elapsed_s"]
             result["broker"] = {"ceiling": ceiling, "atomic_ceiling": atomic,
                                 "sync": "external server" if a.nats else a.sync,
@@ -616,7 +403,7 @@ class Bench:
                                  "verifies_acceptance": bool(a.verify_acceptance),
                                  "refused": applier.refused}
             result["verify"] = await self.verify_and_rebuild(url)
-            result["peak_rss_mb"] = [round(peak_rss_mb(d.pid), 1) for d in self.daemons]
+            result["peak_rss_mb"] = [round(peak_rss_mb(d.pid), 1) for d in self.processes.daemons]
             if a.paced:
                 result["paced"] = await self.paced(nc, url, result["proposals_per_s"], t0,
                                                    a.n + 1)
@@ -630,22 +417,7 @@ class Bench:
                     # the cancel cut short, up to nats-py's drain timeout (30 s)
                     await (conn.close() if self.interrupted else connection.close(conn))
             finally:
-                self.stop()
-
-    def cleanup(self) -> None:
-        """Remove everything the run created under the temporary directory (after `stop`)."""
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def daemon_log_tail(self, lines: int = 20) -> str:
-        """The end of each daemon's log, to show on a failure before the directory goes."""
-        out = []
-        for log in sorted(self.tmp.glob("daemon-*.log")):
-            try:
-                text = log.read_text(errors="replace").splitlines()[-lines:]
-            except OSError:
-                continue
-            out.append(f"--- {log.name}\n" + "\n".join(text))
-        return "\n".join(out)
+                self.processes.stop()
 
     async def grant(self, nc: Client, t0: int) -> None:
         """Before the clock starts, as SPEC 09 §3 has it: the skill's first execution approved
@@ -699,7 +471,7 @@ class Bench:
             url=url, key=str(self.key_file), kinds=kinds, t0=t0, first=first,
             concurrency=concurrency, rate=rate, learn_back=learn_back,
             timeout=self.args.timeout, out=str(out))))
-        publisher = self.spawn("publisher", "improved_bench.publisher", str(plan))
+        publisher = self.processes.spawn("publisher", "improved_bench.publisher", str(plan))
         try:
             await asyncio.wait_for(watch.done.wait(), timeout=self.args.timeout)
         except TimeoutError:
@@ -710,7 +482,7 @@ class Bench:
             durable = await self.read_back(nc, watch.last, watch.tracks[watch.last])
         end = time.time()
         await sub.unsubscribe()
-        await asyncio.get_running_loop().run_in_executor(None, self.reap, publisher)
+        await asyncio.get_running_loop().run_in_executor(None, self.processes.reap, publisher)
         report = (msgspec.json.decode(out.read_bytes(), type=Published) if out.exists()
                   else Published())
         self.publisher_cpu_s[first] = report.cpu_s
@@ -827,7 +599,7 @@ class Bench:
                     what, "--nats", url]
             started = time.perf_counter()
             done = await loop.run_in_executor(None, functools.partial(
-                subprocess.run, argv, env={**os.environ, "IMPROVED_CONFIG": str(self.config)},
+                subprocess.run, argv, env={**os.environ, "IMPROVED_CONFIG": str(self.processes.config)},
                 capture_output=True, text=True, timeout=600))
             elapsed = time.perf_counter() - started
             out[what] = {"s": round(elapsed, 2), "exit": done.returncode,
@@ -921,13 +693,13 @@ def main(args: argparse.Namespace) -> int:
                              f"{bench.tmp} removed\n")
             return 130
         except BaseException:
-            tail = bench.daemon_log_tail()
+            tail = bench.processes.daemon_log_tail()
             if tail:
                 sys.stderr.write(f"the daemons' logs ended with:\n{tail}\n")
             raise
     finally:
-        bench.stop()  # already done unless the run was cut short before its own stop
-        bench.cleanup()
+        bench.processes.stop()  # already done unless the run was cut short before its own stop
+        bench.processes.cleanup()
     print(table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str))

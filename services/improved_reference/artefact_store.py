@@ -43,45 +43,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import hashlib
 import json
-import os
-import re
-import shlex
-import shutil
-import signal
 import sys
-import tempfile
-from collections.abc import Awaitable, Callable, Mapping
-from contextlib import suppress
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
-import msgspec
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.js.errors import (
-    APIError,
-    BucketNotFoundError,
-    DigestMismatchError,
-    NotFoundError,
-)
-from nats.js.object_store import ObjectStore
 
-from improved.client.sdk import answer_bytes, failed
+from improved.client.sdk import failed
 from improved.protocol import subjects as S
-from improved.protocol.model import ApplyOrder, ApplyResult, ClassifyRequest, Proposal, to_json
+from improved.protocol.model import ApplyOrder, ApplyResult, Proposal, to_json
 from improved_reference import kv_service, schema_gate
+from improved_reference.artefact_blobs import NAME_RE, ArtefactBlobs, digest_of
+from improved_reference.artefact_changes import KEY, Change, parse_lkg, restore_change
 from improved_reference.kv_service import Conflict, KVService, Refused, read_json
+from improved_reference.lkg_checks import RC_UNKNOWN, LkgChecks
+from improved_reference.supervised_artefacts import HEALTH_WINDOW_S, SupervisedArtefacts, runners
+
+__all__ = ["ArtefactStore", "Change", "bucket_names", "digest_of", "main", "run"]
 
 SmokeTest = Callable[[bytes], int]
-KEY = "manifest"
-DIGEST_RE = re.compile(r"^sha256:([0-9a-f]{64})$")
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,127}$")
-RC_UNKNOWN = 127  # no such smoke test, or no last-known-good
-RC_CORRUPT = 126  # the LKG blob is missing or does not hash to its digest
-BLOB_TIMEOUT_S = 10.0
 SCHEMES = ("binary:", "lkg:", "code:", "schema:")
 
 
@@ -116,263 +98,12 @@ def bucket_names(service: str) -> tuple[str, str, str]:
     return f"artefacts_{token}", f"artefacts_heads_{token}", f"artefacts_applies_{token}"
 
 
-def digest_of(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-# -- supervised artefacts ------------------------------------------------------------------------
-
-HEALTH_WINDOW_S = 3.0  # how long a (re)started artefact must stay up before a swap is a success
-HEALTH_COMMAND_S = 10.0  # a health command still running after this has failed
-STOP_GRACE_S = 5.0  # SIGTERM to the process group, then SIGKILL after this
-GROUP_GONE_POLLS = 100  # every 20 ms: how long a killed group may take to disappear
-RESTART_MIN_S, RESTART_MAX_S = 1.0, 30.0  # backoff of restarts after an unexpected exit
-
-
-@dataclass(frozen=True)
-class Runner:
-    """How an artefact runs: `command` and `health` are shlex-split, `{path}` in an argument
-    is replaced by the artefact's file, which is also in $ARTEFACT_PATH."""
-    command: str
-    health: str | None = None
-
-
-def runners(run: Mapping[str, str] | None, health: Mapping[str, str] | None) -> dict[str, Runner]:
-    """The runners `run` and `health` (name → command each) describe; ValueError in one line."""
-    run, health = dict(run or {}), dict(health or {})
-    for name in health.keys() - run.keys():
-        raise ValueError(f"--health {name}: artefact {name} has no --run command to check")
-    out: dict[str, Runner] = {}
-    for name, command in run.items():
-        if not NAME_RE.match(name):
-            raise ValueError(f"--run {name!r}: NAME must match {NAME_RE.pattern}")
-        for flag, text in (("--run", command), ("--health", health.get(name))):
-            if text is None:
-                continue
-            try:
-                argv = shlex.split(text)
-            except ValueError as exc:
-                raise ValueError(f"{flag} {name}: cannot split {text!r}: {exc}") from None
-            if not argv:
-                raise ValueError(f"{flag} {name}: the command is empty")
-        out[name] = Runner(command, health.get(name))
-    return out
-
-
-def _exit(rc: int) -> str:
-    if rc >= 0:
-        return f"code {rc}"
-    try:
-        return f"signal {signal.Signals(-rc).name}"
-    except ValueError:
-        return f"signal {-rc}"
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-async def _end(proc: asyncio.subprocess.Process) -> None:
-    """SIGTERM to the process's group, SIGKILL after the grace period; then SIGKILL to whatever
-    is left of the group (a child the artefact started), the process reaped, and a moment given
-    for the rest of the group to be gone."""
-    if proc.returncode is None:
-        _killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
-        except TimeoutError:
-            pass
-    _killpg(proc.pid, signal.SIGKILL)
-    await proc.wait()
-    for _ in range(GROUP_GONE_POLLS):
-        if not _group_alive(proc.pid):
-            return
-        await asyncio.sleep(0.02)
-
-
-def _group_alive(pgid: int) -> bool:
-    """A process of group `pgid` still runs (a zombie, dead and waiting for its reaper, does
-    not count); where there is no /proc, any member counts."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if fields[0] != "Z" and fields[2] == str(pgid):
-            return True
-    return False
-
-
-class Supervised:
-    """One artefact's file and process: started on given content, kept running, checked."""
-
-    def __init__(self, name: str, runner: Runner, path: Path, log: Any):
-        self.name, self.runner, self.path, self.log = name, runner, path, log
-        self.proc: asyncio.subprocess.Process | None = None
-        self.digest: str | None = None  # the content now running
-        self.spawn_error: str | None = None
-        self.started_at = 0.0
-        self._watch: asyncio.Task[None] | None = None
-        self._probing = False  # a health window is open: an exit is its verdict, no restart
-
-    def _env(self) -> dict[str, str]:
-        return {**os.environ, "ARTEFACT_PATH": str(self.path), "ARTEFACT_NAME": self.name,
-                "ARTEFACT_DIGEST": self.digest or ""}
-
-    def _argv(self, command: str) -> list[str]:
-        return [arg.replace("{path}", str(self.path)) for arg in shlex.split(command)]
-
-    async def start(self, data: bytes, digest: str) -> None:
-        """Stop what runs, write `data` as the artefact's file, start the command on it."""
-        await self.stop()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_name(self.path.name + ".partial")
-        partial.write_bytes(data)
-        os.replace(partial, self.path)
-        self.digest = digest
-        await self._spawn()
-        self._watch = asyncio.create_task(self._keep_running())
-
-    async def _spawn(self) -> None:
-        self.started_at = asyncio.get_running_loop().time()
-        try:
-            self.proc = await asyncio.create_subprocess_exec(
-                *self._argv(self.runner.command), env=self._env(), cwd=self.path.parent,
-                stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
-        except OSError as exc:
-            self.proc, self.spawn_error = None, exc.strerror or str(exc)
-            self.log.warning("artefact did not start", artefact=self.name,
-                             error=self.spawn_error)
-        else:
-            self.spawn_error = None
-            self.log.info("artefact started", artefact=self.name, digest=self.digest,
-                          pid=self.proc.pid)
-
-    async def _keep_running(self) -> None:
-        delay = RESTART_MIN_S
-        while True:
-            if self.proc is not None:
-                rc = await self.proc.wait()
-                _killpg(self.proc.pid, signal.SIGKILL)  # what it left behind
-                if self._probing:
-                    return  # the health check reports it; the store decides what runs next
-                up = asyncio.get_running_loop().time() - self.started_at
-                delay = RESTART_MIN_S if up >= RESTART_MAX_S else delay
-                self.log.warning("artefact exited; restarting", artefact=self.name,
-                                 exit=_exit(rc), after_s=delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RESTART_MAX_S)
-            await self._spawn()
-
-    async def healthy(self, window: float) -> str | None:
-        """None when the process stays up `window` seconds from its start and the health
-        command, if any, exits 0 at the end of them; else what failed, in a few words."""
-        if self.proc is None:
-            return f"could not be started: {self.spawn_error}"
-        proc, self._probing = self.proc, True
-        try:
-            remaining = self.started_at + window - asyncio.get_running_loop().time()
-            try:
-                rc = await asyncio.wait_for(proc.wait(), max(remaining, 0.001))
-            except TimeoutError:
-                pass
-            else:
-                return f"exited with {_exit(rc)} within the {window:g}s health window"
-            failed = await self._health_command() if self.runner.health else None
-            if proc.returncode is not None:
-                return f"exited with {_exit(proc.returncode)} at the end of the health window"
-            return failed
-        finally:
-            self._probing = False
-
-    async def _health_command(self) -> str | None:
-        assert self.runner.health is not None
-        try:
-            check = await asyncio.create_subprocess_exec(
-                *self._argv(self.runner.health), env=self._env(), cwd=self.path.parent,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True)
-        except OSError as exc:
-            return f"health command could not be started: {exc.strerror or exc}"
-        try:
-            out, _ = await asyncio.wait_for(check.communicate(), HEALTH_COMMAND_S)
-        except TimeoutError:
-            await _end(check)
-            return f"health command did not exit within {HEALTH_COMMAND_S:g}s"
-        finally:
-            _killpg(check.pid, signal.SIGKILL)
-        rc = check.returncode if check.returncode is not None else 1
-        if rc != 0:
-            self.log.info("health command failed", artefact=self.name, exit=_exit(rc),
-                          output=out.decode(errors="replace")[-500:])
-            return f"health command exited with {_exit(rc)}"
-        return None
-
-    async def stop(self) -> None:
-        """No process left: the watch ended, the group terminated, the process reaped."""
-        watch, self._watch = self._watch, None
-        if watch is not None:
-            watch.cancel()
-            with suppress(asyncio.CancelledError):
-                await watch
-        proc, self.proc = self.proc, None
-        if proc is not None:
-            await _end(proc)
-
-
-@dataclass(frozen=True)
-class Change:
-    op: str  # "swap" | "restore"
-    set: dict[str, str]  # name → the digest the manifest will hold
-    blobs: dict[str, bytes] = field(default_factory=dict, compare=False)  # swap: new content
-    key: str = KEY
-    schema: dict[str, Any] | None = field(default=None, compare=False)  # a schema: change's class
-
-
-class LkgEntry(TypedDict):
-    """One entry of a proposal's `lkg`: the digest to check (None: the current one) and the
-    smoke test to run on it."""
-
-    digest: str | None
-    smoke_test: str
-
-
-def parse_lkg(lkg: Any) -> dict[str, LkgEntry]:
-    """`lkg` entries by artefact name, or Refused (ValueError for the LKG check)."""
-    if not isinstance(lkg, list) or not lkg:
-        raise Refused("lkg must be a non-empty list of {artefact, digest, smoke_test}")
-    out: dict[str, LkgEntry] = {}
-    for entry in lkg:
-        if not isinstance(entry, dict):
-            raise Refused("every lkg entry must be an object {artefact, digest, smoke_test}")
-        name, digest, smoke = entry.get("artefact"), entry.get("digest"), entry.get("smoke_test")
-        if not isinstance(name, str) or not NAME_RE.match(name):
-            raise Refused(f"lkg artefact {name!r} must match {NAME_RE.pattern}")
-        if digest is not None and (not isinstance(digest, str) or not DIGEST_RE.match(digest)):
-            raise Refused(f"lkg digest of {name} must be sha256:<64 lowercase hex>")
-        if not isinstance(smoke, str) or not smoke:
-            raise Refused(f"lkg entry {name} needs a smoke_test id")
-        if name in out:
-            raise Refused(f"artefact {name} is listed twice in lkg")
-        out[name] = {"digest": digest, "smoke_test": smoke}
-    return out
-
-
 class ArtefactStore(KVService[Change]):
     """Blobs in Object Store `artefacts_<svc>`, the LKG manifest in KV `artefacts_heads_<svc>`,
     the per-proposal apply ledger in KV `artefacts_applies_<svc>`."""
 
     KIND = "artefact store"
     VALUES = "manifest"
-    objects: ObjectStore  # the blobs, once `open`
 
     def __init__(self, nc: Client, service: str,
                  smoke_tests: Mapping[str, SmokeTest] | None = None,
@@ -384,48 +115,32 @@ class ArtefactStore(KVService[Change]):
         self.objects_bucket, heads, ledger = bucket_names(service)
         super().__init__(nc, service, heads, ledger, verify_acceptance=True)
         self.smoke_tests: dict[str, SmokeTest] = {**DEFAULT_SMOKE_TESTS, **(smoke_tests or {})}
-        self.runners: dict[str, Runner] = {}
-        self.health_window = HEALTH_WINDOW_S
-        self.workdir: Path | None = None
-        self.supervised: dict[str, Supervised] = {}  # the running artefacts, once started
-        self._workdir_given: Path | None = None
+        self.blobs = ArtefactBlobs(self.js, self.objects_bucket, self.KIND)
+        self.supervision = SupervisedArtefacts(self.blobs, self.manifest, service, self.log)
+        self.lkg_checks = LkgChecks(self)
         self._settling = asyncio.Lock()  # one swap and its health window at a time
         self.configure(run, health, health_window, workdir)
 
     def configure(self, run: Mapping[str, str] | None, health: Mapping[str, str] | None = None,
                   health_window: float = HEALTH_WINDOW_S,
                   workdir: str | Path | None = None) -> None:
-        """Before `start`: run artefact NAME as `run[NAME]` (and check it with `health[NAME]`),
-        its file under `workdir` (default: a temporary directory, removed on `stop`); a swap
-        touching it succeeds only after `health_window` seconds healthy. ValueError in one
-        line when a command or the window is not usable."""
-        if self.supervised:
-            raise RuntimeError("configure the runners before the store starts")
-        if not 0 < health_window <= 3600:
-            raise ValueError(f"--health-window {health_window:g}: must be more than 0 and at "
-                             "most 3600 seconds")
-        self.runners = runners(run, health)
-        self.health_window = health_window
-        self._workdir_given = Path(workdir) if workdir is not None else None
+        """Before `start`: the runners of supervised artefacts (`SupervisedArtefacts.configure`)."""
+        self.supervision.configure(run, health, health_window, workdir)
 
     async def open(self) -> None:
         """The blobs' Object Store and the manifest and ledger buckets, created if absent."""
-        self.objects = await self._object_store()
+        await self.blobs.open()
         await super().open()
 
     async def start(self) -> None:
         """Open, start every runner on its artefact's current content, then take orders."""
         await self.open()
         try:
-            await self._start_runners()
+            await self.supervision.start()
             await self._serve()
-            self._subs.append(await self.nc.subscribe(S.lkg_request(self.service),
-                                                      queue=self.service, cb=self._on_lkg))
-            self._subs.append(await self.nc.subscribe(S.classify_request(self.service),
-                                                      queue=self.service,
-                                                      cb=self._on_classify))
+            await self.lkg_checks.subscribe()
         except BaseException:
-            await self._stop_runners()
+            await self.supervision.stop()
             raise
 
     async def stop(self) -> None:
@@ -433,57 +148,7 @@ class ArtefactStore(KVService[Change]):
         every artefact's process."""
         await super().stop()
         async with self._settling:
-            await self._stop_runners()
-
-    # -- supervised artefacts ------------------------------------------------------------------
-
-    async def _start_runners(self) -> None:
-        if not self.runners:
-            return
-        if self._workdir_given is not None:
-            self._workdir_given.mkdir(parents=True, exist_ok=True)
-            self.workdir = self._workdir_given
-        else:
-            token = self.service.replace("-", "_")
-            self.workdir = Path(tempfile.mkdtemp(prefix=f"artefacts-{token}-"))
-        self.supervised = {name: Supervised(name, runner, self.workdir / name.replace("/", "%2F"),
-                                            self.log.bind(service=self.service))
-                           for name, runner in self.runners.items()}
-        manifest = await self.manifest()
-        for name in self.supervised:
-            await self._run_current(name, manifest)
-
-    async def _run_current(self, name: str, manifest: dict[str, str]) -> None:
-        """(Re)start artefact `name` on the content `manifest` names, if the store holds it."""
-        digest = manifest.get(name)
-        data = None if digest is None else await self.blob(digest)
-        if digest is None or data is None:
-            self.log.warning("artefact not started: no content yet" if digest is None else
-                             "artefact not started: its content is missing or corrupt",
-                             service=self.service, artefact=name, digest=digest)
-            await self.supervised[name].stop()
-            return
-        await self.supervised[name].start(data, digest)
-
-    async def _stop_runners(self) -> None:
-        supervised, self.supervised = self.supervised, {}
-        for one in supervised.values():
-            await one.stop()
-        if self.workdir is not None and self._workdir_given is None:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-        self.workdir = None
-
-    async def _object_store(self) -> ObjectStore:
-        try:
-            return await self.js.object_store(self.objects_bucket)
-        except BucketNotFoundError:
-            pass
-        try:
-            return await self.js.create_object_store(
-                bucket=self.objects_bucket,
-                description=f"{self.KIND} blobs, named by the SHA-256 of their content")
-        except APIError:  # created meanwhile by a twin instance
-            return await self.js.object_store(self.objects_bucket)
+            await self.supervision.stop()
 
     def capabilities(self) -> dict[str, Any]:
         return {
@@ -513,37 +178,12 @@ class ArtefactStore(KVService[Change]):
 
     async def blob(self, digest: str) -> bytes | None:
         """The content stored under `sha256:<hex>`, or None when missing or corrupt."""
-        m = DIGEST_RE.match(digest or "")
-        if m is None:
-            return None
-        try:
-            got = await asyncio.wait_for(self.objects.get(m.group(1)), BLOB_TIMEOUT_S)
-        except (NotFoundError, DigestMismatchError):
-            return None
-        data = got.data or b""
-        return data if digest_of(data) == digest else None
+        return await self.blobs.get(digest)
 
     async def content(self, name: str) -> bytes | None:
         """The current content of artefact `name`, or None when it has none (or it is corrupt)."""
         digest = (await self.manifest()).get(name)
         return None if digest is None else await self.blob(digest)
-
-    async def _has_blob(self, digest: str) -> bool:
-        m = DIGEST_RE.match(digest)
-        if m is None:  # names no blob
-            return False
-        try:
-            await self.objects.get_info(m.group(1))
-        except NotFoundError:
-            return False
-        return True
-
-    async def _put_blob(self, data: bytes) -> str:
-        """Upload `data` under its address unless it is there already; its digest."""
-        digest = digest_of(data)
-        if not await self._has_blob(digest):
-            await self.objects.put(digest.removeprefix("sha256:"), data)
-        return digest
 
     def smoke(self, test_id: str, data: bytes) -> int:
         """The smoke test's return code on `data`: 0 healthy, 127 no such test."""
@@ -561,7 +201,7 @@ class ArtefactStore(KVService[Change]):
 
     async def seed(self, artefacts: dict[str, str]) -> dict[str, str]:
         """Install versions directly (initial LKGs): upload, then one manifest write."""
-        digests = {name: await self._put_blob(text.encode()) for name, text in artefacts.items()}
+        digests = {name: await self.blobs.put(text.encode()) for name, text in artefacts.items()}
         for _ in range(kv_service.ROUNDS):
             current, rev = await self._current(KEY)
             base = current if isinstance(current, dict) else {}
@@ -569,8 +209,9 @@ class ArtefactStore(KVService[Change]):
                 await self._publish(KEY, to_json({**base, **digests}), rev)
             except Conflict:
                 continue
-            for name in digests.keys() & self.supervised.keys():  # seeded while running
-                await self.supervised[name].start(artefacts[name].encode(), digests[name])
+            running = self.supervision.artefacts
+            for name in digests.keys() & running.keys():  # seeded while running
+                await running[name].start(artefacts[name].encode(), digests[name])
             return digests
         raise RuntimeError("the manifest kept changing while seeding")
 
@@ -584,82 +225,9 @@ class ArtefactStore(KVService[Change]):
         return {name: (seeded[name], True) if name in seeded else (manifest[name], False)
                 for name in artefacts}
 
-    # -- the pre-apply LKG check ---------------------------------------------------------------
-
     async def check_lkg(self, request: Any) -> dict[str, Any]:
-        """The reply to a `<svc>.improve.lkg` request (read-only)."""
-        if not isinstance(request, dict) or not S.ID_RE.match(str(request.get("proposal_id"))):
-            return _invalid("expected {\"proposal_id\": <64 hex>, \"lkg\": [...]}")
-        try:
-            entries = parse_lkg(request.get("lkg"))
-        except Refused as exc:
-            return _invalid(str(exc))
-        manifest = await self.manifest()
-        artefacts, errors = [], []
-        for name, entry in entries.items():
-            lkg_digest = manifest.get(name)
-            if lkg_digest is None:
-                rc = RC_UNKNOWN
-                errors.append(f"no last-known-good for {name}")
-            else:
-                data = await self.blob(lkg_digest)
-                if data is None:
-                    rc = RC_CORRUPT
-                    errors.append(f"{name}: LKG blob missing or corrupt")
-                else:
-                    rc = self.smoke(entry["smoke_test"], data)
-                    if rc != 0:
-                        errors.append(f"{name}: smoke test {entry['smoke_test']} failed on the "
-                                      f"LKG (rc {rc})")
-            artefacts.append({"artefact": name, "lkg_digest": lkg_digest,
-                              "smoke_test": entry["smoke_test"], "rc": rc})
-        reply: dict[str, Any] = {"ok": not errors, "artefacts": artefacts}
-        if errors:
-            reply["error"] = "; ".join(errors)
-        return reply
-
-    async def _on_lkg(self, msg: Msg) -> None:
-        async def check(data: bytes) -> Any:
-            try:
-                request = msgspec.json.decode(data)
-            except msgspec.DecodeError as exc:
-                raise Refused(f"not JSON: {exc}") from None
-            return await self.check_lkg(request)
-
-        await self._answer(msg, "lkg check", check)
-
-    # -- classifying a pending schema change ---------------------------------------------------
-
-    async def _on_classify(self, msg: Msg) -> None:
-        """`<svc>.improve.classify`: `{"proposal"}` → `{"class", "reason"}` (schema_gate), or
-        an error reply in one line. Read only."""
-        async def classify(data: bytes) -> Any:
-            try:
-                request = msgspec.json.decode(data, type=ClassifyRequest)
-            except msgspec.MsgspecError as exc:
-                raise Refused(f'expected {{"proposal": <a schema: proposal>}}: {exc}') from None
-            return await schema_gate.classify(self, request.proposal)
-
-        await self._answer(msg, "classify", classify)
-
-    async def _answer(self, msg: Msg, what: str, work: Callable[[bytes], Awaitable[Any]]
-                      ) -> None:
-        """Answer a read-only request with `work`'s reply: a bad request (Refused) in one
-        line; a store briefly unreachable says so and the subscription keeps serving."""
-        reply: Any
-        try:
-            reply = await work(msg.data)
-        except Refused as exc:
-            reply = _invalid(str(exc))
-        except Exception as exc:
-            self.log.warning(f"{what} failed", service=self.service, error=repr(exc))
-            reply = {"error": {"code": "unavailable", "message": f"{what} failed for "
-                               f"now: {type(exc).__name__}: {exc}"[:500]}}
-        if msg.reply:
-            try:
-                await msg.respond(answer_bytes(msg, to_json(reply), self.key))
-            except Exception as exc:
-                self.log.warning(f"could not answer a {what} request", error=str(exc))
+        """The reply to a `<svc>.improve.lkg` request (read-only; `LkgChecks.check_lkg`)."""
+        return await self.lkg_checks.check_lkg(request)
 
     # -- applying (the protocol is kv_service's) -----------------------------------------------
 
@@ -676,7 +244,7 @@ class ArtefactStore(KVService[Change]):
             if prior is None:
                 raise Refused(f"artefact {name}: no last-known-good to swap from; nothing "
                               f"{'swapped' if change.op == 'swap' else 'restored'}")
-            if change.op == "swap" and not await self._has_blob(prior):
+            if change.op == "swap" and not await self.blobs.has(prior):
                 raise Refused(f"artefact {name}: its last-known-good blob {prior} is missing; "
                               "nothing swapped")
         if change.op == "restore":
@@ -685,7 +253,7 @@ class ArtefactStore(KVService[Change]):
         if classes is not None:
             change = dataclasses.replace(change, schema=classes)
         for data in change.blobs.values():  # before the manifest write, idempotent by address
-            await self._put_blob(data)
+            await self.blobs.put(data)
         return change
 
     def parse_change(self, proposal: Proposal) -> Change:
@@ -697,7 +265,7 @@ class ArtefactStore(KVService[Change]):
         if set(data) == {"artefacts"}:
             return self._swap(data["artefacts"], proposal.lkg)
         if set(data) == {"restore"}:
-            return _restore(data["restore"], proposal.lkg)
+            return restore_change(data["restore"], proposal.lkg)
         raise Refused('proposal_data must be {"artefacts": {name: content}} or {"restore": '
                       f'{{name: "sha256:<hex>"}}}}; got keys {sorted(data)}')
 
@@ -741,7 +309,7 @@ class ArtefactStore(KVService[Change]):
                                  "revision": None}
         if change.schema is not None:
             entry["schema"] = change.schema
-        if self.supervised.keys() & change.set.keys():
+        if self.supervision.artefacts.keys() & change.set.keys():
             entry["health"] = "pending"  # settled after the write, before the answer
         return self._rebase(entry, current, prior_rev)
 
@@ -766,13 +334,12 @@ class ArtefactStore(KVService[Change]):
                            rollbackable=rollbackable,
                            schema_class=schema.get("class") if isinstance(schema, dict) else None)
 
-
     # -- the health window ---------------------------------------------------------------------
 
     async def apply(self, order: ApplyOrder) -> ApplyResult:
         """As `KVService.apply`; then, when the change touches a running artefact, its health
         window, and a rollback if it fails (see the module doc)."""
-        if not self.supervised:
+        if not self.supervision.artefacts:
             return await super().apply(order)
         async with self._settling:
             result = await super().apply(order)
@@ -792,7 +359,7 @@ class ArtefactStore(KVService[Change]):
                       result: ApplyResult) -> ApplyResult:
         """The answer for an applied entry, taking its health verdict first if it has none."""
         if entry.get("health") == "pending":
-            unhealthy = await self._health_of(entry)
+            unhealthy = await self.supervision.health_of(entry)
             if unhealthy is None:
                 await self._ledger_write(pid, {**entry, "health": "ok"}, rev)
                 return result
@@ -803,26 +370,6 @@ class ArtefactStore(KVService[Change]):
         if entry.get("health") == "failed" and not entry.get("error"):
             return await self._roll_back(pid, entry, rev)
         return self._result(entry)
-
-    async def _health_of(self, entry: dict[str, Any]) -> tuple[str, str] | None:
-        """Restart the artefacts of `entry` that run on their new content and wait out the
-        health window: None if all came through, else (the first that did not, what failed)."""
-        watched = {n: d for n, d in entry["set"].items() if n in self.supervised}
-        if not watched:
-            return None
-        manifest = await self.manifest()
-        if any(manifest.get(n) != d for n, d in entry["set"].items()):
-            self.log.warning("the manifest moved on before the health window; not checked",
-                             service=self.service, revision=entry["revision"])
-            return None
-        for name, digest in watched.items():
-            data = await self.blob(digest)
-            if data is None:
-                return name, f"its content {digest} is missing or corrupt"
-            await self.supervised[name].start(data, digest)
-        verdicts = await asyncio.gather(*(self.supervised[n].healthy(self.health_window)
-                                          for n in watched))
-        return next(((n, why) for n, why in zip(watched, verdicts, strict=True) if why), None)
 
     async def _roll_back(self, pid: str, entry: dict[str, Any], rev: int) -> ApplyResult:
         """Put the manifest back to the entry's prior digests, run them, record the answer."""
@@ -835,8 +382,8 @@ class ArtefactStore(KVService[Change]):
             back = ", ".join(f"{n} is back at {d}" for n, d in entry["prior"].items())
             error = f"{head}; rolled back, {back}"
         manifest = await self.manifest()
-        for n in entry["set"].keys() & self.supervised.keys():
-            await self._run_current(n, manifest)
+        for n in entry["set"].keys() & self.supervision.artefacts.keys():
+            await self.supervision.run_current(n, manifest)
         self.log.warning("unhealthy after apply", service=self.service, proposal_id=pid,
                          error=error, rollback_revision=written)
         entry = {**entry, "error": error, "rollback_revision": written}
@@ -860,27 +407,6 @@ class ArtefactStore(KVService[Change]):
             except Conflict:
                 continue
         raise Conflict(KEY)
-
-
-def _restore(restore: Any, lkg: Any) -> Change:
-    if not isinstance(restore, dict) or not restore:
-        raise Refused('proposal_data.restore must be a non-empty {name: "sha256:<hex>"} object')
-    for name, digest in restore.items():
-        if not NAME_RE.match(name):
-            raise Refused(f"artefact {name!r} must match {NAME_RE.pattern}")
-        if not isinstance(digest, str) or not DIGEST_RE.match(digest):
-            raise Refused(f"artefact {name}: restore digest must be sha256:<64 lowercase hex>")
-    if lkg is not None:
-        entries = parse_lkg(lkg)
-        if set(entries) != set(restore) or any(entries[n]["digest"] not in (None, restore[n])
-                                               for n in restore):
-            raise Refused("lkg, when given for a restore, must name the restored artefacts "
-                          "with the restored digests")
-    return Change(op="restore", set=dict(restore))
-
-
-def _invalid(message: str) -> dict[str, Any]:
-    return {"error": {"code": "invalid_value", "message": message[:500]}}
 
 
 async def run(url: str, service: str) -> int:
@@ -960,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             return lines + [f"{name}: runs {runner.command!r}"
                             + (f", checked by {runner.health!r}" if runner.health else "")
                             + f"; a swap needs {window:g}s healthy"
-                            for name, runner in store.runners.items()]
+                            for name, runner in store.supervision.runners.items()]
 
         return install
 

@@ -52,276 +52,50 @@ changed nothing, so its inverse is `{"keep": "<name>:<sha256>"}`, which changes 
 undoing a re-execution never retracts what an earlier proposal stored.
 """
 
+
 from __future__ import annotations
 
 import argparse
-import asyncio
 import re
 import sys
-import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import structlog
 from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
 
 from improved.client import chains
 from improved.core.evidence import DaemonWriters
-from improved.protocol import canonical, wire
 from improved.protocol import subjects as S
-from improved.protocol.model import (
-    ApplyOrder,
-    ApplyResult,
-    ErrorBody,
-    ErrorReply,
-    Proposal,
-    Signal,
-    to_json,
-)
+from improved.protocol.model import ApplyOrder, ApplyResult, Proposal, Signal, to_json
 from improved_reference import kv_service
-from improved_reference.kv_service import ROUNDS, KVService, read_json
-from improved_reference.skill_competence import (
-    NAMESPACE,
-    NotPractice,
-    Practice,
-    address_of,
-    already_counted,
-    competence_grain,
-    next_proficiency,
-    practice_on_chain,
-    with_counted,
+from improved_reference.competence_chains import CompetenceChains
+from improved_reference.kv_service import KVService
+from improved_reference.skill_competence import NotPractice, Practice, practice_on_chain
+from improved_reference.skill_definitions import (
+    DEFINITION_FIELDS,
+    Change,
+    GrantMismatch,
+    NoCompetence,
+    NoGrant,
+    NotStored,
+    Refused,
+    bucket_names,
+    check_holder,
+    definition_of,
+    definition_record,
+    now_ms,
+    parse_change,
+    restorable,
+    split_identity,
+    verify,
 )
+from improved_reference.skill_requests import SkillRequests
+
+__all__ = ["GrantMismatch", "NoCompetence", "NoGrant", "NotStored", "Refused", "SkillsStore",
+           "bucket_names", "main", "run"]
 
 log = structlog.get_logger("improved_reference.skills_store")
-
-IDENTITY_RE = re.compile(r"^([a-z][a-z0-9_-]{0,62}):([0-9a-f]{64})$")
-DEFINITION_FIELDS = canonical.SKILL_DEFINITION_FIELDS
-TEXT_FIELDS = ("name", "description", "instructions", "when_to_use", "version", "domain")
-LIST_FIELDS = ("allowed_tools", "resources", "dependencies", "input_modalities",
-               "output_modalities")
-PROVENANCE_FIELDS = ("derived_from", "origin_did", "author_did")
-COMPETENCE_FIELDS = ("holder_did", "proficiency", "practice_count", "last_practiced_at",
-                     "strategies", "transferable")
-
-
-class Refused(kv_service.Refused, ValueError):
-    """Well formed, but this store will not do it; the text says why."""
-
-
-class GrantMismatch(LookupError):
-    """A skill asked for under a grant it does not match: no record for exactly that hash, an
-    altered record, a retracted one, or no active grant. There is never a fallback by name."""
-
-
-class NoGrant(GrantMismatch):
-    """No active, unexpired grant record covers exactly the identity asked for."""
-
-
-class NotStored(GrantMismatch):
-    """Nothing is stored under exactly the identity (never stored, or retracted)."""
-
-
-class CorruptRecord(ValueError):
-    """A competence grain that no longer matches its content address or its skill hash."""
-
-
-class NoCompetence(LookupError):
-    """The holder has no competence record for the skill."""
-
-
-@dataclass(frozen=True)
-class Change:
-    op: str  # "put" | "retract" | "keep"
-    name: str
-    sha: str
-    record: dict[str, Any] | None = None  # put: the record to store
-
-    @property
-    def key(self) -> str:
-        return f"{self.name}.{self.sha}"
-
-    @property
-    def identity(self) -> str:
-        return f"{self.name}:{self.sha}"
-
-
-def bucket_names(service: str) -> tuple[str, str, str]:
-    """(definitions, competence, ledger): `skills_<svc>`, `skillcomp_<svc>`,
-    `skillapplies_<svc>`, `-` made `_` (the ranking store's `applies_` stays distinct)."""
-    token = service.replace("-", "_")
-    return f"skills_{token}", f"skillcomp_{token}", f"skillapplies_{token}"
-
-
-def split_identity(identity: str) -> tuple[str, str]:
-    match = IDENTITY_RE.match(identity) if isinstance(identity, str) else None
-    if match is None:
-        raise GrantMismatch(f"{identity!r} is not a skill identity <name>:<sha256>")
-    return match.group(1), match.group(2)
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in d.items() if v is not None}
-
-
-# -- definitions (pure) -------------------------------------------------------------------------
-
-
-def definition_of(skill: dict[str, Any]) -> dict[str, Any]:
-    return {k: skill[k] for k in DEFINITION_FIELDS if k in skill}
-
-
-def definition_record(skill: Any, created_at: int) -> dict[str, Any]:
-    """The record to store for `skill`, or Refused naming the first problem. Pure.
-
-    Competence fields are refused rather than dropped: they belong to competence records, and a
-    definition that silently lost them would surprise its author."""
-    if not isinstance(skill, dict):
-        raise Refused(f"a skill definition is an object, not {type(skill).__name__}")
-    competence = sorted(set(skill) & set(COMPETENCE_FIELDS))
-    if competence:
-        raise Refused(f"competence fields {competence} do not belong in a definition")
-    unknown = sorted(set(skill) - set(DEFINITION_FIELDS) - set(PROVENANCE_FIELDS)
-                     - {"type", "created_at"})
-    if unknown:
-        raise Refused(f"unknown skill fields {unknown}; a definition has "
-                      f"{list(DEFINITION_FIELDS)} plus provenance {list(PROVENANCE_FIELDS)}")
-    if skill.get("type", "skill") != "skill":
-        raise Refused(f"type must be 'skill', not {skill['type']!r}")
-    name = skill.get("name")
-    if not isinstance(name, str) or not S.SKILL_NAME_RE.match(name):
-        raise Refused(f"skill name {name!r} must match {S.SKILL_NAME_RE.pattern}")
-    if not isinstance(skill.get("description"), str) or not skill["description"]:
-        raise Refused("a skill needs a non-empty description (OMS: name and description)")
-    for field in TEXT_FIELDS + ("origin_did", "author_did"):
-        if skill.get(field) is not None and not isinstance(skill[field], str):
-            raise Refused(f"{field} must be a string")
-    for field in LIST_FIELDS + ("derived_from",):
-        value = skill.get(field)
-        if value is not None and not (isinstance(value, list)
-                                      and all(isinstance(v, str) for v in value)):
-            raise Refused(f"{field} must be a list of strings")
-    deps = canonical.dependencies_problem(skill)
-    if deps is not None:
-        raise Refused(deps[1])
-    created = skill.get("created_at", created_at)
-    if not isinstance(created, int) or isinstance(created, bool) or not 0 <= created < 2**53:
-        raise Refused("created_at must be integer epoch milliseconds")
-    definition = _drop_none(definition_of(skill))
-    provenance = _drop_none({k: skill.get(k) for k in PROVENANCE_FIELDS})
-    try:
-        sha = canonical.skill_hash(definition)
-        address = canonical.content_address(
-            {"type": "skill", **definition, **provenance, "created_at": created,
-             "namespace": NAMESPACE}, canonical.SKILL)
-    except canonical.CanonicalError as exc:
-        raise Refused(f"the definition has no canonical form: {exc}") from None
-    return {"name": name, "sha256": sha, "definition": definition, "created_at": created,
-            "address": address, **provenance}
-
-
-def restorable(record: dict[str, Any]) -> dict[str, Any]:
-    """The skill dict that recreates `record` exactly (a retraction's inverse)."""
-    return {**record["definition"], "created_at": record["created_at"],
-            **{k: record[k] for k in PROVENANCE_FIELDS if k in record}}
-
-
-def verify(record: dict[str, Any] | None, name: str, sha: str) -> str | None:
-    """Why `record` may not be served as `<name>:<sha>`, or None when it may."""
-    if record is None:
-        return f"no stored skill {name}:{sha} (never stored, or retracted); no fallback by name"
-    definition = record.get("definition")
-    if not isinstance(definition, dict):
-        return f"the stored record for {name}:{sha} is unreadable"
-    if record.get("sha256") != sha:
-        return f"the stored record carries hash {record.get('sha256')!r}, not the granted {sha}"
-    try:
-        actual = canonical.skill_hash(definition)
-    except canonical.CanonicalError:
-        return f"the stored definition for {name}:{sha} has no canonical form"
-    if actual != sha:
-        return (f"the stored definition hashes to {actual}, not the granted {sha}: "
-                "it was altered after it was stored")
-    if definition.get("name") != name:
-        return f"the stored definition is named {definition.get('name')!r}, not {name!r}"
-    return None
-
-
-def parse_change(proposal: Proposal, pid: str | None = None) -> Change:
-    """The one change a proposal asks of this store, or Refused naming what is wrong. Pure."""
-    if proposal.proposal_cal is not None or proposal.proposal_edit is not None:
-        raise Refused("this store applies proposal_data only, not proposal_cal or proposal_edit")
-    scheme, _, target = proposal.target_ref.partition(":")
-    if scheme != "skill":
-        raise Refused(f"unsupported target scheme {scheme + ':'!r}; this store applies "
-                      "skill:<name> targets")
-    if not S.SKILL_NAME_RE.match(target):
-        raise Refused(f"target skill name {target!r} must match {S.SKILL_NAME_RE.pattern}")
-    data = proposal.proposal_data
-    if data is None:
-        raise Refused('proposal_data is missing; expected {"skill": definition}')
-    if set(data) in ({"retract"}, {"keep"}):
-        op = next(iter(data))
-        try:
-            name, sha = split_identity(data[op])
-        except GrantMismatch as exc:
-            raise Refused(f"{op}: {exc}") from None
-        if name != target:
-            raise Refused(f"{op} names skill {name!r}, not the target's {target!r}")
-        return Change(op=op, name=name, sha=sha)
-    if "skill" not in data or not set(data) <= {"skill", "refines"}:
-        raise Refused('proposal_data must be {"skill": definition} (optionally with "refines", '
-                      f'or {{"retract": identity}} or {{"keep": identity}}); got keys '
-                      f'{sorted(data)}')
-    record = definition_record(data["skill"], proposal.created_at)
-    if record["name"] != target:
-        raise Refused(f"skill name {record['name']!r} does not match the target's name "
-                      f"{target!r}")
-    refines = data.get("refines")
-    if refines is not None:
-        match = IDENTITY_RE.match(refines) if isinstance(refines, str) else None
-        if match is None or match.group(1) != target:
-            raise Refused(f"refines must be an identity {target}:<sha256>, not {refines!r}")
-        record["refines"] = refines
-    if pid is not None:
-        record["proposal_id"] = pid
-    return Change(op="put", name=target, sha=record["sha256"], record=record)
-
-
-# -- competence (pure) --------------------------------------------------------------------------
-
-
-def _error(code: str, message: str, field: str | None = None) -> ErrorReply:
-    return ErrorReply(error=ErrorBody(code=code, message=message[:500], field=field))
-
-
-def _request(data: bytes, required: tuple[str, ...],
-             optional: tuple[str, ...] = ()) -> dict[str, Any] | ErrorReply:
-    """A request's JSON object with exactly `required` (strings) and any of `optional`."""
-    try:
-        body = msgspec.json.decode(data)
-    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError, ValueError) as exc:
-        return _error(wire.INVALID_VALUE, f"not a JSON object: {exc}")
-    shape = "{" + ", ".join([f'"{k}"' for k in required] + [f'"{k}"?' for k in optional]) + "}"
-    if not isinstance(body, dict) or not set(required) <= set(body) <= {*required, *optional}:
-        return _error(wire.INVALID_VALUE, f"the request is {shape}")
-    for key in required:
-        if not isinstance(body[key], str) or not body[key]:
-            return _error(wire.INVALID_VALUE, f"{key} must be a non-empty string", key)
-    return body
-
-
-def _check_holder(holder_did: Any) -> None:
-    if not isinstance(holder_did, str) or not holder_did:
-        raise Refused("a holder DID is a non-empty string")
 
 
 class SkillsStore(KVService[Change]):
@@ -330,7 +104,7 @@ class SkillsStore(KVService[Change]):
 
     KIND = "skills store"
     VALUES = "definitions"
-    comp: KeyValue  # competence grains and chain heads, once `open`
+    competence_chains: CompetenceChains  # KV `skillcomp_<svc>`, once `open`
 
     def __init__(self, nc: Client, service: str, verify_acceptance: bool = False):
         self.defs_bucket, self.comp_bucket, ledger_bucket = bucket_names(service)
@@ -339,34 +113,21 @@ class SkillsStore(KVService[Change]):
         # daemon key ids whose signatures a chain must carry before practice on it counts
         # (`--trust-daemon`); empty: hashes and links only, the writers trusted to the bus
         self.daemons: frozenset[str] = frozenset()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._waking: dict[str, bool] = {}  # proposal id → woken again while being counted
+        self.requests = SkillRequests(self)
 
     async def start(self) -> None:
         await self.open()
-        # the requests are served before the capabilities that advertise them
-        for subject, answer in ((S.skills_get(self.service), self.answer_get),
-                                (S.skills_practice(self.service), self.answer_practice),
-                                (S.skills_competence(self.service), self.answer_competence),
-                                (S.skills_transfer(self.service), self.answer_transfer)):
-            self._subs.append(await self.nc.subscribe(subject, queue=self.service,
-                                                      cb=self._responder(subject, answer)))
-        # the daemon's learn-back records say when a chain has new outcomes (only where to
-        # look: the chain is read and verified before anything is counted)
-        self._subs.append(await self.nc.subscribe(S.learn_back(self.service, "*"),
-                                                  queue=self.service, cb=self._on_learn_back))
+        await self.requests.subscribe()  # served before the capabilities that advertise them
         await self._serve()
 
     async def stop(self) -> None:
         await super().stop()
-        tasks, self._tasks = self._tasks, set()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.requests.stop()
 
     async def open(self) -> None:
-        self.comp = await self._bucket(self.comp_bucket, 1,
-                                       "skills store: competence grains and chain heads")
+        comp = await self._bucket(self.comp_bucket, 1,
+                                  "skills store: competence grains and chain heads")
+        self.competence_chains = CompetenceChains(comp, self.record, self.service, log)
         await super().open()
 
     def capabilities(self) -> dict[str, Any]:
@@ -436,134 +197,6 @@ class SkillsStore(KVService[Change]):
         if not await self.check_grant_active(identity):
             raise NoGrant(f"no active grant for {identity}")
         return await self.get(name, identity)
-
-    # -- the read under a grant, over NATS -----------------------------------------------------
-
-    async def answer_get(self, data: bytes) -> dict[str, Any] | ErrorReply:
-        """One `<svc>.skills.get` request's bytes → its reply (no exceptions escape)."""
-        body = _request(data, ("skill",))
-        if isinstance(body, ErrorReply):
-            return body
-        identity = body["skill"]
-        match = IDENTITY_RE.match(identity)
-        if match is None:
-            return _error(wire.INVALID_VALUE, f"{identity!r} is not a skill identity "
-                          "<name>:<sha256>", "skill")
-        try:
-            definition = await self.get_granted(match.group(1), match.group(2))
-        except NoGrant as exc:
-            return _error("no_grant", str(exc), "skill")
-        except NotStored as exc:
-            return _error(wire.NOT_FOUND, str(exc), "skill")
-        except GrantMismatch as exc:
-            return _error("grant_mismatch", str(exc), "skill")
-        except Exception as exc:  # the store briefly unreachable: "not now", never a definition
-            return self._unavailable("skills.get", exc)
-        return {"skill": identity, "definition": definition}
-
-    def _responder(self, subject: str, answer: Callable[[bytes], Awaitable[Any]]
-                   ) -> Callable[[Msg], Awaitable[None]]:
-        """A subscription callback: every request gets `answer`'s reply, nothing escapes."""
-
-        async def respond(msg: Msg) -> None:
-            reply = await answer(msg.data)
-            if not msg.reply:
-                return
-            try:
-                await msg.respond(to_json(reply))
-            except Exception as exc:
-                self.log.warning("could not answer", subject=subject, error=str(exc))
-
-        return respond
-
-    # -- competence over NATS ------------------------------------------------------------------
-
-    async def answer_practice(self, data: bytes) -> dict[str, Any] | ErrorReply:
-        """`<svc>.skills.practice` `{"proposal_id"}`: count the chain's new outcomes."""
-        body = _request(data, ("proposal_id",))
-        if isinstance(body, ErrorReply):
-            return body
-        try:
-            practice, written = await self.practise_proposal(body["proposal_id"])
-            head = await self.competence(practice.identity, practice.holder)
-        except NotPractice as exc:
-            return _error("not_practice", str(exc), "proposal_id")
-        except Exception as exc:  # the store briefly unreachable: "not now"
-            return self._unavailable("skills.practice", exc)
-        return {"proposal_id": practice.proposal_id, "skill": practice.identity,
-                "holder": practice.holder, "outcomes": len(practice.outcomes),
-                "counted_now": len(written), "competence": head}
-
-    async def answer_competence(self, data: bytes) -> dict[str, Any] | ErrorReply:
-        """`<svc>.skills.competence` `{"skill", "holder", "history"?}`: the head grain and, when
-        asked, the newest `history` grains of the holder's chain (oldest first)."""
-        body = _request(data, ("skill", "holder"), ("history",))
-        if isinstance(body, ErrorReply):
-            return body
-        limit = body.get("history", 0)
-        if not isinstance(limit, int) or isinstance(limit, bool) or not 0 <= limit <= 256:
-            return _error(wire.INVALID_VALUE, "history is an integer from 0 to 256", "history")
-        try:
-            head = await self.competence(body["skill"], body["holder"])
-            history = await self.competence_history(body["skill"], body["holder"], limit) \
-                if limit else []
-        except GrantMismatch as exc:
-            return _error(wire.INVALID_VALUE, str(exc), "skill")
-        except Exception as exc:
-            return self._unavailable("skills.competence", exc)
-        return {"skill": body["skill"], "holder": body["holder"], "competence": head,
-                "history": history}
-
-    async def answer_transfer(self, data: bytes) -> dict[str, Any] | ErrorReply:
-        """`<svc>.skills.transfer` `{"skill", "from", "to"}`: the recipe, not the track record."""
-        body = _request(data, ("skill", "from", "to"))
-        if isinstance(body, ErrorReply):
-            return body
-        try:
-            grain = await self.transfer(body["skill"], body["from"], body["to"], now_ms())
-        except NoCompetence as exc:
-            return _error(wire.NOT_FOUND, str(exc), "from")
-        except Refused as exc:
-            return _error("refused", str(exc))
-        except GrantMismatch as exc:
-            return _error(wire.NOT_FOUND if isinstance(exc, NotStored) else wire.INVALID_VALUE,
-                          str(exc), "skill")
-        except Exception as exc:
-            return self._unavailable("skills.transfer", exc)
-        return {"skill": body["skill"], "holder": body["to"], "address": address_of(grain),
-                "grain": grain}
-
-    def _unavailable(self, what: str, exc: Exception) -> ErrorReply:
-        self.log.warning(f"{what} failed", service=self.service, error=repr(exc))
-        return _error("unavailable", f"failed for now: {type(exc).__name__}: {exc}")
-
-    async def _on_learn_back(self, msg: Msg) -> None:
-        pid = S.token(msg.subject, 3)
-        if pid is None or not S.ID_RE.match(pid):
-            return
-        if pid in self._waking:
-            self._waking[pid] = True  # count again once the running pass ends
-            return
-        self._waking[pid] = False
-        task = asyncio.get_running_loop().create_task(self._wake(pid))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _wake(self, pid: str) -> None:
-        try:
-            while True:
-                try:
-                    await self.practise_proposal(pid)
-                except NotPractice as exc:
-                    self.log.debug("no practice to count", proposal_id=pid, why=str(exc))
-                except Exception as exc:  # asked again by the next record, or by a request
-                    self.log.warning("counting practice failed", proposal_id=pid,
-                                     error=repr(exc))
-                if not self._waking.get(pid):
-                    return
-                self._waking[pid] = False
-        finally:
-            self._waking.pop(pid, None)
 
     async def refine(self, identity: str, changes: dict[str, Any], *, service: str,
                      origin_actor: str, analyzer_id: str, created_at: int) -> Proposal:
@@ -637,72 +270,7 @@ class SkillsStore(KVService[Change]):
             inverse = {"skill": restorable(entry["prior"])}
         return ApplyResult(ok=True, applied_id=identity, inverse=inverse, rollbackable=True)
 
-    # -- competence ----------------------------------------------------------------------------
-
-    @staticmethod
-    def _head_key(name: str, sha: str, holder_did: str) -> str:
-        return f"head.{name}.{sha}.{canonical.sha256_hex(holder_did.encode())}"
-
-    async def _head(self, key: str) -> tuple[dict[str, Any] | None, int]:
-        return await read_json(self.comp, key)
-
-    async def _load(self, address: str, sha: str) -> dict[str, Any] | None:
-        """The grain at `address`, checked against its address and skill hash; None if absent."""
-        try:
-            entry = await self.comp.get(f"rec.{address}")
-        except KeyNotFoundError:
-            return None
-        try:
-            grain = msgspec.json.decode(entry.value or b"", type=dict[str, Any])
-            intact = address_of(grain) == address and canonical.skill_hash(grain) == sha
-        except (msgspec.MsgspecError, canonical.CanonicalError, AttributeError, TypeError):
-            intact = False
-        if not intact:
-            raise CorruptRecord(f"competence grain {address} does not match its address or "
-                                "its skill hash")
-        return grain
-
-    async def _put_grain(self, grain: dict[str, Any]) -> str:
-        """Store an immutable grain under its own address (twice is harmless); the address."""
-        address = address_of(grain)
-        try:
-            await self.comp.create(f"rec.{address}", to_json(grain))
-        except KeyWrongLastSequenceError:
-            pass  # the same content, already there
-        return address
-
-    async def _advance(self, key: str, sha: str,
-                       make: Callable[[dict[str, Any] | None, str | None],
-                                      dict[str, Any] | None],
-                       counted: tuple[str, int] | None = None) -> dict[str, Any] | None:
-        """Write `make(head grain, head address)` and move the head to it, compare-and-set.
-        With `counted` = (proposal id, chain position), the head records that outcome in the
-        same write, and an outcome it already records is not counted again (None)."""
-        for _ in range(ROUNDS):
-            head, rev = await self._head(key)
-            if counted is not None and already_counted(head, *counted):
-                return None
-            prev_address = head["address"] if head else None
-            prev = await self._load(prev_address, sha) if prev_address else None
-            grain = make(prev, prev_address)
-            if grain is None:
-                return None
-            address = await self._put_grain(grain)
-            value: dict[str, Any] = {"address": address, "practice_count": grain["practice_count"]}
-            if counted is not None:
-                value["counted"] = with_counted(head, *counted)
-            elif head is not None and head.get("counted"):
-                value["counted"] = head["counted"]
-            body = to_json(value)
-            try:
-                if rev == 0:
-                    await self.comp.create(key, body)
-                else:
-                    await self.comp.update(key, body, last=rev)
-            except KeyWrongLastSequenceError:
-                continue
-            return grain
-        raise RuntimeError(f"the competence head {key} kept changing ({ROUNDS} attempts)")
+    # -- competence (the chains are CompetenceChains') -----------------------------------------
 
     async def practice(self, identity: str, holder_did: str, signal: Signal, independent: bool,
                        at: int) -> dict[str, Any] | None:
@@ -711,36 +279,13 @@ class SkillsStore(KVService[Change]):
         A self-signal (not independent) returns None and writes nothing; an independent one,
         positive or negative, supersedes (rules in the module doc). The caller vouches for
         `independent`; over the bus, `practise_proposal` reads it from the verified chain."""
-        _check_holder(holder_did)
+        check_holder(holder_did)
         name, _ = split_identity(identity)
         if signal.target_ref is not None and signal.target_ref != f"skill:{name}":
             raise Refused(f"the signal is about {signal.target_ref}, not skill:{name}")
         if not independent:
             return None
-        return await self._practise(identity, holder_did, signal.positive, at)
-
-    async def _practise(self, identity: str, holder_did: str, positive: bool, at: int,
-                        counted: tuple[str, int] | None = None) -> dict[str, Any] | None:
-        name, sha = split_identity(identity)
-        record = await self.record(identity)
-        definition = definition_of(record["definition"])
-
-        def make(prev: dict[str, Any] | None, prev_address: str | None) -> dict[str, Any]:
-            p = prev["proficiency"] if prev else 0.0
-            return competence_grain(
-                definition, holder_did=holder_did,
-                proficiency=next_proficiency(p, positive),
-                practice_count=(prev["practice_count"] if prev else 0) + 1,
-                created_at=at, last_practiced_at=at,
-                derived_from=[prev_address or record["address"]],
-                origin_did=prev.get("origin_did") if prev else None)
-
-        grain = await self._advance(self._head_key(name, sha, holder_did), sha, make, counted)
-        if grain is not None:
-            log.info("practised", service=self.service, skill=identity, holder=holder_did,
-                     positive=positive, practice_count=grain["practice_count"],
-                     proficiency=grain["proficiency"])
-        return grain
+        return await self.competence_chains.practise(identity, holder_did, signal.positive, at)
 
     async def practise_proposal(self, proposal_id: str) -> tuple[Practice, list[dict[str, Any]]]:
         """Count, once each, the independent outcomes the verified chain of `proposal_id`
@@ -759,65 +304,26 @@ class SkillsStore(KVService[Change]):
             raise NotPractice(f"{practice.identity} is not stored here: {exc}") from None
         written = []
         for outcome in practice.outcomes:
-            grain = await self._practise(practice.identity, practice.holder, outcome.positive,
-                                         outcome.at, (proposal_id, outcome.seq))
+            grain = await self.competence_chains.practise(
+                practice.identity, practice.holder, outcome.positive, outcome.at,
+                (proposal_id, outcome.seq))
             if grain is not None:
                 written.append(grain)
         return practice, written
 
     async def competence(self, identity: str, holder_did: str) -> dict[str, Any] | None:
         """The holder's current competence grain (the chain's head), or None."""
-        name, sha = split_identity(identity)
-        head, _ = await self._head(self._head_key(name, sha, holder_did))
-        return await self._load(head["address"], sha) if head else None
+        return await self.competence_chains.current(identity, holder_did)
 
     async def competence_history(self, identity: str, holder_did: str,
                                  limit: int | None = None) -> list[dict[str, Any]]:
-        """The holder's chain, oldest first, head last (at most `limit` newest grains). It ends
-        where `derived_from` leaves the holder: at the definition, or a transfer's source."""
-        name, sha = split_identity(identity)
-        head, _ = await self._head(self._head_key(name, sha, holder_did))
-        chain: list[dict[str, Any]] = []
-        address = head["address"] if head else None
-        while address and (limit is None or len(chain) < limit):
-            grain = await self._load(address, sha)
-            if grain is None or grain.get("holder_did") != holder_did:
-                break
-            chain.append(grain)
-            address = (grain.get("derived_from") or [None])[0]
-        chain.reverse()
-        return chain
+        """The holder's chain, oldest first, head last (`CompetenceChains.history`)."""
+        return await self.competence_chains.history(identity, holder_did, limit)
 
     async def transfer(self, identity: str, from_holder: str, to_holder: str,
                        at: int) -> dict[str, Any]:
-        """Give `to_holder` the recipe, not the track record (OMS transfer): a first grain with
-        the source's definition, derived_from the source grain, origin_did the first holder,
-        proficiency and practice_count 0. Repeating the same transfer returns the same grain."""
-        _check_holder(from_holder)
-        _check_holder(to_holder)
-        if from_holder == to_holder:
-            raise Refused("a holder cannot transfer a skill to itself")
-        name, sha = split_identity(identity)
-        await self.record(identity)  # only a servable definition is handed on
-        src_head, _ = await self._head(self._head_key(name, sha, from_holder))
-        source = await self._load(src_head["address"], sha) if src_head else None
-        if source is None or src_head is None:
-            raise NoCompetence(f"{from_holder} holds no competence record for {identity}")
-        grain = competence_grain(
-            definition_of(source), holder_did=to_holder, proficiency=0.0, practice_count=0,
-            created_at=at, derived_from=[src_head["address"]],
-            origin_did=source.get("origin_did") or from_holder)
-        address = await self._put_grain(grain)
-        key = self._head_key(name, sha, to_holder)
-        try:
-            await self.comp.create(key, to_json({"address": address, "practice_count": 0}))
-        except KeyWrongLastSequenceError:
-            head, _ = await self._head(key)
-            if not head or head["address"] != address:
-                raise Refused(f"{to_holder} already holds {identity}; it practises its own "
-                              "chain") from None
-        log.info("transferred", service=self.service, skill=identity, to_holder=to_holder)
-        return grain
+        """Give `to_holder` the recipe, not the track record (`CompetenceChains.transfer`)."""
+        return await self.competence_chains.transfer(identity, from_holder, to_holder, at)
 
 
 async def run(url: str, service: str) -> int:

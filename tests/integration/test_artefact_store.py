@@ -182,7 +182,7 @@ async def test_lkg_check_reports_healthy_failing_unknown_and_corrupt_and_changes
     assert (await store.manifest(), await manifest_rev(store)) == (before, rev)
 
     # the LKG blob itself goes missing: rc 126
-    await store.objects.delete(seeded()["motd"].removeprefix("sha256:"))
+    await store.blobs.objects.delete(seeded()["motd"].removeprefix("sha256:"))
     corrupt = await lkg_check(nc, svc, {"proposal_id": pid, "lkg": lkg(new)})
     assert corrupt["ok"] is False and [a["rc"] for a in corrupt["artefacts"]] == [0, 126]
     assert "LKG blob missing or corrupt" in corrupt["error"]
@@ -231,7 +231,7 @@ async def test_second_artefact_failing_leaves_both_at_their_lkg(nc, svc, store, 
     assert await store.manifest() == seeded()
     assert await manifest_rev(store) == rev
     assert await store.apply_count(o.proposal_id) == 0
-    assert not await store._has_blob(digest_of(new["config"].encode()))  # nothing uploaded
+    assert not await store.blobs.has(digest_of(new["config"].encode()))  # nothing uploaded
 
 
 async def test_swap_needs_an_lkg_and_lkg_listing_every_artefact(nc, svc, store):
@@ -417,7 +417,7 @@ async def running(store: ArtefactStore, seen, version: str, other_than: int = 0)
     `other_than`)."""
 
     async def up():
-        proc = store.supervised["app"].proc
+        proc = store.supervision.artefacts["app"].proc
         lines = seen_lines(seen)
         if proc is None or proc.returncode is not None or not lines or proc.pid == other_than:
             return None
@@ -463,13 +463,14 @@ async def test_a_healthy_swap_restarts_the_artefact_on_the_new_content(nc, svc, 
     # the answer came after the restart and the window: v2 runs, v1 does not
     v2_pid = await running(store, seen, "v2")
     assert v2_pid != v1_pid and not alive(v1_pid) and alive(v2_pid)
-    path = store.supervised["app"].path
-    assert path.read_text() == program("v2") and path.parent == store.workdir
+    path = store.supervision.artefacts["app"].path
+    assert path.read_text() == program("v2") and path.parent == store.supervision.workdir
     entry, _ = await kv_service.read_json(store.ledger, o.proposal_id)
     assert entry["health"] == "ok"
     again, raw_again = await send(nc, svc, o)
     assert (again, raw_again) == (result, raw)
-    assert store.supervised["app"].proc.pid == v2_pid  # a repeated order restarts nothing
+    # a repeated order restarts nothing
+    assert store.supervision.artefacts["app"].proc.pid == v2_pid
 
     # the inverse, applied as its own order, restarts the artefact on v1 under the same window
     back = await approved(nc.jetstream(), order(l4(svc, result.inverse, None)))
@@ -501,14 +502,15 @@ async def test_an_unhealthy_swap_is_rolled_back_to_the_last_known_good(nc, svc, 
     assert await manifest_rev(store) == rev + 2
     pid = await running(store, seen, "v1")
     assert [v for v, _ in seen_lines(seen)] == ["v1", "v3", "v1"]
-    assert store.supervised["app"].path.read_text() == program("v1")
+    assert store.supervision.artefacts["app"].path.read_text() == program("v1")
     entry, _ = await kv_service.read_json(store.ledger, o.proposal_id)
     assert (entry["health"], entry["revision"], entry["rollback_revision"]) == (
         "failed", rev + 1, rev + 2)
     # a redelivered order gets the same answer and changes nothing
     again, raw_again = await send(nc, svc, o)
     assert (again, raw_again) == (result, raw)
-    assert await manifest_rev(store) == rev + 2 and store.supervised["app"].proc.pid == pid
+    assert await manifest_rev(store) == rev + 2
+    assert store.supervision.artefacts["app"].proc.pid == pid
     assert await store.apply_count(o.proposal_id) == 1
 
 
@@ -577,10 +579,10 @@ async def test_stopping_the_store_leaves_no_process_and_no_workdir(nc, svc, supe
     pid = await running(store, seen, "v5")
     child = dict(seen_lines(seen))["child"]
     assert alive(pid) and alive(child)
-    workdir = store.workdir
+    workdir = store.supervision.workdir
     await store.stop()
     assert not alive(pid) and not alive(child)
-    assert not workdir.exists() and store.supervised == {}
+    assert not workdir.exists() and store.supervision.artefacts == {}
 
 
 @pytest.mark.parametrize("flags, error", [

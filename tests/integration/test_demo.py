@@ -99,7 +99,7 @@ async def test_a_step_that_never_arrives_fails_within_bounds_and_cleans_up(
 
     async def untrusted(self, root):
         await start(self, root)
-        self.operator_key = Ed25519PrivateKey.generate()
+        self.mesh.operator_key = Ed25519PrivateKey.generate()
 
     monkeypatch.setattr(demo.Demo, "start", untrusted)
     monkeypatch.setattr(demo, "STEP_TIMEOUT", 1.0)

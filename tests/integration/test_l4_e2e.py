@@ -197,7 +197,7 @@ async def test_an_l4_swap_that_fails_its_health_window_ends_rolled_back_and_not_
         assert "applied" not in verdicts and verdicts[-1] == "failed", verdicts
         assert await store.manifest() == {"app": lkg}
         await eventually(lambda: _seen(seen, ["v1", "v2", "v1"]))
-        assert store.supervised["app"].proc.returncode is None  # the LKG runs on
+        assert store.supervision.artefacts["app"].proc.returncode is None  # the LKG runs on
     finally:
         await store.stop()
         await daemon.stop()
