@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from improved.cli import ids
-from improved.cli.common import add_connection_args, config_of, deployment, full_id, url_of
+from improved.cli.common import (
+    add_connection_args,
+    config_of,
+    connected,
+    deployment,
+    full_id,
+    url_of,
+)
 from improved.client.connection import Target
 from improved.core import audit, checkpoint, evidence
 from improved.core.checkpoint import Anchor
@@ -26,9 +33,9 @@ from improved.runtime import accounts
 from improved.runtime.config import Config
 
 if TYPE_CHECKING:
+    from improved.client.deployment import Deployment
     from improved.core.epochs import Seal
     from improved.runtime.checkpointing import Since
-    from improved.runtime.store import Store
     from improved.runtime.tool_chains import Witnesses
 
 
@@ -141,7 +148,7 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
         return 1 if problems or since.broken or not tools_ok else 0
 
 
-async def _verify_tools(store: Store, config: Config, trust: evidence.ChainTrust,
+async def _verify_tools(store: Deployment, config: Config, trust: evidence.ChainTrust,
                         say: Callable[[str], None], note: Callable[[str], None],
                         witnesses: Witnesses, *, since_ms: int | None = None) -> bool:
     """The tool runtimes' chains, outside the daemon's log, each against its runtime's key in
@@ -166,7 +173,7 @@ async def _verify_tools(store: Store, config: Config, trust: evidence.ChainTrust
     return found.ok
 
 
-async def _verify_tool_chain(store: Store, config: Config, trust: evidence.ChainTrust,
+async def _verify_tool_chain(store: Deployment, config: Config, trust: evidence.ChainTrust,
                              cid: str) -> int:
     """`audit verify <chain id>` of a tool runtime's chain (on IMPROVE_TOOLS_AUDIT), as the
     whole-log verify checks it; exit 1 when it is broken or unverified, or there is none."""
@@ -192,7 +199,7 @@ async def _verify_tool_chain(store: Store, config: Config, trust: evidence.Chain
 _KEPT = "the last checkpoint kept in the data directory"
 
 
-async def _expected(store: Store, view: checkpoint.StreamView, kept: Anchor | str | None,
+async def _expected(store: Deployment, view: checkpoint.StreamView, kept: Anchor | str | None,
                     trust: evidence.ChainTrust, trusted: set[str], seal_roots: bool = True
                     ) -> tuple[list[tuple[Seal, dict[str, Any]]], list[str],
                                list[tuple[int, str, str]]]:
@@ -501,8 +508,11 @@ def cmd_audit_archive(args: argparse.Namespace) -> int:
 
 async def _rebuild(url: str | Target, config: Config, write: bool) -> int:
     from improved.core.propose import rebuild_record
+    from improved.runtime.store import Store
 
-    async with deployment(url) as store:
+    async with connected(url) as nc:
+        store = Store(nc)  # the daemon's state cache, which --write rewrites
+        await store.bind()
         chains = await store.all_chains()
         decoder = msgspec.json.Decoder(Trailer)
         equal = differ = uncached = broken = foreign = 0

@@ -26,6 +26,7 @@ from typing import Any
 import structlog
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from improved.client.deployment import Deployment
 from improved.core import audit, epochs, merkle
 from improved.core.epochs import Seal
 from improved.protocol import subjects as S
@@ -38,7 +39,7 @@ SEAL_SUBJECT = S.checkpoint_audit(epochs.SEAL_ID)
 HOUR_MS = 3_600_000
 
 
-async def read_seals(store: Store, trust: audit.Authenticity | None, trusted: set[str]
+async def read_seals(store: Deployment, trust: audit.Authenticity | None, trusted: set[str]
                      ) -> tuple[list[tuple[Seal, dict[str, Any]]], str | None]:
     """Every seal on the stream with its trailer, oldest first, and why the seal chain does
     not hold (a broken link, a trailer no trusted daemon wrote, a seal that does not verify),
@@ -63,7 +64,7 @@ async def read_seals(store: Store, trust: audit.Authenticity | None, trusted: se
     return seals, None
 
 
-async def last_seal(store: Store, trusted: set[str]) -> tuple[Seal | None, str | None]:
+async def last_seal(store: Deployment, trusted: set[str]) -> tuple[Seal | None, str | None]:
     """The last seal on the stream, in O(1), and why it does not count, if it does not."""
     _, body = await store.chain_head(SEAL_SUBJECT)
     if body is None:
@@ -139,7 +140,7 @@ class Exported:
     written: bool  # False: it was already in the directory
 
 
-async def export(store: Store, directory: Path, seal: Seal, prev: Seal | None,
+async def export(store: Deployment, directory: Path, seal: Seal, prev: Seal | None,
                  seal_body: dict[str, Any]) -> Exported:
     """Write epoch `seal.epoch` to `directory` (skipped when it is already there and checks
     out; its seal file written again when only that is missing), checking it exactly against
@@ -298,7 +299,7 @@ class ArchiveRead:
             later = exported
         return plan[::-1]
 
-    async def entries(self, store: Store, last_seq: int) -> AsyncIterator[Entry]:
+    async def entries(self, store: Deployment, last_seq: int) -> AsyncIterator[Entry]:
         """Every trailer, as `Store.follow` gives the stream's: the sealed epochs, then the
         stream after the last seal up to `last_seq`."""
         for planned in self._plan:
@@ -348,7 +349,7 @@ def _write_durably(path: Path, text: str) -> None:
         os.close(fd)
 
 
-async def remove(store: Store, seal: Seal, services: set[str]) -> int:
+async def remove(store: Deployment, seal: Seal, services: set[str]) -> int:
     """Purge the epoch's proposal chains from the stream below `seal.upto` (only after they
     were exported and checked); the mesh chains stay. How many trailers left the stream."""
     removed = 0

@@ -15,12 +15,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
+from improved.client import indexing
 from improved.client.streams import NeedsProvision
 from improved.core import checkpoint as checkpoints
 from improved.core.epochs import Seal
 from improved.protocol import subjects as S
 from improved.runtime import anchor as anchor_file
-from improved.runtime import archive, checkpointing, indexing, tool_chains
+from improved.runtime import archive, checkpointing, tool_chains
 from improved.runtime.autonomy import AutonomyChain
 from improved.runtime.clock import now_ms
 from improved.runtime.config import Config

@@ -44,13 +44,14 @@ from collections import OrderedDict
 from nats.aio.client import Client
 
 from improved.client.chain_writer import ChainWriter
+from improved.client.records import TOMBSTONE_TTL_S
 from improved.protocol import subjects as S
 from improved.protocol.model import Refusal, to_json
 from improved.runtime.audit_log import AuditLog
 from improved.runtime.buckets import Buckets
 from improved.runtime.grant_reads import GrantReads, _GrantChain
 from improved.runtime.provisioning import Provisioning
-from improved.runtime.retained import TOMBSTONE_TTL_S, Retained
+from improved.runtime.retained import Retained
 
 PROBE_TIMEOUT_S = 1.0  # a status read during a restore (Store._probe)
 
