@@ -838,8 +838,8 @@ async def test_a_tool_runtime_records_its_calls_under_its_own_user(mesh):
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from nats.js.errors import APIError
 
+    from improved.client.tool_chains import verify_tool_chains
     from improved.core import evidence, tools
-    from improved.runtime.tool_chains import verify_tool_chains
     from improved_reference.tool_runtime import ToolRuntimeService
     from tests.tool_surfaces import ARGS, grant, runtime, upgrade
 

@@ -10,6 +10,8 @@ picked up where it stands: its earlier trailers are read again (a proposal's cha
 or for the checkpoint chain, which grows with time, only the trailer the new one names as its
 predecessor (the `Nats-Expected-Last-Subject-Sequence` the server checked at append time).
 Memory follows what is new, and each chain it touches holds a `ChainRun`, not its trailers.
+The daemon's checkpointer (`runtime.checkpointer`) and an auditor (`improved audit verify`)
+run this same reader; signing the checkpoint is the daemon's alone.
 """
 
 from __future__ import annotations

@@ -21,12 +21,12 @@ from typing import Any
 
 from nats.aio.client import Client
 
+from improved.client import checkpointing
 from improved.client.deployment import Deployment
 from improved.core import audit, checkpoint, evidence
 from improved.core.signing import TrustStore
 from improved.core.tools import claimed_runtime, runtime_writers
 from improved.protocol import subjects as S
-from improved.runtime import checkpointing
 
 HEADS_AT_ONCE = 64  # chain heads a checkpoint asks for at once
 
