@@ -23,14 +23,14 @@ from improved.cli.common import (
     full_id,
     url_of,
 )
+from improved.client import credentials
+from improved.client.config import Config
 from improved.client.connection import Target
 from improved.core import audit, checkpoint, evidence
 from improved.core.checkpoint import Anchor
 from improved.core.record import same_state
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
-from improved.runtime import accounts
-from improved.runtime.config import Config
 
 if TYPE_CHECKING:
     from improved.client.checkpointing import Since
@@ -607,7 +607,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     arch.add_argument("--remove", action="store_true",
                       help="purge the exported proposal chains from the audit stream")
     # reads the audit stream and, with --remove, purges it: the archivist may
-    arch.set_defaults(func=cmd_audit_archive, as_user=accounts.ARCHIVIST)
+    arch.set_defaults(func=cmd_audit_archive, as_user=credentials.ARCHIVIST)
     rebuild = aud_sub.add_parser(
         "rebuild", help="rebuild every proposal's state from the chains alone",
         description="Replay every proposal's audit chain (its first trailer carries the "
@@ -619,4 +619,4 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     rebuild.add_argument("--write", action="store_true",
                          help="replace cached records that differ (or are missing)")
     # --write rewrites the state bucket, which only the daemon's user may
-    rebuild.set_defaults(func=cmd_audit_rebuild, as_user=accounts.DAEMON)
+    rebuild.set_defaults(func=cmd_audit_rebuild, as_user=credentials.DAEMON)

@@ -26,6 +26,7 @@ from improved.cli.common import (
     signer_of,
     url_of,
 )
+from improved.client import keys
 from improved.client.connection import Target
 from improved.client.deployment import Deployment
 from improved.client.sdk import enqueue
@@ -41,7 +42,6 @@ from improved.protocol.model import (
     Vote,
     to_json,
 )
-from improved.runtime import keys
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey

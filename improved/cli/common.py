@@ -19,14 +19,13 @@ import structlog
 
 from improved.cli import ids
 from improved.cli.errors import USAGE, Failure
-from improved.client import connection, credentials
+from improved.client import connection, credentials, keys
+from improved.client.config import Config, load
 from improved.client.connection import Target
 from improved.client.deployment import Deployment
 from improved.client.keys import load_key
 from improved.protocol import subjects as S
 from improved.protocol.model import Envelope, to_json
-from improved.runtime import accounts, keys
-from improved.runtime.config import Config, load
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -74,7 +73,7 @@ def url_of(args: argparse.Namespace, config: Config) -> connection.Target:
     command needs (`as_user`, set by its parser: the operator unless it says otherwise),
     with its password file there."""
     return credentials.target(args.nats or config.nats_url, config.data_dir,
-                              getattr(args, "as_user", accounts.OPERATOR), config.nats,
+                              getattr(args, "as_user", credentials.OPERATOR), config.nats,
                               DEFAULT_URL)
 
 

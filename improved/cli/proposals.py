@@ -27,6 +27,7 @@ from improved.cli.common import (
 )
 from improved.cli.errors import Failure
 from improved.cli.queries import review_read, schema_class, status_view
+from improved.client.config import Config
 from improved.client.connection import Target
 from improved.client.deployment import Deployment
 from improved.client.sdk import signed
@@ -34,7 +35,6 @@ from improved.core import audit, authority
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import TriageRequest, to_json
-from improved.runtime.config import Config
 
 if TYPE_CHECKING:
     from improved.core.record import ProposalRecord

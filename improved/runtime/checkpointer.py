@@ -18,6 +18,7 @@ from nats.js.errors import NotFoundError
 from improved.client import anchor as anchor_file
 from improved.client import archive as archive_read
 from improved.client import checkpointing, indexing, tool_chains
+from improved.client.config import Config
 from improved.client.streams import NeedsProvision
 from improved.core import checkpoint as checkpoints
 from improved.core.epochs import Seal
@@ -26,7 +27,6 @@ from improved.runtime import anchor as anchor_write
 from improved.runtime import archive
 from improved.runtime.autonomy import AutonomyChain
 from improved.runtime.clock import now_ms
-from improved.runtime.config import Config
 from improved.runtime.store import Store
 from improved.runtime.trusting import TrustInForce
 

@@ -27,6 +27,7 @@ import structlog
 from nats.aio.client import Client
 
 from improved.client.chain_writer import ChainConflict, pause_after_conflict
+from improved.client.config import Config
 from improved.client.sdk import enqueue
 from improved.core import apply as apply_stage
 from improved.core import (
@@ -46,7 +47,6 @@ from improved.runtime.answers import Answers
 from improved.runtime.autonomy import AutonomyChain
 from improved.runtime.checkpointer import Checkpointer
 from improved.runtime.clock import now_ms
-from improved.runtime.config import Config
 from improved.runtime.metrics import Metrics
 from improved.runtime.passes import ProposalLocks
 from improved.runtime.policy_chain import PolicyInForce

@@ -16,12 +16,12 @@ import structlog
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from improved.client.config import ApplySettings
 from improved.core import boundary, learnback, lkg, replies
 from improved.core.record import ProposalRecord
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder, ApplyResult, MeasureRequest, to_json
 from improved.runtime.answers import Answers
-from improved.runtime.config import ApplySettings
 
 log = structlog.get_logger("improved.engine")
 
