@@ -13,6 +13,7 @@ from nats.aio.client import Client
 from improved.cli.audit import trusted_daemons
 from improved.cli.common import deployment
 from improved.client import indexing
+from improved.client.answers import Answers
 from improved.client.config import Config, Trust
 from improved.client.connection import Target
 from improved.client.deployment import Deployment
@@ -23,7 +24,6 @@ from improved.core.policy import Policy
 from improved.core.record import ProposalRecord
 from improved.protocol import subjects as S
 from improved.protocol.model import ClassifyReply, ClassifyRequest, Proposal, to_json
-from improved.runtime.answers import Answers
 
 
 async def review_queue(url: str | Target, policy: Policy | None = None) -> list[dict[str, Any]]:

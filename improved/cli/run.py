@@ -12,7 +12,7 @@ from improved.cli.errors import USAGE, Failure
 from improved.client import connection, credentials
 from improved.client.config import Config
 from improved.client.connection import NatsSettings
-from improved.runtime import accounts, bus
+from improved.runtime import accounts, bus, metrics
 
 
 def configured(args: argparse.Namespace) -> Config:
@@ -101,6 +101,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         where = (as_user(config, url, credentials.DAEMON) if config.accounts
                  else connection.target(url, config.nats))
         return asyncio.run(main())
+    except metrics.EndpointError as exc:  # the daemon's metrics port: one line, as for a bus
+        print(f"improved: {exc}", file=sys.stderr)
+        return 2
     finally:
         if server is not None:
             server.stop()

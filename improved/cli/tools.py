@@ -66,7 +66,7 @@ def _envelope(path: str, what: str) -> Envelope:
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
-    from improved.runtime import conformance
+    from improved.client import conformance
 
     if not args.mesh and len(args.service) != 1:
         print("improved conformance: name one SERVICE, or give --mesh (with any services "

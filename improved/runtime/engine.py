@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import structlog
 from nats.aio.client import Client
 
+from improved.client.answers import Answers
 from improved.client.chain_writer import ChainConflict, pause_after_conflict
 from improved.client.config import Config
 from improved.client.sdk import enqueue
@@ -43,7 +44,6 @@ from improved.core import (
 from improved.core.audit import Draft
 from improved.core.record import CountedSignal, ProposalRecord, closed, fold
 from improved.protocol.model import DedupHead, Proposal, to_json
-from improved.runtime.answers import Answers
 from improved.runtime.autonomy import AutonomyChain
 from improved.runtime.checkpointer import Checkpointer
 from improved.runtime.clock import now_ms
