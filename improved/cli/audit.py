@@ -456,7 +456,8 @@ async def _archive(url: str | Target, config: Config, directory: Path, remove: b
     from nats.js.errors import APIError
 
     from improved.client.archive import epoch_file, read_seals
-    from improved.runtime import archive
+    from improved.runtime.archive import export as export_epoch
+    from improved.runtime.archive import remove as remove_epoch
 
     trusted = trusted_daemons(config)
     async with deployment(url, bind=False) as store:
@@ -474,7 +475,7 @@ async def _archive(url: str | Target, config: Config, directory: Path, remove: b
         prev = None
         for seal, body in seals:
             try:
-                done = await archive.export(store, directory, seal, prev, body)
+                done = await export_epoch(store, directory, seal, prev, body)
             except ValueError as exc:
                 print(f"improved audit archive: {exc}", file=sys.stderr)
                 return 1
@@ -488,7 +489,7 @@ async def _archive(url: str | Target, config: Config, directory: Path, remove: b
                   "checked against its seal")
             if remove:
                 try:
-                    removed = await archive.remove(store, seal, done.services)
+                    removed = await remove_epoch(store, seal, done.services)
                 except APIError as exc:
                     print(f"improved audit archive: the stream refused the purge ({exc.description}"
                           "): an audit stream created before epochs could be archived denies "
