@@ -27,14 +27,15 @@ the writer last looked: a redelivery, a restart or a second replica gets a confl
 duplicate trailer, re-reads the chain, and finds its transition already made.
 
 `Store` is one face over the concerns, each in a module of its own and sharing the one
-connection: provisioning the streams and buckets (`runtime.provisioning`), the audit chains
-(`runtime.audit_log`), the state cache, dedup heads and rejection ledger (`runtime.buckets`),
-the retained records and indexes (`runtime.retained`) and the grant chains' verdicts
-(`runtime.grant_reads`); what a lost race in a bucket looks like is `runtime.conflicts`. The
+connection: provisioning the streams and buckets (`runtime.provisioning`), the appends to the
+audit chains (`runtime.audit_log`), the state cache, dedup heads and rejection ledger
+(`runtime.buckets`), the retained records and indexes written (`runtime.retained`) and the
+grant chains' verdicts (`runtime.grant_reads`); what a lost race in a bucket looks like is `runtime.conflicts`. The
 streams' own upkeep (a stream brought to its configuration, its sentinel) and the chain append
 are the client's (`improved.client.streams`, `improved.client.chain_writer`), which the
-reference services use too; `Store` extends them. The shell and the command line talk to
-this one face.
+reference services use too, and so are the reads of the chains and the retained records
+(`improved.client.deployment`), which the command line uses; `Store` extends them, so the
+daemon reads through the same code. The shell talks to this one face.
 """
 
 from __future__ import annotations
