@@ -21,8 +21,8 @@ from improved.runtime.provisioning import stream_configs
 
 class AuditLog(ChainWriter):
     """Appends to the chains on `audit_stream` (the daemon's log, or the tool runtimes'), and
-    their reads (the client's `AuditReader`, through `ChainWriter`); `written` holds the hashes this
-    process appended since its last checkpoint."""
+    their reads (the client's `AuditReader`, through `ChainWriter`); `written` holds the
+    hashes this process appended since its last checkpoint."""
 
     js: JetStreamContext
     _probe: JetStreamContext
