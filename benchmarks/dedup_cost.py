@@ -22,9 +22,9 @@ from pathlib import Path
 
 from benchmarks.history_cost import fill
 from improved.client import connection
+from improved.client.config import Config
 from improved.protocol import subjects as S
 from improved.runtime import bus
-from improved.runtime.config import Config
 from improved.runtime.daemon import Daemon
 
 STREAM = f"KV_{S.BUCKET_DEDUP}"

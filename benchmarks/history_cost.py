@@ -34,13 +34,13 @@ from pathlib import Path
 
 from improved.cli import ids
 from improved.cli.queries import review_view
-from improved.client import connection
+from improved.client import connection, indexing
+from improved.client.config import Config
 from improved.client.keys import load_key
 from improved.client.sdk import MeshClient
 from improved.core.policy import Policy
 from improved.protocol.model import ApplyResult
-from improved.runtime import archive, bus, indexing
-from improved.runtime.config import Config
+from improved.runtime import archive, bus
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
 from improved.testing import rank_proposal, skill_proposal

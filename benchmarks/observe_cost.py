@@ -22,10 +22,10 @@ from pathlib import Path
 import structlog
 
 from improved.client import connection
+from improved.client.config import Config
 from improved.client.sdk import MeshClient
 from improved.protocol.model import Signal
 from improved.runtime import bus
-from improved.runtime.config import Config
 from improved.runtime.daemon import Daemon
 
 

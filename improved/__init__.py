@@ -11,11 +11,15 @@ Layers, each importing only the ones listed before it (tests/unit/test_architect
 - ``improved.client`` — what a mesh service needs: `MeshClient` (propose, refine, signal,
   serve its ApplyOrders), the check, on the audit chain, that an order was accepted, the
   connection to the bus as its own user, its key file, its streams brought to their
-  configuration and the append to its own chain (which the daemon's store extends).
-- ``improved.runtime`` — the daemon's imperative shell: the store over JetStream, the engine
-  that carries out the planner's steps, the daemon's consumers, configuration, metrics, keys,
-  the embedded nats-server.
-- ``improved.cli`` — the `improved` command.
+  configuration and the append to its own chain (which the daemon's store extends); and what
+  an operator or an auditor reads a deployment with: its chains, records and indexes, the
+  verifiers of checkpoints, epochs and tool chains, the configuration file.
+- ``improved.runtime`` — the daemon's imperative shell: the store over JetStream (the
+  appends and writes, on the client's reads), the engine that carries out the planner's
+  steps, the daemon's consumers, sealing and archiving epochs, metrics, the embedded
+  nats-server and its users.
+- ``improved.cli`` — the `improved` command, on the client; only `run`, `provision` and
+  `accounts`, the commands that are the daemon's shell, import the runtime.
 - ``improved.testing`` — a real broker, a real daemon and valid proposals for tests.
 
 Outside this package, each depending on it and never the other way round:

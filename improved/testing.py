@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from improved.client import connection
+from improved.client.config import Config
 from improved.client.connection import Target
 from improved.protocol.model import AnalyzerRef, Origin, Proposal, Summary
 from improved.runtime import bus
-from improved.runtime.config import Config
 from improved.runtime.daemon import Daemon
 
 __all__ = ["nats_server", "proposal", "rank_proposal", "running_daemon", "skill_proposal"]

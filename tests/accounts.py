@@ -154,11 +154,11 @@ async def started(mode: str, base: Path) -> AsyncIterator[Mesh]:
     mesh = Mesh(mode, data_dir, server)
     try:
         if mode == "accounts":
-            await provisioned(mesh.target(accounts.ADMIN), config.replicas,
+            await provisioned(mesh.target(credentials.ADMIN), config.replicas,
                               config.records_storage)
             config = msgspec.structs.replace(config, trust=msgspec.structs.replace(
                 config.trust, subjects_bound=True))
-        nc = await connection.connect(mesh.target(accounts.DAEMON), "improved-test-daemon")
+        nc = await connection.connect(mesh.target(credentials.DAEMON), "improved-test-daemon")
         mesh.daemon = Daemon(nc, config)
         await mesh.daemon.start()
         try:

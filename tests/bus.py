@@ -23,7 +23,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client.parser import text_string_to_metric_families
 
 from improved import testing
-from improved.client import connection
+from improved.client import connection, keys
+from improved.client.config import ApplySettings, Config, Trust
 from improved.client.sdk import MeshClient
 from improved.core import authority, quorum, signing
 from improved.core.authority import Act
@@ -36,8 +37,6 @@ from improved.protocol.model import (
     ProposalEdit,
     to_json,
 )
-from improved.runtime import keys
-from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import Store
 from improved_reference.artefact_store import ArtefactStore

@@ -17,11 +17,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 
 from improved.client import connection
+from improved.client.config import ApplySettings, Config, Trust
 from improved.client.sdk import MeshClient
 from improved.core.signing import keyid_of, raw_public
 from improved.protocol.model import to_json
 from improved.runtime import bus
-from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon, run_until_stopped
 from improved.runtime.store import Store
 from improved_demo.cast import (

@@ -42,7 +42,6 @@ from improved.client import connection
 from improved.client.connection import ConfigError
 from improved.client.credentials import AccountsError
 from improved.client.streams import StoreError
-from improved.runtime import metrics
 
 GROUPS = (run, accounts, provision, proposals, audit, authority, tools, console, reference)
 
@@ -76,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"improved: {exc}", file=sys.stderr)
         return 2
-    except (connection.BusError, StoreError, metrics.EndpointError, AccountsError) as exc:
+    except (connection.BusError, StoreError, AccountsError) as exc:
         print(f"improved: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

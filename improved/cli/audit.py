@@ -15,21 +15,28 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from improved.cli import ids
-from improved.cli.common import add_connection_args, config_of, deployment, full_id, url_of
+from improved.cli.common import (
+    add_connection_args,
+    config_of,
+    connected,
+    deployment,
+    full_id,
+    url_of,
+)
+from improved.client import credentials
+from improved.client.config import Config
 from improved.client.connection import Target
 from improved.core import audit, checkpoint, evidence
 from improved.core.checkpoint import Anchor
 from improved.core.record import same_state
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
-from improved.runtime import accounts
-from improved.runtime.config import Config
 
 if TYPE_CHECKING:
+    from improved.client.checkpointing import Since
+    from improved.client.deployment import Deployment
+    from improved.client.tool_chains import Witnesses
     from improved.core.epochs import Seal
-    from improved.runtime.checkpointing import Since
-    from improved.runtime.store import Store
-    from improved.runtime.tool_chains import Witnesses
 
 
 def _to_stderr(line: str) -> None:
@@ -39,7 +46,7 @@ def _to_stderr(line: str) -> None:
 async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
                   trusted: set[str], config: Config) -> int:
     """One proposal's chain (`pid`), or the whole log (`_verify_log`)."""
-    from improved.runtime import anchor
+    from improved.client import anchor
 
     kept: Anchor | str | None = None
     if anchor_path is not None:
@@ -81,7 +88,7 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
     sealed epoch is read from its export there (from the stream when it was not exported) and
     checked exactly against its seal (`archive.ArchiveRead`); without it, what the stream
     still holds is verified and the tree goes on from the seal."""
-    from improved.runtime import archive, checkpointing, tool_chains
+    from improved.client import archive, checkpointing, tool_chains
 
     async with deployment(url, bind=False) as store:
         view = await store.audit_view()
@@ -141,7 +148,7 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
         return 1 if problems or since.broken or not tools_ok else 0
 
 
-async def _verify_tools(store: Store, config: Config, trust: evidence.ChainTrust,
+async def _verify_tools(store: Deployment, config: Config, trust: evidence.ChainTrust,
                         say: Callable[[str], None], note: Callable[[str], None],
                         witnesses: Witnesses, *, since_ms: int | None = None) -> bool:
     """The tool runtimes' chains, outside the daemon's log, each against its runtime's key in
@@ -149,7 +156,7 @@ async def _verify_tools(store: Store, config: Config, trust: evidence.ChainTrust
     the heads the daemon's checkpoints witnessed (`witnesses`, as the read of the log met
     them): a line for each broken or unverified chain, then the counts. False when any
     chain is either."""
-    from improved.runtime.tool_chains import verify_tool_chains
+    from improved.client.tool_chains import verify_tool_chains
 
     found = await verify_tool_chains(
         store.nc, config.trust.runtime_store(), trust.history, since_ms=since_ms,
@@ -166,12 +173,12 @@ async def _verify_tools(store: Store, config: Config, trust: evidence.ChainTrust
     return found.ok
 
 
-async def _verify_tool_chain(store: Store, config: Config, trust: evidence.ChainTrust,
+async def _verify_tool_chain(store: Deployment, config: Config, trust: evidence.ChainTrust,
                              cid: str) -> int:
     """`audit verify <chain id>` of a tool runtime's chain (on IMPROVE_TOOLS_AUDIT), as the
     whole-log verify checks it; exit 1 when it is broken or unverified, or there is none."""
-    from improved.runtime import checkpointing, tool_chains
-    from improved.runtime.tool_chains import verify_tool_chains
+    from improved.client import checkpointing, tool_chains
+    from improved.client.tool_chains import verify_tool_chains
 
     witnesses = tool_chains.Witnesses(store.nc)  # the last checkpoint's alone
     _, last = await store.chain_head(checkpointing.CP_SUBJECT)
@@ -192,7 +199,7 @@ async def _verify_tool_chain(store: Store, config: Config, trust: evidence.Chain
 _KEPT = "the last checkpoint kept in the data directory"
 
 
-async def _expected(store: Store, view: checkpoint.StreamView, kept: Anchor | str | None,
+async def _expected(store: Deployment, view: checkpoint.StreamView, kept: Anchor | str | None,
                     trust: evidence.ChainTrust, trusted: set[str], seal_roots: bool = True
                     ) -> tuple[list[tuple[Seal, dict[str, Any]]], list[str],
                                list[tuple[int, str, str]]]:
@@ -200,7 +207,7 @@ async def _expected(store: Store, view: checkpoint.StreamView, kept: Anchor | st
     wrong (an unreadable checkpoint file, a seal chain that does not hold, a stream the file
     does not find in O(1)), and the roots to check as the read reaches their counts (each
     seal's, unless `seal_roots` is off because an archive read checks them, and the file's)."""
-    from improved.runtime import archive
+    from improved.client import archive
 
     problems = [kept] if isinstance(kept, str) else []
     read, unsealed = await archive.read_seals(store, trust, trusted)
@@ -244,10 +251,10 @@ def _print_counts(since: Since, seconds: float, say: Callable[[str], None] = pri
 async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: set[str],
                         config: Config) -> int:
     """Verify only what the log gained since the last trusted checkpoint, as the daemon's
-    checkpoint does (`runtime.checkpointing`): in O(1) that the stream still holds what that
+    checkpoint does (`client.checkpointing`): in O(1) that the stream still holds what that
     checkpoint covered, then every trailer after it in its chain. Without a checkpoint to
     continue from, the whole log is read once, one trailer at a time."""
-    from improved.runtime import anchor, archive, checkpointing, tool_chains
+    from improved.client import anchor, archive, checkpointing, tool_chains
 
     kept = None
     if anchor_path is not None:
@@ -387,7 +394,7 @@ def trusted_daemons(config: Config) -> set[str]:
 
 
 def cmd_audit_verify(args: argparse.Namespace) -> int:
-    from improved.runtime import anchor
+    from improved.client import anchor
 
     config = config_of(args)
     path: Path | None = (Path(args.checkpoint) if args.checkpoint
@@ -417,7 +424,7 @@ async def _verify_archived(url: str | Target, anchor_path: Path | None, trusted:
                            config: Config, archive_dir: Path | None,
                            say: Callable[[str], None] = print,
                            note: Callable[[str], None] = _to_stderr) -> int:
-    from improved.runtime import anchor
+    from improved.client import anchor
 
     kept: Anchor | str | None = None
     if anchor_path is not None:
@@ -435,7 +442,7 @@ def verify_log(url: str | Target, config: Config, say: Callable[[str], None],
     """`improved audit verify` of the whole log, as the command runs it without arguments
     (against the daemon's checkpoint file in the configured data directory when there is
     one), its lines said with `say` and `note`; its exit code."""
-    from improved.runtime import anchor
+    from improved.client import anchor
 
     path: Path | None = anchor.path_in(config.data_dir)
     if path is not None and not path.exists():
@@ -448,14 +455,16 @@ async def _archive(url: str | Target, config: Config, directory: Path, remove: b
     purge the exported proposal chains from the stream."""
     from nats.js.errors import APIError
 
-    from improved.runtime import archive
+    from improved.client.archive import epoch_file, read_seals
+    from improved.runtime.archive import export as export_epoch
+    from improved.runtime.archive import remove as remove_epoch
 
     trusted = trusted_daemons(config)
     async with deployment(url, bind=False) as store:
         subject = S.trust_audit(evidence.TRUST_ID)
         trust = chain_trust([(seq, subject, body) for seq, body
                              in await store.read_chain_at(subject)], trusted, config)
-        seals, problem = await archive.read_seals(store, trust, trusted)
+        seals, problem = await read_seals(store, trust, trusted)
         if problem:
             print(f"improved audit archive: {problem}; nothing exported", file=sys.stderr)
             return 1
@@ -466,7 +475,7 @@ async def _archive(url: str | Target, config: Config, directory: Path, remove: b
         prev = None
         for seal, body in seals:
             try:
-                done = await archive.export(store, directory, seal, prev, body)
+                done = await export_epoch(store, directory, seal, prev, body)
             except ValueError as exc:
                 print(f"improved audit archive: {exc}", file=sys.stderr)
                 return 1
@@ -474,13 +483,13 @@ async def _archive(url: str | Target, config: Config, directory: Path, remove: b
                 print(f"improved audit archive: cannot write to {directory}: "
                       f"{exc.strerror or exc}", file=sys.stderr)
                 return 1
-            where = archive.epoch_file(directory, seal.epoch)
+            where = epoch_file(directory, seal.epoch)
             print(f"epoch {seal.epoch}: {done.trailers} trailers up to stream sequence "
                   f"{seal.upto} {'exported to' if done.written else 'already in'} {where}, "
                   "checked against its seal")
             if remove:
                 try:
-                    removed = await archive.remove(store, seal, done.services)
+                    removed = await remove_epoch(store, seal, done.services)
                 except APIError as exc:
                     print(f"improved audit archive: the stream refused the purge ({exc.description}"
                           "): an audit stream created before epochs could be archived denies "
@@ -501,8 +510,11 @@ def cmd_audit_archive(args: argparse.Namespace) -> int:
 
 async def _rebuild(url: str | Target, config: Config, write: bool) -> int:
     from improved.core.propose import rebuild_record
+    from improved.runtime.store import Store
 
-    async with deployment(url) as store:
+    async with connected(url) as nc:
+        store = Store(nc)  # the daemon's state cache, which --write rewrites
+        await store.bind()
         chains = await store.all_chains()
         decoder = msgspec.json.Decoder(Trailer)
         equal = differ = uncached = broken = foreign = 0
@@ -596,7 +608,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     arch.add_argument("--remove", action="store_true",
                       help="purge the exported proposal chains from the audit stream")
     # reads the audit stream and, with --remove, purges it: the archivist may
-    arch.set_defaults(func=cmd_audit_archive, as_user=accounts.ARCHIVIST)
+    arch.set_defaults(func=cmd_audit_archive, as_user=credentials.ARCHIVIST)
     rebuild = aud_sub.add_parser(
         "rebuild", help="rebuild every proposal's state from the chains alone",
         description="Replay every proposal's audit chain (its first trailer carries the "
@@ -608,4 +620,4 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     rebuild.add_argument("--write", action="store_true",
                          help="replace cached records that differ (or are missing)")
     # --write rewrites the state bucket, which only the daemon's user may
-    rebuild.set_defaults(func=cmd_audit_rebuild, as_user=accounts.DAEMON)
+    rebuild.set_defaults(func=cmd_audit_rebuild, as_user=credentials.DAEMON)

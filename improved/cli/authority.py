@@ -26,7 +26,9 @@ from improved.cli.common import (
     signer_of,
     url_of,
 )
+from improved.client import keys
 from improved.client.connection import Target
+from improved.client.deployment import Deployment
 from improved.client.sdk import enqueue
 from improved.core import authority, breaker, quorum, signing
 from improved.core.identity import IDENTITY_RE
@@ -40,8 +42,6 @@ from improved.protocol.model import (
     Vote,
     to_json,
 )
-from improved.runtime import keys
-from improved.runtime.store import Store
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -212,7 +212,7 @@ def cmd_revert(args: argparse.Namespace) -> int:
         return 1
     rid, revert = record.revert_id, record.revert
 
-    async def send(store: Store) -> None:
+    async def send(store: Deployment) -> None:
         await enqueue(store.js, svc, to_json(revert), rid)
 
     what = (f"reversal {rid} of {pid} (under the original's approval by "

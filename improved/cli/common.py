@@ -19,17 +19,17 @@ import structlog
 
 from improved.cli import ids
 from improved.cli.errors import USAGE, Failure
-from improved.client import connection, credentials
+from improved.client import connection, credentials, keys
+from improved.client.config import Config, load
 from improved.client.connection import Target
+from improved.client.deployment import Deployment
 from improved.client.keys import load_key
 from improved.protocol import subjects as S
 from improved.protocol.model import Envelope, to_json
-from improved.runtime import accounts, keys
-from improved.runtime.config import Config, load
-from improved.runtime.store import Store
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from nats.aio.client import Client
 
     from improved.core.record import ProposalRecord
 
@@ -73,7 +73,7 @@ def url_of(args: argparse.Namespace, config: Config) -> connection.Target:
     command needs (`as_user`, set by its parser: the operator unless it says otherwise),
     with its password file there."""
     return credentials.target(args.nats or config.nats_url, config.data_dir,
-                              getattr(args, "as_user", accounts.OPERATOR), config.nats,
+                              getattr(args, "as_user", credentials.OPERATOR), config.nats,
                               DEFAULT_URL)
 
 
@@ -82,16 +82,23 @@ def out(obj: Any) -> None:
 
 
 @asynccontextmanager
-async def deployment(url: str | Target, bind: bool = True) -> AsyncIterator[Store]:
-    """A one-shot connection to a running deployment, its buckets bound (nothing created)."""
+async def connected(url: str | Target) -> AsyncIterator[Client]:
+    """A one-shot connection to a running deployment, closed on the way out."""
     nc = await connection.connect(url, "improved-cli", persistent=False)
     try:
-        store = Store(nc)
+        yield nc
+    finally:
+        await connection.close(nc)
+
+
+@asynccontextmanager
+async def deployment(url: str | Target, bind: bool = True) -> AsyncIterator[Deployment]:
+    """A one-shot connection to a running deployment, its buckets found (nothing created)."""
+    async with connected(url) as nc:
+        store = Deployment(nc)
         if bind:
             await store.bind()
         yield store
-    finally:
-        await connection.close(nc)
 
 
 async def request(url: str | Target, subject: str, body: bytes, timeout: float) -> dict[str, Any]:
@@ -125,7 +132,7 @@ def read_input(path: str, what: str) -> bytes:
                       f"of a {what}, or - to read it from stdin", USAGE) from None
 
 
-async def chain_record(store: Store, svc: str, pid: str) -> ProposalRecord | None:
+async def chain_record(store: Deployment, svc: str, pid: str) -> ProposalRecord | None:
     """The record of proposal `pid` as its chain says — never the state cache: None without a
     chain whose links verify, or with one whose registration cannot be read."""
     from improved.client.chain_writer import decode_trailer
@@ -204,7 +211,7 @@ def load_signing_key(path: Path) -> Ed25519PrivateKey:
                       USAGE) from None
 
 
-async def publish_on(store: Store, subject: str, env: Envelope) -> None:
+async def publish_on(store: Deployment, subject: str, env: Envelope) -> None:
     """A signed act onto the inbound stream, where the daemon's consumer takes it."""
     await store.js.publish(subject, to_json(env), stream=S.STREAM_INBOUND)
 

@@ -40,9 +40,9 @@ from improved.cli import render, verdicts
 from improved.cli.common import add_connection_args, config_of, deployment, located, url_of
 from improved.cli.errors import USAGE, Failure
 from improved.client import connection
+from improved.client.config import Config
 from improved.client.connection import Target
 from improved.client.streams import StoreError
-from improved.runtime.config import Config
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey

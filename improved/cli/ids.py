@@ -15,8 +15,8 @@ import re
 from nats.aio.client import Client
 
 from improved.cli.errors import Failure
+from improved.client.deployment import Deployment
 from improved.protocol import subjects as S
-from improved.runtime.store import Store
 
 MIN_PREFIX = 4
 SHOWN = 3  # candidates an ambiguous prefix names
@@ -52,7 +52,7 @@ def is_full(text: str) -> bool:
     return S.ID_RE.match(text) is not None
 
 
-async def resolve(store: Store, text: str) -> tuple[str, str]:
+async def resolve(store: Deployment, text: str) -> tuple[str, str]:
     """(service, full id) of the proposal `text` names; Failure (exit 1) when no proposal
     matches or the prefix is ambiguous, naming a few candidates."""
     if is_full(text):
@@ -70,7 +70,7 @@ async def resolve(store: Store, text: str) -> tuple[str, str]:
     return found[0]
 
 
-async def full_id(store: Store, text: str) -> str:
+async def full_id(store: Deployment, text: str) -> str:
     """The full id `text` names, for a command that needs only the id: a full one as given."""
     return text if is_full(text) else (await resolve(store, text))[1]
 

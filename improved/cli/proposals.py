@@ -27,14 +27,14 @@ from improved.cli.common import (
 )
 from improved.cli.errors import Failure
 from improved.cli.queries import review_read, schema_class, status_view
+from improved.client.config import Config
 from improved.client.connection import Target
+from improved.client.deployment import Deployment
 from improved.client.sdk import signed
 from improved.core import audit, authority
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import TriageRequest, to_json
-from improved.runtime.config import Config
-from improved.runtime.store import Store
 
 if TYPE_CHECKING:
     from improved.core.record import ProposalRecord
@@ -101,7 +101,7 @@ class Shown:
     facts: dict[str, Any]
 
 
-async def shown(store: Store, text: str, config: Config, readable: bool = True) -> Shown:
+async def shown(store: Deployment, text: str, config: Config, readable: bool = True) -> Shown:
     """Read one proposal (its id or a unique prefix) as `improved show` shows it; `readable`:
     for a person, so the proposal it superseded is looked up too (`replaced`)."""
     from improved.client.chain_writer import decode_trailer
@@ -185,7 +185,7 @@ REPLACED_SCAN = 1000  # retained states of a service read, at most, to find what
 READ_AT_ONCE = 32
 
 
-async def replaced(store: Store, svc: str, record: ProposalRecord
+async def replaced(store: Deployment, svc: str, record: ProposalRecord
                    ) -> tuple[str, dict[str, Any]] | None:
     """(id, will_run) of the proposal `record` superseded — the newest older content under the
     same dedup_key whose chain says `superseded_by` this one — or None. The retained states of

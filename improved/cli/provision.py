@@ -18,11 +18,10 @@ import nats
 from nats.js.errors import ServiceUnavailableError
 
 from improved.cli.common import add_connection_args, chain_record, config_of, url_of
-from improved.client import connection
+from improved.client import connection, credentials
 from improved.client.connection import Target
 from improved.client.streams import NeedsProvision, StoreError
 from improved.core import propose
-from improved.runtime import accounts
 from improved.runtime.store import Store
 
 ADMIN = "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"
@@ -138,4 +137,4 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "records_ttl_days (daemons do so at each close; keys closed before "
                         "they did are otherwise kept for good): once, after upgrading; it "
                         "reads every key and its proposal's chain")
-    p.set_defaults(func=cmd_provision, as_user=accounts.ADMIN)
+    p.set_defaults(func=cmd_provision, as_user=credentials.ADMIN)

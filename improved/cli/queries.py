@@ -12,18 +12,18 @@ from nats.aio.client import Client
 
 from improved.cli.audit import trusted_daemons
 from improved.cli.common import deployment
+from improved.client import indexing
+from improved.client.answers import Answers
+from improved.client.config import Config, Trust
 from improved.client.connection import Target
+from improved.client.deployment import Deployment
+from improved.client.indexing import IndexRead
+from improved.client.records import TOMBSTONE_TTL_S
 from improved.core import authority, boundary, indexes, queue, schemas
 from improved.core.policy import Policy
 from improved.core.record import ProposalRecord
 from improved.protocol import subjects as S
 from improved.protocol.model import ClassifyReply, ClassifyRequest, Proposal, to_json
-from improved.runtime import indexing
-from improved.runtime.answers import Answers
-from improved.runtime.config import Config, Trust
-from improved.runtime.indexing import IndexRead
-from improved.runtime.retained import TOMBSTONE_TTL_S
-from improved.runtime.store import Store
 
 
 async def review_queue(url: str | Target, policy: Policy | None = None) -> list[dict[str, Any]]:
@@ -158,14 +158,14 @@ def classified(data: bytes) -> dict[str, str]:
                                           f"({why[:200]})"}
 
 
-async def queued_records(store: Store, policy: Policy, trusted: set[str] | None = None,
+async def queued_records(store: Deployment, policy: Policy, trusted: set[str] | None = None,
                          ttl_s: int = TOMBSTONE_TTL_S) -> tuple[list[ProposalRecord], IndexRead]:
     """The records of the operator's queue, each rebuilt from its chain, and how the review
     index was read. The index only says where to look (anyone who can publish on the records
     stream can write, tombstone or purge an entry): what it lists is listed only when its
     chain says it is queued, and what it omits is found from the chains — when its subjects
     do not hold every member the last checkpoint counted, the chains after the last epoch
-    seal are read instead (`runtime.indexing`). Chains and the checkpoint are believed only
+    seal are read instead (`client.indexing`). Chains and the checkpoint are believed only
     when written by one of `trusted` (daemon keys), when given; else by hashes and links."""
     now = int(time.time() * 1000)  # as of now: an expired proposal left at its valid_to
     keys = trusted or set()

@@ -10,9 +10,9 @@ import sys
 from improved.cli.common import add_connection_args, config_of
 from improved.cli.errors import USAGE, Failure
 from improved.client import connection, credentials
+from improved.client.config import Config
 from improved.client.connection import NatsSettings
-from improved.runtime import accounts, bus
-from improved.runtime.config import Config
+from improved.runtime import accounts, bus, metrics
 
 
 def configured(args: argparse.Namespace) -> Config:
@@ -85,9 +85,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     async def main() -> int:
         stop = stop_on_signals()
         if config.accounts:  # the daemon's user may not make the streams: provisioning may
-            changes = await provisioned(as_user(config, where.where, accounts.ADMIN),
+            changes = await provisioned(as_user(config, where.where, credentials.ADMIN),
                                         config.replicas, config.records_storage)
-            print(f"improved: provisioned as {accounts.ADMIN}: "
+            print(f"improved: provisioned as {credentials.ADMIN}: "
                   + (f"{len(changes)} changed" if changes else "nothing changed"),
                   file=sys.stderr, flush=True)
         nc = await connection.connect(where, "improved")
@@ -98,9 +98,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         # the credential files are read here, once
-        where = (as_user(config, url, accounts.DAEMON) if config.accounts
+        where = (as_user(config, url, credentials.DAEMON) if config.accounts
                  else connection.target(url, config.nats))
         return asyncio.run(main())
+    except metrics.EndpointError as exc:  # the daemon's metrics port: one line, as for a bus
+        print(f"improved: {exc}", file=sys.stderr)
+        return 2
     finally:
         if server is not None:
             server.stop()

@@ -27,10 +27,9 @@ from improved.cli.common import (
     url_of,
 )
 from improved.cli.errors import USAGE, Failure
-from improved.client import connection
+from improved.client import connection, credentials
 from improved.protocol import subjects as S
 from improved.protocol.model import Envelope, to_json
-from improved.runtime import accounts
 
 SESSION_KEY_HELP = ("the session's own Ed25519 key (`improved keys new` makes one; `improved "
                     "keys show FILE` prints its public half): the upgrade is bound to it, and "
@@ -67,7 +66,7 @@ def _envelope(path: str, what: str) -> Envelope:
 
 
 def cmd_conformance(args: argparse.Namespace) -> int:
-    from improved.runtime import conformance
+    from improved.client import conformance
 
     if not args.mesh and len(args.service) != 1:
         print("improved conformance: name one SERVICE, or give --mesh (with any services "
@@ -264,7 +263,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       help="probe every service that advertises, and report the mesh's level")
     conf.add_argument("--timeout", type=float, default=2.0, help="per request (2 s)")
     # the probes are ApplyOrders, which only the daemon's user may send
-    conf.set_defaults(func=cmd_conformance, as_user=accounts.DAEMON)
+    conf.set_defaults(func=cmd_conformance, as_user=credentials.DAEMON)
     _register_tools(sub)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from improved.cli.errors import Failure
 from improved.client.connection import Target
+from improved.client.deployment import Deployment
 from improved.core import gradient
 from improved.core.trailers import (
     Applied,
@@ -39,7 +40,6 @@ from improved.core.trailers import (
     moves_to,
     verdict_of,
 )
-from improved.runtime.store import Store
 
 DEFAULT_TIMEOUT_S = 10.0
 POLL_S = 0.1
@@ -262,7 +262,7 @@ async def watch(read: Callable[[int], Awaitable[list[tuple[int, dict[str, Any]]]
         await asyncio.sleep(min(POLL_S, max(deadline - time.monotonic(), 0.0)))
 
 
-async def after(url: str | Target, chain: str, send: Callable[[Store], Awaitable[object]],
+async def after(url: str | Target, chain: str, send: Callable[[Deployment], Awaitable[object]],
                 judge: Callable[[list[dict[str, Any]]], Verdict | None],
                 timeout: float | None, from_start: bool = False) -> Verdict | None:
     """Note the head of `chain`, `send` (publish the act), then `watch` the chain from past

@@ -18,9 +18,10 @@ from typing import Any
 import msgspec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError
 
-from improved.client.streams import Streams, is_conflict
+from improved.client.deployment import Deployment
+from improved.client.streams import is_conflict
 from improved.core import audit, evidence
 from improved.core.audit import Draft
 from improved.core.record import ChainHead
@@ -65,18 +66,16 @@ def decode_trailer(body: dict[str, Any]) -> Trailer:
     return trailer_decoder.decode(to_json(body))
 
 
-class ChainWriter(Streams):
+class ChainWriter(Deployment):
     """Appends to the chains of one audit stream (`audit_stream`), each trailer signed with
-    `signer` when there is one (a reader trusts a trailer no other key signed), and brings
-    streams to their configuration (`Streams`)."""
+    `signer` when there is one (a reader trusts a trailer no other key signed); reads them,
+    and brings streams to their configuration, as a `Deployment` does."""
 
     def __init__(self, nc: Client, *, audit_stream: str = S.STREAM_AUDIT,
                  signer: Ed25519PrivateKey | None = None):
-        super().__init__(nc.jetstream(publish_async_max_pending=8192))
-        self.nc = nc
         # the stream the chains this writer appends to and reads live in: the daemon's log, or
         # the tool runtimes' (S.STREAM_TOOLS_AUDIT)
-        self.audit_stream = audit_stream
+        super().__init__(nc, audit_stream=audit_stream)
         self.signer = signer
         self.written: set[str] = set()  # hashes appended (signed) since the last checkpoint
 
@@ -129,28 +128,3 @@ class ChainWriter(Streams):
             return trailer
         raise ChainKeptMoving(f"{subject}: still conflicting after {MAX_APPEND_ATTEMPTS} "
                               "attempts")
-
-
-    async def read_chain_at(self, subject: str, start: int = 1
-                            ) -> list[tuple[int, dict[str, Any]]]:
-        """The trailers on `subject` from stream sequence `start` on, one direct get each (for
-        a chain, or the few trailers of one since a sequence)."""
-        out: list[tuple[int, dict[str, Any]]] = []
-        seq = start
-        while True:
-            try:
-                msg = await self.js.get_msg(self.audit_stream, seq=seq, subject=subject,
-                                            next=True, direct=True)
-            except NotFoundError:
-                return out
-            seq = msg.seq or seq
-            out.append((seq, msgspec.json.decode(msg.data or b"null")))
-            seq += 1
-
-    async def chain_head(self, subject: str) -> tuple[int, dict[str, Any] | None]:
-        """(stream sequence, body) of the last trailer on a chain; (0, None) when empty."""
-        try:
-            msg = await self.js.get_msg(self.audit_stream, subject=subject, direct=True)
-        except NotFoundError:
-            return 0, None
-        return msg.seq or 0, msgspec.json.decode(msg.data or b"null")

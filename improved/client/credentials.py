@@ -22,6 +22,12 @@ DIR = "accounts"  # under the data directory: the users' password files (mode 07
 LOCK = "nats-server.lock"  # the embedded server's lock in its data directory: its pid
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
+# the users the commands connect as (deploy/accounts.conf says what each may do)
+ADMIN = "improved-admin"  # provisioning: the streams, buckets and inbound consumer
+DAEMON = "improved"
+OPERATOR = "operator"
+ARCHIVIST = "improved-archivist"
+
 
 class AccountsError(ValueError):
     """A data directory's credentials cannot be used as they are: one line saying why."""

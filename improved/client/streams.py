@@ -30,6 +30,7 @@ from nats.js.errors import (
     NotFoundError,
     ServiceUnavailableError,
 )
+from nats.js.kv import KeyValue
 
 from improved.core import retention
 from improved.protocol import subjects as S
@@ -302,6 +303,16 @@ class Streams:
         loop's: what was changed; NeedsProvision when this user may not change it."""
         return await self._ensure_stream(cfg)
 
+
+    async def existing_buckets(self) -> tuple[KeyValue, KeyValue, KeyValue]:
+        """The daemon's state, dedup and ledger buckets, found without creating anything (how
+        a read-only command attaches to a deployment)."""
+        return (await self._look(f"bucket {S.BUCKET_STATE}",
+                                 lambda: self.js.key_value(S.BUCKET_STATE)),
+                await self._look(f"bucket {S.BUCKET_DEDUP}",
+                                 lambda: self.js.key_value(S.BUCKET_DEDUP)),
+                await self._look(f"bucket {S.BUCKET_LEDGER}",
+                                 lambda: self.js.key_value(S.BUCKET_LEDGER)))
 
     async def _stream_config(self, name: str) -> jsapi.StreamConfig | None:
         try:

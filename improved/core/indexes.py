@@ -38,7 +38,7 @@ class Index:
     entry: Callable[[ProposalRecord], Any]
 
 
-# name → index: a new index is one line here (and its subjects, runtime.retained.INDEX_SUBJECTS)
+# name → index: a new index is one line here (and its subjects, client.records.INDEX_SUBJECTS)
 INDEXES: Final[Mapping[str, Index]] = {
     "review": Index("review", lambda r: queue.queued(r), queue.entry_of),
     "due": Index("due", lambda r: learnback.awaiting(r) is not None, learnback.due_entry),

@@ -1,6 +1,6 @@
 """The policy the pure core decides under: the `[policy]` table of the configuration.
 
-Decoded strictly from TOML by improved.runtime.config (unknown keys and wrong types are refused
+Decoded strictly from TOML by improved.client.config (unknown keys and wrong types are refused
 there, one line naming the key); the core only reads it. Immutable.
 
 Invariants are floors (DESIGN §9). The constitution's Art. VI list and SPEC 09's scheme minimum

@@ -34,11 +34,6 @@ SERVICES = "services"
 # the line of <data_dir>/nats-server.conf that takes the block in (relative to that file)
 INCLUDE = f'include "{DIR}/{SERVER_BLOCK}"\n'
 
-# the users the commands connect as (deploy/accounts.conf says what each may do)
-ADMIN = "improved-admin"  # provisioning: the streams, buckets and inbound consumer
-DAEMON = "improved"
-OPERATOR = "operator"
-ARCHIVIST = "improved-archivist"
 LIKE = "ranking"  # a service given a user here gets svc-ranking's permissions, for its name
 
 _ENTRY = re.compile(r'(?P<head>\buser:\s*(?P<user>[A-Za-z0-9_.-]+)\s*,?\s*password:\s*)'

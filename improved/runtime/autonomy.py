@@ -16,6 +16,8 @@ from typing import Any
 
 import structlog
 
+from improved.client import anchor as anchor_file
+from improved.client import archive
 from improved.core import audit, authority, breaker
 from improved.core import checkpoint as checkpoints
 from improved.core.audit import Draft
@@ -26,8 +28,7 @@ from improved.core.record import ProposalRecord
 from improved.core.signing import PAYLOAD_TYPES, ActRefused
 from improved.protocol import subjects as S
 from improved.protocol.model import CrisisAct, Envelope, ObserverType
-from improved.runtime import anchor as anchor_file
-from improved.runtime import archive
+from improved.runtime import anchor as anchor_write
 from improved.runtime.clock import now_ms
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import Store
@@ -179,7 +180,7 @@ class AutonomyChain:
         baseline = kept or checkpoints.Anchor(view.created or "", 0, 0, merkle_root([]),
                                              "", now)
         if baseline.crisis != crisis:
-            anchor_file.write(path, dataclasses.replace(baseline, crisis=crisis))
+            anchor_write.write(path, dataclasses.replace(baseline, crisis=crisis))
         if state.crisis == crisis and self._autonomy_verified:
             return
         problem = "; ".join(problems)

@@ -15,15 +15,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
+from improved.client import anchor as anchor_file
+from improved.client import archive as archive_read
+from improved.client import checkpointing, indexing, tool_chains
+from improved.client.config import Config
 from improved.client.streams import NeedsProvision
 from improved.core import checkpoint as checkpoints
 from improved.core.epochs import Seal
 from improved.protocol import subjects as S
-from improved.runtime import anchor as anchor_file
-from improved.runtime import archive, checkpointing, indexing, tool_chains
+from improved.runtime import anchor as anchor_write
+from improved.runtime import archive
 from improved.runtime.autonomy import AutonomyChain
 from improved.runtime.clock import now_ms
-from improved.runtime.config import Config
 from improved.runtime.store import Store
 from improved.runtime.trusting import TrustInForce
 
@@ -60,7 +63,7 @@ class Checkpointer:
         the last one (on the stream or kept in the data directory) covered — then sign a new
         checkpoint that carries its Merkle frontier on, and the members of each index
         (`core.indexes`: the last one's counts and the index refs of what is new), and keep it
-        in the data directory too (`runtime.checkpointing`). The cost follows what is new,
+        in the data directory too (`client.checkpointing`). The cost follows what is new,
         not the history; only a first checkpoint reads the whole log, and only one whose base
         has no counts (the first after an upgrade) counts the members from the chains after
         the last seal — unless that is more than `count_limit` trailers: it is then signed
@@ -93,7 +96,7 @@ class Checkpointer:
         trusted = self.trust.trusted_daemons(key)
         since, scrubbed, seal, covered = None, 0, None, 0
         if view.created is not None:
-            seal, unsealed = await archive.last_seal(self.store, trusted)
+            seal, unsealed = await archive_read.last_seal(self.store, trusted)
             problems += [unsealed] if unsealed else []
             base, claims, found = await checkpointing.choose_base(
                 self.store, kept, view, self.trust.chain_trust, trusted,
@@ -128,7 +131,7 @@ class Checkpointer:
             checkpointing.CP_SUBJECT, checkpoints.CHECKPOINT_ID, "L0", "operation",
             lambda chain, at: checkpoints.draft(cp, self.actor), clock=lambda: now)
         anchor = checkpoints.anchor_of(cp, view.created or "", scrubbed_to=scrubbed)
-        anchor_file.write(path, anchor)
+        anchor_write.write(path, anchor)
         self.autonomy.keep(anchor, trusted, seal.removable if seal else 0)
         self.trust.cover(cp.last_seq)
         self.store.written.difference_update(written)  # the checkpoint vouches for them now

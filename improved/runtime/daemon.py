@@ -21,14 +21,14 @@ import msgspec
 import structlog
 from nats.aio.client import Client
 
-from improved.client import connection
+from improved.client import connection, keys
+from improved.client.config import Config
 from improved.client.connection import ConfigError
 from improved.core import indexes, policy
 from improved.core.observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
 from improved.protocol import subjects as S
-from improved.runtime import keys, metrics, notify
+from improved.runtime import metrics, notify
 from improved.runtime.admission import Admission
-from improved.runtime.config import Config
 from improved.runtime.engine import Engine
 from improved.runtime.inbound import InboundConsumer
 from improved.runtime.index_checks import IndexChecks

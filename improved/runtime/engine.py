@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import structlog
 from nats.aio.client import Client
 
+from improved.client.answers import Answers
 from improved.client.chain_writer import ChainConflict, pause_after_conflict
+from improved.client.config import Config
 from improved.client.sdk import enqueue
 from improved.core import apply as apply_stage
 from improved.core import (
@@ -42,11 +44,9 @@ from improved.core import (
 from improved.core.audit import Draft
 from improved.core.record import CountedSignal, ProposalRecord, closed, fold
 from improved.protocol.model import DedupHead, Proposal, to_json
-from improved.runtime.answers import Answers
 from improved.runtime.autonomy import AutonomyChain
 from improved.runtime.checkpointer import Checkpointer
 from improved.runtime.clock import now_ms
-from improved.runtime.config import Config
 from improved.runtime.metrics import Metrics
 from improved.runtime.passes import ProposalLocks
 from improved.runtime.policy_chain import PolicyInForce

@@ -42,6 +42,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.errors import FetchTimeoutError
 
+from improved.client.config import Config
 from improved.client.sdk import enqueue
 from improved.core import apply as apply_stage
 from improved.core import boundary, propose
@@ -65,7 +66,6 @@ from improved.protocol.model import (
     to_json,
 )
 from improved.runtime.admission import Admission, ProposalUnknown
-from improved.runtime.config import Config
 from improved.runtime.engine import Engine
 from improved.runtime.intake import Intake
 from improved.runtime.observing import Observing

@@ -11,9 +11,9 @@ from collections.abc import Callable
 
 import structlog
 
+from improved.client import indexing
+from improved.client.config import Config
 from improved.core import indexes
-from improved.runtime import indexing
-from improved.runtime.config import Config
 from improved.runtime.engine import Engine
 from improved.runtime.store import Store
 

@@ -247,9 +247,4 @@ class Provisioning(Streams):
 
     async def bind(self) -> None:
         """Attach to an existing deployment without creating anything (read-only commands)."""
-        self.kv = await self._look(f"bucket {S.BUCKET_STATE}",
-                                   lambda: self.js.key_value(S.BUCKET_STATE))
-        self.dedup = await self._look(f"bucket {S.BUCKET_DEDUP}",
-                                      lambda: self.js.key_value(S.BUCKET_DEDUP))
-        self.ledger = await self._look(f"bucket {S.BUCKET_LEDGER}",
-                                       lambda: self.js.key_value(S.BUCKET_LEDGER))
+        self.kv, self.dedup, self.ledger = await self.existing_buckets()

@@ -15,6 +15,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from improved.client.config import Config
 from improved.client.sdk import enqueue, publish_deduplicated
 from improved.core import propose
 from improved.core.capabilities import capabilities
@@ -32,7 +33,6 @@ from improved.protocol.model import (
     to_json,
 )
 from improved.runtime.admission import Admission, ProposalUnknown
-from improved.runtime.config import Config
 from improved.runtime.engine import Engine
 from improved.runtime.intake import Intake
 from improved.runtime.records import ChainBroken

@@ -1,6 +1,6 @@
 """The daemon's requests to a proposal's owning service — the ApplyOrder, the LKG check, the
 measurement at review_after — each with a timeout and bounded retries. Every answer heard is
-evidence (`runtime.answers`); what counts of them is the core's to say (`core.boundary`), and
+evidence (`client.answers`); what counts of them is the core's to say (`core.boundary`), and
 what each says is `core.replies`'. All attempts unanswered: ServiceUnreachable, and the
 proposal stays retryable.
 """
@@ -16,12 +16,12 @@ import structlog
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from improved.client.answers import Answers
+from improved.client.config import ApplySettings
 from improved.core import boundary, learnback, lkg, replies
 from improved.core.record import ProposalRecord
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder, ApplyResult, MeasureRequest, to_json
-from improved.runtime.answers import Answers
-from improved.runtime.config import ApplySettings
 
 log = structlog.get_logger("improved.engine")
 

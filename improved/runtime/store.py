@@ -27,14 +27,15 @@ the writer last looked: a redelivery, a restart or a second replica gets a confl
 duplicate trailer, re-reads the chain, and finds its transition already made.
 
 `Store` is one face over the concerns, each in a module of its own and sharing the one
-connection: provisioning the streams and buckets (`runtime.provisioning`), the audit chains
-(`runtime.audit_log`), the state cache, dedup heads and rejection ledger (`runtime.buckets`),
-the retained records and indexes (`runtime.retained`) and the grant chains' verdicts
-(`runtime.grant_reads`); what a lost race in a bucket looks like is `runtime.conflicts`. The
+connection: provisioning the streams and buckets (`runtime.provisioning`), the appends to the
+audit chains (`runtime.audit_log`), the state cache, dedup heads and rejection ledger
+(`runtime.buckets`), the retained records and indexes written (`runtime.retained`) and the
+grant chains' verdicts (`runtime.grant_reads`); what a lost race in a bucket looks like is `runtime.conflicts`. The
 streams' own upkeep (a stream brought to its configuration, its sentinel) and the chain append
 are the client's (`improved.client.streams`, `improved.client.chain_writer`), which the
-reference services use too; `Store` extends them. The shell and the command line talk to
-this one face.
+reference services use too, and so are the reads of the chains and the retained records
+(`improved.client.deployment`), which the command line uses; `Store` extends them, so the
+daemon reads through the same code. The shell talks to this one face.
 """
 
 from __future__ import annotations
@@ -44,13 +45,14 @@ from collections import OrderedDict
 from nats.aio.client import Client
 
 from improved.client.chain_writer import ChainWriter
+from improved.client.records import TOMBSTONE_TTL_S
 from improved.protocol import subjects as S
 from improved.protocol.model import Refusal, to_json
 from improved.runtime.audit_log import AuditLog
 from improved.runtime.buckets import Buckets
 from improved.runtime.grant_reads import GrantReads, _GrantChain
 from improved.runtime.provisioning import Provisioning
-from improved.runtime.retained import TOMBSTONE_TTL_S, Retained
+from improved.runtime.retained import Retained
 
 PROBE_TIMEOUT_S = 1.0  # a status read during a restore (Store._probe)
 

@@ -21,9 +21,9 @@ import msgspec
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from improved.client.answers import Answers
 from improved.core import boundary
 from improved.protocol import subjects as S
-from improved.runtime.answers import Answers
 
 ASK_TIMEOUT_S = 0.5  # a service slower than this to say what it is counts as silent
 ANSWER_TTL_S = 60.0  # how long an answer stands (a change of surface takes this long)

@@ -23,13 +23,13 @@ import msgspec
 import structlog
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from improved.client.config import Trust
 from improved.core import audit, authority, evidence, identity, propose, signing
 from improved.core.audit import Draft
 from improved.core.signing import PAYLOAD_TYPES, ActRefused
 from improved.protocol import subjects as S
 from improved.protocol.model import Envelope, Proposal, Signal, Trailer
 from improved.runtime.clock import now_ms
-from improved.runtime.config import Trust
 from improved.runtime.store import Store
 
 log = structlog.get_logger("improved.engine")

@@ -7,12 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 
-from improved.client import connection
+from improved.client import archive, connection
+from improved.client.config import AuditSettings
 from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult
-from improved.runtime import archive
-from improved.runtime.config import AuditSettings
 from improved.runtime.daemon import Daemon
 from tests.bus import daemon_config, eventually
 from tests.cli import improved

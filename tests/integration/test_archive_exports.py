@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from improved.client import connection
+from improved.client import archive, connection
+from improved.client.config import AuditSettings
 from improved.client.sdk import MeshClient
 from improved.core import epochs
 from improved.protocol.model import ApplyResult
-from improved.runtime import archive, bus
-from improved.runtime.config import AuditSettings
+from improved.runtime import bus
 from improved.runtime.daemon import Daemon
 from tests.bus import daemon_config, eventually
 from tests.cli import improved

@@ -120,7 +120,7 @@ async def test_a_full_verify_reads_on_past_a_broken_chain_holding_few_chains(
     still verifies every chain (a dropped one is re-read when met again), names the broken one
     and reads on to the end, and counts every chain once."""
     from improved.cli.audit import chain_trust
-    from improved.runtime import checkpointing
+    from improved.client import checkpointing
 
     config = msgspec.structs.replace(daemon_config(), checkpoint_interval_s=0.0,
                                      data_dir=tmp_path / "data")

@@ -15,9 +15,9 @@ import time
 import pytest
 
 from improved.client import connection
+from improved.client.keys import key_path
 from improved.core import signing
 from improved.runtime import bus
-from improved.runtime.keys import key_path
 from tests.bus import eventually_blocking
 from tests.cli import ENV, IMPROVED, improved
 from tests.factories import rank_proposal, skill_proposal

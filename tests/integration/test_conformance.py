@@ -10,14 +10,14 @@ import msgspec
 import pytest
 import pytest_asyncio
 
-from improved.client.sdk import MeshClient, failed, serve_spec
-from improved.protocol import subjects
-from improved.protocol.model import ApplyOrder, ApplyResult, to_json
-from improved.runtime.conformance import (
+from improved.client.conformance import (
     Report,
     probe,
     render,
 )
+from improved.client.sdk import MeshClient, failed, serve_spec
+from improved.protocol import subjects
+from improved.protocol.model import ApplyOrder, ApplyResult, to_json
 from improved_reference import doc_store, knowledge_store, ranking_store, skills_store
 from improved_reference.doc_store import DocStore
 from improved_reference.knowledge_store import KnowledgeStore
@@ -396,7 +396,7 @@ async def test_the_mesh_meets_the_lowest_level_of_the_services_in_the_loop(own_s
     import asyncio
 
     from improved.client import connection
-    from improved.runtime.conformance import probe_mesh, render_mesh
+    from improved.client.conformance import probe_mesh, render_mesh
     from improved.runtime.store import Store
     from tests.cli import improved
 

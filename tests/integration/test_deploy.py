@@ -25,6 +25,7 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
 from improved.client import chains, connection
+from improved.client.config import ApplySettings, Config, Trust
 from improved.client.sdk import MeshClient, inbox_prefix
 from improved.core import observe, propose, signing
 from improved.protocol import canonical
@@ -38,7 +39,6 @@ from improved.protocol.model import (
     to_json,
 )
 from improved.runtime import bus
-from improved.runtime.config import ApplySettings, Config, Trust
 from improved.runtime.daemon import Daemon
 from improved.runtime.provisioning import STATE_TTL_S, stream_configs, windows_config
 from improved.runtime.store import Store
@@ -838,8 +838,8 @@ async def test_a_tool_runtime_records_its_calls_under_its_own_user(mesh):
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from nats.js.errors import APIError
 
+    from improved.client.tool_chains import verify_tool_chains
     from improved.core import evidence, tools
-    from improved.runtime.tool_chains import verify_tool_chains
     from improved_reference.tool_runtime import ToolRuntimeService
     from tests.tool_surfaces import ARGS, grant, runtime, upgrade
 
@@ -1492,7 +1492,7 @@ UNIT = DEPLOY / "improved.service"
 
 
 def test_example_daemon_config_loads():
-    from improved.runtime.config import load
+    from improved.client.config import load
 
     config = load(DEPLOY / "improved.toml")
     assert config.nats_url == "nats://127.0.0.1:4222"  # no password in the URL

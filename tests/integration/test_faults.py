@@ -21,10 +21,10 @@ import pytest
 from nats.errors import NoRespondersError
 
 from improved.client import connection
+from improved.client.config import ApplySettings
 from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
 from improved.runtime import bus
-from improved.runtime.config import ApplySettings
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
 from improved_reference.kv_service import HISTORY

@@ -200,8 +200,8 @@ async def test_a_message_held_past_the_ack_wait_is_kept_not_redelivered(own_serv
     """An apply that takes longer than the inbound consumer's ack wait (5 s): the daemon tells
     the broker the message is in progress, so it is never redelivered, and the service gets
     one order."""
+    from improved.client.config import ApplySettings
     from improved.protocol.model import ApplyResult
-    from improved.runtime.config import ApplySettings
     from improved.runtime.daemon import Daemon
     from improved.runtime.provisioning import INBOUND_ACK_WAIT_S
     from tests.bus import daemon_config

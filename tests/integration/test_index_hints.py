@@ -189,8 +189,8 @@ async def test_every_checkpoint_counts_what_the_chains_say(own_server, capsys):
     (another data directory: its base is the checkpoint on the stream). Each chain's refs are
     what its replay says (`improved audit verify ID`)."""
     from improved.cli.audit import _verify
+    from improved.client import indexing
     from improved.core import signing
-    from improved.runtime import indexing
     from tests.bus import daemon_key, publish
     from tests.factories import now_ms, review
 

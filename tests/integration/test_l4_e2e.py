@@ -166,7 +166,7 @@ async def test_an_l4_swap_that_fails_its_health_window_ends_rolled_back_and_not_
     approved new version crashes at once. A daemon of its own: its order timeout leaves room
     for the window (the session daemon's is 1s)."""
     from improved.client import connection
-    from improved.runtime.config import ApplySettings
+    from improved.client.config import ApplySettings
     from improved.runtime.daemon import Daemon
     from improved_reference.artefact_store import ArtefactStore, digest_of
     from tests.bus import daemon_config

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from improved.client import connection
+from improved.client.config import Policy, load
 from improved.client.connection import ConfigError
 from improved.client.sdk import MeshClient
 from improved.core import audit
@@ -21,7 +22,6 @@ from improved.core import policy as P
 from improved.core.trailers import refs_of
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
-from improved.runtime.config import Policy, load
 from improved.runtime.daemon import Daemon
 from tests.bus import amendment, approve, daemon_config, eventually, quorum_case, quorum_config
 from tests.cli import improved

@@ -10,9 +10,9 @@ from contextlib import asynccontextmanager
 import pytest
 
 from improved.client import connection
+from improved.client.config import ApplySettings
 from improved.client.sdk import MeshClient
 from improved.protocol.model import ApplyResult
-from improved.runtime.config import ApplySettings
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
 from improved.testing import rank_proposal, skill_proposal

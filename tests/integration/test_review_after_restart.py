@@ -24,9 +24,9 @@ import pytest
 
 from improved.cli.queries import review_queue, review_view
 from improved.client import connection
+from improved.client.config import Policy
 from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
-from improved.runtime.config import Policy
 from improved.runtime.daemon import Daemon
 from tests.bus import amendment, eventually, publish, quorum_config, quorum_reads, value
 from tests.factories import skill_proposal, swap, vote

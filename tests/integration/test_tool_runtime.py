@@ -1102,6 +1102,6 @@ async def test_a_removed_or_replaced_runtime_chain_is_named_against_the_checkpoi
 
 
 def checkpointing_subject() -> str:
-    from improved.runtime.checkpointing import CP_SUBJECT
+    from improved.client.checkpointing import CP_SUBJECT
 
     return CP_SUBJECT

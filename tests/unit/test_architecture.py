@@ -2,9 +2,10 @@
 I/O and await nothing, each layer imports only the layers below it, nothing in `improved`
 imports the reference services, the bench or the demo, and the services stand on the client
 (with the protocol and the core), never on the daemon's shell, its command line, the bench or
-the demo. Read from the source (imports, `async def`, `await`), and
-checked once in a fresh interpreter: importing any pure module loads no event loop and no
-broker client."""
+the demo; and the command line reads and writes through the client, but for the commands that
+are the daemon's shell (`run`, `provision`, `accounts`). Read from the source (imports,
+`async def`, `await`), and checked once in a fresh interpreter: importing any pure module
+loads no event loop and no broker client."""
 
 from __future__ import annotations
 
@@ -179,6 +180,50 @@ def test_the_service_rule_sees_the_shell_the_command_line_and_the_bench(tmp_path
     assert found == ["probe.py:3 imports improved.runtime.store", "probe.py:4 imports "
                      "improved.runtime.bus", "probe.py:5 imports improved.cli",
                      "probe.py:6 imports improved_bench"]
+
+
+# The command line reads and writes through the client (a deployment's chains, records and
+# indexes, the verifiers, the configuration, the keys); only the commands that are the daemon's
+# shell import it: `run` (the daemon and its embedded server), `provision` (the streams and
+# buckets, as the provisioning user) and `accounts` (the embedded server's users and passwords).
+CLI_ON_THE_SHELL = {"run.py", "provision.py", "accounts.py"}
+# What another command module still imports of the shell, and why; this list only shrinks.
+CLI_STILL_ON_THE_SHELL = {
+    # `audit archive` exports sealed epochs and, with --remove, purges them from the stream
+    # (runtime.archive, the writing side of epochs); `audit rebuild --write` rewrites the
+    # daemon's state cache (the Store's buckets). Both are upkeep of the daemon's store.
+    "audit.py": {"improved.runtime.archive", "improved.runtime.store"},
+}
+
+
+def cli_violations(paths: list[Path]) -> list[str]:
+    """`path:line imports module` for each import of the shell by a command module that is
+    not one of the shell's own (`CLI_ON_THE_SHELL`) nor allowed it (`CLI_STILL_ON_THE_SHELL`)."""
+    return [f"{path.name}:{line} imports {module}"
+            for path in paths if path.name not in CLI_ON_THE_SHELL
+            for line, module in imports(path, "improved.cli")
+            if layer_of(module) == "runtime"
+            and module not in CLI_STILL_ON_THE_SHELL.get(path.name, set())]
+
+
+def test_the_command_line_reads_and_writes_through_the_client():
+    found = cli_violations(sorted((PACKAGE / "cli").rglob("*.py")))
+    assert not found, "\n".join(found)
+
+
+def test_the_command_line_rule_sees_the_shell_outside_run_and_provision(tmp_path):
+    shell = ("from improved.client.deployment import Deployment\n"
+             "from improved.runtime.store import Store\nimport improved.runtime.bus\n"
+             "from improved.runtime import archive\nfrom improved.runtime.archive import export\n")
+    for name in ("queries.py", "run.py", "audit.py"):
+        (tmp_path / name).write_text(shell)
+    found = cli_violations(sorted(tmp_path.glob("*.py")))
+    assert found == ["audit.py:3 imports improved.runtime.bus",
+                     "audit.py:4 imports improved.runtime",
+                     "queries.py:2 imports improved.runtime.store",
+                     "queries.py:3 imports improved.runtime.bus",
+                     "queries.py:4 imports improved.runtime",
+                     "queries.py:5 imports improved.runtime.archive"]
 
 
 def test_the_checker_sees_io_and_upward_imports_relative_or_absolute(tmp_path):

@@ -14,13 +14,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from improved.client import config as config_module
 from improved.client import connection
-from improved.client.connection import ConfigError, NatsSettings
-from improved.core.guards import DEFAULT_FORBIDDEN
-from improved.core.policy import loosening
-from improved.core.signing import raw_public
-from improved.runtime import config as config_module
-from improved.runtime.config import (
+from improved.client.config import (
     ApplySettings,
     Config,
     Policy,
@@ -28,6 +24,10 @@ from improved.runtime.config import (
     load,
     parse,
 )
+from improved.client.connection import ConfigError, NatsSettings
+from improved.core.guards import DEFAULT_FORBIDDEN
+from improved.core.policy import loosening
+from improved.core.signing import raw_public
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ tests/integration/test_conformance.py)."""
 
 from __future__ import annotations
 
-from improved.runtime.conformance import (
+from improved.client.conformance import (
     Check,
     Report,
     level_of,

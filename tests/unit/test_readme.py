@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from improved.cli import errors, parser
-from improved.runtime.config import Config
+from improved.client.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

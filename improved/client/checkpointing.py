@@ -10,6 +10,8 @@ picked up where it stands: its earlier trailers are read again (a proposal's cha
 or for the checkpoint chain, which grows with time, only the trailer the new one names as its
 predecessor (the `Nats-Expected-Last-Subject-Sequence` the server checked at append time).
 Memory follows what is new, and each chain it touches holds a `ChainRun`, not its trailers.
+The daemon's checkpointer (`runtime.checkpointer`) and an auditor (`improved audit verify`)
+run this same reader; signing the checkpoint is the daemon's alone.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from improved.client.deployment import Deployment
 from improved.core import audit, checkpoint, evidence, indexes, merkle
 from improved.core.checkpoint import Anchor, Checkpoint, StreamView
 from improved.core.epochs import Seal, is_proposal_chain
 from improved.protocol import subjects as S
-from improved.runtime.store import Store
 
 CP_SUBJECT = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
 # (stream seq, subject, body, headers)
@@ -77,7 +79,7 @@ def empty_base(view: StreamView) -> Anchor:
     return Anchor(view.created or "", 0, 0, merkle.root(()), "", 0)
 
 
-async def choose_base(store: Store, kept: Anchor | None, view: StreamView,
+async def choose_base(store: Deployment, kept: Anchor | None, view: StreamView,
                       trust: evidence.ChainTrust, trusted: set[str], removable: int = 0
                       ) -> tuple[Anchor, list[tuple[int, str, str]], list[str]]:
     """(the checkpoint to continue from, roots to check on the way as (count, root, whose),
@@ -123,7 +125,7 @@ def _usable(cp: Checkpoint, trusted: set[str]) -> bool:
             and checkpoint.continues(cp))
 
 
-async def verify_since(store: Store, base: Anchor, view: StreamView,
+async def verify_since(store: Deployment, base: Anchor, view: StreamView,
                        trust: evidence.ChainTrust, trusted: set[str],
                        claims: list[tuple[int, str, str]], every_chain: bool = False,
                        report: Callable[[str], None] | None = None,
@@ -255,7 +257,7 @@ def _at_the_end(since: Since, view: StreamView, gaps: _Gaps, archived: Seal | No
     return problems
 
 
-async def _step(store: Store, runs: OrderedDict[str, audit.ChainRun], subject: str,
+async def _step(store: Deployment, runs: OrderedDict[str, audit.ChainRun], subject: str,
                 body: dict[str, Any], headers: dict[str, str], seq: int, trust: _Timed,
                 since: Since, base_seq: int) -> str | None:
     """Verify one trailer in its chain, opening the chain's run when it is not held; why it
@@ -325,7 +327,7 @@ def _continue_at(since: Since, seal: Seal, roots: dict[int, list[tuple[str, str]
 SCRUB_SLICE = 2000  # covered trailers re-read per checkpoint, at least (more when more is new)
 
 
-async def scrub(store: Store, after: int, covered_to: int, limit: int) -> tuple[int, list[str]]:
+async def scrub(store: Deployment, after: int, covered_to: int, limit: int) -> tuple[int, list[str]]:
     """Re-read up to `limit` trailers a checkpoint already covers, from stream sequence
     `after + 1`, and check that each can still be read and still hashes to what it says: the
     O(1) checks cannot see storage damaged beneath the server, so every checkpoint scrubs a
@@ -377,7 +379,7 @@ def _checkpoint_problem(body: dict[str, Any] | None, trusted: set[str], base: An
     return None
 
 
-async def _open(store: Store, subject: str, body: dict[str, Any], headers: dict[str, str],
+async def _open(store: Deployment, subject: str, body: dict[str, Any], headers: dict[str, str],
                 seq: int, trust: audit.Authenticity | None, base_seq: int, *,
                 by_header: bool = False,
                 ) -> tuple[audit.ChainRun, bool] | str:
@@ -411,7 +413,7 @@ async def _open(store: Store, subject: str, body: dict[str, Any], headers: dict[
     return run, began <= base_seq
 
 
-async def continue_run(store: Store, subject: str, body: dict[str, Any],
+async def continue_run(store: Deployment, subject: str, body: dict[str, Any],
                        headers: dict[str, str], seq: int, trust: audit.Authenticity | None,
                        ) -> audit.ChainRun | str:
     """The run of a long chain (a tool runtime's) met at `body` in the middle of a read that
@@ -422,7 +424,7 @@ async def continue_run(store: Store, subject: str, body: dict[str, Any],
     return opened if isinstance(opened, str) else opened[0]
 
 
-async def _predecessor(store: Store, subject: str, headers: dict[str, str], position: int,
+async def _predecessor(store: Deployment, subject: str, headers: dict[str, str], position: int,
                        seq: int) -> tuple[int, str] | None:
     """(stream sequence, hash) of the trailer before the one at `seq`, found where the append
     said it was (the server refuses an append whose expected last sequence is not the

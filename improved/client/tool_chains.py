@@ -21,12 +21,12 @@ from typing import Any
 
 from nats.aio.client import Client
 
+from improved.client import checkpointing
+from improved.client.deployment import Deployment
 from improved.core import audit, checkpoint, evidence
 from improved.core.signing import TrustStore
 from improved.core.tools import claimed_runtime, runtime_writers
 from improved.protocol import subjects as S
-from improved.runtime import checkpointing
-from improved.runtime.store import Store
 
 HEADS_AT_ONCE = 64  # chain heads a checkpoint asks for at once
 
@@ -83,7 +83,7 @@ class Witnesses:
         at = body.get("at")
         superseded, problems = checkpoint.witness(self.seen, checkpoint.runtime_heads(body),
                                                   at if isinstance(at, int) else 0)
-        store = Store(self.nc, audit_stream=S.STREAM_TOOLS_AUDIT)
+        store = Deployment(self.nc, audit_stream=S.STREAM_TOOLS_AUDIT)
         for cid, head in superseded:
             if cid in self.named:
                 continue
@@ -103,7 +103,7 @@ async def runtime_heads(nc: Client) -> tuple[checkpoint.RuntimeHead, ...]:
     hash) — for a checkpoint to witness: one stream-info listing its subjects, then the last
     message of each, so the cost follows the number of runtimes, not their history. Raises
     when the stream cannot be read (it may not exist, or this user may not read it)."""
-    store = Store(nc, audit_stream=S.STREAM_TOOLS_AUDIT)
+    store = Deployment(nc, audit_stream=S.STREAM_TOOLS_AUDIT)
     info = await store.js.stream_info(S.STREAM_TOOLS_AUDIT,
                                       subjects_filter=S.TOOLS_AUDIT_FILTER)
     subjects = sorted(info.state.subjects or {})
@@ -130,7 +130,7 @@ async def verify_tool_chains(nc: Client, runtimes: TrustStore, history: evidence
     chain, read from its first trailer (`audit verify <chain id>`). `witnessed`: the heads
     the daemon's checkpoints witnessed; a chain missing, shorter or not the same at its
     witnessed head is BROKEN (`core.checkpoint.runtime_chain_problem`)."""
-    store = Store(nc, audit_stream=S.STREAM_TOOLS_AUDIT)
+    store = Deployment(nc, audit_stream=S.STREAM_TOOLS_AUDIT)
     view = await store.audit_view()
     writers = runtime_writers(runtimes)
     heads = {cid: w for cid, w in (witnessed or {}).items() if chain in (None, cid)}
@@ -194,7 +194,7 @@ async def verify_tool_chains(nc: Client, runtimes: TrustStore, history: evidence
     return found
 
 
-async def _witnessed_problem(store: Store, cid: str, head: checkpoint.Witnessed,
+async def _witnessed_problem(store: Deployment, cid: str, head: checkpoint.Witnessed,
                              read: _Chain | None) -> str | None:
     """Whether the chain `cid` still holds the head a checkpoint witnessed: its length from
     its last message (one direct get), its trailer at the witnessed position from the read

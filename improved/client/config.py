@@ -5,6 +5,12 @@ value of the wrong type (no coercion: `"5"` is not a number, a string is not a l
 range is refused with a ConfigError of one line naming the key, e.g.
 `config error: policy.forbidden_targets: expected array, got str`.
 
+One file, one schema, read by the daemon and by every command (where the bus is, its
+credentials, the data directory, the trust store, the policy a chain is replayed under): so it
+lives in the client, beside the `[nats]` settings (`client.connection`), and a command refuses
+a mistyped key exactly as the daemon would. The daemon's own settings (`[apply]`, the embedded
+server, checkpoints, metrics) are part of that one schema; only the daemon acts on them.
+
 Invariants are floors (DESIGN §9; improved.core.policy): the configuration can tighten them,
 never loosen them. `forbidden_targets` lists patterns forbidden *in addition to* the
 constitution's Art. VI list, which is built in (listing some of its patterns, or none, removes

@@ -20,12 +20,12 @@ from typing import Literal
 import msgspec
 
 from improved.client.chain_writer import decode_trailer
+from improved.client.deployment import Deployment
 from improved.core import audit, checkpoint, epochs, evidence, indexes
 from improved.core.policy import Policy
 from improved.core.propose import rebuild_record
 from improved.core.record import ProposalRecord, replay
 from improved.protocol import subjects as S
-from improved.runtime.store import Store
 
 CP_SUBJECT = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
 SEAL_SUBJECT = S.checkpoint_audit(epochs.SEAL_ID)
@@ -45,7 +45,7 @@ class Counted:
     members: Mapping[str, int] | None
 
 
-async def last_counted(store: Store, trusted: set[str]) -> tuple[Counted | None, str]:
+async def last_counted(store: Deployment, trusted: set[str]) -> tuple[Counted | None, str]:
     """The last checkpoint on the stream as a reader takes it — one read — with its
     signature checked and, with daemon keys (`trusted`), written and signed by one of them;
     else None and why."""
@@ -86,7 +86,7 @@ def trust_of(trusted: set[str] | frozenset[str]) -> audit.Authenticity | None:
     return evidence.DaemonWriters(frozenset(trusted)) if trusted else None
 
 
-async def read(store: Store, name: str, counted: Counted | None, why_not: str,
+async def read(store: Deployment, name: str, counted: Counted | None, why_not: str,
                trust: audit.Authenticity | None, policy: Policy, now: int, ttl_s: int,
                trusted: set[str]) -> IndexRead:
     """Read the index `name` against `counted` (None: no checkpoint to check it against,
@@ -115,7 +115,7 @@ async def read(store: Store, name: str, counted: Counted | None, why_not: str,
                      at.get(name) if at is not None else None)
 
 
-async def _replayed(store: Store, keys: list[tuple[str, str]], last_seq: int,
+async def _replayed(store: Deployment, keys: list[tuple[str, str]], last_seq: int,
                     trust: audit.Authenticity | None, policy: Policy,
                     ) -> dict[tuple[str, str], indexes.Replayed]:
     """Each named proposal's record from its chain, now and as of `last_seq`; a chain that
@@ -144,7 +144,7 @@ async def _replayed(store: Store, keys: list[tuple[str, str]], last_seq: int,
     return {key: r for key, r in zip(keys, found, strict=True) if r is not None}
 
 
-async def _unmoved_since(store: Store, last_seq: int, name: str,
+async def _unmoved_since(store: Deployment, last_seq: int, name: str,
                          trust: audit.Authenticity | None) -> bool:
     """Whether no trailer after `last_seq` moved the index `name` — read only when there are
     at most SINCE_MAX of them, every one there and written by a trusted daemon: then the
@@ -167,7 +167,7 @@ async def _unmoved_since(store: Store, last_seq: int, name: str,
     return expected > view.last_seq
 
 
-async def chains_start(store: Store, trusted: set[str]) -> tuple[int, str]:
+async def chains_start(store: Deployment, trusted: set[str]) -> tuple[int, str]:
     """Where a read of the chains for the members of an index starts: after the last epoch
     seal, signed by a trusted daemon key when the reader has them; and where that is, said."""
     _, body = await store.chain_head(SEAL_SUBJECT)
@@ -183,7 +183,7 @@ async def chains_start(store: Store, trusted: set[str]) -> tuple[int, str]:
     return seal.upto + 1, f"after the seal of epoch {seal.epoch} (stream sequence {seal.upto})"
 
 
-async def from_chains(store: Store, start: int, upto: int | None,
+async def from_chains(store: Deployment, start: int, upto: int | None,
                       trust: audit.Authenticity | None, policy: Policy,
                       at_seq: int | None = None,
                       ) -> tuple[dict[tuple[str, str], ProposalRecord], dict[str, int] | None]:

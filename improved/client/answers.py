@@ -1,4 +1,5 @@
-"""The daemon's requests to the services, hearing every answer, not only the first.
+"""Requests to the services that hear every answer, not only the first: the daemon's, and a
+command's (`improved review` asking a schema's class).
 
 On a bus without accounts anyone may answer `<svc>.improve.measure` (or `.apply`, `.lkg`,
 `spec.get`) before the service does. A request that took the first answer would let that one

@@ -1,0 +1,224 @@
+"""Reading the audit chains of one audit stream, as any client of the bus may: a chain by direct
+gets, the whole log once through an ordered consumer, a batch at a time, so a reader of the
+history holds one batch and never the log. What is read is raw: the caller verifies it
+(`improved.core.audit`, `improved.core.evidence`) before believing it. The daemon's store and
+the command line read through this same code (`runtime.audit_log` extends it with the append).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+from collections.abc import AsyncIterator
+from contextlib import suppress
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js import api as jsapi
+from nats.js.errors import NotFoundError, ServiceUnavailableError
+
+from improved.core import checkpoint
+from improved.protocol import subjects as S
+
+READ_IDLE_S = 5.0  # a read of the audit log that receives nothing this long has ended
+FOLLOW_BATCH = 512  # trailers a reader of the log pulls at once
+
+
+async def _nothing_pending(sub: JetStreamContext.PullSubscription) -> bool:
+    """Whether a consumer just made has nothing to deliver, so a read need not wait
+    READ_IDLE_S to find out; False when its info does not come (a clustered consumer whose
+    leader is not elected yet): the read then finds out by waiting."""
+    try:
+        return (await sub.consumer_info()).num_pending == 0
+    except Exception:
+        return False
+
+
+def _chain_key(subject: str) -> tuple[str, str]:
+    """(service token, chain id) of an audit subject `improve.audit.<svc>.<id>`."""
+    return S.token(subject, 2) or "", S.token(subject, 3) or ""
+
+
+class AuditReader:
+    """The reads of the chains on `audit_stream` (the daemon's log, or the tool runtimes')."""
+
+    js: JetStreamContext
+    audit_stream: str
+
+    async def read_chain_at(self, subject: str, start: int = 1
+                            ) -> list[tuple[int, dict[str, Any]]]:
+        """The trailers on `subject` from stream sequence `start` on, one direct get each (for
+        a chain, or the few trailers of one since a sequence)."""
+        out: list[tuple[int, dict[str, Any]]] = []
+        seq = start
+        while True:
+            try:
+                msg = await self.js.get_msg(self.audit_stream, seq=seq, subject=subject,
+                                            next=True, direct=True)
+            except NotFoundError:
+                return out
+            seq = msg.seq or seq
+            out.append((seq, msgspec.json.decode(msg.data or b"null")))
+            seq += 1
+
+    async def chain_head(self, subject: str) -> tuple[int, dict[str, Any] | None]:
+        """(stream sequence, body) of the last trailer on a chain; (0, None) when empty."""
+        try:
+            msg = await self.js.get_msg(self.audit_stream, subject=subject, direct=True)
+        except NotFoundError:
+            return 0, None
+        return msg.seq or 0, msgspec.json.decode(msg.data or b"null")
+
+    async def read_chain(self, svc: str, pid: str) -> list[tuple[int, dict[str, Any]]]:
+        """Every trailer of one chain as (stream sequence, raw JSON body), in order."""
+        return await self.read_chain_at(S.audit(svc, pid))
+
+    async def audit_log(self, pid: str | None = None) -> list[tuple[int, str, dict[str, Any]]]:
+        """Every trailer (or one proposal's) as (stream sequence, subject, body), in stream
+        order, read once through an ordered consumer (what could not be read is left out:
+        `read_audit` names it)."""
+        return (await self.read_audit(pid))[0]
+
+    async def read_audit(self, pid: str | None = None,
+                         ) -> tuple[list[tuple[int, str, dict[str, Any]]], checkpoint.StreamView]:
+        """The trailers as `audit_log` gives them, and what was found of the stream: its
+        creation time (None when it does not exist), its last sequence, and — over the whole
+        log — the sequences it holds but could not give back (a damaged block: the server
+        skips the message, so an ordered consumer would wait for it forever). Bounded: a
+        read that stalls ends after READ_IDLE_S."""
+        try:
+            info = await self.js.stream_info(S.STREAM_AUDIT)
+        except NotFoundError:
+            return [], checkpoint.StreamView(None)
+        state = info.state
+        subject = S.audit("*", pid) if pid else S.AUDIT_FILTER
+        log: list[tuple[int, str, dict[str, Any]]] = []
+        if state.messages and (not pid or await self._holds(subject)):
+            log = await self._read_ordered(subject, state.last_seq)
+        unreadable: tuple[int, ...] = ()
+        if not pid and len(log) < state.messages:
+            seen = {seq for seq, _, _ in log}
+            unreadable = tuple(s for s in range(state.first_seq, state.last_seq + 1)
+                               if s not in seen)
+        return log, checkpoint.StreamView(str(info.created), state.last_seq, unreadable)
+
+    async def _holds(self, subject: str) -> bool:
+        filtered = await self.js.stream_info(S.STREAM_AUDIT, subjects_filter=subject)
+        return bool(filtered.state.subjects)
+
+    async def _read_ordered(self, subject: str, last_seq: int
+                            ) -> list[tuple[int, str, dict[str, Any]]]:
+        """Read `subject` up to stream sequence `last_seq` (or until nothing is pending)."""
+        return [(seq, subj, body) async for seq, subj, body, _ in self.follow(subject, 1, last_seq)
+                if body is not None]
+
+    async def follow(self, subject: str, start: int, upto: int, *,
+                     start_ms: int | None = None,
+                     ) -> AsyncIterator[tuple[int, str, dict[str, Any] | None, dict[str, str]]]:
+        """(stream sequence, subject, body or None when it is not JSON, headers) of every
+        trailer on `subject` from stream sequence `start` to `upto`, one at a time: a reader of
+        the whole log holds one batch (FOLLOW_BATCH trailers), not the log. It pulls each
+        batch when the one before is read, so a slow reader never makes the server push the
+        log into its buffers. Ends early when nothing arrives for READ_IDLE_S (a message the
+        server holds but cannot read). `start_ms` (epoch ms): from the first trailer the
+        server stored at or after that time instead of from `start`."""
+        if upto < start:
+            return
+        config = jsapi.ConsumerConfig(ack_policy=jsapi.AckPolicy.NONE,
+                                      inactive_threshold=READ_IDLE_S * 6, mem_storage=True)
+        if start_ms is not None:
+            config.deliver_policy = jsapi.DeliverPolicy.BY_START_TIME
+            config.opt_start_time = datetime.datetime.fromtimestamp(start_ms / 1000, datetime.UTC)
+        else:
+            config.deliver_policy = jsapi.DeliverPolicy.BY_START_SEQUENCE
+            config.opt_start_seq = start
+        sub = await self.js.pull_subscribe(subject, stream=self.audit_stream, config=config)
+        try:
+            if await _nothing_pending(sub):
+                return  # nothing there (a purged chain, a window past the end): no wait
+            while True:
+                try:
+                    msgs = await self._pull(sub)
+                except TimeoutError:  # nats-py raises its own or asyncio's, by timing
+                    return
+                for msg in msgs:
+                    seq = msg.metadata.sequence.stream
+                    if seq > upto:
+                        return
+                    try:
+                        body = msgspec.json.decode(msg.data)
+                    except msgspec.DecodeError:
+                        body = None  # not JSON: counted as unreadable by the caller
+                    yield seq, msg.subject, body if isinstance(body, dict) else None, \
+                        dict(msg.headers or {})
+                    if msg.metadata.num_pending == 0 or seq >= upto:
+                        return
+        finally:
+            with suppress(Exception):  # it goes by itself once inactive
+                await self.js.delete_consumer(self.audit_stream, config.name or "")
+            await sub.unsubscribe()
+
+    @staticmethod
+    async def _pull(sub: JetStreamContext.PullSubscription) -> list[Msg]:
+        """The next batch of a log read. A consumer just made on a clustered stream may not
+        answer until its leader is elected (the server says "no responders"): try again for
+        up to READ_IDLE_S, as for a silent read."""
+        for _ in range(int(READ_IDLE_S / 0.1)):
+            try:
+                return await sub.fetch(FOLLOW_BATCH, timeout=READ_IDLE_S)
+            except ServiceUnavailableError:
+                await asyncio.sleep(0.1)
+        return await sub.fetch(FOLLOW_BATCH, timeout=READ_IDLE_S)
+
+    async def audit_view(self) -> checkpoint.StreamView:
+        """The audit stream as its state says, in O(1): creation time, first and last
+        sequence and how many messages it holds (fewer than its sequences: some are gone)."""
+        try:
+            info = await self.js.stream_info(self.audit_stream)
+        except NotFoundError:
+            return checkpoint.StreamView(None)
+        state = info.state
+        return checkpoint.StreamView(str(info.created), state.last_seq,
+                                     first_seq=state.first_seq, messages=state.messages)
+
+    async def trailer_at(self, seq: int
+                         ) -> tuple[str, dict[str, Any] | None, dict[str, str]] | None:
+        """(subject, body or None when not JSON, headers) of the message at `seq` of this
+        store's audit stream."""
+        try:
+            msg = await self.js.get_msg(self.audit_stream, seq=seq, direct=True)
+        except NotFoundError:
+            return None
+        try:
+            body = msgspec.json.decode(msg.data or b"")
+        except msgspec.DecodeError:
+            body = None
+        return (msg.subject or "", body if isinstance(body, dict) else None,
+                dict(msg.headers or {}))
+
+    async def all_chains(self, pid: str | None = None
+                         ) -> dict[tuple[str, str], list[dict[str, Any]]]:
+        """Every chain (or one proposal's), keyed by (service token, chain id), in order."""
+        chains: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for _, subject, body in await self.audit_log(pid):
+            chains.setdefault(_chain_key(subject), []).append(body)
+        return chains
+
+    async def sequenced_chains(self
+                               ) -> dict[tuple[str, str], list[tuple[int, dict[str, Any]]]]:
+        """Every chain as (stream sequence, body) pairs, keyed like `all_chains`."""
+        chains: dict[tuple[str, str], list[tuple[int, dict[str, Any]]]] = {}
+        for seq, subject, body in await self.audit_log():
+            chains.setdefault(_chain_key(subject), []).append((seq, body))
+        return chains
+
+    async def service_of(self, pid: str) -> str | None:
+        """The service whose chain holds proposal `pid` (a vote names only the proposal)."""
+        info = await self.js.stream_info(S.STREAM_AUDIT, subjects_filter=S.audit("*", pid))
+        for subject in (info.state.subjects or {}):
+            svc = S.token(subject, 2)
+            if svc and svc not in S.MESH_CHAINS:
+                return svc
+        return None
