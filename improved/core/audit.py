@@ -90,7 +90,20 @@ def seal(draft: Draft, record: ProposalRecord, at: int) -> Trailer:
 def seal_next(draft: Draft, chain_id: str, head: ChainHead, gate_class: ChangeClass, scope: Scope,
               at: int) -> Trailer:
     """The next trailer of the chain `chain_id` that ends at `head`."""
-    t = Trailer(
+    t = _unhashed(draft, chain_id, head, gate_class, scope, at)
+    return msgspec.structs.replace(t, hash=trailer_hash(msgspec.to_builtins(t)))
+
+
+def unhashed(draft: Draft, record: ProposalRecord, at: int) -> Trailer:
+    """The trailer `seal` makes of `draft`, but for its hash: what a fold reads to know the
+    record after it (its indexes, say) before the trailer is sealed for good."""
+    return _unhashed(draft, record.proposal_id, record.chain, draft.gate_class or record.gate_class,
+                     record.proposal.scope, at)
+
+
+def _unhashed(draft: Draft, chain_id: str, head: ChainHead, gate_class: ChangeClass,
+              scope: Scope, at: int) -> Trailer:
+    return Trailer(
         proposal_id=chain_id,
         seq=head.length,
         from_stage=draft.from_stage,
@@ -107,7 +120,6 @@ def seal_next(draft: Draft, chain_id: str, head: ChainHead, gate_class: ChangeCl
         prev=head.last_hash or chain_id,
         envelope=draft.envelope,
     )
-    return msgspec.structs.replace(t, hash=trailer_hash(msgspec.to_builtins(t)))
 
 
 @dataclass(frozen=True, slots=True)

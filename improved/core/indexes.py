@@ -24,9 +24,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+import msgspec
+
 from improved.core import audit, learnback, queue
 from improved.core.audit import Draft
 from improved.core.record import ProposalRecord, fold
+from improved.core.trailers import TrailerData, Unknown, decode
 
 
 @dataclass(frozen=True)
@@ -68,9 +71,24 @@ def with_moves(before: ProposalRecord | None, record: ProposalRecord, draft: Dra
     """`draft` with the membership refs of its trailer: `record` is the record it extends
     (`before`, or the new record a registration starts; None before that), and the record
     after it is what the fold of the trailer sealed at `at` makes of it."""
-    after = fold(record, audit.seal(draft, record, at), record.chain.stream_seq)
-    refs = moved(before, after)
-    return dataclasses.replace(draft, refs=(*draft.refs, *refs)) if refs else draft
+    return moves_of(before, record, draft, at)[0]
+
+
+def moves_of(before: ProposalRecord | None, record: ProposalRecord, draft: Draft,
+             at: int) -> tuple[Draft, TrailerData | None]:
+    """`with_moves`, and the typed data of the trailer that draft seals to, decoded once (a
+    commit folds the sealed trailer with it); None for a trailer of no kind known here, whose
+    data is its raw refs."""
+    provisional = audit.unhashed(draft, record, at)
+    data = decode(provisional)
+    refs = moved(before, fold(record, provisional, record.chain.stream_seq, data))
+    if not refs:
+        return draft, None if isinstance(data, Unknown) else data
+    drafted = dataclasses.replace(draft, refs=(*draft.refs, *refs))
+    if isinstance(data, Unknown):
+        return drafted, None
+    index = (*data.index, *(r.partition(":")[2] for r in refs))
+    return drafted, msgspec.structs.replace(data, index=index)
 
 
 def moves(refs: Iterable[object]) -> dict[str, int]:

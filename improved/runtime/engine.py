@@ -301,10 +301,10 @@ class Engine:
         rebuild makes it. `before` is the record at the chain's end (None: the chain begins,
         and `record` is the registration's new record); the trailer says which indexes it
         moves (`indexes.with_moves`)."""
-        draft = indexes.with_moves(before, record, draft, at)
+        draft, data = indexes.moves_of(before, record, draft, at)
         trailer = audit.seal(draft, record, at)
         seq = await self.store.append(record, trailer)
-        record = fold(record, trailer, seq)
+        record = fold(record, trailer, seq, data)
         moved = indexes.moves(draft.refs)
         if moved:  # what this pass moved, for `_settle`'s index writes
             self._moved.setdefault(record.proposal_id, set()).update(moved)

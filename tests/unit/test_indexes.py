@@ -20,6 +20,7 @@ from improved.core import (
     planner,
     propose,
     signing,
+    trailers,
 )
 from improved.core.authority import Act
 from improved.core.breaker import Autonomy
@@ -47,10 +48,12 @@ class Chain:
         self.record = self.commit(None, record, draft)
 
     def commit(self, before: ProposalRecord | None, record: ProposalRecord, draft) -> ProposalRecord:
-        trailer = audit.seal(indexes.with_moves(before, record, draft, NOW), record, NOW)
+        draft, data = indexes.moves_of(before, record, draft, NOW)
+        trailer = audit.seal(draft, record, NOW)
+        assert data is None or data == trailers.decode(trailer)  # as a rebuild reads it
         self.trailers.append(trailer)
         self.seqs.append(next(_SEQ))
-        self.record = fold(record, trailer, self.seqs[-1])
+        self.record = fold(record, trailer, self.seqs[-1], data)
         return self.record
 
     def settle(self, now: int = NOW) -> planner.Step:

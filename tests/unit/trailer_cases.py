@@ -27,6 +27,7 @@ from improved.core import (
     record,
     signing,
     tools,
+    trailers,
     triage,
 )
 from improved.core.boundary import Attested, Unattested
@@ -107,11 +108,15 @@ class Chain:
             self._commit(name, self.record, after, draft)
 
     def _commit(self, name: str, before: Any, base: Any, draft: audit.Draft) -> None:
-        draft = (indexes.with_moves(before, base, draft, NOW) if NEW
-                 else indexes.with_moves(before, base, draft))
+        if NEW:  # as the engine commits: the data decoded once, before the trailer is sealed
+            draft, data = indexes.moves_of(before, base, draft, NOW)
+        else:
+            draft, data = indexes.with_moves(before, base, draft), None
         trailer = audit.seal(draft, base, NOW)
+        if data is not None:  # what the commit folds is what a rebuild decodes
+            assert data == trailers.decode(trailer), (name, data, trailers.decode(trailer))
         seq = next(_SEQ)
-        self.record = (record.fold(base, trailer, seq) if NEW
+        self.record = (record.fold(base, trailer, seq, data) if NEW
                        else record.with_trailer(base, trailer, seq))
         self.out[name] = {"to_stage": trailer.to_stage, "verdict": trailer.verdict,
                           "cause": trailer.cause, "gate_class": trailer.gate_class,
