@@ -239,6 +239,16 @@ async def close(nc: Client) -> None:
             await nc.close()
 
 
+async def drain_all(subs: list[Any]) -> None:
+    """Drain every subscription in `subs` (each finishes the message in hand); one whose
+    connection is already closed is logged and passed over, so a stop always ends."""
+    for sub in subs:
+        try:
+            await sub.drain()
+        except Exception as exc:  # already closed with the connection
+            log.debug("subscription drain failed", error=str(exc))
+
+
 def inbox_of(credentials: dict[str, Any], inbox_prefix: str | None = None) -> str:
     """The inbox prefix to connect with: `inbox_prefix` when given; else, for a user named in
     the URL, its own (`_INBOX_<user>`, the one deploy/accounts.conf lets it hear); else nats-py's

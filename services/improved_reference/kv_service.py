@@ -148,11 +148,7 @@ class KVService(Generic[C]):
     async def stop(self) -> None:
         """Stop taking orders, finishing the one in hand."""
         subs, self._subs = self._subs, []
-        for sub in subs:
-            try:
-                await sub.drain()
-            except Exception as exc:  # already closed with the connection
-                self.log.debug("subscription drain failed", error=str(exc))
+        await connection.drain_all(subs)
 
     async def _bucket(self, name: str, history: int, description: str) -> KeyValue:
         try:

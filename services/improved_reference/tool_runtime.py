@@ -76,6 +76,7 @@ from nats.js.api import StreamInfo
 from nats.js.errors import APIError, BucketNotFoundError, KeyDeletedError, NotFoundError
 from nats.js.kv import KeyValue
 
+from improved.client import connection
 from improved.client.chain_writer import ChainWriter, decode_trailer
 from improved.client.sdk import MAX_MESSAGE_BYTES, Served, serve_spec
 from improved.client.streams import (
@@ -447,11 +448,7 @@ class ToolRuntimeService:
     async def stop(self) -> None:
         """Stop taking requests, finishing the ones in hand."""
         subs, self._subs = self._subs, []
-        for sub in subs:
-            try:
-                await sub.drain()
-            except Exception as exc:  # already closed with the connection
-                log.debug("subscription drain failed", error=str(exc))
+        await connection.drain_all(subs)
 
     async def answer(self, data: bytes) -> bytes:
         """One call request's bytes → the reply's bytes (no exceptions escape)."""
