@@ -19,7 +19,9 @@ from typing import Literal
 
 import msgspec
 
+from improved.client.archive import SEAL_SUBJECT
 from improved.client.chain_writer import decode_trailer
+from improved.client.checkpointing import CP_SUBJECT
 from improved.client.deployment import Deployment
 from improved.core import audit, checkpoint, epochs, evidence, indexes
 from improved.core.policy import Policy
@@ -27,8 +29,6 @@ from improved.core.propose import rebuild_record
 from improved.core.record import ProposalRecord, replay
 from improved.protocol import subjects as S
 
-CP_SUBJECT = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
-SEAL_SUBJECT = S.checkpoint_audit(epochs.SEAL_ID)
 READ_AT_ONCE = 32  # chains read at a time for what an index names
 # the most trailers a reader reads after a checkpoint older than the tombstones' TTL, to see
 # that no member left since (a daemon stopped since, say); beyond it, the chains are read

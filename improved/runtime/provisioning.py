@@ -8,7 +8,6 @@ cluster electing its leaders answers nothing for a while.
 
 from __future__ import annotations
 
-import msgspec
 import structlog
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
@@ -29,9 +28,6 @@ from improved.client.streams import (
 )
 from improved.core import observe
 from improved.protocol import subjects as S
-from improved.protocol.model import (
-    Sentinel,
-)
 
 log = structlog.get_logger("improved.store")
 
@@ -45,7 +41,6 @@ REFUSED_MAX_AGE_S = 30 * 24 * 3600
 
 
 STATE_TTL_S = 3600.0  # the state cache keeps a record this long after its last write
-sentinel_decoder = msgspec.json.Decoder(Sentinel)
 
 
 def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsapi.StreamConfig]:
