@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal as signals
 import subprocess
 import sys
@@ -54,6 +55,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from improved.client import acceptance, connection
+from improved.client.chain_writer import trailers_of
 from improved.client.sdk import MeshClient
 from improved.core import propose, signing
 from improved.protocol import canonical
@@ -232,7 +234,10 @@ class Watch:
         self.started = time.perf_counter()
 
     async def on_trailer(self, msg: Msg) -> None:
-        t = trailer_decoder.decode(msg.data)
+        for t in trailers_of(msg.data):  # one trailer, or a commit of several
+            self.see(t)
+
+    def see(self, t: Trailer) -> None:
         track = self.tracks.get(t.proposal_id)
         if track is None:
             return
@@ -286,7 +291,6 @@ class Published(msgspec.Struct, kw_only=True):
     cpu_s: float = float("nan")
 
 
-trailer_decoder = msgspec.json.Decoder(Trailer)
 
 PACED_SHARES = (0.25, 0.5, 0.9)  # the paced runs' rates, as shares of the measured peak
 PACED_SECONDS = 4.0  # how long each paced run publishes
@@ -559,7 +563,7 @@ class Bench:
                 await asyncio.sleep(0.001)
                 continue
             body = msgspec.json.decode(stored.data or b"")
-            if (trailer_decoder.decode(trailer.data or b"").seq >= track.final_seq
+            if (trailers_of(trailer.data or b"")[-1].seq >= track.final_seq
                     and (FINAL[track.kind] != "applied" or body.get("ok") is True)):
                 return True
             await asyncio.sleep(0.001)
@@ -592,8 +596,9 @@ class Bench:
             info = await nc.jetstream().stream_info(S.STREAM_AUDIT)
         finally:
             await connection.close(nc)
-        trailers = info.state.messages
-        out: dict[str, Any] = {"trailers": trailers}
+        messages = info.state.messages
+        out: dict[str, Any] = {"messages": messages, "trailers": messages}
+        trailers = messages  # until `audit verify` says how many trailers they carry
         for what in ("verify", "rebuild"):
             argv = [sys.executable, "-m", "improved.cli", "--log-level", "warning", "audit",
                     what, "--nats", url]
@@ -602,6 +607,9 @@ class Bench:
                 subprocess.run, argv, env={**os.environ, "IMPROVED_CONFIG": str(self.processes.config)},
                 capture_output=True, text=True, timeout=600))
             elapsed = time.perf_counter() - started
+            said = re.search(r"chains verified, (\d+) trailers", done.stdout)
+            if what == "verify" and said:
+                trailers = out["trailers"] = int(said.group(1))
             out[what] = {"s": round(elapsed, 2), "exit": done.returncode,
                          "trailers_per_s": round(trailers / max(elapsed, 1e-9)),
                          "said": (done.stdout.strip().splitlines() or [""])[-1][:200]}

@@ -26,10 +26,11 @@ from nats.aio.msg import Msg
 from nats.js.api import PubAck
 
 from improved.client import connection
+from improved.client.chain_writer import trailers_of
 from improved.client.keys import load_key
 from improved.core import propose, signing
 from improved.protocol import subjects as S
-from improved.protocol.model import Review, Signal, to_json
+from improved.protocol.model import Review, Signal, Trailer, to_json
 from improved_bench.bench import (
     FINAL,
     OPERATOR,
@@ -37,7 +38,6 @@ from improved_bench.bench import (
     Plan,
     Published,
     make_proposal,
-    trailer_decoder,
 )
 
 OBSERVER = "mcp:bench-observer:1"  # the learn-back signals' actor: never a proposer
@@ -61,7 +61,10 @@ async def publish(plan: Plan, key: Ed25519PrivateKey) -> Published:
         future.add_done_callback(pending.discard)
 
     async def on_trailer(msg: Msg) -> None:
-        t = trailer_decoder.decode(msg.data)
+        for t in trailers_of(msg.data):  # one trailer, or a commit of several
+            await see(t)
+
+    async def see(t: Trailer) -> None:
         pid = t.proposal_id
         kind = kind_of.get(pid)
         if kind is None or pid in finished:

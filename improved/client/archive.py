@@ -1,8 +1,9 @@
 """Reading sealed epochs, as an auditor does: the I/O around core.epochs on the reading side.
 
 The seal chain read and checked (`read_seals`, `last_seal`); an epoch exported to files
-(`improved audit archive DIR`: every trailer of the epoch, one JSON line each with its stream
-sequence, subject and headers, and the seal beside it) checked exactly against its seal
+(`improved audit archive DIR`: every message of the epoch — one trailer, or a commit of
+several — one JSON line each with its stream sequence, subject and headers, and the seal
+beside it) checked exactly against its seal
 (`epochs.EpochCheck`: `check_file`), and the whole log read from the exports and the stream
 (`ArchiveRead`, `audit verify --archive`). Sealing, exporting and removing are the daemon's and
 the operator's (`runtime.archive`), on these same reads.
@@ -74,30 +75,39 @@ def seal_file(directory: Path, epoch: int) -> Path:
 
 
 def check_file(path: Path, seal: Seal, prev: Seal | None) -> tuple[set[str], int]:
-    """(the services whose chains epoch file `path` holds, its lines) if it is exactly what
-    `seal` signed (`epochs.EpochCheck`); ValueError naming what is not."""
+    """(the services whose chains epoch file `path` holds, the trailers it holds) if it is
+    exactly what `seal` signed (`epochs.EpochCheck`); ValueError naming what is not."""
     check = epochs.EpochCheck(seal, prev)
     services: set[str] = set()
-    lines = 0
+    trailers = 0
     for number, entry, why in read_file(path):
-        lines = number
         if entry is None:
             check.bad_line(number, why)
             continue
         seq, subject, body, _ = entry
         check.feed(seq, subject, body)
+        trailers += len(audit.trailers_in(body))
         if epochs.is_proposal_chain(subject):
             services.add(S.token(subject, 2) or "")
     problem = check.problem()
     if problem:
         raise ValueError(f"epoch {seal.epoch}: {path} does not match its seal: {problem}")
-    return services, lines
+    return services, trailers
+
+
+def each_trailer(entry: Entry) -> Iterator[Entry]:
+    """The entries of the trailers one exported or streamed message carries, as `follow`
+    gives them: a commit's several (`audit.trailers_in`), each with the message's sequence."""
+    seq, subject, body, headers = entry
+    for trailer in audit.trailers_in(body) if body is not None else [None]:
+        yield seq, subject, trailer if isinstance(trailer, dict) else None, headers
 
 
 def read_file(path: Path) -> Iterator[tuple[int, Entry | None, str]]:
     """(line number, (stream sequence, subject, body, headers), "") for each line of an epoch
-    file, one at a time; (line number, None, why) for a line that is no exported trailer.
-    OSError when the file cannot be read."""
+    file — one message of the stream, one trailer or a commit of several — one at a time;
+    (line number, None, why) for a line that is no exported message. OSError when the file
+    cannot be read."""
     with path.open(errors="replace") as lines:
         for number, line in enumerate(lines, 1):
             try:
@@ -200,16 +210,19 @@ class ArchiveRead:
                             check.bad_line(number, why)
                             continue
                         check.feed(entry[0], entry[1], entry[2])
-                        yield entry
+                        for each in each_trailer(entry):
+                            yield each
                     where: str | None = f"{planned.data}"
                 except OSError as exc:
                     said.append(f"{planned.data} cannot be read ({exc.strerror or exc})")
                     where = None
             else:
                 self.from_stream.append(planned.seal.epoch)
-                async for entry in store.follow(S.AUDIT_FILTER, check.first, planned.seal.upto):
+                async for entry in store.follow_messages(S.AUDIT_FILTER, check.first,
+                                                         planned.seal.upto):
                     check.feed(entry[0], entry[1], entry[2])
-                    yield entry
+                    for each in each_trailer(entry):
+                        yield each
                 where = "the stream, read instead," if planned.exported else \
                     f"not exported to {self.directory}; the stream"
             problem = check.problem() if where else None

@@ -19,7 +19,7 @@ from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
-from improved.core import checkpoint
+from improved.core import audit, checkpoint
 from improved.protocol import subjects as S
 
 READ_IDLE_S = 5.0  # a read of the audit log that receives nothing this long has ended
@@ -49,8 +49,9 @@ class AuditReader:
 
     async def read_chain_at(self, subject: str, start: int = 1
                             ) -> list[tuple[int, dict[str, Any]]]:
-        """The trailers on `subject` from stream sequence `start` on, one direct get each (for
-        a chain, or the few trailers of one since a sequence)."""
+        """The trailers on `subject` from stream sequence `start` on, one direct get per
+        message (for a chain, or the few trailers of one since a sequence); the trailers of a
+        commit share its message's sequence (`audit.trailers_in`)."""
         out: list[tuple[int, dict[str, Any]]] = []
         seq = start
         while True:
@@ -60,7 +61,8 @@ class AuditReader:
             except NotFoundError:
                 return out
             seq = msg.seq or seq
-            out.append((seq, msgspec.json.decode(msg.data or b"null")))
+            out.extend((seq, body) for body in audit.trailers_in(
+                msgspec.json.decode(msg.data or b"null")))
             seq += 1
 
     async def chain_head(self, subject: str) -> tuple[int, dict[str, Any] | None]:
@@ -69,7 +71,7 @@ class AuditReader:
             msg = await self.js.get_msg(self.audit_stream, subject=subject, direct=True)
         except NotFoundError:
             return 0, None
-        return msg.seq or 0, msgspec.json.decode(msg.data or b"null")
+        return msg.seq or 0, audit.trailers_in(msgspec.json.decode(msg.data or b"null"))[-1]
 
     async def read_chain(self, svc: str, pid: str) -> list[tuple[int, dict[str, Any]]]:
         """Every trailer of one chain as (stream sequence, raw JSON body), in order."""
@@ -98,8 +100,8 @@ class AuditReader:
         if state.messages and (not pid or await self._holds(subject)):
             log = await self._read_ordered(subject, state.last_seq)
         unreadable: tuple[int, ...] = ()
-        if not pid and len(log) < state.messages:
-            seen = {seq for seq, _, _ in log}
+        seen = {seq for seq, _, _ in log}  # messages read (a commit's trailers share one)
+        if not pid and len(seen) < state.messages:
             unreadable = tuple(s for s in range(state.first_seq, state.last_seq + 1)
                                if s not in seen)
         return log, checkpoint.StreamView(str(info.created), state.last_seq, unreadable)
@@ -117,9 +119,22 @@ class AuditReader:
     async def follow(self, subject: str, start: int, upto: int, *,
                      start_ms: int | None = None,
                      ) -> AsyncIterator[tuple[int, str, dict[str, Any] | None, dict[str, str]]]:
-        """(stream sequence, subject, body or None when it is not JSON, headers) of every
-        trailer on `subject` from stream sequence `start` to `upto`, one at a time: a reader of
-        the whole log holds one batch (FOLLOW_BATCH trailers), not the log. It pulls each
+        """(stream sequence, subject, body or None when it is not a JSON object, headers) of
+        every trailer on `subject` from stream sequence `start` to `upto`, one at a time, as
+        `follow_messages` reads them: the trailers of a commit one after the other, each with
+        its message's sequence and headers (`audit.trailers_in`)."""
+        async for seq, subj, body, headers in self.follow_messages(subject, start, upto,
+                                                                    start_ms=start_ms):
+            for trailer in audit.trailers_in(body) if body is not None else [None]:
+                yield seq, subj, trailer if isinstance(trailer, dict) else None, headers
+
+    async def follow_messages(self, subject: str, start: int, upto: int, *,
+                              start_ms: int | None = None,
+                              ) -> AsyncIterator[tuple[int, str, dict[str, Any] | None,
+                                                       dict[str, str]]]:
+        """(stream sequence, subject, body or None when it is not a JSON object, headers) of
+        every message on `subject` from stream sequence `start` to `upto`, one at a time: a
+        reader of the whole log holds one batch (FOLLOW_BATCH messages), not the log. It pulls each
         batch when the one before is read, so a slow reader never makes the server push the
         log into its buffers. Ends early when nothing arrives for READ_IDLE_S (a message the
         server holds but cannot read). `start_ms` (epoch ms): from the first trailer the
@@ -185,14 +200,15 @@ class AuditReader:
 
     async def trailer_at(self, seq: int
                          ) -> tuple[str, dict[str, Any] | None, dict[str, str]] | None:
-        """(subject, body or None when not JSON, headers) of the message at `seq` of this
-        store's audit stream."""
+        """(subject, body or None when not JSON, headers) of the last trailer of the message at
+        `seq` of this store's audit stream: the trailer a later append names as its
+        predecessor, and where a checkpoint that ends at `seq` ends."""
         try:
             msg = await self.js.get_msg(self.audit_stream, seq=seq, direct=True)
         except NotFoundError:
             return None
         try:
-            body = msgspec.json.decode(msg.data or b"")
+            body = audit.trailers_in(msgspec.json.decode(msg.data or b""))[-1]
         except msgspec.DecodeError:
             body = None
         return (msg.subject or "", body if isinstance(body, dict) else None,

@@ -26,7 +26,7 @@ from improved.core import audit, evidence
 from improved.core.audit import Draft
 from improved.core.record import ChainHead
 from improved.protocol import subjects as S
-from improved.protocol.model import ChangeClass, Scope, Trailer, to_json
+from improved.protocol.model import ChangeClass, Scope, Trailer, TrailerCommit, to_json
 
 
 class ChainConflict(Exception):
@@ -59,11 +59,23 @@ NextDraft = Callable[[list[tuple[int, dict[str, Any]]], int], Draft | None]
 
 
 trailer_decoder = msgspec.json.Decoder(Trailer)
+_commit_decoder = msgspec.json.Decoder(TrailerCommit)
 
 
 def decode_trailer(body: dict[str, Any]) -> Trailer:
     """A trailer read as a raw JSON body (as the chain readers return them), typed."""
     return trailer_decoder.decode(to_json(body))
+
+
+def trailers_of(data: bytes) -> list[Trailer]:
+    """The trailers one message of an audit chain carries, typed, in order: a watcher's read
+    of what was appended (msgspec.DecodeError for a message that is neither a trailer nor a
+    commit). Nothing here is verified: a reader that decides verifies the chain."""
+    if data.startswith(b'{"trailers":'):  # how a commit is written (`append_commit`)
+        commit = _commit_decoder.decode(data)
+        if len(commit.trailers) >= 2:
+            return commit.trailers
+    return [trailer_decoder.decode(data)]
 
 
 class ChainWriter(Deployment):
@@ -82,18 +94,26 @@ class ChainWriter(Deployment):
     async def append_to(self, subject: str, trailer: Trailer, expected_seq: int) -> int:
         """Append to the chain on `subject` only if its last trailer is at `expected_seq`,
         signed with the daemon's key (a reader trusts a trailer no other key signed)."""
+        return await self.append_commit(subject, [trailer], expected_seq)
+
+    async def append_commit(self, subject: str, trailers: list[Trailer],
+                            expected_seq: int) -> int:
+        """Append `trailers` (consecutive trailers of the chain on `subject`) in one message,
+        only if the chain's last message is at `expected_seq`, each signed with this writer's
+        key: one trailer as itself, several as a `TrailerCommit`. The message's stream
+        sequence, which every trailer of it shares."""
         if self.signer is not None:
-            trailer = evidence.sign(trailer, self.signer)
+            trailers = [evidence.sign(t, self.signer) for t in trailers]
+        body = to_json(trailers[0] if len(trailers) == 1 else TrailerCommit(trailers=trailers))
         headers = {"Nats-Expected-Last-Subject-Sequence": str(expected_seq)}
         try:
-            ack = await self.js.publish(subject, to_json(trailer), headers=headers,
-                                        stream=self.audit_stream)
+            ack = await self.js.publish(subject, body, headers=headers, stream=self.audit_stream)
         except APIError as exc:
             if is_conflict(exc):
                 raise ChainConflict(subject) from exc
             raise
         if self.signer is not None:
-            self.written.add(trailer.hash)
+            self.written.update(t.hash for t in trailers)
         return ack.seq
 
     async def append_sealed(self, subject: str, chain_id: str, gate_class: ChangeClass,

@@ -21,7 +21,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from improved.core.audit import Authenticity, verify_chain
+from improved.core.audit import Authenticity, trailers_in, verify_chain
 from improved.core.authority import GrantActs, grant_acts, grant_as_of, grant_covers
 from improved.protocol import subjects as S
 from improved.protocol.model import Grant, Trailer
@@ -37,12 +37,13 @@ class ChainUnread(Exception):
     the part that arrived, since a chain's prefix verifies too."""
 
 
-def _body(data: bytes | None) -> Any:
-    """A trailer's JSON body, or None for one that is not JSON (verify_chain names it)."""
+def _bodies(data: bytes | None) -> list[Any]:
+    """The trailers' JSON bodies one message carries (a commit's several, `trailers_in`), or
+    [None] for a message that is not JSON (verify_chain names it)."""
     try:
-        return msgspec.json.decode(data or b"")
+        return trailers_in(msgspec.json.decode(data or b""))
     except msgspec.DecodeError:
-        return None
+        return [None]
 
 
 async def read_chain(js: JetStreamContext, subject: str) -> list[Any]:
@@ -69,14 +70,15 @@ async def read_sequenced(js: JetStreamContext, subject: str, *,
         except NotFoundError:  # no audit stream at all
             return []
         bodies: Sequenced = []
-        left = info.num_pending or 0
+        left, delivered = info.num_pending or 0, 0
         while left:
             msg = await inbox.next_msg(READ_TIMEOUT_S)
             meta = msg.metadata
-            if meta.sequence.consumer != len(bodies) + 1:
+            if meta.sequence.consumer != delivered + 1:
                 raise ChainUnread(f"{subject}: delivery {meta.sequence.consumer} arrived after "
-                                  f"{len(bodies)}")
-            bodies.append((meta.sequence.stream, _body(msg.data)))
+                                  f"{delivered}")
+            delivered += 1
+            bodies.extend((meta.sequence.stream, body) for body in _bodies(msg.data))
             left = meta.num_pending
         return bodies
     finally:
@@ -94,7 +96,7 @@ async def read_from_leader(js: JetStreamContext, subject: str) -> Sequenced:
         except NotFoundError:  # past the chain's end, or no audit stream at all
             return bodies
         seq = msg.seq or seq
-        bodies.append((seq, _body(msg.data)))
+        bodies.extend((seq, body) for body in _bodies(msg.data))
         seq += 1
 
 

@@ -73,6 +73,21 @@ def draft_of(data: Data, from_stage: Stage, actor: str, observer_type: ObserverT
                  refs=encode(data), envelope=envelope, gate_class=gate_class)
 
 
+COMMIT_KEY = "trailers"  # the one key of a message carrying several trailers (`TrailerCommit`)
+
+
+def trailers_in(body: Any) -> list[Any]:
+    """The trailers one message of an audit chain carries, in order: the trailers of a commit
+    (`{"trailers": [...]}`, two or more), else the message itself as one trailer — what is no
+    trailer at all (not an object, a commit of fewer than two trailers or with other keys)
+    stays one body that no verifier takes for a trailer."""
+    if isinstance(body, dict) and COMMIT_KEY in body and len(body) == 1:
+        inner = body[COMMIT_KEY]
+        if isinstance(inner, list) and len(inner) >= 2:
+            return inner
+    return [body]
+
+
 def trailer_hash(body: dict[str, Any]) -> str:
     """SHA-256 hex of the canonical MessagePack of a trailer without its `hash` and `sig`."""
     if "hash" in body or "sig" in body:

@@ -33,7 +33,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from improved.core import indexes, merkle, signing
-from improved.core.audit import Draft, draft_of, trailer_hash
+from improved.core.audit import Draft, draft_of, trailer_hash, trailers_in
 from improved.core.checkpoint import CHECKPOINT_ID
 from improved.core.merkle import Frontier
 from improved.core.record import lifecycle_step
@@ -217,17 +217,19 @@ class EpochCheck:
         self._why = ""  # what the first line that is no trailer is
 
     def feed(self, seq: int, subject: str, body: dict[str, Any] | None) -> None:
-        """One more trailer: its stream sequence, subject and body (None: unreadable)."""
+        """One more message: its stream sequence, subject and body (None: unreadable), each
+        trailer it carries (a commit's several, `audit.trailers_in`) a leaf of the tree."""
         self._place(seq)
-        leaf = body.get("hash") if body is not None else None
-        if body is None:
-            self.unreadable.add(seq)
-        elif not _hashes_to(body, leaf):
-            self.altered.add(seq)
-        if subject == CHECKPOINT_SUBJECT:
-            return
-        self.tree.add(merkle.leaf_of(leaf))
-        self.removable += is_proposal_chain(subject)
+        for trailer in trailers_in(body) if body is not None else [None]:
+            leaf = trailer.get("hash") if isinstance(trailer, dict) else None
+            if body is None:
+                self.unreadable.add(seq)
+            elif not isinstance(trailer, dict) or not _hashes_to(trailer, leaf):
+                self.altered.add(seq)
+            if subject == CHECKPOINT_SUBJECT:
+                continue
+            self.tree.add(merkle.leaf_of(leaf))
+            self.removable += is_proposal_chain(subject)
 
     def bad_line(self, number: int, why: str) -> None:
         """A line of an export that is no trailer: it counts for nothing else."""

@@ -285,6 +285,24 @@ def schema_class(value: str | None) -> SchemaClass | None:
     return cast("SchemaClass", value) if value in SCHEMA_CLASSES else None
 
 
+# The stream sequence a trailer folds at while its commit is still to be appended: a pass folds
+# every trailer it decides at once, and `settle` gives the message's sequence to what folded at
+# this once the commit is acknowledged (one message carries the trailers of one commit).
+PENDING_SEQ: Final = -1
+
+
+def settle(record: ProposalRecord, stream_seq: int) -> ProposalRecord:
+    """The record whose pending trailers (folded at PENDING_SEQ) were appended in the message
+    at `stream_seq`: what folding them at `stream_seq` makes, without folding them again."""
+    if record.chain.stream_seq != PENDING_SEQ:
+        return record
+    return record.replace(
+        chain=ChainHead(length=record.chain.length, last_hash=record.chain.last_hash,
+                        stream_seq=stream_seq),
+        dispatched_seq=stream_seq if record.dispatched_seq == PENDING_SEQ
+        else record.dispatched_seq)
+
+
 def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int]) -> ProposalRecord:
     """Rebuild a record from its registration and its chain alone (the store is only a cache):
     the fold of every trailer, as each was committed."""

@@ -430,6 +430,15 @@ class Trailer(Struct, omit_defaults=True, kw_only=True):
     sig: str = ""  # the writing daemon's signature over `hash`: `<b64 public key>.<b64 sig>`
 
 
+class TrailerCommit(Struct, kw_only=True):
+    """Several trailers of one chain appended in one message, in order: what one pass of the
+    daemon decided together (a registration, its triage decision and the dispatch intent, say).
+    Each is hashed, linked and signed as if it had a message of its own; the message is the
+    unit of the append, so its expected-last-subject-sequence arbitrates the whole commit."""
+
+    trailers: list[Trailer]
+
+
 # -- signed operator acts (DESIGN §5.2), payloads of DSSE envelopes ------------------------------
 
 

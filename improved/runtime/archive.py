@@ -5,9 +5,9 @@ The daemon seals an epoch after a checkpoint, when the log since the last seal i
 where it may end (`Scan.cut`), one to hash it from the last seal's frontier. Both read only
 the epoch, once per epoch.
 
-An operator exports sealed epochs to files (`improved audit archive DIR`): every trailer of
-the epoch, one JSON line each with its stream sequence, subject and headers, and the seal
-beside it. The export is checked exactly against its seal (`epochs.EpochCheck`) before it is
+An operator exports sealed epochs to files (`improved audit archive DIR`): every message of
+the epoch (a trailer, or a commit of several), one JSON line each with its stream sequence,
+subject and headers, and the seal beside it. The export is checked exactly against its seal (`epochs.EpochCheck`) before it is
 kept, and again whenever `audit verify --archive` reads it (`client.archive.ArchiveRead`).
 With `--remove` (and the `improved-archivist` credential) the epoch's proposal chains are then
 purged from the stream, service by service, below the seal's `upto`; the mesh chains stay
@@ -37,6 +37,7 @@ from improved.client.archive import (
 from improved.client.checkpointing import CP_SUBJECT
 from improved.client.deployment import Deployment
 from improved.core import epochs, merkle
+from improved.core.audit import trailers_in
 from improved.core.epochs import Seal
 from improved.protocol import subjects as S
 from improved.runtime.store import Store
@@ -109,26 +110,26 @@ async def export(store: Deployment, directory: Path, seal: Seal, prev: Seal | No
     start = prev.upto + 1 if prev else 1
     path, sealed = epoch_file(directory, seal.epoch), seal_file(directory, seal.epoch)
     if path.exists():
-        services, lines = check_file(path, seal, prev)
+        services, trailers = check_file(path, seal, prev)
         kept = seal_problem(sealed, seal_body)
         if kept == "missing":
             _write_durably(sealed, json.dumps(seal_body, indent=1) + "\n")
         elif kept:
             raise ValueError(f"epoch {seal.epoch}: {kept}")
-        return Exported(seal.epoch, lines, services, False)
+        return Exported(seal.epoch, trailers, services, False)
     await asyncio.to_thread(directory.mkdir, parents=True, exist_ok=True)
     partial = path.with_suffix(".jsonl.partial")
     expected, count = start, 0
     with partial.open("w") as out:
-        async for seq, subject, body, headers in store.follow(S.AUDIT_FILTER, start,
-                                                               seal.upto):
+        async for seq, subject, body, headers in store.follow_messages(S.AUDIT_FILTER, start,
+                                                                        seal.upto):
             if seq != expected or body is None:
                 partial.unlink()
                 raise ValueError(f"epoch {seal.epoch}: the stream no longer holds stream "
                                  f"sequence {expected}: it cannot be exported from here")
             out.write(json.dumps({"seq": seq, "subject": subject, "headers": headers,
                                   "body": body}, separators=(",", ":")) + "\n")
-            expected, count = seq + 1, count + 1
+            expected, count = seq + 1, count + len(trailers_in(body))
         out.flush()
         os.fsync(out.fileno())
     if expected != seal.upto + 1:

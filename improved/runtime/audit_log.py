@@ -13,7 +13,6 @@ from nats.js.errors import NotFoundError
 from improved.client.chain_writer import ChainWriter
 from improved.client.streams import retention_differences
 from improved.core import checkpoint
-from improved.core.record import ProposalRecord
 from improved.protocol import subjects as S
 from improved.protocol.model import Trailer
 from improved.runtime.provisioning import stream_configs
@@ -34,10 +33,11 @@ class AuditLog(ChainWriter):
     async def has_chains(self) -> bool:
         return (await self._probe.stream_info(S.STREAM_AUDIT)).state.messages > 0
 
-    async def append(self, record: ProposalRecord, trailer: Trailer) -> int:
-        """Append a trailer if the chain still ends where `record` says; its stream sequence."""
-        return await self.append_to(S.audit(record.service, record.proposal_id), trailer,
-                                    record.chain.stream_seq)
+    async def append(self, service: str, pid: str, trailers: list[Trailer],
+                     expected_seq: int) -> int:
+        """Append the trailers of one commit to the chain of proposal `pid`, in one message,
+        if the chain's last message is still at `expected_seq`; the message's sequence."""
+        return await self.append_commit(S.audit(service, pid), trailers, expected_seq)
 
     async def audit_retention(self) -> tuple[checkpoint.StreamView, list[str]]:
         """The audit stream as its state says (`audit_view`, O(1)) and which of the settings

@@ -72,7 +72,7 @@ class Daemon:
         self.surfaces = Surfaces(self.engine.answers)
         self.observer = Observing(self.store,
                                   Observer([RegressionAnalyzer(), StaleSkillAnalyzer()]))
-        self.engine.learn = self.observer.learn
+        self.engine.commits.learn = self.observer.learn
         self._stopping = anyio.Event()
         self._service: asyncio.Task[None] | None = None  # runs serve(): every background task
         self._scope: anyio.CancelScope | None = None  # serve()'s task group, to halt it

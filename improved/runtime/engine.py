@@ -6,7 +6,11 @@ record and publish its retained records once.
 Every step is idempotent on the proposal id. The chain append is the commit point (see store);
 when it conflicts — a redelivery, a restart after a crash, a second replica — the engine
 re-reads the chain, rebuilds the record from it, and runs the step again, which then finds its
-transition already made and does nothing.
+transition already made and does nothing. What one pass decides in a row — a registration,
+its triage decision and the dispatch intent, say — is one commit: its trailers are folded as
+they are decided and appended together, in one message, before anything leaves the pass (an
+order, a request, a read that needs the commit's stream sequence, the retained records), so
+nothing is sent on a decision the chain does not hold yet.
 
 What the passes rely on across the mesh has a home of its own, made here and handed what each
 needs: the trust in force (`runtime.trusting`), the autonomy chain with its breaker and crisis
@@ -19,7 +23,6 @@ enters a pass comes through `runtime.intake` and `runtime.signed_acts`.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -32,21 +35,19 @@ from improved.client.config import Config
 from improved.client.sdk import enqueue
 from improved.core import apply as apply_stage
 from improved.core import (
-    audit,
-    indexes,
     learnback,
-    observe,
     planner,
     propose,
     queue,
     triage,
 )
 from improved.core.audit import Draft
-from improved.core.record import CountedSignal, ProposalRecord, closed, fold
+from improved.core.record import CountedSignal, ProposalRecord, closed
 from improved.protocol.model import DedupHead, Proposal, to_json
 from improved.runtime.autonomy import AutonomyChain
 from improved.runtime.checkpointer import Checkpointer
 from improved.runtime.clock import now_ms
+from improved.runtime.commits import Commits
 from improved.runtime.metrics import Metrics
 from improved.runtime.passes import ProposalLocks
 from improved.runtime.policy_chain import PolicyInForce
@@ -96,24 +97,20 @@ class Engine:
                                       self.metrics)
         self.records = ChainRecords(store, self.trust, self.autonomy, config.policy)
         self.locks = ProposalLocks()
+        self.commits = Commits(store, self.metrics)  # what each pass decided, appended
         self.publisher = Publisher(store, self.records, self.locks, config.policy,
                                    self.records_ttl_s)
         self.checkpoints = Checkpointer(nc, store, config, actor, self.trust, self.autonomy)
         self.policy_chain = PolicyInForce(store, self.trust, config.policy, actor)
-        # observe's learn-back, once per committed trailer: (analyzer id, accepted, its hash)
-        self.learn: Callable[[str, bool, str], Awaitable[None]] | None = None
         # the operator's queue as the review index counts it: recounted from the index by the
         # daemon (`set_queue_size`), moved by this replica's own passes in between
         self.queue_size = 0
-        self._started: dict[str, float] = {}  # when handling of a proposal began
         # told the `valid_to` of every review index entry this process writes, so the daemon's
         # expiry sweep wakes when the earliest is due (`Upkeep.expiries`)
         self.on_indexed: Callable[[int], None] | None = None
         # applied proposals awaiting their measurement: proposal id → (review_after, service);
         # only a wake-up call (the pass it makes decides from the chain), see `due_reviews`
         self.reviews: dict[str, tuple[int, str]] = {}
-        # proposal id → the indexes the trailers of its pass in progress moved
-        self._moved: dict[str, set[str]] = {}
 
     # -- entry points --------------------------------------------------------------------------------
 
@@ -150,7 +147,7 @@ class Engine:
         """Load, ingest, advance, then cache and publish once. `fresh` skips this process's
         cache (a request's reply should see what other replicas did)."""
         lock = await self.locks.acquire(pid)
-        self._started[pid] = time.perf_counter()
+        self.commits.begin(pid)
         try:
             for attempt in range(MAX_CONFLICT_RETRIES):
                 if attempt:
@@ -170,21 +167,24 @@ class Engine:
                     now = now_ms()
                     step = ingest(record, now)
                     if step is not None:
-                        record = await self._commit(before, *step, now)
+                        record = self._commit(before, *step, now)
                     if record is None:
                         return Handled(None, False)
                     try:
                         record = await self._advance(record, dispatch, rejected)
                     except ServiceUnreachable as exc:
                         # What was decided stands and is published; the apply waits.
-                        await self._settle(exc.record or record, rev, before, republish)
+                        await self._settle(await self._append(exc.record or record), rev,
+                                           before, republish)
                         raise
+                    record = await self._append(record)
                     changed = record != before
                     if changed and on_change is not None:
                         await on_change(record)
                     await self._settle(record, rev, before, republish)
                     return Handled(record, changed)
                 except ChainConflict:
+                    self.commits.discard(pid)
                     log.info("chain moved, rebuilding from it", proposal_id=pid)
                     self.records.cache.pop(pid, None)
                     await self.records.resync(svc, pid, proposal)
@@ -194,8 +194,7 @@ class Engine:
             raise RuntimeError(f"proposal {pid}: still conflicting after "
                                f"{MAX_CONFLICT_RETRIES} attempts")
         finally:
-            self._started.pop(pid, None)
-            self._moved.pop(pid, None)
+            self.commits.end(pid)  # what was not appended did not happen
             self.locks.release(pid, lock)
 
     async def _settle(self, record: ProposalRecord, rev: int, before: ProposalRecord | None,
@@ -216,7 +215,7 @@ class Engine:
             jobs.append(self.records.save(record, rev))
         if record != before or republish:
             jobs.append(self.publisher.publish_changes(record, republish))
-        touched = self._moved.pop(pid, set())
+        touched = self.commits.moved(pid)
         write = queue.change(before, record, republish, moved="review" in touched)
         if write is not None:
             jobs.append(self.store.index(record.service, pid, write.entry))
@@ -294,35 +293,15 @@ class Engine:
 
     # -- the steps -----------------------------------------------------------------------------------
 
-    async def _commit(self, before: ProposalRecord | None, record: ProposalRecord,
-                      draft: Draft, at: int) -> ProposalRecord:
-        """Seal `draft` at `at` (the instant the stage decided) onto `record` and append it:
-        the commit; the record after it is the fold of the trailer (`record.fold`), as a
-        rebuild makes it. `before` is the record at the chain's end (None: the chain begins,
-        and `record` is the registration's new record); the trailer says which indexes it
-        moves (`indexes.with_moves`)."""
-        draft, data = indexes.moves_of(before, record, draft, at)
-        trailer = audit.seal(draft, record, at)
-        seq = await self.store.append(record, trailer)
-        record = fold(record, trailer, seq, data)
-        moved = indexes.moves(draft.refs)
-        if moved:  # what this pass moved, for `_settle`'s index writes
-            self._moved.setdefault(record.proposal_id, set()).update(moved)
-        log.info("transition", proposal_id=record.proposal_id, stage=trailer.to_stage,
-                 **{"class": record.gate_class}, verdict=trailer.verdict, cause=trailer.cause,
-                 seq=trailer.seq)
-        self.metrics.transition(trailer.to_stage, trailer.verdict, trailer.cause,
-                                record.gate_class)
-        started = self._started.get(record.proposal_id)
-        if started is not None:  # from the message's arrival to this transition
-            self.metrics.observe_stage(trailer.to_stage, time.perf_counter() - started)
-        if trailer.to_stage == "apply" and trailer.verdict in ("applied", "failed",
-                                                               "rolled_back"):
-            self.metrics.apply_result("ok" if trailer.verdict == "applied"
-                                      else trailer.verdict)
-        if self.learn is not None and (accepted := observe.lesson(trailer)) is not None:
-            await self.learn(record.proposal.analyzer.id, accepted, trailer.hash)
-        return record
+    def _commit(self, before: ProposalRecord | None, record: ProposalRecord, draft: Draft,
+                at: int) -> ProposalRecord:
+        """Add the trailer `draft` seals to onto `record` to the pass's commit (`Commits.add`):
+        the record after it."""
+        return self.commits.add(before, record, draft, at)
+
+    async def _append(self, record: ProposalRecord) -> ProposalRecord:
+        """Append the pass's commit, if any (`Commits.append`): `record` settled."""
+        return await self.commits.append(record)
 
     async def _advance(self, record: ProposalRecord, dispatch: bool,
                        rejected: triage.Rejection | None = None) -> ProposalRecord:
@@ -338,9 +317,15 @@ class Engine:
             step = planner.next_step(record, view, self.policy, self.actor)
             while isinstance(step, planner.ReadGrant | planner.ConfirmGrant
                              | planner.ReadOriginal):
-                view = planner.with_read(view, step, await self._read(record, step, now))
-                grant, at_intent = view.grant, view.grant_at_intent
+                if isinstance(step, planner.ConfirmGrant) and self.commits.pending(record):
+                    # as of the intent's stream sequence: the intent appended first
+                    record = await self._append(record)
+                else:
+                    view = planner.with_read(view, step, await self._read(record, step, now))
+                    grant, at_intent = view.grant, view.grant_at_intent
                 step = planner.next_step(record, view, self.policy, self.actor)
+            if not isinstance(step, planner.Commit):  # an effect: nothing on an unheld decision
+                record = await self._append(record)
             try:
                 match step:
                     case planner.Commit(draft=draft, why=why):
@@ -348,13 +333,13 @@ class Engine:
                             log.warning("dispatch withdrawn: the grant was not active as of "
                                         "it; no order is sent", proposal_id=record.proposal_id,
                                         skill=record.skill, intent_seq=record.dispatched_seq)
-                        record = await self._commit(record, record, draft, now)
+                        record = self._commit(record, record, draft, now)
                         intended = intended or why == "dispatched"
                     case planner.SendRollback():
                         record = await self._rollback(record, step)
                     case planner.CheckLkg():
                         draft = await self._lkg_check(record)
-                        record = await self._commit(record, record, draft, now_ms())
+                        record = self._commit(record, record, draft, now_ms())
                     case planner.SendApply():
                         record = await self._apply(record, step, intended)
                     case planner.AskMeasure(request=request):
@@ -364,7 +349,7 @@ class Engine:
                                                         self.actor)
                         if measure.rollback is not None:
                             await self.propose_rollback(record, measure.rollback)
-                        record = await self._commit(record, record, measure.commit.draft, at)
+                        record = self._commit(record, record, measure.commit.draft, at)
                     case planner.FinishRollback(original_id=original):
                         await self.rolled_back(record.service, original, record)
                         break
@@ -397,8 +382,8 @@ class Engine:
         """An operator's rollback: the recorded inverse goes to the owning service."""
         result = await self.requests.send(record, step.order)
         at = now_ms()
-        record = await self._commit(
-            record, record, apply_stage.rollback_transition(record, step.inverse_id, result), at)
+        record = await self._append(self._commit(
+            record, record, apply_stage.rollback_transition(record, step.inverse_id, result), at))
         if result.value.ok and record.approved_by is None:
             await self.autonomy.count_autonomous_rollback(record, at)
         return record
@@ -421,16 +406,16 @@ class Engine:
         except GrantRevoked:
             at = now_ms()
             commit = planner.revoked(record, self.policy, at, self.actor)
-            return await self._commit(record, record, commit.draft, at)
+            return self._commit(record, record, commit.draft, at)
         except ServiceUnreachable as exc:
             at = now_ms()
             void = planner.unreachable(record, intended, exc.maybe_delivered, str(exc),
                                        self.actor)
             if void is not None:
-                exc.record = await self._commit(record, record, void.draft, at)
+                exc.record = self._commit(record, record, void.draft, at)
             raise
         at = now_ms()
-        return await self._commit(
+        return self._commit(
             record, record, apply_stage.transition(record, result, step.authority), at)
 
     async def _lkg_check(self, record: ProposalRecord) -> Draft:

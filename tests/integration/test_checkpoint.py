@@ -185,7 +185,8 @@ async def test_a_full_verify_reads_on_past_a_broken_chain_holding_few_chains(
     await connection.close(nc)
     for since, named in ((roomy, roomy_named), (tight, tight_named)):
         assert since.broken == 1 and len(named) == 1 and pids[1] in named[0], named
-        assert since.read == view.last_seq  # read to the end, past the forgery
+        # read to the end, past the forgery: every trailer (a commit carries several)
+        assert since.last_seq == view.last_seq and since.read >= view.last_seq
     # every chain of the shared server's log counted once, however little was held
     assert tight.chains == roomy.chains and tight.broken == roomy.broken
     assert tight.tree.root() == roomy.tree.root()
