@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -193,6 +194,7 @@ class Run:
             finally:
                 window.release()
 
+        profiler = self.profile()
         started = time.perf_counter()
         tasks = []
         for body in bodies:
@@ -202,9 +204,21 @@ class Run:
         published = time.perf_counter() - started
         await asyncio.wait_for(done.wait(), self.args.timeout)
         elapsed = time.perf_counter() - started
+        if profiler is not None:
+            profiler.send_signal(signal.SIGINT)
+            profiler.wait(30)
         await sub.unsubscribe()
         return {"elapsed_s": elapsed, "published_s": published, "proposals_per_s": n / elapsed,
                 "audit_message_bytes": round(sum(sizes) / max(len(sizes), 1))}
+
+    def profile(self) -> subprocess.Popen[bytes] | None:
+        """py-spy on the daemon while the loop runs (`--profile FILE`: raw samples)."""
+        if not self.args.profile:
+            return None
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        return subprocess.Popen([spy, "record", "-p", str(self.procs["daemon"].pid), "-r", "200",
+                                 "-f", "raw", "-o", self.args.profile],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     async def ceiling(self, nc: nats.NATS, size: int) -> dict[str, Any]:
         js = nc.jetstream()
@@ -291,6 +305,8 @@ def main() -> int:
                    help="publishes awaiting their acknowledgement at once (500)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    p.add_argument("--profile", metavar="FILE",
+                   help="sample the daemon with py-spy while the loop runs (raw, to FILE)")
     args = p.parse_args()
     result = asyncio.run(Run(args).run())
     print(report(result))

@@ -222,14 +222,15 @@ class Counts(Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True
 NO_COUNTS: Final = Counts()
 
 
-def lesson(trailer: Trailer) -> bool | None:
+def lesson(trailer: Trailer, data: trailers.TrailerData | None = None) -> bool | None:
     """What a committed trailer teaches the analyzer of its proposal: accepted (an operator's
     approval, or an automatic apply under the policy), rejected (an operator's rejection), or
-    nothing (None)."""
-    try:
-        data = trailers.decode(trailer)
-    except trailers.TrailerDataError:
-        return None
+    nothing (None). `data`: what the trailer says, when the caller decoded it already."""
+    if data is None:
+        try:
+            data = trailers.decode(trailer)
+        except trailers.TrailerDataError:
+            return None
     after = trailers.moves_to(data)
     if isinstance(data, trailers.Approved) or (after == "applied" and trailer.observer_type == "rec:policy"):
         return True

@@ -96,11 +96,12 @@ class Commits:
         seq = await self.store.append(record.service, record.proposal_id,
                                       [t for t, _ in pending.trailers], pending.expected)
         record = settle(record, seq)
-        for trailer, _ in pending.trailers:
-            await self._appended(record, trailer)
+        for trailer, data in pending.trailers:
+            await self._appended(record, trailer, data)
         return record
 
-    async def _appended(self, record: ProposalRecord, trailer: Trailer) -> None:
+    async def _appended(self, record: ProposalRecord, trailer: Trailer,
+                        data: TrailerData | None) -> None:
         """What follows one appended trailer: its log line, its metrics, observe's lesson."""
         log.info("transition", proposal_id=record.proposal_id, stage=trailer.to_stage,
                  **{"class": record.gate_class}, verdict=trailer.verdict, cause=trailer.cause,
@@ -114,5 +115,5 @@ class Commits:
                                                                "rolled_back"):
             self.metrics.apply_result("ok" if trailer.verdict == "applied"
                                       else trailer.verdict)
-        if self.learn is not None and (accepted := observe.lesson(trailer)) is not None:
+        if self.learn is not None and (accepted := observe.lesson(trailer, data)) is not None:
             await self.learn(record.proposal.analyzer.id, accepted, trailer.hash)
