@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from nats.aio.client import Client
 from nats.js.errors import APIError
 
+from improved.client.acks import Acks
 from improved.client.deployment import Deployment
 from improved.client.streams import is_conflict
 from improved.core import audit, evidence
@@ -89,6 +90,7 @@ class ChainWriter(Deployment):
         # the tool runtimes' (S.STREAM_TOOLS_AUDIT)
         super().__init__(nc, audit_stream=audit_stream)
         self.signer = signer
+        self.acks = Acks(nc)  # the appends' acknowledgements, through one subscription
         self.written: set[str] = set()  # hashes appended (signed) since the last checkpoint
 
     async def append_to(self, subject: str, trailer: Trailer, expected_seq: int) -> int:
@@ -107,14 +109,15 @@ class ChainWriter(Deployment):
         body = to_json(trailers[0] if len(trailers) == 1 else TrailerCommit(trailers=trailers))
         headers = {"Nats-Expected-Last-Subject-Sequence": str(expected_seq)}
         try:
-            ack = await self.js.publish(subject, body, headers=headers, stream=self.audit_stream)
+            seq = await self.acks.publish(subject, body, headers=headers,
+                                          stream=self.audit_stream)
         except APIError as exc:
             if is_conflict(exc):
                 raise ChainConflict(subject) from exc
             raise
         if self.signer is not None:
             self.written.update(t.hash for t in trailers)
-        return ack.seq
+        return seq
 
     async def append_sealed(self, subject: str, chain_id: str, gate_class: ChangeClass,
                             scope: Scope,

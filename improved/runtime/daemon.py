@@ -226,6 +226,7 @@ class Daemon:
             with suppress(Exception, asyncio.CancelledError):
                 await self._service
         await self.inbound.unbind()
+        await self.store.acks.close()
         log.info("daemon stopped", actor=self.actor)
 
     def halt(self) -> None:

@@ -7,8 +7,6 @@ the index format, which lives and dies with what it vouches for.
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import (
@@ -16,6 +14,7 @@ from nats.js.errors import (
     NotFoundError,
 )
 
+from improved.client.acks import Acks
 from improved.client.records import INDEX_SUBJECTS, IndexEntry, RecordReads
 from improved.client.streams import is_conflict
 from improved.core import queue
@@ -27,7 +26,6 @@ from improved.protocol.model import (
     to_json,
 )
 
-PUBLISH_ACK_TIMEOUT_S = 10.0
 
 class Retained(RecordReads):
     """Publishes and reads of the records stream; `tombstone_ttl_s` is how long a tombstone
@@ -35,17 +33,17 @@ class Retained(RecordReads):
 
     js: JetStreamContext
     _probe: JetStreamContext
+    acks: Acks
     tombstone_ttl_s: int
 
     async def publish(self, subject: str, record: msgspec.Struct | None,
                       ttl_s: int | None = None) -> None:
-        """Publish a retained record, pipelined: sent at once, acknowledged when awaited. With
+        """Publish a retained record and wait for its acknowledgement. With
         `ttl_s` it carries that TTL (Nats-TTL): the server removes it then, with its subject;
         a None record is an empty message (a tombstone)."""
-        ack = await self.js.publish_async(subject, b"" if record is None else to_json(record),
-                                          stream=S.STREAM_RECORDS, msg_ttl=ttl_s)
-        # an ack lost in a broker restart must not wedge the job: time out, nak, retry
-        await asyncio.wait_for(ack, timeout=PUBLISH_ACK_TIMEOUT_S)
+        # an ack lost in a broker restart must not wedge the job: it times out (`Acks`)
+        await self.acks.publish(subject, b"" if record is None else to_json(record),
+                                stream=S.STREAM_RECORDS, ttl_s=ttl_s)
 
     async def index(self, svc: str, pid: str, entry: ReviewEntry | None) -> None:
         """Put `pid` in the review index (`entry`), or take it out (None)."""

@@ -1,0 +1,59 @@
+"""The loop's JetStream publishes, acknowledged through one subscription (`client.acks`), say
+what nats-py's own publish says: the sequence stored at, a lost race as the conflict the chain
+writer and the buckets read, no stream for the subject, and a timeout when no ack comes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import api
+from nats.js.errors import APIError, NoStreamResponseError
+
+from improved.client import acks as acks_module
+from improved.client import connection
+from improved.client.acks import Acks
+from improved.client.streams import is_conflict
+
+
+async def test_acks_give_sequences_conflicts_and_missing_streams(nc, svc):
+    js = nc.jetstream()
+    stream = f"ACKS_{svc.replace('-', '_').upper()}"
+    await js.add_stream(name=stream, subjects=[f"{svc}.acks.>"], storage=api.StorageType.MEMORY)
+    acks = Acks(nc)
+    try:
+        seqs = await asyncio.gather(*(acks.publish(f"{svc}.acks.{i}", b"x", stream=stream)
+                                      for i in range(50)))
+        assert sorted(seqs) == list(range(1, 51))  # pipelined, each its own ack
+        await acks.publish(f"{svc}.acks.cas", b"first",
+                           headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+        with pytest.raises(APIError) as lost:
+            await acks.publish(f"{svc}.acks.cas", b"second",
+                               headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+        assert is_conflict(lost.value)
+        with pytest.raises(APIError) as wrong:  # a stream that does not hold the subject
+            await acks.publish(f"{svc}.acks.1", b"x", stream="NOT_THIS_ONE")
+        assert not is_conflict(wrong.value)
+        with pytest.raises(NoStreamResponseError):
+            await acks.publish(f"{svc}.nostream", b"x")
+    finally:
+        await acks.close()
+        await js.delete_stream(stream)
+
+
+async def test_an_ack_that_never_comes_times_out_and_is_forgotten(nats_url, svc, monkeypatch):
+    """A subject that nothing acknowledges (a core subscriber that never answers): the publish
+    fails as nats-py's timeout within the deadline and its sweep, and nothing is left waiting."""
+    monkeypatch.setattr(acks_module, "SWEEP_S", 0.05)
+    nc = await connection.connect(nats_url, "acks-timeout")
+    try:
+        silent = await nc.subscribe(f"{svc}.silent")
+        acks = Acks(nc, timeout=0.2)
+        with pytest.raises(NatsTimeout):
+            await asyncio.wait_for(acks.publish(f"{svc}.silent", b"x"), 2)
+        assert acks._waiting == {} and acks._timer is None
+        await silent.unsubscribe()
+        await acks.close()
+    finally:
+        await connection.close(nc)
