@@ -18,6 +18,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from improved.client.acks import Acks
 from improved.client.chain_writer import MAX_APPEND_ATTEMPTS, pause_after_conflict
 from improved.client.streams import decoded, is_conflict
 from improved.core.record import ProposalRecord, record_decoder, record_encoder
@@ -38,6 +39,7 @@ class Buckets:
     """The state cache, the dedup heads and the rejection ledger, opened by `Provisioning`."""
 
     js: JetStreamContext
+    acks: Acks
     kv: KeyValue
     dedup: KeyValue
     ledger: KeyValue
@@ -55,8 +57,14 @@ class Buckets:
                              created_at: int, absent: bool = False) -> DedupHead | None:
         """Record `pid` as the newest content under `dedup` unless something newer is there;
         return the head that was there before (None for a first proposal under the key, or a
-        value that is no head: written over). With `absent` (the caller just read the key as
-        absent) the create is tried first."""
+        value that is no head: written over). With `absent` (the caller expects the key to be
+        new) the create is tried first, without a read."""
+        return (await self.claim_dedup_head(svc, dedup, pid, created_at, absent))[0]
+
+    async def claim_dedup_head(self, svc: str, dedup: str, pid: str, created_at: int,
+                               absent: bool = False) -> tuple[DedupHead | None, int]:
+        """`set_dedup_head`, and the revision this call wrote the head at (0: it wrote
+        nothing), which a later compare-and-set may start from without reading the key."""
         value = to_json(DedupHead(proposal_id=pid, created_at=created_at))
 
         def newest(current: bytes | None) -> tuple[bytes | None, DedupHead | None]:
@@ -71,16 +79,27 @@ class Buckets:
                                           S.dedup_key_of(svc, dedup), newest, absent=absent)
 
     async def expire_dedup_head(self, svc: str, dedup: str, ttl_s: int,
-                                may_expire: Callable[[DedupHead], bool]) -> bool:
+                                may_expire: Callable[[DedupHead], bool],
+                                written: tuple[int, DedupHead] | None = None) -> bool:
         """Write the head under `dedup` again, as it is, with the per-message TTL `ttl_s`
         (Nats-TTL: the server then removes the key, without a delete marker), when
         `may_expire(head)` says so and it carries no TTL yet; True when it was written. The
         write is a compare-and-set at the revision read (Nats-Expected-Last-Subject-Sequence),
         so a head written meanwhile (a newer proposal's claim) stays as written, and this one
-        is left alone: not retried. nats-py's KeyValue.update takes no TTL, so this publishes to
-        the key's subject as that update does. Needs `dedup_ttl`."""
+        is left alone: not retried. `written`: (revision, head) as this process wrote it
+        (`claim_dedup_head`), taken as the read: the key is as written unless the write
+        conflicts, and then it is read. nats-py's KeyValue.update takes no TTL, so this
+        publishes to the key's subject as that update does. Needs `dedup_ttl`."""
         stream = f"KV_{S.BUCKET_DEDUP}"
         subject = f"$KV.{S.BUCKET_DEDUP}.{S.dedup_key_of(svc, dedup)}"
+        if written is not None and may_expire(written[1]):
+            try:
+                await self.acks.publish(subject, to_json(written[1]), ttl_s=ttl_s, headers={
+                    "Nats-Expected-Last-Subject-Sequence": str(written[0])})
+                return True
+            except APIError as exc:
+                if not is_conflict(exc):
+                    raise  # written over since: read it, as without `written`
         try:  # from the bucket's stream leader (its buckets take no direct gets)
             msg = await self.js.get_msg(stream, subject=subject)
         except NotFoundError:
@@ -106,19 +125,19 @@ class Buckets:
 
     async def compare_and_set(self, kv: KeyValue, bucket: str, key: str,
                               decide: Callable[[bytes | None], tuple[bytes | None, T]], *,
-                              absent: bool = False) -> T:
+                              absent: bool = False) -> tuple[T, int]:
         """Read `key` (None when absent or deleted), let `decide` say what to write (None: write
         nothing) and what to return, and write it only if the key is still as read: created
-        when it was absent, else updated at the revision read. On a conflict read again and
-        decide again, so `decide` must be pure. StateConflict when every attempt lost.
+        when it was absent, else updated at the revision read; (what `decide` returned, the
+        revision written or 0 when nothing was). On a conflict read again and decide again,
+        so `decide` must be pure. StateConflict when every attempt lost.
         With `absent` (the caller expects a new key) the create is tried without a read, one
         round trip instead of two; a conflict, or nothing to write, falls back to reading."""
         if absent:
             value, result = decide(None)
             if value is not None:
                 try:
-                    await kv_create(kv, key, value)
-                    return result
+                    return result, await kv_create(kv, key, value)
                 except APIError as exc:
                     if not is_conflict(exc):
                         raise
@@ -129,13 +148,11 @@ class Buckets:
             current, revision = await self.kv_read(kv, bucket, key, leader)
             value, result = decide(current)
             if value is None:
-                return result
+                return result, 0
             try:
                 if current is None:
-                    await kv_create(kv, key, value)
-                else:
-                    await kv.update(key, value, last=revision)
-                return result
+                    return result, await kv_create(kv, key, value)
+                return result, await kv.update(key, value, last=revision)
             except APIError as exc:
                 if not is_conflict(exc):
                     raise

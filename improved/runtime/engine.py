@@ -23,6 +23,7 @@ enters a pass comes through `runtime.intake` and `runtime.signed_acts`.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ from improved.runtime.metrics import Metrics
 from improved.runtime.passes import ProposalLocks
 from improved.runtime.policy_chain import PolicyInForce
 from improved.runtime.publishing import Publisher
-from improved.runtime.records import ChainRecords
+from improved.runtime.records import CACHE_SIZE, ChainRecords
 from improved.runtime.service_requests import GrantRevoked, ServiceRequests, ServiceUnreachable
 from improved.runtime.store import Store
 from improved.runtime.trusting import TrustInForce
@@ -108,6 +109,8 @@ class Engine:
         # told the `valid_to` of every review index entry this process writes, so the daemon's
         # expiry sweep wakes when the earliest is due (`Upkeep.expiries`)
         self.on_indexed: Callable[[int], None] | None = None
+        # proposal id → (revision, head) of the dedup head this process wrote for it
+        self._heads: OrderedDict[str, tuple[int, DedupHead]] = OrderedDict()
         # applied proposals awaiting their measurement: proposal id → (review_after, service);
         # only a wake-up call (the pass it makes decides from the chain), see `due_reviews`
         self.reviews: dict[str, tuple[int, str]] = {}
@@ -132,11 +135,26 @@ class Engine:
         chain of the proposal the bucket names says (`propose.stands_over`); the head read is
         left in `seen["head"]`."""
         head = seen["head"] = await self.store.dedup_head(svc, dedup)
+        return await self.standing_over(svc, head, pid, proposal, dedup)
+
+    async def standing_over(self, svc: str, head: DedupHead | None, pid: str,
+                            proposal: Proposal, dedup: str) -> str | None:
+        """The newer content the dedup head `head` names that still supersedes `proposal`, if
+        any, as its chain says (`propose.stands_over`)."""
         if head is None or head.proposal_id == pid:
             return None
         other = await self.records.truth(svc, head.proposal_id)
         return other.proposal_id if other is not None and propose.stands_over(
             other, proposal, pid, dedup) else None
+
+    def claimed(self, pid: str, revision: int, head: DedupHead) -> None:
+        """This process wrote `head` (naming `pid`) at `revision`: its close may give it its TTL
+        by a compare-and-set from there, without reading the key (`_expire_head`)."""
+        if revision:
+            self._heads[pid] = (revision, head)
+            self._heads.move_to_end(pid)
+            while len(self._heads) > CACHE_SIZE:
+                self._heads.popitem(last=False)
 
     async def handle(self, svc: str, pid: str, ingest: Ingest, proposal: Proposal | None,
                      republish: bool, dispatch: bool = True, fresh: bool = False,
@@ -249,7 +267,8 @@ class Engine:
         try:
             await self.store.expire_dedup_head(
                 record.service, record.dedup_key, self.records_ttl_s,
-                lambda head: propose.head_may_expire(record, head))
+                lambda head: propose.head_may_expire(record, head),
+                self._heads.pop(record.proposal_id, None))
         except Exception as exc:
             log.info("dedup head kept without a TTL", proposal_id=record.proposal_id,
                      error=f"{type(exc).__name__}: {exc}")

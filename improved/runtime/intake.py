@@ -57,26 +57,43 @@ class Intake:
         future = propose.future_dated(proposal, now_ms())  # claims nothing; triage rejects it
         # Newer content that still stands under the key supersedes this one: then nothing of
         # this one is sent (decided below, before anything else carries it on).
-        seen: dict[str, DedupHead | None] = {}  # the head as `Engine.standing_head` read it
-        standing = (None if future or not dispatch  # without dispatch nothing is sent anyway
-                    else await self.engine.standing_head(svc, dedup, pid, proposal, seen))
+        seen: dict[str, DedupHead | None] = {}  # the head as it was before this one's claim
+        ledger: dict[str, LedgerEntry | None] = {}
+        if not future and pid not in self.records.cache:
+            # most likely new: claim the key first (a create, no read) and read the ledger
+            # beside it; what the key held before says whether newer content stands
+            (seen["head"], written), ledger["entry"] = await asyncio.gather(
+                self.store.claim_dedup_head(svc, dedup, pid, proposal.created_at, absent=True),
+                self.store.ledger_get(svc, dedup))
+            self.engine.claimed(pid, written, DedupHead(proposal_id=pid,
+                                                        created_at=proposal.created_at))
+            standing = (await self.engine.standing_over(svc, seen["head"], pid, proposal, dedup)
+                        if dispatch else None)
+        else:
+            standing = (None if future or not dispatch  # without dispatch nothing is sent
+                        else await self.engine.standing_head(svc, dedup, pid, proposal, seen))
         dispatch_now = dispatch and standing is None
 
         async def prepare() -> triage.Rejection | None:
             """Under the proposal's lock, by whoever registers it: claim the dedup_key (a crash
             before the registration leaves the message unacknowledged, so it is claimed again
-            on redelivery) and read the rejection ledger, both at once. The ledger is read
-            whatever the key held: a head leaves the bucket once its proposal has been closed
-            for `records_ttl_days` (`propose.head_may_expire`), a ledger entry never does. An
-            entry only names the rejected proposal: its chain says whether an operator
-            rejected it (`_rejection`)."""
+            on redelivery) and read the rejection ledger, both at once — unless both were done
+            above. The ledger is read whatever the key held: a head leaves the bucket once its
+            proposal has been closed for `records_ttl_days` (`propose.head_may_expire`), a
+            ledger entry never does. An entry only names the rejected proposal: its chain says
+            whether an operator rejected it (`_rejection`)."""
             if future:
                 return None
-            # a key just read as absent is most likely still absent: create without a read
-            head, rejected = await asyncio.gather(
-                self.store.set_dedup_head(svc, dedup, pid, proposal.created_at,
-                                          absent=seen.get("head", 0) is None),
-                self.store.ledger_get(svc, dedup))
+            if "entry" in ledger:
+                head, rejected = seen["head"], ledger["entry"]
+            else:
+                # a key just read as absent is most likely still absent: create without a read
+                (head, written), rejected = await asyncio.gather(
+                    self.store.claim_dedup_head(svc, dedup, pid, proposal.created_at,
+                                                absent=seen.get("head", 0) is None),
+                    self.store.ledger_get(svc, dedup))
+                self.engine.claimed(pid, written, DedupHead(proposal_id=pid,
+                                                            created_at=proposal.created_at))
             if head is not None and head.proposal_id != pid:
                 claim["head"] = head
             return await self._rejection(svc, dedup, pid, rejected)

@@ -74,8 +74,9 @@ class Observing:
                 return (None if new == window else observe.encode(new)), candidates
 
             key = S.window_key(analyzer.id, svc, target)
-            found += [(analyzer.id, c) for c in await self.store.compare_and_set(
-                self.store.windows, S.BUCKET_WINDOWS, key, step, absent=key not in self._known)]
+            made, _ = await self.store.compare_and_set(
+                self.store.windows, S.BUCKET_WINDOWS, key, step, absent=key not in self._known)
+            found += [(analyzer.id, c) for c in made]
             self._known[key] = None
             self._known.move_to_end(key)
             while len(self._known) > KNOWN_KEYS:
