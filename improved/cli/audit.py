@@ -456,8 +456,8 @@ async def _archive(url: str | Target, config: Config, directory: Path, remove: b
     from nats.js.errors import APIError
 
     from improved.client.archive import epoch_file, read_seals
-    from improved.runtime.archive import export as export_epoch
-    from improved.runtime.archive import remove as remove_epoch
+    from improved.client.archiving import export as export_epoch
+    from improved.client.archiving import remove as remove_epoch
 
     trusted = trusted_daemons(config)
     async with deployment(url, bind=False) as store:

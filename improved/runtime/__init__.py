@@ -2,11 +2,12 @@
 imperative shell"): `daemon` (start, serve, drain) and what it runs — `inbound` (the shared
 consumer's jobs), `request_reply` and `admission` (the request handlers), `upkeep` (the
 periodic passes), `index_checks`; `engine` (one proposal's pass: load, ask the planner, carry
-out one step at a time) and what a pass relies on — `intake`, `signed_acts`, `trusting`,
+out one step at a time; `commits`, what it decided appended as one message) and what a pass
+relies on — `intake`, `signed_acts`, `trusting`,
 `autonomy`, `records`, `service_requests`, `publishing`, `checkpointer`, `policy_chain`,
 `passes`; `store` (one face over JetStream: `provisioning`, `audit_log` (the appends),
-`buckets`, `retained` (the index writes), `grant_reads`, `conflicts`); `archive` (sealing,
-exporting and removing epochs of the log), `anchor` (writing the kept checkpoint), `clock`,
+`buckets`, `retained` (the index writes), `grant_reads`, `conflicts`); `archive` (sealing
+epochs of the log), `anchor` (writing the kept checkpoint), `clock`,
 `metrics`, `notify`, `bus` (the embedded nats-server), `accounts` (its users), `observing`,
 `surfaces`. Connecting, the configuration, keys, the chain append, every read of a deployment
 and every verifier an auditor runs are the client's (`improved.client`): the shell stands on
