@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from improved.client.checkpointing import Entry
+from improved.client.audit_log import Entry
 from improved.client.deployment import Deployment
 from improved.core import audit, epochs
 from improved.core.epochs import Seal

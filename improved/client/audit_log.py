@@ -36,6 +36,22 @@ async def _nothing_pending(sub: JetStreamContext.PullSubscription) -> bool:
         return False
 
 
+Entry = tuple[int, str, dict[str, Any] | None, dict[str, str]]
+
+
+async def covering(entries: AsyncIterator[Entry]) -> AsyncIterator[tuple[Entry, bool]]:
+    """Each trailer `follow` gives, with whether the next one is a later trailer of the same
+    message (same subject and stream sequence): one the commit's last signature vouches for
+    (`audit.covering`). A trailer is held until the next one arrives."""
+    held: Entry | None = None
+    async for entry in entries:
+        if held is not None:
+            yield held, entry[0] == held[0] and entry[1] == held[1]
+        held = entry
+    if held is not None:
+        yield held, False
+
+
 def _chain_key(subject: str) -> tuple[str, str]:
     """(service token, chain id) of an audit subject `improve.audit.<svc>.<id>`."""
     return S.token(subject, 2) or "", S.token(subject, 3) or ""

@@ -101,11 +101,12 @@ class ChainWriter(Deployment):
     async def append_commit(self, subject: str, trailers: list[Trailer],
                             expected_seq: int) -> int:
         """Append `trailers` (consecutive trailers of the chain on `subject`) in one message,
-        only if the chain's last message is at `expected_seq`, each signed with this writer's
-        key: one trailer as itself, several as a `TrailerCommit`. The message's stream
-        sequence, which every trailer of it shares."""
+        only if the chain's last message is at `expected_seq`: one trailer as itself, several
+        as a `TrailerCommit`. The last is signed with this writer's key, which vouches for the
+        others through the hash links (`audit.covering`). The message's stream sequence,
+        which every trailer of it shares."""
         if self.signer is not None:
-            trailers = [evidence.sign(t, self.signer) for t in trailers]
+            trailers = [*trailers[:-1], evidence.sign(trailers[-1], self.signer)]
         body = to_json(trailers[0] if len(trailers) == 1 else TrailerCommit(trailers=trailers))
         headers = {"Nats-Expected-Last-Subject-Sequence": str(expected_seq)}
         try:

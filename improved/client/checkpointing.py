@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from improved.client.audit_log import Entry, covering
 from improved.client.deployment import Deployment
 from improved.core import audit, checkpoint, evidence, indexes, merkle
 from improved.core.checkpoint import Anchor, Checkpoint, StreamView
@@ -30,7 +31,6 @@ from improved.protocol import subjects as S
 
 CP_SUBJECT = S.checkpoint_audit(checkpoint.CHECKPOINT_ID)
 # (stream seq, subject, body, headers)
-Entry = tuple[int, str, dict[str, Any] | None, dict[str, str]]
 EXPECTED_LAST = "Nats-Expected-Last-Subject-Sequence"
 
 
@@ -67,10 +67,10 @@ class _Timed:
         return self.trust.start()
 
     def problem(self, body: dict[str, Any], chain_id: str, stream_seq: int,
-                state: object) -> str | None:
+                state: object, covered: bool = False) -> str | None:
         started = time.perf_counter()
         try:
-            return self.trust.problem(body, chain_id, stream_seq, state)
+            return self.trust.problem(body, chain_id, stream_seq, state, covered)
         finally:
             self.since.writers_s += time.perf_counter() - started
 
@@ -174,7 +174,7 @@ async def verify_since(store: Deployment, base: Anchor, view: StreamView,
     ends = _Ends(sealed)
     if source is None:
         source = store.follow(S.AUDIT_FILTER, start, view.last_seq)
-    async for seq, subject, body, headers in source:
+    async for (seq, subject, body, headers), covered in covering(source):
         since.read += 1
         ends.passed(seq, since, roots)
         if gaps.reach(seq):
@@ -184,7 +184,8 @@ async def verify_since(store: Deployment, base: Anchor, view: StreamView,
             continue
         started = time.perf_counter()
         problem = None if subject in broken else \
-            await _step(store, runs, subject, body, headers, seq, timed, since, base.last_seq)
+            await _step(store, runs, subject, body, headers, seq, timed, since, base.last_seq,
+                        covered)
         since.verify_s += time.perf_counter() - started
         if problem is not None:
             if not every_chain:
@@ -259,9 +260,9 @@ def _at_the_end(since: Since, view: StreamView, gaps: _Gaps, archived: Seal | No
 
 async def _step(store: Deployment, runs: OrderedDict[str, audit.ChainRun], subject: str,
                 body: dict[str, Any], headers: dict[str, str], seq: int, trust: _Timed,
-                since: Since, base_seq: int) -> str | None:
+                since: Since, base_seq: int, covered: bool) -> str | None:
     """Verify one trailer in its chain, opening the chain's run when it is not held; why it
-    does not verify, or None."""
+    does not verify, or None. `covered`: a later trailer of its message follows."""
     run = runs.get(subject)
     if run is None:
         opened = await _open(store, subject, body, headers, seq, trust, base_seq)
@@ -275,7 +276,7 @@ async def _step(store: Deployment, runs: OrderedDict[str, audit.ChainRun], subje
             runs.popitem(last=False)
     else:
         runs.move_to_end(subject)
-    brk = audit.verify_next(run, body, trust, seq)
+    brk = audit.verify_next(run, body, trust, seq, covered)
     return None if brk is None else str(brk)
 
 
@@ -403,11 +404,11 @@ async def _open(store: Deployment, subject: str, body: dict[str, Any], headers: 
                     pred[0] <= base_seq)
     run = audit.ChainRun.start(chain_id, trust, filed)
     began = 0
-    for earlier_seq, earlier in await store.read_chain_at(subject):
-        if earlier_seq >= seq:
-            break
+    chain = [(q, b) for q, b in await store.read_chain_at(subject) if q < seq]
+    for (earlier_seq, earlier), covered in zip(chain, audit.covering([q for q, _ in chain]),
+                                               strict=True):
         began = began or earlier_seq
-        brk = audit.verify_next(run, earlier, trust, earlier_seq)
+        brk = audit.verify_next(run, earlier, trust, earlier_seq, covered)
         if brk is not None:
             return str(brk)
     return run, began <= base_seq

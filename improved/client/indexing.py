@@ -20,6 +20,7 @@ from typing import Literal
 import msgspec
 
 from improved.client.archive import SEAL_SUBJECT
+from improved.client.audit_log import covering
 from improved.client.chain_writer import decode_trailer
 from improved.client.checkpointing import CP_SUBJECT
 from improved.client.deployment import Deployment
@@ -153,13 +154,13 @@ async def _unmoved_since(store: Deployment, last_seq: int, name: str,
     if view.last_seq - last_seq > SINCE_MAX:
         return False
     expected = last_seq + 1
-    async for seq, subject, body, _ in store.follow(S.AUDIT_FILTER, last_seq + 1,
-                                                    view.last_seq):
-        if seq != expected or body is None:
-            return False
+    async for (seq, subject, body, _), covered in covering(
+            store.follow(S.AUDIT_FILTER, last_seq + 1, view.last_seq)):
+        if seq not in (expected, expected - 1) or body is None:  # the trailers of a commit
+            return False                                          # share its sequence
         expected = seq + 1
         if trust is not None and trust.problem(body, S.token(subject, 3) or "", seq,
-                                               trust.start()) is not None:
+                                               trust.start(), covered) is not None:
             return False
         refs = body.get("refs")
         if name in indexes.moves(refs if isinstance(refs, list) else ()):
@@ -199,7 +200,8 @@ async def from_chains(store: Deployment, start: int, upto: int | None,
     runs: dict[str, audit.ChainRun] = {}
     dropped: set[str] = set()
     at: dict[str, int] | None = None
-    async for seq, subject, body, _ in store.follow(S.AUDIT_FILTER, start, upto):
+    async for (seq, subject, body, _), covered in covering(
+            store.follow(S.AUDIT_FILTER, start, upto)):
         if at is None and at_seq is not None and seq > at_seq:
             at = counts_of(records)
         if body is None or subject in dropped or not epochs.is_proposal_chain(subject):
@@ -212,7 +214,7 @@ async def from_chains(store: Deployment, start: int, upto: int | None,
                 continue
             run = runs[subject] = audit.ChainRun.start(key[1], trust)
         try:
-            if audit.verify_next(run, body, trust, seq) is not None:
+            if audit.verify_next(run, body, trust, seq, covered) is not None:
                 raise ValueError("does not verify")
             trailer = decode_trailer(body)
             record = records.get(key)

@@ -37,12 +37,22 @@ REASON_LIMIT = 500
 class Authenticity(Protocol):
     """What a reader trusts beyond hashes (`evidence.ChainTrust`): `start()` opens one chain's
     pass, `problem` names why a trailer was not written by a trusted daemon or does not rest
-    on a valid signed act, or None."""
+    on a valid signed act, or None. `covered`: a later trailer of the same message (a commit)
+    follows it in its chain, whose signature vouches for it through the links (`covering`)."""
 
     def start(self) -> object: ...
 
     def problem(self, body: dict[str, Any], chain_id: str, stream_seq: int,
-                state: object) -> str | None: ...
+                state: object, covered: bool = False) -> str | None: ...
+
+
+def covering(seqs: Sequence[int]) -> list[bool]:
+    """For the trailers of one chain at stream sequences `seqs`, in order: whether each is
+    followed by a later trailer of the same message (a commit shares one sequence), so the
+    signature of the commit's last trailer vouches for it. A commit is signed once, on its
+    last trailer: the hash links from it back to the commit's first make that one signature
+    cover every trailer of the commit, and the last trailer of every message is checked."""
+    return [0 < seq == after for seq, after in zip(seqs, [*seqs[1:], 0], strict=False)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,9 +270,10 @@ class ChainRun:
 
 
 def verify_next(run: ChainRun, body: Any, trust: Authenticity | None = None,
-                stream_seq: int = 0) -> Break | None:
+                stream_seq: int = 0, covered: bool = False) -> Break | None:
     """Check one more trailer of `run`'s chain — its hash and link, the lifecycle, and with
-    `trust` its writer and signed act — and advance the run; the break, if it is one."""
+    `trust` its writer and signed act — and advance the run; the break, if it is one.
+    `covered`: the next trailer fed is a later one of the same message (`covering`)."""
     at = run.position
     problem, derived = _link(body, run.chain_id, at, run.prev)
     status = run.status
@@ -271,7 +282,7 @@ def verify_next(run: ChainRun, body: Any, trust: Authenticity | None = None,
     if problem is None:
         status, problem = lifecycle_step(status, at, body)
     if problem is None and trust is not None:
-        problem = trust.problem(body, run.chain_id, stream_seq, run.acts)
+        problem = trust.problem(body, run.chain_id, stream_seq, run.acts, covered)
     if problem is not None:
         return Break(run.chain_id, at, problem)
     run.position, run.prev, run.status = at + 1, derived, status
@@ -280,13 +291,16 @@ def verify_next(run: ChainRun, body: Any, trust: Authenticity | None = None,
 
 def verify_writers(proposal_id: str, bodies: Sequence[dict[str, Any]], trust: Authenticity,
                    seqs: Sequence[int] | None = None) -> Break | None:
-    """The writing daemon's signature on every trailer and the signed act on every authority
-    trailer, against the keys trusted at its stream sequence (from `seqs`); trailers a
-    trusted checkpoint already vouches for (`trust.covered_to`) are not checked again.
-    Run on a chain whose links verify."""
+    """The writing daemon's signature on the last trailer of every message (`covering`) and
+    the signed act on every authority trailer, against the keys trusted at its stream
+    sequence (from `seqs`; without them every trailer must be signed); trailers a trusted
+    checkpoint already vouches for (`trust.covered_to`) are not checked again. Run on a chain
+    whose links verify."""
     state = trust.start()
+    covered = covering(seqs) if seqs is not None else [False] * len(bodies)
     for at, body in enumerate(bodies):
-        problem = trust.problem(body, proposal_id, seqs[at] if seqs is not None else 0, state)
+        problem = trust.problem(body, proposal_id, seqs[at] if seqs is not None else 0, state,
+                                covered[at])
         if problem is not None:
             return Break(proposal_id, at, problem)
     return None

@@ -127,7 +127,9 @@ class DaemonWriters:
         return None
 
     def problem(self, body: dict[str, Any], chain_id: str, stream_seq: int,
-                state: object) -> str | None:
+                state: object, covered: bool = False) -> str | None:
+        if covered and not body.get("sig"):
+            return None  # the commit's last trailer carries the signature
         return writer_problem(body, self.daemons)
 
 
@@ -464,11 +466,11 @@ class ChainTrust:
         return ChainActs()
 
     def problem(self, body: dict[str, Any], chain_id: str, stream_seq: int,
-                state: object) -> str | None:
+                state: object, covered: bool = False) -> str | None:
         if not isinstance(state, ChainActs):
             raise TypeError("ChainTrust.problem: state comes from ChainTrust.start")
         check = not 0 < stream_seq <= self.covered_to and body.get("hash") not in self.written
-        if check:
+        if check and not (covered and not body.get("sig")):  # a commit's last one is signed
             runtime = self.earlier_runtimes.get(chain_id)
             writers = self.daemons if runtime is None else self.daemons | {runtime}
             problem = writer_problem(body, writers, self.writer)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from improved.client.sdk import MeshClient
@@ -62,7 +63,8 @@ async def test_an_l0_is_one_commit_up_to_its_dispatch_and_one_for_its_outcome(
     assert stages == [("propose", None), ("triage", "accept"), ("apply", "dispatched")]
     assert (second["to_stage"], second["verdict"]) == ("apply", "applied")
     chain = [*first["trailers"], second]
-    assert all(t["sig"] for t in chain)  # each trailer signed, as if it had its own message
+    # one signature a message, on its last trailer: the links vouch for the rest of a commit
+    assert ["sig" in t for t in chain] == [False, False, True, True]
     assert audit.verify_links(pid, chain) is None
     # the order went out after its intent was on the chain, once
     assert orders == [pid]
@@ -110,6 +112,8 @@ async def test_a_forged_commit_is_a_break_trailer_by_trailer(own_server, tmp_pat
                                observer_type="rec:policy", verdict="dispatched",
                                reason="dispatched")
         await _forge_commit(nc, SVC, pid, [_approval(pid), dispatch], sign_last=True)
+        # the approval is vouched for by the commit's last signature, which is no daemon's;
+        # and it carries no signed act of an operator's: named first
         daemon.engine.records.cache.clear()  # as after a restart: the chain is read again
         reply = await nc.request(S.triage_request(SVC), msgspec.json.encode(
             {"proposal_id": pid}), timeout=5)
@@ -117,7 +121,35 @@ async def test_a_forged_commit_is_a_break_trailer_by_trailer(own_server, tmp_pat
         assert applier.orders == []
         verify = await _verify(own_server.url, config, pid)
         assert verify.returncode == 1
-        assert f"BROKEN {pid} trailer 2: not signed by a daemon" in verify.stdout, verify.stdout
+        assert f"BROKEN {pid} trailer 2: the approve carries no signed act" in verify.stdout, \
+            verify.stdout
+
+
+def _dispatch(verdict: str = "dispatched") -> audit.Draft:
+    return audit.Draft(from_stage="triage", to_stage="apply", actor="improved:x",
+                       observer_type="rec:policy", verdict=verdict, reason=verdict)
+
+
+@pytest.mark.parametrize("sign_last", [False, True])
+async def test_a_commit_no_trusted_daemon_signed_is_a_break_at_its_last_trailer(
+        own_server, tmp_path, sign_last):
+    """Unsigned, or signed by a key of the attacker's own: the commit's first trailer is
+    vouched for only through its last, and the last is named."""
+    config = _config(tmp_path)
+    async with _running(own_server.url, config) as (nc, daemon, client, applier):
+        pid = await _waiting_l2(client, SVC)
+        await _forge_commit(nc, SVC, pid, [_dispatch(), _dispatch("undelivered")],
+                            sign_last=sign_last)
+        verify = await _verify(own_server.url, config, pid)
+        assert verify.returncode == 1
+        why = "which is not a trusted daemon key" if sign_last else "not signed by a daemon"
+        assert f"BROKEN {pid} trailer 3: " in verify.stdout and why in verify.stdout, \
+            verify.stdout
+        daemon.engine.records.cache.clear()
+        reply = await nc.request(S.triage_request(SVC), msgspec.json.encode(
+            {"proposal_id": pid}), timeout=5)
+        assert msgspec.json.decode(reply.data)["error"]["code"] == "chain_broken"
+        assert applier.orders == []
 
 
 async def test_a_commit_replaying_the_daemons_own_trailers_is_a_break(own_server, tmp_path):

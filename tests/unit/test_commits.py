@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from improved.client.chain_writer import trailers_of
-from improved.core import audit, planner, propose
+from improved.core import audit, evidence, planner, propose, signing
 from improved.core.audit import trailers_in
 from improved.core.policy import Policy
 from improved.core.record import PENDING_SEQ, fold, settle
@@ -83,3 +84,46 @@ def test_a_record_folded_while_its_commit_was_pending_settles_to_the_rebuilt_one
     assert trailers_of(body) == commit
     assert [msgspec.convert(b, type=type(commit[0]))
             for b in trailers_in(msgspec.json.decode(body))] == commit
+
+
+def _signed_commit(n: int, key) -> list[dict]:
+    """The bodies of a chain's first `n` trailers written as one commit, as the chain writer
+    writes it: only the last signed."""
+    p = make_proposal(**CASES[0])
+    pid, dedup = propose.identify(p)
+    record, draft = propose.register(p, pid, dedup, POLICY, NOW)
+    trailers = [audit.seal(draft, record, NOW)]
+    record = fold(record, trailers[0], PENDING_SEQ)
+    while len(trailers) < n:
+        step = planner.next_step(record, view(OPEN, NOW, dispatch=True, grant=True), POLICY,
+                                 "improved:test")
+        assert isinstance(step, planner.Commit), step
+        trailers.append(audit.seal(step.draft, record, NOW))
+        record = fold(record, trailers[-1], PENDING_SEQ)
+    trailers[-1] = evidence.sign(trailers[-1], key)
+    return [msgspec.to_builtins(t) for t in trailers]
+
+
+def test_one_signature_on_a_commits_last_trailer_vouches_for_the_commit_and_no_more():
+    key = Ed25519PrivateKey.generate()
+    trust = evidence.DaemonWriters(frozenset({signing.keyid_of(signing.raw_public(
+        key.public_key()))}))
+    bodies = _signed_commit(3, key)
+    pid = bodies[0]["proposal_id"]
+    assert audit.verify_links(pid, bodies) is None
+    assert audit.covering([7, 7, 7]) == [True, True, False]
+    assert audit.covering([]) == [] and audit.covering([0, 0]) == [False, False]
+    assert audit.verify_writers(pid, bodies, trust, [7, 7, 7]) is None
+    # the same trailers read as messages of their own: the unsigned ones are nobody's
+    assert audit.verify_writers(pid, bodies, trust, [7, 8, 8]).seq == 0
+    assert audit.verify_writers(pid, bodies, trust, [7, 7, 8]).seq == 1
+    assert audit.verify_writers(pid, bodies, trust, None).seq == 0  # no sequences: no commits
+    # a commit whose last trailer is unsigned vouches for nothing
+    unsigned = [*bodies[:2]]
+    assert audit.verify_writers(pid, unsigned, trust, [7, 7]).seq == 1
+    # streaming, one trailer at a time, as a verifier of the whole log reads it
+    run = audit.ChainRun.start(pid, trust)
+    for body, covered in zip(bodies, audit.covering([7, 7, 7]), strict=True):
+        assert audit.verify_next(run, body, trust, 7, covered) is None
+    run = audit.ChainRun.start(pid, trust)
+    assert audit.verify_next(run, bodies[0], trust, 7, False).seq == 0
