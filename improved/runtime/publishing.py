@@ -130,8 +130,7 @@ class Publisher:
     async def _republish(self, svc: str, pid: str, trailers: list[Trailer],
                          seqs: list[int]) -> None:
         """Republish one proposal's records and index entry from its chain snapshot, under its
-        lock; when the chain moved on since the snapshot, from the chain as it is now. The
-        state cache is left to fill lazily (`ChainRecords.load`)."""
+        lock; when the chain moved on since the snapshot, from the chain as it is now."""
         lock = await self.locks.acquire(pid)
         try:
             record = propose.rebuild_record(trailers, seqs, self.policy)
