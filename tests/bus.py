@@ -212,6 +212,13 @@ async def publish(nc, subject: str, env) -> None:
     await nc.jetstream().publish(subject, to_json(env))
 
 
+async def chain_ids(daemon, svc: str) -> list[str]:
+    """The ids of the proposals with a chain under `svc` on the audit stream, sorted."""
+    info = await daemon.store.js.stream_info(subjects.STREAM_AUDIT,
+                                             subjects_filter=subjects.audit(svc, "*"))
+    return sorted(s.rsplit(".", 1)[1] for s in (info.state.subjects or {}))
+
+
 async def trailers(daemon, svc, pid):
     """The trailers of `pid`'s audit chain, oldest first."""
     return [b for _, b in await daemon.store.read_chain(svc, pid)]

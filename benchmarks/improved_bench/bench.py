@@ -432,6 +432,7 @@ class Bench:
         await js.publish(S.inbound_proposal(SVC), to_json(first))
         store = Store(nc)
         await store.bind()
+        client = MeshClient(nc, SVC)  # the proposal's retained records
 
         async def until(what: str, done: Callable[[], Awaitable[object]]) -> None:
             deadline = time.monotonic() + 10
@@ -441,8 +442,8 @@ class Bench:
                 await asyncio.sleep(0.05)
 
         async def status() -> str | None:
-            record, _ = await store.load(SVC, pid)
-            return record.status if record is not None and record.decision else None
+            state = await client.state(pid)
+            return state.status if state is not None and await client.decision(pid) else None
 
         await until("the first L2's triage", status)
         review = Review(proposal_id=pid, verdict="approve", principal=OPERATOR,

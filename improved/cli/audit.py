@@ -18,7 +18,6 @@ from improved.cli import ids
 from improved.cli.common import (
     add_connection_args,
     config_of,
-    connected,
     deployment,
     full_id,
     url_of,
@@ -26,11 +25,11 @@ from improved.cli.common import (
 from improved.client import credentials
 from improved.client.config import Config
 from improved.client.connection import Target
-from improved.core import audit, checkpoint, evidence
+from improved.core import audit, checkpoint, evidence, retained
 from improved.core.checkpoint import Anchor
-from improved.core.record import same_state
+from improved.core.record import ProposalRecord, status_at
 from improved.protocol import subjects as S
-from improved.protocol.model import Trailer
+from improved.protocol.model import ProposalState, Trailer, to_json
 
 if TYPE_CHECKING:
     from improved.client.checkpointing import Since
@@ -509,49 +508,69 @@ def cmd_audit_archive(args: argparse.Namespace) -> int:
 
 
 async def _rebuild(url: str | Target, config: Config, write: bool) -> int:
+    """Every proposal's record rebuilt from its chain alone and compared with the ProposalState
+    its retained records hold; with `write`, the retained records of those that differ or are
+    missing published again as the chain says them (`core.retained`)."""
     from improved.core.propose import rebuild_record
-    from improved.runtime.store import Store
 
-    async with connected(url) as nc:
-        store = Store(nc)  # the daemon's state cache, which --write rewrites
-        await store.bind()
-        chains = await store.all_chains()
+    now = int(time.time() * 1000)
+    ttl_s = int(config.records_ttl_days * 86400)
+    async with deployment(url, bind=False) as store:
+        chains = await store.sequenced_chains()
         decoder = msgspec.json.Decoder(Trailer)
-        equal = differ = uncached = broken = foreign = 0
-        for (svc, pid), bodies in sorted(chains.items()):
+        counts = {"equal": 0, "differ": 0, "missing": 0, "broken": 0, "foreign": 0}
+        for (svc, pid), entries in sorted(chains.items()):
             if svc in S.MESH_CHAINS:
                 continue
+            bodies = [body for _, body in entries]
             if audit.verify_chain(pid, bodies, service=svc) is not None:
-                broken += 1
+                counts["broken"] += 1
                 print(f"BROKEN {pid}: not rebuilt (run `improved audit verify {pid}`)")
                 continue
             trailers = [decoder.decode(msgspec.json.encode(b)) for b in bodies]
-            cached, rev = await store.load(svc, pid)
-            seqs = [cached.chain.stream_seq if cached else 0] * len(trailers)
             try:
-                rebuilt = rebuild_record(trailers, seqs, config.policy)
+                rebuilt = rebuild_record(trailers, [seq for seq, _ in entries], config.policy)
             except (ValueError, KeyError, msgspec.MsgspecError) as exc:
-                foreign += 1  # it verifies, but no registration of this daemon's starts it
+                # it verifies, but no registration of this daemon's starts it
+                counts["foreign"] += 1
                 print(f"NOT REBUILDABLE {pid}: {exc}")
                 continue
-            if cached is None:
-                uncached += 1
-            elif same_state(rebuilt, cached):
-                equal += 1
-                continue
-            else:
-                differ += 1
-                print(f"DIFFERS {pid}: cache says {cached.status}/{cached.stage}, "
-                      f"the chain says {rebuilt.status}/{rebuilt.stage}")
-            if write:
-                real = [seq for seq, _ in await store.read_chain(svc, pid)]
-                await store.save(rebuild_record(trailers, real, config.policy), rev)
-        print(f"{equal + differ + uncached} proposals rebuilt from their chains alone: "
-              f"{equal} equal to the cached state, {differ} differ, {uncached} not cached"
-              + (f", {broken} chains broken" if broken else "")
-              + (f", {foreign} chains not rebuildable" if foreign else "")
-              + ("; cache rewritten" if write and (differ or uncached) else ""))
-        return 1 if broken or foreign or (differ and not write) else 0
+            verdict = await _compared(store, rebuilt, now)
+            counts[verdict] += 1
+            if write and verdict != "equal":
+                await _republished(store, rebuilt, now, ttl_s)
+        equal, differ, missing = counts["equal"], counts["differ"], counts["missing"]
+        print(f"{equal + differ + missing} proposals rebuilt from their chains alone: "
+              f"{equal} equal to the retained records, {differ} differ, {missing} not published"
+              + (f", {counts['broken']} chains broken" if counts["broken"] else "")
+              + (f", {counts['foreign']} chains not rebuildable" if counts["foreign"] else "")
+              + ("; retained records republished" if write and (differ or missing) else ""))
+        return 1 if counts["broken"] or counts["foreign"] or (differ and not write) else 0
+
+
+async def _compared(store: Deployment, record: ProposalRecord, now: int) -> str:
+    """How the ProposalState retained for `record`'s proposal compares with those the record
+    may show (`retained.states`): equal, missing (none), or differ (said in one line)."""
+    data = await store.last(S.proposal_state(record.service, record.proposal_id))
+    if not data:
+        return "missing"
+    try:
+        state = msgspec.json.decode(data, type=ProposalState)
+    except msgspec.MsgspecError:
+        print(f"DIFFERS {record.proposal_id}: the retained state is no ProposalState")
+        return "differ"
+    if state in retained.states(record, now):
+        return "equal"
+    print(f"DIFFERS {record.proposal_id}: the retained records say {state.status}/{state.stage}"
+          f", the chain says {status_at(record, now)}/{record.stage}")
+    return "differ"
+
+
+async def _republished(store: Deployment, record: ProposalRecord, now: int, ttl_s: int) -> None:
+    """Publish the retained records `record` shows, as the daemon does (`core.retained`)."""
+    ttl = retained.ttl_of(record, ttl_s)
+    for subject, shown in retained.shown(record, now):
+        await store.js.publish(subject, to_json(shown), stream=S.STREAM_RECORDS, msg_ttl=ttl)
 
 
 def cmd_audit_rebuild(args: argparse.Namespace) -> int:
@@ -612,12 +631,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     rebuild = aud_sub.add_parser(
         "rebuild", help="rebuild every proposal's state from the chains alone",
         description="Replay every proposal's audit chain (its first trailer carries the "
-                    "proposal) into a record and compare it with the cached state. Status is "
-                    "derived from the chain only, so the two must be equal; differences are "
-                    "listed. With --write the cache is replaced by what the chains say. Exits 1 "
-                    "on a broken chain, or on a difference without --write.")
+                    "proposal) into a record and compare it with what its retained records "
+                    "say (its ProposalState on the records stream). Status is derived from "
+                    "the chain only, so the two must be equal; differences are listed. With "
+                    "--write the retained records of the proposals that differ or were not "
+                    "published are published again as the chains say them. Exits 1 on a "
+                    "broken chain, or on a difference without --write.")
     add_connection_args(rebuild)
     rebuild.add_argument("--write", action="store_true",
-                         help="replace cached records that differ (or are missing)")
-    # --write rewrites the state bucket, which only the daemon's user may
+                         help="republish the retained records that differ (or are missing)")
+    # --write publishes retained records, which only the daemon's user may
     rebuild.set_defaults(func=cmd_audit_rebuild, as_user=credentials.DAEMON)

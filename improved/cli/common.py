@@ -133,8 +133,8 @@ def read_input(path: str, what: str) -> bytes:
 
 
 async def chain_record(store: Deployment, svc: str, pid: str) -> ProposalRecord | None:
-    """The record of proposal `pid` as its chain says — never the state cache: None without a
-    chain whose links verify, or with one whose registration cannot be read."""
+    """The record of proposal `pid` as its chain says — never its retained records: None
+    without a chain whose links verify, or with one whose registration cannot be read."""
     from improved.client.chain_writer import decode_trailer
     from improved.core import audit
     from improved.core.policy import Policy

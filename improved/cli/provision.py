@@ -34,6 +34,7 @@ async def provisioned(url: str | Target, replicas: int, records_storage: str,
     try:
         store = Store(nc, replicas, records_storage)
         changes = await store.ensure(strict=True)
+        changes += await store.remove_retired()
         if sweep_ttl_s is not None:
             changes.append(await sweep_dedup(store, sweep_ttl_s))
         return changes
@@ -117,9 +118,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     "IMPROVE_TOOLS_REVOKED (the tool runtimes' spent grants and proofs and "
                     "revoked upgrades: marks nobody can delete, purge or replace; the "
                     "first's sentinel, its first message, is written into one an earlier "
-                    "version made without it), the KV buckets improved_state, improved_dedup, "
-                    "improved_ledger, improved_windows and improved_learned, and the inbound "
-                    "durable consumer. It looks first and "
+                    "version made without it), the KV buckets improved_dedup, improved_ledger, "
+                    "improved_windows and improved_learned, and the inbound durable consumer; "
+                    "the bucket improved_state an earlier version kept is removed. It looks "
+                    "first and "
                     "changes only what is missing or differs, so running it again is safe; "
                     "it prints each change. With deploy/accounts.conf the daemon's user may "
                     "not do this (it cannot create, update, delete or purge the audit stream, "

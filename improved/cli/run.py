@@ -116,7 +116,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Run the daemon until SIGTERM/SIGINT, then drain and exit 0. Without --nats "
                     "(nor $IMPROVED_NATS_URL, nor nats_url in the config) it starts an embedded nats-server with "
                     "JetStream under --data-dir and prints where it listens. Streams, the "
-                    "consumer and the state bucket are created if missing, so starting twice "
+                    "consumer and the buckets are created if missing, so starting twice "
                     "against the same server is safe; with deploy/accounts.conf the daemon's "
                     "user may not create or change them, so run `improved provision` with the "
                     "provisioning credential first. --accounts gives the embedded server the "

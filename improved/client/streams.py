@@ -304,12 +304,10 @@ class Streams:
         return await self._ensure_stream(cfg)
 
 
-    async def existing_buckets(self) -> tuple[KeyValue, KeyValue, KeyValue]:
-        """The daemon's state, dedup and ledger buckets, found without creating anything (how
-        a read-only command attaches to a deployment)."""
-        return (await self._look(f"bucket {S.BUCKET_STATE}",
-                                 lambda: self.js.key_value(S.BUCKET_STATE)),
-                await self._look(f"bucket {S.BUCKET_DEDUP}",
+    async def existing_buckets(self) -> tuple[KeyValue, KeyValue]:
+        """The daemon's dedup and ledger buckets, found without creating anything (how a
+        read-only command attaches to a deployment)."""
+        return (await self._look(f"bucket {S.BUCKET_DEDUP}",
                                  lambda: self.js.key_value(S.BUCKET_DEDUP)),
                 await self._look(f"bucket {S.BUCKET_LEDGER}",
                                  lambda: self.js.key_value(S.BUCKET_LEDGER)))

@@ -85,7 +85,6 @@ STREAM_TOOLS_AUDIT = "IMPROVE_TOOLS_AUDIT"
 STREAM_TOOLS_SPENT = "IMPROVE_TOOLS_SPENT"
 STREAM_TOOLS_REVOKED = "IMPROVE_TOOLS_REVOKED"
 CONSUMER_INBOUND = "improved-loop"
-BUCKET_STATE = "improved_state"
 BUCKET_DEDUP = "improved_dedup"  # dedup_key → the newest proposal under it (supersession)
 BUCKET_LEDGER = "improved_ledger"  # dedup_key → the operator's rejection (the rejection ledger)
 BUCKET_WINDOWS = "improved_windows"  # analyzer, service, target → its window (stage 1, observe)
@@ -307,11 +306,6 @@ def quorum_record(pid: str) -> str:
 PROPOSE_REQUESTS = "*.improve.propose"
 TRIAGE_REQUESTS = "*.improve.triage"
 REFINE_REQUESTS = "*.improve.refine"
-
-
-def state_key(svc: str, pid: str) -> str:
-    """KV key of a proposal's cached state (KV keys allow dots, so this mirrors the subject)."""
-    return f"{svc}.{pid}"
 
 
 def window_key(analyzer_id: str, svc: str, target_ref: str) -> str:

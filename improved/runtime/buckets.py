@@ -1,7 +1,6 @@
-"""The KV buckets a pass reads and writes besides the chains: the state cache (each proposal's
-record, rebuildable from its chain), the dedup heads (the newest proposal per dedup_key) and
-the rejection ledger. Each is a hint anyone on the bus could write: a value that is no such
-entry reads as none (`decoded`), and the chain decides.
+"""The KV buckets a pass reads and writes besides the chains: the dedup heads (the newest
+proposal per dedup_key) and the rejection ledger. Each is a hint anyone on the bus could
+write: a value that is no such entry reads as none (`decoded`), and the chain decides.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from nats.js.kv import KeyValue
 from improved.client.acks import Acks
 from improved.client.chain_writer import MAX_APPEND_ATTEMPTS, pause_after_conflict
 from improved.client.streams import decoded, is_conflict
-from improved.core.record import ProposalRecord, record_decoder, record_encoder
 from improved.protocol import subjects as S
 from improved.protocol.model import (
     DedupHead,
@@ -36,11 +34,10 @@ ledger_entry_decoder = msgspec.json.Decoder(LedgerEntry)
 
 
 class Buckets:
-    """The state cache, the dedup heads and the rejection ledger, opened by `Provisioning`."""
+    """The dedup heads and the rejection ledger, opened by `Provisioning`."""
 
     js: JetStreamContext
     acks: Acks
-    kv: KeyValue
     dedup: KeyValue
     ledger: KeyValue
 
@@ -190,32 +187,3 @@ class Buckets:
         except KeyNotFoundError:
             return None
         return decoded(ledger_entry_decoder, entry.value)
-
-    async def load(self, svc: str, pid: str) -> tuple[ProposalRecord | None, int]:
-        try:
-            entry = await self.kv.get(S.state_key(svc, pid))
-        except KeyNotFoundError:
-            return None, 0
-        if entry.value is None:
-            return None, entry.revision or 0
-        return record_decoder.decode(entry.value), entry.revision or 0
-
-    async def save(self, record: ProposalRecord, revision: int) -> int:
-        key = S.state_key(record.service, record.proposal_id)
-        data = record_encoder.encode(record)
-        try:
-            if revision == 0:
-                return await kv_create(self.kv, key, data)
-            return await self.kv.update(key, data, last=revision)
-        except APIError as exc:
-            if is_conflict(exc):
-                raise StateConflict(key) from exc
-            raise
-
-    async def keys(self) -> list[str]:
-        """The keys of every cached record (a marker an earlier version kept here left out)."""
-        try:
-            keys = await self.kv.keys()
-        except Exception:  # nats-py raises NoKeysError on an empty bucket
-            return []
-        return [k for k in keys if not k.startswith("_")]

@@ -22,4 +22,4 @@ async def kv_create(kv: KeyValue, key: str, value: bytes) -> int:
 
 
 class StateConflict(Exception):
-    """Someone updated the cached record since we read it."""
+    """A compare-and-set on a bucket lost every attempt: the key kept changing under it."""

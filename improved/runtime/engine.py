@@ -1,7 +1,7 @@
 """The pipeline that carries out the planner's steps for one proposal: load its record, let a
 pure stage ingest the input, commit the decision as a trailer, ask the planner for the next
-step and carry it out (an ApplyOrder, an LKG check, a measurement, a rollback), then cache the
-record and publish its retained records once.
+step and carry it out (an ApplyOrder, an LKG check, a measurement, a rollback), then remember
+the record and publish its retained records once.
 
 Every step is idempotent on the proposal id. The chain append is the commit point (see store);
 when it conflicts — a redelivery, a restart after a crash, a second replica — the engine
@@ -119,14 +119,14 @@ class Engine:
 
     async def advance(self, svc: str, pid: str, republish: bool = False) -> Handled:
         """No new input: carry the proposal on (triage request, apply retry)."""
-        return await self.handle(svc, pid, lambda record, now: None, None, republish,
+        return await self.handle(svc, pid, lambda record, now: None, republish,
                                  fresh=True)
 
     async def supersede(self, svc: str, old: str, new: str) -> Handled:
         """Mark `old` superseded by `new` (same dedup_key, new content)."""
         return await self.handle(
             svc, old, lambda record, now: _onto(record, propose.supersede(record, new, self.actor))
-            if record is not None else None, None, False)
+            if record is not None else None, False)
 
     async def standing_head(self, svc: str, dedup: str, pid: str,
                              proposal: Proposal, seen: dict[str, DedupHead | None]
@@ -156,14 +156,14 @@ class Engine:
             while len(self._heads) > CACHE_SIZE:
                 self._heads.popitem(last=False)
 
-    async def handle(self, svc: str, pid: str, ingest: Ingest, proposal: Proposal | None,
-                     republish: bool, dispatch: bool = True, fresh: bool = False,
+    async def handle(self, svc: str, pid: str, ingest: Ingest, republish: bool,
+                     dispatch: bool = True, fresh: bool = False,
                      optimistic: bool = False,
                      prepare: Callable[[], Awaitable[triage.Rejection | None]] | None = None,
                      on_change: Callable[[ProposalRecord], Awaitable[None]] | None = None,
                      ) -> Handled:
-        """Load, ingest, advance, then cache and publish once. `fresh` skips this process's
-        cache (a request's reply should see what other replicas did)."""
+        """Load, ingest, advance, then remember and publish once. `fresh` skips this process's
+        memory (a request's reply should see what other replicas did)."""
         lock = await self.locks.acquire(pid)
         self.commits.begin(pid)
         try:
@@ -171,15 +171,8 @@ class Engine:
                 if attempt:
                     await pause_after_conflict(attempt - 1)
                 try:
-                    if optimistic and pid not in self.records.cache:
-                        record, rev = None, 0
-                    else:
-                        record, rev = await self.records.load(svc, pid, fresh)
-                        if record is None and proposal is None:
-                            # not a registration: the cache may just be empty (a broker
-                            # restart wipes it); the chain is the truth
-                            if await self.records.resync(svc, pid, None) is not None:
-                                record, rev = await self.records.load(svc, pid, True)
+                    record = None if optimistic and pid not in self.records.cache \
+                        else await self.records.load(svc, pid, fresh)
                     before = record
                     rejected = await prepare() if record is None and prepare else None
                     now = now_ms()
@@ -192,20 +185,19 @@ class Engine:
                         record = await self._advance(record, dispatch, rejected)
                     except ServiceUnreachable as exc:
                         # What was decided stands and is published; the apply waits.
-                        await self._settle(await self._append(exc.record or record), rev,
-                                           before, republish)
+                        await self._settle(await self._append(exc.record or record), before,
+                                           republish)
                         raise
                     record = await self._append(record)
                     changed = record != before
                     if changed and on_change is not None:
                         await on_change(record)
-                    await self._settle(record, rev, before, republish)
+                    await self._settle(record, before, republish)
                     return Handled(record, changed)
                 except ChainConflict:
                     self.commits.discard(pid)
                     log.info("chain moved, rebuilding from it", proposal_id=pid)
-                    self.records.cache.pop(pid, None)
-                    await self.records.resync(svc, pid, proposal)
+                    self.records.cache.pop(pid, None)  # the next attempt reads the chain
                     republish = True
                     fresh = True
                     optimistic = False
@@ -215,10 +207,9 @@ class Engine:
             self.commits.end(pid)  # what was not appended did not happen
             self.locks.release(pid, lock)
 
-    async def _settle(self, record: ProposalRecord, rev: int, before: ProposalRecord | None,
+    async def _settle(self, record: ProposalRecord, before: ProposalRecord | None,
                       republish: bool) -> None:
-        """After the chain moved: cache the record once and publish the retained records, both
-        at the same time (the cache is rebuildable, so a lost save only costs a rebuild), the
+        """After the chain moved: remember the record and publish the retained records, the
         review index entry when the operator's queue changed (`queue.change`: never for an L0
         proposal), and the measurement index entry when a measurement fell due or was made
         (`learnback.due_change`: never for a proposal without review_after). Of the retained
@@ -230,7 +221,7 @@ class Engine:
         republish = republish or self.publisher.owes(pid)
         jobs = []
         if record != before:
-            jobs.append(self.records.save(record, rev))
+            self.records.remember(record)
         if record != before or republish:
             jobs.append(self.publisher.publish_changes(record, republish))
         touched = self.commits.moved(pid)
@@ -462,7 +453,7 @@ class Engine:
     async def rolled_back(self, svc: str, original: str, inverse: ProposalRecord) -> None:
         handled = await self.handle(
             svc, original, lambda record, now: _onto(record, apply_stage.rolled_back_by(
-                record, inverse)) if record is not None else None, None, False)
+                record, inverse)) if record is not None else None, False)
         if handled.changed and handled.record is not None and \
                 apply_stage.counts_toward_breaker(handled.record, inverse):
             await self.autonomy.count_autonomous_rollback(handled.record, now_ms())

@@ -54,6 +54,7 @@ from improved.core.inbound import (
     signal_of,
     signed_act,
 )
+from improved.core.record import ProposalRecord
 from improved.core.signing import PAYLOAD_TYPES, envelope_digest
 from improved.protocol import subjects as S
 from improved.protocol import wire
@@ -314,9 +315,7 @@ class InboundConsumer:
                 return False
             if delivered == budget:
                 self.engine.metrics.apply_result("unreachable")
-                record = exc.record
-                if record is None:
-                    record, _ = await self.store.load(S.token(msg.subject, 2) or "", job.key)
+                record = exc.record or await self._truth(S.token(msg.subject, 2) or "", job.key)
                 if record is not None:
                     await self.engine.publisher.publish_unreachable(record, str(exc))
             return await self._park(job, delivered - budget, str(exc))
@@ -346,6 +345,19 @@ class InboundConsumer:
         await msg.ack()
         return False
 
+    async def _truth(self, svc: str, pid: str) -> ProposalRecord | None:
+        """`pid`'s record as this process committed it or as its chain says, to tell watchers
+        its apply is stuck; None when it cannot be read (no such chain, one that does not
+        verify, the broker away): a read that fails decides nothing."""
+        if not svc:
+            return None
+        try:
+            return await self.engine.records.truth(svc, pid)
+        except Exception as exc:
+            log.info("record not read; the apply's outcome is not told", proposal_id=pid,
+                     error=f"{type(exc).__name__}: {exc}")
+            return None
+
     async def _park(self, job: Job, past_budget: int, error: str | None = None) -> bool:
         """Keep a given-up apply's message on a slow retry (see the module's docstring), or,
         with MAX_PARKED already kept, acknowledge it: the proposal stays retryable. True when
@@ -368,12 +380,12 @@ class InboundConsumer:
         """For a message past its delivery budget: is a pass worth making now? Not while
         nothing serves the owning service's apply subject and the proposal has not expired
         (a pass would only record an intent and withdraw it); yes otherwise, and whenever
-        that cannot be told (no such proposal cached, a probe timing out or answered)."""
+        that cannot be told (no such chain, a probe timing out or answered)."""
         if not S.ID_RE.match(job.key):
             return True
         try:
-            svc = await self.store.service_of(job.key)
-            record = (await self.store.load(svc, job.key))[0] if svc else None
+            svc = await self.engine.records.service_of(job.key)
+            record = await self.engine.records.truth(svc, job.key) if svc else None
         except Exception:  # a read that fails decides nothing: make the pass
             return True
         if record is None or not apply_stage.needs_apply(record):

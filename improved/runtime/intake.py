@@ -100,7 +100,7 @@ class Intake:
 
         # A first delivery not in this process's cache is taken for new without a read: if
         # the chain exists after all, the append conflicts and the record is rebuilt.
-        handled = await self.engine.handle(svc, pid, ingest, proposal, republish, dispatch_now,
+        handled = await self.engine.handle(svc, pid, ingest, republish, dispatch_now,
                                     fresh, optimistic=not (fresh or republish), prepare=prepare)
         head = claim.get("head")
         other = await self.records.truth(svc, head.proposal_id) if head is not None else None
@@ -148,7 +148,7 @@ class Intake:
             box["counted"] = counted
             return record, draft
 
-        handled = await self.engine.handle(svc, signal.proposal_id or "", ingest, None, republish,
+        handled = await self.engine.handle(svc, signal.proposal_id or "", ingest, republish,
                                     dispatch=dispatch, fresh=fresh)
         handled.counted = box.get("counted")
         return handled
@@ -172,5 +172,5 @@ class Intake:
             return record, apply_stage.transition(record, result,
                                                   apply_stage.authority(record, self.policy))
 
-        handled = await self.engine.handle(svc, pid, ingest, None, False)
+        handled = await self.engine.handle(svc, pid, ingest, False)
         return handled, taken

@@ -34,7 +34,7 @@ class PolicyInForce:
 
     async def amendment_problem(self) -> str | None:
         """With `quorum` on: why the named constitution edit does not permit it, judged on the
-        record replayed from its verified chain (never the state cache); else None."""
+        record replayed from its verified chain (never a retained record); else None."""
         pid = self.policy.quorum_amendment
         if not self.policy.quorum or pid is None:
             return None

@@ -1,4 +1,4 @@
-"""The deployment's shape: four streams, five buckets and the inbound consumer, made to match this
+"""The deployment's shape: four streams, four buckets and the inbound consumer, made to match this
 configuration by `Provisioning.ensure`, which looks before it changes anything. Under
 deploy/accounts.conf only the provisioning user (`improved provision`) may create or change
 most of them, and the daemon finds them as they should be: a change it may not make gets no
@@ -9,6 +9,7 @@ cluster electing its leaders answers nothing for a while.
 from __future__ import annotations
 
 import structlog
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import (
@@ -40,7 +41,10 @@ INBOUND_MAX_AGE_S = 30 * 24 * 3600
 REFUSED_MAX_AGE_S = 30 * 24 * 3600
 
 
-STATE_TTL_S = 3600.0  # the state cache keeps a record this long after its last write
+# What earlier versions kept and nothing uses any more: the state cache, a copy of each
+# proposal's record that no decision read. `improved provision` removes it; the daemon never
+# touches it.
+RETIRED_BUCKETS = ("improved_state",)
 
 
 def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsapi.StreamConfig]:
@@ -119,7 +123,6 @@ class Provisioning(Streams):
     js: JetStreamContext
     replicas: int
     records_storage: str
-    kv: KeyValue
     dedup: KeyValue
     ledger: KeyValue
     windows: KeyValue
@@ -137,11 +140,6 @@ class Provisioning(Streams):
         for cfg in stream_configs(self.replicas, self.records_storage):
             done += await self._ensure_stream(cfg, strict)
         done += await self._ensure_consumer()
-        # A cache: in memory, filled lazily, since every record can be rebuilt from its chain;
-        # a record untouched for STATE_TTL_S leaves it, so its size follows the traffic
-        self.kv = await self._bucket(S.BUCKET_STATE, "cached proposal records (rebuildable "
-                                     "from the chain)", done, jsapi.StorageType.MEMORY,
-                                     ttl=STATE_TTL_S)
         self.dedup = await self._bucket(S.BUCKET_DEDUP, "newest proposal per dedup_key", done)
         self.dedup_ttl = await self._allow_msg_ttl(S.BUCKET_DEDUP, done, strict)
         self.ledger = await self._bucket(S.BUCKET_LEDGER, "the rejection ledger by dedup_key",
@@ -174,46 +172,34 @@ class Provisioning(Streams):
             return []
         return [f"created {what}" if have is None else f"updated {what} ({', '.join(diff)})"]
 
-    async def _bucket(self, name: str, what: str, done: list[str],
-                      storage: jsapi.StorageType = jsapi.StorageType.FILE,
-                      ttl: float | None = None) -> KeyValue:
+    async def _bucket(self, name: str, what: str, done: list[str]) -> KeyValue:
         """Open a bucket, brought to the configured replicas (an R1 bucket of an earlier
-        deployment becomes R3 when `replicas = 3`) and `ttl`, or create it when missing."""
+        deployment becomes R3 when `replicas = 3`), or create it when missing."""
         try:
             kv = await self._look(f"bucket {name}", lambda: self.js.key_value(name))
         except BucketNotFoundError:
             kv = None
         if kv is not None:
-            done += await self._bucket_replicas(name, ttl)
+            done += await self._bucket_replicas(name)
             return kv
         kv = await self._change(f"bucket {name} is missing", lambda: self.js.create_key_value(
-            bucket=name, history=1, storage=storage, replicas=self.replicas, ttl=ttl,
+            bucket=name, history=1, storage=jsapi.StorageType.FILE, replicas=self.replicas,
             description=f"improved: {what}"), raced=(10058,))
         if kv is None:  # another replica created it meanwhile
             return await self._look(f"bucket {name}", lambda: self.js.key_value(name))
         done.append(f"created bucket {name}")
         return kv
 
-    async def _bucket_replicas(self, name: str, ttl: float | None = None) -> list[str]:
-        """Update the stream under bucket `name` to the configured replicas (and `ttl`, when
-        given) if it has others; the rest of a bucket's settings are the KV layer's."""
-        stream = f"KV_{name}"
-        have = await self._stream_config(stream)
-        if have is None:
+    async def _bucket_replicas(self, name: str) -> list[str]:
+        """Update the stream under bucket `name` to the configured replicas if it has others;
+        the rest of a bucket's settings are the KV layer's."""
+        have = await self._stream_config(f"KV_{name}")
+        if have is None or (have.num_replicas or 1) == self.replicas:
             return []
-        changes = []
-        if (have.num_replicas or 1) != self.replicas:
-            changes.append(f"replicas {have.num_replicas or 1} -> {self.replicas}")
-        if ttl is not None and (have.max_age or 0) != ttl:
-            changes.append(f"ttl {have.max_age or 0:g} s -> {ttl:g} s")
-        if not changes:
-            return []
-        what = f"bucket {name} differs from this configuration ({', '.join(changes)})"
-        await self._change(what, lambda: self.js.update_stream(
-            have.evolve(num_replicas=self.replicas,
-                        max_age=ttl if ttl is not None else have.max_age)),
-            refused="a memory bucket keeps its replicas only while the servers run")
-        return [f"updated bucket {name} ({', '.join(changes)})"]
+        change = f"replicas {have.num_replicas or 1} -> {self.replicas}"
+        await self._change(f"bucket {name} differs from this configuration ({change})",
+                           lambda: self.js.update_stream(have.evolve(num_replicas=self.replicas)))
+        return [f"updated bucket {name} ({change})"]
 
     async def _allow_msg_ttl(self, bucket: str, done: list[str], strict: bool) -> bool:
         """Whether the stream under `bucket` takes per-message TTLs (`allow_msg_ttl`: set on a
@@ -242,4 +228,23 @@ class Provisioning(Streams):
 
     async def bind(self) -> None:
         """Attach to an existing deployment without creating anything (read-only commands)."""
-        self.kv, self.dedup, self.ledger = await self.existing_buckets()
+        self.dedup, self.ledger = await self.existing_buckets()
+
+    async def remove_retired(self) -> list[str]:
+        """Delete the buckets earlier versions kept that nothing uses any more
+        (RETIRED_BUCKETS), best effort: what was removed, and a line for each one that could
+        not be (this user may not, say); one that is not there is left unsaid."""
+        done = []
+        for name in RETIRED_BUCKETS:
+            try:
+                await self.js.delete_key_value(name)
+            except NotFoundError:
+                continue
+            except Exception as exc:  # best effort: it costs storage, never a decision
+                why = ("JetStream did not answer: may this user delete it? deploy/accounts.conf "
+                       "lets improved-admin" if isinstance(exc, TimeoutError | NatsTimeoutError)
+                       else f"{type(exc).__name__}: {exc}")
+                done.append(f"bucket {name} is no longer used and was not removed ({why})")
+                continue
+            done.append(f"removed bucket {name} (no longer used)")
+        return done

@@ -14,9 +14,9 @@ import structlog
 
 from improved.client.chain_writer import decode_trailer
 from improved.core import apply as apply_stage
-from improved.core import authority, indexes, learnback, propose, quorum
+from improved.core import authority, indexes, propose, quorum, retained
 from improved.core.policy import Policy
-from improved.core.record import ProposalRecord, closed, state_of
+from improved.core.record import ProposalRecord, closed
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOutcome, Trailer
 from improved.runtime.clock import now_ms
@@ -76,24 +76,14 @@ class Publisher:
         (`record.closed`), every record carries the TTL `records_ttl_days` (the transition that
         closes it sends all of them again, so none stays behind without one): the records
         stream keeps what is open, not the history."""
-        svc, pid = record.service, record.proposal_id
-        ttl = self.records_ttl_s if self.records_ttl_s and closed(record) else None
+        ttl = retained.ttl_of(record, self.records_ttl_s)
         if ttl is not None and since is not None and not closed(since):
             since = None
-        jobs = [self.store.publish(S.proposal_state(svc, pid), state_of(record, now_ms()), ttl)]
-        if record.decision is not None and (since is None or record.decision != since.decision):
-            jobs.append(self.store.publish(S.triage_decision(svc, pid), record.decision, ttl))
-        if record.outcome is not None and (since is None or record.outcome != since.outcome):
-            jobs.append(self.store.publish(S.apply_outcome(svc, pid), record.outcome, ttl))
+        jobs = [self.store.publish(subject, shown, ttl)
+                for subject, shown in retained.shown(record, now_ms(), since)]
         decided = quorum.quorum_record(record)
         if decided is not None and (since is None or decided != quorum.quorum_record(since)):
-            jobs.append(self.store.publish_once(S.quorum_record(pid), decided))
-        if (len(record.signals) > len(record.proposal.signals or ())
-                or record.measured is not None) and (
-                since is None or record.signals != since.signals
-                or record.measured != since.measured):
-            jobs.append(self.store.publish(S.learn_back(svc, pid),
-                                           learnback.summary(record, record.updated_at), ttl))
+            jobs.append(self.store.publish_once(S.quorum_record(record.proposal_id), decided))
         await asyncio.gather(*jobs)
 
     async def publish_unreachable(self, record: ProposalRecord, error: str) -> None:
@@ -140,8 +130,7 @@ class Publisher:
     async def _republish(self, svc: str, pid: str, trailers: list[Trailer],
                          seqs: list[int]) -> None:
         """Republish one proposal's records and index entry from its chain snapshot, under its
-        lock; when the chain moved on since the snapshot, from the chain as it is now. The
-        state cache is left to fill lazily (`ChainRecords.load`)."""
+        lock; when the chain moved on since the snapshot, from the chain as it is now."""
         lock = await self.locks.acquire(pid)
         try:
             record = propose.rebuild_record(trailers, seqs, self.policy)

@@ -122,8 +122,8 @@ class RequestReply:
         try:
             handled = await self.engine.advance(svc, req.proposal_id, republish=True)
             record = handled.record
-        except ServiceUnreachable:
-            record, _ = await self.store.load(svc, req.proposal_id)
+        except ServiceUnreachable:  # what was decided stands: the record as committed
+            record = await self.engine.records.truth(svc, req.proposal_id)
         if record is None:
             raise ProposalUnknown(f"no proposal {req.proposal_id} for service {svc}")
         if record.decision is None:

@@ -66,7 +66,7 @@ class SignedActs:
                     proposal_id=pid, principal=d.actor, reason=d.rationale, at=d.at,
                     evidence=triage.evidence_digest(rec.proposal)))
 
-        return await self.engine.handle(svc, pid, ingest, None, False, on_change=ledger)
+        return await self.engine.handle(svc, pid, ingest, False, on_change=ledger)
 
     @recorded_act
     async def vote(self, svc: str, pid: str, env: Envelope, act: Act) -> Handled:
@@ -80,7 +80,7 @@ class SignedActs:
 
         ingest = self._signed_act(act, env, self.trust.voters, "vote", Vote, count,
                                   principal_of=lambda v: v.voter)
-        return await self.engine.handle(svc, pid, ingest, None, False)
+        return await self.engine.handle(svc, pid, ingest, False)
 
     def _signed_act(self, act: Act, env: Envelope | None, trust: signing.TrustStore, kind: str,
                     decode_as: type[B],

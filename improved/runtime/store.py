@@ -1,6 +1,6 @@
-"""JetStream streams, the state bucket, and the chain append (DESIGN §7 "store").
+"""JetStream streams, the KV buckets, and the chain append (DESIGN §7 "store").
 
-Four streams, five buckets and the inbound consumer, made to match this configuration by
+Four streams, four buckets and the inbound consumer, made to match this configuration by
 `Store.ensure` (`runtime.provisioning`), which looks before it changes anything: under
 deploy/accounts.conf only the provisioning user (`improved provision`) may create or change
 most of them, and the daemon finds them as they should be.
@@ -15,8 +15,8 @@ most of them, and the daemon finds them as they should be.
   (memory storage) or purged stream loses both and is refilled.
 - IMPROVE_AUDIT: the trailers, append-only (deny delete, no limits); purged only by an
   operator removing an exported, sealed epoch (runtime.archive).
-- KV `improved_state`: a cache of each proposal's record, in memory, filled lazily: a record
-  missing or different from its chain is rebuilt from the chain and put back when read.
+- KV `improved_dedup` and `improved_ledger`: the newest proposal per dedup_key and the
+  rejection ledger, hints the chain confirms (`runtime.buckets`).
 - KV `improved_windows` and `improved_learned`: stage 1's analyzer windows and learned weights,
   shared by every replica (`runtime.observing`); outputs of signals and of committed trailers,
   read by nothing but the analyzers, so never an input to an authority decision.
@@ -28,7 +28,7 @@ duplicate trailer, re-reads the chain, and finds its transition already made.
 
 `Store` is one face over the concerns, each in a module of its own and sharing the one
 connection: provisioning the streams and buckets (`runtime.provisioning`), the appends to the
-audit chains (`runtime.audit_log`), the state cache, dedup heads and rejection ledger
+audit chains (`runtime.audit_log`), the dedup heads and rejection ledger
 (`runtime.buckets`), the retained records and indexes written (`runtime.retained`) and the
 grant chains' verdicts (`runtime.grant_reads`); what a lost race in a bucket looks like is `runtime.conflicts`. The
 streams' own upkeep (a stream brought to its configuration, its sentinel) and the chain append

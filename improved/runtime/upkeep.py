@@ -138,8 +138,7 @@ class Upkeep:
         """When the retained records or the review index were lost — records in memory storage
         across a broker restart, a purge, or an upgrade from a version without the index —
         republish them from the chains, so `review`, the metric and late joiners read the
-        truth again; True when it did. A broker restart over file storage loses neither (the
-        state cache it does lose fills lazily, `ChainRecords.load`).
+        truth again; True when it did. A broker restart over file storage loses neither.
 
         A loss is told by the marker a complete refill leaves in the records stream
         (`Store.filled`), never by an empty stream: a proposal that arrives during the

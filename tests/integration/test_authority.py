@@ -12,7 +12,7 @@ import pytest
 from improved.client.sdk import MeshClient
 from improved.protocol import canonical
 from improved.protocol import subjects as S
-from improved.protocol.model import Review
+from improved.protocol.model import Review, to_json
 from tests.bus import Applier, applied_at_l2, eventually, publish, trailers
 from tests.factories import grant, now_ms, review, skill_proposal
 from tests.keys import ALICE, MALLORY
@@ -300,18 +300,19 @@ async def test_a_revocation_stops_an_apply_that_was_already_accepted(daemon, nc,
     await sub.unsubscribe()
 
 
-async def test_audit_rebuild_finds_a_cache_that_disagrees_with_the_chain(daemon, nc, svc,
-                                                                         nats_url):
-    """Status is derived from the chain: a forged cache entry is found and repaired."""
+async def test_audit_rebuild_finds_retained_records_that_disagree_with_the_chain(
+        daemon, nc, svc, nats_url):
+    """Status is derived from the chain: a forged retained state is found and republished."""
     import subprocess
     import sys
 
     client = MeshClient(nc, svc)
     pid = (await client.propose(skill_proposal(svc))).proposal_id
     await client.triage(pid)
-    record, rev = await daemon.store.load(svc, pid)
-    forged = record.replace(status="applied")
-    await daemon.store.save(forged, rev)
+    state = await client.state(pid)
+    await nc.jetstream().publish(S.proposal_state(svc, pid),
+                                 to_json(msgspec.structs.replace(state, status="applied")),
+                                 stream=S.STREAM_RECORDS)
 
     def rebuild(*extra):
         return subprocess.run([sys.executable, "-m", "improved.cli", "audit", "rebuild",
@@ -319,13 +320,14 @@ async def test_audit_rebuild_finds_a_cache_that_disagrees_with_the_chain(daemon,
                               timeout=60)
 
     found = await asyncio.to_thread(rebuild)
-    assert f"DIFFERS {pid}: cache says applied/triage, the chain says pending/triage" \
-        in found.stdout
+    assert f"DIFFERS {pid}: the retained records say applied/triage, the chain says " \
+        "pending/triage" in found.stdout
+    assert found.returncode == 1
     fixed = await asyncio.to_thread(rebuild, "--write")
-    assert "cache rewritten" in fixed.stdout
+    assert "retained records republished" in fixed.stdout
     again = await asyncio.to_thread(rebuild)
     assert pid not in again.stdout
-    assert (await daemon.store.load(svc, pid))[0].status == "pending"
+    assert (await client.state(pid)) == state
 
 
 async def test_a_store_verifying_acceptance_applies_only_what_the_loop_accepted(daemon, nc, svc):

@@ -12,7 +12,7 @@ import pytest
 from improved.client.sdk import MeshClient
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder, to_json
-from tests.bus import eventually, trailers, trusted_service
+from tests.bus import chain_ids, eventually, trailers, trusted_service
 from tests.factories import rank_proposal, signal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -60,7 +60,7 @@ async def test_every_bad_proposal_gets_an_error_naming_the_problem(daemon, nc, s
         assert err.get("field") == field, (name, err)
         assert err["message"], name
     # Nothing was stored for this service, and the daemon still serves a good proposal.
-    assert not [k for k in await daemon.store.keys() if k.startswith(f"{svc}.")]
+    assert not await chain_ids(daemon, svc)
     reply = await client.propose(rank_proposal(svc))
     assert reply.status == "pending"
 
@@ -85,7 +85,7 @@ async def test_bad_messages_on_the_stream_are_refused_and_recorded(daemon, nc, s
     await sub.unsubscribe()
     assert [r["code"] for r in seen] == ["invalid_json", "subject_mismatch", "missing_field"]
     assert all("payload" not in r and r["size"] > 0 for r in seen)
-    assert not [k for k in await daemon.store.keys() if k.startswith(f"{svc}.")]
+    assert not await chain_ids(daemon, svc)
 
 
 async def test_a_signal_for_an_unknown_proposal_is_answered_not_found(daemon, nc, svc):
@@ -152,7 +152,7 @@ async def test_a_service_that_advertises_no_surface_gets_no_proposals(daemon, nc
         refused = msgspec.json.decode((await sub.next_msg(timeout=5)).data)
         await sub.unsubscribe()
         assert refused["code"] == "no_surface"
-        assert not [k for k in await daemon.store.keys() if k.startswith(f"{svc}.")]
+        assert not await chain_ids(daemon, svc)
     finally:
         await spec.unsubscribe()
     silent = f"{svc}-silent"

@@ -1,7 +1,7 @@
 """Caches and retained records are outputs, never inputs to a decision (issue: authority
 verifiable from the chain alone). Played as a bus participant with publish rights would: a
-state-cache entry rewritten to say "approved", an unsigned retained Grant record. Nothing may be
-applied, and the chain must not claim what did not happen."""
+retained state and decision rewritten to say "approved", an unsigned retained Grant record.
+Nothing may be applied, and the chain must not claim what did not happen."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import asyncio
 import msgspec
 
 from improved.client.sdk import MeshClient
-from improved.core.record import record_encoder
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import Grant, TriageDecision, to_json
@@ -36,7 +35,7 @@ async def granted(nc, proposal) -> str:
     return l2
 
 
-async def test_a_rewritten_state_entry_saying_approved_sends_no_order(daemon, nc, svc):
+async def test_a_forged_retained_state_saying_approved_sends_no_order(daemon, nc, svc):
     applier = Applier()
     client = MeshClient(nc, svc)
     sub = await client.serve_apply(applier)
@@ -45,16 +44,16 @@ async def test_a_rewritten_state_entry_saying_approved_sends_no_order(daemon, nc
     decision = await client.triage(pid)
     assert (decision.verdict, decision.cause) == ("defer", "awaiting_operator")
 
-    # The attacker rewrites the cached record: approved by operator:alice.
-    store = Store(nc)
-    await store.bind()
-    cached, rev = await store.load(svc, pid)
-    forged = cached.replace(
-        status="approved", approved_by="operator:alice",
-        decision=TriageDecision(proposal_id=pid, service=svc, verdict="accept", cause=None,
-                                gate_class="L2", rationale="approved by operator:alice",
-                                actor="operator:alice", at=decision.at + 1))
-    await store.kv.put(S.state_key(svc, pid), record_encoder.encode(forged))
+    # The attacker rewrites the retained records: approved, and accepted, by operator:alice.
+    js = nc.jetstream()
+    state = await client.state(pid)
+    await js.publish(S.proposal_state(svc, pid),
+                     to_json(msgspec.structs.replace(state, status="approved")),
+                     stream=S.STREAM_RECORDS)
+    await js.publish(S.triage_decision(svc, pid), to_json(TriageDecision(
+        proposal_id=pid, service=svc, verdict="accept", cause=None, gate_class="L2",
+        rationale="approved by operator:alice", actor="operator:alice", at=decision.at + 1)),
+        stream=S.STREAM_RECORDS)
     daemon.engine.records.cache.clear()  # as after a restart: the daemon's own memory is gone
 
     decision = await client.triage(pid)  # one triage request: "carry it on"
@@ -63,9 +62,9 @@ async def test_a_rewritten_state_entry_saying_approved_sends_no_order(daemon, nc
     assert (decision.verdict, decision.cause) == ("defer", "awaiting_operator")
     chain = await trailers(daemon, svc, pid)
     assert not any(t.get("verdict") in ("approve", "applied") for t in chain)
-    # the cache is an output: it is put back to what the chain says
-    repaired, _ = await store.load(svc, pid)
-    assert repaired.approved_by is None and repaired.status == "pending"
+    # the retained records are outputs: the pass published again what the chain says
+    assert (await client.state(pid)).status == "pending"
+    assert (await client.decision(pid)).verdict == "defer"
     await sub.unsubscribe()
 
 

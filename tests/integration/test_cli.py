@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -99,13 +100,13 @@ def test_provision_makes_what_is_missing_then_nothing(own_server):
     first = improved("provision", "--nats", own_server.url)
     assert first.returncode == 0, first.stderr
     lines = first.stdout.splitlines()
-    assert "created stream IMPROVE_AUDIT" in lines and "created bucket improved_state" in lines
+    assert "created stream IMPROVE_AUDIT" in lines and "created bucket improved_dedup" in lines
     assert "created bucket improved_windows" in lines and "created bucket improved_learned" in lines
     assert "created stream IMPROVE_TOOLS_AUDIT" in lines  # the tool runtimes' chains
     # and their marks: spent grants and proofs, revoked upgrades
     assert {"created stream IMPROVE_TOOLS_SPENT", "created stream IMPROVE_TOOLS_REVOKED"} <= {
         *lines}
-    assert lines[-1].endswith("13 changed")
+    assert lines[-1].endswith("12 changed")
     again = improved("provision", "--nats", own_server.url)
     assert again.returncode == 0 and again.stdout.splitlines() == [
         f"provisioned {own_server.url}: the loop's streams, buckets and inbound consumer are in "
@@ -116,6 +117,36 @@ def test_provision_makes_what_is_missing_then_nothing(own_server):
     assert refused.stderr.startswith("improved provision: stream IMPROVE_IN differs from this "
                                      "configuration (num_replicas)"), refused.stderr
     assert len(refused.stderr.splitlines()) == 1
+
+
+async def test_provision_removes_the_state_bucket_an_earlier_version_kept(own_server):
+    """An earlier version's state cache (the bucket improved_state): the daemon starts beside
+    it and leaves it alone; `improved provision` removes it, saying so once."""
+    from nats.js.api import StorageType
+    from nats.js.errors import NotFoundError
+
+    from improved.runtime.daemon import Daemon
+    from tests.bus import daemon_config
+
+    nc = await connection.connect(own_server.url, "old-deployment")
+    try:
+        js = nc.jetstream()
+        old = await js.create_key_value(bucket="improved_state", history=1,
+                                        storage=StorageType.MEMORY)
+        await old.put("svc.x", b"an earlier version's cached record")
+        daemon = Daemon(nc, daemon_config())
+        await daemon.start()
+        await daemon.stop()
+        assert (await js.stream_info("KV_improved_state")).state.messages == 1  # untouched
+        first = await asyncio.to_thread(improved, "provision", "--nats", own_server.url)
+        assert first.returncode == 0, first.stderr
+        assert "removed bucket improved_state (no longer used)" in first.stdout.splitlines()
+        with pytest.raises(NotFoundError):
+            await js.stream_info("KV_improved_state")
+        again = await asyncio.to_thread(improved, "provision", "--nats", own_server.url)
+        assert again.returncode == 0 and "improved_state" not in again.stdout, again.stdout
+    finally:
+        await connection.close(nc)
 
 
 def _builtins(proposal) -> dict:

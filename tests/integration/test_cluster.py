@@ -10,7 +10,6 @@ import collections
 import subprocess
 import time
 
-import msgspec
 import nats
 import pytest
 import pytest_asyncio
@@ -25,6 +24,7 @@ from improved.core.authority import Act
 from improved.core.record import ChainHead
 from improved.protocol import subjects as S
 from improved.protocol.model import DedupHead, GrantCommand, to_json
+from improved.runtime.conflicts import kv_create
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
 from improved.testing import rank_proposal
@@ -159,23 +159,16 @@ async def test_two_appends_racing_on_one_chain_give_one_conflict(cluster, on_clu
 
 
 async def test_racing_first_writes_to_the_buckets_give_one_conflict(cluster, on_cluster):
-    """Two first saves of one proposal's record in the state bucket (R3) at once: one wins,
-    the other is a StateConflict, never another error; and two proposals claiming one
-    dedup_key at once both get an answer, the newer left as its head."""
-    conn = await as_operator(cluster, 2)
-    try:
-        pid = (await MeshClient(conn, "clustersave").propose(
-            rank_proposal("clustersave", change_class="L1"))).proposal_id
-    finally:
-        await conn.close()
+    """Two first creates of one key in a bucket (R3) at once: one wins, the other is a
+    conflict (`kv_create`), never another error; and two proposals claiming one dedup_key at
+    once both get an answer, the newer left as its head."""
     store = on_cluster.store
-    record, _ = await store.load("clustersave", pid)
-    assert record is not None
     for round_ in range(20):
-        copy = msgspec.structs.replace(record, proposal_id=f"{round_:064x}")
-        results = await asyncio.gather(*(store.save(copy, 0) for _ in range(2)),
+        results = await asyncio.gather(*(kv_create(store.dedup, f"clustersave.race{round_}",
+                                                   b"{}") for _ in range(2)),
                                        return_exceptions=True)
-        assert sorted(type(r).__name__ for r in results) == ["StateConflict", "int"], results
+        assert sorted(type(r).__name__ for r in results) == \
+            ["KeyWrongLastSequenceError", "int"], results
         a, b = f"{2 * round_:064x}", f"{2 * round_ + 1:064x}"
         heads = await asyncio.gather(store.set_dedup_head("clustersave", f"d{round_}", a, 1),
                                      store.set_dedup_head("clustersave", f"d{round_}", b, 2),
@@ -243,7 +236,7 @@ async def test_provision_brings_r1_streams_and_buckets_to_r3(fresh_cluster):
         await connection.close(nc)
     raised = provision(fresh_cluster, "--replicas", "3")
     assert raised.returncode == 0, raised.stdout + raised.stderr
-    for bucket in (S.BUCKET_STATE, S.BUCKET_DEDUP, S.BUCKET_LEDGER, S.BUCKET_LEARNED):
+    for bucket in (S.BUCKET_DEDUP, S.BUCKET_LEDGER, S.BUCKET_LEARNED):
         assert f"updated bucket {bucket} (replicas 1 -> 3)" in raised.stdout, raised.stdout
     # the windows bucket's stream is the store's own config, compared whole
     assert f"updated bucket {S.BUCKET_WINDOWS} (num_replicas)" in raised.stdout, raised.stdout
@@ -253,9 +246,8 @@ async def test_provision_brings_r1_streams_and_buckets_to_r3(fresh_cluster):
     try:
         await daemon.start()
         js = nc.jetstream()
-        for stream in (S.STREAM_AUDIT, f"KV_{S.BUCKET_STATE}", f"KV_{S.BUCKET_DEDUP}",
-                       f"KV_{S.BUCKET_LEDGER}", f"KV_{S.BUCKET_WINDOWS}",
-                       f"KV_{S.BUCKET_LEARNED}"):
+        for stream in (S.STREAM_AUDIT, f"KV_{S.BUCKET_DEDUP}", f"KV_{S.BUCKET_LEDGER}",
+                       f"KV_{S.BUCKET_WINDOWS}", f"KV_{S.BUCKET_LEARNED}"):
             assert (await js.stream_info(stream)).config.num_replicas == 3, stream
     finally:
         await daemon.stop()

@@ -22,7 +22,7 @@ import pytest_asyncio
 import structlog.testing
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError
 
 from improved.client import chains, connection
 from improved.client.config import ApplySettings, Config, Trust
@@ -40,7 +40,7 @@ from improved.protocol.model import (
 )
 from improved.runtime import bus
 from improved.runtime.daemon import Daemon
-from improved.runtime.provisioning import STATE_TTL_S, stream_configs, windows_config
+from improved.runtime.provisioning import stream_configs, windows_config
 from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore
 from tests.bus import eventually, eventually_blocking, scratch
@@ -77,7 +77,7 @@ async def test_ensure_changes_only_what_is_missing_or_differs(own_server):
     try:
         store = Store(nc)
         made = await store.ensure()
-        assert {c.split(" ", 1)[0] for c in made} == {"created"} and len(made) == 13, made
+        assert {c.split(" ", 1)[0] for c in made} == {"created"} and len(made) == 12, made
         assert await Store(nc).ensure() == []  # nothing missing, nothing differs
         js = nc.jetstream()
         # the tool runtimes' chains are kept as durably as the daemon's log
@@ -88,10 +88,10 @@ async def test_ensure_changes_only_what_is_missing_or_differs(own_server):
             [{k: getattr(logs[0], k) for k in durable}] * 2
         audit = (await js.stream_info(S.STREAM_AUDIT)).config
         await js.update_stream(audit.evolve(max_msgs_per_subject=1))  # what accounts forbid
-        await js.delete_key_value(S.BUCKET_STATE)  # a broker restart loses this one anyway
+        await js.delete_key_value(S.BUCKET_LEDGER)  # lost, as by an operator's slip
         assert await Store(nc).ensure() == [
             f"updated stream {S.STREAM_AUDIT} (max_msgs_per_subject)",
-            f"created bucket {S.BUCKET_STATE}"]
+            f"created bucket {S.BUCKET_LEDGER}"]
         assert (await js.stream_info(S.STREAM_AUDIT)).config.max_msgs_per_subject == -1
     finally:
         await nc.drain()
@@ -284,8 +284,8 @@ async def mesh(secured_url):
 
 LOOP_STREAMS = (S.STREAM_INBOUND, S.STREAM_RECORDS, S.STREAM_AUDIT, S.STREAM_REFUSED,
                 S.STREAM_TOOLS_AUDIT, S.STREAM_TOOLS_SPENT, S.STREAM_TOOLS_REVOKED,
-                f"KV_{S.BUCKET_STATE}", f"KV_{S.BUCKET_DEDUP}", f"KV_{S.BUCKET_LEDGER}",
-                f"KV_{S.BUCKET_WINDOWS}", f"KV_{S.BUCKET_LEARNED}")
+                f"KV_{S.BUCKET_DEDUP}", f"KV_{S.BUCKET_LEDGER}", f"KV_{S.BUCKET_WINDOWS}",
+                f"KV_{S.BUCKET_LEARNED}")
 
 
 async def test_provisioned_daemon_runs_the_loop_and_changes_nothing(mesh):
@@ -432,10 +432,10 @@ async def test_daemon_cannot_change_or_drop_the_other_loop_streams(mesh):
         await conn.nc.flush()
         for subject in forbidden:
             await conn.violation(subject)
-        # the caches it may re-create: a create cannot change the one that is there
-        state = (await js.stream_info(f"KV_{S.BUCKET_STATE}")).config
+        # the records it may re-create: a create cannot change the stream that is there
+        records = (await js.stream_info(S.STREAM_RECORDS)).config
         with pytest.raises(BadRequestError, match="different configuration"):
-            await js.add_stream(state.evolve(max_msgs_per_subject=100))
+            await js.add_stream(records.evolve(max_msgs_per_subject=100))
         after = {name: (await js.stream_info(name)).config.as_dict() for name in LOOP_STREAMS}
         assert after == before
         assert (await js.consumer_info(S.STREAM_INBOUND, S.CONSUMER_INBOUND)).config
@@ -446,8 +446,9 @@ async def test_daemon_cannot_change_or_drop_the_other_loop_streams(mesh):
 async def test_only_the_provisioning_user_provisions_and_the_daemon_says_so(secured_server,
                                                                             tmp_path):
     """On a fresh server the daemon's user and the operator cannot make the loop's streams
-    (one line: run `improved provision`); `improved-admin` can, and may run it again. After
-    a broker restart (the state bucket is in memory) the daemon re-creates that cache itself."""
+    (one line: run `improved provision`); `improved-admin` can, and may run it again (finding
+    no bucket of an earlier version to remove). After a broker restart the daemon finds
+    everything in place and makes nothing."""
     url = secured_server.url
     rc, out = await cli("run", "--nats", as_user(url, "improved"),
                         "--data-dir", str(tmp_path / "daemon"))
@@ -462,19 +463,17 @@ async def test_only_the_provisioning_user_provisions_and_the_daemon_says_so(secu
         "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"], out
 
     rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
-    assert rc == 0 and out.splitlines()[-1].endswith("13 changed"), out
+    assert rc == 0 and out.splitlines()[-1].endswith("12 changed"), out
     rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"))
-    assert rc == 0 and out.splitlines()[-1].endswith("nothing changed"), out
+    assert rc == 0 and len(out.splitlines()) == 1, out
+    assert out.splitlines()[-1].endswith("nothing changed"), out
 
-    secured_server.stop()  # a memory stream does not survive a restart of a single server
+    secured_server.stop()
     secured_server.start()
     conn = await connect_as(url, "improved")
     try:
-        with pytest.raises(NotFoundError):
-            await conn.nc.jetstream().stream_info(f"KV_{S.BUCKET_STATE}")
         daemon = Daemon(conn.nc, daemon_config())
-        await daemon.start()  # re-creates the state bucket, and nothing else
-        assert (await daemon.store.js.stream_info(f"KV_{S.BUCKET_STATE}")).config
+        await daemon.start()  # finds everything as it should be
         assert await daemon.store.ensure() == []
         await daemon.stop()
         await conn.nc.flush()
@@ -499,7 +498,6 @@ async def test_a_dedup_bucket_without_ttls_is_kept_by_the_daemon_and_fixed_by_pr
         for cfg in stream_configs():
             await store._ensure_stream(cfg)
         await store._ensure_consumer()
-        await store._bucket(S.BUCKET_STATE, "cache", [], StorageType.MEMORY, ttl=STATE_TTL_S)
         for bucket in (S.BUCKET_LEDGER, S.BUCKET_LEARNED):
             await store._bucket(bucket, bucket, [])
         await store._ensure_stream(windows_config())
@@ -590,7 +588,7 @@ FORBIDDEN_TO_SERVICES = [
     S.refused("ranking"),
     "$JS.API.STREAM.CREATE.SNOOP",  # a stream capturing other subjects
     f"$JS.API.STREAM.PURGE.{S.STREAM_INBOUND}",
-    f"$KV.{S.BUCKET_STATE}.ranking.{FAKE_ID}",  # the daemon's state cache
+    f"$KV.{S.BUCKET_DEDUP}.ranking.{FAKE_ID}",  # the daemon's dedup heads
 ]
 
 
@@ -705,7 +703,7 @@ async def test_operator_publishes_acts_reads_records_but_cannot_order_applies(me
         forbidden = [S.apply_request("ranking"), S.audit("ranking", FAKE_ID),
                      S.triage_decision("ranking", FAKE_ID), S.refine_request("ranking"),
                      f"$JS.API.STREAM.DELETE.{S.STREAM_AUDIT}",
-                     f"$KV.{S.BUCKET_STATE}.ranking.{FAKE_ID}"]
+                     f"$KV.{S.BUCKET_DEDUP}.ranking.{FAKE_ID}"]
         for subject in forbidden:
             await conn.nc.publish(subject, b"{}")
         await conn.nc.flush()
@@ -737,8 +735,8 @@ async def cli(*args: str, env: dict[str, str] | None = None,
 
 
 async def test_operator_cli_reads_show_review_and_verify(mesh):
-    """The operator's read commands work under the operator's permissions: `show` (state
-    bucket keys, records, one chain), `review` (an ordered consumer over the review index, the
+    """The operator's read commands work under the operator's permissions: `show` (records,
+    one chain), `review` (an ordered consumer over the review index, the
     listed chains), `audit verify` (an ordered consumer over the whole audit stream)."""
     client = MeshClient(mesh["ranking"].nc, "ranking", timeout=5.0)
     reply = await client.propose(rank_proposal("ranking", key="op.cli", value=4))
@@ -758,8 +756,8 @@ async def test_operator_cli_reads_show_review_and_verify(mesh):
 
 
 async def test_audit_rebuild_runs_as_the_daemon_user(mesh):
-    """`improved audit rebuild --write` rewrites the state bucket; accounts.conf says to run
-    it as `improved`, whose narrowed grants still cover it."""
+    """`improved audit rebuild --write` republishes retained records; accounts.conf says to
+    run it as `improved`, whose narrowed grants still cover it."""
     rc, out = await cli("audit", "rebuild", "--write", "--nats", as_user(mesh["url"], "improved"))
     assert rc == 0 and "proposals rebuilt from their chains alone" in out, out
 
@@ -1217,7 +1215,7 @@ async def test_the_daemon_never_logs_its_password_across_a_disconnect(secured_se
     admin = {"IMPROVED_NATS_USER": "improved-admin", "IMPROVED_NATS_PASSWORD_FILE":
              str(secret_file(tmp_path / "admin.pw", PASSWORDS["improved-admin"]))}
     rc, out = await cli("provision", "--nats", url, env=admin)
-    assert rc == 0 and out.splitlines()[-1].endswith("13 changed"), out
+    assert rc == 0 and out.splitlines()[-1].endswith("12 changed"), out
     config = tmp_path / "improved.toml"
     if form == "password_file":
         pw = secret_file(tmp_path / "improved.pw", PASSWORDS["improved"])

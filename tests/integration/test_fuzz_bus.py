@@ -283,13 +283,11 @@ class Inbound:
 
 
 async def stored_ids(daemon, token: str) -> dict[str, set[str]]:
-    """Proposal ids with anything stored under the service token: state keys, chains, records."""
+    """Proposal ids with anything stored under the service token: chains, records."""
     js = daemon.store.js
-    keys = {k.split(".", 1)[1] for k in await daemon.store.keys() if k.startswith(f"{token}.")}
     chains = await js.stream_info(S.STREAM_AUDIT, subjects_filter=S.audit(token, "*"))
     records = await js.stream_info(S.STREAM_RECORDS, subjects_filter=f"improve.*.{token}.*")
     return {
-        "state": keys,
         "chains": {s.rsplit(".", 1)[1] for s in (chains.state.subjects or {})},
         "records": {s.rsplit(".", 1)[1] for s in (records.state.subjects or {})},
     }

@@ -84,7 +84,7 @@ async def test_a_successful_l4_apply_is_reverted_without_a_second_approval(daemo
     chain = await trailers(daemon, svc, pid)
     verdicts = [t.get("verdict") for t in chain]
     assert verdicts.index("lkg_verified") < verdicts.index("applied")
-    record, _ = await daemon.store.load(svc, pid)
+    record = await daemon.engine.records.truth(svc, pid)
     assert record.revert_id == out.revert_proposal_id
 
     # anyone may publish the recorded reversal; it runs under alice's approval
@@ -115,7 +115,7 @@ async def test_a_look_alike_reversal_needs_its_own_approval(daemon, nc, svc):
     pid = await client.publish(swap(svc, {"a": '{"v": 2}'}))
     await approve(nc, client, svc, pid)
     assert (await outcome(client, pid)).ok
-    record, _ = await daemon.store.load(svc, pid)
+    record = await daemon.engine.records.truth(svc, pid)
     forged = msgspec.structs.replace(record.revert, proposal_data={"restore": {"a": sha("evil")}})
     fid = await client.publish(forged)
     decision = await eventually(lambda: client.decision(fid))
@@ -381,7 +381,7 @@ async def test_a_crash_between_the_reversal_and_the_rollback_mark_is_finished_la
     pid = await client.publish(swap(svc, {"a": '{"v": 2}'}))
     await approve(nc, client, svc, pid)
     out = await outcome(client, pid)
-    record, _ = await daemon.store.load(svc, pid)
+    record = await daemon.engine.records.truth(svc, pid)
     real = daemon.engine.rolled_back
     crashes = []
 

@@ -11,7 +11,7 @@ import pytest
 from improved.client.sdk import MeshClient
 from improved.core import observe
 from improved.protocol import subjects as S
-from tests.bus import Applier, eventually, publish, trailers
+from tests.bus import Applier, chain_ids, eventually, publish, trailers
 from tests.factories import review, skill_proposal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -163,8 +163,8 @@ async def test_an_operator_rejection_teaches_the_analyzer(daemon, nc, svc):
                                    target_ref="rank:teach", name="ctr"))
 
     async def surfaced():
-        keys = [k for k in await daemon.store.keys() if k.startswith(f"{svc}.")]
-        return keys[0].split(".", 1)[1] if len(keys) == 1 else None
+        ids = await chain_ids(daemon, svc)
+        return ids[0] if len(ids) == 1 else None
 
     pid = await eventually(surfaced)
     await client.triage(pid)

@@ -10,7 +10,7 @@ import pytest
 from improved.client.sdk import MeshClient
 from improved.core import audit
 from improved_reference.ranking_store import RankingStore
-from tests.bus import eventually
+from tests.bus import chain_ids, eventually
 from tests.factories import rank_proposal, signal, skill_proposal
 from tests.keys import CHECK, EVALUATOR
 
@@ -260,10 +260,10 @@ async def test_observe_turns_independent_regressions_into_a_surfaced_proposal(da
                                    target_ref=target, name="ctr", value=0.1 * i))
 
     async def surfaced():
-        keys = [k for k in await daemon.store.keys() if k.startswith(f"{svc}.")]
-        if len(keys) != 1:
+        ids = await chain_ids(daemon, svc)
+        if len(ids) != 1:
             return None
-        return await client.decision(keys[0].split(".", 1)[1])
+        return await client.decision(ids[0])
 
     decision = await eventually(surfaced)
     assert (decision.verdict, decision.gate_class) == ("accept", "L1")

@@ -168,9 +168,9 @@ async def test_the_reference_store_refuses_what_it_cannot_measure(daemon, nc, sv
 
 async def test_a_restart_remembers_the_measurements_still_due(daemon, nc, svc):
     """What wakes a measurement is the measurement index, `improve.due.<svc>.<id>`, written
-    with the apply and replaced by a tombstone with the verdict: a restart reads it (not the
-    state cache, whose entries expire an hour after their last write), so a proposal applied
-    long ago is still measured at its review_after."""
+    with the apply and replaced by a tombstone with the verdict: a restart reads it (a new
+    process remembers no record), so a proposal applied long ago is still measured at its
+    review_after."""
     store = RankingStore(nc, svc)
     store.use_key(await trusted_service(daemon, svc))
     await store.start()
@@ -186,9 +186,9 @@ async def test_a_restart_remembers_the_measurements_still_due(daemon, nc, svc):
 
     [entry] = await eventually(indexed)
     assert (entry.service, entry.review_after) == (svc, due_at)
-    # as a new process would start, long after the apply: nothing remembered, no state cache
+    # as a new process would start, long after the apply: nothing remembered
     daemon.engine.reviews.clear()
-    await daemon.store.kv.purge(S.state_key(svc, pid))
+    daemon.engine.records.cache.pop(pid, None)
     await daemon.index_checks.find_reviews()  # what start-up runs after ready
     assert daemon.engine.reviews[pid] == (due_at, svc)
     assert (await measurement(daemon, svc, pid))["verdict"] == "held"

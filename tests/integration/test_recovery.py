@@ -1,6 +1,6 @@
 """Retained records are derived state: when they are lost — memory storage across a broker
 restart, or a purge — the daemon republishes them, and the review index, from the audit
-chains. The state cache is not refilled: it fills lazily, from the chain, as it is read."""
+chains. A daemon's own memory of a record is not refilled: it reads the chain when it needs it."""
 
 from __future__ import annotations
 
@@ -84,9 +84,7 @@ async def test_purged_records_are_republished_when_the_daemon_starts(own_server)
     await daemon.stop()
 
     await nc.jetstream().purge_stream(S.STREAM_RECORDS)  # the index and its marker with them
-    await nc.jetstream().purge_stream(f"KV_{S.BUCKET_STATE}")  # the cache, as after a restart
     assert await client.state(pid) is None
-    assert (await daemon.store.load("purgesvc", pid))[0] is None
     assert (await review_view(own_server.url, Policy()))[1] == "chains"  # not known whole
 
     again = Daemon(nc, daemon_config())
@@ -96,11 +94,9 @@ async def test_purged_records_are_republished_when_the_daemon_starts(own_server)
         assert await eventually(lambda: client.state(pid)) == state
         assert (await client.decision(pid)).cause == "awaiting_operator"
         assert await eventually(lambda: _reviewed(own_server.url, pid))
-
-        async def cached():  # filled again by the read of the triage request above
-            return (await again.store.load("purgesvc", pid))[0]
-
-        assert (await eventually(cached)).status == "pending"
+        # the triage request's pass read the record from the chain, and remembers it
+        assert again.engine.records.held("purgesvc", pid)
+        assert again.engine.records.cache[pid].status == "pending"
     finally:
         await again.stop()
         await asyncio.sleep(0)
@@ -138,27 +134,5 @@ async def test_records_a_broker_outage_kept_from_being_published_are_published_a
         assert daemon.engine.publisher.unpublished == {}
     finally:
         daemon.store.publish = real_publish
-        await daemon.stop()
-        await connection.close(nc)
-
-
-async def test_the_state_cache_forgets_what_is_not_touched(own_server):
-    """The state cache is bounded by the traffic, not the history: a record untouched for
-    STATE_TTL_S leaves it (the next touch rebuilds it from its chain), and a bucket made
-    before the bound had one is brought to it."""
-    from nats.js import api as jsapi
-
-    from improved.runtime.provisioning import STATE_TTL_S
-
-    nc = await connection.connect(own_server.url, "ttl")
-    js = nc.jetstream()
-    await js.create_key_value(bucket=S.BUCKET_STATE, history=1,
-                              storage=jsapi.StorageType.MEMORY)  # as an older daemon made it
-    daemon = Daemon(nc, daemon_config())
-    await daemon.start()
-    try:
-        info = await js.stream_info(f"KV_{S.BUCKET_STATE}")
-        assert info.config.max_age == STATE_TTL_S
-    finally:
         await daemon.stop()
         await connection.close(nc)

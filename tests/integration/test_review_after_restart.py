@@ -7,12 +7,12 @@ each time one new proposal is published while the daemon reconnects. Every time,
 seconds of the broker being back, `improved review` (its own query) lists every proposal the
 chains say is waiting — the old ones and the new — and the pending-reviews metric agrees.
 
-The state cache is in memory and vanishes with the broker; the proposal published during the
-reconnect lands in the new, empty cache first. A cache-loss check that looks for an empty
-bucket took that one record for a full cache and never refilled it: the older waiting
-proposals vanished from the queue for good. `review` now reads the review index, retained in
-the records stream on file storage with its completeness marker, so a restart loses neither
-and nothing is refilled."""
+An earlier version's queue was read from a cache in memory that vanished with the broker; the
+proposal published during the reconnect landed in the new, empty cache first, and a cache-loss
+check that looked for an empty bucket took that one record for a full cache and never refilled
+it: the older waiting proposals vanished from the queue for good. `review` reads the review
+index, retained in the records stream on file storage with its completeness marker, so a
+restart loses neither and nothing is refilled."""
 
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ async def test_a_forward_compatible_change_applies_on_its_approval_with_its_reve
     assert await held(store) == wider
     assert out.schema_class == "forward"
     assert "schema_class:forward" in await applied_refs(daemon, svc, pid)
-    record, _ = await daemon.store.load(svc, pid)
+    record = await daemon.engine.records.truth(svc, pid)
     assert record.revert_id == out.revert_proposal_id
     assert record.outcome.schema_class == "forward"
     assert record.revert.proposal_data == {"restore": {"orders": sha(text(ORDERS))}}

@@ -148,14 +148,16 @@ async def test_the_first_registration_decides_whether_a_proposal_is_signed(daemo
 
 
 async def test_a_forged_state_record_does_not_make_a_proposal_signed(daemon, nc):
-    """The state bucket is an output anyone on the bus may rewrite: only the chain says who
+    """The retained state is an output anyone on the bus may rewrite: only the chain says who
     proposed."""
     client = MeshClient(nc, SIGNED)
     proposal = unique_skill(signals=[signal(SIGNED, AGENT_A[0])])
     pid = (await client.propose(proposal)).proposal_id
-    record, rev = await daemon.store.load(SIGNED, pid)
-    await daemon.store.save(record.replace(proposer=AGENT_A[0]), rev)
-    daemon.engine.records.cache.pop(pid, None)  # as after a restart: the next read is the bucket's
+    state = await client.state(pid)
+    await nc.jetstream().publish(
+        S.proposal_state(SIGNED, pid),
+        to_json(msgspec.structs.replace(state, proposer=AGENT_A[0])), stream=S.STREAM_RECORDS)
+    daemon.engine.records.cache.pop(pid, None)  # as after a restart: the chain is read again
     late = await client.refine(signal(SIGNED, AGENT_B[0], proposal_id=pid), key=AGENT_B[1])
     assert late.counted and not late.independent
 
