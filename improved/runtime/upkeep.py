@@ -40,6 +40,7 @@ class Upkeep:
         # the expiry sweep: the earliest valid_to ahead among the review index's entries (as
         # last read, lowered by this process's own index writes), and a wake-up when it drops
         self._next_expiry: int | None = None
+        self._told: int | None = None  # the earliest valid_to `indexed` was told, to come
         self._expiry_wake = anyio.Event()
         self._sweeping = anyio.Lock()
 
@@ -98,7 +99,8 @@ class Upkeep:
         the open items, never the history; every replica may sweep, and the chain append lets
         one expiry through."""
         async with self._sweeping:
-            due, ahead = queue.due(entries, int(time.time() * 1000))
+            now = int(time.time() * 1000)
+            due, ahead = queue.due(entries, now)
             for entry in due:
                 if self._stopping.is_set():
                     return
@@ -107,11 +109,19 @@ class Upkeep:
                 except Exception as exc:  # the next sweep tries again
                     log.warning("expiry not recorded yet", proposal_id=entry.proposal_id,
                                 error=f"{type(exc).__name__}: {exc}")
-            self._next_expiry = ahead
+            # an entry this process wrote may be missing from what was read (its publish was
+            # still in flight): what `indexed` was told stands until its valid_to has passed
+            told = self._told
+            if told is not None and told <= now:
+                self._told = told = None
+            self._next_expiry = ahead if told is None or (ahead is not None and ahead < told) \
+                else told
 
     def indexed(self, valid_to: int) -> None:
         """This process wrote an index entry that expires at `valid_to`: wake the sweep when
         that is earlier than what it waits for."""
+        if self._told is None or valid_to < self._told:
+            self._told = valid_to  # a sweep may read the index before this entry is in it
         if self._next_expiry is None or valid_to < self._next_expiry:
             self._next_expiry = valid_to
             self._expiry_wake.set()
