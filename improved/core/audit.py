@@ -17,7 +17,7 @@ from typing import Any, Protocol, cast
 import msgspec
 
 from improved.core.record import ChainHead, ProposalRecord, lifecycle_problem, lifecycle_step
-from improved.core.trailers import Data, encode, verdict_of
+from improved.core.trailers import Data, TrailerData, Unknown, encode, verdict_of
 from improved.protocol import canonical
 from improved.protocol.model import (
     Cause,
@@ -69,6 +69,9 @@ class Draft:
     refs: tuple[str, ...] = field(default_factory=tuple)
     envelope: Envelope | None = None  # the signed act an authority trailer rests on
     gate_class: ChangeClass | None = None  # a decision's class; else the chain's (`seal`)
+    # what `refs` say, typed, when the stage wrote it from typed data (`draft_of`): a commit
+    # folds it without reading the refs back (`trailers.decode` gives back the same)
+    data: TrailerData | None = field(default=None, compare=False, repr=False)
 
 
 def draft_of(data: Data, from_stage: Stage, actor: str, observer_type: ObserverType,
@@ -80,7 +83,8 @@ def draft_of(data: Data, from_stage: Stage, actor: str, observer_type: ObserverT
                  observer_type=observer_type, reason=reason, verdict=verdict_of(data),
                  cause=cast("Cause | None", getattr(data, "cause", None))
                  if "cause" in data.__struct_fields__ else None,
-                 refs=encode(data), envelope=envelope, gate_class=gate_class)
+                 refs=encode(data), envelope=envelope, gate_class=gate_class,
+                 data=None if isinstance(data, Unknown) else cast("TrailerData", data))
 
 
 COMMIT_KEY = "trailers"  # the one key of a message carrying several trailers (`TrailerCommit`)
@@ -117,6 +121,11 @@ def seal_next(draft: Draft, chain_id: str, head: ChainHead, gate_class: ChangeCl
     """The next trailer of the chain `chain_id` that ends at `head`."""
     t = _unhashed(draft, chain_id, head, gate_class, scope, at)
     return msgspec.structs.replace(t, hash=trailer_hash(msgspec.to_builtins(t)))
+
+
+def hashed(trailer: Trailer) -> Trailer:
+    """`trailer` with its hash: what `seal` makes of the trailer `unhashed` gave."""
+    return msgspec.structs.replace(trailer, hash=trailer_hash(msgspec.to_builtins(trailer)))
 
 
 def unhashed(draft: Draft, record: ProposalRecord, at: int) -> Trailer:

@@ -28,8 +28,9 @@ import msgspec
 
 from improved.core import audit, learnback, queue
 from improved.core.audit import Draft
-from improved.core.record import ProposalRecord, fold
+from improved.core.record import ProposalRecord, fold, hashed
 from improved.core.trailers import TrailerData, Unknown, decode
+from improved.protocol.model import Trailer
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,28 @@ def moves_of(before: ProposalRecord | None, record: ProposalRecord, draft: Draft
         return drafted, None
     index = (*data.index, *(r.partition(":")[2] for r in refs))
     return drafted, msgspec.structs.replace(data, index=index)
+
+
+def sealed(before: ProposalRecord | None, record: ProposalRecord, draft: Draft, at: int,
+           stream_seq: int) -> tuple[Trailer, TrailerData | None, ProposalRecord]:
+    """The trailer `draft` seals to at `at` onto `record`, with the refs of the indexes it
+    moves (`moves_of`), its typed data, and the record after it at `stream_seq` (`fold`).
+    A trailer that moves no index is folded once: its hash is the only thing sealing adds,
+    and of the hash the record keeps only the chain's end."""
+    provisional = audit.unhashed(draft, record, at)
+    data = draft.data if draft.data is not None else decode(provisional)
+    after = fold(record, provisional, stream_seq, data)
+    refs = moved(before, after)
+    typed = None if isinstance(data, Unknown) else data
+    if not refs:
+        trailer = audit.hashed(provisional)
+        return trailer, typed, hashed(after, trailer, stream_seq)
+    draft = dataclasses.replace(draft, refs=(*draft.refs, *refs))
+    if typed is not None:
+        typed = msgspec.structs.replace(typed, index=(*typed.index,
+                                                      *(r.partition(":")[2] for r in refs)))
+    trailer = audit.seal(draft, record, at)
+    return trailer, typed, fold(record, trailer, stream_seq, typed)
 
 
 def moves(refs: Iterable[object]) -> dict[str, int]:

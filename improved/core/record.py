@@ -303,6 +303,13 @@ def settle(record: ProposalRecord, stream_seq: int) -> ProposalRecord:
         else record.dispatched_seq)
 
 
+def hashed(folded: ProposalRecord, trailer: Trailer, stream_seq: int) -> ProposalRecord:
+    """What `fold` makes of `trailer` at `stream_seq`, from `folded`, the fold of the same
+    trailer before it had its hash: of the hash a record keeps only where its chain ends."""
+    return folded.replace(chain=ChainHead(length=trailer.seq + 1, last_hash=trailer.hash,
+                                          stream_seq=stream_seq))
+
+
 def replay(start: ProposalRecord, trailers: list[Trailer], stream_seqs: list[int]) -> ProposalRecord:
     """Rebuild a record from its registration and its chain alone (the store is only a cache):
     the fold of every trailer, as each was committed."""

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import structlog
 
-from improved.core import audit, indexes, observe
+from improved.core import indexes, observe
 from improved.core.audit import Draft
-from improved.core.record import PENDING_SEQ, ProposalRecord, fold, settle
+from improved.core.record import PENDING_SEQ, ProposalRecord, settle
 from improved.core.trailers import TrailerData
 from improved.protocol.model import Trailer
 from improved.runtime.metrics import Metrics
@@ -73,17 +73,16 @@ class Commits:
         rebuild makes it, at PENDING_SEQ until `append`. `before` is the record at the chain's
         end (None: the chain begins, and `record` is the registration's new record); the
         trailer says which indexes it moves (`indexes.with_moves`)."""
-        draft, data = indexes.moves_of(before, record, draft, at)
-        trailer = audit.seal(draft, record, at)
+        trailer, data, after = indexes.sealed(before, record, draft, at, PENDING_SEQ)
         pid = record.proposal_id
         pending = self._pending.get(pid)
         if pending is None:
             pending = self._pending[pid] = _Commit(record.chain.stream_seq, [])
         pending.trailers.append((trailer, data))
-        moved = indexes.moves(draft.refs)
+        moved = indexes.moves(trailer.refs)
         if moved:  # what this pass moved, for the engine's index writes
             self._moved.setdefault(pid, set()).update(moved)
-        return fold(record, trailer, PENDING_SEQ, data)
+        return after
 
     async def append(self, record: ProposalRecord) -> ProposalRecord:
         """Append the pass's commit, if it has one, in one message — the commit point, with

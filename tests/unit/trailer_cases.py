@@ -9,6 +9,8 @@ import dataclasses
 import itertools
 from typing import Any
 
+import msgspec
+
 from improved.core import (
     apply,
     audit,
@@ -109,7 +111,10 @@ class Chain:
 
     def _commit(self, name: str, before: Any, base: Any, draft: audit.Draft) -> None:
         if NEW:  # as the engine commits: the data decoded once, before the trailer is sealed
+            typed = draft.data  # what the stage wrote the refs from: the same as they read
             draft, data = indexes.moves_of(before, base, draft, NOW)
+            assert typed is None or data is not None and msgspec.structs.replace(
+                typed, index=data.index) == data, (name, typed, data)
         else:
             draft, data = indexes.with_moves(before, base, draft), None
         trailer = audit.seal(draft, base, NOW)
