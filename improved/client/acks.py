@@ -1,4 +1,5 @@
-"""JetStream publishes whose acknowledgements come back through one reply subscription.
+"""JetStream publishes whose acknowledgements come back through one reply subscription (and the
+message gets of the hot path, answered the same way).
 
 nats-py's `JetStreamContext.publish` is a request: a fresh NUID and random token per publish,
 a future, a timer of its own (`asyncio.wait_for`), the ack parsed with `json` into a
@@ -15,6 +16,7 @@ them alike), `NoStreamResponseError` when no stream takes the subject, and nats-
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import time
 from contextlib import suppress
@@ -40,6 +42,34 @@ class _Ack(msgspec.Struct):
 
 
 _ack_decoder = msgspec.json.Decoder(_Ack)
+
+
+class _LastBySubject(msgspec.Struct):
+    last_by_subj: str
+
+
+class _Stored(msgspec.Struct):
+    data: str | None = None  # base64
+    hdrs: str | None = None  # base64 of the NATS/1.0 header block
+
+
+class _Got(msgspec.Struct):
+    message: _Stored | None = None
+    error: dict[str, Any] | None = None
+
+
+_get_encoder = msgspec.json.Encoder()
+_got_decoder = msgspec.json.Decoder(_Got)
+
+
+def _headers(block: bytes) -> dict[str, str]:
+    """The headers of a stored message's `NATS/1.0` header block."""
+    out: dict[str, str] = {}
+    for line in block.decode(errors="replace").split("\r\n")[1:]:
+        name, sep, value = line.partition(":")
+        if sep:
+            out[name.strip()] = value.strip()
+    return out
 
 
 class Acks:
@@ -79,19 +109,11 @@ class Acks:
         if self._waiting:
             self._timer = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
 
-    async def publish(self, subject: str, payload: bytes, *, stream: str | None = None,
-                      headers: dict[str, str] | None = None, ttl_s: int | None = None) -> int:
-        """Publish `payload` to JetStream and wait for its ack; the stream sequence it was
-        stored at. `stream`: the stream that must take it (Nats-Expected-Stream); `ttl_s`: its
-        per-message TTL (Nats-TTL)."""
+    async def _ask(self, subject: str, payload: bytes, headers: dict[str, str] | None) -> Msg:
+        """Send `payload` on `subject` with a reply subject of this subscription's; the
+        answer, or nats-py's TimeoutError after `timeout`."""
         if self._sub is None:
             await self._start()
-        if stream is not None or ttl_s is not None:
-            headers = dict(headers or {})
-            if stream is not None:
-                headers["Nats-Expected-Stream"] = stream
-            if ttl_s is not None:
-                headers["Nats-TTL"] = str(int(ttl_s))
         reply = f"{self._prefix}{next(self._ids)}"
         future: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
         self._waiting[reply] = (future, time.monotonic() + self.timeout)
@@ -99,9 +121,22 @@ class Acks:
             self._timer = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
         try:
             await self.nc.publish(subject, payload, reply=reply, headers=headers)
-            msg = await future
+            return await future
         finally:
             self._waiting.pop(reply, None)
+
+    async def publish(self, subject: str, payload: bytes, *, stream: str | None = None,
+                      headers: dict[str, str] | None = None, ttl_s: int | None = None) -> int:
+        """Publish `payload` to JetStream and wait for its ack; the stream sequence it was
+        stored at. `stream`: the stream that must take it (Nats-Expected-Stream); `ttl_s`: its
+        per-message TTL (Nats-TTL)."""
+        if stream is not None or ttl_s is not None:
+            headers = dict(headers or {})
+            if stream is not None:
+                headers["Nats-Expected-Stream"] = stream
+            if ttl_s is not None:
+                headers["Nats-TTL"] = str(int(ttl_s))
+        msg = await self._ask(subject, payload, headers)
         if not msg.data and msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
             raise NoStreamResponseError
         ack = _ack_decoder.decode(msg.data)
@@ -109,6 +144,24 @@ class Acks:
             APIError.from_error(ack.error)  # raises the error's own class
             raise APIError(**ack.error)
         return ack.seq
+
+    async def last(self, stream: str, subject: str) -> tuple[bytes, dict[str, str]] | None:
+        """The last message on `subject` of `stream`, read from the stream's leader (a message
+        get), as (payload, headers); None when there is none."""
+        msg = await self._ask(f"$JS.API.STREAM.MSG.GET.{stream}",
+                              _get_encoder.encode(_LastBySubject(last_by_subj=subject)), None)
+        if not msg.data and msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
+            raise NoStreamResponseError
+        got = _got_decoder.decode(msg.data)
+        if got.error is not None:
+            if got.error.get("code") == 404:
+                return None
+            APIError.from_error(got.error)
+            raise APIError(**got.error)
+        if got.message is None:
+            return None
+        return (base64.b64decode(got.message.data or ""),
+                _headers(base64.b64decode(got.message.hdrs or "")))
 
     async def close(self) -> None:
         """Stop listening; what still waits fails as timed out."""

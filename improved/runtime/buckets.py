@@ -133,8 +133,9 @@ class Buckets:
         if absent:
             value, result = decide(None)
             if value is not None:
-                try:
-                    return result, await kv_create(kv, key, value)
+                try:  # a KV create, as nats-py publishes one
+                    return result, await self.acks.publish(f"$KV.{bucket}.{key}", value, headers={
+                        "Nats-Expected-Last-Subject-Sequence": "0"})
                 except APIError as exc:
                     if not is_conflict(exc):
                         raise
@@ -182,8 +183,8 @@ class Buckets:
     async def ledger_get(self, svc: str, dedup: str) -> LedgerEntry | None:
         """The rejection-ledger entry under `dedup`; None when there is none, or the key holds
         no entry (a hint, like the dedup bucket)."""
-        try:
-            entry = await self.ledger.get(S.dedup_key_of(svc, dedup))
-        except KeyNotFoundError:
+        key = S.dedup_key_of(svc, dedup)
+        found = await self.acks.last(f"KV_{S.BUCKET_LEDGER}", f"$KV.{S.BUCKET_LEDGER}.{key}")
+        if found is None or found[1].get("KV-Operation") in ("DEL", "PURGE"):
             return None
-        return decoded(ledger_entry_decoder, entry.value)
+        return decoded(ledger_entry_decoder, found[0])

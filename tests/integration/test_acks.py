@@ -37,6 +37,25 @@ async def test_acks_give_sequences_conflicts_and_missing_streams(nc, svc):
         assert not is_conflict(wrong.value)
         with pytest.raises(NoStreamResponseError):
             await acks.publish(f"{svc}.nostream", b"x")
+        # the last message on a subject, by a direct get through the same subscription
+        data, _ = await acks.last(stream, f"{svc}.acks.cas")
+        assert data == b"first"
+    finally:
+        await acks.close()
+        await js.delete_stream(stream)
+
+
+async def test_a_message_get_gives_the_last_message_with_its_headers_or_none(nc, svc):
+    js = nc.jetstream()
+    stream = f"LAST_{svc.replace('-', '_').upper()}"
+    await js.add_stream(name=stream, subjects=[f"{svc}.last.>"], storage=api.StorageType.MEMORY)
+    acks = Acks(nc)
+    try:
+        for value in (b"one", b"two"):
+            await acks.publish(f"{svc}.last.k", value, headers={"KV-Operation": "PUT"})
+        data, headers = await acks.last(stream, f"{svc}.last.k")
+        assert data == b"two" and headers["KV-Operation"] == "PUT"
+        assert await acks.last(stream, f"{svc}.last.none") is None
     finally:
         await acks.close()
         await js.delete_stream(stream)
