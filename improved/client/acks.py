@@ -20,7 +20,7 @@ import base64
 import itertools
 import time
 from contextlib import suppress
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from nats.aio.client import Client
@@ -44,17 +44,26 @@ class _Ack(msgspec.Struct):
 _ack_decoder = msgspec.json.Decoder(_Ack)
 
 
+class Stored(NamedTuple):
+    """A message as a stream holds it: its sequence, payload and headers."""
+
+    seq: int
+    data: bytes
+    headers: dict[str, str]
+
+
 class _LastBySubject(msgspec.Struct):
     last_by_subj: str
 
 
-class _Stored(msgspec.Struct):
+class _Message(msgspec.Struct):
+    seq: int = 0
     data: str | None = None  # base64
     hdrs: str | None = None  # base64 of the NATS/1.0 header block
 
 
 class _Got(msgspec.Struct):
-    message: _Stored | None = None
+    message: _Message | None = None
     error: dict[str, Any] | None = None
 
 
@@ -145,9 +154,9 @@ class Acks:
             raise APIError(**ack.error)
         return ack.seq
 
-    async def last(self, stream: str, subject: str) -> tuple[bytes, dict[str, str]] | None:
+    async def last(self, stream: str, subject: str) -> Stored | None:
         """The last message on `subject` of `stream`, read from the stream's leader (a message
-        get), as (payload, headers); None when there is none."""
+        get); None when there is none."""
         msg = await self._ask(f"$JS.API.STREAM.MSG.GET.{stream}",
                               _get_encoder.encode(_LastBySubject(last_by_subj=subject)), None)
         if not msg.data and msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
@@ -160,8 +169,8 @@ class Acks:
             raise APIError(**got.error)
         if got.message is None:
             return None
-        return (base64.b64decode(got.message.data or ""),
-                _headers(base64.b64decode(got.message.hdrs or "")))
+        return Stored(got.message.seq, base64.b64decode(got.message.data or ""),
+                      _headers(base64.b64decode(got.message.hdrs or "")))
 
     async def close(self) -> None:
         """Stop listening; what still waits fails as timed out."""

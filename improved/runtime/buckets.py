@@ -185,6 +185,6 @@ class Buckets:
         no entry (a hint, like the dedup bucket)."""
         key = S.dedup_key_of(svc, dedup)
         found = await self.acks.last(f"KV_{S.BUCKET_LEDGER}", f"$KV.{S.BUCKET_LEDGER}.{key}")
-        if found is None or found[1].get("KV-Operation") in ("DEL", "PURGE"):
+        if found is None or found.headers.get("KV-Operation") in ("DEL", "PURGE"):
             return None
-        return decoded(ledger_entry_decoder, found[0])
+        return decoded(ledger_entry_decoder, found.data)

@@ -408,7 +408,7 @@ class Engine:
         async def allowed(attempt: int, maybe_delivered: bool) -> None:
             if attempt > 1 and planner.recheck_grant(record, intended, maybe_delivered) \
                     and not await self.store.grant_active(record.skill, now_ms(),
-                                                          self.trust.chain_trust):
+                                                          self.trust.chain_trust, fresh=True):
                 raise GrantRevoked(record.skill)
 
         try:
