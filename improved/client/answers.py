@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from collections.abc import Callable
 
 from nats.aio.client import Client
@@ -73,28 +72,27 @@ class Answers:
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._waiting[inbox] = queue
         heard: list[boundary.Evidence[bytes]] = []
+        loop = asyncio.get_running_loop()
         try:
             await self.nc.publish(subject, body, reply=inbox)
-            deadline = time.monotonic() + timeout
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    msg = await asyncio.wait_for(queue.get(), left)
-                except TimeoutError:
-                    break
-                if msg.headers and msg.headers.get("Status") == NO_RESPONDERS and not msg.data:
-                    if heard:
+            async with asyncio.timeout_at(loop.time() + timeout) as window:  # one timer an ask
+                while True:
+                    msg = await queue.get()
+                    if msg.headers and msg.headers.get("Status") == NO_RESPONDERS \
+                            and not msg.data:
+                        if heard:
+                            break
+                        raise NoRespondersError
+                    heard.append(boundary.attest_reply(
+                        msg.data, service=service, subject=subject, reply_to=inbox,
+                        signers=self.signers(), bound=self.bound))
+                    if not attestable:
                         break
-                    raise NoRespondersError
-                heard.append(boundary.attest_reply(
-                    msg.data, service=service, subject=subject, reply_to=inbox,
-                    signers=self.signers(), bound=self.bound))
-                if not attestable:
-                    break
-                if boundary.settled(heard):
-                    deadline = min(deadline, time.monotonic() + grace)
+                    if boundary.settled(heard):
+                        window.reschedule(min(window.when() or loop.time(),
+                                              loop.time() + grace))
+        except TimeoutError:
+            pass  # the window closed: what was heard is the answer
         finally:
             del self._waiting[inbox]
         if not heard:
