@@ -293,7 +293,6 @@ class Published(msgspec.Struct, kw_only=True):
 
 
 PACED_SHARES = (0.25, 0.5, 0.9)  # the paced runs' rates, as shares of the measured peak
-PACED_SECONDS = 4.0  # how long each paced run publishes
 
 
 def lat(values: Sequence[float]) -> dict[str, Any]:
@@ -577,7 +576,7 @@ class Bench:
         out = []
         for share in PACED_SHARES:
             rate = max(peak * share, 1.0)
-            n = max(int(rate * PACED_SECONDS), 50)
+            n = max(self.args.paced_n, 20)  # each run long enough for a stable p99
             kinds = random.Random(first).choices(list(self.mix), weights=list(self.mix.values()),
                                                  k=n)
             r = await self.drive(nc, url, kinds, t0, first, rate=rate)

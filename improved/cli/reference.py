@@ -63,6 +63,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench.add_argument("--paced", action="store_true",
                        help="also publish the mix at 25, 50 and 90%% of the measured peak "
                             "rate and report publish→decision and publish→applied by class")
+    bench.add_argument("--paced-n", type=int, default=2000, metavar="N",
+                       help="proposals in each paced run (2000: enough that the p99 is the "
+                            "same from one run to the next)")
     bench.add_argument("--no-learn-back", dest="learn_back", action="store_false",
                        help="send no learn-back signals (the loop then ends at the apply)")
     bench.add_argument("--timeout", type=float, default=300.0, help="give up after (300 s)")

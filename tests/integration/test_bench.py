@@ -92,7 +92,8 @@ def test_an_interrupted_bench_stops_everything_and_leaves_no_temp_dir(tmp_path):
 @pytest.mark.slow  # half a minute: with the fault suites, not in the default run
 def test_paced_runs_report_latency_by_class_at_three_shares_of_the_peak(tmp_path):
     out = tmp_path / "bench.json"
-    temp, argv, kw = bench(tmp_path, "-n", "40", "-c", "20", "--paced", "--no-learn-back",
+    temp, argv, kw = bench(tmp_path, "-n", "40", "-c", "20", "--paced", "--paced-n", "60",
+                           "--no-learn-back",
                            "--mix", "l0=0.3,l3=0.4,l2=0.2,reject=0.1", "--json", str(out))
     result = subprocess.run(argv, capture_output=True, text=True, timeout=170, **kw)
     assert result.returncode == 0, result.stdout + result.stderr
