@@ -227,6 +227,7 @@ class Daemon:
                 await self._service
         await self.inbound.unbind()
         await self.store.acks.close()
+        await self.store.record_acks.close()
         log.info("daemon stopped", actor=self.actor)
 
     def halt(self) -> None:

@@ -33,7 +33,7 @@ class Retained(RecordReads):
 
     js: JetStreamContext
     _probe: JetStreamContext
-    acks: Acks
+    record_acks: Acks  # its own reply subscription: the appends' acks do not wait behind these
     tombstone_ttl_s: int
 
     async def publish(self, subject: str, record: msgspec.Struct | None,
@@ -42,7 +42,7 @@ class Retained(RecordReads):
         `ttl_s` it carries that TTL (Nats-TTL): the server removes it then, with its subject;
         a None record is an empty message (a tombstone)."""
         # an ack lost in a broker restart must not wedge the job: it times out (`Acks`)
-        await self.acks.publish(subject, b"" if record is None else to_json(record),
+        await self.record_acks.publish(subject, b"" if record is None else to_json(record),
                                 stream=S.STREAM_RECORDS, ttl_s=ttl_s)
 
     async def index(self, svc: str, pid: str, entry: ReviewEntry | None) -> None:

@@ -44,6 +44,7 @@ from collections import OrderedDict
 
 from nats.aio.client import Client
 
+from improved.client.acks import Acks
 from improved.client.chain_writer import ChainWriter
 from improved.client.records import TOMBSTONE_TTL_S
 from improved.protocol import subjects as S
@@ -73,6 +74,7 @@ class Store(Provisioning, AuditLog, Buckets, Retained, GrantReads):
         self.replicas = replicas
         self.records_storage = records_storage
         self.tombstone_ttl_s = TOMBSTONE_TTL_S
+        self.record_acks = Acks(nc)  # the retained records' acknowledgements
         # whether the dedup bucket's stream takes per-message TTLs (`ensure` finds out)
         self.dedup_ttl = False
         # skill hash → the grant chain as last read whole: re-read only when it has moved

@@ -356,12 +356,13 @@ async def test_a_record_ack_lost_in_a_broker_restart_does_not_wedge_the_proposal
     nc = await connection.connect(server.url, "wedge-client")
     js = nc.jetstream()
     try:
-        # Lose the acks of the daemon's pipelined record publishes (only those: the chain
-        # appends are requests and go through), then reset the connection: what a broker that
-        # dies after taking the records and before acknowledging them does.
+        # Lose the acks of the daemon's record publishes (only those: they come back through a
+        # reply subscription of their own, the chain appends' through another), then reset the
+        # connection: what a broker that dies after taking the records and before
+        # acknowledging them does.
         def record_ack(subject: bytes) -> bool:
-            prefix = daemon.store.js._async_reply_prefix
-            return prefix is not None and subject.startswith(bytes(prefix))
+            prefix = daemon.store.record_acks._prefix
+            return bool(prefix) and subject.startswith(prefix.encode())
 
         proxy.drop = record_ack
         client = MeshClient(nc, "wedge")
