@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -186,21 +187,9 @@ class Run:
 
         sub = await js.subscribe(f"improve.audit.{SVC}.*", cb=on_audit, ordered_consumer=True,
                                  deliver_policy=api.DeliverPolicy.NEW)
-        window = asyncio.Semaphore(self.args.window)
-
-        async def publish(body: bytes) -> None:
-            try:
-                await js.publish(f"improve.proposals.{SVC}", body)
-            finally:
-                window.release()
-
         profiler = self.profile()
         started = time.perf_counter()
-        tasks = []
-        for body in bodies:
-            await window.acquire()
-            tasks.append(asyncio.create_task(publish(body)))
-        await asyncio.gather(*tasks)
+        await self.pipelined(js, ((f"improve.proposals.{SVC}", body) for body in bodies))
         published = time.perf_counter() - started
         await asyncio.wait_for(done.wait(), self.args.timeout)
         elapsed = time.perf_counter() - started
@@ -210,6 +199,22 @@ class Run:
         await sub.unsubscribe()
         return {"elapsed_s": elapsed, "published_s": published, "proposals_per_s": n / elapsed,
                 "audit_message_bytes": round(sum(sizes) / max(len(sizes), 1))}
+
+    async def pipelined(self, js: Any, messages: Iterable[tuple[str, bytes]]) -> None:
+        """Publish to JetStream with at most `--window` acknowledgements outstanding."""
+        window = asyncio.Semaphore(self.args.window)
+
+        async def publish(subject: str, body: bytes) -> None:
+            try:
+                await js.publish(subject, body)
+            finally:
+                window.release()
+
+        tasks = []
+        for subject, body in messages:
+            await window.acquire()
+            tasks.append(asyncio.create_task(publish(subject, body)))
+        await asyncio.gather(*tasks)
 
     def profile(self) -> subprocess.Popen[bytes] | None:
         """py-spy on the daemon while the loop runs (`--profile FILE`: raw samples)."""
@@ -226,20 +231,8 @@ class Run:
                             storage=api.StorageType.FILE, num_replicas=1)
         m = max(self.args.n * 3, 5000)
         payload = b"x" * size
-        window = asyncio.Semaphore(self.args.window)
-
-        async def publish(i: int) -> None:
-            try:
-                await js.publish(f"ceiling.{i % 1000}", payload)
-            finally:
-                window.release()
-
         started = time.perf_counter()
-        tasks = []
-        for i in range(m):
-            await window.acquire()
-            tasks.append(asyncio.create_task(publish(i)))
-        await asyncio.gather(*tasks)
+        await self.pipelined(js, ((f"ceiling.{i % 1000}", payload) for i in range(m)))
         elapsed = time.perf_counter() - started
         await js.delete_stream("CEILING")
         return {"messages": m, "messages_per_s": m / elapsed, "message_bytes": size}

@@ -9,11 +9,15 @@ import json
 import os
 import signal as signals
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.cli import ENV, IMPROVED
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench(tmp_path, *args: str, **kw):
@@ -105,4 +109,25 @@ def test_paced_runs_report_latency_by_class_at_three_shares_of_the_peak(tmp_path
         assert p["latency_by_kind"]["l3"]["publish→applied"]["n"] > 0
         assert p["latency_by_kind"]["reject"]["publish→applied"]["n"] == 0
     assert "paced 50% of peak" in result.stdout
+    assert list(temp.iterdir()) == []
+
+
+@pytest.mark.slow  # a server, a daemon and an applier of its own
+def test_the_outside_yardstick_reads_the_loop_back_from_the_wire_alone(tmp_path):
+    """benchmarks/loop_from_outside.py: every proposal's `applied` trailer read back from the
+    audit stream (a commit's trailers too), the broker's ceiling, the streams' writes and the
+    daemon's messages counted, and nothing left behind."""
+    out, temp = tmp_path / "outside.json", tmp_path / "temp"
+    temp.mkdir()
+    script = ROOT / "benchmarks" / "loop_from_outside.py"
+    result = subprocess.run([sys.executable, str(script), "-n", "60", "--json", str(out)],
+                            capture_output=True, text=True, timeout=120,
+                            env={**ENV, "TMPDIR": str(temp)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    r = json.loads(out.read_text())
+    assert r["n"] == 60 and r["proposals_per_s"] > 0 and r["ceiling"]["messages_per_s"] > 0
+    assert r["writes_per_proposal"]["IMPROVE_AUDIT"] == 2.0  # a commit, then the outcome
+    assert r["writes_per_proposal"]["IMPROVE_IN"] == 1.0
+    assert r["messages_per_proposal"]["improved"]["in_msgs"] > 0
+    assert "proposals/s" in result.stdout
     assert list(temp.iterdir()) == []
