@@ -7,10 +7,9 @@ dataclass. On the loop's hot path — every chain append and retained record —
 share of the daemon's CPU for what is one message out and one in. Here one wildcard
 subscription receives every ack, a counter names each reply subject, one timer (armed only
 while acks are awaited) fails what waited past its deadline, and the ack is decoded by
-msgspec. What a caller sees is
-nats-py's: the same `PubAck` sequence, the same `APIError`s (so `streams.is_conflict` reads
-them alike), `NoStreamResponseError` when no stream takes the subject, and nats-py's
-`TimeoutError` when no ack came.
+msgspec. What a caller sees is nats-py's: the same stream sequence, the same `APIError`s (so
+`streams.is_conflict` reads them alike), `NoStreamResponseError` when no stream takes the
+subject, and nats-py's `TimeoutError` when no ack came.
 """
 
 from __future__ import annotations
