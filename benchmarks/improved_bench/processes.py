@@ -66,6 +66,7 @@ class BenchProcesses:
         """`replicas` daemons on `url`, trusting `operator` by its base64 public key."""
         config = self.config
         config.write_text(f'records_storage = "{self.args.records}"\n'
+                          f'replicas = {self.args.stream_replicas}\n'
                           f'data_dir = "{self.tmp / "daemon"}"\n\n'
                           f'[trust.operators]\n"{operator}" = "{public}"\n')
         env = {**os.environ, "IMPROVED_CONFIG": str(config)}
@@ -110,6 +111,8 @@ class BenchProcesses:
                "applier and clock": cpu_s(os.getpid())}
         if self.server is not None and self.server.proc is not None:
             out["broker"] = cpu_s(self.server.proc.pid)
+        elif self.args.broker_pid:  # an external server's nodes, named by the caller
+            out["broker"] = sum(cpu_s(pid) for pid in self.args.broker_pid)
         return out
 
     def stop(self) -> None:

@@ -49,6 +49,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        help="weights of l0, l3 (with grant), l2 (approved), reject "
                             "(default l3=0.7,l0=0.1,l2=0.1,reject=0.1)")
     bench.add_argument("--replicas", type=int, default=1, help="daemon processes (1)")
+    bench.add_argument("--stream-replicas", type=int, default=1, metavar="R",
+                       help="the daemons' `replicas`: JetStream replicas of every stream and "
+                            "bucket (1; 3 on a 3-node cluster given with --nats)")
+    bench.add_argument("--broker-pid", type=int, action="append", default=[], metavar="PID",
+                       help="with --nats: a server process whose CPU counts as the broker's "
+                            "(once per node)")
     bench.add_argument("--sync", default="always",
                        help="embedded server fsync: always (durable, default) or e.g. 2m")
     bench.add_argument("--records", choices=("file", "memory"), default="file",
