@@ -119,8 +119,7 @@ def seal(draft: Draft, record: ProposalRecord, at: int) -> Trailer:
 def seal_next(draft: Draft, chain_id: str, head: ChainHead, gate_class: ChangeClass, scope: Scope,
               at: int) -> Trailer:
     """The next trailer of the chain `chain_id` that ends at `head`."""
-    t = _unhashed(draft, chain_id, head, gate_class, scope, at)
-    return msgspec.structs.replace(t, hash=trailer_hash(msgspec.to_builtins(t)))
+    return hashed(_unhashed(draft, chain_id, head, gate_class, scope, at))
 
 
 def hashed(trailer: Trailer) -> Trailer:

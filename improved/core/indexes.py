@@ -77,19 +77,11 @@ def with_moves(before: ProposalRecord | None, record: ProposalRecord, draft: Dra
 
 def moves_of(before: ProposalRecord | None, record: ProposalRecord, draft: Draft,
              at: int) -> tuple[Draft, TrailerData | None]:
-    """`with_moves`, and the typed data of the trailer that draft seals to, decoded once (a
-    commit folds the sealed trailer with it); None for a trailer of no kind known here, whose
-    data is its raw refs."""
-    provisional = audit.unhashed(draft, record, at)
-    data = decode(provisional)
-    refs = moved(before, fold(record, provisional, record.chain.stream_seq, data))
-    if not refs:
-        return draft, None if isinstance(data, Unknown) else data
-    drafted = dataclasses.replace(draft, refs=(*draft.refs, *refs))
-    if isinstance(data, Unknown):
-        return drafted, None
-    index = (*data.index, *(r.partition(":")[2] for r in refs))
-    return drafted, msgspec.structs.replace(data, index=index)
+    """`with_moves`, and the typed data of the trailer that draft seals to (what its stage
+    wrote it from, else decoded once); None for a trailer of no kind known here, whose data
+    is its raw refs."""
+    draft, typed, _ = _moved(before, record, draft, at, record.chain.stream_seq)
+    return draft, typed
 
 
 def sealed(before: ProposalRecord | None, record: ProposalRecord, draft: Draft, at: int,
@@ -98,20 +90,32 @@ def sealed(before: ProposalRecord | None, record: ProposalRecord, draft: Draft, 
     moves (`moves_of`), its typed data, and the record after it at `stream_seq` (`fold`).
     A trailer that moves no index is folded once: its hash is the only thing sealing adds,
     and of the hash the record keeps only the chain's end."""
+    draft, typed, folded = _moved(before, record, draft, at, stream_seq)
+    if folded is not None:
+        provisional, after = folded
+        trailer = audit.hashed(provisional)
+        return trailer, typed, hashed(after, trailer, stream_seq)
+    trailer = audit.seal(draft, record, at)
+    return trailer, typed, fold(record, trailer, stream_seq, typed)
+
+
+def _moved(before: ProposalRecord | None, record: ProposalRecord, draft: Draft, at: int,
+           stream_seq: int) -> tuple[Draft, TrailerData | None,
+                                     tuple[Trailer, ProposalRecord] | None]:
+    """(`draft` with its index moves, its typed data, and — when it moves no index, so the
+    draft is as given — its unhashed trailer and the record folded from it at `stream_seq`)."""
     provisional = audit.unhashed(draft, record, at)
     data = draft.data if draft.data is not None else decode(provisional)
     after = fold(record, provisional, stream_seq, data)
     refs = moved(before, after)
     typed = None if isinstance(data, Unknown) else data
     if not refs:
-        trailer = audit.hashed(provisional)
-        return trailer, typed, hashed(after, trailer, stream_seq)
+        return draft, typed, (provisional, after)
     draft = dataclasses.replace(draft, refs=(*draft.refs, *refs))
     if typed is not None:
         typed = msgspec.structs.replace(typed, index=(*typed.index,
                                                       *(r.partition(":")[2] for r in refs)))
-    trailer = audit.seal(draft, record, at)
-    return trailer, typed, fold(record, trailer, stream_seq, typed)
+    return draft, typed, None
 
 
 def moves(refs: Iterable[object]) -> dict[str, int]:

@@ -2,7 +2,8 @@
 row (a registration, its triage decision and the dispatch intent, say), each folded into the
 record as it is decided, then appended together in one message before anything leaves the
 pass. One message, one fsync and one compare-and-set for what was decided together; each
-trailer still hashed, linked and signed on its own (docs/protocol.md, "Audit trailers").
+trailer still hashed and linked on its own, the last one signed for the commit
+(docs/protocol.md, "Audit trailers" and "Authenticated chains").
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class Commits:
         pass's commit: the record after it is the fold of the trailer (`record.fold`), as a
         rebuild makes it, at PENDING_SEQ until `append`. `before` is the record at the chain's
         end (None: the chain begins, and `record` is the registration's new record); the
-        trailer says which indexes it moves (`indexes.with_moves`)."""
+        trailer says which indexes it moves (`indexes.sealed`)."""
         trailer, data, after = indexes.sealed(before, record, draft, at, PENDING_SEQ)
         pid = record.proposal_id
         pending = self._pending.get(pid)

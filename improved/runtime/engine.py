@@ -178,17 +178,17 @@ class Engine:
                     now = now_ms()
                     step = ingest(record, now)
                     if step is not None:
-                        record = self._commit(before, *step, now)
+                        record = self.commits.add(before, *step, now)
                     if record is None:
                         return Handled(None, False)
                     try:
                         record = await self._advance(record, dispatch, rejected)
                     except ServiceUnreachable as exc:
                         # What was decided stands and is published; the apply waits.
-                        await self._settle(await self._append(exc.record or record), before,
+                        await self._settle(await self.commits.append(exc.record or record), before,
                                            republish)
                         raise
-                    record = await self._append(record)
+                    record = await self.commits.append(record)
                     changed = record != before
                     if changed and on_change is not None:
                         await on_change(record)
@@ -303,16 +303,6 @@ class Engine:
 
     # -- the steps -----------------------------------------------------------------------------------
 
-    def _commit(self, before: ProposalRecord | None, record: ProposalRecord, draft: Draft,
-                at: int) -> ProposalRecord:
-        """Add the trailer `draft` seals to onto `record` to the pass's commit (`Commits.add`):
-        the record after it."""
-        return self.commits.add(before, record, draft, at)
-
-    async def _append(self, record: ProposalRecord) -> ProposalRecord:
-        """Append the pass's commit, if any (`Commits.append`): `record` settled."""
-        return await self.commits.append(record)
-
     async def _advance(self, record: ProposalRecord, dispatch: bool,
                        rejected: triage.Rejection | None = None) -> ProposalRecord:
         """Carry the proposal on, one planner step at a time, until the planner has nothing
@@ -329,13 +319,13 @@ class Engine:
                              | planner.ReadOriginal):
                 if isinstance(step, planner.ConfirmGrant) and self.commits.pending(record):
                     # as of the intent's stream sequence: the intent appended first
-                    record = await self._append(record)
+                    record = await self.commits.append(record)
                 else:
                     view = planner.with_read(view, step, await self._read(record, step, now))
                     grant, at_intent = view.grant, view.grant_at_intent
                 step = planner.next_step(record, view, self.policy, self.actor)
             if not isinstance(step, planner.Commit):  # an effect: nothing on an unheld decision
-                record = await self._append(record)
+                record = await self.commits.append(record)
             try:
                 match step:
                     case planner.Commit(draft=draft, why=why):
@@ -343,13 +333,13 @@ class Engine:
                             log.warning("dispatch withdrawn: the grant was not active as of "
                                         "it; no order is sent", proposal_id=record.proposal_id,
                                         skill=record.skill, intent_seq=record.dispatched_seq)
-                        record = self._commit(record, record, draft, now)
+                        record = self.commits.add(record, record, draft, now)
                         intended = intended or why == "dispatched"
                     case planner.SendRollback():
                         record = await self._rollback(record, step)
                     case planner.CheckLkg():
                         draft = await self._lkg_check(record)
-                        record = self._commit(record, record, draft, now_ms())
+                        record = self.commits.add(record, record, draft, now_ms())
                     case planner.SendApply():
                         record = await self._apply(record, step, intended)
                     case planner.AskMeasure(request=request):
@@ -359,7 +349,7 @@ class Engine:
                                                         self.actor)
                         if measure.rollback is not None:
                             await self.propose_rollback(record, measure.rollback)
-                        record = self._commit(record, record, measure.commit.draft, at)
+                        record = self.commits.add(record, record, measure.commit.draft, at)
                     case planner.FinishRollback(original_id=original):
                         await self.rolled_back(record.service, original, record)
                         break
@@ -392,7 +382,7 @@ class Engine:
         """An operator's rollback: the recorded inverse goes to the owning service."""
         result = await self.requests.send(record, step.order)
         at = now_ms()
-        record = await self._append(self._commit(
+        record = await self.commits.append(self.commits.add(
             record, record, apply_stage.rollback_transition(record, step.inverse_id, result), at))
         if result.value.ok and record.approved_by is None:
             await self.autonomy.count_autonomous_rollback(record, at)
@@ -416,16 +406,16 @@ class Engine:
         except GrantRevoked:
             at = now_ms()
             commit = planner.revoked(record, self.policy, at, self.actor)
-            return self._commit(record, record, commit.draft, at)
+            return self.commits.add(record, record, commit.draft, at)
         except ServiceUnreachable as exc:
             at = now_ms()
             void = planner.unreachable(record, intended, exc.maybe_delivered, str(exc),
                                        self.actor)
             if void is not None:
-                exc.record = self._commit(record, record, void.draft, at)
+                exc.record = self.commits.add(record, record, void.draft, at)
             raise
         at = now_ms()
-        return self._commit(
+        return self.commits.add(
             record, record, apply_stage.transition(record, result, step.authority), at)
 
     async def _lkg_check(self, record: ProposalRecord) -> Draft:

@@ -59,14 +59,21 @@ class Intake:
         # this one is sent (decided below, before anything else carries it on).
         seen: dict[str, DedupHead | None] = {}  # the head as it was before this one's claim
         ledger: dict[str, LedgerEntry | None] = {}
-        if not future and pid not in self.records.cache:
-            # most likely new: claim the key first (a create, no read) and read the ledger
-            # beside it; what the key held before says whether newer content stands
-            (seen["head"], written), ledger["entry"] = await asyncio.gather(
-                self.store.claim_dedup_head(svc, dedup, pid, proposal.created_at, absent=True),
+
+        async def claim_key(absent: bool) -> tuple[DedupHead | None, LedgerEntry | None]:
+            """Claim the dedup_key (with `absent`, a create without a read) and read the
+            rejection ledger, both at once: (the head the key held before, the entry)."""
+            (head, written), entry = await asyncio.gather(
+                self.store.claim_dedup_head(svc, dedup, pid, proposal.created_at, absent),
                 self.store.ledger_get(svc, dedup))
             self.engine.claimed(pid, written, DedupHead(proposal_id=pid,
                                                         created_at=proposal.created_at))
+            return head, entry
+
+        if not future and pid not in self.records.cache:
+            # most likely new: claim the key first (no read) and read the ledger beside it;
+            # what the key held before says whether newer content stands
+            seen["head"], ledger["entry"] = await claim_key(absent=True)
             standing = (await self.engine.standing_over(svc, seen["head"], pid, proposal, dedup)
                         if dispatch else None)
         else:
@@ -84,16 +91,9 @@ class Intake:
             whether an operator rejected it (`_rejection`)."""
             if future:
                 return None
-            if "entry" in ledger:
-                head, rejected = seen["head"], ledger["entry"]
-            else:
-                # a key just read as absent is most likely still absent: create without a read
-                (head, written), rejected = await asyncio.gather(
-                    self.store.claim_dedup_head(svc, dedup, pid, proposal.created_at,
-                                                absent=seen.get("head", 0) is None),
-                    self.store.ledger_get(svc, dedup))
-                self.engine.claimed(pid, written, DedupHead(proposal_id=pid,
-                                                            created_at=proposal.created_at))
+            # a key just read as absent is most likely still absent: create without a read
+            head, rejected = (seen["head"], ledger["entry"]) if "entry" in ledger \
+                else await claim_key(absent=seen.get("head", 0) is None)
             if head is not None and head.proposal_id != pid:
                 claim["head"] = head
             return await self._rejection(svc, dedup, pid, rejected)

@@ -5,6 +5,8 @@ writer and the buckets read, no stream for the subject, and a timeout when no ac
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from nats.errors import TimeoutError as NatsTimeout
@@ -17,12 +19,24 @@ from improved.client.acks import Acks
 from improved.client.streams import is_conflict
 
 
-async def test_acks_give_sequences_conflicts_and_missing_streams(nc, svc):
+@asynccontextmanager
+async def _stream_and_acks(nc, svc: str, name: str) -> AsyncIterator[tuple[str, Acks]]:
+    """A memory stream of `svc.<name>.>` of the test's own, and an Acks on `nc`; both gone
+    after."""
     js = nc.jetstream()
-    stream = f"ACKS_{svc.replace('-', '_').upper()}"
-    await js.add_stream(name=stream, subjects=[f"{svc}.acks.>"], storage=api.StorageType.MEMORY)
+    stream = f"{name.upper()}_{svc.replace('-', '_').upper()}"
+    await js.add_stream(name=stream, subjects=[f"{svc}.{name}.>"],
+                        storage=api.StorageType.MEMORY)
     acks = Acks(nc)
     try:
+        yield stream, acks
+    finally:
+        await acks.close()
+        await js.delete_stream(stream)
+
+
+async def test_acks_give_sequences_conflicts_and_missing_streams(nc, svc):
+    async with _stream_and_acks(nc, svc, "acks") as (stream, acks):
         seqs = await asyncio.gather(*(acks.publish(f"{svc}.acks.{i}", b"x", stream=stream)
                                       for i in range(50)))
         assert sorted(seqs) == list(range(1, 51))  # pipelined, each its own ack
@@ -40,25 +54,15 @@ async def test_acks_give_sequences_conflicts_and_missing_streams(nc, svc):
         # the last message on a subject, by a direct get through the same subscription
         first = await acks.last(stream, f"{svc}.acks.cas")
         assert first is not None and first.data == b"first" and first.seq == 51
-    finally:
-        await acks.close()
-        await js.delete_stream(stream)
 
 
 async def test_a_message_get_gives_the_last_message_with_its_headers_or_none(nc, svc):
-    js = nc.jetstream()
-    stream = f"LAST_{svc.replace('-', '_').upper()}"
-    await js.add_stream(name=stream, subjects=[f"{svc}.last.>"], storage=api.StorageType.MEMORY)
-    acks = Acks(nc)
-    try:
+    async with _stream_and_acks(nc, svc, "last") as (stream, acks):
         for value in (b"one", b"two"):
             await acks.publish(f"{svc}.last.k", value, headers={"KV-Operation": "PUT"})
         data, headers = (await acks.last(stream, f"{svc}.last.k"))[1:]
         assert data == b"two" and headers["KV-Operation"] == "PUT"
         assert await acks.last(stream, f"{svc}.last.none") is None
-    finally:
-        await acks.close()
-        await js.delete_stream(stream)
 
 
 async def test_an_ack_that_never_comes_times_out_and_is_forgotten(nats_url, svc, monkeypatch):
