@@ -55,7 +55,11 @@ def held(name: str, doc: Path) -> bool:
 
 def problems(doc: Path, text: str) -> list[str]:
     found = []
-    for number, line in enumerate(public_citations_removed(text).splitlines(), 1):
+    bare = public_citations_removed(text)
+    # a name broken over two lines is still a name
+    found += [f"{doc.name}: {m.group(0)!r}: an outside specification not cited by its public "
+              "link" for m in re.finditer(r"\bSPEC[ \t]*\n\s*\d+", bare)]
+    for number, line in enumerate(bare.splitlines(), 1):
         where = f"{doc.relative_to(ROOT) if doc.is_relative_to(ROOT) else doc.name}:{number}"
         for pattern, what in OUTSIDE:
             for m in pattern.finditer(line):
@@ -74,9 +78,10 @@ def test_the_docs_name_no_document_the_repository_does_not_hold(doc):
 
 def test_the_check_sees_what_it_must_and_lets_public_citations_be(tmp_path):
     doc = tmp_path / "x.md"
-    text = ("The contract is DESIGN §3; see SPEC 09 §5 and notes.md.\n"
+    text = ("The contract is DESIGN §3; see SPEC 09 §5 and notes.md.\nSPEC\n 08 too.\n"
             "Cited: [SPEC 09 §5][spec09], [OMS](https://github.com/openmemoryspec/oms), "
             "and README.md.\n\n[spec09]: https://github.com/markc/cosmix\n")
     (tmp_path / "README.md").write_text("")
     found = problems(doc, text)
-    assert [f.split(": ")[1] for f in found] == ["'DESIGN'", "'SPEC 09'", "'notes.md'"], found
+    assert [f.split(": ")[1] for f in found] == ["'SPEC\\n 08'", "'DESIGN'", "'SPEC 09'",
+                                                 "'notes.md'"], found
