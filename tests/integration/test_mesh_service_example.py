@@ -49,3 +49,15 @@ async def test_the_example_says_in_one_line_when_nothing_listens(tmp_path):
                                    "--service", "example-guide")
     assert done.returncode == 2, done.stdout + done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+async def test_the_example_runs_as_its_own_user_on_the_bus_with_users_too(mesh_bus):
+    """On the open bus and under deploy/accounts.conf's users, as the guide says: the service's
+    user from the two IMPROVED_NATS_* variables, and nothing it does is refused by the server."""
+    done = await asyncio.to_thread(
+        subprocess.run, [sys.executable, str(EXAMPLE), "--nats", mesh_bus.url,
+                         "--service", "ranking"],
+        capture_output=True, text=True, timeout=90, env={**ENV, **mesh_bus.env("svc-ranking")})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[1].startswith('applied: {"ok": true'), done.stdout
+    assert not mesh_bus.violations("svc-ranking")
