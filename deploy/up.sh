@@ -224,12 +224,14 @@ start() {
   STARTED+=("$name")
 }
 
-# Wait until a command succeeds, or fail after $1 seconds, naming the log to read.
+# Wait until a command succeeds, or fail after $1 seconds, naming the log to read; at once
+# when something this script started exits meanwhile (check_started, below).
 wait_for() {
   local seconds=$1 what=$2 log=$3
   shift 3
   local deadline=$((SECONDS + seconds))
   until "$@" >/dev/null 2>&1; do
+    check_started
     [ "$SECONDS" -lt "$deadline" ] || fail "$what not ready within ${seconds}s" "$log"
     sleep 0.2
   done
@@ -286,6 +288,11 @@ render() {
 }
 cp -- "$HERE/accounts.conf" "$RUN_DIR/accounts.conf"
 for n in 1 2 3; do
+  for line in "^listen: 127\.0\.0\.1:$((4221 + n))$" "^http: 127\.0\.0\.1:$((8221 + n))$" \
+    "^  listen: 127\.0\.0\.1:$((6221 + n))$"; do
+    grep -q "$line" "$HERE/nats-cluster/n$n.conf" ||
+      fail "$HERE/nats-cluster/n$n.conf has no line ${line//\\/} (the default ports up.sh moves)"
+  done
   render "$n"
   "$NATS_SERVER" -c "$RUN_DIR/nats-cluster/n$n.conf" -t >"$RUN_DIR/logs/n$n.log" 2>&1 ||
     fail "the config of node n$n does not pass nats-server -t" "$RUN_DIR/logs/n$n.log"

@@ -162,3 +162,39 @@ def test_cluster_on_its_own_ports_beside_the_default_server_verifies_clean(
     assert not any(listening(p) for first in ports.values() for p in range(first, first + 3))
     purged = run_script(DOWN, env, "--purge")
     assert purged.returncode == 0 and not run_dir.exists(), purged.stdout + purged.stderr
+
+
+@pytest.mark.slow
+def test_a_node_that_fails_to_start_stops_the_others_and_says_why_first(tmp_path):
+    """Node n2 exits at start (its nats-server fails) while n1 and n3 come up: up.sh says so
+    on its first line, naming the node and its log, shows that log under it, stops n1 and n3,
+    and leaves no process, pid file or listener behind."""
+    venv = Path(os.path.realpath(Path(__file__).parents[2] / ".venv" / "bin"))
+    fake = tmp_path / "venv" / "bin"
+    fake.mkdir(parents=True)
+    for exe in ("python", "improved"):
+        (fake / exe).symlink_to(venv / exe)
+    real = os.path.realpath(venv / "nats-server")
+    (fake / "nats-server").write_text(  # n2 passes its config check (-t), then fails to run
+        "#!/usr/bin/env bash\n"
+        'case "$*" in *n2.conf) [ "$3" = -t ] && exit 0\n'
+        '  echo "simulated: n2 cannot open its store"; exit 1 ;; esac\n'
+        f'exec "{real}" "$@"\n')
+    (fake / "nats-server").chmod(0o755)
+    ports = script_ports()
+    run_dir = tmp_path / "state" / "improved-cluster"
+    env = script_env(tmp_path, ports, IMPROVED_VENV=str(fake.parent))
+    try:
+        up = run_script(UP, env, timeout=120)
+    finally:
+        pids = pids_of(run_dir)
+        run_script(DOWN, env, "--purge")
+    lines = up.stderr.splitlines()
+    assert up.returncode == 1, up.stdout + up.stderr
+    assert lines[0] == (f"up.sh: nats node n2 exited (status 1) before it was ready; its log: "
+                        f"{run_dir}/logs/n2.log"), up.stderr
+    assert lines[1] == "  | simulated: n2 cannot open its store", up.stderr
+    assert lines[-1].startswith("up.sh: stopped what it had started (n3 n1)"), up.stderr
+    assert pids == {}, pids
+    assert processes_naming(str(run_dir)) == []
+    assert not any(listening(p) for first in ports.values() for p in range(first, first + 3))
