@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Stop what deploy/up.sh started: the ranking store, the daemon replicas (SIGTERM: each drains
 # its in-flight work and exits 0), then the three NATS nodes. Only processes named in the pid
-# files of $IMPROVED_RUN_DIR are signalled, and only while they still run the expected program.
+# files of the run directory are signalled, and only while they still run the expected program.
+# The run directory is up.sh's: $IMPROVED_RUN_DIR, else
+# ${XDG_STATE_HOME:-~/.local/state}/improved-cluster.
 #   deploy/down.sh           stop, keep the JetStream stores and logs
 #   deploy/down.sh --purge   stop and delete the run directory
 set -euo pipefail
 
 HERE=$(cd -- "$(dirname -- "$0")" && pwd)
-ROOT=$(dirname -- "$HERE")
-RUN_DIR=${IMPROVED_RUN_DIR:-$ROOT/.improved/cluster}
+RUN_DIR=${IMPROVED_RUN_DIR:-${XDG_STATE_HOME:-$HOME/.local/state}/improved-cluster}
 PURGE=0
 
 for arg in "$@"; do
   case $arg in
     --purge) PURGE=1 ;;
-    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
     *) echo "down.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
 done

@@ -4,12 +4,14 @@ directory, with deploy/accounts.conf (its users and permissions) included as it 
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
 import subprocess
 import time
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 from improved.runtime import bus
@@ -131,3 +133,74 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise AssertionError(f"cluster not healthy within {timeout}s")
             time.sleep(0.2)
+
+
+# -- deploy/up.sh and down.sh, run as an operator runs them ---------------------------------
+
+UP = DEPLOY / "up.sh"
+DOWN = DEPLOY / "down.sh"
+PORT_VARS = ("IMPROVED_CLUSTER_PORT", "IMPROVED_CLUSTER_ROUTE_PORT",
+             "IMPROVED_CLUSTER_MONITOR_PORT")
+
+
+def bindable(port: int) -> bool:
+    """Free as nats-server binds it (a listener anywhere on the port makes it busy)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_ports_in_a_row(taken: set[int] | None = None, count: int = 3) -> int:
+    """The first of `count` consecutive free ports, none in `taken`."""
+    taken = taken or set()
+    for _ in range(200):
+        first = bus.free_port()
+        run = range(first, first + count)
+        if first + count <= 65535 and not taken & set(run) and all(map(bindable, run)):
+            return first
+    raise AssertionError(f"no {count} free ports in a row")
+
+
+def script_ports() -> dict[str, int]:
+    """Free first ports for up.sh's three kinds (client, route, monitoring), not overlapping."""
+    chosen: dict[str, int] = {}
+    taken: set[int] = set()
+    for var in PORT_VARS:
+        chosen[var] = free_ports_in_a_row(taken)
+        taken |= set(range(chosen[var], chosen[var] + 3))
+    return chosen
+
+
+def script_env(home: Path, ports: Mapping[str, int | str], **extra: str) -> dict[str, str]:
+    """The environment of up.sh and down.sh: the given ports, the run directory under
+    `home`'s XDG_STATE_HOME (its default place), nothing of the caller's cluster settings."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in PORT_VARS and not k.startswith("IMPROVED_") and k != "WITH_RANKING"}
+    env.update({k: str(v) for k, v in ports.items()})
+    env["XDG_STATE_HOME"] = str(home / "state")
+    env["HOME"] = str(home)
+    env.update(extra)
+    return env
+
+
+def run_script(script: Path, env: dict[str, str], *args: str,
+               timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run([str(script), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=env["HOME"])
+
+
+def processes_naming(text: str) -> list[str]:
+    """Command lines of running processes that name `text` (a run directory)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in args:
+            found.append(args)
+    return found
