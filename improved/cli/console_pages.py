@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from improved.cli import render
-from improved.cli.console_reads import CLASSES, STATUSES, Listed, Mesh, Verified
+from improved.cli.console_reads import CLASSES, PER_PAGE, STATUSES, Listed, Mesh, Verified
 
 if TYPE_CHECKING:
     from improved.cli.console_verify import Job
@@ -194,7 +194,7 @@ def _filter_form(listed: Listed) -> str:
             + f"<input type=text name=service id=filter-service placeholder=\"any service\" "
               f"value=\"{esc(f.service)}\">"
             + _select("class", f.change_class, CLASSES, "any class")
-            + (f"<input type=hidden name=n value=\"{f.per_page}\">" if f.per_page != 50 else "")
+            + (f"<input type=hidden name=n value=\"{f.per_page}\">" if f.per_page != PER_PAGE else "")
             + "<button type=submit id=filter>filter</button> <a href=\"/\">all</a></form>")
 
 

@@ -183,9 +183,9 @@ async def mesh(url: Target, config: Config) -> Mesh:
         counted, why_not = await indexing.last_counted(store, daemons)
     keys = trust.history.at(0)
     found = Mesh(status, sorted(daemons), {
-        role: sorted((k.principal, k.keyid) for k in store_.keys.values())
-        for role, store_ in (("operators", keys.operators), ("voters", keys.voters),
-                             ("signers", keys.signers))},
+        role: sorted((k.principal, k.keyid) for k in held.keys.values())
+        for role, held in (("operators", keys.operators), ("voters", keys.voters),
+                           ("signers", keys.signers))},
         "the trust chain" if trust.history.snapshots else "this console's configuration")
     if body is not None:
         try:
