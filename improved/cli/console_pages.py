@@ -180,11 +180,10 @@ def message_page(title: str, line: str, mode: str, back: str = "/") -> str:
 
 
 def _select(name: str, chosen: str, options: Sequence[str], anything: str) -> str:
-    opts = "".join(f"<option value=\"{esc(o)}\"{' selected' if o == chosen else ''}>{esc(o)}"
-                   "</option>" for o in ("", *options))
-    return (f"<select name={name} id=filter-{name}>"
-            + opts.replace("<option value=\"\">", f"<option value=\"\">{anything}", 1)
-            + "</select>")
+    """A drop-down of `options`, `chosen` selected; its first choice, `anything`, is none."""
+    opts = "".join(f"<option value=\"{esc(o)}\"{' selected' if o == chosen else ''}>"
+                   f"{esc(o or anything)}</option>" for o in ("", *options))
+    return f"<select name={name} id=filter-{name}>{opts}</select>"
 
 
 def _filter_form(listed: Listed) -> str:
