@@ -68,3 +68,10 @@ def csrf_of(html: str) -> str:
     found = re.search(r'name=csrf value="([^"]+)"', html)
     assert found, "no CSRF token in the page"
     return found.group(1)
+
+
+def verdict_of(html: str, which: str) -> str:
+    """The verdict word the audit page shows for `which` (`since` or `full`)."""
+    found = re.search(rf'<p id={which} class="verdict [a-z]+">([A-Z ]+)</p>', html)
+    assert found, f"no {which} verdict in the page"
+    return found.group(1)

@@ -248,7 +248,8 @@ def _print_counts(since: Since, seconds: float, say: Callable[[str], None] = pri
 
 
 async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: set[str],
-                        config: Config) -> int:
+                        config: Config, say: Callable[[str], None] = print,
+                        note: Callable[[str], None] = _to_stderr) -> int:
     """Verify only what the log gained since the last trusted checkpoint, as the daemon's
     checkpoint does (`client.checkpointing`): in O(1) that the stream still holds what that
     checkpoint covered, then every trailer after it in its chain. Without a checkpoint to
@@ -260,14 +261,14 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
         try:
             kept = anchor.read(anchor_path)
         except ValueError as exc:
-            print(f"BROKEN the checkpoint file cannot be read: {exc}")
+            say(f"BROKEN the checkpoint file cannot be read: {exc}")
             return 1
     if kept is not None:
         trusted = trusted | {kept.keyid}
     async with deployment(url, bind=False) as store:
         view = await store.audit_view()
         if view.created is None:
-            print(f"BROKEN the audit stream {S.STREAM_AUDIT} does not exist")
+            say(f"BROKEN the audit stream {S.STREAM_AUDIT} does not exist")
             return 1
         subject = S.trust_audit(evidence.TRUST_ID)
         trust = chain_trust([(seq, subject, body) for seq, body
@@ -285,15 +286,15 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
                 trusted, claims, archived=seal, on_checkpoint=witnesses.fold)
             problems = since.problems
         for problem in problems:
-            print(f"BROKEN {problem}")
+            say(f"BROKEN {problem}")
         if not problems and since is not None:
             seconds = time.perf_counter() - started
-            print(f"{since.read} trailers after the checkpoint of {base.count} trailers "
-                  f"(stream sequence {base.last_seq}) verified in {seconds:.2f} s; the stream "
-                  "still holds what that checkpoint covered (the same stream, no sequence "
-                  "lost, the same last trailer). A full `improved audit verify` re-derives "
-                  "the covered part too.")
-        tools_ok = await _verify_tools(store, config, trust, print, _to_stderr, witnesses,
+            say(f"{since.read} trailers after the checkpoint of {base.count} trailers "
+                f"(stream sequence {base.last_seq}) verified in {seconds:.2f} s; the stream "
+                "still holds what that checkpoint covered (the same stream, no sequence "
+                "lost, the same last trailer). A full `improved audit verify` re-derives "
+                "the covered part too.")
+        tools_ok = await _verify_tools(store, config, trust, say, note, witnesses,
                                        since_ms=base.at if base.count else None)
         return 1 if problems or since is None or not tools_ok else 0
 
@@ -447,6 +448,19 @@ def verify_log(url: str | Target, config: Config, say: Callable[[str], None],
     if path is not None and not path.exists():
         path = None
     return _verify_archived(url, path, trusted_daemons(config), config, None, say, note)
+
+
+def verify_since(url: str | Target, config: Config, say: Callable[[str], None],
+                 note: Callable[[str], None]) -> Coroutine[Any, Any, int]:
+    """`improved audit verify --since`, as the command runs it (from the later of the
+    daemon's checkpoint file in the configured data directory and the last trusted
+    checkpoint on the stream), its lines said with `say` and `note`; its exit code."""
+    from improved.client import anchor
+
+    path: Path | None = anchor.path_in(config.data_dir)
+    if path is not None and not path.exists():
+        path = None
+    return _verify_since(url, path, trusted_daemons(config), config, say, note)
 
 
 async def _archive(url: str | Target, config: Config, directory: Path, remove: bool) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,11 @@ class Since:
 
 
 MAX_RUNS = 10_000  # chains whose state a reader holds at once; one evicted is re-read if met
+# Who watches a long read, set by its caller's context (the console's full verify shows it):
+# given the count of trailers read so far every WATCH_EVERY trailers, so that a read of
+# hours can say how far it got without a parameter through every verifier that runs it.
+watching: ContextVar[Callable[[int], None] | None] = ContextVar("watching", default=None)
+WATCH_EVERY = 500
 
 
 class _Timed:
@@ -174,7 +180,7 @@ async def verify_since(store: Deployment, base: Anchor, view: StreamView,
     ends = _Ends(sealed)
     if source is None:
         source = store.follow(S.AUDIT_FILTER, start, view.last_seq)
-    async for (seq, subject, body, headers), covered in covering(source):
+    async for (seq, subject, body, headers), covered in covering(_watched(source)):
         since.read += 1
         ends.passed(seq, since, roots)
         if gaps.reach(seq):
@@ -205,6 +211,23 @@ async def verify_since(store: Deployment, base: Anchor, view: StreamView,
         _continue_from(since, archived, gaps.gone, roots)
     since.problems += _at_the_end(since, view, gaps, archived, roots)
     return since
+
+
+def _watched(source: AsyncIterator[Entry]) -> AsyncIterator[Entry]:
+    """`source`, its entries counted to whoever watches this context's read (`watching`)."""
+    watch = watching.get()
+    if watch is None:
+        return source
+
+    async def counted() -> AsyncIterator[Entry]:
+        read = 0
+        async for entry in source:
+            read += 1
+            if read % WATCH_EVERY == 0:
+                watch(read)
+            yield entry
+
+    return counted()
 
 
 def _add_leaf(since: Since, subject: str, seq: int, body: dict[str, Any],

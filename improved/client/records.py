@@ -18,7 +18,7 @@ from nats.js.errors import NotFoundError
 from improved.client.audit_log import READ_IDLE_S
 from improved.core import indexes
 from improved.protocol import subjects as S
-from improved.protocol.model import MeasureDue, ReviewEntry
+from improved.protocol.model import MeasureDue, ProposalState, ReviewEntry
 
 # How long an index tombstone (an item that left the index) stays before its subject is gone,
 # with checkpoints every 300 s (`indexes.tombstone_ttl_s`; the daemon sets its own from its
@@ -27,6 +27,7 @@ from improved.protocol.model import MeasureDue, ReviewEntry
 TOMBSTONE_TTL_S = indexes.tombstone_ttl_s(300)
 review_entry_decoder = msgspec.json.Decoder(ReviewEntry)
 due_entry_decoder = msgspec.json.Decoder(MeasureDue)
+state_decoder = msgspec.json.Decoder(ProposalState)
 
 # what a subject of an index holds (core.indexes.INDEXES), and its decoder
 IndexEntry = ReviewEntry | MeasureDue
@@ -85,15 +86,51 @@ class RecordReads:
         subjects, _, decoder = INDEX_SUBJECTS[index]
         return await self._read_named(subjects, decoder)
 
+    async def read_states(self, svc: str | None = None) -> list[ProposalState]:
+        """The retained state of every proposal (of `svc` alone, given) as the daemon last
+        published it. Cost: one message per retained state — the open proposals and those
+        closed within `records_ttl_days` (their records carry that TTL) — read once through
+        an ordered consumer; never the history before, nor a chain. A state whose service or
+        id is not its subject's, or that is no state, is left out. What a state says is a
+        hint (anyone who may publish on the records stream can write one): a proposal's
+        chain says what it is."""
+        out: list[ProposalState] = []
+        for subject, data, _ in await self._last_per_subject(
+                S.proposal_state(svc, "*") if svc else f"{S.PROPOSALS}.*.*"):
+            try:
+                state = state_decoder.decode(data) if data else None
+            except msgspec.MsgspecError:
+                continue
+            if state is not None and (state.service, state.proposal_id) == \
+                    (S.token(subject, 2), S.token(subject, 3)):
+                out.append(state)
+        return out
+
     async def _read_named(self, subjects: str, decoder: IndexDecoder) -> list[indexes.Named]:
         """What each subject on `subjects` (`improve.<index>.<svc>.<id>`) names: the last
-        message per subject, read once through an ordered consumer (O(open items and recent
-        tombstones), never the history); its entry when it holds one for its own service and
-        id, else None (a tombstone, or anything else)."""
+        message per subject (O(open items and recent tombstones), never the history); its
+        entry when it holds one for its own service and id, else None (a tombstone, or
+        anything else)."""
+        out: list[indexes.Named] = []
+        for subject, data, at in await self._last_per_subject(subjects):
+            svc, pid = S.token(subject, 2) or "", S.token(subject, 3) or ""
+            if S.SERVICE_RE.match(svc) and S.ID_RE.match(pid):
+                try:
+                    entry = decoder.decode(data) if data else None
+                except msgspec.MsgspecError:
+                    entry = None
+                if entry is not None and (entry.service, entry.proposal_id) != (svc, pid):
+                    entry = None
+                out.append(indexes.Named(svc, pid, entry, at))
+        return out
+
+    async def _last_per_subject(self, subjects: str) -> list[tuple[str, bytes, int]]:
+        """(subject, data, its time in ms) of the last message on each subject `subjects`
+        matches, read once through an ordered consumer: as many messages as subjects."""
         config = jsapi.ConsumerConfig(deliver_policy=jsapi.DeliverPolicy.LAST_PER_SUBJECT)
         sub = await self.js.subscribe(subjects, ordered_consumer=True,
                                       stream=S.STREAM_RECORDS, config=config)
-        out: list[indexes.Named] = []
+        out: list[tuple[str, bytes, int]] = []
         try:
             info = await sub.consumer_info()
             if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
@@ -103,16 +140,8 @@ class RecordReads:
                     msg = await sub.next_msg(timeout=READ_IDLE_S)
                 except TimeoutError:  # nats-py raises its own or asyncio's, by timing
                     return out
-                svc, pid = S.token(msg.subject, 2) or "", S.token(msg.subject, 3) or ""
-                if S.SERVICE_RE.match(svc) and S.ID_RE.match(pid):
-                    try:
-                        entry = decoder.decode(msg.data) if msg.data else None
-                    except msgspec.MsgspecError:
-                        entry = None
-                    if entry is not None and (entry.service, entry.proposal_id) != (svc, pid):
-                        entry = None
-                    out.append(indexes.Named(svc, pid, entry,
-                                             int(msg.metadata.timestamp.timestamp() * 1000)))
+                out.append((msg.subject, msg.data,
+                            int(msg.metadata.timestamp.timestamp() * 1000)))
                 if msg.metadata.num_pending == 0:
                     return out
         finally:

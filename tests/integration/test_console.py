@@ -1,5 +1,7 @@
-"""`improved console` against the real broker and the session daemon, over HTTP: the queue, a
-proposal's page with its timeline and verified chain, the audit log's status; read-only
+"""`improved console` against the real broker and the session daemon, over HTTP: every
+proposal on the front page, filtered and paged; the queue, a proposal's page with its timeline
+and verified chain, the mesh's state, the audit log verified since the last checkpoint on each
+load and whole on request, in the background, with no path of the host on a page; read-only
 without a key; with ALICE's key an approval signed and published as `improved approve` does,
 only with this process's CSRF token; hostile fields rendered inert; a busy port one line.
 The readable `show`/`review` views are checked here too, on a hostile proposal."""
@@ -7,17 +9,18 @@ The readable `show`/`review` views are checked here too, on a hostile proposal."
 from __future__ import annotations
 
 import asyncio
+import html
 import socket
 
 import pytest
 
 from improved.client.sdk import MeshClient
-from improved.protocol.model import Summary
+from improved.protocol.model import ApplyResult, Summary
 from improved.runtime.store import Store
-from tests.bus import eventually
+from tests.bus import eventually, own_daemon
 from tests.cli import improved
-from tests.console import alice_pem, csrf_of, fetch, running
-from tests.factories import skill_proposal
+from tests.console import alice_pem, csrf_of, fetch, running, verdict_of
+from tests.factories import rank_proposal, skill_proposal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -46,7 +49,7 @@ async def test_the_console_shows_the_queue_a_proposal_and_the_log_read_only(
     first = await _proposed(nc, svc, skill_proposal(svc))
     pid = await _proposed(nc, svc, hostile(svc))
     with running(nats_url, tmp_path, daemon.config.checkpoint_key) as base:
-        status, queue = await get(base)
+        status, queue = await get(f"{base}queue")
         assert status == 200 and "<table id=queue>" in queue
         assert f'<a class=proposal href="/p/{pid}">{pid[:12]}</a>' in queue
         assert f"/p/{first}" not in queue  # superseded by the hostile one: not waiting
@@ -71,7 +74,7 @@ async def test_the_console_shows_the_queue_a_proposal_and_the_log_read_only(
         assert status == 403 and "started without an operator key" in refused
 
         status, audit = await get(f"{base}audit")
-        assert status == 200 and "chains verified" in audit
+        assert status == 200 and "<p id=since class=" in audit  # the shared log's verdict
 
         status, missing = await get(f"{base}p/{'f' * 64}")
         assert status == 404 and "no proposal" in missing
@@ -111,6 +114,108 @@ async def test_an_operator_approves_from_the_console_with_its_token_only(
 
         status, after = await get(f"{base}p/{pid}")
         assert "approve by operator:alice" in after and "<form" not in after
+
+
+async def applied_and_waiting(nc, svc: str) -> tuple[str, str]:
+    """An L0 applied (by an owning service that applies every order) and, after it, an L2
+    waiting for an operator: (the L0's id, the L2's id)."""
+    client = MeshClient(nc, svc)
+
+    async def applier(order) -> ApplyResult:
+        return ApplyResult(ok=True, applied_id="x", inverse={"delete": "x"}, rollbackable=True)
+
+    sub = await client.serve_apply(applier)
+    try:
+        l0 = (await client.propose(rank_proposal(svc, key="front"))).proposal_id
+        assert (await eventually(lambda: client.outcome(l0), timeout=15)).ok
+    finally:
+        await sub.unsubscribe()
+    return l0, await _proposed(nc, svc, skill_proposal(svc))
+
+
+async def test_the_front_page_lists_every_proposal_filtered_and_paged(
+        daemon, nc, svc, nats_url, tmp_path):
+    l0, l2 = await applied_and_waiting(nc, svc)
+    with running(nats_url, tmp_path, daemon.config.checkpoint_key) as base:
+        status, front = await get(f"{base}?service={svc}")
+        assert status == 200, front
+        rows = front.split("<table id=proposals>", 1)[1].split("</table>", 1)[0]
+        assert rows.index(f'href="/p/{l2}"') < rows.index(f'href="/p/{l0}"')  # newest first
+        assert "<td class=status>applied</td>" in rows and "<td class=status>pending</td>" in rows
+        assert "1–2 of 2" in front and 'href="/queue"' in front
+        assert "breaker" in front and "no crisis" in front  # the mesh in one line
+
+        _, applied = await get(f"{base}?service={svc}&status=applied")
+        assert f"/p/{l0}" in applied and f"/p/{l2}" not in applied
+        _, l2s = await get(f"{base}?service={svc}&class=L2")
+        assert f"/p/{l2}" in l2s and f"/p/{l0}" not in l2s
+        _, none = await get(f"{base}?service={svc}&status=rejected")
+        assert "No proposal matches." in none
+
+        _, first = await get(f"{base}?service={svc}&n=1")
+        assert f"/p/{l2}" in first and f"/p/{l0}" not in first and "id=newer" not in first
+        older = first.split('id=older', 1)[0].rsplit('href="', 1)[1].split('"', 1)[0]
+        assert older == f"/?service={svc}&amp;page=2&amp;n=1"
+        _, second = await get(base.rstrip("/") + older.replace("&amp;", "&"))
+        assert f"/p/{l0}" in second and f"/p/{l2}" not in second
+        assert "id=newer" in second and "id=older" not in second
+
+        for bad, says in (("status=done", "no status 'done'"), ("class=L9", "no class 'L9'"),
+                          ("service=A.b", "no service can be named 'A.b'"),
+                          ("page=0", "page must be a whole number from 1 to")):
+            status, page = await get(f"{base}?{bad}")
+            assert status == 400 and says in html.unescape(page), bad
+
+
+async def test_the_mesh_page_shows_the_state_and_the_trusted_daemon_key(
+        daemon, nats_url, tmp_path):
+    from improved.client.keys import load_key
+    from improved.core import signing
+
+    keyid = signing.keyid_of(signing.raw_public(
+        load_key(daemon.config.checkpoint_key).public_key()))
+    with running(nats_url, tmp_path, daemon.config.checkpoint_key) as base:
+        status, mesh = await get(f"{base}mesh")
+    assert status == 200, mesh
+    assert "<span id=crisis class=ok>none</span>" in mesh
+    assert "<span id=breaker>closed</span>" in mesh
+    assert "<span id=autonomy>" in mesh and "<span id=autonomy-chain>" in mesh
+    assert f"<ul id=daemons><li><code>{keyid}</code></li></ul>" in mesh
+    assert "operator:alice" not in mesh or "<div id=keys>" in mesh
+    assert "<span id=checkpoint" in mesh
+
+
+async def test_the_audit_page_verifies_since_the_checkpoint_and_the_whole_log_on_request(
+        own_server, tmp_path):
+    async with own_daemon(own_server, tmp_path, "console-audit") as (nc, daemon):
+        svc = "audited"
+        for i in range(3):
+            await _proposed(nc, svc, skill_proposal(svc, name=f"before{i}"))
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
+        await _proposed(nc, svc, skill_proposal(svc, name="after"))
+        with running(own_server.url, tmp_path, daemon.config.checkpoint_key) as base:
+            status, audit = await get(f"{base}audit")
+            assert status == 200, audit
+            assert verdict_of(audit, "since") == "OK"
+            assert "trailers after the checkpoint of" in audit
+            assert "id=full-verify" in audit and "Not run from this console yet" in audit
+            assert str(tmp_path) not in audit and "/data" not in audit
+
+            status, refused = await get(f"{base}audit/verify", form={"csrf": "forged"})
+            assert status == 403 and "CSRF token" in refused
+            assert "Not run from this console yet" in (await get(f"{base}audit"))[1]
+
+            status, started = await get(f"{base}audit/verify", form={"csrf": csrf_of(audit)})
+            assert status == 200  # redirected to the audit page
+
+            async def done():
+                page = (await get(f"{base}audit"))[1]
+                return page if "id=full-lines" in page else None
+
+            finished = await eventually(done, timeout=60, interval=0.5)
+    assert verdict_of(finished, "full") == "OK"
+    assert "chains verified" in finished and "checkpoint file the data directory" in finished
+    assert str(tmp_path) not in finished
 
 
 async def test_the_readable_views_on_a_hostile_proposal(daemon, nc, svc, nats_url):
