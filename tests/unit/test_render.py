@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import msgspec
 
-from improved.cli import console, render
+from improved.cli import console_pages as console
+from improved.cli import render
+from improved.cli.console_reads import Verified
+from improved.cli.console_verify import Job
 from improved.core import authority
 from improved.testing import skill_proposal
 
@@ -193,8 +196,9 @@ def test_the_console_offers_signed_decisions_only_with_a_key_and_a_pending_propo
 
 
 def test_the_audit_page_and_a_message_escape_what_they_say():
-    page = console.audit_page(1, ["BROKEN <b>x</b>"], "read-only")
-    assert "<p id=audit class=broken>" in page and "BROKEN &lt;b&gt;x&lt;/b&gt;" in page
+    page = console.audit_page(Verified("BROKEN", 1, ["BROKEN <b>x</b>"]), Job(), "t0k",
+                              "read-only")
+    assert '<p id=since class="verdict broken">' in page and "BROKEN &lt;b&gt;x&lt;/b&gt;" in page
     assert "<b>" not in page.split("</style>", 1)[1].replace("<body>", "")
     message = console.message_page("refused", "<script>", "m", back="/p/x")
     assert "&lt;script&gt;" in message and "<script>" not in message
