@@ -86,15 +86,27 @@ def cmd_keys_new(args: argparse.Namespace) -> int:
         filename = who
     try:
         path, public = keys.new_key(filename, Path(args.dir) if args.dir else None)
-    except FileExistsError as exc:
-        print(f"improved keys new: {exc}", file=sys.stderr)
-        return 1
+    except OSError as exc:
+        return _key_not_written(exc, Path(args.dir) if args.dir else keys.key_dir())
     b64 = base64.b64encode(public).decode()
     print(f"private key: {path} (keep it; mode 0600)")
     print(f"keyid:       {signing.keyid_of(public)}")
     print("add to the daemon's config to trust it:\n")
     print(f'[{table}]\n"{who}" = "{b64}"')
     return 0
+
+
+def _key_not_written(exc: OSError, where: Path) -> int:
+    """`keys new` could not write: the key exists (exit 1, never overwritten), or its
+    directory cannot be made or written (exit 2); one line either way."""
+    if isinstance(exc, FileExistsError) and exc.filename is None:  # the key, not a directory
+        print(f"improved keys new: {exc}", file=sys.stderr)
+        return 1
+    also = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(where) else ""
+    why = "a file is in the way" if isinstance(exc, FileExistsError) else exc.strerror or exc
+    print(f"improved keys new: cannot write a key under {where}: {why}{also}; give --dir (or "
+          "$IMPROVED_KEYS) a directory this user may write", file=sys.stderr)
+    return 2
 
 
 def _signed(args: argparse.Namespace, url: Target, subject: str, env: Envelope, chain: str,

@@ -9,10 +9,10 @@ import json
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 import structlog
@@ -231,6 +231,37 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
                         "uses the server running there, and when that runs with --accounts, "
                         "its user's password file in DIR/accounts")
 
+
+
+def port_type(free: bool = False) -> Callable[[str], int]:
+    """The argparse type of every port flag: 1 to 65535, and 0 where the command takes it
+    for a free port (`free`); anything else is a usage error naming the flag and the range."""
+    low, zero = (0, " (0: a free port)") if free else (1, "")
+
+    def port(text: str) -> int:
+        try:
+            number = int(text)
+        except ValueError:
+            number = -1
+        if not low <= number <= 65535:
+            raise argparse.ArgumentTypeError(f"a port is {low} to 65535{zero}, not {text!r}")
+        return number
+
+    return port
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, its usage errors said in one line (with where the help is), exit 2; every
+    subcommand's parser is one too (argparse makes them of the parent's class). A port flag
+    names its type: `type="port"` (1 to 65535) or `type="port or free"` (0 too: a free one)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("type", "port", port_type())
+        self.register("type", "port or free", port_type(free=True))
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE, f"{self.prog}: {message}; see `{self.prog} --help`\n")
 
 
 def add_signer_args(p: argparse.ArgumentParser) -> None:
