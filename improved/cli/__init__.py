@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -36,8 +37,16 @@ from improved.cli import (
     run,
     tools,
 )
-from improved.cli.common import configure_logging
-from improved.cli.errors import Failure, command_name
+from improved.cli.common import OneLineParser, configure_logging
+from improved.cli.errors import (
+    BROKEN_PIPE,
+    INTERRUPTED,
+    USAGE,
+    Failure,
+    MissingExtra,
+    command_name,
+    missing_daemon_module,
+)
 from improved.client import connection
 from improved.client.connection import ConfigError
 from improved.client.credentials import AccountsError
@@ -48,7 +57,7 @@ GROUPS = (run, accounts, provision, proposals, audit, authority, tools, console,
 
 def parser() -> argparse.ArgumentParser:
     """The `improved` parser: each command group adds its own commands."""
-    top = argparse.ArgumentParser(
+    top = OneLineParser(
         prog="improved",
         description="The self-improve daemon of a service mesh: proposals pass observe → propose "
                     "→ triage → apply → learn-back over NATS JetStream, gated by their L0–L4 "
@@ -64,8 +73,26 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    configure_logging(args.log_level)
+    """Run one command; every error it raises is one line on stderr and an exit code
+    (`improved.cli.errors`), never a traceback."""
+    try:
+        args = parser().parse_args(argv)
+        configure_logging(args.log_level)
+        code = run_command(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the exit
+        return code
+    except KeyboardInterrupt:
+        return INTERRUPTED
+    except BrokenPipeError:
+        # the reader went away (`improved status | head -1`): say nothing more, as the Python
+        # docs advise — stdout to devnull, so the flush at exit cannot fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """The command `args` names, its known errors said in one line."""
     try:
         command: Callable[[argparse.Namespace], int] = args.func  # set by each subcommand
         return command(args)
@@ -74,9 +101,12 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code
     except ConfigError as exc:
         print(f"improved: {exc}", file=sys.stderr)
-        return 2
+        return USAGE
     except (connection.BusError, StoreError, AccountsError) as exc:
         print(f"improved: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        return USAGE
+    except ModuleNotFoundError as exc:
+        if not missing_daemon_module(exc):
+            raise
+        print(MissingExtra(command_name(args)), file=sys.stderr)
+        return MissingExtra.code

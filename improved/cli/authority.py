@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from improved.cli.common import (
     signer_of,
     url_of,
 )
+from improved.cli.errors import USAGE, Failure
 from improved.client import keys
 from improved.client.connection import Target
 from improved.client.deployment import Deployment
@@ -86,15 +88,27 @@ def cmd_keys_new(args: argparse.Namespace) -> int:
         filename = who
     try:
         path, public = keys.new_key(filename, Path(args.dir) if args.dir else None)
-    except FileExistsError as exc:
-        print(f"improved keys new: {exc}", file=sys.stderr)
-        return 1
+    except OSError as exc:
+        return _key_not_written(exc, Path(args.dir) if args.dir else keys.key_dir())
     b64 = base64.b64encode(public).decode()
     print(f"private key: {path} (keep it; mode 0600)")
     print(f"keyid:       {signing.keyid_of(public)}")
     print("add to the daemon's config to trust it:\n")
     print(f'[{table}]\n"{who}" = "{b64}"')
     return 0
+
+
+def _key_not_written(exc: OSError, where: Path) -> int:
+    """`keys new` could not write: the key exists (exit 1, never overwritten), or its
+    directory cannot be made or written (exit 2); one line either way."""
+    if isinstance(exc, FileExistsError) and exc.filename is None:  # the key, not a directory
+        print(f"improved keys new: {exc}", file=sys.stderr)
+        return 1
+    also = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(where) else ""
+    why = "a file is in the way" if isinstance(exc, FileExistsError) else exc.strerror or exc
+    print(f"improved keys new: cannot write a key under {where}: {why}{also}; give --dir (or "
+          "$IMPROVED_KEYS) a directory this user may write", file=sys.stderr)
+    return 2
 
 
 def _signed(args: argparse.Namespace, url: Target, subject: str, env: Envelope, chain: str,
@@ -163,7 +177,30 @@ async def send_review(url: Target, svc: str, act: ReviewAct, timeout: float | No
         lambda seen: verdicts.of_act(digest, seen, act.what, act.pid), timeout)
 
 
+def skill_problem(text: str) -> str | None:
+    """Why `text` is not the NAME:SHA256 a grant binds, in words; None when it is. A prefix
+    of the hash is refused: a grant signs the exact text it trusts."""
+    name, colon, sha = text.partition(":")
+    fix = "give the NAME:SHA256 `improved skill hash FILE` prints, whole"
+    if not colon:
+        return f"{text} is not NAME:SHA256; {fix}"
+    if not S.SKILL_NAME_RE.match(name):
+        return (f"{name!r} is not a skill name (lowercase letters, digits, _ and -, first a "
+                f"letter); {fix}")
+    if not re.fullmatch(r"[0-9a-f]+", sha):
+        return f"{sha!r} is not a SHA-256 in lowercase hex; {fix}"
+    if len(sha) < 64:
+        return (f"{text} gives {len(sha)} of the hash's 64 hex digits: a grant binds the whole "
+                f"hash, never a prefix; {fix}")
+    if len(sha) > 64:
+        return f"{text} has {len(sha)} hex digits, not SHA-256's 64; {fix}"
+    return None
+
+
 def cmd_grant_act(args: argparse.Namespace) -> int:
+    problem = skill_problem(args.skill)
+    if problem is not None:
+        raise Failure(problem, USAGE)
     config = config_of(args)
     principal, key = signer_of(args)
     proposal = (asyncio.run(full_id(url_of(args, config), args.proposal))
@@ -175,9 +212,9 @@ def cmd_grant_act(args: argparse.Namespace) -> int:
                            proposal_id=proposal)
         msgspec.json.decode(to_json(cmd), type=GrantCommand)  # the daemon's own checks
     except msgspec.ValidationError as exc:
-        print(f"improved {args.op}: {exc}; the skill is NAME:SHA256 "
-              "(see `improved skill hash FILE`)", file=sys.stderr)
-        return 2
+        field = str(exc).rpartition("`$.")[2].rstrip("`") or "a field"
+        raise Failure(f"the {args.op} is not one the daemon takes: {field} is out of its "
+                      "range or form", USAGE) from None
     env = signing.sign(signing.PAYLOAD_TYPES["grant"], to_json(cmd), key)
     sha = args.skill.partition(":")[2]
     return _signed(args, url_of(args, config), S.GRANTS, env, S.grant_audit(sha),

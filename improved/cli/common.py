@@ -9,10 +9,10 @@ import json
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import msgspec
 import structlog
@@ -132,6 +132,29 @@ def read_input(path: str, what: str) -> bytes:
                       f"of a {what}, or - to read it from stdin", USAGE) from None
 
 
+def json_object(data: bytes, path: str, what: str) -> dict[str, Any]:
+    """The JSON object FILE holds; a Failure (usage) naming the file and, for bad JSON, the
+    line and column where the parser stopped and what it expected there."""
+    where = "stdin" if path == "-" else path
+    try:
+        doc = json.loads(data)
+    except UnicodeDecodeError as exc:
+        raise Failure(f"{where} is not UTF-8 text (byte {exc.start}): a {what} is a JSON "
+                      "object", USAGE) from None
+    except json.JSONDecodeError as exc:
+        raise Failure(f"{where}, line {exc.lineno}, column {exc.colno}: not JSON: {exc.msg}; "
+                      f"a {what} is a JSON object", USAGE) from None
+    if not isinstance(doc, dict):
+        raise Failure(f"{where} holds a JSON {_json_kind(doc)}, not an object: a {what} is a "
+                      "JSON object", USAGE)
+    return doc
+
+
+def _json_kind(value: object) -> str:
+    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number")
+
+
 async def chain_record(store: Deployment, svc: str, pid: str) -> ProposalRecord | None:
     """The record of proposal `pid` as its chain says — never its retained records: None
     without a chain whose links verify, or with one whose registration cannot be read."""
@@ -179,6 +202,8 @@ async def full_id(url: str | Target, text: str) -> str:
 def signer_of(args: argparse.Namespace) -> tuple[str, Ed25519PrivateKey]:
     """(principal, private key) from --key, or from --principal's file in the key directory."""
     if args.key:
+        if args.principal:
+            operator_named(args.principal)
         key = load_signing_key(Path(args.key))
         principal = args.principal or Path(args.key).stem.replace("_", ":", 1)
         return principal, key
@@ -190,12 +215,22 @@ def signer_of(args: argparse.Namespace) -> tuple[str, Ed25519PrivateKey]:
                           f"directory {keys.key_dir()} holds {len(found)} operator keys, not "
                           "one)", USAGE)
         principal = found[0].stem.replace("_", ":", 1)
+    operator_named(principal)
     path = keys.key_path(principal)
     if not path.exists():
         raise Failure(f"no key for {principal} at {path} (the key directory is $IMPROVED_KEYS, "
                       f"else ~/.config/improved/keys): make one with `improved keys new "
                       f"--principal {principal}`, or give --key FILE", USAGE)
     return principal, load_signing_key(path)
+
+
+def operator_named(principal: str) -> None:
+    """A Failure (usage) unless `principal` is operator:NAME, suggesting the one meant: the
+    daemon counts an act only under such a name."""
+    if not principal.startswith("operator:") or principal == "operator:":
+        name = principal.rpartition(":")[2] or "NAME"
+        raise Failure(f"{principal!r} is not an operator: a principal is operator:NAME (did "
+                      f"you mean --principal operator:{name}?)", USAGE)
 
 
 def load_signing_key(path: Path) -> Ed25519PrivateKey:
@@ -231,6 +266,37 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
                         "uses the server running there, and when that runs with --accounts, "
                         "its user's password file in DIR/accounts")
 
+
+
+def port_type(free: bool = False) -> Callable[[str], int]:
+    """The argparse type of every port flag: 1 to 65535, and 0 where the command takes it
+    for a free port (`free`); anything else is a usage error naming the flag and the range."""
+    low, zero = (0, " (0: a free port)") if free else (1, "")
+
+    def port(text: str) -> int:
+        try:
+            number = int(text)
+        except ValueError:
+            number = -1
+        if not low <= number <= 65535:
+            raise argparse.ArgumentTypeError(f"a port is {low} to 65535{zero}, not {text!r}")
+        return number
+
+    return port
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, its usage errors said in one line (with where the help is), exit 2; every
+    subcommand's parser is one too (argparse makes them of the parent's class). A port flag
+    names its type: `type="port"` (1 to 65535) or `type="port or free"` (0 too: a free one)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("type", "port", port_type())
+        self.register("type", "port or free", port_type(free=True))
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE, f"{self.prog}: {message}; see `{self.prog} --help`\n")
 
 
 def add_signer_args(p: argparse.ArgumentParser) -> None:

@@ -309,7 +309,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     "published as `improved approve|reject` do, with the daemon's verdict "
                     "shown.")
     add_connection_args(con)
-    con.add_argument("--port", type=int, default=DEFAULT_PORT, metavar="P",
+    con.add_argument("--port", type="port or free", default=DEFAULT_PORT, metavar="P",
                      help=f"the port on 127.0.0.1 (default {DEFAULT_PORT}; 0 picks a free one)")
     con.add_argument("--principal", metavar="operator:NAME",
                      help="sign approvals and rejections as this operator, with its key from "

@@ -1,14 +1,29 @@
 """The one-line error an operator sees instead of a traceback: what is wrong, naming the file,
 key or entry, and the fix. `improved.cli.main` prints it after the command's name and exits
-with its code: 1 when the command ran and the answer is no (refused, broken, not found), 2 when
-it could not run as given (a usage error, a bad configuration, key or input file)."""
+with its code. The exit codes, the same for every `improved` command:
+
+    0    done
+    1    the command ran and the answer is no: refused, rejected, not found, BROKEN
+         (something forged, altered or missing)
+    2    it could not run as given: a usage error or bad flag value, a bad configuration,
+         key or input file, nothing reachable at the URL, a missing extra
+    3    UNVERIFIED: nothing wrong was found, but what needs a trust anchor (a trusted
+         daemon key) was not checked
+    130  interrupted (Ctrl-C)
+    141  its output was closed early (`improved status | head -1`): quietly, as a shell
+         pipeline's command killed by SIGPIPE (128 + 13)"""
 
 from __future__ import annotations
 
 import argparse
 
+OK = 0
 REFUSED = 1
 USAGE = 2
+UNVERIFIED = 3
+INTERRUPTED = 130
+BROKEN_PIPE = 141
+DAEMON_EXTRA = "pip install 'improved[daemon]'"
 
 
 class Failure(Exception):
@@ -17,9 +32,43 @@ class Failure(Exception):
         self.code = code
 
 
+class MissingExtra(Exception):
+    """A command that needs the daemon extra, run on the base install: said in one line,
+    `improved run needs the daemon extra: pip install 'improved[daemon]'`, exit 2."""
+
+    code = USAGE
+
+    def __init__(self, command: str):
+        super().__init__(f"improved {command} needs the daemon extra: {DAEMON_EXTRA}")
+
+
+# what the daemon extra installs: a command that imports one of them needs it
+DAEMON_MODULES = frozenset({"anyio", "prometheus_client"})
+
+
+def missing_daemon_module(exc: ModuleNotFoundError) -> bool:
+    """The import failed for want of the daemon extra, not for a fault of this package."""
+    return (exc.name or "").partition(".")[0] in DAEMON_MODULES
+
+
+def daemon_extra_note(command: str) -> str | None:
+    """The line `COMMAND --help` adds on an install without the daemon extra; None with it."""
+    from importlib.util import find_spec
+
+    for module in sorted(DAEMON_MODULES):
+        try:
+            found = find_spec(module)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            return str(MissingExtra(command))
+    return None
+
+
 def command_name(args: argparse.Namespace) -> str:
     """`audit verify`, `keys new`, `show`: the words the operator typed to name the command."""
     words = [args.command]
     words += [value for key, value in sorted(vars(args).items())
               if key.endswith("_command") and isinstance(value, str)]
     return " ".join(words)
+

@@ -18,6 +18,7 @@ from improved.cli.common import (
     add_connection_args,
     config_of,
     deployment,
+    json_object,
     load_signing_key,
     located,
     out,
@@ -25,19 +26,25 @@ from improved.cli.common import (
     request,
     url_of,
 )
-from improved.cli.errors import Failure
+from improved.cli.errors import REFUSED, USAGE, Failure
 from improved.cli.queries import review_read, schema_class, status_view
 from improved.client.config import Config
 from improved.client.connection import Target
 from improved.client.deployment import Deployment
 from improved.client.sdk import signed
 from improved.core import audit, authority
-from improved.protocol import canonical
+from improved.protocol import canonical, wire
 from improved.protocol import subjects as S
 from improved.protocol.model import TriageRequest, to_json
 
 if TYPE_CHECKING:
     from improved.core.record import ProposalRecord
+
+
+# the error replies about the proposal's own bytes: a bad input file, exit 2 (errors.py)
+MALFORMED = frozenset({wire.INVALID_JSON, wire.INVALID_TYPE, wire.INVALID_VALUE,
+                       wire.MISSING_FIELD, wire.UNKNOWN_FIELD, wire.STATUS_FORBIDDEN,
+                       wire.TOO_LARGE, wire.TOO_DEEP, wire.BODY_COUNT, wire.SUBJECT_MISMATCH})
 
 
 def cmd_propose(args: argparse.Namespace) -> int:
@@ -46,15 +53,13 @@ def cmd_propose(args: argparse.Namespace) -> int:
     reply is an error, or the proposal was rejected or expired."""
     config = config_of(args)
     data = read_input(args.file, "proposal file")
-    try:
-        doc = msgspec.json.decode(data)
-        svc = doc.get("service")
-    except (msgspec.DecodeError, AttributeError):
-        print("improved propose: the file is not a JSON object", file=sys.stderr)
-        return 2
+    doc = json_object(data, args.file, "proposal")
+    svc = doc.get("service")
     if not isinstance(svc, str) or not S.SERVICE_RE.match(svc):
-        print("improved propose: the proposal needs a valid `service`", file=sys.stderr)
-        return 2
+        where = "stdin" if args.file == "-" else args.file
+        said = "no `service`" if svc is None else f"`service` {svc!r}, not a service name"
+        raise Failure(f"{where} has {said}: the proposal names the service that owns its "
+                      "target (lowercase letters, digits, _ and -, first a letter)", USAGE)
     if args.key:  # signed: the key's [trust.signers] identity is the verified proposer
         data = signed("proposal", data, load_signing_key(Path(args.key)))
     url = url_of(args, config)
@@ -62,13 +67,15 @@ def cmd_propose(args: argparse.Namespace) -> int:
     if "error" in reply:
         if args.json:
             out(reply)
-            return 1
+            return refusal_code(reply)
         err = reply["error"]
         field = f" ({err['field']})" if err.get("field") else ""
-        raise Failure(f"refused {err.get('code')}{field}: {err.get('message')}")
+        raise Failure(f"refused {err.get('code')}{field}: {err.get('message')}",
+                      refusal_code(reply))
     pid, status = reply["proposal_id"], reply["status"]
     chain = asyncio.run(_chain(url, svc, pid))
-    target = doc.get("target_ref") if isinstance(doc.get("target_ref"), str) else ""
+    target = doc.get("target_ref")
+    target = target if isinstance(target, str) else ""
     verdict = verdicts.of_triage(pid, status, chain, target)
     if args.json:
         decision = next((b for b in reversed(chain) if b.get("to_stage") == "triage"), None)
@@ -81,6 +88,13 @@ def cmd_propose(args: argparse.Namespace) -> int:
     else:
         print(f"improved propose: {verdict.line}", file=sys.stderr)
     return verdict.exit_code
+
+
+def refusal_code(reply: dict[str, Any]) -> int:
+    """The exit code of the daemon's error reply to a proposal: 2 when the proposal itself is
+    malformed (what `propose` refuses locally too: the file is the problem), else 1."""
+    code = reply.get("error", {}).get("code") if isinstance(reply.get("error"), dict) else None
+    return USAGE if code in MALFORMED else REFUSED
 
 
 async def _chain(url: str | Target, svc: str, pid: str) -> list[dict[str, Any]]:
@@ -337,11 +351,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_skill_hash(args: argparse.Namespace) -> int:
     data = read_input(args.file, "skill definition")
-    try:
-        doc = msgspec.json.decode(data)
-    except msgspec.DecodeError as exc:
-        print(f"improved skill hash: not JSON: {exc}", file=sys.stderr)
-        return 2
+    doc: object = json_object(data, args.file, "skill definition")
     if isinstance(doc, dict) and isinstance(doc.get("proposal_data"), dict):
         doc = doc["proposal_data"].get("skill", doc)  # a whole proposal: hash its skill
     if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):

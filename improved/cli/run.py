@@ -6,13 +6,13 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 from improved.cli.common import add_connection_args, config_of
-from improved.cli.errors import USAGE, Failure
+from improved.cli.errors import USAGE, Failure, daemon_extra_note
 from improved.client import connection, credentials
 from improved.client.config import Config
 from improved.client.connection import NatsSettings
-from improved.runtime import accounts, bus, metrics
 
 
 def configured(args: argparse.Namespace) -> Config:
@@ -22,7 +22,7 @@ def configured(args: argparse.Namespace) -> Config:
     from msgspec.structs import replace
 
     config = config_of(args)
-    if args.port:
+    if args.port is not None:  # 0 was made a free port by `cmd_run`
         config = replace(config, port=args.port)
     if args.metrics_port is not None:
         config = replace(config, metrics_port=args.metrics_port)
@@ -37,6 +37,8 @@ def embedded_accounts(config: Config) -> str:
     """What the embedded server's configuration adds for its users: nothing on the open bus;
     under accounts the data directory's credentials, made on the first start. A data
     directory run one way is refused the other: the two keep their streams apart."""
+    from improved.runtime import accounts
+
     where = config.data_dir
     found = accounts.mode_in(where)
     if config.accounts:
@@ -55,6 +57,20 @@ def embedded_accounts(config: Config) -> str:
     return ""
 
 
+def data_dir_made(where: Path) -> None:
+    """The data directory, made if missing; a Failure (usage) naming it when it cannot be one
+    (a file, a path under a file, a place this user may not write), before anything starts."""
+    if where.exists() and not where.is_dir():
+        raise Failure(f"the data directory {where} is a file, not a directory: give --data-dir "
+                      "(or data_dir in the config) a directory", USAGE)
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise Failure(f"cannot make the data directory {where}: {exc.strerror or exc}; give "
+                      "--data-dir (or data_dir in the config) a directory this user may "
+                      "write", USAGE) from None
+
+
 def as_user(config: Config, url: str, user: str) -> connection.Target:
     """The embedded server of `config`, as one of its data directory's users."""
     return connection.target(url, NatsSettings(user=user, password_file=credentials.password_file(
@@ -62,10 +78,15 @@ def as_user(config: Config, url: str, user: str) -> connection.Target:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    # here, not at the top: the base install has no daemon extra, and says so in one line
     from improved.cli.provision import provisioned
+    from improved.runtime import bus, metrics
     from improved.runtime.daemon import run_until_stopped, stop_on_signals
 
+    if args.port == 0:  # a free port, chosen once (a SIGHUP reads the flags again), printed
+        args.port = bus.free_port()  # by the start as where the server listens
     config = configured(args)
+    data_dir_made(config.data_dir)
     url = args.nats or config.nats_url
     if config.accounts and url is not None:
         raise Failure("--accounts (accounts = true) gives the embedded server its users; a "
@@ -128,15 +149,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     "trust store ([trust.operators], [trust.quorum], [trust.signers], "
                     "act_max_age_s) without a restart and logs what changed; a file that does "
                     "not load changes nothing (one error line). Everything else in it is read "
-                    "at start only.")
+                    "at start only.",
+        epilog=daemon_extra_note("run"))
     add_connection_args(run)
-    run.add_argument("--port", type=int, metavar="N",
-                     help="embedded server port (default: 4222)")
+    run.add_argument("--port", type="port or free", metavar="N",
+                     help="embedded server port (default: config port, else 4222; 0: a free "
+                          "port, printed when it listens)")
     run.add_argument("--accounts", action="store_true",
                      help="embedded server: the users and permissions of deploy/accounts.conf, "
                           "credentials under <data_dir>/accounts (default: config accounts, "
                           "else off: anyone on the bus may publish anything)")
-    run.add_argument("--metrics-port", type=int, metavar="N",
+    run.add_argument("--metrics-port", type="port", metavar="N",
                      help="serve Prometheus /metrics, /healthz and /readyz on this port "
                           "(default: config metrics_port, else off)")
     run.set_defaults(func=cmd_run)

@@ -151,8 +151,7 @@ TRIAGE_NEXT: dict[str, str] = {
                     "(`improved status`); it is triaged again when it closes",
     "autonomy_off": "autonomy is switched off (`improved status`); it is triaged again when "
                     "it is on",
-    "forbidden_target": "no class may change a forbidden target (constitution VI): change "
-                        "what the proposal touches",
+    "forbidden_target": "change what the proposal touches",
     "class_mismatch": "re-propose at the right class (a class is never up- or downgraded)",
     "scope_mismatch": "re-propose with the scope the target's scheme implies",
     "expired": "re-propose with a later valid_to",
@@ -179,15 +178,36 @@ def of_triage(pid: str, status: str, trailers: Sequence[dict[str, Any]],
     if cause == "class_mismatch" and hint is not None:
         if hint not in reason:  # a daemon from before it said so names only the class
             reason = f"{hint}; {reason}"
-        fix = "fix the target's scheme, or propose at the class it needs"
+        fix = "" if "fix the scheme" in reason else \
+            "fix the target's scheme, or propose at the class it needs"
     else:
         accepted = isinstance(data, Inherited) or (isinstance(data, Decided)
                                                    and data.verdict == "accept")
         key = "accept" if accepted else str(cause)
         fix = TRIAGE_NEXT.get(key, "`improved show {id}` has the trailers").format(id=pid)
     said = f"{verdict}/{cause}" if cause else verdict
-    return Verdict(ok, f"{pid} {status}: {said} at {t.get('gate_class')}: {reason}; {fix}",
-                   cause)
+    return Verdict(ok, f"{pid} {status}: {said} at {t.get('gate_class')}: "
+                       f"{each_once(reason, fix)}", cause)
+
+
+def each_once(*parts: str) -> str:
+    """The parts' clauses (split at "; ") joined, each said once: the daemon's reason often
+    ends with the fix this module would add, and a clause another one starts with gives way
+    to the longer one, where the first stood."""
+    clauses: list[str] = []
+    for part in parts:
+        for clause in (c.strip() for c in part.split("; ")):
+            if not clause:
+                continue
+            for i, seen in enumerate(clauses):
+                if clause.startswith(seen):
+                    clauses[i] = clause
+                    break
+                if seen.startswith(clause):
+                    break
+            else:
+                clauses.append(clause)
+    return "; ".join(clauses)
 
 
 def of_reversal(rid: str, trailers: Iterable[dict[str, Any]]) -> Verdict | None:

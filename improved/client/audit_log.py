@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.errors import ConnectionClosedError
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import NotFoundError, ServiceUnavailableError
@@ -189,7 +190,10 @@ class AuditReader:
         finally:
             with suppress(Exception):  # it goes by itself once inactive
                 await self.js.delete_consumer(self.audit_stream, config.name or "")
-            await sub.unsubscribe()
+            # a reader that stopped early (its output closed) may finalize this after the
+            # connection is gone: nothing is left to unsubscribe then
+            with suppress(ConnectionClosedError):
+                await sub.unsubscribe()
 
     @staticmethod
     async def _pull(sub: JetStreamContext.PullSubscription) -> list[Msg]:

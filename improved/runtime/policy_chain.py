@@ -68,7 +68,7 @@ class PolicyInForce:
         trailer = await self.store.append_sealed(
             S.policy_audit(policy.POLICY_ID), policy.POLICY_ID, "L0", "operation", next_draft,
             clock=now_ms)
-        if trailer is not None:
-            log.warning("policy changed: recorded on the policy chain", digest=digest,
-                        differs=sorted(policy.differences(self.policy)))
+        if trailer is not None:  # a start's normal business: the chain keeps every change
+            log.info("policy recorded on the policy chain", digest=digest,
+                     differs=sorted(policy.differences(self.policy)))
         return trailer

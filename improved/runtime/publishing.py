@@ -97,7 +97,7 @@ class Publisher:
         """Rebuild every record and grant from its chain and publish the retained records and
         the review index again: what they would say had they never been lost. One read of the
         log (with its stream sequences), then `concurrency` chains at a time. Returns the
-        chains replayed."""
+        chains replayed (proposals' and grants': the daemon's own have no records)."""
         chains = iter((await self.store.sequenced_chains()).items())
         count = 0
 
@@ -113,6 +113,8 @@ class Publisher:
                                                      state)
                     elif svc not in S.MESH_CHAINS:
                         await self._republish(svc, cid, trailers, [seq for seq, _ in entries])
+                    else:
+                        continue  # the daemon's own chains have no retained records
                 except (ValueError, KeyError, msgspec.MsgspecError) as exc:
                     log.error("chain not replayable; left for audit verify", chain=cid,
                               service=svc, error=str(exc))

@@ -190,8 +190,8 @@ class TrustInForce:
             return trailer
         history = evidence.history_of(chain, self.chain_trust.history.fallback)
         self.chain_trust = dataclasses.replace(self.chain_trust, history=history)
-        if trailer is not None:
-            log.warning("trust store changed: recorded on the trust chain", reason=trailer.reason)
+        if trailer is not None:  # a start's (or a reload's) normal business
+            log.info("trust store recorded on the trust chain", reason=trailer.reason)
         return trailer
 
 

@@ -161,12 +161,12 @@ class Upkeep:
             if await self.store.filled(seen):
                 return False
             if await self.store.has_chains():
-                log.warning("retained records or the review index incomplete; refilling them "
-                            "from the audit chains")
                 started = time.perf_counter()
                 count = await self.engine.publisher.republish_all()
-                log.info("records and review index republished", chains=count,
-                         seconds=round(time.perf_counter() - started, 2))
+                # a new data directory has only the daemon's own chains: nothing was lost
+                say = log.warning if count else log.info
+                say("retained records and the review index refilled from the audit chains",
+                    chains=count, seconds=round(time.perf_counter() - started, 2))
             await self.store.mark_filled(seen)
             return True
 

@@ -187,7 +187,7 @@ def test_run_propose_show_verify_and_stop(tmp_path):
         bad = improved("propose", "--json", "--nats", url, "-",
                        input=json.dumps({**_builtins(skill_proposal("clisvc")),
                                          "rec_status": "approved"}))
-        assert bad.returncode == 1
+        assert bad.returncode == 2  # a malformed proposal: a bad input file, as if refused here
         assert json.loads(bad.stdout)["error"]["code"] == "status_forbidden"
 
         shown = improved("show", "--nats", url, json.loads(second.stdout)["proposal_id"])
