@@ -122,7 +122,7 @@ def _diff_html(lines: Sequence[str]) -> str:
 
 
 def chain_class(verdict: str) -> str:
-    return ("ok" if verdict == "verified" else
+    return ("ok" if verdict.startswith("VERIFIED") else
             "broken" if verdict.startswith("BROKEN") else "warn")
 
 
@@ -207,6 +207,8 @@ def _decide(pid: str, facts: Mapping[str, Any], csrf: str | None) -> str:
 
 def audit_page(code: int, lines: Sequence[str], mode: str) -> str:
     status = ("<p id=audit class=ok>The whole log verifies.</p>" if code == 0 else
+              "<p id=audit class=warn>Nothing wrong was found, but who wrote the log is not "
+              "checked: no trusted daemon key.</p>" if code == 3 else
               "<p id=audit class=broken>The log does not verify.</p>")
     return page("audit log", f"<h1>Audit log</h1>{status}<pre>"
                 + "\n".join(esc(line) for line in lines) + "</pre>", mode)
