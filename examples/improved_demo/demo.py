@@ -172,7 +172,7 @@ class Demo(SkillScenes, RankingScenes, StoreScenes):
                      "state, decision, outcome, trailers"))
         rows.append((f"improved audit verify {where}",
                      "every hash and link, and who wrote them: against this mesh's daemon key"))
-        width = max(len(cmd) for cmd, _ in rows if len(cmd) < 64)
+        width = max((len(cmd) for cmd, _ in rows if len(cmd) < 64), default=0)
         for cmd, why in rows:
             if len(cmd) > width:
                 self.timeline.say(f"  {cmd}")

@@ -651,7 +651,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     "daemons, or the checkpoint key in the configured data directory) and "
                     "against the checkpoint file a daemon keeps in its data directory: a "
                     "missing, re-created, shorter, rewritten or unreadable stream is named. "
-                    "Exits 1 if anything is broken.")
+                    "The last line says what was checked against which daemon key. Exits 0 "
+                    "VERIFIED, 1 BROKEN (something forged, altered or missing), 2 when it "
+                    "cannot run as given, 3 UNVERIFIED writers: nothing wrong was found, but "
+                    "with no trusted daemon key who wrote the trailers was not checked.")
     add_connection_args(verify)
     verify.add_argument("id", metavar="ID", nargs="?", type=ids.chain_arg,
                         help="only this proposal's chain (its id, or a unique prefix of it), "
