@@ -163,7 +163,7 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
         problems += (exports.problems if exports is not None else []) + since.problems
         for problem in problems:
             say(f"BROKEN {problem}")
-        _print_counts(since, time.perf_counter() - started, say)
+        _print_counts(since, time.perf_counter() - started, say, bool(trusted))
         if exports is not None:
             for epochs_, where in ((exports.from_export, f"the export in {archive_dir}"),
                                    (exports.from_stream, "the stream (not exported yet)")):
@@ -284,9 +284,15 @@ def _listed(numbers: list[int]) -> str:
     return ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in spans)
 
 
-def _print_counts(since: Since, seconds: float, say: Callable[[str], None] = print) -> None:
+_HELD = {True: "verified", False: "hold (hashes and links)"}
+
+
+def _print_counts(since: Since, seconds: float, say: Callable[[str], None] = print,
+                  anchored: bool = True) -> None:
+    """The counts, then the rates; `anchored` False: no writer was checked, so what held is
+    only the hashes and links (the verdict line says so)."""
     ok = since.chains - since.broken
-    say(f"{ok}/{since.chains} chains verified, {since.read} trailers"
+    say(f"{ok}/{since.chains} chains {_HELD[anchored]}, {since.read} trailers"
         + (f", {since.broken} broken" if since.broken else ""))
     reading = max(seconds - since.verify_s, 0.0)
     say(f"read: {_rate(since.read, reading)}; hashes and links: "
@@ -397,7 +403,8 @@ def _verify_chains(chains: dict[tuple[str | None, str | None], list[tuple[int, d
             broken += 1
             print(f"BROKEN {problem}")
     sigs_s = time.perf_counter() - started
-    print(f"{len(chains) - broken}/{len(chains)} chains verified, {trailers} trailers"
+    print(f"{len(chains) - broken}/{len(chains)} chains {_HELD[trust.anchored]}, "
+          f"{trailers} trailers"
           + (f", {broken} broken" if broken else ""))
     print(f"hashes and links: {_rate(trailers, links_s)}; daemon signatures and signed acts: "
           f"{_rate(trailers, sigs_s)}")
