@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import shutil
 import uuid
 
 import pytest
@@ -18,8 +20,18 @@ import pytest_asyncio
 from improved.client import connection
 from improved.runtime import bus
 from improved.runtime.daemon import Daemon
+from tests._hermetic import HERMETIC_ROOT
 from tests.accounts import MODES, started
 from tests.bus import amendment, daemon_config, quorum_config, whole_log_breaks
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_environment():
+    """Holds the environment `_hermetic` made for the whole session, and removes its
+    directory at the end."""
+    assert os.environ["HOME"].startswith(str(HERMETIC_ROOT))
+    yield HERMETIC_ROOT
+    shutil.rmtree(HERMETIC_ROOT, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -155,18 +155,24 @@ class Demo(SkillScenes, RankingScenes, StoreScenes):
         self.timeline.say()
         self.timeline.say("Try it yourself:")
         rows: list[tuple[str, str]] = []
-        if kept is not None:
-            rows.append((f"improved run --data-dir {kept}", "serve this mesh again (port 4222)"))
+        if kept is not None:  # every command names the kept store: it is not the default one
+            where = f"--data-dir {kept}"
+            rows.append((f"improved run {where}", "serve this mesh again (port 4222)"))
         else:
-            rows.append(("improved demo --data-dir DIR", "keep the mesh's store this time"))
-            rows.append(("improved run --data-dir DIR", "serve it again (port 4222)"))
-        rows.append(("improved review", "the queue waiting for an operator"))
+            self.timeline.say("  (this mesh's store was temporary and is gone now: keep one "
+                              "with --data-dir, and the commands below work on it from any "
+                              "directory)")
+            where = "--data-dir DIR"
+            rows.append((f"improved demo {where}", "keep the mesh's store this time"))
+            rows.append((f"improved run {where}", "serve it again (port 4222)"))
+        rows.append((f"improved review {where}", "the queue waiting for an operator"))
         example = self.ids.get("refined") if kept is not None else None
-        rows.append((f"improved show {example or 'ID'}",
+        rows.append((f"improved show {example or 'ID'} {where}",
                      "the refinement that waits (no_grant)" if example else
                      "state, decision, outcome, trailers"))
-        rows.append(("improved audit verify", "re-derive every hash and link"))
-        width = max(len(cmd) for cmd, _ in rows if len(cmd) < 64)
+        rows.append((f"improved audit verify {where}",
+                     "every hash and link, and who wrote them: against this mesh's daemon key"))
+        width = max((len(cmd) for cmd, _ in rows if len(cmd) < 64), default=0)
         for cmd, why in rows:
             if len(cmd) > width:
                 self.timeline.say(f"  {cmd}")

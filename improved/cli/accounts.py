@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from improved.cli.common import config_of
+from improved.cli.common import DATA_DIR_DEFAULT, config_of
 from improved.cli.errors import USAGE, Failure
 from improved.runtime import accounts as embedded
 
@@ -49,6 +49,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add.add_argument("--config", metavar="FILE",
                      help="TOML configuration file (default: $IMPROVED_CONFIG)")
     add.add_argument("--data-dir", metavar="DIR",
-                     help="the embedded server's data directory (default: config data_dir, "
-                          "else .improved)")
+                     help=f"the embedded server's data directory (default: "
+                          f"{DATA_DIR_DEFAULT})")
     add.set_defaults(func=cmd_add_service)

@@ -22,6 +22,7 @@ from improved.cli.common import (
     full_id,
     url_of,
 )
+from improved.cli.verdicts import BROKEN, CLEAN, UNVERIFIED, log_said
 from improved.client import credentials
 from improved.client.config import Config
 from improved.client.connection import Target
@@ -34,7 +35,7 @@ from improved.protocol.model import ProposalState, Trailer, to_json
 if TYPE_CHECKING:
     from improved.client.checkpointing import Since
     from improved.client.deployment import Deployment
-    from improved.client.tool_chains import Witnesses
+    from improved.client.tool_chains import ToolChains, Witnesses
     from improved.core.epochs import Seal
 
 
@@ -42,42 +43,83 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
-                  trusted: set[str], config: Config) -> int:
-    """One proposal's chain (`pid`), or the whole log (`_verify_log`)."""
+def _read_kept(anchor_path: Path | None) -> Anchor | str | None:
+    """The checkpoint file at `anchor_path`, read before the stream (a daemon may sign a
+    newer one while the log is read): the anchor, or what is wrong with it."""
     from improved.client import anchor
 
-    kept: Anchor | str | None = None
-    if anchor_path is not None:
-        try:  # before the stream: a daemon may sign a newer one while we read
-            kept = anchor.read(anchor_path) or f"no checkpoint file at {anchor_path}"
-        except ValueError as exc:
-            kept = f"the checkpoint file cannot be read: {exc}"
+    if anchor_path is None:
+        return None
+    try:
+        return anchor.read(anchor_path) or f"no checkpoint file at {anchor_path}"
+    except ValueError as exc:
+        return f"the checkpoint file cannot be read: {exc}"
+
+
+async def settled_anchors(store: Deployment, config: Config, kept: Anchor | str | None,
+                   anchor_path: Path | None, explicit: bool, note: Callable[[str], None]
+                   ) -> tuple[dict[str, str], Anchor | str | None]:
+    """The daemon keys to verify against, each with where it was found, and the checkpoint
+    file to verify against. The data directory's checkpoint key and kept checkpoint (unless
+    the file was named with --checkpoint) are left out, with a note, when they were kept for
+    another deployment: `checkpoint.kept_elsewhere` says when, and why a re-created stream
+    cannot pass for that."""
+    from improved.client import anchor
+
+    sources = configured_anchors(config)
+    own = own_anchor(config)
+    local = ({own[0]} if own else set()) | (
+        {kept.keyid} if isinstance(kept, Anchor) and not explicit else set())
+    if local and (await store.audit_view()).created is not None:
+        signers = await anchor.log_signers(store)
+        if checkpoint.kept_elsewhere(local, set(sources), signers):
+            note(f"note: the data directory {config.data_dir} holds the checkpoint key or "
+                 f"kept checkpoint of another deployment (daemon key "
+                 f"{', '.join(k[:16] + '…' for k in sorted(local))}; this log's daemon chains "
+                 f"are signed by {', '.join(k[:16] + '…' for k in sorted(signers))}): not "
+                 "checked against them")
+            own = None
+            kept = None if not explicit else kept
+    if own is not None:
+        sources.setdefault(*own)
     if isinstance(kept, Anchor):
-        trusted = trusted | {kept.keyid}
+        sources.setdefault(kept.keyid, f"the checkpoint file {anchor_path}")
+    return sources, kept
+
+
+async def log_trusted(store: Deployment, config: Config) -> set[str]:
+    """The daemon keys a read of this log trusts (`settled_anchors`, without a checkpoint
+    file): a data directory kept for another deployment lends it none."""
+    sources, _ = await settled_anchors(store, config, None, None, False, _to_stderr)
+    return set(sources)
+
+
+async def _verify(url: str | Target, pid: str | None, anchor_path: Path | None,
+                  explicit: bool, config: Config) -> int:
+    """One proposal's chain (`pid`), or the whole log (`_verify_log`)."""
+    kept = _read_kept(anchor_path)
     if pid is None:
-        return await _verify_log(url, kept, anchor_path, trusted, config)
+        return await _verify_log(url, kept, anchor_path, explicit, config)
     async with deployment(url, bind=False) as store:
+        sources, _ = await settled_anchors(store, config, kept, anchor_path, explicit, _to_stderr)
         log_, view = await store.read_audit(pid)
         trust_log = (await store.read_audit(evidence.TRUST_ID))[0]
         chains: dict[tuple[str | None, str | None], list[tuple[int, dict[str, Any]]]] = {}
         for seq, subject, body in log_:
             chains.setdefault((S.token(subject, 2), S.token(subject, 3)), []).append((seq, body))
-        trust = chain_trust(trust_log, trusted, config)
+        trust = chain_trust(trust_log, set(sources), config)
         if not chains:
             return await _verify_tool_chain(store, config, trust, pid)
-        if not trusted:
-            print("note: no trusted daemon key (configure [trust] daemons, run where the "
-                  "daemon's key is, or pass --checkpoint): no trailer's writer can be trusted",
-                  file=sys.stderr)
         broken = _verify_chains(chains, trust, len(log_))
         if view.created is None:
             print(f"BROKEN the audit stream {S.STREAM_AUDIT} does not exist")
-        return 1 if broken or view.created is None else 0
+        line, code = log_said(len(chains), bool(broken or view.created is None), sources)
+        print(line)
+        return code
 
 
 async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path: Path | None,
-                      trusted: set[str], config: Config, archive_dir: Path | None = None,
+                      explicit: bool, config: Config, archive_dir: Path | None = None,
                       say: Callable[[str], None] = print,
                       note: Callable[[str], None] = _to_stderr) -> int:
     """The whole log, read once from its first trailer and verified as it streams by
@@ -86,10 +128,13 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
     the data directory. Memory stays flat however long the log. With `archive_dir`, each
     sealed epoch is read from its export there (from the stream when it was not exported) and
     checked exactly against its seal (`archive.ArchiveRead`); without it, what the stream
-    still holds is verified and the tree goes on from the seal."""
+    still holds is verified and the tree goes on from the seal. The last line is the verdict
+    (`verdicts.log_said`), and so is the exit code."""
     from improved.client import archive, checkpointing, tool_chains
 
     async with deployment(url, bind=False) as store:
+        sources, kept = await settled_anchors(store, config, kept, anchor_path, explicit, note)
+        trusted = set(sources)
         view = await store.audit_view()
         if view.created is None:
             say(f"BROKEN the audit stream {S.STREAM_AUDIT} does not exist")
@@ -100,9 +145,6 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
         subject = S.trust_audit(evidence.TRUST_ID)
         trust = chain_trust([(seq, subject, body) for seq, body
                              in await store.read_chain_at(subject)], trusted, config)
-        if not trusted:
-            note("note: no trusted daemon key (configure [trust] daemons, run where the "
-                 "daemon's key is, or pass --checkpoint): no trailer's writer can be trusted")
         read, problems, claims = await _expected(store, view, kept, trust, trusted,
                                                  seal_roots=archive_dir is None)
         seals = [seal for seal, _ in read]
@@ -121,7 +163,7 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
         problems += (exports.problems if exports is not None else []) + since.problems
         for problem in problems:
             say(f"BROKEN {problem}")
-        _print_counts(since, time.perf_counter() - started, say)
+        _print_counts(since, time.perf_counter() - started, say, bool(trusted))
         if exports is not None:
             for epochs_, where in ((exports.from_export, f"the export in {archive_dir}"),
                                    (exports.from_stream, "the stream (not exported yet)")):
@@ -136,25 +178,28 @@ async def _verify_log(url: str | Target, kept: Anchor | str | None, anchor_path:
             _, body = await store.chain_head(checkpointing.CP_SUBJECT)
             if body is not None:
                 cp = checkpoint.from_trailer(body)
-                say(f"checkpoint of {cp.count} trailers (signed by {cp.keyid[:20]}…, a "
-                    "trusted daemon key) holds: nothing it covered was removed, altered or "
-                    "reordered")
+                whose = ("a trusted daemon key" if cp.keyid in trusted else
+                         "a key not checked: no trusted daemon key")
+                say(f"checkpoint of {cp.count} trailers (signed by {cp.keyid[:20]}…, {whose}) "
+                    "holds: nothing it covered was removed, altered or reordered")
             if isinstance(kept, Anchor):
                 say(f"checkpoint file {anchor_path} ({kept.count} trailers up to stream "
                     f"sequence {kept.last_seq}) holds: the stream is the one it was signed "
                     "over")
-        tools_ok = await _verify_tools(store, config, trust, say, note, witnesses)
-        return 1 if problems or since.broken or not tools_ok else 0
+        tools = await _verify_tools(store, config, trust, say, note, witnesses)
+        line, code = log_said(since.chains, bool(problems or since.broken or tools.broken),
+                              sources, tools.unverified)
+        say(line)
+        return code
 
 
 async def _verify_tools(store: Deployment, config: Config, trust: evidence.ChainTrust,
                         say: Callable[[str], None], note: Callable[[str], None],
-                        witnesses: Witnesses, *, since_ms: int | None = None) -> bool:
+                        witnesses: Witnesses, *, since_ms: int | None = None) -> ToolChains:
     """The tool runtimes' chains, outside the daemon's log, each against its runtime's key in
     `[trust.runtimes]` (with `since_ms`, only the trailers stored from then on) and against
     the heads the daemon's checkpoints witnessed (`witnesses`, as the read of the log met
-    them): a line for each broken or unverified chain, then the counts. False when any
-    chain is either."""
+    them): a line for each broken or unverified chain, then the counts; what it found."""
     from improved.client.tool_chains import verify_tool_chains
 
     found = await verify_tool_chains(
@@ -164,12 +209,14 @@ async def _verify_tools(store: Deployment, config: Config, trust: evidence.Chain
     if not found.exists and found.ok:
         note(f"note: no stream {S.STREAM_TOOLS_AUDIT}: no tool runtime has recorded a call "
              "here (`improved provision` makes it)")
-        return True
+        return found
     for line in found.lines:
         say(line)
     if found.chains or not found.ok:
         say(found.summary() + (" since the checkpoint" if since_ms is not None else ""))
-    return found.ok
+    if not found.broken and any(line.startswith("BROKEN") for line in found.lines):
+        found.broken = 1  # a witnessed head no longer held
+    return found
 
 
 async def _verify_tool_chain(store: Deployment, config: Config, trust: evidence.ChainTrust,
@@ -192,7 +239,8 @@ async def _verify_tool_chain(store: Deployment, config: Config, trust: evidence.
     for line in found.lines:
         print(line)
     print(found.summary())
-    return 0 if found.ok else 1
+    return BROKEN if any(line.startswith("BROKEN") for line in found.lines) else \
+        UNVERIFIED if found.unverified else CLEAN
 
 
 _KEPT = "the last checkpoint kept in the data directory"
@@ -236,9 +284,15 @@ def _listed(numbers: list[int]) -> str:
     return ", ".join(f"{a}..{b}" if b > a else f"{a}" for a, b in spans)
 
 
-def _print_counts(since: Since, seconds: float, say: Callable[[str], None] = print) -> None:
+_HELD = {True: "verified", False: "hold (hashes and links)"}
+
+
+def _print_counts(since: Since, seconds: float, say: Callable[[str], None] = print,
+                  anchored: bool = True) -> None:
+    """The counts, then the rates; `anchored` False: no writer was checked, so what held is
+    only the hashes and links (the verdict line says so)."""
     ok = since.chains - since.broken
-    say(f"{ok}/{since.chains} chains verified, {since.read} trailers"
+    say(f"{ok}/{since.chains} chains {_HELD[anchored]}, {since.read} trailers"
         + (f", {since.broken} broken" if since.broken else ""))
     reading = max(seconds - since.verify_s, 0.0)
     say(f"read: {_rate(since.read, reading)}; hashes and links: "
@@ -247,7 +301,7 @@ def _print_counts(since: Since, seconds: float, say: Callable[[str], None] = pri
         f"{_rate(since.read, seconds)}")
 
 
-async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: set[str],
+async def _verify_since(url: str | Target, anchor_path: Path | None, explicit: bool,
                         config: Config, say: Callable[[str], None] = print,
                         note: Callable[[str], None] = _to_stderr) -> int:
     """Verify only what the log gained since the last trusted checkpoint, as the daemon's
@@ -263,9 +317,11 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
         except ValueError as exc:
             say(f"BROKEN the checkpoint file cannot be read: {exc}")
             return 1
-    if kept is not None:
-        trusted = trusted | {kept.keyid}
     async with deployment(url, bind=False) as store:
+        sources, settled = await settled_anchors(store, config, kept, anchor_path, explicit,
+                                                 note)
+        kept = settled if isinstance(settled, Anchor) else None
+        trusted = set(sources)
         view = await store.audit_view()
         if view.created is None:
             say(f"BROKEN the audit stream {S.STREAM_AUDIT} does not exist")
@@ -294,9 +350,13 @@ async def _verify_since(url: str | Target, anchor_path: Path | None, trusted: se
                 "still holds what that checkpoint covered (the same stream, no sequence "
                 "lost, the same last trailer). A full `improved audit verify` re-derives "
                 "the covered part too.")
-        tools_ok = await _verify_tools(store, config, trust, say, note, witnesses,
-                                       since_ms=base.at if base.count else None)
-        return 1 if problems or since is None or not tools_ok else 0
+        tools = await _verify_tools(store, config, trust, say, note, witnesses,
+                                    since_ms=base.at if base.count else None)
+        line, code = log_said(since.chains if since is not None else 0,
+                              bool(problems or since is None or tools.broken), sources,
+                              tools.unverified)
+        say(line)
+        return code
 
 
 def chain_trust(log_: list[tuple[int, str, dict[str, Any]]], daemons: set[str],
@@ -313,7 +373,7 @@ def chain_trust(log_: list[tuple[int, str, dict[str, Any]]], daemons: set[str],
                                config.trust.signer_store())
     earlier = {cid: kid for cid, (_, kid) in runtime_writers(config.trust.runtime_store()).items()}
     trust = evidence.ChainTrust(frozenset(daemons), evidence.History(fallback=fallback),
-                                earlier_runtimes=earlier)
+                                earlier_runtimes=earlier, anchored=bool(daemons))
     subject = S.trust_audit(evidence.TRUST_ID)
     chain = [(seq, body) for seq, subj, body in log_ if subj == subject]
     if chain and audit.verify_chain(evidence.TRUST_ID, [b for _, b in chain], trust,
@@ -344,7 +404,8 @@ def _verify_chains(chains: dict[tuple[str | None, str | None], list[tuple[int, d
             broken += 1
             print(f"BROKEN {problem}")
     sigs_s = time.perf_counter() - started
-    print(f"{len(chains) - broken}/{len(chains)} chains verified, {trailers} trailers"
+    print(f"{len(chains) - broken}/{len(chains)} chains {_HELD[trust.anchored]}, "
+          f"{trailers} trailers"
           + (f", {broken} broken" if broken else ""))
     print(f"hashes and links: {_rate(trailers, links_s)}; daemon signatures and signed acts: "
           f"{_rate(trailers, sigs_s)}")
@@ -382,21 +443,37 @@ def _rate(n: int, seconds: float) -> str:
 def trusted_daemons(config: Config) -> set[str]:
     """Daemon keys this verifier trusts: `[trust] daemons`, and the checkpoint key of the
     daemon whose data directory (or `checkpoint_key`) the configuration names, if present."""
+    own = own_anchor(config)
+    return set(configured_anchors(config)) | ({own[0]} if own else set())
+
+
+def configured_anchors(config: Config) -> dict[str, str]:
+    """The daemon keys `[trust] daemons` names, each with where it was found."""
+    from improved.core.signing import TrustStore
+
+    return {kid: f'[trust] daemons "{key.principal}"'
+            for kid, key in TrustStore.from_config(config.trust.daemons).keys.items()}
+
+
+def own_anchor(config: Config) -> tuple[str, str] | None:
+    """(key id, where) of the checkpoint key of the daemon whose data directory (or
+    `checkpoint_key`) the configuration names, when there is one to read."""
     from improved.client.keys import load_key
     from improved.core import signing
 
-    trusted = config.trust.daemon_keyids()
     own = config.checkpoint_key or config.data_dir / "checkpoint.pem"
     if own.exists():
         with suppress(OSError, ValueError):
-            trusted.add(signing.keyid_of(signing.raw_public(load_key(own).public_key())))
-    return trusted
+            kid = signing.keyid_of(signing.raw_public(load_key(own).public_key()))
+            return kid, f"the checkpoint key {own}"
+    return None
 
 
 def cmd_audit_verify(args: argparse.Namespace) -> int:
     from improved.client import anchor
 
     config = config_of(args)
+    explicit = bool(args.checkpoint)
     path: Path | None = (Path(args.checkpoint) if args.checkpoint
                          else anchor.path_in(config.data_dir))
     if not args.checkpoint and path is not None and not path.exists():
@@ -406,35 +483,24 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
             print("improved audit verify: --since verifies the whole log's new part; "
                   "leave out the ID", file=sys.stderr)
             return 2
-        return asyncio.run(_verify_since(url_of(args, config), path, trusted_daemons(config),
-                                         config))
+        return asyncio.run(_verify_since(url_of(args, config), path, explicit, config))
     if args.archive and args.id:
         print("improved audit verify: --archive verifies the whole log; leave out the ID",
               file=sys.stderr)
         return 2
     if args.archive:
-        return asyncio.run(_verify_archived(url_of(args, config), path, trusted_daemons(config),
-                                            config, Path(args.archive)))
+        return asyncio.run(_verify_archived(url_of(args, config), path, explicit, config,
+                                            Path(args.archive)))
     pid = asyncio.run(full_id(url_of(args, config), args.id)) if args.id else None
-    return asyncio.run(_verify(url_of(args, config), pid, path, trusted_daemons(config),
-                               config))
+    return asyncio.run(_verify(url_of(args, config), pid, path, explicit, config))
 
 
-async def _verify_archived(url: str | Target, anchor_path: Path | None, trusted: set[str],
+async def _verify_archived(url: str | Target, anchor_path: Path | None, explicit: bool,
                            config: Config, archive_dir: Path | None,
                            say: Callable[[str], None] = print,
                            note: Callable[[str], None] = _to_stderr) -> int:
-    from improved.client import anchor
-
-    kept: Anchor | str | None = None
-    if anchor_path is not None:
-        try:
-            kept = anchor.read(anchor_path) or f"no checkpoint file at {anchor_path}"
-        except ValueError as exc:
-            kept = f"the checkpoint file cannot be read: {exc}"
-    if isinstance(kept, Anchor):
-        trusted = trusted | {kept.keyid}
-    return await _verify_log(url, kept, anchor_path, trusted, config, archive_dir, say, note)
+    return await _verify_log(url, _read_kept(anchor_path), anchor_path, explicit, config,
+                             archive_dir, say, note)
 
 
 def verify_log(url: str | Target, config: Config, say: Callable[[str], None],
@@ -447,7 +513,7 @@ def verify_log(url: str | Target, config: Config, say: Callable[[str], None],
     path: Path | None = anchor.path_in(config.data_dir)
     if path is not None and not path.exists():
         path = None
-    return _verify_archived(url, path, trusted_daemons(config), config, None, say, note)
+    return _verify_archived(url, path, False, config, None, say, note)
 
 
 def verify_since(url: str | Target, config: Config, say: Callable[[str], None],
@@ -460,7 +526,7 @@ def verify_since(url: str | Target, config: Config, say: Callable[[str], None],
     path: Path | None = anchor.path_in(config.data_dir)
     if path is not None and not path.exists():
         path = None
-    return _verify_since(url, path, trusted_daemons(config), config, say, note)
+    return _verify_since(url, path, False, config, say, note)
 
 
 async def _archive(url: str | Target, config: Config, directory: Path, remove: bool) -> int:
@@ -606,7 +672,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     "daemons, or the checkpoint key in the configured data directory) and "
                     "against the checkpoint file a daemon keeps in its data directory: a "
                     "missing, re-created, shorter, rewritten or unreadable stream is named. "
-                    "Exits 1 if anything is broken.")
+                    "The last line says what was checked against which daemon key. Exits 0 "
+                    "VERIFIED, 1 BROKEN (something forged, altered or missing), 2 when it "
+                    "cannot run as given, 3 UNVERIFIED writers: nothing wrong was found, but "
+                    "with no trusted daemon key who wrote the trailers was not checked.")
     add_connection_args(verify)
     verify.add_argument("id", metavar="ID", nargs="?", type=ids.chain_arg,
                         help="only this proposal's chain (its id, or a unique prefix of it), "

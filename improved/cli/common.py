@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from improved.core.record import ProposalRecord
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
+DATA_DIR_DEFAULT = ("$IMPROVED_DATA_DIR, else the config's data_dir, else "
+                    "$XDG_STATE_HOME/improved, i.e. ~/.local/state/improved")
 
 
 def configure_logging(level: str, json_logs: bool | None = None) -> None:
@@ -58,7 +60,9 @@ def configure_logging(level: str, json_logs: bool | None = None) -> None:
 
 
 def config_of(args: argparse.Namespace) -> Config:
-    """The configuration file (or the defaults), its data_dir replaced by --data-dir."""
+    """The configuration file (or the defaults), its data_dir replaced by --data-dir: the data
+    directory is --data-dir, else $IMPROVED_DATA_DIR, else the config's data_dir, else
+    $XDG_STATE_HOME/improved (`client.config.load`), never the working directory."""
     config = load(getattr(args, "config", None))
     if getattr(args, "data_dir", None):
         config = msgspec.structs.replace(config, data_dir=Path(args.data_dir))
@@ -261,10 +265,11 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE",
                    help="TOML configuration file (default: $IMPROVED_CONFIG)")
     p.add_argument("--data-dir", metavar="DIR",
-                   help="the data directory (default: config data_dir, else .improved): where "
-                        "`improved run` keeps its embedded server; a command without a URL "
-                        "uses the server running there, and when that runs with --accounts, "
-                        "its user's password file in DIR/accounts")
+                   help=f"the data directory (default: {DATA_DIR_DEFAULT}): where "
+                        "`improved run` keeps its embedded server, its checkpoint key and "
+                        "its last checkpoint; a command without a URL uses the server "
+                        "running there, and when that runs with --accounts, its user's "
+                        "password file in DIR/accounts")
 
 
 

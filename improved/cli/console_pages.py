@@ -91,7 +91,7 @@ def _diff_html(lines: Sequence[str]) -> str:
 
 
 def chain_class(verdict: str) -> str:
-    return ("ok" if verdict == "verified" else
+    return ("ok" if verdict.startswith("VERIFIED") else
             "broken" if verdict.startswith("BROKEN") else "warn")
 
 

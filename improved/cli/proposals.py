@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from improved.cli import ids, render, verdicts
-from improved.cli.audit import chain_trust, trusted_daemons
+from improved.cli.audit import chain_trust, settled_anchors
 from improved.cli.common import (
     add_connection_args,
     config_of,
@@ -28,6 +29,7 @@ from improved.cli.common import (
 )
 from improved.cli.errors import REFUSED, USAGE, Failure
 from improved.cli.queries import review_read, schema_class, status_view
+from improved.cli.verdicts import chain_said, is_sound
 from improved.client.config import Config
 from improved.client.connection import Target
 from improved.client.deployment import Deployment
@@ -148,12 +150,12 @@ async def shown(store: Deployment, text: str, config: Config, readable: bool = T
         record = None
         view["will_run"] = f"the chain cannot be replayed: {exc}"
     view["trailers"] = chain
-    daemons = trusted_daemons(config)
-    trust = chain_trust((await store.read_audit(evidence.TRUST_ID))[0], daemons, config)
-    view["chain"] = chain_verdict(pid, sequenced, trust, bool(daemons), svc)
-    facts["verified"] = view["chain"] == "verified"
-    if record is not None and view["chain"] != "verified" and \
-            not view["chain"].startswith("hashes and links verified"):
+    sources, _ = await settled_anchors(store, config, None, None, False,
+                                         lambda line: print(line, file=sys.stderr))
+    trust = chain_trust((await store.read_audit(evidence.TRUST_ID))[0], set(sources), config)
+    view["chain"] = chain_verdict(pid, sequenced, trust, sources, svc)
+    facts["verified"] = view["chain"].startswith("VERIFIED")
+    if record is not None and not is_sound(view["chain"]):
         record = None  # a broken chain: nothing is looked up on its word
     if record is not None and readable:
         facts["replaced"] = await replaced(store, svc, record)
@@ -164,17 +166,17 @@ async def shown(store: Deployment, text: str, config: Config, readable: bool = T
 
 
 def chain_verdict(pid: str, sequenced: list[tuple[int, dict[str, Any]]],
-                  trust: audit.Authenticity, writers: bool, service: str | None = None) -> str:
-    """Whether one proposal's chain verifies, in the words `improved show` prints: its hashes
-    and links and the lifecycle they record (`audit.verify_chain`), and with a trusted daemon key (`writers`) who wrote each
-    trailer and the signed act under each authority trailer (`audit.verify_writers`)."""
+                  trust: audit.Authenticity, sources: Mapping[str, str],
+                  service: str | None = None) -> str:
+    """Whether one proposal's chain verifies, in the words `improved show` and `improved audit
+    verify` share (`verdicts.chain_said`): its hashes and links and the lifecycle they record
+    (`audit.verify_chain`), then who wrote each trailer and the signed act under each authority
+    trailer (`audit.verify_writers`) against the trusted daemon keys (`sources`: key id →
+    where it was found); with none, only what shows without one (UNVERIFIED writers)."""
     chain = [body for _, body in sequenced]
-    brk = audit.verify_chain(pid, chain, service=service) or (audit.verify_writers(
-        pid, chain, trust, [seq for seq, _ in sequenced]) if writers else None)
-    return ("verified" if brk is None and writers else
-            "hashes and links verified; who wrote them is not checked without a "
-            "trusted daemon key ([trust] daemons)" if brk is None else
-            f"BROKEN: {brk}")
+    brk = audit.verify_chain(pid, chain, service=service) or audit.verify_writers(
+        pid, chain, trust, [seq for seq, _ in sequenced])
+    return chain_said(str(brk) if brk is not None else None, sources)
 
 
 def _facts(record: ProposalRecord) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client
 
-from improved.cli.audit import trusted_daemons
+from improved.cli.audit import log_trusted
 from improved.cli.common import deployment
 from improved.client import indexing
 from improved.client.answers import Answers
@@ -48,7 +48,7 @@ async def review_read(url: str | Target, policy: Policy, config: Config | None =
     `[trust.signers]` and `subjects_bound`)."""
     async with deployment(url, bind=False) as store:
         records, index_read = await queued_records(
-            store, policy, trusted_daemons(config) if config is not None else set(),
+            store, policy, await log_trusted(store, config) if config is not None else set(),
             indexes.tombstone_ttl_s(config.checkpoint_interval_s) if config is not None
             else TOMBSTONE_TTL_S)
         answers = asker(store.nc, config.trust if config is not None else None)
@@ -180,13 +180,13 @@ async def status_view(url: str | Target, config: Config | None = None) -> dict[s
     believed only when a trusted daemon key wrote it and any operator act under it verifies
     (`breaker.believed`: otherwise it reads as a crisis, as the daemon reads it). `verified`
     says which, or that no daemon key is known here, so nothing could be checked."""
-    from improved.cli.audit import chain_trust, trusted_daemons
+    from improved.cli.audit import chain_trust
     from improved.core import breaker, evidence
 
     config = config or Config()
     async with deployment(url, bind=False) as store:
         seq, body = await store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
-        daemons = trusted_daemons(config)
+        daemons = await log_trusted(store, config)
         problem = None
         if body and daemons:
             trust = chain_trust((await store.read_audit(evidence.TRUST_ID))[0], daemons,

@@ -115,7 +115,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         return await run_until_stopped(
             nc, config, stop=stop, reread=lambda: configured(args),
             on_ready=lambda d: print(f"improved: ready as {d.actor} on {where.where} "
-                                     f"(pid {os.getpid()})", file=sys.stderr, flush=True))
+                                     f"(pid {os.getpid()}); data directory "
+                                     f"{config.data_dir.resolve()}", file=sys.stderr,
+                                     flush=True))
 
     try:
         # the credential files are read here, once

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,6 +243,61 @@ def of_apply(pid: str, trailers: Iterable[dict[str, Any]]) -> Verdict | None:
                                   "owning service; the daemon keeps retrying on its own, and "
                                   f"`improved retry {pid}` tries at once", "unreachable")
     return None
+
+
+# -- what a verify checked, against what, and what it could not ------------------------------
+
+# the exit codes of a verify: clean, something forged, altered or missing, could not run, and
+# nothing wrong found but the writers not checked for lack of a trusted daemon key
+CLEAN, BROKEN, UNRUNNABLE, UNVERIFIED = 0, 1, 2, 3
+NO_KEY = ("no trusted daemon key: name it in [trust] daemons, give --data-dir of the daemon "
+          "that wrote the log, or --checkpoint FILE")
+
+
+def anchors_said(sources: Mapping[str, str]) -> str:
+    """The trust anchors in a few words: `daemon key 1a2b…(from the data directory's
+    checkpoint key /x/checkpoint.pem)`, each key with where it was found."""
+    keys = [f"{kid[:16]}… ({where})" for kid, where in sorted(sources.items())]
+    return ("daemon key " if len(keys) == 1 else "daemon keys ") + ", ".join(keys)
+
+
+def chain_said(problem: str | None, sources: Mapping[str, str]) -> str:
+    """One chain's verdict, in the words `improved show` and `improved audit verify` share:
+    BROKEN with the first break; VERIFIED with what was checked and against which key; or,
+    with no trusted daemon key, UNVERIFIED writers, naming what was not checked."""
+    if problem is not None:
+        return f"BROKEN: {problem}"
+    if sources:
+        return ("VERIFIED: hashes, links, daemon signatures and signed acts, against "
+                + anchors_said(sources))
+    return (f"UNVERIFIED writers ({NO_KEY}): hashes and links verified; who wrote the "
+            "trailers and the signed acts they carry are not checked")
+
+
+def log_said(chains: int, broken: bool, sources: Mapping[str, str],
+             runtimes_unverified: int = 0) -> tuple[str, int]:
+    """The last line of `improved audit verify` and its exit code (CLEAN, BROKEN,
+    UNVERIFIED): what is broken is broken whatever the keys; a log in which nothing is wrong
+    is VERIFIED only against a trusted daemon key, else UNVERIFIED, never broken; so are tool
+    runtimes' chains with no key in [trust.runtimes] (`runtimes_unverified`)."""
+    if broken:
+        return ("BROKEN: the log is not what its writers wrote: something was forged, altered "
+                "or removed (each break is named above)"), BROKEN
+    if not sources:
+        return (f"UNVERIFIED writers ({NO_KEY}): hashes and links of {chains} chains "
+                "verified, nothing found removed or altered; who wrote the trailers and the "
+                "signed acts they carry are not checked"), UNVERIFIED
+    verified = (f"{chains} chains: hashes, links, daemon signatures and signed acts, against "
+                f"{anchors_said(sources)}")
+    if runtimes_unverified:
+        return (f"UNVERIFIED writers of {runtimes_unverified} tool runtime chains (no key in "
+                f"[trust.runtimes]); VERIFIED {verified}"), UNVERIFIED
+    return f"VERIFIED {verified}", CLEAN
+
+
+def is_sound(said: str) -> bool:
+    """Whether a chain's verdict (`chain_said`) found nothing wrong, verified or not."""
+    return said.startswith(("VERIFIED", "UNVERIFIED"))
 
 
 def _data(body: dict[str, Any]) -> TrailerData | None:

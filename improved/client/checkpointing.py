@@ -395,7 +395,9 @@ def _checkpoint_problem(body: dict[str, Any] | None, trusted: set[str], base: An
         return f"a checkpoint on the stream cannot be read: {exc}"
     if not checkpoint.signature_ok(cp):
         return f"checkpoint at {cp.at}: the signature does not verify"
-    untrusted = checkpoint.trust_problem(cp, trusted)
+    # no trusted key at all (a verifier with no trust anchor): its key is not checked, and
+    # the verdict says so; its signature and its root still are
+    untrusted = checkpoint.trust_problem(cp, trusted) if trusted else None
     if untrusted:
         return untrusted
     if cp.count > base.count or (cp.count == base.count and cp.root != base.root):

@@ -25,7 +25,10 @@ starts with a policy that differs from the last one recorded.
 ```toml
 nats_url = "nats://127.0.0.1:4222"   # omit to start an embedded nats-server; IMPROVED_NATS_URL
                                      # wins over it
-data_dir = ".improved"
+data_dir = "/var/lib/improved"    # where the embedded server, the checkpoint key and the
+                                     # kept checkpoint live; relative: to this file's directory.
+                                     # --data-dir, then IMPROVED_DATA_DIR, win over it; the
+                                     # default is $XDG_STATE_HOME/improved (~/.local/state/improved)
 port = 4222                          # embedded server port
 sync = "always"                      # embedded server fsync: "always" or a duration ("2m")
 accounts = false                     # embedded server: true gives it deploy/accounts.conf's
@@ -178,7 +181,7 @@ class AuditSettings(_Section, frozen=True, kw_only=True):
 class Config(_Section, frozen=True, kw_only=True):
     nats_url: Text | None = None
     nats: NatsSettings = field(default_factory=NatsSettings)
-    data_dir: Path = Path(".improved")
+    data_dir: Path = field(default_factory=lambda: state_dir())
     port: Port = 4222
     sync: Sync = "always"
     # the embedded server with deploy/accounts.conf's users and permissions (runtime/accounts.py)
@@ -248,23 +251,43 @@ def parse(doc: object) -> Config:
 
 
 URL_ENV = "IMPROVED_NATS_URL"  # the server every command and the daemon use, over nats_url
+DATA_DIR_ENV = "IMPROVED_DATA_DIR"  # the data directory, over the config's data_dir
+
+
+def state_dir(environ: typing.Mapping[str, str] | None = None) -> Path:
+    """The per-user default data directory, `$XDG_STATE_HOME/improved` (else
+    `~/.local/state/improved`): one place per user, whatever the working directory, so a
+    command run anywhere finds the daemon it started and never a stray `.improved/`."""
+    environ = os.environ if environ is None else environ
+    state = environ.get("XDG_STATE_HOME")
+    if state and Path(state).is_absolute():  # the XDG spec ignores a relative one
+        return Path(state) / "improved"
+    home = environ.get("HOME")
+    return (Path(home) if home else Path.home()) / ".local" / "state" / "improved"
 
 
 def with_env(config: Config, environ: typing.Mapping[str, str] | None = None) -> Config:
     """`config` with what the environment sets in place of the file's: the server
-    (`IMPROVED_NATS_URL` for `nats_url`) and the `[nats]` keys (NATS_ENV); ConfigError naming
-    the variable when its value is not one."""
+    (`IMPROVED_NATS_URL` for `nats_url`), the data directory (`IMPROVED_DATA_DIR` for
+    `data_dir`) and the `[nats]` keys (NATS_ENV); ConfigError naming the variable when its
+    value is not one."""
     environ = os.environ if environ is None else environ
     url = environ.get(URL_ENV)
     if url:
         config = msgspec.structs.replace(config, nats_url=url)
+    data_dir = environ.get(DATA_DIR_ENV)
+    if data_dir:
+        config = msgspec.structs.replace(config, data_dir=Path(data_dir).expanduser())
     settings = nats_from_env(config.nats, environ)
     return config if settings is config.nats else msgspec.structs.replace(config, nats=settings)
 
 
 def load(path: str | os.PathLike[str] | None = None) -> Config:
     """Read the TOML file named by `path` or `IMPROVED_CONFIG` (defaults when neither is set),
-    with the `[nats]` keys the environment sets (NATS_ENV) over the file's."""
+    with what the environment sets over the file's (`with_env`). The data directory is
+    `IMPROVED_DATA_DIR`, else the file's `data_dir` (a relative one taken from the file's
+    directory, not from wherever the command runs), else `state_dir()`; `--data-dir` is the
+    command line's, over all of them (`cli.common.config_of`)."""
     path = path or os.environ.get("IMPROVED_CONFIG")
     if not path:
         return with_env(Config())
@@ -277,7 +300,11 @@ def load(path: str | os.PathLike[str] | None = None) -> Config:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} cannot be read: {exc}") from exc
-    return with_env(parse(doc))
+    config = parse(doc)
+    if isinstance(doc, dict) and "data_dir" in doc:
+        config = msgspec.structs.replace(
+            config, data_dir=Path(path).parent / config.data_dir.expanduser())
+    return with_env(config)
 
 
 # -- one line naming the key ---------------------------------------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import hashlib
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -305,6 +306,30 @@ def anchor_continues(anchor: Anchor) -> bool:
     """Whether the next checkpoint can continue from a kept anchor (see `continues`)."""
     return continues(Checkpoint(anchor.count, anchor.root, anchor.last_seq, anchor.at,
                                 frontier=anchor.frontier, last_hash=anchor.last_hash))
+
+
+def kept_elsewhere(local: AbstractSet[str], configured: AbstractSet[str],
+                   log_signers: AbstractSet[str]) -> bool:
+    """Whether a data directory's checkpoint key and kept checkpoint (`local`: their daemon
+    key ids) were kept for another deployment than the log being verified, so that the log
+    is not checked against them (a note, not a break). Only when all three hold:
+
+    - none of them is a key `[trust] daemons` names (`configured`): a key configured as
+      trusted is trusted for this log, and a log it does not find is a break;
+    - the log's daemon chains are signed (`log_signers`: the key ids that signed the heads
+      of the checkpoint, autonomy, policy and trust chains, each signature valid), so a
+      daemon wrote this log: an empty or unsigned log is checked against the file, and one
+      deleted and re-created empty is a break;
+    - and none of those heads is signed by a `local` key: the daemon that kept the file
+      does not write this log.
+
+    Whoever deletes and re-creates the stream cannot sign with the daemon's key: to pass
+    the file off as another deployment's, the new log must be signed by a key of their own,
+    which no trust anchor here vouches for, so the verdict is at best UNVERIFIED (exit 3),
+    never VERIFIED; and the daemon, writing its next trailer there with its own key, makes
+    the file this log's again (then the re-creation is a break). A verifier that must tell
+    the two apart configures the daemon's key in `[trust] daemons`."""
+    return not (local & configured) and bool(log_signers) and not (local & log_signers)
 
 
 @dataclass(frozen=True)

@@ -90,10 +90,12 @@ def _public(b64: str) -> tuple[str, Ed25519PublicKey]:
     return signing.keyid_of(raw), Ed25519PublicKey.from_public_bytes(raw)
 
 
-def writer_problem(body: dict[str, Any], daemons: frozenset[str],
+def writer_problem(body: dict[str, Any], daemons: frozenset[str] | None,
                    writer: str = "daemon") -> str | None:
     """Why the trailer was not written by a trusted key (`daemons`, the key ids of a
-    `writer`: a daemon, or the runtime whose `_tools` chain it is), or None."""
+    `writer`: a daemon, or the runtime whose `_tools` chain it is), or None. `daemons` None:
+    no key is trusted (no trust anchor), so only what shows without one is checked: that the
+    trailer is signed, and that the signature is the named key's over its hash."""
     sig = body.get("sig")
     if not isinstance(sig, str) or not sig:
         return f"not signed by a {writer}: a trailer anyone on the bus could have written"
@@ -102,7 +104,7 @@ def writer_problem(body: dict[str, Any], daemons: frozenset[str],
         keyid, key = _public(public)
     except (ValueError, binascii.Error):
         return f"the {writer} signature names no valid key"
-    if keyid not in daemons:
+    if daemons is not None and keyid not in daemons:
         return f"signed by {keyid[:24]}…, which is not a trusted {writer} key"
     try:
         key.verify(base64.b64decode(signature, validate=True),
@@ -110,6 +112,14 @@ def writer_problem(body: dict[str, Any], daemons: frozenset[str],
     except (ValueError, binascii.Error, InvalidSignature):
         return f"the {writer} signature does not match the trailer"
     return None
+
+
+def signed_by(body: dict[str, Any]) -> str | None:
+    """The key id whose valid signature the trailer carries, trusted or not; None when it
+    carries none that verifies."""
+    if writer_problem(body, None) is not None:
+        return None
+    return _public(str(body["sig"]).partition(".")[0])[0]
 
 
 # -- the trust history --------------------------------------------------------------------------
@@ -461,6 +471,12 @@ class ChainTrust:
     # their own stream; that key then counts for that one chain besides the daemons'. A
     # daemon never sets it: no runtime key is one of its writers.
     earlier_runtimes: Mapping[str, str] = field(default_factory=dict)
+    # False: no daemon key is trusted at all (a verifier given no trust anchor). Then who
+    # wrote a trailer cannot be checked, nor the signed acts on keys only such a trailer
+    # recorded: a writer's signature is checked against the key it names (a trailer unsigned,
+    # or whose signature does not match, is still a break), and the rest is left unverified,
+    # for the caller to say so, never to call it broken.
+    anchored: bool = True
 
     def start(self) -> ChainActs:
         return ChainActs()
@@ -473,11 +489,12 @@ class ChainTrust:
         if check and not (covered and not body.get("sig")):  # a commit's last one is signed
             runtime = self.earlier_runtimes.get(chain_id)
             writers = self.daemons if runtime is None else self.daemons | {runtime}
-            problem = writer_problem(body, writers, self.writer)
+            problem = writer_problem(body, writers if self.anchored else None, self.writer)
             if problem is not None:
                 return problem
         try:
             t = msgspec.convert(body, type=Trailer)
         except msgspec.ValidationError as exc:
             return f"not a valid trailer: {exc}"
-        return act_problem(t, chain_id, self.history.at(stream_seq), state, check)
+        return act_problem(t, chain_id, self.history.at(stream_seq), state,
+                           check and self.anchored)

@@ -47,6 +47,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from improved.client import acceptance, connection, credentials
+from improved.client.config import DATA_DIR_ENV, state_dir
 from improved.client.keys import load_key
 from improved.client.sdk import MeshClient, Served, failed, serve_spec
 from improved.protocol import subjects as S
@@ -381,7 +382,7 @@ class StoreClass(Protocol):
 
 async def run(cls: StoreClass, url: str | None, service: str,
               verify_acceptance: bool = False, setup: Setup | None = None,
-              data_dir: Path = Path(".improved"), key_file: Path | None = None) -> int:
+              data_dir: Path | None = None, key_file: Path | None = None) -> int:
     """Serve `service` until SIGTERM or SIGINT; `setup` runs once the buckets are open,
     before the first order is taken, and returns lines to print (what it did). With
     `key_file` (the service's Ed25519 key) every answer to the daemon is signed."""
@@ -390,7 +391,8 @@ async def run(cls: StoreClass, url: str | None, service: str,
     name = f"{cls.KIND.replace(' ', '-')}-{service}"
     # credentials from the URL or the IMPROVED_NATS_* files; else, on the server of
     # `data_dir` run with --accounts, the service's own user's there
-    where = credentials.target(url, data_dir, f"svc-{service}", default=DEFAULT_URL)
+    where = credentials.target(url, data_dir or default_data_dir(), f"svc-{service}",
+                               default=DEFAULT_URL)
     try:  # reconnects are forever once up, but a first connection that never comes is an error
         nc = await asyncio.wait_for(connection.connect(where, name), CONNECT_S)
     except TimeoutError:
@@ -444,6 +446,12 @@ def seed_texts(flag: str, given: list[str], shape: str = "NAME=FILE",
     return seeds
 
 
+def default_data_dir() -> Path:
+    """Where `improved run` keeps its data by default: $IMPROVED_DATA_DIR, else the per-user
+    state directory, never the working directory."""
+    return Path(os.environ[DATA_DIR_ENV]) if os.environ.get(DATA_DIR_ENV) else state_dir()
+
+
 def parser(module: str, description: str) -> argparse.ArgumentParser:
     """The command line every reference store shares: --nats, --service, --verify-acceptance."""
     p = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
@@ -454,9 +462,10 @@ def parser(module: str, description: str) -> argparse.ArgumentParser:
                         "IMPROVED_NATS_USER and IMPROVED_NATS_PASSWORD_FILE (or _TOKEN_FILE, "
                         "_CREDS_FILE, _TLS_*), else, on the server of --data-dir run with "
                         "--accounts, the user svc-<service>'s password file there")
-    p.add_argument("--data-dir", default=".improved", metavar="DIR",
+    p.add_argument("--data-dir", metavar="DIR",
                    help="the data directory of `improved run` on this machine (default: "
-                        ".improved)")
+                        "$IMPROVED_DATA_DIR, else $XDG_STATE_HOME/improved, i.e. "
+                        "~/.local/state/improved)")
     p.add_argument("--service", required=True, metavar="NAME",
                    help="the service name this store owns, [a-z][a-z0-9_-]{0,62}")
     p.add_argument("--key", metavar="FILE",
@@ -484,7 +493,7 @@ def main(cls: StoreClass, argv: list[str] | None, module: str, description: str,
     try:
         before = setup(args) if setup is not None else None
         return asyncio.run(run(cls, args.nats, args.service, args.verify_acceptance, before,
-                               Path(args.data_dir),
+                               Path(args.data_dir) if args.data_dir else None,
                                Path(args.key) if args.key else None))
     except Exception as exc:  # BusError and friends: one line, not a traceback
         print(f"{cls.KIND}: {exc}", file=sys.stderr)

@@ -20,7 +20,7 @@ from improved.client.keys import key_path
 from improved.core import signing
 from improved.runtime import bus
 from tests.bus import eventually_blocking
-from tests.cli import ENV, IMPROVED, improved
+from tests.cli import ENV, IMPROVED, decoy_data_dir, improved
 from tests.factories import rank_proposal, skill_proposal
 
 
@@ -194,7 +194,9 @@ def test_run_propose_show_verify_and_stop(tmp_path):
         assert shown.returncode == 0, shown.stderr
         view = json.loads(shown.stdout)
         # no daemon key here to check who wrote the trailers: it says so rather than "verified"
-        assert view["chain"].startswith("hashes and links verified; who wrote them is not")
+        assert view["chain"].startswith("UNVERIFIED writers (no trusted daemon key: "), view
+        assert view["chain"].endswith("hashes and links verified; who wrote the trailers and "
+                                      "the signed acts they carry are not checked")
         assert view["decision"]["cause"] == "awaiting_operator"
         assert [t["to_stage"] for t in view["trailers"]] == ["propose", "triage"]
 
@@ -203,16 +205,48 @@ def test_run_propose_show_verify_and_stop(tmp_path):
                             str(data_dir / "last-checkpoint.json"))
         assert verified.returncode == 0, verified.stdout + verified.stderr
         assert "4/4 chains verified" in verified.stdout  # 2 proposals, checkpoints, policy
+        checkpoint_file = data_dir / "last-checkpoint.json"
+        assert verified.stdout.splitlines()[-1].startswith(
+            "VERIFIED 4 chains: hashes, links, daemon signatures and signed acts, against "
+            "daemon key "), verified.stdout
+        assert verified.stdout.splitlines()[-1].endswith(
+            f"(the checkpoint file {checkpoint_file})"), verified.stdout
         # signed when the daemon started, over the policy it had just recorded
         assert "checkpoint of 1 trailers" in verified.stdout
-        untrusted = improved("audit", "verify", "--nats", url)  # no daemon key to trust
-        assert untrusted.returncode == 1 and "not a trusted daemon key" in untrusted.stdout
+        # no daemon key to trust: nothing wrong is found, and who wrote it is not checked
+        untrusted = improved("audit", "verify", "--nats", url)
+        assert untrusted.returncode == 3, untrusted.stdout + untrusted.stderr
+        assert "BROKEN" not in untrusted.stdout, untrusted.stdout
+        assert untrusted.stdout.splitlines()[-1].startswith(
+            "UNVERIFIED writers (no trusted daemon key: name it in [trust] daemons, give "
+            "--data-dir of the daemon that wrote the log, or --checkpoint FILE): hashes and "
+            "links of 4 chains verified"), untrusted.stdout
+        # the daemon's data directory, by the environment alone: its key is found there
+        found = improved("audit", "verify", "--nats", url, env={"IMPROVED_DATA_DIR":
+                                                                 str(data_dir)})
+        assert found.returncode == 0, found.stdout + found.stderr
+        assert f"(the checkpoint key {data_dir / 'checkpoint.pem'})" in found.stdout
+        # the daemon's data directory as this user's default: no flag, no variable
+        state = tmp_path / "state"
+        state.mkdir()
+        (state / "improved").symlink_to(data_dir)
+        default = improved("audit", "verify", "--nats", url, env={"XDG_STATE_HOME": str(state)})
+        assert default.returncode == 0, default.stdout + default.stderr
+        assert default.stdout.splitlines()[-1].startswith("VERIFIED 4 chains"), default.stdout
+        # another deployment's data directory: named as such, not taken for tampering
+        decoy = decoy_data_dir(tmp_path / "decoy")
+        other = improved("audit", "verify", "--nats", url,
+                         env={"IMPROVED_DATA_DIR": str(tmp_path / "decoy")})
+        assert other.returncode == 3 and "BROKEN" not in other.stdout, other.stdout
+        assert f"holds the checkpoint key or kept checkpoint of another deployment (daemon " \
+            f"key {decoy[:16]}…" in other.stderr, other.stderr
         one = improved("audit", "verify", "--nats", url, reply["proposal_id"], "--checkpoint",
                        str(data_dir / "last-checkpoint.json"))
         assert one.returncode == 0 and "1/1 chains verified" in one.stdout, one.stdout
         assert "daemon signatures and signed acts: " in one.stdout
         unkeyed = improved("audit", "verify", "--nats", url, reply["proposal_id"])
-        assert unkeyed.returncode == 1 and "not a trusted daemon key" in unkeyed.stdout
+        assert unkeyed.returncode == 3 and "UNVERIFIED writers" in unkeyed.stdout, \
+            unkeyed.stdout
         missing = improved("show", "--nats", url, "f" * 64)
         assert missing.returncode == 1 and "no proposal" in missing.stderr
     finally:

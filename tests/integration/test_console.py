@@ -58,7 +58,8 @@ async def test_the_console_shows_the_queue_a_proposal_and_the_log_read_only(
 
         status, page = await get(f"{base}p/{pid[:12]}")  # a prefix names it, as on the CLI
         assert status == 200
-        assert '<p id=chain class=ok>verified</p>' in page
+        assert '<p id=chain class=ok>VERIFIED: hashes, links, daemon signatures and signed ' \
+            'acts, against daemon key ' in page
         assert "<script" not in page and "<img" not in page and "\x1b" not in page
         assert "\\u001b[2J" in page  # the escape sequence shown (as JSON), not obeyed
         assert f"as a diff against {first[:12]}, which it superseded" in page

@@ -118,7 +118,7 @@ async def test_a_browser_loads_the_queue_opens_a_proposal_and_sees_its_verified_
                 _browse, base, pid, tmp_path / "queue-failure.png"), 60)
     assert seen["link"] == pid[:12]
     assert seen["url"] == f"{base}p/{pid}"
-    assert seen["chain"] == "verified" and seen["chain_class"] == "ok"
+    assert seen["chain"].startswith("VERIFIED: ") and seen["chain_class"] == "ok"
     assert seen["rows"] == trailers >= 2  # the timeline: every trailer of the chain
     assert SCRIPT in seen["heading"]  # shown as text ...
     assert seen["title"] != "pwned" and seen["scripts"] == 0 and not seen["alert"]  # ... inert

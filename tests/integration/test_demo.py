@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import re
 import socket
+import subprocess
 import time
 
 import pytest
@@ -134,3 +136,43 @@ def test_help_describes_the_demo(capsys):
     assert exit_.value.code == 0
     shown = capsys.readouterr().out
     assert "self-improve loop" in shown and "--pace" in shown and "--data-dir" in shown
+
+
+async def test_the_hints_of_a_kept_demo_verify_clean_from_any_directory(tmp_path):
+    """"Try it yourself" names the kept store in every command: served again by `improved
+    run` with that data directory, the printed `improved audit verify` line run from another
+    directory finds the daemon's key there and verifies the log (exit 0); without the
+    store kept, the hint says it is gone instead of printing commands that cannot work."""
+    kept = tmp_path / "mesh"
+    out = io.StringIO()
+    assert await demo.run(out, data_dir=kept, pace=0.0) == 0, out.getvalue()
+    hints = out.getvalue().split("Try it yourself:", 1)[1]
+    verify = next(line.split("#")[0].split() for line in hints.splitlines()
+                  if "improved audit verify" in line)
+    assert verify == ["improved", "audit", "verify", "--data-dir", str(kept)], hints
+    done = await asyncio.to_thread(_served_and_run, kept, verify, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1].startswith("VERIFIED "), done.stdout
+
+    gone = io.StringIO()
+    assert await demo.run(gone, pace=0.0) == 0
+    assert "store was temporary and is gone now" in gone.getvalue()
+    assert "improved audit verify --data-dir DIR" in gone.getvalue()
+
+
+def _served_and_run(kept, command: list[str], cwd) -> subprocess.CompletedProcess:
+    """`improved run` of the kept data directory on a free port (the hint's 4222 may be
+    another's on this machine), and `command` run in `cwd` while it serves."""
+    from improved.runtime import bus
+    from tests.cli import IMPROVED, improved
+
+    daemon = subprocess.Popen([*IMPROVED, "run", "--data-dir", str(kept), "--port",
+                               str(bus.free_port())], stderr=subprocess.PIPE, text=True)
+    try:
+        while "ready as improved:" not in (line := daemon.stderr.readline()):
+            assert line, "the kept demo's daemon did not start"
+        assert f"data directory {kept}" in line, line
+        return improved(*command[1:], cwd=str(cwd))
+    finally:
+        daemon.terminate()
+        daemon.wait(30)

@@ -44,6 +44,7 @@ from improved.runtime.provisioning import stream_configs, windows_config
 from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore
 from tests.bus import eventually, eventually_blocking, scratch
+from tests.cli import decoy_data_dir
 from tests.cluster import ACCOUNTS, CLUSTER, DEPLOY, PASSWORDS, Cluster, start_server, stop_server
 from tests.cluster import listening as _listening
 from tests.cluster import local_copy as _local_copy
@@ -723,36 +724,61 @@ def improved_exe() -> Path:
 
 
 async def cli(*args: str, env: dict[str, str] | None = None,
-              stdin: bytes | None = None) -> tuple[int, str]:
-    """Run this checkout's `improved` command, with `env` added to the environment;
-    (exit code, stdout + stderr)."""
+              stdin: bytes | None = None, cwd: Path | None = None) -> tuple[int, str]:
+    """Run this checkout's `improved` command, with `env` added to the environment, in `cwd`
+    (default: this process's); (exit code, stdout + stderr)."""
     proc = await asyncio.create_subprocess_exec(
         str(improved_exe()), *args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-        env={**os.environ, "IMPROVED_CONFIG": "", **(env or {})})
+        env={**os.environ, "IMPROVED_CONFIG": "", **(env or {})}, cwd=cwd)
     out, _ = await asyncio.wait_for(proc.communicate(stdin), 60)
     return proc.returncode, out.decode()
 
 
-async def test_operator_cli_reads_show_review_and_verify(mesh):
+async def test_operator_cli_reads_show_review_and_verify(mesh, tmp_path):
     """The operator's read commands work under the operator's permissions: `show` (records,
     one chain), `review` (an ordered consumer over the review index, the
     listed chains), `audit verify` (an ordered consumer over the whole audit stream)."""
+    await _operator_reads(mesh, "op", tmp_path)
+
+
+async def test_operator_cli_reads_alike_beside_another_deployments_data(mesh, tmp_path):
+    """The same reads from a directory holding `.improved/` of another deployment (its
+    checkpoint key and last checkpoint), and with that deployment's data directory as this
+    user's default: the working directory is never read, and the default data directory,
+    kept for another deployment, is named as such, not taken for tampering."""
+    work = tmp_path / "work"
+    decoy_data_dir(work / ".improved")
+    decoy = decoy_data_dir(tmp_path / "state" / "improved")[:16]
+    await _operator_reads(mesh, "decoy", work, {"XDG_STATE_HOME": str(tmp_path / "state")},
+                          f"holds the checkpoint key or kept checkpoint of another deployment "
+                          f"(daemon key {decoy}…")
+
+
+async def _operator_reads(mesh, name: str, cwd: Path, env: dict[str, str] | None = None,
+                          note: str | None = None) -> None:
     client = MeshClient(mesh["ranking"].nc, "ranking", timeout=5.0)
-    reply = await client.propose(rank_proposal("ranking", key="op.cli", value=4))
-    waiting = await client.propose(skill_proposal("ranking", name="op-review"))  # L2: waits
+    reply = await client.propose(rank_proposal("ranking", key=f"{name}.cli", value=4))
+    waiting = await client.propose(skill_proposal("ranking", name=f"{name}-review"))  # waits
     await eventually(lambda: client.outcome(reply.proposal_id))
     url = mesh["url"].replace("nats://", f"nats://operator:{PASSWORDS['operator']}@")
-    rc, out = await cli("show", reply.proposal_id, "--nats", url)
+    rc, out = await cli("show", reply.proposal_id, "--nats", url, cwd=cwd, env=env)
     assert rc == 0, out
-    assert '"chain": "hashes and links verified' in out  # no daemon key given to check writers
-    rc, out = await cli("review", "--json", "--nats", url)
+    # no daemon key given to check writers: it says so, and never BROKEN
+    assert '"chain": "UNVERIFIED writers (no trusted daemon key' in out, out
+    rc, out = await cli("review", "--json", "--nats", url, cwd=cwd, env=env)
     assert rc == 0, out
     assert waiting.proposal_id in out and "read from the audit chains" not in out
+    rc, out = await cli("audit", "verify", "--nats", url, cwd=cwd, env=env)
+    assert rc == 3 and "BROKEN" not in out and "\nUNVERIFIED writers (no trusted daemon " \
+        "key" in out, out
+    assert note is None or note in out, out
     anchor = mesh["daemon"].config.data_dir / "last-checkpoint.json"  # names the daemon's key
-    rc, out = await cli("audit", "verify", "--nats", url, "--checkpoint", str(anchor))
+    rc, out = await cli("audit", "verify", "--nats", url, "--checkpoint", str(anchor), cwd=cwd,
+                        env=env)
     assert rc == 0, out
     assert re.search(r"(\d+)/\1 chains verified", out), out
+    assert "\nVERIFIED " in out and f"(the checkpoint file {anchor})" in out, out
 
 
 async def test_audit_rebuild_runs_as_the_daemon_user(mesh):

@@ -34,11 +34,12 @@ READY = "improved: ready as improved:"
 class Started:
     """A process of a test's own with its output in a file, read as it grows."""
 
-    def __init__(self, argv: list[str], cwd: Path, log: Path):
+    def __init__(self, argv: list[str], cwd: Path, log: Path,
+                 env: dict[str, str] | None = None):
         self.log = log
         with open(log, "w") as out:
-            self.proc = subprocess.Popen(argv, cwd=cwd, env=ENV, stdout=out, stderr=out,
-                                         stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(argv, cwd=cwd, env={**ENV, **(env or {})},
+                                         stdout=out, stderr=out, stdin=subprocess.DEVNULL)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -61,9 +62,9 @@ class Started:
         return self.proc.returncode
 
 
-def daemon(cwd: Path, port: int, *args: str) -> Started:
+def daemon(cwd: Path, port: int, *args: str, env: dict[str, str] | None = None) -> Started:
     run = Started([*IMPROVED, "run", "--accounts", "--port", str(port), *args], cwd,
-                  cwd / f"daemon-{time.monotonic_ns()}.log")
+                  cwd / f"daemon-{time.monotonic_ns()}.log", env)
     run.wait_for(READY)
     return run
 
@@ -137,38 +138,41 @@ def test_commands_and_a_reference_store_find_their_own_credentials(tmp_path):
     Every party's permissions covered what it did: the server logged no violation."""
     port = bus.free_port()
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    run = daemon(tmp_path, port)
+    env = {"XDG_STATE_HOME": str(tmp_path / "state")}  # this user's own default
+    data_dir = tmp_path / "state" / "improved"
+    run = daemon(tmp_path, port, env=env)
     store = None
     try:
-        added = improved("accounts", "add-service", "demo", cwd=tmp_path)
+        added = improved("accounts", "add-service", "demo", cwd=tmp_path, env=env)
         assert added.returncode == 0, added.stderr
-        assert "svc-demo: a user of .improved" in added.stdout
+        assert f"svc-demo: a user of {data_dir}" in added.stdout
         assert "the server running there reloaded its users" in added.stdout
         store = Started([sys.executable, "-m", "improved_reference.ranking_store", "--service",
-                         "demo"], tmp_path, tmp_path / "store.log")
+                         "demo"], tmp_path, tmp_path / "store.log", env)
         store.wait_for("ranking store 'demo' serving demo.improve.apply")
 
-        proposed = improved("propose", "examples/rank-l0.json", cwd=tmp_path)
+        proposed = improved("propose", "examples/rank-l0.json", cwd=tmp_path, env=env)
         assert proposed.returncode == 0, proposed.stderr
         pid = proposed.stdout.split()[0]
 
         def status() -> str:
-            shown = improved("show", pid, "--json", cwd=tmp_path)
+            shown = improved("show", pid, "--json", cwd=tmp_path, env=env)
             assert shown.returncode == 0, shown.stderr
             return shown.stdout
 
         eventually_blocking(lambda: '"status": "applied"' in status(), 20, 0.2,
                             what=f"{pid} applied")
         for command in (("review",), ("status",), ("audit", "verify")):
-            done = improved(*command, cwd=tmp_path)
+            done = improved(*command, cwd=tmp_path, env=env)
             assert done.returncode == 0, (command, done.stderr)
-        elsewhere = improved("audit", "verify", pid, "--data-dir", str(tmp_path / ".improved"))
+        elsewhere = improved("audit", "verify", pid, "--data-dir", str(data_dir))
         assert elsewhere.returncode == 0, elsewhere.stderr
     finally:
         if store is not None:
             assert store.stop() == 0, store.output()
         assert run.stop() == 0, run.output()
-    log = (tmp_path / ".improved" / "nats-server.log").read_text()
+    assert not (tmp_path / ".improved").exists()  # nothing kept where the commands ran
+    log = (data_dir / "nats-server.log").read_text()
     assert "Violation" not in log, [line for line in log.splitlines() if "Violation" in line]
 
 

@@ -76,8 +76,8 @@ async def _restart(url: str, config, bound_s: float = 30.0):
     return nc, daemon, time.monotonic() - started
 
 
-async def _verify(url: str, *extra: str):
-    return await asyncio.to_thread(improved, "audit", "verify", "--nats", url, *extra)
+async def _verify(url: str, *extra: str, env: dict[str, str] | None = None):
+    return await asyncio.to_thread(improved, "audit", "verify", "--nats", url, *extra, env=env)
 
 
 async def _no_apply_in_crisis(nc, daemon) -> None:
@@ -117,6 +117,12 @@ async def test_a_stream_deleted_while_the_daemon_was_stopped_is_a_crisis(own_ser
         assert verify.returncode == 1, verify.stdout + verify.stderr
         assert "re-created" in verify.stdout and f"{count} trailers" in verify.stdout, (
             verify.stdout)
+        # found by the data directory alone, the file is this log's (its key signs the new
+        # stream's daemon chains): the re-creation is a break, not "another deployment"
+        found = await _verify(own_server.url, env={"IMPROVED_DATA_DIR": str(config.data_dir)})
+        assert found.returncode == 1, found.stdout + found.stderr
+        assert "re-created" in found.stdout and "another deployment" not in found.stderr, (
+            found.stdout + found.stderr)
         # the data directory remembers the open crisis: a second restart is still in crisis
         assert json.loads(anchor.read_text())["crisis"].startswith("crisis-")
     finally:
@@ -148,12 +154,15 @@ async def test_a_rewritten_stream_with_a_rogue_checkpoint_is_named(own_server, t
     finally:
         await connection.close(nc)
 
-    verify = await _verify(own_server.url, "--checkpoint", str(anchor))
-    assert verify.returncode == 1, verify.stdout + verify.stderr
-    assert rogue.keyid in verify.stdout and "not a trusted daemon key" in verify.stdout, (
-        verify.stdout)
-    assert f"{count} trailers" in verify.stdout and f"only {count - removed}" in verify.stdout, (
-        verify.stdout)
+    for extra, env in ((("--checkpoint", str(anchor)), None),
+                       ((), {"IMPROVED_DATA_DIR": str(config.data_dir)})):
+        verify = await _verify(own_server.url, *extra, env=env)
+        assert verify.returncode == 1, verify.stdout + verify.stderr
+        assert rogue.keyid in verify.stdout and "not a trusted daemon key" in verify.stdout, (
+            verify.stdout)
+        assert f"{count} trailers" in verify.stdout, verify.stdout
+        assert f"only {count - removed}" in verify.stdout, verify.stdout
+        assert "another deployment" not in verify.stderr, verify.stderr
 
 
 async def test_one_byte_altered_on_disk_is_a_crisis_not_a_hang(own_server, tmp_path):

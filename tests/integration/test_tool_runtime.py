@@ -735,8 +735,8 @@ async def test_the_runtime_needs_an_audit_stream(own_server, svc):
 
 async def test_improved_audit_verify_checks_the_tools_chain(own_server, svc, tmp_path):
     """A runtime with a key of its own, trusted for its chain under `[trust.runtimes]`: the
-    command verifies the chain. Without that key the same chain is one UNVERIFIED line and a
-    non-zero exit, while the daemon's own log verifies and its checkpoint finds nothing
+    command verifies the chain. Without that key the same chain is one UNVERIFIED line and
+    exit 3, while the daemon's own log verifies and its checkpoint finds nothing
     wrong; a trailer someone else appends is named BROKEN."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -769,8 +769,8 @@ async def test_improved_audit_verify_checks_the_tools_chain(own_server, svc, tmp
         assert "tool runtimes (IMPROVE_TOOLS_AUDIT): 1/1 chains verified, 3 trailers" \
             in ok.stdout  # the mark streams it trusts, then the two calls
 
-        unknown = await verify(untrusted)
-        assert unknown.returncode == 1, unknown.stdout + unknown.stderr
+        unknown = await verify(untrusted)  # nothing wrong found, its writer not checked
+        assert unknown.returncode == 3, unknown.stdout + unknown.stderr
         lines = [line for line in unknown.stdout.splitlines() if cid in line]
         assert lines == [f"UNVERIFIED {cid}: 3 trailers of tool runtime {svc} hash and link, "
                          f"but [trust.runtimes] has no key for {svc}, so who wrote them is not "

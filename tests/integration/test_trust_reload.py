@@ -61,7 +61,7 @@ async def trust_chain_length(url: str) -> int:
 def test_sighup_reloads_the_trust_store_and_a_broken_file_changes_nothing(own_server,
                                                                          tmp_path):
     url = own_server.url
-    env = {**ENV, "IMPROVED_NATS_URL": url}
+    env = {**ENV, "IMPROVED_NATS_URL": url, "XDG_STATE_HOME": str(tmp_path / "state")}
     config = tmp_path / "improved.toml"
     config.write_text(f"[trust.operators]\n{entry(ALICE)}\n")
     alice, bob = pem(tmp_path / "alice.pem", ALICE[1]), pem(tmp_path / "bob.pem", BOB[1])
@@ -134,4 +134,6 @@ def test_sighup_reloads_the_trust_store_and_a_broken_file_changes_nothing(own_se
     assert daemon.returncode == 0, text[-3000:]
     assert "Traceback" not in text, text
     assert len(log_events(log, "trust store not reloaded")) == 1
-    assert os.path.exists(tmp_path / ".improved" / "checkpoint.pem")
+    # the default data directory, this user's state directory, not where it ran
+    assert os.path.exists(tmp_path / "state" / "improved" / "checkpoint.pem")
+    assert not os.path.exists(tmp_path / ".improved")

@@ -123,7 +123,9 @@ def shell_env(tmp: Path, url: str) -> dict[str, str]:
         wrapper.chmod(0o755)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("IMPROVED_") and k != "PYTHONPATH"}
+    # the reader's own per-user state: the daemon's data directory is its default there
     return {**env, "IMPROVED_NATS_URL": url, "IMPROVED_KEYS": str(tmp / "keys"),
+            "XDG_STATE_HOME": str(tmp / "state"),
             "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
@@ -243,8 +245,8 @@ def test_the_operators_first_hour_runs_as_written(own_server, tmp_path):
 def test_the_operators_first_hour_runs_as_written_on_the_bus_with_users(tmp_path):
     """The same walk with the daemon started `--accounts` in the work directory (its own
     port), and the user the README says service demo needs added before its store starts; no
-    server named, no credential given: every command and store finds its own user in
-    `.improved/accounts`, and the server refused none of them anything."""
+    server named, no credential given: every command and store finds its own user in the
+    default data directory's `accounts/`, and the server refused none of them anything."""
     walk = Walk(tmp_path, "unused")
     del walk.env["IMPROVED_NATS_URL"]
     port = bus.free_port()
@@ -255,14 +257,15 @@ def test_the_operators_first_hour_runs_as_written_on_the_bus_with_users(tmp_path
                     command += f" --accounts --port {port}"
                 if "ranking_store --service demo" in command:
                     walk.step("improved accounts add-service demo",
-                              "svc-demo: a user of .improved …")
+                              "svc-demo: a user of … with …")
                 (walk.serve if kind == "serve" else walk.step)(command, template)
         wait_for_event(walk.served[0][2], "trust store reloaded")
     finally:
         ended = walk.stop()
     for command, code, output in ended:
         assert code == 0, f"`{command}` exited {code} on SIGTERM:\n{output[-2000:]}"
-    log = (walk.work / ".improved" / "nats-server.log").read_text()
+    assert not (walk.work / ".improved").exists()  # nothing is kept where a command runs
+    log = (tmp_path / "state" / "improved" / "nats-server.log").read_text()
     assert "Violation" not in log, [line for line in log.splitlines() if "Violation" in line]
 
 

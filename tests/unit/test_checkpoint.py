@@ -230,3 +230,16 @@ def msgspec_body(trailer) -> dict:
     import msgspec
 
     return msgspec.to_builtins(trailer)
+
+
+def test_a_data_directory_is_another_deployments_only_when_the_log_shows_another_writer():
+    """The data directory's key and kept checkpoint are left out as another deployment's only
+    when no configured key vouches for them, a daemon signed this log, and it is not theirs:
+    a stream deleted and re-created empty, or re-signed by the same daemon, stays theirs (a
+    break), and so does any log when their key is configured."""
+    ours, other = {"ed25519:ours"}, {"ed25519:other"}
+    assert checkpoint.kept_elsewhere(ours, set(), other)  # another daemon writes this log
+    assert not checkpoint.kept_elsewhere(ours, set(), set())  # empty or unsigned: re-created
+    assert not checkpoint.kept_elsewhere(ours, set(), ours | other)  # ours writes here too
+    assert not checkpoint.kept_elsewhere(ours, ours, other)  # configured: any gap is a break
+    assert checkpoint.kept_elsewhere(ours, other, other)  # the configured key is the log's

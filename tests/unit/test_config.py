@@ -3,6 +3,7 @@ the key when something is wrong, and the documented examples load to the documen
 
 from __future__ import annotations
 
+import argparse
 import base64
 import re
 import typing
@@ -181,7 +182,7 @@ def test_defaults_are_unchanged(monkeypatch):
     c = Config()
     assert (c.nats_url, c.data_dir, c.port, c.sync, c.max_message_bytes, c.replicas,
             c.records_storage, c.metrics_port, c.checkpoint_interval_s, c.checkpoint_key,
-            c.metrics_host) == (None, Path(".improved"), 4222, "always", 262144, 1, "file", None,
+            c.metrics_host) == (None, config_module.state_dir(), 4222, "always", 262144, 1, "file", None,
                                 300.0, None, "127.0.0.1")
     p = c.policy
     assert (p.forbidden_targets, p.min_class, p.fallback_min_class, p.policy_principal,
@@ -230,7 +231,7 @@ def test_the_docstring_example_loads_to_its_values(tmp_path):
     path = tmp_path / "improved.toml"
     path.write_text(_with_keys(_toml_block(config_module.__doc__)))
     assert load(path) == Config(
-        nats_url="nats://127.0.0.1:4222", data_dir=Path(".improved"), port=4222, sync="always",
+        nats_url="nats://127.0.0.1:4222", data_dir=Path("/var/lib/improved"), port=4222, sync="always",
         max_message_bytes=262144, replicas=1, records_storage="file", metrics_port=9464,
         metrics_host="127.0.0.1", checkpoint_interval_s=300.0,
         checkpoint_key=Path("/etc/improved/checkpoint.pem"),
@@ -253,7 +254,7 @@ def test_the_readme_example_loads_to_its_values(tmp_path):
                                (KEY_A, KEY_B, KEY_D, KEY_C, KEY_E)))
     config = load(path)
     assert config == Config(
-        nats_url="nats://127.0.0.1:4222", data_dir=Path(".improved"), port=4222, sync="always",
+        nats_url="nats://127.0.0.1:4222", data_dir=Path("/var/lib/improved"), port=4222, sync="always",
         max_message_bytes=262144, metrics_port=9464, replicas=1, records_storage="file",
         metrics_host="127.0.0.1", checkpoint_interval_s=300.0,
         nats=NatsSettings(user="improved", password_file=Path("/etc/improved/nats-password")),
@@ -490,3 +491,43 @@ def test_the_environment_names_the_server_over_the_file(tmp_path, monkeypatch):
     assert load(conf).nats_url == "nats://h:4222" and load(None).nats_url is None
     monkeypatch.setenv("IMPROVED_NATS_URL", "nats://other:4333")
     assert load(conf).nats_url == load(None).nats_url == "nats://other:4333"
+
+
+def test_the_data_directory_is_the_flag_then_the_environment_then_the_file_then_the_state_dir(
+        tmp_path, monkeypatch):
+    """Where a command looks for the daemon's data never depends on where it runs: the
+    per-user state directory by default, a config's relative data_dir from its own directory,
+    IMPROVED_DATA_DIR over the file, --data-dir over everything."""
+    from improved.cli.common import config_of
+
+    home, state, elsewhere = tmp_path / "home", tmp_path / "state", tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.delenv("IMPROVED_CONFIG", raising=False)
+    monkeypatch.delenv("IMPROVED_DATA_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_STATE_HOME", raising=False)
+    assert load(None).data_dir == home / ".local" / "state" / "improved"
+    monkeypatch.setenv("XDG_STATE_HOME", "relative/ignored")  # the XDG spec ignores it
+    assert load(None).data_dir == home / ".local" / "state" / "improved"
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))
+    assert load(None).data_dir == Config().data_dir == state / "improved"
+
+    conf_dir = tmp_path / "etc"
+    conf_dir.mkdir()
+    conf = conf_dir / "improved.toml"
+    conf.write_text('data_dir = "loop"\n')  # relative: to the file's directory, not the cwd
+    assert load(conf).data_dir == conf_dir / "loop"
+    conf.write_text(f'data_dir = "{tmp_path / "abs"}"\n')
+    assert load(conf).data_dir == tmp_path / "abs"
+    conf.write_text('port = 4333\n')  # no data_dir in the file: the default still holds
+    assert load(conf).data_dir == state / "improved"
+
+    monkeypatch.setenv("IMPROVED_DATA_DIR", str(tmp_path / "env"))
+    conf.write_text('data_dir = "loop"\n')
+    assert load(conf).data_dir == load(None).data_dir == tmp_path / "env"
+    args = argparse.Namespace(config=str(conf), data_dir=str(tmp_path / "flag"))
+    assert config_of(args).data_dir == tmp_path / "flag"
+    assert config_of(argparse.Namespace(config=str(conf), data_dir=None)).data_dir == \
+        tmp_path / "env"
+    assert not (elsewhere / ".improved").exists()

@@ -121,7 +121,8 @@ def test_review_text_for_a_person_carries_no_escape_sequence():
     assert render.review_text([]) == "nothing waits for an operator\n"
 
 
-def _shown(chain_verdict: str = "verified") -> tuple[dict, dict]:
+def _shown(chain_verdict: str = "VERIFIED: hashes, links, daemon signatures and signed acts, "
+                                 "against daemon key 1a2b… (the checkpoint key k.pem)") -> tuple[dict, dict]:
     trailers = [_trailer(0, "propose", actor="mcp:svc-agent:1", reason=f"proposed {HOSTILE}"),
                 _trailer(1, "triage", "defer", cause="awaiting_operator")]
     view = {"state": None, "decision": {"verdict": "defer", "cause": "awaiting_operator",
@@ -143,7 +144,8 @@ def test_show_text_says_class_gate_cause_signers_chain_and_the_diff():
     assert "\x1b" not in text and "\u202e" not in text
     for line in ("  class     L2, gated L2", "  state     pending at stage triage",
                  "  waits for an operator's signed approval", "  signed    no signed act yet",
-                 "  chain     verified"):
+                 "  chain     VERIFIED: hashes, links, daemon signatures and signed acts, "
+                 "against daemon key 1a2b… (the checkpoint key k.pem)"):
         assert line in text.splitlines(), line
     assert any(ln.startswith("  decision  defer/awaiting_operator by improved:d at ")
                for ln in text.splitlines())
@@ -176,7 +178,7 @@ def test_the_console_pages_render_hostile_fields_inert():
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
         assert "\x1b" not in html
     assert f'href="/p/{PID}"' in queue and "waits for" in queue
-    assert '<p id=chain class=ok>verified</p>' in proposal
+    assert '<p id=chain class=ok>VERIFIED: hashes, links' in proposal
     assert "&quot;&gt;&lt;img src=x onerror=alert(1)&gt;" in proposal
     assert "<form" not in proposal  # read-only: no form at all
     assert "<span class=add>" in proposal and "<span class=del>" in proposal
@@ -192,7 +194,8 @@ def test_the_console_offers_signed_decisions_only_with_a_key_and_a_pending_propo
     broken = console.proposal_page({**view, "chain": "BROKEN: x trailer 1: hash"}, facts,
                                    "read-only", None)
     assert "<p id=chain class=broken>BROKEN: x trailer 1: hash</p>" in broken
-    assert console.chain_class("hashes and links verified; who wrote them …") == "warn"
+    assert console.chain_class("UNVERIFIED writers (no trusted daemon key …): hashes and "
+                               "links verified; …") == "warn"
 
 
 def test_the_audit_page_and_a_message_escape_what_they_say():

@@ -130,3 +130,25 @@ def test_a_resumed_apply_is_applied_failed_or_still_unreachable():
     assert failed is not None and not failed.accepted and "bad diff" in failed.line
     gone = verdicts.of_apply(PID, [apply("undelivered", "error:no responders")])
     assert gone is not None and not gone.accepted and f"improved retry {PID}" in gone.line
+
+
+def test_a_verify_says_what_it_checked_against_which_key_and_what_it_could_not():
+    """One vocabulary for `audit verify` and `show`: BROKEN whatever the keys (exit 1),
+    VERIFIED naming the key and where it was found (0), UNVERIFIED writers without a trusted
+    daemon key, never broken (3)."""
+    from improved.cli.verdicts import chain_said, is_sound, log_said
+
+    key = {"ed25519:" + "ab" * 32: "the checkpoint key /s/improved/checkpoint.pem"}
+    line, code = log_said(17, False, key)
+    assert code == 0 and line == (
+        "VERIFIED 17 chains: hashes, links, daemon signatures and signed acts, against daemon "
+        "key ed25519:abababab… (the checkpoint key /s/improved/checkpoint.pem)")
+    line, code = log_said(17, False, {})
+    assert code == 3 and line.startswith("UNVERIFIED writers (no trusted daemon key: ")
+    assert "hashes and links of 17 chains verified" in line
+    assert log_said(17, True, {})[1] == log_said(17, True, key)[1] == 1
+    assert log_said(17, False, key, runtimes_unverified=1)[1] == 3
+    assert chain_said(None, key).startswith("VERIFIED: hashes, links, daemon signatures")
+    assert chain_said(None, {}).startswith("UNVERIFIED writers (no trusted daemon key: ")
+    assert chain_said("x trailer 2: hash", key) == "BROKEN: x trailer 2: hash"
+    assert is_sound(chain_said(None, {})) and not is_sound(chain_said("x", key))
