@@ -40,6 +40,12 @@ class Autonomy:
             return "circuit_open"
         return None
 
+    def rollbacks_within(self, now: int, window_days: float) -> int:
+        """The autonomous rollbacks that still count toward the breaker at `now`: the
+        state keeps the window as of its last rollback, and the window moves on."""
+        since = now - int(window_days * DAY_MS)
+        return sum(1 for t in self.rollbacks if t > since)
+
 
 def after_rollback(state: Autonomy, at: int, threshold: int, window_days: float,
                    pause_hours: float) -> Autonomy:

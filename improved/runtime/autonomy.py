@@ -86,7 +86,7 @@ class AutonomyChain:
                 state = breaker.in_crisis(state, state.crisis or f"crisis-{now_ms()}")
             self._autonomy = (state, now_ms())  # when it was read, whatever `now` asked for
             self._autonomy_verified = not problem and lost is None
-            self.metrics.set_autonomy(self._autonomy[0].blocks(now) or "on")
+            self._show(state, now)
             if lost is not None and not self._recording_loss:
                 self._recording_loss = True
                 try:
@@ -133,7 +133,18 @@ class AutonomyChain:
             next_draft, clock=now_ms)
         assert trailer is not None  # next_draft always has a draft
         self._autonomy = (states[-1], trailer.at)
+        self._show(states[-1], trailer.at)
         return states[-1]
+
+    def _show(self, state: breaker.Autonomy, now: int) -> None:
+        """The metrics of the state just read or appended: what holds applies back, the
+        breaker and the crisis (an operator's dashboard and alerts read them)."""
+        p = self.policy
+        self.metrics.set_autonomy(state.blocks(now) or "on")
+        self.metrics.set_breaker(state.paused_until,
+                                 state.rollbacks_within(now, p.breaker_window_days),
+                                 p.breaker_threshold)
+        self.metrics.set_crisis(bool(state.crisis))
 
     async def count_autonomous_rollback(self, record: ProposalRecord, at: int) -> None:
         p = self.policy

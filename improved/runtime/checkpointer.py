@@ -27,6 +27,7 @@ from improved.runtime import anchor as anchor_write
 from improved.runtime import archive
 from improved.runtime.autonomy import AutonomyChain
 from improved.runtime.clock import now_ms
+from improved.runtime.metrics import Metrics
 from improved.runtime.store import Store
 from improved.runtime.trusting import TrustInForce
 
@@ -40,7 +41,7 @@ class Checkpointer:
     """This process's checkpoints: one at a time, and what the last one covered and counted."""
 
     def __init__(self, nc: Client, store: Store, config: Config, actor: str,
-                 trust: TrustInForce, autonomy: AutonomyChain):
+                 trust: TrustInForce, autonomy: AutonomyChain, metrics: Metrics):
         self.nc = nc
         self.store = store
         self.config = config
@@ -48,6 +49,8 @@ class Checkpointer:
         self.actor = actor
         self.trust = trust
         self.autonomy = autonomy
+        self.metrics = metrics
+        metrics.set_checkpoint_interval(config.checkpoint_interval_s)
         self.checkpoint_read = 0  # trailers the last checkpoint read: what was new, not the log
         self.checkpointed_to = 0  # the stream sequence this process's last checkpoint covered
         self._witness_retry_at = 0  # when to try reading the runtime chains' heads again
@@ -71,7 +74,16 @@ class Checkpointer:
         instead (recorded on the autonomy chain and in the data directory, so a lost stream
         cannot take the crisis with it); return the break."""
         async with self._checkpointing:
-            return await self._checkpoint(key, count_limit)
+            try:
+                problem = await self._checkpoint(key, count_limit)
+            except Exception:
+                self.metrics.checkpoint("failed")
+                raise
+            if problem is not None:
+                self.metrics.checkpoint("broken")
+            elif self.counted is not None:  # set by the checkpoint just signed
+                self.metrics.checkpoint("verified", self.counted.at)
+            return problem
 
     async def _checkpoint(self, key: Ed25519PrivateKey, count_limit: int | None) -> str | None:
         path = anchor_file.path_in(self.config.data_dir)

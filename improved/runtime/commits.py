@@ -115,5 +115,9 @@ class Commits:
                                                                "rolled_back"):
             self.metrics.apply_result("ok" if trailer.verdict == "applied"
                                       else trailer.verdict)
+        self.metrics.decided(trailer.verdict, record.gate_class)  # triage decisions, rollbacks
+        if trailer.verdict in ("applied", "failed") and record.dispatched_at is not None:
+            self.metrics.observe_apply("ok" if trailer.verdict == "applied" else "failed",
+                                       (trailer.at - record.dispatched_at) / 1000)
         if self.learn is not None and (accepted := observe.lesson(trailer, data)) is not None:
             await self.learn(record.proposal.analyzer.id, accepted, trailer.hash)

@@ -101,7 +101,8 @@ class Engine:
         self.commits = Commits(store, self.metrics)  # what each pass decided, appended
         self.publisher = Publisher(store, self.records, self.locks, config.policy,
                                    self.records_ttl_s)
-        self.checkpoints = Checkpointer(nc, store, config, actor, self.trust, self.autonomy)
+        self.checkpoints = Checkpointer(nc, store, config, actor, self.trust, self.autonomy,
+                                        self.metrics)
         self.policy_chain = PolicyInForce(store, self.trust, config.policy, actor)
         # the operator's queue as the review index counts it: recounted from the index by the
         # daemon (`set_queue_size`), moved by this replica's own passes in between

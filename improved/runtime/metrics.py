@@ -1,9 +1,15 @@
 """Prometheus metrics and the HTTP health endpoints of the daemon.
 
 An operator scrapes `GET /metrics` for what the loop is doing: transitions per stage, verdict,
-cause and change class; time spent per stage; refused inputs; apply results; pending reviews;
-the autonomy state (on, circuit_open, autonomy_off); work in flight; and whether the daemon is
-ready and connected to NATS.
+cause and change class; triage decisions by class and verdict; time spent per stage; refused
+inputs; apply results and how long an apply took from its dispatch to its answer; rollbacks;
+the operator's queue and when its oldest entry began waiting; the autonomy state (on,
+circuit_open, autonomy_off), the breaker and the crisis; the checkpoints (their result, when the
+last one verified the log, their interval); work in flight; and whether the daemon is ready
+and connected to NATS. Every label is bounded by the protocol (stage, class, verdict, cause,
+result), never a proposal id or a service, and every bounded label set of the new families is
+made at 0 from the start, so `rate()` and the dashboards see the first event
+(deploy/grafana, deploy/prometheus).
 
 `/readyz` answers 200 once the daemon is ready: its JetStream streams and consumers are bound,
 so it consumes. `/healthz` answers 200 while the consumer tasks are alive; it is what a
@@ -23,6 +29,7 @@ import os
 import re
 from collections.abc import Callable
 from contextlib import suppress
+from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -34,9 +41,17 @@ TEXT = "text/plain; charset=utf-8"
 
 AUTONOMY_STATES = ("on", "circuit_open", "autonomy_off")
 APPLY_RESULTS = ("ok", "failed", "unreachable", "rolled_back")
+CLASSES = ("L0", "L1", "L2", "L3", "L4")
+TRIAGE_VERDICTS = ("accept", "defer", "reject")
+DISPATCHED_RESULTS = ("ok", "failed")  # an order the chain records as sent, answered
+ROLLBACK_RESULTS = ("rolled_back", "rollback_failed")
+CHECKPOINT_RESULTS = ("verified", "broken", "failed")
 # 1 ms to 30 s, roughly 1-2.5-5 per decade: a stage is a KV read or a bounded request.
 STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                  1.0, 2.5, 5.0, 10.0, 30.0)
+# 10 ms to an hour: an apply is one request, or several on the slow retry of a late service.
+APPLY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                 300.0, 900.0, 3600.0)
 
 
 class Metrics:
@@ -71,10 +86,89 @@ class Metrics:
         for result in APPLY_RESULTS:  # present at 0 from the start, so rate() sees the first
             self._applies.labels(result)
         self.set_autonomy("on")  # the state of an empty autonomy chain
+        self._decisions()
+        self._brakes()
+        self._checkpoints()
+
+    def _decisions(self) -> None:
+        """What the loop decided and how long applies took, every bounded label set at 0."""
+        r = self.registry
+        triaged = Counter(
+            "improved_proposals_triaged", "Triage decisions on proposals, by change class "
+            "(L0-L4) and verdict (accept, defer, reject); a proposal decided again after a "
+            "hold counts again.", ("class", "verdict"), registry=r)
+        rollbacks = Counter(
+            "improved_rollbacks", "Rollbacks of applied proposals recorded on their chains, "
+            "by change class and result (rolled_back, or rollback_failed: the owning service "
+            "refused the inverse).", ("class", "result"), registry=r)
+        # one dict lookup per appended trailer finds the child its verdict counts on, if any
+        self._by_verdict: dict[tuple[str, str], Any] = {}
+        for cls in CLASSES:
+            for verdict in TRIAGE_VERDICTS:
+                self._by_verdict[(cls, verdict)] = triaged.labels(cls, verdict)
+            for result in ROLLBACK_RESULTS:
+                self._by_verdict[(cls, result)] = rollbacks.labels(cls, result)
+        apply_seconds = Histogram(
+            "improved_apply_seconds", "Seconds from an apply's dispatch, as the chain records "
+            "it, to the owning service's answer recorded (ok or failed), retries included.",
+            ("result",), buckets=APPLY_BUCKETS, registry=r)
+        self._apply_seconds = {result: apply_seconds.labels(result)
+                               for result in DISPATCHED_RESULTS}
+        self._oldest_review = Gauge(
+            "improved_review_oldest_waiting_timestamp_seconds", "Unix time the oldest "
+            "proposal in the operator's queue began waiting (its review index entry's since), "
+            "as of the last recount of the index; 0 when none waits.", registry=r)
+
+    def _brakes(self) -> None:
+        """The breaker and the crisis, as the autonomy chain last read says."""
+        r = self.registry
+        self._paused_until = Gauge(
+            "improved_breaker_paused_until_timestamp_seconds", "Unix time until which the "
+            "circuit breaker holds autonomous applies back; in the past (or 0) when it is "
+            "closed.", registry=r)
+        self._breaker_rollbacks = Gauge(
+            "improved_breaker_rollbacks", "Rollbacks of autonomous applies inside the "
+            "breaker's window: it trips at improved_breaker_threshold.", registry=r)
+        self._breaker_threshold = Gauge(
+            "improved_breaker_threshold", "Autonomous rollbacks within the window that trip "
+            "the breaker (policy.breaker_threshold).", registry=r)
+        self._crisis = Gauge(
+            "improved_crisis_open", "1 while a crisis is open (a broken audit log): no apply "
+            "at all until an operator resolves it, signed.", registry=r)
+
+    def _checkpoints(self) -> None:
+        """The checkpoints: each result, and when the last one verified the log."""
+        r = self.registry
+        results = Counter(
+            "improved_checkpoints", "Checkpoints attempted, by result: verified (the log "
+            "verified and the checkpoint signed), broken (a break found: crisis), failed (it "
+            "could not run, e.g. a broker outage).", ("result",), registry=r)
+        self._checkpoint_results = {result: results.labels(result)
+                                    for result in CHECKPOINT_RESULTS}
+        self._checkpoint_verified = Gauge(
+            "improved_checkpoint_verified", "1 when the last checkpoint that ran verified the "
+            "audit log and was signed; 0 when it found a break, or before the first.",
+            registry=r)
+        self._checkpoint_at = Gauge(
+            "improved_checkpoint_last_timestamp_seconds", "Unix time of the last checkpoint "
+            "this daemon verified and signed; 0 before the first.", registry=r)
+        self._checkpoint_interval = Gauge(
+            "improved_checkpoint_interval_seconds", "How often the daemon signs a checkpoint "
+            "(checkpoint_interval_s; 0: only at start and stop).", registry=r)
 
     def transition(self, stage: str, verdict: str | None, cause: str | None,
                    change_class: str) -> None:
         self._transitions.labels(stage, verdict or "", cause or "", change_class).inc()
+
+    def decided(self, verdict: str | None, change_class: str) -> None:
+        """An appended trailer's verdict: a triage decision or a rollback counts by class;
+        any other verdict counts nothing here."""
+        child = self._by_verdict.get((change_class, verdict or ""))
+        if child is not None:
+            child.inc()
+
+    def observe_apply(self, result: str, seconds: float) -> None:
+        self._apply_seconds[result].observe(max(seconds, 0.0))
 
     def observe_stage(self, stage: str, seconds: float) -> None:
         self._stage_seconds.labels(stage).observe(seconds)
@@ -90,12 +184,41 @@ class Metrics:
     def set_pending_reviews(self, n: int) -> None:
         self._pending_reviews.set(n)
 
+    def set_oldest_review(self, since_ms: int | None) -> None:
+        """When the oldest entry of the review index began waiting (None: the queue is
+        empty)."""
+        self._oldest_review.set(since_ms / 1000 if since_ms is not None else 0)
+
     def set_autonomy(self, state: str) -> None:
         if state not in AUTONOMY_STATES:
             raise ValueError(f"unknown autonomy state {state!r}; expected one of "
                              f"{AUTONOMY_STATES}")
         for s in AUTONOMY_STATES:
             self._autonomy.labels(s).set(1 if s == state else 0)
+
+    def set_breaker(self, paused_until_ms: int, rollbacks: int, threshold: int) -> None:
+        self._paused_until.set(paused_until_ms / 1000)
+        self._breaker_rollbacks.set(rollbacks)
+        self._breaker_threshold.set(threshold)
+
+    def set_crisis(self, open_: bool) -> None:
+        self._crisis.set(1 if open_ else 0)
+
+    def checkpoint(self, result: str, at_ms: int | None = None) -> None:
+        """A checkpoint ran: `verified` (signed at `at_ms`), `broken` or `failed`; a failed
+        one says nothing of the log, so the last verdict stands."""
+        if result not in CHECKPOINT_RESULTS:
+            raise ValueError(f"unknown checkpoint result {result!r}; expected one of "
+                             f"{CHECKPOINT_RESULTS}")
+        self._checkpoint_results[result].inc()
+        if result == "verified" and at_ms is not None:
+            self._checkpoint_verified.set(1)
+            self._checkpoint_at.set(at_ms / 1000)
+        elif result == "broken":
+            self._checkpoint_verified.set(0)
+
+    def set_checkpoint_interval(self, seconds: float) -> None:
+        self._checkpoint_interval.set(seconds)
 
     def set_in_flight(self, n: int) -> None:
         self._in_flight.set(n)

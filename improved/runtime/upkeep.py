@@ -81,8 +81,9 @@ class Upkeep:
 
     async def recount(self) -> None:
         """Read the review index once, in O(open items): set the pending-reviews metric to its
-        entries (what `review` lists, the same on every replica), and record the expiry of
-        each whose `valid_to` has passed, so it leaves the queue (`_sweep`)."""
+        entries (what `review` lists, the same on every replica) and the oldest one's wait,
+        and record the expiry of each whose `valid_to` has passed, so it leaves the queue
+        (`_sweep`)."""
         try:
             entries = await self.store.read_index()
         except Exception as exc:  # a metric and a sweep: never worth stopping the daemon for
@@ -90,6 +91,7 @@ class Upkeep:
                         error=f"{type(exc).__name__}: {exc}")
             return
         self.engine.set_queue_size(len(entries))
+        self.engine.metrics.set_oldest_review(min((e.since for e in entries), default=None))
         await self._sweep(entries)
 
     async def _sweep(self, entries: list[ReviewEntry]) -> None:

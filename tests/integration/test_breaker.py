@@ -18,7 +18,7 @@ from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult
 from improved.runtime.daemon import Daemon
-from tests.bus import applied_at_l2, daemon_config, eventually, publish
+from tests.bus import applied_at_l2, daemon_config, eventually, publish, value
 from tests.factories import grant, rank_proposal, review, skill_proposal
 
 
@@ -70,6 +70,13 @@ async def test_three_autonomous_rollbacks_hold_the_fourth_l3_back(own_server):
         status = json.loads(shown.stdout)
         assert status["breaker"].startswith("open until")
         assert status["autonomous_rollbacks_in_window"] == 3
+        # what the dashboard and the breaker alert read (deploy/grafana, deploy/prometheus)
+        m = daemon.engine.metrics
+        assert value(m, "improved_breaker_paused_until_timestamp_seconds") > time.time()
+        assert value(m, "improved_breaker_rollbacks") == value(m, "improved_breaker_threshold") == 3
+        assert value(m, "improved_autonomy", state="circuit_open") == 1
+        assert value(m, "improved_rollbacks_total", result="rolled_back", **{"class": "L3"}) == 3
+        assert value(m, "improved_crisis_open") == 0
     finally:
         await sub.unsubscribe()
         await daemon.stop()

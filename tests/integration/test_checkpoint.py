@@ -18,7 +18,7 @@ from improved.core.signing import PAYLOAD_TYPES, sign
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult, CrisisAct, to_json
 from improved.runtime.daemon import Daemon
-from tests.bus import daemon_config, eventually
+from tests.bus import daemon_config, eventually, value
 from tests.cli import improved
 from tests.factories import rank_proposal
 from tests.keys import ALICE, MALLORY
@@ -50,6 +50,9 @@ async def test_a_broken_log_means_crisis_until_an_operator_resolves_it(own_serve
         first = (await client.propose(rank_proposal(svc, key="a"))).proposal_id
         await eventually(lambda: _applied(client, first))
         assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
+        m = daemon.engine.metrics  # what the dashboard and the alerts read
+        assert value(m, "improved_checkpoint_verified") == 1
+        assert value(m, "improved_checkpoint_last_timestamp_seconds") > time.time() - 60
 
         # Someone with write access forges a trailer onto the proposal's chain.
         forged = {"proposal_id": first, "seq": 3, "from_stage": "apply", "to_stage": "apply",
@@ -61,6 +64,9 @@ async def test_a_broken_log_means_crisis_until_an_operator_resolves_it(own_serve
         assert problem is not None and first in problem
         state = await daemon.engine.autonomy.state(2**62)
         assert state.crisis.startswith("crisis-")
+        assert value(m, "improved_crisis_open") == 1
+        assert value(m, "improved_checkpoint_verified") == 0
+        assert value(m, "improved_checkpoints_total", result="broken") == 1
 
         # No apply while in crisis, whatever the class.
         second = (await client.propose(rank_proposal(svc, key="b"))).proposal_id
@@ -86,6 +92,7 @@ async def test_a_broken_log_means_crisis_until_an_operator_resolves_it(own_serve
         assert alice.stdout == (f"accepted: resolution of {state.crisis} signed by "
                                 f"{ALICE[0]}: resolved; applies resume\n")
         assert not (await daemon.engine.autonomy.state(2**62)).crisis
+        assert value(m, "improved_crisis_open") == 0
         await client.triage(second)
         await eventually(lambda: _applied(client, second))
         chain = [b for _, b in await daemon.store.read_chain_at(S.autonomy_audit(AUTONOMY_ID))]

@@ -19,3 +19,14 @@ def test_three_rollbacks_inside_the_window_trip_the_breaker():
     for at in (0, 10 * day, 20 * day):
         s = after_rollback(s, at, 3, 14, 48)
     assert s.blocks(20 * day) is None and len(s.rollbacks) == 2
+
+
+def test_rollbacks_leave_the_count_as_the_window_moves_on_without_a_new_one():
+    day = 24 * 3600 * 1000
+    s = Autonomy()
+    for at in (0, 5 * day):
+        s = after_rollback(s, at, 3, 14, 48)
+    assert s.rollbacks_within(5 * day, 14) == 2
+    assert s.rollbacks_within(14 * day + 1, 14) == 1  # the first left the window
+    assert s.rollbacks_within(19 * day + 1, 14) == 0
+    assert len(s.rollbacks) == 2  # the state itself moves only with the next rollback

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from improved.runtime.metrics import AUTONOMY_STATES, CONTENT_TYPE, Metrics, serve
-from tests.bus import value
+from improved.runtime.metrics import AUTONOMY_STATES, CLASSES, CONTENT_TYPE, Metrics, serve
+from tests.bus import samples, value
 
 
 def test_transitions_count_per_label_set_with_none_as_empty():
@@ -97,6 +97,81 @@ def test_two_instances_do_not_share_a_registry():
     a.refused("x")
     assert value(a, "improved_refused_total", code="x") == 1
     assert value(b, "improved_refused_total", code="x") is None
+
+
+def test_triage_decisions_and_rollbacks_count_by_class_from_the_trailer_verdict():
+    m = Metrics()
+    for cls in CLASSES:  # every bounded label set present at 0, so rate() sees the first
+        for verdict in ("accept", "defer", "reject"):
+            assert value(m, "improved_proposals_triaged_total", verdict=verdict,
+                         **{"class": cls}) == 0
+        for result in ("rolled_back", "rollback_failed"):
+            assert value(m, "improved_rollbacks_total", result=result, **{"class": cls}) == 0
+    m.decided("accept", "L0")
+    m.decided("accept", "L0")
+    m.decided("defer", "L2")
+    m.decided("rolled_back", "L3")
+    m.decided("rollback_failed", "L0")
+    for other in ("approve", "applied", "dispatched", None):  # counted elsewhere, or nowhere
+        m.decided(other, "L2")
+    m.decided("accept", "L9")  # not a class: no new series
+    assert value(m, "improved_proposals_triaged_total", verdict="accept", **{"class": "L0"}) == 2
+    assert value(m, "improved_proposals_triaged_total", verdict="defer", **{"class": "L2"}) == 1
+    assert value(m, "improved_rollbacks_total", result="rolled_back", **{"class": "L3"}) == 1
+    assert value(m, "improved_rollbacks_total", result="rollback_failed",
+                 **{"class": "L0"}) == 1
+    series = [k for k in samples(m) if k[0] == "improved_proposals_triaged_total"]
+    assert len(series) == 15
+
+
+def test_apply_seconds_from_dispatch_to_answer_per_result():
+    m = Metrics()
+    m.observe_apply("ok", 0.02)
+    m.observe_apply("ok", 45.0)  # an answer on the slow retry
+    m.observe_apply("failed", 3.0)
+    assert value(m, "improved_apply_seconds_count", result="ok") == 2
+    assert value(m, "improved_apply_seconds_bucket", result="ok", le="0.025") == 1
+    assert value(m, "improved_apply_seconds_bucket", result="ok", le="60.0") == 2
+    assert value(m, "improved_apply_seconds_bucket", result="failed", le="2.5") == 0
+    assert value(m, "improved_apply_seconds_bucket", result="failed", le="5.0") == 1
+    assert value(m, "improved_apply_seconds_bucket", result="failed", le="3600.0") == 1
+
+
+def test_queue_breaker_and_crisis_gauges():
+    m = Metrics()
+    assert value(m, "improved_review_oldest_waiting_timestamp_seconds") == 0
+    m.set_oldest_review(1_700_000_000_500)
+    assert value(m, "improved_review_oldest_waiting_timestamp_seconds") == 1_700_000_000.5
+    m.set_oldest_review(None)  # the queue emptied
+    assert value(m, "improved_review_oldest_waiting_timestamp_seconds") == 0
+    m.set_breaker(1_700_000_172_800_000, 3, 3)
+    assert value(m, "improved_breaker_paused_until_timestamp_seconds") == 1_700_000_172_800
+    assert value(m, "improved_breaker_rollbacks") == 3
+    assert value(m, "improved_breaker_threshold") == 3
+    assert value(m, "improved_crisis_open") == 0
+    m.set_crisis(True)
+    assert value(m, "improved_crisis_open") == 1
+    m.set_crisis(False)
+    assert value(m, "improved_crisis_open") == 0
+
+
+def test_a_checkpoint_that_could_not_run_leaves_the_last_verdict():
+    m = Metrics()
+    m.set_checkpoint_interval(300)
+    assert value(m, "improved_checkpoint_interval_seconds") == 300
+    assert value(m, "improved_checkpoint_verified") == 0  # before the first
+    m.checkpoint("verified", 1_700_000_000_000)
+    assert value(m, "improved_checkpoint_verified") == 1
+    assert value(m, "improved_checkpoint_last_timestamp_seconds") == 1_700_000_000
+    m.checkpoint("failed")  # an outage says nothing of the log
+    assert value(m, "improved_checkpoint_verified") == 1
+    m.checkpoint("broken")
+    assert value(m, "improved_checkpoint_verified") == 0
+    assert value(m, "improved_checkpoint_last_timestamp_seconds") == 1_700_000_000
+    assert [value(m, "improved_checkpoints_total", result=r) for r in
+            ("verified", "broken", "failed")] == [1, 1, 1]
+    with pytest.raises(ValueError):
+        m.checkpoint("maybe")
 
 
 # --- HTTP ------------------------------------------------------------------------------------
