@@ -356,7 +356,7 @@ class AgentSurface:
     async def _policy_in_force(self) -> tuple[Policy, bool]:
         try:
             _, head = await self.store.chain_head(S.policy_audit(POLICY_ID))
-        except NotFoundError:
+        except (NotFoundError, NoRespondersError, TimeoutError):  # no stream, no chain yet
             return Policy(), False
         if head is None:
             return Policy(), False
@@ -367,8 +367,17 @@ class AgentSurface:
 
     async def spec(self) -> dict[str, Any]:
         """The daemon's own answer on `improved.spec.get`."""
-        reply = await self.nc.request(S.SPEC_GET, b"", timeout=self.timeout)
-        answer = msgspec.json.decode(reply.data)
+        try:
+            reply = await self.nc.request(S.SPEC_GET, b"", timeout=self.timeout)
+            answer = msgspec.json.decode(reply.data)
+        except NoRespondersError:
+            raise ToolError(None, f"nothing serves {S.SPEC_GET}: is `improved run` running "
+                                  "(on the server --nats names)?") from None
+        except TimeoutError:
+            raise ToolError(None, f"no answer on {S.SPEC_GET} within {self.timeout:g} s") \
+                from None
+        except msgspec.DecodeError:
+            raise ToolError(None, f"the answer on {S.SPEC_GET} is no JSON") from None
         return answer if isinstance(answer, dict) else {"answer": answer}
 
 

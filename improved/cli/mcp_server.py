@@ -14,12 +14,14 @@ import mcp.types as types
 import structlog
 from mcp.server import Server, ServerRequestContext
 from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
 
 from improved.cli.agent_tools import CLASSES_URI, SPEC_URI, AgentSurface, ToolError, instructions
 from improved.cli.agent_tools import tools as tool_specs
 
 log = structlog.get_logger("improved.mcp")
 
+RESOURCE_NOT_FOUND = -32002  # MCP's error code for a resource it does not have
 # what a tool does to the mesh, as MCP's hints: only `propose` and `signal` send anything
 READ_ONLY = frozenset({"show", "list_proposals"})
 
@@ -79,10 +81,14 @@ def server(surface: AgentSurface) -> Server[Any]:
                             params: types.ReadResourceRequestParams) -> types.ReadResourceResult:
         reader = readers.get(str(params.uri))
         if reader is None:
-            raise ValueError(f"no resource {params.uri}: the resources are "
-                             f"{', '.join(readers)}")
+            raise MCPError(RESOURCE_NOT_FOUND, f"no resource {params.uri}: the resources are "
+                                               f"{', '.join(readers)}")
+        try:
+            text = as_text(await reader())
+        except ToolError as exc:  # said to the agent as the error it is, nothing logged
+            raise MCPError(types.INTERNAL_ERROR, str(exc)) from None
         return types.ReadResourceResult(contents=[types.TextResourceContents(
-            uri=str(params.uri), mime_type="application/json", text=as_text(await reader()))])
+            uri=str(params.uri), mime_type="application/json", text=text)])
 
     return Server("improved", title=f"improved: {agent.actor}", instructions=instructions(agent),
                   on_list_tools=list_tools, on_call_tool=call_tool,

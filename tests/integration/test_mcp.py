@@ -21,6 +21,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
+from mcp.shared.exceptions import MCPError
 
 from improved import testing
 from improved.core.guards import DEFAULT_FORBIDDEN
@@ -147,6 +148,9 @@ async def test_the_classes_and_the_daemons_spec_are_resources(daemon, nats_url, 
         assert classes["classes"]["L2"]["gate"] == "an operator's signed approval"
         spec = json.loads((await client.read_resource("improved://spec")).contents[0].text)
         assert spec["service"] == "improved" and "L4" in spec["classes"]
+        with pytest.raises(MCPError, match="no resource improved://nothing"):
+            await client.read_resource("improved://nothing")
+        assert len((await client.list_tools()).tools) == 4  # and it keeps serving
 
 
 @on_the_session_loop
