@@ -17,6 +17,7 @@
     improved tools list|grant RUNTIME …
     improved skill hash FILE
     improved console [--port P] [--key FILE --principal operator:NAME]
+    improved mcp --service SVC --agent NAME [--key FILE] [--http PORT]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from improved.cli import (
     audit,
     authority,
     console,
+    mcp,
     proposals,
     provision,
     reference,
@@ -45,14 +47,15 @@ from improved.cli.errors import (
     Failure,
     MissingExtra,
     command_name,
-    missing_daemon_module,
+    missing_extra,
 )
 from improved.client import connection
 from improved.client.connection import ConfigError
 from improved.client.credentials import AccountsError
 from improved.client.streams import StoreError
 
-GROUPS = (run, accounts, provision, proposals, audit, authority, tools, console, reference)
+GROUPS = (run, accounts, provision, proposals, audit, authority, tools, console, mcp,
+          reference)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -106,7 +109,8 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"improved: {exc}", file=sys.stderr)
         return USAGE
     except ModuleNotFoundError as exc:
-        if not missing_daemon_module(exc):
+        extra = missing_extra(exc)
+        if extra is None:
             raise
-        print(MissingExtra(command_name(args)), file=sys.stderr)
+        print(MissingExtra(command_name(args), extra), file=sys.stderr)
         return MissingExtra.code

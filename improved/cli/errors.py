@@ -33,17 +33,21 @@ class Failure(Exception):
 
 
 class MissingExtra(Exception):
-    """A command that needs the daemon extra, run on the base install: said in one line,
-    `improved run needs the daemon extra: pip install 'improved[daemon]'`, exit 2."""
+    """A command that needs an extra the install lacks, said in one line: `improved run needs
+    the daemon extra: pip install 'improved[daemon]'`, `improved mcp needs the agents extra:
+    pip install 'improved[agents]'`; exit 2."""
 
     code = USAGE
 
-    def __init__(self, command: str):
-        super().__init__(f"improved {command} needs the daemon extra: {DAEMON_EXTRA}")
+    def __init__(self, command: str, extra: str = "daemon"):
+        super().__init__(f"improved {command} needs the {extra} extra: "
+                         f"pip install 'improved[{extra}]'")
 
 
 # what the daemon extra installs: a command that imports one of them needs it
 DAEMON_MODULES = frozenset({"anyio", "prometheus_client"})
+# what the agents extra installs (the MCP SDK and the HTTP server it serves with)
+AGENTS_MODULES = frozenset({"mcp", "mcp_types", "uvicorn", "starlette", "pydantic"})
 
 
 def missing_daemon_module(exc: ModuleNotFoundError) -> bool:
@@ -51,17 +55,29 @@ def missing_daemon_module(exc: ModuleNotFoundError) -> bool:
     return (exc.name or "").partition(".")[0] in DAEMON_MODULES
 
 
+def missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The extra whose absence failed the import (`daemon`, `agents`), or None: a fault of
+    this package, not of the install."""
+    top = (exc.name or "").partition(".")[0]
+    return "agents" if top in AGENTS_MODULES else "daemon" if top in DAEMON_MODULES else None
+
+
 def daemon_extra_note(command: str) -> str | None:
     """The line `COMMAND --help` adds on an install without the daemon extra; None with it."""
+    return extra_note(command, "daemon", DAEMON_MODULES)
+
+
+def extra_note(command: str, extra: str, modules: frozenset[str]) -> str | None:
+    """The line `COMMAND --help` adds on an install without `extra`; None with it."""
     from importlib.util import find_spec
 
-    for module in sorted(DAEMON_MODULES):
+    for module in sorted(modules):
         try:
             found = find_spec(module)
         except (ImportError, ValueError):
             found = None
         if found is None:
-            return str(MissingExtra(command))
+            return str(MissingExtra(command, extra))
     return None
 
 

@@ -37,6 +37,21 @@ CHARTER_SCHEMES = frozenset({"doc"})
 
 AUTO_APPLY_CLASSES = frozenset({"L0", "L3"})
 
+# What each class is for and the gate it faces (docs/services.md, "Classes, schemes and gates"):
+# what a proposer reads to pick a class before it proposes (`improved mcp`'s classes resource).
+CLASS_MEANING: Mapping[str, tuple[str, str]] = {
+    "L0": ("read-only learning: scores, ranks, caches",
+           "automatic: applied under the policy principal"),
+    "L1": ("proposing only", "surfaced for review, never applied"),
+    "L2": ("the first execution of a skill or action", "an operator's signed approval"),
+    "L3": ("re-execution of a skill whose <name>:<sha256> holds a grant",
+           "automatic under that exact hash; otherwise gated as L2 (no_grant)"),
+    "L4": ("code-modifying or destructive",
+           "an operator's signed approval per occurrence (or a signed quorum, when enabled), "
+           "and a healthy last-known-good of every artefact first"),
+}
+assert tuple(CLASS_MEANING) == CLASSES
+
 
 def scheme_of(target_ref: str) -> str:
     return target_ref.split(":", 1)[0]

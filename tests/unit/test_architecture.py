@@ -296,3 +296,34 @@ def test_no_full_match_pattern_ends_in_a_dollar():
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if anchored.search(line) and not any(k in line for k in LINE_PATTERNS)]
     assert not found, "\n".join(found)
+
+
+# `improved mcp` (issue 33): an AI agent uses the loop as one agent of one service. The MCP SDK
+# is the `agents` extra: only the wiring imports it, and only the command imports the wiring,
+# when it runs; and no module of the agent's surface reaches the commands that sign an
+# operator's or a voter's act (approve, reject, grant, revoke, vote, crisis resolve, tools).
+AGENT_SURFACE = ("agent_tools.py", "mcp_server.py", "mcp.py")
+AUTHORITY_MODULES = {"improved.cli.authority", "improved.cli.tools"}
+
+
+def test_only_the_mcp_wiring_imports_the_sdk_and_only_when_the_command_runs():
+    cli = sorted((PACKAGE / "cli").rglob("*.py"))
+    sdk = [f"{path.name}:{line} imports {module}" for path in cli
+           for line, module in imports(path, "improved.cli")
+           if module.split(".")[0] in ("mcp", "mcp_types", "uvicorn")
+           and path.name != "mcp_server.py"]
+    assert not sdk, "\n".join(sdk)
+    top_level = [f"{path.name} imports {module}" for path in sorted(PACKAGE.rglob("*.py"))
+                 for node in ast.parse(path.read_text()).body
+                 if isinstance(node, ast.Import | ast.ImportFrom)
+                 for module in [getattr(node, "module", None) or ""]
+                 + [a.name for a in node.names]
+                 if "mcp_server" in module]
+    assert not top_level, "\n".join(top_level)
+
+
+def test_the_agents_surface_imports_nothing_that_signs_an_act():
+    found = [f"{name}:{line} imports {module}" for name in AGENT_SURFACE
+             for line, module in imports(PACKAGE / "cli" / name, "improved.cli")
+             if any(module == m or module.startswith(m + ".") for m in AUTHORITY_MODULES)]
+    assert not found, "\n".join(found)
