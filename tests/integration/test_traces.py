@@ -23,7 +23,7 @@ from improved.client.sdk import MeshClient
 from improved.protocol.model import ApplyResult
 from improved.runtime import bus
 from tests.bus import eventually
-from tests.factories import rank_proposal
+from tests.factories import rank_proposal, signal
 from tests.harness import DaemonProcess, write_config
 
 SERVICE_NAME = "improved-under-test"
@@ -76,7 +76,8 @@ def decoded(span, resource: dict[str, str]) -> dict:
 
     return {"name": span.name, "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
             "parent_span_id": span.parent_span_id.hex(), "service": resource.get("service.name"),
-            "attributes": {a.key: value(a.value) for a in span.attributes}}
+            "attributes": {a.key: value(a.value) for a in span.attributes},
+            "links": [link.trace_id.hex() for link in span.links]}
 
 
 @pytest.fixture
@@ -136,7 +137,23 @@ async def test_a_proposal_with_traceparent_is_one_trace_on_to_the_owning_service
     # the ApplyOrder carried the trace to the owning service, in the span of its request
     request = next(s for s in spans if s["name"] == "improved.apply.request")
     assert seen and seen[-1] == f"00-{trace_id}-{request['span_id']}-01"
+
+    # a learn-back signal later, in a trace of its own, joins the proposal's trace and links
+    # to its sender's
+    other = secrets.token_hex(16)
+    await client.signal(signal(svc, "agent:ops", proposal_id=pid),
+                        traceparent=f"00-{other}-{secrets.token_hex(8)}-01")
+    learnt = await eventually(lambda: _first(receiver.of(**{"improved.proposal_id": pid}),
+                                             "improved.learn-back"), timeout=30,
+                              what="the learn-back span")
+    assert (learnt["trace_id"], learnt["parent_span_id"]) == (trace_id, caller)
+    assert learnt["attributes"]["improved.verdict"] == "signal"
+    assert learnt["links"] == [other]
     await connection.close(nc)
+
+
+async def _first(spans: list[dict], name: str) -> dict | None:
+    return next((s for s in spans if s["name"] == name), None)
 
 
 async def test_a_proposal_without_traceparent_gets_a_trace_of_its_own(
