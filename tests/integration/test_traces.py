@@ -9,6 +9,7 @@ without gets a trace of its own. (The session daemon runs without telemetry.)
 from __future__ import annotations
 
 import secrets
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -23,6 +24,7 @@ from improved.client.sdk import MeshClient
 from improved.protocol.model import ApplyResult
 from improved.runtime import bus
 from tests.bus import eventually
+from tests.cli import ENV, IMPROVED
 from tests.factories import rank_proposal, signal
 from tests.harness import DaemonProcess, write_config
 
@@ -182,3 +184,17 @@ async def test_a_proposal_without_traceparent_gets_a_trace_of_its_own(
     assert all(s["parent_span_id"] == root["span_id"] for s in spans if s is not root)
     assert seen and seen[-1] is not None and root["trace_id"] in seen[-1]
     await connection.close(nc)
+
+
+def test_traces_asked_for_in_a_form_the_daemon_cannot_use_stop_the_start_in_one_line(
+        nats_url, tmp_path):
+    env = {**ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",
+           "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
+    out = subprocess.run([*IMPROVED, "run", "--nats", nats_url, "--data-dir",
+                          str(tmp_path / "data")], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "improved: OTEL_EXPORTER_OTLP_PROTOCOL: expected http/protobuf or grpc, got "
+        "'http/json'"]
+    assert not (tmp_path / "data" / "checkpoint.pem").exists(), "nothing started"

@@ -114,3 +114,19 @@ def test_a_daemon_not_asked_to_trace_imports_nothing_of_opentelemetry():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_traces_asked_for_without_the_otel_extra_are_one_line_naming_it():
+    code = ("import sys\n"
+            "sys.modules['opentelemetry.sdk'] = None  # as if the extra were not installed\n"
+            "from improved.client.config import TelemetrySettings\n"
+            "from improved.client.connection import ConfigError\n"
+            "from improved.runtime import telemetry\n"
+            "try:\n"
+            "    telemetry.start(TelemetrySettings(endpoint='http://127.0.0.1:4318'), {})\n"
+            "except ConfigError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip().endswith("pip install 'improved[otel]'")
+    assert len(out.stdout.strip().splitlines()) == 1
