@@ -141,3 +141,20 @@ def test_a_value_the_daemon_cannot_use_is_one_line_naming_the_variable(environ, 
     with pytest.raises(ConfigError) as refused:
         telemetry.settings(TABLE, environ)
     assert str(refused.value).startswith(named) and "\n" not in str(refused.value)
+
+
+def test_with_the_api_loaded_the_current_span_goes_on_and_a_handler_continues_the_order():
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    caller = TracerProvider().get_tracer("caller")  # a provider of its own: nothing global
+    with caller.start_as_current_span("caller") as span:
+        ctx = span.get_span_context()
+        assert traced(None) == {
+            TRACEPARENT: f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"}
+    assert traced(None) is None  # no span current: nothing to send
+    order = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    with tracing.handling("apply", "s.improve.apply", {TRACEPARENT: order}):
+        inside = trace.get_current_span().get_span_context()
+        assert f"{inside.trace_id:032x}" == "4bf92f3577b34da6a3ce929d0e0e4736"
+        assert tracing.received() == order
