@@ -196,7 +196,10 @@ class Tracing:
         try:
             yield {TRACEPARENT: traceparent_of(span)}
         except BaseException as exc:
+            from opentelemetry.trace import Status, StatusCode
+
             span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, str(exc)[:200]))
             span.set_attribute("error.type", type(exc).__name__)
             raise
         finally:

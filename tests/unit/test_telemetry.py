@@ -8,9 +8,11 @@ import subprocess
 import sys
 
 import msgspec
+import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from improved.core import propose
 from improved.core.audit import seal
@@ -130,3 +132,14 @@ def test_traces_asked_for_without_the_otel_extra_are_one_line_naming_it():
                          check=True)
     assert out.stdout.strip().endswith("pip install 'improved[otel]'")
     assert len(out.stdout.strip().splitlines()) == 1
+
+
+def test_a_request_no_service_answers_is_a_span_in_error():
+    tracing, exporter, _ = traced()
+    record, _ = registered()
+    with pytest.raises(RuntimeError), tracing.request(record, "svc.improve.measure"):
+        raise RuntimeError("no service answers svc.improve.measure")
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "improved.measure.request"
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.attributes["error.type"] == "RuntimeError"
