@@ -59,12 +59,13 @@ class Answers:
             queue.put_nowait(msg)
 
     async def ask(self, service: str, subject: str, body: bytes, timeout: float,
-                  grace: float = 0.0) -> list[boundary.Evidence[bytes]]:
+                  grace: float = 0.0, headers: dict[str, str] | None = None
+                  ) -> list[boundary.Evidence[bytes]]:
         """Send `body` on `subject` and return every answer heard, each as evidence of
         `service`'s: up to the first when nothing `service` says could be attested; else
         until one is attested (and `grace` seconds more, to hear one that disagrees), or the
         timeout. NoRespondersError when nobody serves the subject, nats-py's TimeoutError when
-        nothing at all came."""
+        nothing at all came. `headers` (a `traceparent`) go with the request."""
         if self._sub is None:
             await self._start()
         attestable = self.attestable(service)
@@ -74,7 +75,7 @@ class Answers:
         heard: list[boundary.Evidence[bytes]] = []
         loop = asyncio.get_running_loop()
         try:
-            await self.nc.publish(subject, body, reply=inbox)
+            await self.nc.publish(subject, body, reply=inbox, headers=headers)
             async with asyncio.timeout_at(loop.time() + timeout) as window:  # one timer an ask
                 while True:
                     msg = await queue.get()

@@ -88,6 +88,15 @@ timeout_s = 5.0                      # one ApplyOrder request
 attempts = 3                         # requests per delivery before backing off
 max_deliveries = 8                   # redeliveries (with backoff) before the slow retry
 retry_max_s = 300.0                  # the slow retry's longest wait between two tries
+
+[telemetry]                          # OpenTelemetry traces (the `otel` extra): off unless an
+endpoint = "http://127.0.0.1:4318"   # endpoint is set here or by OTEL_EXPORTER_OTLP_ENDPOINT;
+protocol = "http/protobuf"           # or "grpc" (OTEL_EXPORTER_OTLP_PROTOCOL)
+service_name = "improved"            # the resource's service.name (OTEL_SERVICE_NAME)
+sampler = "parentbased_always_on"    # OTEL_TRACES_SAMPLER's names; traceidratio ones take
+sampler_arg = 1.0                    # their ratio here (OTEL_TRACES_SAMPLER_ARG). Every OTEL_*
+                                     # variable wins over its key; OTEL_SDK_DISABLED=true and
+                                     # OTEL_TRACES_EXPORTER=none turn traces off
 ```
 """
 
@@ -178,6 +187,22 @@ class AuditSettings(_Section, frozen=True, kw_only=True):
     retention_days: Annotated[float, Meta(ge=0.0, le=3660.0)] = 30.0
 
 
+Sampler = Literal["always_on", "always_off", "traceidratio", "parentbased_always_on",
+                  "parentbased_always_off", "parentbased_traceidratio"]
+OtlpProtocol = Literal["http/protobuf", "grpc"]
+
+
+class TelemetrySettings(_Section, frozen=True, kw_only=True):
+    """`[telemetry]`: where the daemon's traces go (runtime/telemetry.py). No endpoint (and no
+    OTEL_* variable asking for traces): none are made, and nothing of OpenTelemetry is loaded."""
+
+    endpoint: Text | None = None  # the OTLP base endpoint, as OTEL_EXPORTER_OTLP_ENDPOINT
+    protocol: OtlpProtocol = "http/protobuf"
+    service_name: Text = "improved"
+    sampler: Sampler = "parentbased_always_on"
+    sampler_arg: Annotated[float, Meta(ge=0.0, le=1.0)] = 1.0
+
+
 class Config(_Section, frozen=True, kw_only=True):
     nats_url: Text | None = None
     nats: NatsSettings = field(default_factory=NatsSettings)
@@ -201,6 +226,7 @@ class Config(_Section, frozen=True, kw_only=True):
     apply: ApplySettings = field(default_factory=ApplySettings)
     trust: Trust = field(default_factory=Trust)
     audit: AuditSettings = field(default_factory=AuditSettings)
+    telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
 
 
 def _dec_hook(typ: type, obj: Any) -> Any:

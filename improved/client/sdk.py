@@ -24,6 +24,7 @@ from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
+from improved.client import tracing
 from improved.core import boundary, signing
 from improved.core import propose as propose_stage
 from improved.protocol import subjects as S
@@ -154,12 +155,14 @@ DUPLICATE_RETRIES = 8
 
 
 async def publish_deduplicated(js: JetStreamContext, subject: str, data: bytes, msg_id: str,
-                               stream: str) -> None:
+                               stream: str, headers: dict[str, str] | None = None) -> None:
     """Publish into `stream` deduplicated by `msg_id`: the same message published twice, even
-    at the same moment on a cluster, is one message and both publishes succeed."""
+    at the same moment on a cluster, is one message and both publishes succeed. `headers`
+    (a `traceparent`) go with it."""
+    sent = {"Nats-Msg-Id": msg_id} if headers is None else {**headers, "Nats-Msg-Id": msg_id}
     for attempt in range(DUPLICATE_RETRIES):
         try:
-            await js.publish(subject, data, headers={"Nats-Msg-Id": msg_id}, stream=stream)
+            await js.publish(subject, data, headers=sent, stream=stream)
             return
         except APIError as exc:
             if exc.err_code != DUPLICATE_IN_PROCESS or attempt == DUPLICATE_RETRIES - 1:
@@ -167,12 +170,22 @@ async def publish_deduplicated(js: JetStreamContext, subject: str, data: bytes, 
             await asyncio.sleep(0.01 * 2 ** attempt)
 
 
-async def enqueue(js: JetStreamContext, service: str, data: bytes, pid: str) -> None:
+async def enqueue(js: JetStreamContext, service: str, data: bytes, pid: str,
+                  headers: dict[str, str] | None = None) -> None:
     """Put a proposal into the inbound stream, durably (acknowledged by JetStream) and
     deduplicated (`Nats-Msg-Id`, `subjects.message_id`): enqueueing the same message twice is
-    one message, and no other message can take its place."""
+    one message, and no other message can take its place. `headers`: its `traceparent`."""
     await publish_deduplicated(js, S.inbound_proposal(service), data, S.message_id(pid, data),
-                               S.STREAM_INBOUND)
+                               S.STREAM_INBOUND, headers)
+
+
+def traced(traceparent: str | None) -> dict[str, str] | None:
+    """The headers carrying the caller's trace (`tracing.outgoing`); ImproveError for an
+    explicit `traceparent` that is not one."""
+    try:
+        return tracing.outgoing(traceparent)
+    except tracing.BadTraceparent as exc:
+        raise ImproveError(wire.INVALID_VALUE, str(exc), "traceparent") from None
 
 
 def answer_bytes(msg: Msg, body: bytes, key: Ed25519PrivateKey | None) -> bytes:
@@ -206,8 +219,9 @@ class MeshClient:
 
     # -- request/reply with the daemon -------------------------------------------------------------
 
-    async def _request(self, subject: str, data: bytes) -> dict[str, Any]:
-        msg = await self.nc.request(subject, data, timeout=self.timeout)
+    async def _request(self, subject: str, data: bytes,
+                       headers: dict[str, str] | None = None) -> dict[str, Any]:
+        msg = await self.nc.request(subject, data, timeout=self.timeout, headers=headers)
         try:
             reply = msgspec.json.decode(msg.data)
         except msgspec.DecodeError as exc:
@@ -223,18 +237,23 @@ class MeshClient:
         return svc if isinstance(svc, str) and S.SERVICE_RE.match(svc) else self.service
 
     async def propose(self, proposal: ProposalLike,
-                      key: Ed25519PrivateKey | None = None) -> ProposeReply:
+                      key: Ed25519PrivateKey | None = None,
+                      traceparent: str | None = None) -> ProposeReply:
         """Propose and wait for the daemon to register it: `{proposal_id, status}`. With `key`
         it is signed (a DSSE envelope): the identity that key is bound to in the daemon's
         `[trust.signers]`, `agent:<svc>:<name>` or `service:<svc>` of the proposal's service,
-        is then its verified proposer. The id is the proposal's, signed or not."""
+        is then its verified proposer. The id is the proposal's, signed or not. The
+        proposal's trace continues `traceparent`, else the current OpenTelemetry span
+        (`client.tracing`)."""
         reply = await self.propose_raw(signed("proposal", proposal, key),
-                                       self._target(proposal))
+                                       self._target(proposal), traceparent)
         return checked(reply, ProposeReply)
 
-    async def propose_raw(self, data: bytes, service: str | None = None) -> dict[str, Any]:
+    async def propose_raw(self, data: bytes, service: str | None = None,
+                          traceparent: str | None = None) -> dict[str, Any]:
         """Send any bytes as a proposal; the decoded reply, error or not, without raising."""
-        return await self._request(S.propose_request(service or self.service), data)
+        return await self._request(S.propose_request(service or self.service), data,
+                                   traced(traceparent))
 
     async def triage(self, proposal_id: str, service: str | None = None) -> TriageDecision:
         """Ask for (or re-run, idempotently) the triage of a proposal."""
@@ -243,38 +262,44 @@ class MeshClient:
                        TriageDecision)
 
     async def refine(self, signal: SignalLike, service: str | None = None,
-                     key: Ed25519PrivateKey | None = None) -> RefineReply:
+                     key: Ed25519PrivateKey | None = None,
+                     traceparent: str | None = None) -> RefineReply:
         """Send a signal about a proposal (the daemon finds its service by the id) and learn
         if it counted, and as independent. It goes on our own subject unless `service` names
         another; with `key` it is signed (a DSSE envelope), and the principal that key is bound
         to in the daemon's trust store — the signal's `actor` — is who verifiably sent it."""
         reply = await self._request(S.refine_request(service or self.service),
-                                    signed("signal", signal, key))
+                                    signed("signal", signal, key), traced(traceparent))
         return checked(reply, RefineReply)
 
     # -- durable, fire-and-forget (JetStream) ------------------------------------------------------
 
     async def publish(self, proposal: ProposalLike,
-                      key: Ed25519PrivateKey | None = None) -> str:
+                      key: Ed25519PrivateKey | None = None,
+                      traceparent: str | None = None) -> str:
         """Publish a proposal into the inbound stream, deduplicated by its id; the id. With
         `key` it is signed (see `propose`); a signature that does not verify is refused by
         the daemon, out of sight (on `improved.refused.<svc>`).
 
         Publishing needs the id, so the proposal is validated here first: a bad one raises
-        ImproveError instead of being refused later, out of sight."""
+        ImproveError instead of being refused later, out of sight. Its trace continues
+        `traceparent`, else the current OpenTelemetry span (`client.tracing`)."""
         try:
             parsed = propose_stage.validate(encode(proposal), None, MAX_MESSAGE_BYTES)
             pid, _ = propose_stage.identify(parsed)
         except wire.WireError as err:
             raise ImproveError.from_wire(err) from None
-        await enqueue(self.js, parsed.service, signed("proposal", proposal, key), pid)
+        await enqueue(self.js, parsed.service, signed("proposal", proposal, key), pid,
+                      traced(traceparent))
         return pid
 
     async def signal(self, signal: SignalLike, service: str | None = None,
-                     key: Ed25519PrivateKey | None = None) -> str:
+                     key: Ed25519PrivateKey | None = None,
+                     traceparent: str | None = None) -> str:
         """Publish learn-back evidence about a proposal, on our own subject unless `service`
         names another, signed with `key` if given (see `refine`); returns the signal's digest,
-        also in its `Nats-Msg-Id` (`subjects.message_id`), so a retried publish counts once."""
+        also in its `Nats-Msg-Id` (`subjects.message_id`), so a retried publish counts once.
+        It carries `traceparent`, else the current OpenTelemetry span's (`client.tracing`)."""
         try:
             parsed = wire.decode(encode(signal), Signal, MAX_MESSAGE_BYTES)
         except wire.WireError as err:
@@ -282,7 +307,8 @@ class MeshClient:
         digest = propose_stage.signal_digest(parsed)
         data = signed("signal", signal, key)
         await publish_deduplicated(self.js, S.inbound_outcome(service or self.service), data,
-                                   S.message_id(digest, data), S.STREAM_INBOUND)
+                                   S.message_id(digest, data), S.STREAM_INBOUND,
+                                   traced(traceparent))
         return digest
 
     async def report(self, report: ApplyReport | dict[str, Any]) -> None:
@@ -331,10 +357,12 @@ class MeshClient:
         Every order gets a reply. A bad order, a mis-routed one, or a handler returning junk is
         an ApplyResult `ok=false` with the reason: final. A handler that *raises* (the store was
         briefly unreachable, say) answers the error reply of DESIGN §3.1 instead, which the
-        daemon takes as "not now" and retries with backoff. The subscription never dies."""
+        daemon takes as "not now" and retries with backoff. The subscription never dies.
+        The handler runs in the order's trace (`client.tracing.handling`)."""
 
         async def on_order(msg: Msg) -> None:
-            result = await self.answer(msg.data, handler)
+            with tracing.handling("apply", msg.subject, msg.headers):
+                result = await self.answer(msg.data, handler)
             if not msg.reply:
                 return
             try:
@@ -380,10 +408,12 @@ class MeshClient:
         `metric_snapshot.review_after` for the metric's current value. A value is `{"value"}`;
         a bad request, a handler that raises (it cannot measure this metric, say) or returns
         no finite number is the error reply `{"error": {"code", "message"}}`, which the daemon
-        records as unmeasured with that message. The subscription never dies."""
+        records as unmeasured with that message. The subscription never dies. The handler
+        runs in the request's trace (`client.tracing.handling`)."""
 
         async def on_request(msg: Msg) -> None:
-            reply = await self.measure(msg.data, handler)
+            with tracing.handling("measure", msg.subject, msg.headers):
+                reply = await self.measure(msg.data, handler)
             if not msg.reply:
                 return
             try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -21,6 +21,7 @@ from improved.core.trailers import TrailerData
 from improved.protocol.model import Trailer
 from improved.runtime.metrics import Metrics
 from improved.runtime.store import Store
+from improved.runtime.telemetry import Tracing
 
 log = structlog.get_logger("improved.engine")
 
@@ -32,23 +33,29 @@ class _Commit:
 
     expected: int
     trailers: list[tuple[Trailer, TrailerData | None]]
+    # with tracing on: when each trailer's stage began and decided (ns since the epoch)
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Commits:
     """The commits of the passes in progress, by proposal id (one pass per proposal at a time:
     `ProposalLocks`), and what follows each appended trailer."""
 
-    def __init__(self, store: Store, metrics: Metrics):
+    def __init__(self, store: Store, metrics: Metrics, tracing: Tracing | None = None):
         self.store = store
         self.metrics = metrics
+        self.tracing = tracing or Tracing()
         # observe's learn-back, once per appended trailer: (analyzer id, accepted, its hash)
         self.learn: Callable[[str, bool, str], Awaitable[None]] | None = None
         self._pending: dict[str, _Commit] = {}
         self._moved: dict[str, set[str]] = {}  # the indexes the pass's trailers moved
         self._started: dict[str, float] = {}  # when the pass began (the stage metric)
+        self._marks: dict[str, int] = {}  # tracing: when the pass's last stage decided (ns)
 
     def begin(self, pid: str) -> None:
         self._started[pid] = time.perf_counter()
+        if self.tracing.on:
+            self._marks[pid] = time.time_ns()
 
     def discard(self, pid: str) -> None:
         """The pass starts over (its chain moved): what it decided was not appended."""
@@ -58,6 +65,7 @@ class Commits:
     def end(self, pid: str) -> None:
         self.discard(pid)
         self._started.pop(pid, None)
+        self._marks.pop(pid, None)
 
     def pending(self, record: ProposalRecord) -> bool:
         """Whether the pass on `record` holds trailers not appended yet."""
@@ -80,6 +88,10 @@ class Commits:
         if pending is None:
             pending = self._pending[pid] = _Commit(record.chain.stream_seq, [])
         pending.trailers.append((trailer, data))
+        if self.tracing.on:  # the stage ran from the pass's last decision to this one
+            now = time.time_ns()
+            pending.spans.append((self._marks.get(pid, now), now))
+            self._marks[pid] = now
         moved = indexes.moves(trailer.refs)
         if moved:  # what this pass moved, for the engine's index writes
             self._moved.setdefault(pid, set()).update(moved)
@@ -98,6 +110,10 @@ class Commits:
         record = settle(record, seq)
         for trailer, data in pending.trailers:
             await self._appended(record, trailer, data)
+        if self.tracing.on:  # only what the chain holds is traced: a conflict traces nothing
+            for (trailer, _), (began, decided) in zip(pending.trailers, pending.spans,
+                                                      strict=True):
+                self.tracing.transition(record, trailer, began, decided)
         return record
 
     async def _appended(self, record: ProposalRecord, trailer: Trailer,

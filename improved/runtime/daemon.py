@@ -27,7 +27,7 @@ from improved.client.connection import ConfigError
 from improved.core import indexes, policy
 from improved.core.observe import Observer, RegressionAnalyzer, StaleSkillAnalyzer
 from improved.protocol import subjects as S
-from improved.runtime import metrics, notify
+from improved.runtime import metrics, notify, telemetry
 from improved.runtime.admission import Admission
 from improved.runtime.engine import Engine
 from improved.runtime.inbound import InboundConsumer
@@ -38,6 +38,7 @@ from improved.runtime.request_reply import RequestReply
 from improved.runtime.signed_acts import SignedActs
 from improved.runtime.store import Store
 from improved.runtime.surfaces import Surfaces
+from improved.runtime.telemetry import Tracing
 from improved.runtime.upkeep import Upkeep
 
 log = structlog.get_logger("improved.daemon")
@@ -57,14 +58,15 @@ def instance_actor() -> str:
 class Daemon:
     """One replica of the loop: its store, engine and the parts that feed the engine."""
 
-    def __init__(self, nc: Client, config: Config, actor: str | None = None):
+    def __init__(self, nc: Client, config: Config, actor: str | None = None,
+                 tracing: Tracing | None = None):
         self.nc = nc
         self.config = config
         self.actor = actor or instance_actor()
         self.store = Store(nc, config.replicas, config.records_storage)
         # tombstones outlive the next two checkpoints: a reader finds what left since the last
         self.store.tombstone_ttl_s = indexes.tombstone_ttl_s(config.checkpoint_interval_s)
-        self.engine = Engine(nc, self.store, config, self.actor)
+        self.engine = Engine(nc, self.store, config, self.actor, tracing)
         # what enters a pass: registrations, signals and reports; signed acts
         self.intake = Intake(self.engine)
         self.acts = SignedActs(self.engine)
@@ -296,8 +298,14 @@ async def run_until_stopped(nc: Client, config: Config,
                             stop: asyncio.Event | None = None,
                             reread: Callable[[], Config] | None = None) -> int:
     """Run a daemon until SIGTERM or SIGINT, then drain and return 0. With `reread` (how to
-    read the configuration again), SIGHUP reloads the trust store from it."""
-    daemon = Daemon(nc, config)
+    read the configuration again), SIGHUP reloads the trust store from it. Traces as
+    `[telemetry]` and the OTEL_* variables say (`telemetry.start`: off by default)."""
+    try:
+        tracing = telemetry.start(config.telemetry, os.environ)
+    except ConfigError:
+        await connection.close(nc)
+        raise
+    daemon = Daemon(nc, config, tracing=tracing)
     stop = stop or stop_on_signals()
     hup = asyncio.Event()
     if reread is not None:  # before the start: a SIGHUP while starting waits, never kills
@@ -341,4 +349,5 @@ async def run_until_stopped(nc: Client, config: Config,
         http.close()
     await daemon.stop()
     await connection.close(nc)
+    await asyncio.to_thread(tracing.shutdown)  # what is still buffered is exported
     return 0

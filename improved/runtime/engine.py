@@ -56,6 +56,7 @@ from improved.runtime.publishing import Publisher
 from improved.runtime.records import CACHE_SIZE, ChainRecords
 from improved.runtime.service_requests import GrantRevoked, ServiceRequests, ServiceUnreachable
 from improved.runtime.store import Store
+from improved.runtime.telemetry import Tracing
 from improved.runtime.trusting import TrustInForce
 
 log = structlog.get_logger("improved.engine")
@@ -82,7 +83,8 @@ class Handled:
 class Engine:
     """The passes over proposals of this process, and the parts of the shell they rely on."""
 
-    def __init__(self, nc: Client, store: Store, config: Config, actor: str):
+    def __init__(self, nc: Client, store: Store, config: Config, actor: str,
+                 tracing: Tracing | None = None):
         self.nc = nc
         self.store = store
         self.config = config
@@ -93,12 +95,16 @@ class Engine:
         self.trust = TrustInForce(config.trust, store, actor)
         # the daemon's requests to the services, every answer heard as evidence
         self.answers = Answers(nc, self.trust.signers, config.trust.subjects_bound)
-        self.requests = ServiceRequests(self.answers, config.apply)
+        self.tracing = tracing or Tracing()  # off unless the daemon was started with it
+        self.requests = ServiceRequests(self.answers, config.apply, self.tracing)
         self.autonomy = AutonomyChain(store, self.trust, config.policy, actor, config.data_dir,
                                       self.metrics)
         self.records = ChainRecords(store, self.trust, self.autonomy, config.policy)
+        self.tracing.trace_of, self.tracing.keep_trace = (self.records.trace_of,
+                                                          self.records.keep_trace)
         self.locks = ProposalLocks()
-        self.commits = Commits(store, self.metrics)  # what each pass decided, appended
+        # what each pass decided, appended (and traced)
+        self.commits = Commits(store, self.metrics, self.tracing)
         self.publisher = Publisher(store, self.records, self.locks, config.policy,
                                    self.records_ttl_s)
         self.checkpoints = Checkpointer(nc, store, config, actor, self.trust, self.autonomy,
@@ -436,7 +442,8 @@ class Engine:
         """Propose the recorded inverse of a regressed change, through the bus like any
         proposal (durable, deduplicated by its id, and gated by its class)."""
         pid, _ = propose.identify(proposal)
-        await enqueue(self.store.js, proposal.service, to_json(proposal), pid)
+        await enqueue(self.store.js, proposal.service, to_json(proposal), pid,
+                      self.tracing.headers_for(record.proposal_id))  # the original's trace
         log.warning("regression: rollback proposed", proposal_id=record.proposal_id,
                     rollback=pid, stage="learn-back")
         return pid

@@ -66,6 +66,7 @@ from improved.protocol.model import (
     Signal,
     to_json,
 )
+from improved.protocol.tracecontext import of_headers
 from improved.runtime.admission import Admission, ProposalUnknown
 from improved.runtime.engine import Engine
 from improved.runtime.intake import Intake
@@ -74,6 +75,7 @@ from improved.runtime.records import ChainBroken
 from improved.runtime.service_requests import ServiceUnreachable
 from improved.runtime.signed_acts import SignedActs
 from improved.runtime.store import Store
+from improved.runtime.telemetry import incoming
 
 log = structlog.get_logger("improved.daemon")
 
@@ -104,6 +106,7 @@ class Job:
     key: str
     run: Callable[[], Awaitable[Any]]
     msg: Msg
+    traceparent: str | None = None  # its header, read only while tracing is on
 
 
 class InboundConsumer:
@@ -201,6 +204,8 @@ class InboundConsumer:
                 await msg.term()
                 continue
             if job is not None:
+                if self.engine.tracing.on:
+                    job.traceparent = of_headers(msg.headers)
                 out.append(job)
         return out
 
@@ -294,6 +299,8 @@ class InboundConsumer:
 
     async def _run(self, job: Job) -> None:
         parked = False
+        if job.traceparent is not None:  # this job's task only: its spans continue it
+            incoming.set(job.traceparent)
         try:
             parked = await self._settle(job)
         finally:

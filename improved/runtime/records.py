@@ -37,6 +37,20 @@ class ChainRecords:
         self.policy = policy
         # what this process committed itself, or last rebuilt, by proposal id
         self.cache: OrderedDict[str, ProposalRecord] = OrderedDict()
+        # with tracing on: each proposal's trace context (a `traceparent`), kept beside its
+        # record and never on its chain; forgotten as the records are (runtime/telemetry.py)
+        self.traces: OrderedDict[str, str] = OrderedDict()
+
+    def trace_of(self, pid: str) -> str | None:
+        """The trace `pid`'s spans continue, if this process knows one."""
+        return self.traces.get(pid)
+
+    def keep_trace(self, pid: str, traceparent: str) -> None:
+        """Keep `pid`'s trace context, the oldest forgotten beyond CACHE_SIZE."""
+        self.traces[pid] = traceparent
+        self.traces.move_to_end(pid)
+        while len(self.traces) > CACHE_SIZE:
+            self.traces.popitem(last=False)
 
     async def load(self, svc: str, pid: str, fresh: bool) -> ProposalRecord | None:
         """The record to decide on: what this process holds (its memory) unless `fresh`, else

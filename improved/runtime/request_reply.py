@@ -32,12 +32,14 @@ from improved.protocol.model import (
     TriageRequest,
     to_json,
 )
+from improved.protocol.tracecontext import TRACEPARENT, of_headers
 from improved.runtime.admission import Admission, ProposalUnknown
 from improved.runtime.engine import Engine
 from improved.runtime.intake import Intake
 from improved.runtime.records import ChainBroken
 from improved.runtime.service_requests import ServiceUnreachable
 from improved.runtime.store import Store
+from improved.runtime.telemetry import incoming
 
 log = structlog.get_logger("improved.daemon")
 
@@ -77,6 +79,7 @@ class RequestReply:
 
         async def run(msg: Msg) -> None:
             svc = S.token(msg.subject, 0) or "_"
+            traced = incoming.set(of_headers(msg.headers)) if self.engine.tracing.on else None
             try:
                 if msg.subject != S.SPEC_GET and not S.SERVICE_RE.match(svc):
                     raise wire.WireError(wire.INVALID_VALUE, f"bad service token {svc!r}")
@@ -97,8 +100,15 @@ class RequestReply:
                     await msg.respond(reply)
                 except Exception as exc:
                     log.warning("could not reply", subject=msg.subject, error=str(exc))
+            if traced is not None:
+                incoming.reset(traced)
 
         return run
+
+    def _trace(self, msg: Msg) -> dict[str, str] | None:
+        """The request's `traceparent`, carried onto the inbound copy made of it (traced)."""
+        found = of_headers(msg.headers) if self.engine.tracing.on else None
+        return {TRACEPARENT: found} if found is not None else None
 
     async def on_propose(self, svc: str, msg: Msg) -> bytes:
         proposal, env = proposal_of(msg.data, svc, self.config.max_message_bytes)
@@ -108,7 +118,7 @@ class RequestReply:
             # a signed proposal that does not verify is refused before anything is kept
             proposer = self.engine.trust.verified_proposer(proposal, env)
             # Durable first: once the stream has it, a crash cannot lose it.
-            await enqueue(self.store.js, svc, msg.data, pid)
+            await enqueue(self.store.js, svc, msg.data, pid, self._trace(msg))
             # Register and triage now, so the reply carries the status; the inbound consumer,
             # which has the message too, carries the apply with its retries.
             handled = await self.intake.submit(proposal, pid, dedup, dispatch=False,
@@ -139,7 +149,7 @@ class RequestReply:
         # Durable first, like a proposal: the inbound consumer carries any apply it releases.
         await publish_deduplicated(self.store.js, S.inbound_outcome(svc), msg.data,
                                    S.message_id(propose.signal_digest(sig), msg.data),
-                                   S.STREAM_INBOUND)
+                                   S.STREAM_INBOUND, self._trace(msg))
         handled = await self.admission.count(svc, sig, env, fresh=True, dispatch=False)
         counted = handled.counted
         if handled is not None and handled.record is None:

@@ -22,6 +22,7 @@ from improved.core import boundary, learnback, lkg, replies
 from improved.core.record import ProposalRecord
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder, ApplyResult, MeasureRequest, to_json
+from improved.runtime.telemetry import Tracing
 
 log = structlog.get_logger("improved.engine")
 
@@ -53,9 +54,11 @@ class ServiceUnreachable(Exception):
 class ServiceRequests:
     """Requests to owning services, over `answers`, under the `[apply]` timeout and attempts."""
 
-    def __init__(self, answers: Answers, settings: ApplySettings):
+    def __init__(self, answers: Answers, settings: ApplySettings,
+                 tracing: Tracing | None = None):
         self.answers = answers
         self.settings = settings
+        self.tracing = tracing or Tracing()
 
     async def lkg(self, record: ProposalRecord) -> boundary.Evidence[lkg.LkgReport]:
         """SPEC 09 §7.1: ask the owning service for a healthy last-known-good of every
@@ -104,7 +107,18 @@ class ServiceRequests:
         heard is evidence (`Answers.ask`); `parse` turns each into a result, or None for an
         error reply ("not now"), and `pick` says which counts, or None (only "not now", or
         nothing attributable where something could be): retried. All attempts so:
-        ServiceUnreachable (the proposal stays retryable)."""
+        ServiceUnreachable (the proposal stays retryable). Traced, the request is a span
+        whose `traceparent` header goes with every attempt."""
+        if not self.tracing.on:
+            return await self._ask(record, subject, body, parse, pick, allowed, grace, None)
+        with self.tracing.request(record, subject) as headers:
+            return await self._ask(record, subject, body, parse, pick, allowed, grace, headers)
+
+    async def _ask(self, record: ProposalRecord, subject: str, body: Callable[[int], bytes],
+                   parse: Callable[[bytes], T | None],
+                   pick: Callable[[list[boundary.Evidence[T]]], A | None],
+                   allowed: Allowed | None, grace: float,
+                   headers: dict[str, str] | None) -> A:
         settings = self.settings
         last_error = "no attempt"
         maybe_delivered = False
@@ -113,7 +127,7 @@ class ServiceRequests:
                 await allowed(attempt, maybe_delivered)
             try:
                 heard = await self.answers.ask(record.service, subject, body(attempt),
-                                               settings.timeout_s, grace)
+                                               settings.timeout_s, grace, headers)
             except NoRespondersError:
                 last_error = f"no service answers {subject}"
             except NatsTimeout:

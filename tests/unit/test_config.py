@@ -21,6 +21,7 @@ from improved.client.config import (
     ApplySettings,
     Config,
     Policy,
+    TelemetrySettings,
     Trust,
     load,
     parse,
@@ -244,7 +245,8 @@ def test_the_docstring_example_loads_to_its_values(tmp_path):
                       breaker_window_days=14.0, breaker_pause_hours=48.0, quorum=False),
         trust=Trust(operators={"operator:alice": KEY_A}, act_max_age_s=86400.0,
                     quorum={"agent-a": KEY_B}, daemons={"improved:b": KEY_C}),
-        apply=ApplySettings(timeout_s=5.0, attempts=3, max_deliveries=8))
+        apply=ApplySettings(timeout_s=5.0, attempts=3, max_deliveries=8),
+        telemetry=TelemetrySettings(endpoint="http://127.0.0.1:4318"))
 
 
 def test_the_readme_example_loads_to_its_values(tmp_path):
@@ -268,7 +270,8 @@ def test_the_readme_example_loads_to_its_values(tmp_path):
         trust=Trust(operators={"operator:alice": KEY_A}, quorum={"agent-a": KEY_B},
                     signers={"check:ci": KEY_D}, daemons={"improved:b": KEY_C},
                     runtimes={"agent": KEY_E}),
-        apply=ApplySettings(timeout_s=5.0, attempts=3, max_deliveries=8))
+        apply=ApplySettings(timeout_s=5.0, attempts=3, max_deliveries=8),
+        telemetry=TelemetrySettings(endpoint="http://127.0.0.1:4318"))
     assert len(config.trust.store().keys) == 1 and len(config.trust.voters().keys) == 1
     assert [k.principal for k in config.trust.runtime_store().keys.values()] == ["agent"]
     assert len(config.trust.daemon_keyids()) == 1 and len(config.trust.signer_store().keys) == 1
