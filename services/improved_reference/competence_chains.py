@@ -33,6 +33,22 @@ from improved_reference.skill_definitions import (
     definition_of,
     split_identity,
 )
+from improved_reference.skill_grains import grain_problem
+
+
+async def held_grain(kv: KeyValue, prefix: str, address: str,
+                     type_byte: int) -> dict[str, Any] | None:
+    """The grain at `<prefix>.<address>` in `kv`, believed only when its content address,
+    recomputed, is `address` (anyone may write the bucket); None otherwise."""
+    try:
+        entry = await kv.get(f"{prefix}.{address}")
+    except KeyNotFoundError:
+        return None
+    try:
+        grain = msgspec.json.decode(entry.value or b"", type=dict[str, Any])
+    except msgspec.MsgspecError:
+        return None
+    return None if grain_problem(grain, address, type_byte) is not None else grain
 
 
 class CompetenceChains:
@@ -70,13 +86,24 @@ class CompetenceChains:
         return grain
 
     async def _put_grain(self, grain: dict[str, Any]) -> str:
-        """Store an immutable grain under its own address (twice is harmless); the address."""
-        address = address_of(grain)
+        """Store an immutable Skill grain under its own address (twice is harmless)."""
+        return await self.hold("rec", grain, canonical.SKILL)
+
+    async def hold(self, prefix: str, grain: dict[str, Any], type_byte: int) -> str:
+        """Keep `grain` at `<prefix>.<its address>` (immutable: twice is harmless); the
+        address. A value someone else left there is replaced only when it is not this grain."""
+        address = canonical.content_address(grain, type_byte)
+        key = f"{prefix}.{address}"
         try:
-            await self.comp.create(f"rec.{address}", to_json(grain))
+            await self.comp.create(key, to_json(grain))
         except KeyWrongLastSequenceError:
-            pass  # the same content, already there
+            if await self.held(prefix, address, type_byte) is None:
+                await self.comp.put(key, to_json(grain))
         return address
+
+    async def held(self, prefix: str, address: str, type_byte: int) -> dict[str, Any] | None:
+        """`held_grain` in this store's bucket."""
+        return await held_grain(self.comp, prefix, address, type_byte)
 
     async def _advance(self, key: str, sha: str,
                        make: Callable[[dict[str, Any] | None, str | None],

@@ -71,7 +71,8 @@ class SkillRequests:
         for subject, answer in ((S.skills_get(store.service), self.answer_get),
                                 (S.skills_practice(store.service), self.answer_practice),
                                 (S.skills_competence(store.service), self.answer_competence),
-                                (S.skills_transfer(store.service), self.answer_transfer)):
+                                (S.skills_transfer(store.service), self.answer_transfer),
+                                (S.skills_tool(store.service), self.answer_tool)):
             store._subs.append(await store.nc.subscribe(subject, queue=store.service,
                                                         cb=self._responder(subject, answer)))
         # the daemon's learn-back records say when a chain has new outcomes (only where to
@@ -182,6 +183,19 @@ class SkillRequests:
             return self._unavailable("skills.transfer", exc)
         return {"skill": body["skill"], "holder": body["to"], "address": address_of(grain),
                 "grain": grain}
+
+    async def answer_tool(self, data: bytes) -> dict[str, Any] | ErrorReply:
+        """`<svc>.skills.tool` `{"grain"}`: keep a Tool definition grain; its address."""
+        body = _request(data, (), ("grain",))
+        if isinstance(body, ErrorReply):
+            return body
+        try:
+            address = await self.store.put_tool(body.get("grain"))
+        except Refused as exc:
+            return _error(wire.INVALID_VALUE, str(exc), "grain")
+        except Exception as exc:
+            return self._unavailable("skills.tool", exc)
+        return {"address": address}
 
     def _unavailable(self, what: str, exc: Exception) -> ErrorReply:
         self.log.warning(f"{what} failed", service=self.store.service, error=repr(exc))

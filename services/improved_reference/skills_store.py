@@ -66,12 +66,18 @@ from nats.aio.client import Client
 
 from improved.client import chains
 from improved.core.evidence import DaemonWriters
+from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder, ApplyResult, Proposal, Signal, to_json
 from improved_reference import kv_service
 from improved_reference.competence_chains import CompetenceChains
 from improved_reference.kv_service import KVService
-from improved_reference.skill_competence import NotPractice, Practice, practice_on_chain
+from improved_reference.skill_competence import (
+    NAMESPACE,
+    NotPractice,
+    Practice,
+    practice_on_chain,
+)
 from improved_reference.skill_definitions import (
     DEFINITION_FIELDS,
     Change,
@@ -89,6 +95,13 @@ from improved_reference.skill_definitions import (
     restorable,
     split_identity,
     verify,
+)
+from improved_reference.skill_grains import (
+    MG,
+    definition_grain,
+    dependency_addresses,
+    tool_addresses,
+    tool_grain_problem,
 )
 from improved_reference.skill_requests import SkillRequests
 
@@ -141,6 +154,7 @@ class SkillsStore(KVService[Change]):
             "practice": S.skills_practice(self.service),
             "competence": S.skills_competence(self.service),
             "transfer": S.skills_transfer(self.service),
+            "tool": S.skills_tool(self.service),
             "buckets": {"definitions": self.defs_bucket, "competence": self.comp_bucket,
                         "ledger": self.ledger_bucket},
         }
@@ -154,12 +168,54 @@ class SkillsStore(KVService[Change]):
         return record if isinstance(record, dict) else {}
 
     async def put_definition(self, definition: dict[str, Any]) -> str:
-        """Store a definition under its hash (a no-op when it is already there); its identity."""
+        """Store a definition under its hash (a no-op when it is already there); its identity.
+        Its references must resolve first (`check_references`)."""
         record = definition_record(definition, now_ms())
+        await self.check_references(record["definition"])
+        await self.hold_definition(record)
         change = Change(op="put", name=record["name"], sha=record["sha256"], record=record)
         await self._store(change.key, lambda current: None if verify(
             current, change.name, change.sha) is None else to_json(record))
         return change.identity
+
+    async def hold_definition(self, record: dict[str, Any]) -> str:
+        """Keep the record's pure-definition Skill grain at `rec.<address>`, where a
+        dependency resolves to it."""
+        return await self.competence_chains.hold(
+            "rec", definition_grain(record, NAMESPACE), canonical.SKILL)
+
+    async def put_tool(self, grain: Any) -> str:
+        """Keep a Tool definition grain under its content address; the address (mg:sha256:).
+        Anyone may: the address binds the content, and only an approved skill names it."""
+        problem = tool_grain_problem(grain)
+        if problem is not None:
+            raise Refused(problem)
+        return MG + await self.competence_chains.hold("tool", grain, canonical.TOOL)
+
+    async def check_references(self, definition: dict[str, Any]) -> None:
+        """Refused, in one line, unless every dependency is a Skill grain and every
+        `allowed_tools` address a Tool definition grain this store holds."""
+        chains_ = self.competence_chains
+        for i, address in dependency_addresses(definition):
+            if await chains_.held("rec", address, canonical.SKILL) is None:
+                raise Refused(
+                    f"dependencies[{i}] = {MG}{address} names no Skill grain this store "
+                    "holds: a dependency is the content address of a stored Skill grain "
+                    "(mg:sha256:<64 hex>, a stored skill's `address`), not a <name>:<sha256> "
+                    "skill hash")
+        for i, address in tool_addresses(definition):
+            if await chains_.held("tool", address, canonical.TOOL) is None:
+                raise Refused(
+                    f"allowed_tools[{i}] = {MG}{address} names no Tool definition grain this "
+                    f"store holds; keep it first on {S.skills_tool(self.service)}")
+
+    async def _prepare_change(self, order: ApplyOrder) -> Change:
+        """`_change`, and for a put not yet applied its references resolved."""
+        change = await super()._prepare_change(order)
+        if change.op == "put" and change.record is not None \
+                and not await self._applied(order.proposal_id):
+            await self.check_references(change.record["definition"])
+        return change
 
     async def record(self, identity: str) -> dict[str, Any]:
         """The stored record of exactly `identity`, verified against its hash; GrantMismatch
@@ -252,6 +308,7 @@ class SkillsStore(KVService[Change]):
         if entry["op"] == "keep":
             return cur_rev
         if entry["op"] == "put":
+            await self.hold_definition(entry["record"])
             if verify(current, *split_identity(entry["identity"])) is None:
                 return cur_rev
             return await self._publish(entry["key"], to_json(entry["record"]), cur_rev, pid)
