@@ -202,18 +202,29 @@ class CompetenceChains:
         source = await self._load(src_head["address"], sha) if src_head else None
         if source is None or src_head is None:
             raise NoCompetence(f"{from_holder} holds no competence record for {identity}")
+        grain = await self.acquire(identity, to_holder, src_head["address"],
+                                   source.get("origin_did") or from_holder, at)
+        self.log.info("transferred", service=self.service, skill=identity, to_holder=to_holder)
+        return grain
+
+    async def acquire(self, identity: str, holder: str, derived_from: str,
+                      origin_did: str | None, at: int) -> dict[str, Any]:
+        """`holder`'s first grain of a stored skill, derived from `derived_from` (a source
+        grain, here or in another deployment), proficiency and practice_count 0. Repeating it
+        returns the same grain; Refused when the holder already practises its own chain."""
+        check_holder(holder)
+        name, sha = split_identity(identity)
+        record = await self.record(identity)
         grain = competence_grain(
-            definition_of(source), holder_did=to_holder, proficiency=0.0, practice_count=0,
-            created_at=at, derived_from=[src_head["address"]],
-            origin_did=source.get("origin_did") or from_holder)
+            definition_of(record["definition"]), holder_did=holder, proficiency=0.0,
+            practice_count=0, created_at=at, derived_from=[derived_from], origin_did=origin_did)
         address = await self._put_grain(grain)
-        key = self._head_key(name, sha, to_holder)
+        key = self._head_key(name, sha, holder)
         try:
             await self.comp.create(key, to_json({"address": address, "practice_count": 0}))
         except KeyWrongLastSequenceError:
             head, _ = await self._head(key)
             if not head or head["address"] != address:
-                raise Refused(f"{to_holder} already holds {identity}; it practises its own "
+                raise Refused(f"{holder} already holds {identity}; it practises its own "
                               "chain") from None
-        self.log.info("transferred", service=self.service, skill=identity, to_holder=to_holder)
         return grain

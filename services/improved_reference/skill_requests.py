@@ -72,7 +72,9 @@ class SkillRequests:
                                 (S.skills_practice(store.service), self.answer_practice),
                                 (S.skills_competence(store.service), self.answer_competence),
                                 (S.skills_transfer(store.service), self.answer_transfer),
-                                (S.skills_tool(store.service), self.answer_tool)):
+                                (S.skills_tool(store.service), self.answer_tool),
+                                (S.skills_export(store.service), self.answer_export),
+                                (S.skills_import(store.service), self.answer_import)):
             store._subs.append(await store.nc.subscribe(subject, queue=store.service,
                                                         cb=self._responder(subject, answer)))
         # the daemon's learn-back records say when a chain has new outcomes (only where to
@@ -196,6 +198,37 @@ class SkillRequests:
         except Exception as exc:
             return self._unavailable("skills.tool", exc)
         return {"address": address}
+
+    async def answer_export(self, data: bytes) -> dict[str, Any] | ErrorReply:
+        """`<svc>.skills.export` `{"skill", "holder"?}`: the skill's transfer bundle."""
+        body = _request(data, ("skill",), ("holder",))
+        if isinstance(body, ErrorReply):
+            return body
+        try:
+            return await self.store.export(body["skill"], body.get("holder"))
+        except NoCompetence as exc:
+            return _error(wire.NOT_FOUND, str(exc), "holder")
+        except NotStored as exc:
+            return _error(wire.NOT_FOUND, str(exc), "skill")
+        except (GrantMismatch, Refused) as exc:
+            return _error("refused", str(exc), "skill")
+        except Exception as exc:
+            return self._unavailable("skills.export", exc)
+
+    async def answer_import(self, data: bytes) -> dict[str, Any] | ErrorReply:
+        """`<svc>.skills.import` `{"bundle", "holder"?}`: re-verify a bundle and keep it."""
+        body = _request(data, (), ("bundle", "holder"))
+        if isinstance(body, ErrorReply):
+            return body
+        holder = body.get("holder")
+        if holder is not None and (not isinstance(holder, str) or not holder):
+            return _error(wire.INVALID_VALUE, "holder must be a non-empty string", "holder")
+        try:
+            return await self.store.import_bundle(body.get("bundle"), holder)
+        except Refused as exc:
+            return _error("refused", str(exc), "bundle")
+        except Exception as exc:
+            return self._unavailable("skills.import", exc)
 
     def _unavailable(self, what: str, exc: Exception) -> ErrorReply:
         self.log.warning(f"{what} failed", service=self.store.service, error=repr(exc))

@@ -72,10 +72,14 @@ from improved.protocol.model import ApplyOrder, ApplyResult, Proposal, Signal, t
 from improved_reference import kv_service
 from improved_reference.competence_chains import CompetenceChains
 from improved_reference.kv_service import KVService
+from improved_reference.skill_bundles import FORMAT as BUNDLE_FORMAT
+from improved_reference.skill_bundles import entry as bundle_entry
+from improved_reference.skill_bundles import verified as bundle_verified
 from improved_reference.skill_competence import (
     NAMESPACE,
     NotPractice,
     Practice,
+    address_of,
     practice_on_chain,
 )
 from improved_reference.skill_definitions import (
@@ -155,6 +159,8 @@ class SkillsStore(KVService[Change]):
             "competence": S.skills_competence(self.service),
             "transfer": S.skills_transfer(self.service),
             "tool": S.skills_tool(self.service),
+            "export": S.skills_export(self.service),
+            "import": S.skills_import(self.service),
             "buckets": {"definitions": self.defs_bucket, "competence": self.comp_bucket,
                         "ledger": self.ledger_bucket},
         }
@@ -216,6 +222,12 @@ class SkillsStore(KVService[Change]):
                 and not await self._applied(order.proposal_id):
             await self.check_references(change.record["definition"])
         return change
+
+    async def _keep(self, record: dict[str, Any]) -> None:
+        """Store `record` under its hash, unless that definition is stored already."""
+        name, sha = record["name"], record["sha256"]
+        await self._store(f"{name}.{sha}", lambda current: None if verify(
+            current, name, sha) is None else to_json(record))
 
     async def record(self, identity: str) -> dict[str, Any]:
         """The stored record of exactly `identity`, verified against its hash; GrantMismatch
@@ -376,6 +388,72 @@ class SkillsStore(KVService[Change]):
                                  limit: int | None = None) -> list[dict[str, Any]]:
         """The holder's chain, oldest first, head last (`CompetenceChains.history`)."""
         return await self.competence_chains.history(identity, holder_did, limit)
+
+    # -- transfer bundles (skill_bundles) -------------------------------------------------------
+
+    async def export(self, identity: str, holder: str | None = None) -> dict[str, Any]:
+        """The transfer bundle of `identity` (`skill_bundles`): its grain and dependency
+        closure, each with the audit chain that approved it here, the Tool grains they name,
+        and `holder`'s competence head when given. Refused when a grain of the closure was not
+        stored by an approved proposal (nothing would prove its approval elsewhere)."""
+        grains, tools, todo, seen = [], [], [identity], set()
+        while todo:
+            current = todo.pop(0)
+            record = await self.record(current)
+            if record["address"] in seen:
+                continue
+            seen.add(record["address"])
+            pid = record.get("proposal_id")
+            if not isinstance(pid, str):
+                raise Refused(f"{current} was not stored by an approved proposal here: no "
+                              "chain proves its approval")
+            chain = await chains.read_sequenced(self.js, S.audit(self.service, pid))
+            grains.append(bundle_entry(record["address"], definition_grain(record, NAMESPACE),
+                                       pid, chain))
+            for _, address in dependency_addresses(record["definition"]):
+                grain = await self.competence_chains.held("rec", address, canonical.SKILL)
+                if grain is None:
+                    raise Refused(f"the dependency {address} of {current} is not held here")
+                todo.append(canonical.skill_identity(grain))
+            for _, address in tool_addresses(record["definition"]):
+                tool = await self.competence_chains.held("tool", address, canonical.TOOL)
+                if tool is None:
+                    raise Refused(f"the Tool grain {address} of {current} is not held here")
+                tools.append({"address": MG + address, "grain": tool})
+        bundle: dict[str, Any] = {"format": BUNDLE_FORMAT, "skill": identity, "grains": grains,
+                                  "tools": tools}
+        if holder is not None:
+            head = await self.competence(identity, holder)
+            if head is None:
+                raise NoCompetence(f"{holder} holds no competence record for {identity}")
+            bundle["holder"] = {"address": MG + address_of(head), "grain": head}
+        return bundle
+
+    async def import_bundle(self, bundle: Any, holder: str | None = None,
+                            at: int | None = None) -> dict[str, Any]:
+        """Re-verify a bundle another deployment exported (`skill_bundles.verified`, against
+        the daemon keys this store trusts) and keep it: its Tool grains, its Skill grains and
+        their records; with `holder`, that holder's first grain (the recipe, not the track
+        record). Refused in one line, and nothing kept, when it does not verify."""
+        if not self.daemons:
+            raise Refused("this store trusts no daemon key (--trust-daemon), so it cannot "
+                          "check a bundle's approvals")
+        imported = bundle_verified(bundle, DaemonWriters(self.daemons))
+        for tool in imported.tools:
+            await self.competence_chains.hold("tool", tool, canonical.TOOL)
+        for record in imported.records:
+            await self.hold_definition(record)
+        for record in imported.records:
+            await self._keep(record)
+        reply: dict[str, Any] = {"skill": imported.identity, "address": MG + imported.address}
+        if holder is not None:
+            source = imported.holder
+            grain = await self.competence_chains.acquire(
+                imported.identity, holder, source[0] if source else imported.address,
+                source[1].get("origin_did") or source[1]["holder_did"] if source else None,
+                now_ms() if at is None else at)
+            reply.update(holder=holder, grain=grain)
+        return reply
 
     async def transfer(self, identity: str, from_holder: str, to_holder: str,
                        at: int) -> dict[str, Any]:
