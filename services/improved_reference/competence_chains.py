@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
 from improved.protocol import canonical
@@ -186,6 +186,28 @@ class CompetenceChains:
             address = (grain.get("derived_from") or [None])[0]
         chain.reverse()
         return chain
+
+    async def heads(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every holder's current grain, (its skill identity, the grain); a head whose grain
+        does not verify is left out (logged)."""
+        try:
+            keys = await self.comp.keys()
+        except NoKeysError:
+            return []
+        out = []
+        for key in keys:
+            parts = key.split(".")
+            if len(parts) != 4 or parts[0] != "head":
+                continue
+            head, _ = await self._head(key)
+            try:
+                grain = await self._load(head["address"], parts[2]) if head else None
+            except CorruptRecord as exc:
+                self.log.warning("competence head left out", key=key, why=str(exc))
+                continue
+            if grain is not None:
+                out.append((f"{parts[1]}:{parts[2]}", grain))
+        return out
 
     async def transfer(self, identity: str, from_holder: str, to_holder: str,
                        at: int) -> dict[str, Any]:

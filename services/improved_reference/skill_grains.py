@@ -138,3 +138,33 @@ def indexed(chain: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     canonical.content_address(after, canonical.SKILL),
                     "system_valid_to": None if after is None else after["created_at"]})
     return out
+
+
+def discovery_problem(query: dict[str, Any]) -> tuple[str, str] | None:
+    """(field, why) when a discovery query is not `{"name"?, "namespace"?, "holder"?,
+    "min_proficiency"?, "history"?}` of the right types, else None."""
+    for field in ("name", "namespace", "holder"):
+        if field in query and (not isinstance(query[field], str) or not query[field]):
+            return field, f"{field} must be a non-empty string"
+    floor = query.get("min_proficiency", 0.0)
+    if isinstance(floor, bool) or not isinstance(floor, int | float) or not 0 <= floor <= 1:
+        return "min_proficiency", "min_proficiency is a number from 0 to 1"
+    if not isinstance(query.get("history", False), bool):
+        return "history", "history is true or false"
+    return None
+
+
+def matches(grain: dict[str, Any], query: dict[str, Any]) -> bool:
+    """Whether a held instance answers a discovery query (OMS: type=skill, by name, namespace,
+    holder, proficiency at least)."""
+    return (grain.get("type") == "skill"
+            and all(query[f] == grain.get(k) for f, k in
+                    (("name", "name"), ("namespace", "namespace"), ("holder", "holder_did"))
+                    if f in query)
+            and float(grain.get("proficiency", 0.0)) >= float(query.get("min_proficiency", 0)))
+
+
+def best_first(grains: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Proficiency descending, then by name and holder (a stable answer)."""
+    return sorted(grains, key=lambda g: (-float(g.get("proficiency", 0.0)), g.get("name", ""),
+                                         g.get("holder_did", "")))

@@ -29,6 +29,7 @@ from improved_reference.skill_definitions import (
     Refused,
     now_ms,
 )
+from improved_reference.skill_grains import discovery_problem
 
 if TYPE_CHECKING:
     from improved_reference.skills_store import SkillsStore
@@ -74,7 +75,8 @@ class SkillRequests:
                                 (S.skills_transfer(store.service), self.answer_transfer),
                                 (S.skills_tool(store.service), self.answer_tool),
                                 (S.skills_export(store.service), self.answer_export),
-                                (S.skills_import(store.service), self.answer_import)):
+                                (S.skills_import(store.service), self.answer_import),
+                                (S.skills_discover(store.service), self.answer_discover)):
             store._subs.append(await store.nc.subscribe(subject, queue=store.service,
                                                         cb=self._responder(subject, answer)))
         # the daemon's learn-back records say when a chain has new outcomes (only where to
@@ -229,6 +231,21 @@ class SkillRequests:
             return _error("refused", str(exc), "bundle")
         except Exception as exc:
             return self._unavailable("skills.import", exc)
+
+    async def answer_discover(self, data: bytes) -> dict[str, Any] | ErrorReply:
+        """`<svc>.skills.discover` `{"name"?, "namespace"?, "holder"?, "min_proficiency"?,
+        "history"?}`: the current heads that answer it, best first (`SkillsStore.discover`)."""
+        body = _request(data, (), ("name", "namespace", "holder", "min_proficiency",
+                                   "history"))
+        if isinstance(body, ErrorReply):
+            return body
+        problem = discovery_problem(body)
+        if problem is not None:
+            return _error(wire.INVALID_VALUE, problem[1], problem[0])
+        try:
+            return {"skills": await self.store.discover(body)}
+        except Exception as exc:
+            return self._unavailable("skills.discover", exc)
 
     def _unavailable(self, what: str, exc: Exception) -> ErrorReply:
         self.log.warning(f"{what} failed", service=self.store.service, error=repr(exc))

@@ -102,8 +102,11 @@ from improved_reference.skill_definitions import (
 )
 from improved_reference.skill_grains import (
     MG,
+    best_first,
     definition_grain,
     dependency_addresses,
+    indexed,
+    matches,
     tool_addresses,
     tool_grain_problem,
 )
@@ -161,6 +164,7 @@ class SkillsStore(KVService[Change]):
             "tool": S.skills_tool(self.service),
             "export": S.skills_export(self.service),
             "import": S.skills_import(self.service),
+            "discover": S.skills_discover(self.service),
             "buckets": {"definitions": self.defs_bucket, "competence": self.comp_bucket,
                         "ledger": self.ledger_bucket},
         }
@@ -388,6 +392,21 @@ class SkillsStore(KVService[Change]):
                                  limit: int | None = None) -> list[dict[str, Any]]:
         """The holder's chain, oldest first, head last (`CompetenceChains.history`)."""
         return await self.competence_chains.history(identity, holder_did, limit)
+
+    async def discover(self, query: dict[str, Any]) -> list[dict[str, Any]]:
+        """The current heads (OMS: `system_valid_to` null) that answer `query`
+        (`skill_grains.matches`), best first; with `"history": true`, every grain of each
+        matching holder's chain too, oldest first, each with `superseded_by` and
+        `system_valid_to` (`skill_grains.indexed`)."""
+        heads = {canonical.content_address(h, canonical.SKILL): (identity, h)
+                 for identity, h in await self.competence_chains.heads() if matches(h, query)}
+        found: list[dict[str, Any]] = []
+        for head in best_first([h for _, h in heads.values()]):
+            identity = heads[canonical.content_address(head, canonical.SKILL)][0]
+            chain = await self.competence_history(identity, head["holder_did"]) \
+                if query.get("history") else [head]
+            found.extend({**g, "skill": identity} for g in indexed(chain))
+        return found
 
     # -- transfer bundles (skill_bundles) -------------------------------------------------------
 
