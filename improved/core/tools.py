@@ -844,6 +844,25 @@ class Runtime:
 
     # -- one call: its steps -------------------------------------------------------------------
 
+    def bound(self, name: str, args: dict[str, Any] | None, skill: str,
+              allowed: frozenset[str] | str, *, session: str | None = None) -> Decision | None:
+        """A call made on behalf of `skill` whose definition allows the tools `allowed` (or
+        cannot bind them: `allowed` says why, one line): the refusal when the tool is outside
+        the bound, None when the call goes on to `gate`. OMS: `allowed_tools` is a bound, and
+        a call outside it an error. Decided before `gate`, so a refused call spends no grant
+        or proof and records no acceptance; a name not in the catalog is `gate`'s not_found."""
+        provider = self._providers.get(name)
+        if provider is None:
+            return None
+        base = Decision(name, {} if args is None else args, provider, session=session)
+        if isinstance(allowed, str):
+            return _refuse(base, "skill_unbound", f"the call is made for skill {skill}, whose "
+                           f"allowed_tools cannot be read: {allowed}"[:ERROR_LIMIT])
+        if name not in allowed:
+            return _refuse(base, "outside_allowed_tools", f"skill {skill} allows the tools "
+                           f"{sorted(allowed)}, not {name}"[:ERROR_LIMIT])
+        return None
+
     def gate(self, name: str, args: dict[str, Any] | None, grant: Envelope | None,
              now_ms: int, *, session: str | None = None, upgrade: Envelope | None = None,
              proof: SessionProof | None = None) -> Step:

@@ -33,6 +33,7 @@ __all__ = [
     "RECOMMENDATION",
     "SKILL",
     "SKILL_DEFINITION_FIELDS",
+    "TOOL",
     "CanonicalError",
     "GRAIN_ADDRESS_RE",
     "analyzer_family",
@@ -52,9 +53,10 @@ __all__ = [
 # Header type bytes (OMS §3.1.1). Observation is 0x06 in the spec's type table (0x05 is Tool).
 FACT = 0x01
 OBSERVATION = 0x06
+TOOL = 0x05  # a Tool definition grain, what a Skill's allowed_tools may name by address
 SKILL = 0x0B
 RECOMMENDATION = 0x0C
-_TYPE_BYTES = {"fact": FACT, "observation": OBSERVATION, "skill": SKILL,
+_TYPE_BYTES = {"fact": FACT, "observation": OBSERVATION, "tool": TOOL, "skill": SKILL,
                "recommendation": RECOMMENDATION}
 
 _INT_MIN = -(2**63)

@@ -282,6 +282,30 @@ def skills_transfer(svc: str) -> str:
     return f"{svc}.skills.transfer"
 
 
+def skills_tool(svc: str) -> str:
+    """A skills store keeps a Tool definition grain under its content address (extension):
+    `{"grain"}` → `{"address"}`, what a skill's `allowed_tools` may then name."""
+    return f"{svc}.skills.tool"
+
+
+def skills_export(svc: str) -> str:
+    """A skills store's transfer bundle (extension): `{"skill", "holder"?}` → the Skill grain,
+    its dependency closure and Tool grains, and the audit chains that approved them."""
+    return f"{svc}.skills.export"
+
+
+def skills_import(svc: str) -> str:
+    """A skills store re-verifies and stores a transfer bundle (extension): `{"bundle",
+    "holder"?}` → the skill's identity and address here."""
+    return f"{svc}.skills.import"
+
+
+def skills_discover(svc: str) -> str:
+    """A skills store's discovery (extension): `{"name"?, "namespace"?, "holder"?,
+    "min_proficiency"?}` → the current heads (system_valid_to null), best first."""
+    return f"{svc}.skills.discover"
+
+
 def tools_list(runtime: str) -> str:
     """An agent runtime's tool catalog (SPEC 09 §3.1)."""
     return f"{runtime}.tools.list"

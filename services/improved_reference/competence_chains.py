@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
 
 from improved.protocol import canonical
@@ -33,6 +33,22 @@ from improved_reference.skill_definitions import (
     definition_of,
     split_identity,
 )
+from improved_reference.skill_grains import grain_problem
+
+
+async def held_grain(kv: KeyValue, prefix: str, address: str,
+                     type_byte: int) -> dict[str, Any] | None:
+    """The grain at `<prefix>.<address>` in `kv`, believed only when its content address,
+    recomputed, is `address` (anyone may write the bucket); None otherwise."""
+    try:
+        entry = await kv.get(f"{prefix}.{address}")
+    except KeyNotFoundError:
+        return None
+    try:
+        grain = msgspec.json.decode(entry.value or b"", type=dict[str, Any])
+    except msgspec.MsgspecError:
+        return None
+    return None if grain_problem(grain, address, type_byte) is not None else grain
 
 
 class CompetenceChains:
@@ -70,13 +86,24 @@ class CompetenceChains:
         return grain
 
     async def _put_grain(self, grain: dict[str, Any]) -> str:
-        """Store an immutable grain under its own address (twice is harmless); the address."""
-        address = address_of(grain)
+        """Store an immutable Skill grain under its own address (twice is harmless)."""
+        return await self.hold("rec", grain, canonical.SKILL)
+
+    async def hold(self, prefix: str, grain: dict[str, Any], type_byte: int) -> str:
+        """Keep `grain` at `<prefix>.<its address>` (immutable: twice is harmless); the
+        address. A value someone else left there is replaced only when it is not this grain."""
+        address = canonical.content_address(grain, type_byte)
+        key = f"{prefix}.{address}"
         try:
-            await self.comp.create(f"rec.{address}", to_json(grain))
+            await self.comp.create(key, to_json(grain))
         except KeyWrongLastSequenceError:
-            pass  # the same content, already there
+            if await self.held(prefix, address, type_byte) is None:
+                await self.comp.put(key, to_json(grain))
         return address
+
+    async def held(self, prefix: str, address: str, type_byte: int) -> dict[str, Any] | None:
+        """`held_grain` in this store's bucket."""
+        return await held_grain(self.comp, prefix, address, type_byte)
 
     async def _advance(self, key: str, sha: str,
                        make: Callable[[dict[str, Any] | None, str | None],
@@ -160,6 +187,28 @@ class CompetenceChains:
         chain.reverse()
         return chain
 
+    async def heads(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every holder's current grain, (its skill identity, the grain); a head whose grain
+        does not verify is left out (logged)."""
+        try:
+            keys = await self.comp.keys()
+        except NoKeysError:
+            return []
+        out = []
+        for key in keys:
+            parts = key.split(".")
+            if len(parts) != 4 or parts[0] != "head":
+                continue
+            head, _ = await self._head(key)
+            try:
+                grain = await self._load(head["address"], parts[2]) if head else None
+            except CorruptRecord as exc:
+                self.log.warning("competence head left out", key=key, why=str(exc))
+                continue
+            if grain is not None:
+                out.append((f"{parts[1]}:{parts[2]}", grain))
+        return out
+
     async def transfer(self, identity: str, from_holder: str, to_holder: str,
                        at: int) -> dict[str, Any]:
         """Give `to_holder` the recipe, not the track record (OMS transfer): a first grain with
@@ -175,18 +224,29 @@ class CompetenceChains:
         source = await self._load(src_head["address"], sha) if src_head else None
         if source is None or src_head is None:
             raise NoCompetence(f"{from_holder} holds no competence record for {identity}")
+        grain = await self.acquire(identity, to_holder, src_head["address"],
+                                   source.get("origin_did") or from_holder, at)
+        self.log.info("transferred", service=self.service, skill=identity, to_holder=to_holder)
+        return grain
+
+    async def acquire(self, identity: str, holder: str, derived_from: str,
+                      origin_did: str | None, at: int) -> dict[str, Any]:
+        """`holder`'s first grain of a stored skill, derived from `derived_from` (a source
+        grain, here or in another deployment), proficiency and practice_count 0. Repeating it
+        returns the same grain; Refused when the holder already practises its own chain."""
+        check_holder(holder)
+        name, sha = split_identity(identity)
+        record = await self.record(identity)
         grain = competence_grain(
-            definition_of(source), holder_did=to_holder, proficiency=0.0, practice_count=0,
-            created_at=at, derived_from=[src_head["address"]],
-            origin_did=source.get("origin_did") or from_holder)
+            definition_of(record["definition"]), holder_did=holder, proficiency=0.0,
+            practice_count=0, created_at=at, derived_from=[derived_from], origin_did=origin_did)
         address = await self._put_grain(grain)
-        key = self._head_key(name, sha, to_holder)
+        key = self._head_key(name, sha, holder)
         try:
             await self.comp.create(key, to_json({"address": address, "practice_count": 0}))
         except KeyWrongLastSequenceError:
             head, _ = await self._head(key)
             if not head or head["address"] != address:
-                raise Refused(f"{to_holder} already holds {identity}; it practises its own "
+                raise Refused(f"{holder} already holds {identity}; it practises its own "
                               "chain") from None
-        self.log.info("transferred", service=self.service, skill=identity, to_holder=to_holder)
         return grain

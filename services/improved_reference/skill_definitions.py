@@ -18,6 +18,7 @@ from improved.protocol import subjects as S
 from improved.protocol.model import Proposal
 from improved_reference import kv_service
 from improved_reference.skill_competence import NAMESPACE
+from improved_reference.skill_grains import allowed_tools_problem
 
 IDENTITY_RE = re.compile(r"^([a-z][a-z0-9_-]{0,62}):([0-9a-f]{64})$")
 DEFINITION_FIELDS = canonical.SKILL_DEFINITION_FIELDS
@@ -129,6 +130,9 @@ def definition_record(skill: Any, created_at: int) -> dict[str, Any]:
     deps = canonical.dependencies_problem(skill)
     if deps is not None:
         raise Refused(deps[1])
+    tools = allowed_tools_problem(skill)
+    if tools is not None:
+        raise Refused(tools)
     created = skill.get("created_at", created_at)
     if not isinstance(created, int) or isinstance(created, bool) or not 0 <= created < 2**53:
         raise Refused("created_at must be integer epoch milliseconds")

@@ -29,6 +29,7 @@ from improved_reference.skill_definitions import (
     Refused,
     now_ms,
 )
+from improved_reference.skill_grains import discovery_problem
 
 if TYPE_CHECKING:
     from improved_reference.skills_store import SkillsStore
@@ -71,7 +72,11 @@ class SkillRequests:
         for subject, answer in ((S.skills_get(store.service), self.answer_get),
                                 (S.skills_practice(store.service), self.answer_practice),
                                 (S.skills_competence(store.service), self.answer_competence),
-                                (S.skills_transfer(store.service), self.answer_transfer)):
+                                (S.skills_transfer(store.service), self.answer_transfer),
+                                (S.skills_tool(store.service), self.answer_tool),
+                                (S.skills_export(store.service), self.answer_export),
+                                (S.skills_import(store.service), self.answer_import),
+                                (S.skills_discover(store.service), self.answer_discover)):
             store._subs.append(await store.nc.subscribe(subject, queue=store.service,
                                                         cb=self._responder(subject, answer)))
         # the daemon's learn-back records say when a chain has new outcomes (only where to
@@ -182,6 +187,65 @@ class SkillRequests:
             return self._unavailable("skills.transfer", exc)
         return {"skill": body["skill"], "holder": body["to"], "address": address_of(grain),
                 "grain": grain}
+
+    async def answer_tool(self, data: bytes) -> dict[str, Any] | ErrorReply:
+        """`<svc>.skills.tool` `{"grain"}`: keep a Tool definition grain; its address."""
+        body = _request(data, (), ("grain",))
+        if isinstance(body, ErrorReply):
+            return body
+        try:
+            address = await self.store.put_tool(body.get("grain"))
+        except Refused as exc:
+            return _error(wire.INVALID_VALUE, str(exc), "grain")
+        except Exception as exc:
+            return self._unavailable("skills.tool", exc)
+        return {"address": address}
+
+    async def answer_export(self, data: bytes) -> dict[str, Any] | ErrorReply:
+        """`<svc>.skills.export` `{"skill", "holder"?}`: the skill's transfer bundle."""
+        body = _request(data, ("skill",), ("holder",))
+        if isinstance(body, ErrorReply):
+            return body
+        try:
+            return await self.store.export(body["skill"], body.get("holder"))
+        except NoCompetence as exc:
+            return _error(wire.NOT_FOUND, str(exc), "holder")
+        except NotStored as exc:
+            return _error(wire.NOT_FOUND, str(exc), "skill")
+        except (GrantMismatch, Refused) as exc:
+            return _error("refused", str(exc), "skill")
+        except Exception as exc:
+            return self._unavailable("skills.export", exc)
+
+    async def answer_import(self, data: bytes) -> dict[str, Any] | ErrorReply:
+        """`<svc>.skills.import` `{"bundle", "holder"?}`: re-verify a bundle and keep it."""
+        body = _request(data, (), ("bundle", "holder"))
+        if isinstance(body, ErrorReply):
+            return body
+        holder = body.get("holder")
+        if holder is not None and (not isinstance(holder, str) or not holder):
+            return _error(wire.INVALID_VALUE, "holder must be a non-empty string", "holder")
+        try:
+            return await self.store.import_bundle(body.get("bundle"), holder)
+        except Refused as exc:
+            return _error("refused", str(exc), "bundle")
+        except Exception as exc:
+            return self._unavailable("skills.import", exc)
+
+    async def answer_discover(self, data: bytes) -> dict[str, Any] | ErrorReply:
+        """`<svc>.skills.discover` `{"name"?, "namespace"?, "holder"?, "min_proficiency"?,
+        "history"?}`: the current heads that answer it, best first (`SkillsStore.discover`)."""
+        body = _request(data, (), ("name", "namespace", "holder", "min_proficiency",
+                                   "history"))
+        if isinstance(body, ErrorReply):
+            return body
+        problem = discovery_problem(body)
+        if problem is not None:
+            return _error(wire.INVALID_VALUE, problem[1], problem[0])
+        try:
+            return {"skills": await self.store.discover(body)}
+        except Exception as exc:
+            return self._unavailable("skills.discover", exc)
 
     def _unavailable(self, what: str, exc: Exception) -> ErrorReply:
         self.log.warning(f"{what} failed", service=self.store.service, error=repr(exc))

@@ -66,12 +66,22 @@ from nats.aio.client import Client
 
 from improved.client import chains
 from improved.core.evidence import DaemonWriters
+from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyOrder, ApplyResult, Proposal, Signal, to_json
 from improved_reference import kv_service
 from improved_reference.competence_chains import CompetenceChains
 from improved_reference.kv_service import KVService
-from improved_reference.skill_competence import NotPractice, Practice, practice_on_chain
+from improved_reference.skill_bundles import FORMAT as BUNDLE_FORMAT
+from improved_reference.skill_bundles import entry as bundle_entry
+from improved_reference.skill_bundles import verified as bundle_verified
+from improved_reference.skill_competence import (
+    NAMESPACE,
+    NotPractice,
+    Practice,
+    address_of,
+    practice_on_chain,
+)
 from improved_reference.skill_definitions import (
     DEFINITION_FIELDS,
     Change,
@@ -89,6 +99,16 @@ from improved_reference.skill_definitions import (
     restorable,
     split_identity,
     verify,
+)
+from improved_reference.skill_grains import (
+    MG,
+    best_first,
+    definition_grain,
+    dependency_addresses,
+    indexed,
+    matches,
+    tool_addresses,
+    tool_grain_problem,
 )
 from improved_reference.skill_requests import SkillRequests
 
@@ -141,6 +161,10 @@ class SkillsStore(KVService[Change]):
             "practice": S.skills_practice(self.service),
             "competence": S.skills_competence(self.service),
             "transfer": S.skills_transfer(self.service),
+            "tool": S.skills_tool(self.service),
+            "export": S.skills_export(self.service),
+            "import": S.skills_import(self.service),
+            "discover": S.skills_discover(self.service),
             "buckets": {"definitions": self.defs_bucket, "competence": self.comp_bucket,
                         "ledger": self.ledger_bucket},
         }
@@ -154,12 +178,60 @@ class SkillsStore(KVService[Change]):
         return record if isinstance(record, dict) else {}
 
     async def put_definition(self, definition: dict[str, Any]) -> str:
-        """Store a definition under its hash (a no-op when it is already there); its identity."""
+        """Store a definition under its hash (a no-op when it is already there); its identity.
+        Its references must resolve first (`check_references`)."""
         record = definition_record(definition, now_ms())
+        await self.check_references(record["definition"])
+        await self.hold_definition(record)
         change = Change(op="put", name=record["name"], sha=record["sha256"], record=record)
         await self._store(change.key, lambda current: None if verify(
             current, change.name, change.sha) is None else to_json(record))
         return change.identity
+
+    async def hold_definition(self, record: dict[str, Any]) -> str:
+        """Keep the record's pure-definition Skill grain at `rec.<address>`, where a
+        dependency resolves to it."""
+        return await self.competence_chains.hold(
+            "rec", definition_grain(record, NAMESPACE), canonical.SKILL)
+
+    async def put_tool(self, grain: Any) -> str:
+        """Keep a Tool definition grain under its content address; the address (mg:sha256:).
+        Anyone may: the address binds the content, and only an approved skill names it."""
+        problem = tool_grain_problem(grain)
+        if problem is not None:
+            raise Refused(problem)
+        return MG + await self.competence_chains.hold("tool", grain, canonical.TOOL)
+
+    async def check_references(self, definition: dict[str, Any]) -> None:
+        """Refused, in one line, unless every dependency is a Skill grain and every
+        `allowed_tools` address a Tool definition grain this store holds."""
+        chains_ = self.competence_chains
+        for i, address in dependency_addresses(definition):
+            if await chains_.held("rec", address, canonical.SKILL) is None:
+                raise Refused(
+                    f"dependencies[{i}] = {MG}{address} names no Skill grain this store "
+                    "holds: a dependency is the content address of a stored Skill grain "
+                    "(mg:sha256:<64 hex>, a stored skill's `address`), not a <name>:<sha256> "
+                    "skill hash")
+        for i, address in tool_addresses(definition):
+            if await chains_.held("tool", address, canonical.TOOL) is None:
+                raise Refused(
+                    f"allowed_tools[{i}] = {MG}{address} names no Tool definition grain this "
+                    f"store holds; keep it first on {S.skills_tool(self.service)}")
+
+    async def _prepare_change(self, order: ApplyOrder) -> Change:
+        """`_change`, and for a put not yet applied its references resolved."""
+        change = await super()._prepare_change(order)
+        if change.op == "put" and change.record is not None \
+                and not await self._applied(order.proposal_id):
+            await self.check_references(change.record["definition"])
+        return change
+
+    async def _keep(self, record: dict[str, Any]) -> None:
+        """Store `record` under its hash, unless that definition is stored already."""
+        name, sha = record["name"], record["sha256"]
+        await self._store(f"{name}.{sha}", lambda current: None if verify(
+            current, name, sha) is None else to_json(record))
 
     async def record(self, identity: str) -> dict[str, Any]:
         """The stored record of exactly `identity`, verified against its hash; GrantMismatch
@@ -252,6 +324,7 @@ class SkillsStore(KVService[Change]):
         if entry["op"] == "keep":
             return cur_rev
         if entry["op"] == "put":
+            await self.hold_definition(entry["record"])
             if verify(current, *split_identity(entry["identity"])) is None:
                 return cur_rev
             return await self._publish(entry["key"], to_json(entry["record"]), cur_rev, pid)
@@ -319,6 +392,87 @@ class SkillsStore(KVService[Change]):
                                  limit: int | None = None) -> list[dict[str, Any]]:
         """The holder's chain, oldest first, head last (`CompetenceChains.history`)."""
         return await self.competence_chains.history(identity, holder_did, limit)
+
+    async def discover(self, query: dict[str, Any]) -> list[dict[str, Any]]:
+        """The current heads (OMS: `system_valid_to` null) that answer `query`
+        (`skill_grains.matches`), best first; with `"history": true`, every grain of each
+        matching holder's chain too, oldest first, each with `superseded_by` and
+        `system_valid_to` (`skill_grains.indexed`)."""
+        heads = {canonical.content_address(h, canonical.SKILL): (identity, h)
+                 for identity, h in await self.competence_chains.heads() if matches(h, query)}
+        found: list[dict[str, Any]] = []
+        for head in best_first([h for _, h in heads.values()]):
+            identity = heads[canonical.content_address(head, canonical.SKILL)][0]
+            chain = await self.competence_history(identity, head["holder_did"]) \
+                if query.get("history") else [head]
+            found.extend({**g, "skill": identity} for g in indexed(chain))
+        return found
+
+    # -- transfer bundles (skill_bundles) -------------------------------------------------------
+
+    async def export(self, identity: str, holder: str | None = None) -> dict[str, Any]:
+        """The transfer bundle of `identity` (`skill_bundles`): its grain and dependency
+        closure, each with the audit chain that approved it here, the Tool grains they name,
+        and `holder`'s competence head when given. Refused when a grain of the closure was not
+        stored by an approved proposal (nothing would prove its approval elsewhere)."""
+        grains, tools, todo, seen = [], [], [identity], set()
+        while todo:
+            current = todo.pop(0)
+            record = await self.record(current)
+            if record["address"] in seen:
+                continue
+            seen.add(record["address"])
+            pid = record.get("proposal_id")
+            if not isinstance(pid, str):
+                raise Refused(f"{current} was not stored by an approved proposal here: no "
+                              "chain proves its approval")
+            chain = await chains.read_sequenced(self.js, S.audit(self.service, pid))
+            grains.append(bundle_entry(record["address"], definition_grain(record, NAMESPACE),
+                                       pid, chain))
+            for _, address in dependency_addresses(record["definition"]):
+                grain = await self.competence_chains.held("rec", address, canonical.SKILL)
+                if grain is None:
+                    raise Refused(f"the dependency {address} of {current} is not held here")
+                todo.append(canonical.skill_identity(grain))
+            for _, address in tool_addresses(record["definition"]):
+                tool = await self.competence_chains.held("tool", address, canonical.TOOL)
+                if tool is None:
+                    raise Refused(f"the Tool grain {address} of {current} is not held here")
+                tools.append({"address": MG + address, "grain": tool})
+        bundle: dict[str, Any] = {"format": BUNDLE_FORMAT, "skill": identity, "grains": grains,
+                                  "tools": tools}
+        if holder is not None:
+            head = await self.competence(identity, holder)
+            if head is None:
+                raise NoCompetence(f"{holder} holds no competence record for {identity}")
+            bundle["holder"] = {"address": MG + address_of(head), "grain": head}
+        return bundle
+
+    async def import_bundle(self, bundle: Any, holder: str | None = None,
+                            at: int | None = None) -> dict[str, Any]:
+        """Re-verify a bundle another deployment exported (`skill_bundles.verified`, against
+        the daemon keys this store trusts) and keep it: its Tool grains, its Skill grains and
+        their records; with `holder`, that holder's first grain (the recipe, not the track
+        record). Refused in one line, and nothing kept, when it does not verify."""
+        if not self.daemons:
+            raise Refused("this store trusts no daemon key (--trust-daemon), so it cannot "
+                          "check a bundle's approvals")
+        imported = bundle_verified(bundle, DaemonWriters(self.daemons))
+        for tool in imported.tools:
+            await self.competence_chains.hold("tool", tool, canonical.TOOL)
+        for record in imported.records:
+            await self.hold_definition(record)
+        for record in imported.records:
+            await self._keep(record)
+        reply: dict[str, Any] = {"skill": imported.identity, "address": MG + imported.address}
+        if holder is not None:
+            source = imported.holder
+            grain = await self.competence_chains.acquire(
+                imported.identity, holder, source[0] if source else imported.address,
+                source[1].get("origin_did") or source[1]["holder_did"] if source else None,
+                now_ms() if at is None else at)
+            reply.update(holder=holder, grain=grain)
+        return reply
 
     async def transfer(self, identity: str, from_holder: str, to_holder: str,
                        at: int) -> dict[str, Any]:

@@ -64,11 +64,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 import structlog
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from msgspec import Meta
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -107,12 +108,17 @@ from improved.core.tools import (
 from improved.protocol import subjects as S
 from improved.protocol import wire
 from improved.protocol.model import Envelope, _In, to_json
+from improved_reference.skill_bounds import SkillBounds
+from improved_reference.skill_definitions import IDENTITY_RE
 from improved_reference.tool_gate import ToolGate
 
 log = structlog.get_logger("improved_reference.tool_runtime")
 T = TypeVar("T")
 
 MAX_PER_SUBJECT = 10077  # JetStream: "maximum messages per subject exceeded" (discard new)
+
+
+SkillIdentity = Annotated[str, Meta(pattern=IDENTITY_RE.pattern)]
 
 
 class ToolCall(_In):
@@ -124,6 +130,8 @@ class ToolCall(_In):
     session: SessionId | None = None
     upgrade: Envelope | None = None
     proof: SessionProof | None = None  # by the upgrade's session key, for this very call
+    # the skill this call is made for: only its definition's `allowed_tools` may be called
+    skill: SkillIdentity | None = None
 
 
 class Revoke(_In):
@@ -308,11 +316,13 @@ class JetStreamLedger:
 class ToolRuntimeService:
     """Serves one Runtime's catalog and calls over a nats-py Client; `key` signs the trailers
     of the runtime's `_tools` chain. `start` puts the runtime's ledger (`gate.ledger`) on
-    JetStream."""
+    JetStream. With `skills` (a skills store's service), a call made for a skill is bound to
+    that skill's `allowed_tools` (`skill_bounds`); without it, such a call is refused."""
 
     def __init__(self, nc: Client, runtime: Runtime, key: Ed25519PrivateKey, *,
-                 replicas: int = 1, accept_ledger: bool = False):
+                 replicas: int = 1, accept_ledger: bool = False, skills: str | None = None):
         self.nc = nc
+        self.skills = SkillBounds(nc.jetstream(), skills) if skills is not None else None
         self.runtime = runtime
         self.gate = ToolGate(runtime)
         # its chain on the tool runtimes' audit stream, signed with its key; the mark streams
@@ -459,9 +469,9 @@ class ToolRuntimeService:
                      code=err.code, field=err.field)
             return err.reply()
         try:
-            decision = await self.gate.decide(call.tool, call.args, call.grant, now_ms(),
-                                              session=call.session, upgrade=call.upgrade,
-                                              proof=call.proof)
+            decision = await self._skill_bound(call) or await self.gate.decide(
+                call.tool, call.args, call.grant, now_ms(), session=call.session,
+                upgrade=call.upgrade, proof=call.proof)
             recorded = await self._record(decision)
             if decision.allowed and not recorded:
                 reply: dict[str, Any] = {"refused": {
@@ -483,6 +493,16 @@ class ToolRuntimeService:
             reply.update(ok=False, error=f"TypeError: the tool's result is not JSON: "
                          f"{exc}"[:ERROR_LIMIT])
             return to_json(reply)
+
+    async def _skill_bound(self, call: ToolCall) -> Decision | None:
+        """The refusal of a call made for a skill whose `allowed_tools` do not include its
+        tool (or cannot be read), before the gate: nothing is spent. None: on to the gate."""
+        if call.skill is None:
+            return None
+        allowed = await self.skills.allowed(call.skill) if self.skills is not None else \
+            "this runtime reads no skills store"
+        return self.runtime.bound(call.tool, call.args, call.skill, allowed,
+                                  session=call.session)
 
     async def _record(self, decision: Decision) -> bool:
         """Append the decision to the runtime's `_tools` chain; False when it could not be."""

@@ -40,7 +40,7 @@ ALICE, BOB, CAROL = ("did:key:z6MkAlice", "did:key:z6MkBob", "did:key:z6MkCarol"
 def skill(name: str, instructions: str = "Summarise the text in three bullets.") -> dict:
     return {"name": name, "description": "Summarise a document", "instructions": instructions,
             "when_to_use": "a long text needs a short summary", "version": "1.0.0",
-            "allowed_tools": ["mg:sha256:" + "ab" * 32], "domain": "writing"}
+            "allowed_tools": ["read_text"], "domain": "writing"}
 
 
 def proposal(svc: str, data: dict, *, target: str, at: int = AT) -> Proposal:
