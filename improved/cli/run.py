@@ -11,6 +11,7 @@ from pathlib import Path
 from improved.cli.common import add_connection_args, config_of
 from improved.cli.errors import USAGE, Failure, daemon_extra_note
 from improved.client import connection, credentials
+from improved.client.answers import DAEMON_INBOX
 from improved.client.config import Config
 from improved.client.connection import NatsSettings
 
@@ -34,10 +35,11 @@ def configured(args: argparse.Namespace) -> Config:
 
 
 def embedded_accounts(config: Config) -> str:
-    """What the embedded server's configuration adds for its users: nothing on the open bus;
-    under accounts the data directory's credentials, made on the first start. A data
-    directory run one way is refused the other: the two keep their streams apart."""
-    from improved.runtime import accounts
+    """What the embedded server's configuration adds for its users: on the open bus the
+    daemon's own user, whose inboxes no one else may touch (`runtime.open_bus`); under
+    accounts the data directory's credentials, made on the first start. A data directory run
+    one way is refused the other: the two keep their streams apart."""
+    from improved.runtime import accounts, open_bus
 
     where = config.data_dir
     found = accounts.mode_in(where)
@@ -54,7 +56,7 @@ def embedded_accounts(config: Config) -> str:
                       f"anything, and the loop kept there would not be seen (remove "
                       f"{credentials.directory(where)} only to start that directory afresh, open)",
                       USAGE)
-    return ""
+    return open_bus.prepare(where)
 
 
 def data_dir_made(where: Path) -> None:
@@ -75,6 +77,15 @@ def as_user(config: Config, url: str, user: str) -> connection.Target:
     """The embedded server of `config`, as one of its data directory's users."""
     return connection.target(url, NatsSettings(user=user, password_file=credentials.password_file(
         config.data_dir, user)))
+
+
+def open_bus_daemon(config: Config, url: str) -> connection.Target:
+    """The embedded open bus as its daemon, `improved`, with the data directory's password."""
+    from improved.runtime import open_bus
+
+    return connection.target(url, NatsSettings(user=open_bus.DAEMON_USER,
+                                               password_file=open_bus.password_file(
+                                                   config.data_dir)))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -111,7 +122,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"improved: provisioned as {credentials.ADMIN}: "
                   + (f"{len(changes)} changed" if changes else "nothing changed"),
                   file=sys.stderr, flush=True)
-        nc = await connection.connect(where, "improved")
+        nc = await connection.connect(
+            where, "improved",
+            inbox_prefix=DAEMON_INBOX if server is not None and not config.accounts else None)
         return await run_until_stopped(
             nc, config, stop=stop, reread=lambda: configured(args),
             on_ready=lambda d: print(f"improved: ready as {d.actor} on {where.where} "
@@ -122,6 +135,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         # the credential files are read here, once
         where = (as_user(config, url, credentials.DAEMON) if config.accounts
+                 else open_bus_daemon(config, url) if server is not None
                  else connection.target(url, config.nats))
         return asyncio.run(main())
     except metrics.EndpointError as exc:  # the daemon's metrics port: one line, as for a bus

@@ -29,6 +29,20 @@ from improved.core.signing import TrustStore
 
 NO_RESPONDERS = "503"  # the status the server answers a request nobody subscribes to
 
+# The daemon's inbox prefix on the embedded open bus (`runtime.open_bus`): no client but the
+# daemon may publish or subscribe under it there, so only the server answers on it.
+DAEMON_INBOX = "_INBOX_improved_open"
+
+
+def service_reply_prefix(nc: Client) -> str:
+    """A fresh reply prefix a service may answer on: the connection's own inbox, but for the
+    daemon on the open bus, whose inboxes no service may publish to — its requests to
+    services are answered under the open `_INBOX` (the same nuid), JetStream's on its own."""
+    inbox = nc.new_inbox()
+    if inbox.startswith(DAEMON_INBOX + "."):
+        return "_INBOX" + inbox[len(DAEMON_INBOX):]
+    return inbox
+
 
 class Answers:
     """Requests to the owning services, every answer heard as evidence."""
@@ -50,7 +64,7 @@ class Answers:
     async def _start(self) -> None:
         async with self._starting:
             if self._sub is None:
-                self._prefix = self.nc.new_inbox() + "."
+                self._prefix = service_reply_prefix(self.nc) + "."
                 self._sub = await self.nc.subscribe(self._prefix + "*", cb=self._route)
 
     async def _route(self, msg: Msg) -> None:

@@ -198,10 +198,12 @@ class InboundConsumer:
         for msg in msgs:
             try:
                 job = await self._decode(msg)
-            except Exception:  # a bug in decoding must not end the consumer
+            except Exception:  # a bug in decoding, or no message of the stream at all (a
+                # forged delivery into the fetch's inbox), must not end the consumer
                 log.exception("could not decode an inbound message; terminated",
                               subject=msg.subject)
-                await msg.term()
+                with suppress(Exception):  # a forgery has nothing to terminate
+                    await msg.term()
                 continue
             if job is not None:
                 if self.engine.tracing.on:
@@ -401,8 +403,8 @@ class InboundConsumer:
         if valid_to is not None and valid_to <= time.time() * 1000:
             return True  # the pass expires it
         try:
-            await self.nc.request(S.apply_request(record.service), PROBE_ORDER,
-                                  timeout=self.config.apply.timeout_s)
+            await self.engine.answers.ask(record.service, S.apply_request(record.service),
+                                          PROBE_ORDER, timeout=self.config.apply.timeout_s)
         except NoRespondersError:
             return False
         except Exception:
