@@ -241,7 +241,8 @@ def test_the_docstring_example_loads_to_its_values(tmp_path):
                       effect_window_ms=86400000, autonomy="on",
                       doc_allowlist=("docs/**", "*.md"), regression_tolerance=0.05,
                       metric_direction={"error_rate": "lower"}, breaker_threshold=3,
-                      breaker_window_days=14.0, breaker_pause_hours=48.0, quorum=False),
+                      breaker_window_days=14.0, breaker_pause_hours=48.0, quorum=False,
+                      principals={"kb:*": "policy:kb"}),
         trust=Trust(operators={"operator:alice": KEY_A}, act_max_age_s=86400.0,
                     quorum={"agent-a": KEY_B}, daemons={"improved:b": KEY_C}),
         apply=ApplySettings(timeout_s=5.0, attempts=3, max_deliveries=8))
@@ -264,7 +265,7 @@ def test_the_readme_example_loads_to_its_values(tmp_path):
                       breaker_threshold=3, breaker_window_days=14.0, breaker_pause_hours=48.0,
                       doc_allowlist=("docs/**",),
                       regression_tolerance=0.05, metric_direction={"error_rate": "lower"},
-                      quorum=False),
+                      quorum=False, principals={"kb:*": "policy:kb"}),
         trust=Trust(operators={"operator:alice": KEY_A}, quorum={"agent-a": KEY_B},
                     signers={"check:ci": KEY_D}, daemons={"improved:b": KEY_C},
                     runtimes={"agent": KEY_E}),
