@@ -749,6 +749,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                          help="republish the retained records that differ (or are missing)")
     # --write publishes retained records, which only the daemon's user may
     rebuild.set_defaults(func=cmd_audit_rebuild, as_user=credentials.DAEMON)
+    _register_export(aud_sub)
+
+
+def _register_export(aud_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add `improved audit export --oms DIR`."""
     export = aud_sub.add_parser(
         "export", help="write the audit chains as OMS grains an OMS tool can read",
         description="Write every audit chain whose hashes and links re-derive to DIR as OMS "
