@@ -89,7 +89,9 @@ PROPOSAL_SCHEMA: dict[str, Any] = {
         "target_ref": {"type": "string", "description": "scheme:rest, e.g. rank:search.boost"},
         "change_class": {"enum": list(gradient.CLASSES)},
         "scope": {"enum": ["knowledge", "code", "operation", "charter"]},
-        "analyzer": {"type": "object", "description": '{"id": "name/1", "params"?: {...}}'},
+        "analyzer": {"type": "object",
+                     "description": '{"id": "publisher.name/major, e.g. acme.tuner/1", '
+                                    '"params"?: {...}}'},
         "summary": {"type": "object",
                     "description": '{"template_id": "...", "args": {...}}'},
         "proposal_data": {"type": "object"},

@@ -658,6 +658,30 @@ def cmd_audit_rebuild(args: argparse.Namespace) -> int:
     return asyncio.run(_rebuild(url_of(args, config), config, args.write))
 
 
+async def _export_oms(url: str | Target, directory: Path) -> int:
+    """Every chain that verifies written to `directory` as OMS grains (`client.oms_export`)."""
+    from improved.client import oms_export
+
+    async with deployment(url, bind=False) as store:
+        try:
+            done = await oms_export.export(store, directory)
+        except OSError as exc:
+            print(f"improved audit export: cannot write to {directory}: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return 2
+    for line in done.left_out:
+        print(line)
+    print(f"{done.chains} chains exported to {directory} as {done.grains} OMS grains "
+          f"(<content address>{oms_export.SUFFIX}, listed in {oms_export.MANIFEST})"
+          + (f"; {len(done.left_out)} chains left out" if done.left_out else ""))
+    return 1 if done.left_out else 0
+
+
+def cmd_audit_export(args: argparse.Namespace) -> int:
+    config = config_of(args)
+    return asyncio.run(_export_oms(url_of(args, config), Path(args.oms)))
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the `audit` commands to the `improved` parser."""
     aud = sub.add_parser("audit", help="verify the audit chains",
@@ -725,3 +749,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                          help="republish the retained records that differ (or are missing)")
     # --write publishes retained records, which only the daemon's user may
     rebuild.set_defaults(func=cmd_audit_rebuild, as_user=credentials.DAEMON)
+    _register_export(aud_sub)
+
+
+def _register_export(aud_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add `improved audit export --oms DIR`."""
+    export = aud_sub.add_parser(
+        "export", help="write the audit chains as OMS grains an OMS tool can read",
+        description="Write every audit chain whose hashes and links re-derive to DIR as OMS "
+                    "grains: a proposal's Recommendation grain, then one audit Observation "
+                    "grain per trailer (observer_id, observer_type, the reason as object, "
+                    "derived_from the recommendation and the grain before; the trailer's other "
+                    "fields in context), each <content address>.mg in the OMS canonical "
+                    "encoding, and chains.json naming each chain's grains in order "
+                    "(docs/protocol.md, Audit trailers as OMS Observation grains). A broken "
+                    "chain is named and left out (exit 1); who wrote the trailers is `audit "
+                    "verify`'s to check.")
+    add_connection_args(export)
+    export.add_argument("--oms", metavar="DIR", required=True,
+                        help="the directory the grains are written to (made if missing)")
+    export.set_defaults(func=cmd_audit_export)

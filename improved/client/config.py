@@ -69,6 +69,11 @@ breaker_pause_hours = 48             # pauses autonomous applies this long
 quorum = false                       # L4 may pass on 3 signed votes of non-correlated sessions;
 # quorum_amendment = "<64 hex>"      # true needs this: an approved charter proposal's id
 
+[policy.principals]                  # namespace glob (* and ?) → the policy principal an
+"kb:*" = "policy:kb"                 # auto-apply of a proposal in that namespace runs under
+                                     # (policy:NAME; an exact name, then the longest glob wins);
+                                     # a namespace none matches, or none: policy_principal
+
 [audit]                              # epochs of the audit log (docs/protocol.md, Epochs)
 epoch_trailers = 1000000             # seal an epoch when it holds this many trailers ...
 epoch_hours = 168                    # ... or is this old (then `improved audit archive`)

@@ -214,8 +214,11 @@ def expired(record: ProposalRecord, now: int) -> bool:
 def authority(record: ProposalRecord, policy: Policy) -> str:
     """The authority recorded with the dispatch, once there is one (the order sent again is
     the same order); before it, the approving principal's; auto-applies run under the
-    configured policy principal. Never the analyzer's."""
-    return record.dispatched_by or record.approved_by or policy.policy_principal
+    policy principal configured for the proposal's namespace (OMS rule 8;
+    `Policy.principal_for`: `[policy.principals]`, else `policy_principal`). Never the
+    analyzer's."""
+    return (record.dispatched_by or record.approved_by
+            or policy.principal_for(record.proposal.namespace))
 
 
 def order(record: ProposalRecord, policy: Policy, attempt: int) -> ApplyOrder:

@@ -15,7 +15,9 @@ the `_policy` chain, on which the daemon records every change of it (`draft`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import re
 import typing
 from typing import Annotated, Any, Final, Literal
 
@@ -36,6 +38,15 @@ Autonomy = Literal["on", "off"]
 Direction = Literal["higher", "lower"]
 Positive = Annotated[int, Meta(ge=1)]
 Text = Annotated[str, Meta(min_length=1)]
+# `[policy.principals]`: a namespace glob (`*`, `?`), and the principal it maps to, which must
+# be a policy principal (`policy:NAME`): an auto-apply never runs under what reads as an
+# operator or a service, whose capabilities an applier grants to their own acts alone
+NamespaceGlob = Annotated[str, Meta(min_length=1, max_length=256,
+                                    description="a namespace glob (* and ?), 1-256 characters")]
+POLICY_PRINCIPAL_RE: Final = r"^policy:[A-Za-z0-9._@+-]{1,128}\Z"
+PolicyPrincipal = Annotated[str, Meta(pattern=POLICY_PRINCIPAL_RE,
+                                      description="a policy principal, policy:NAME (NAME of "
+                                                  "letters, digits and ._@+-)")]
 # Every float has a lower and an upper bound, which also refuses TOML's nan and inf.
 YEARS_10_S = 10 * 365 * 86400  # upper bound of every span: far beyond use, well inside int64
 
@@ -50,6 +61,10 @@ class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     min_class: dict[str, ChangeClass] = field(default_factory=dict)  # raised, never lowered
     fallback_min_class: ChangeClass = FALLBACK_MIN_CLASS  # likewise
     policy_principal: Text = "policy:auto"
+    # `[policy.principals]`: namespace glob → the policy principal an auto-apply of a proposal
+    # in that namespace runs under (OMS rule 8: "the host-configured policy principal for the
+    # recommendation's namespace"); a namespace no glob matches, or none, gets policy_principal
+    principals: dict[NamespaceGlob, PolicyPrincipal] = field(default_factory=dict)
     effect_window_ms: Annotated[int, Meta(ge=1, le=YEARS_10_S * 1000)] = 24 * 3600 * 1000
     autonomy: Autonomy = "on"  # "off" holds every autonomous apply back (constitution IV.6)
     # globs of the doc: targets that may be edited at all: by default the documentation
@@ -69,6 +84,31 @@ class Policy(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=Tr
     def forbidden(self) -> tuple[str, ...]:
         """The forbidden list in force: the constitution's, then the configured additions."""
         return forbidden(self.forbidden_targets)
+
+    def principal_for(self, namespace: str | None) -> str:
+        """The policy principal an auto-apply in `namespace` runs under (`principal_of`)."""
+        return principal_of(self.principals, self.policy_principal, namespace)
+
+
+def principal_of(principals: typing.Mapping[str, str], default: str,
+                 namespace: str | None) -> str:
+    """The principal of the glob in `principals` that matches `namespace`, else `default`.
+    The most specific glob wins whatever the order written (the order is lost on the policy
+    chain, which records the table sorted): an exact name, then the longest glob, then the
+    first in sorted order. `*` is any run of characters, `?` one; the rest is literal and
+    case-sensitive, as OMS namespaces are."""
+    if namespace is None:
+        return default
+    matching = [glob for glob in principals if _namespace_glob(glob).match(namespace)]
+    if not matching:
+        return default
+    return principals[min(matching, key=lambda g: (g != namespace, -len(g), g))]
+
+
+@functools.lru_cache(maxsize=256)
+def _namespace_glob(glob: str) -> re.Pattern[str]:
+    body = "".join(".*" if ch == "*" else "." if ch == "?" else re.escape(ch) for ch in glob)
+    return re.compile(f"^{body}\\Z", re.DOTALL)
 
 
 def forbidden(additional: typing.Iterable[str]) -> tuple[str, ...]:
@@ -144,15 +184,24 @@ def _class(name: str) -> ChangeClass:
     return typing.cast(ChangeClass, name)
 
 
+def _builtins(policy: Policy) -> dict[str, Any]:
+    """The effective policy as plain data; an empty `principals` left out, so a policy that
+    sets none has the digest it had before the table existed (no new `_policy` trailer)."""
+    data: dict[str, Any] = msgspec.to_builtins(effective(policy))
+    if not data.get("principals"):
+        data.pop("principals", None)
+    return data
+
+
 def digest(policy: Policy) -> str:
     """SHA-256 of the canonical MessagePack of the effective policy."""
-    return canonical.digest(msgspec.to_builtins(effective(policy)))
+    return canonical.digest(_builtins(policy))
 
 
 def differences(policy: Policy) -> dict[str, Any]:
     """Each key whose effective value differs from the default's, with that value."""
-    mine = msgspec.to_builtins(effective(policy))
-    default = msgspec.to_builtins(effective(Policy()))
+    mine = _builtins(policy)
+    default = _builtins(Policy())
     return {name: value for name, value in mine.items() if default.get(name) != value}
 
 

@@ -18,6 +18,7 @@ from improved.core.signing import PAYLOAD_TYPES, ActRefused, TrustStore, Verifie
 from improved.core.trailers import Registration, Superseded, decode
 from improved.protocol import cal, canonical, wire
 from improved.protocol.model import (
+    DERIVED_FROM_LIMIT,
     DedupHead,
     Envelope,
     ObserverType,
@@ -62,6 +63,14 @@ def validate(data: bytes, subject_service: str | None, limit: int) -> Proposal:
         raise wire.WireError(wire.BODY_COUNT, "a proposal carries exactly one of proposal_cal, "
                              f"proposal_edit, proposal_data; this one has {named}",
                              bodies[1] if len(bodies) > 1 else "proposal_cal")
+    if proposal.derived_from is not None and len(proposal.derived_from) > DERIVED_FROM_LIMIT:
+        raise wire.WireError(wire.INVALID_VALUE, f"derived_from holds {len(proposal.derived_from)} "
+                             f"entries; improved bounds it at {DERIVED_FROM_LIMIT} (this "
+                             "project's rule; OMS recommends at most 64): carry a representative "
+                             "set and an evidence_query that regenerates the rest", "derived_from")
+    versioned = canonical.analyzer_id_problem(proposal.analyzer.id)
+    if versioned is not None:
+        raise wire.WireError(wire.INVALID_VALUE, versioned, "analyzer.id")
     proposal = grain_fields_checked(proposal)
     if subject_service is not None and proposal.service != subject_service:
         raise wire.WireError(wire.SUBJECT_MISMATCH, f"service {proposal.service!r} disagrees "

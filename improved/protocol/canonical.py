@@ -36,7 +36,9 @@ __all__ = [
     "TOOL",
     "CanonicalError",
     "GRAIN_ADDRESS_RE",
+    "ANALYZER_ID_FORM",
     "analyzer_family",
+    "analyzer_id_problem",
     "compact",
     "content_address",
     "dedup_key",
@@ -360,6 +362,28 @@ def analyzer_family(analyzer_id: str) -> str:
     """Strip a trailing numeric ``/<major>`` so a major bump keeps the same dedup_key."""
     head, sep, major = analyzer_id.rpartition("/")
     return head if sep and major.isascii() and major.isdigit() else analyzer_id
+
+
+# A versioned analyzer id (OMS Recommendation grain: "id is a versioned identifier in the form
+# publisher.name/major"): dot-separated segments, at least publisher and name, none empty, then
+# the major version as a plain decimal (no sign, no leading zero), so `x.y/1` and `x.y/01` can
+# never be two spellings of one analyzer.
+ANALYZER_ID_FORM = "publisher.name/major"
+_SEGMENT = r"[A-Za-z0-9_-]+"
+_ANALYZER_ID_RE = re.compile(rf"^{_SEGMENT}(?:\.{_SEGMENT})+/(?:0|[1-9][0-9]{{0,8}})\Z")
+
+
+def analyzer_id_problem(analyzer_id: str) -> str | None:
+    """Why `analyzer_id` is not a versioned analyzer id (`publisher.name/major`), in one line,
+    or None. The family (`analyzer_family`) is what the dedup_key keeps across a major bump,
+    so an id without its major, or without a publisher, has no stable family to keep."""
+    if _ANALYZER_ID_RE.match(analyzer_id):
+        return None
+    shown = repr(analyzer_id)[:80]
+    return (f"analyzer.id {shown} is not a versioned analyzer id: the form is "
+            f"{ANALYZER_ID_FORM} (e.g. acme.tuner/1: publisher and name of letters, digits, "
+            "_ and -, separated by dots, then / and the major version), as the OMS "
+            "Recommendation grain defines it")
 
 
 _ACTION_KINDS = frozenset({"cal", "edit", "data"})

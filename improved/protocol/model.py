@@ -83,7 +83,9 @@ class Origin(_In):
 
 
 class AnalyzerRef(_In):
-    id: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]+(/[0-9]+)?\Z", max_length=128)]
+    # `publisher.name/major`: checked by `propose.validate` (`canonical.analyzer_id_problem`),
+    # which names the form, and not here, so a chain registered before the rule still decodes
+    id: Annotated[str, Meta(min_length=1, max_length=128)]
     params: dict[str, Any] | None = None
 
 
@@ -122,6 +124,13 @@ class Signal(_In):
     value: float | None = None
 
 
+# This project's bound on a proposal's `derived_from` (the evidence it is grounded in). OMS only
+# RECOMMENDS at most 64 for a Recommendation grain (a representative set, with an
+# `evidence_query` that regenerates the rest); `improved` makes that a rule, so a chain's
+# registration and every ApplyOrder stay small whatever a publisher sends.
+DERIVED_FROM_LIMIT = 64
+
+
 class Proposal(_In):
     """A request to change the mesh (DESIGN §3.2). Its content address is the proposal id."""
 
@@ -138,7 +147,8 @@ class Proposal(_In):
     proposal_data: dict[str, Any] | None = None
     signals: Annotated[list[Signal], Meta(max_length=256)] | None = None
     target_files: Annotated[list[Annotated[str, Meta(max_length=1024)]], Meta(max_length=256)] | None = None
-    derived_from: Annotated[list[str], Meta(max_length=64)] | None = None
+    # at most DERIVED_FROM_LIMIT, checked by `propose.validate` with a message that says why
+    derived_from: list[str] | None = None
     evidence_query: str | None = None
     metric_snapshot: MetricSnapshot | None = None
     confidence: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None

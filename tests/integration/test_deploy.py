@@ -955,7 +955,7 @@ async def test_the_l4_artefact_store_runs_under_its_own_user(mesh):
         assert await store.content("app") == b'{"v": 1}'
         proposal = Proposal(
             service="deploy", target_ref="binary:deploy", change_class="L4", scope="operation",
-            origin=Origin(actor="agentd:x", service="agentd"), analyzer=AnalyzerRef(id="a/1"),
+            origin=Origin(actor="agentd:x", service="agentd"), analyzer=AnalyzerRef(id="acme.deploy/1"),
             summary=Summary(template_id="swap"), created_at=1,
             proposal_data={"artefacts": {"app": '{"v": 2}'}},
             lkg=[{"artefact": "app", "digest": digests["app"], "smoke_test": "json"}])

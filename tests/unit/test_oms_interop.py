@@ -100,7 +100,7 @@ def test_a_dedup_key_of_the_wrong_type_is_refused():
     assert (info.value.code, info.value.field) == (wire.INVALID_TYPE, "dedup_key")
 
 
-families = st.from_regex(r"[A-Za-z][A-Za-z0-9_.-]{0,20}", fullmatch=True)
+families = st.from_regex(r"[A-Za-z0-9_-]{1,10}(\.[A-Za-z0-9_-]{1,10}){1,2}", fullmatch=True)
 targets = st.from_regex(r"(skill|doc|config|entity):[a-z0-9/._-]{1,30}", fullmatch=True)
 bodies = st.sampled_from([
     ("proposal_data", {"skill": {"name": "greet", "description": "hi"}}),
