@@ -17,7 +17,7 @@ from improved.client.conformance import (
 )
 from improved.client.sdk import MeshClient, failed, serve_spec
 from improved.protocol import subjects
-from improved.protocol.model import ApplyOrder, ApplyResult, to_json
+from improved.protocol.model import ApplyOrder, ApplyResult, TriageDecision, to_json
 from improved_reference import doc_store, knowledge_store, ranking_store, skills_store
 from improved_reference.doc_store import DocStore
 from improved_reference.knowledge_store import KnowledgeStore
@@ -35,16 +35,28 @@ class Fake:
         self.nc, self.service = nc, service
         self.subs: list = []
         self.orders: list[ApplyOrder] = []
+        self.decisions: list[TriageDecision] = []
 
     async def spec(self, spec: dict[str, Any]) -> None:
         self.subs.append(await serve_spec(self.nc, self.service, spec))
 
-    async def apply(self, handler: Callable[[ApplyOrder], Awaitable[ApplyResult]]) -> None:
+    async def apply(self, handler: Callable[[ApplyOrder], Awaitable[ApplyResult]],
+                    sample: Any = None) -> None:
+        """Serve applies with `handler`, and the conformance kit with `sample` (a valid
+        proposal of this service unless given), taking decisions into `self.decisions`."""
         async def counted(order: ApplyOrder) -> ApplyResult:
             self.orders.append(order)
             return await handler(order)
 
-        self.subs.append(await MeshClient(self.nc, self.service).serve_apply(counted))
+        async def made() -> Any:
+            return sample if sample is not None else valid_sample(self.service)
+
+        async def took(decision: TriageDecision) -> None:
+            self.decisions.append(decision)
+
+        client = MeshClient(self.nc, self.service)
+        self.subs.append(await client.serve_apply(counted))
+        self.subs.append(await client.serve_conformance(made, took))
 
     async def reply(self, subject: str, answer: Callable[[dict], Any]) -> None:
         async def on_msg(msg) -> None:
@@ -66,6 +78,16 @@ async def fake(nc, svc):
 
 async def refuse_unaccepted(order: ApplyOrder) -> ApplyResult:
     return failed(f"not_accepted: no operator acceptance on record for {order.proposal_id}")
+
+
+def valid_sample(svc: str, **over: Any) -> dict[str, Any]:
+    """A proposal as a service publishes its own."""
+    return {"service": svc, "target_ref": "config:sample", "change_class": "L2",
+            "scope": "operation", "origin": {"actor": f"{svc}:tuner", "service": svc},
+            "analyzer": {"id": f"{svc}.tuner/1"},
+            "summary": {"template_id": "tune", "args": {}},
+            "proposal_data": {"set": {"key": "sample", "value": 1}},
+            "created_at": 1_700_000_000_000, **over}
 
 
 def improving(svc: str, **more: Any) -> dict[str, Any]:
@@ -303,9 +325,14 @@ async def test_a_full_l4_service(fake, nc, svc):
     await full_l4(fake, svc)
     report = await probe(nc, svc, timeout=FAST)
     assert report.level == "L4", render(report)
-    assert all(c.passed for c in report.checks)
+    assert not any(c.failed for c in report.checks)
     assert {c.level for c in report.checks} == {"L0", "L1", "L2", "L3", "L4"}
     assert lines(report)[-1] == f"{svc} meets L4"
+    # what the kit could not see is said, with why: no window advertised, nothing applied
+    assert [(c.name, c.probed) for c in report.not_probed] == [
+        ("all-or-none window", False), ("applied L4s emit revert_proposal_id", False)]
+    assert "NOT PROBED L4 all-or-none window: the spec advertises no \"window\"" in \
+        render(report)
     l4 = [o for o in fake.orders if o.proposal.change_class == "L4"]
     assert len(l4) == 1 and l4[0].proposal.lkg[0]["digest"] == "sha256:" + "0" * 64
     assert l4[0].proposal.target_ref == "code:conformance-probe"
@@ -419,7 +446,7 @@ async def test_the_mesh_meets_the_lowest_level_of_the_services_in_the_loop(own_s
 
         cli = await asyncio.to_thread(improved, "conformance", "--mesh", "--nats",
                                       own_server.url)
-        assert cli.returncode == 0, cli.stderr
+        assert cli.returncode == 1, cli.stderr  # the ranking store fails L2
         assert cli.stdout.splitlines()[-1] == text.splitlines()[-1]
 
         await ranking.stop()
