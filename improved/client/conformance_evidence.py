@@ -166,7 +166,7 @@ async def read_revisions(nc: Client, bucket: str, key: str) -> list[Revision]:
     seq = 1
     while True:
         try:
-            msg = await js.get_msg(stream, seq=seq, subject=subject, next=True, direct=True)
+            msg = await js.get_msg(stream, seq=seq, subject=subject, next=True)
         except NotFoundError:
             return out[-MAX_REVISIONS:]
         try:
