@@ -11,7 +11,11 @@ What is probed, level by level:
   advertises `"improve": false` has advertised its omission: it is L0 and the probe stops there.
 - L1: the spec says `"improve": true` and names `"apply": "<svc>.improve.apply"` (where the daemon
   sends its orders); a malformed ApplyOrder there gets a well-formed reply: an ApplyResult with
-  `ok: false`, or an error reply `{"error": {...}}`.
+  `ok: false`, or an error reply `{"error": {...}}`. The service emits a valid proposal: asked
+  on `<svc>.improve.conformance.propose`, it answers a sample as it publishes its own, read with
+  the daemon's decoder (the wrong field named); and it takes triage decisions: one handed to it
+  on `<svc>.improve.conformance.triage` is taken, one with an unknown verdict or about another
+  service refused (`conformance_evidence`).
 - L2: a well-formed L2 ApplyOrder whose proposal has no operator acceptance on record is refused,
   `ok: false` with an error starting `not_accepted:`, and so is an L0 order triage never accepted
   (anyone on the bus could label a change L0); sent again, the L2 order gets the very same reply.
@@ -20,8 +24,10 @@ What is probed, level by level:
   `grant_mismatch` or `not_found`, never a definition. A service that holds no skills (no
   `skill:` scheme, no skills read) passes L3 as not applicable: TOFU (§4) binds skills.
 - L4: the spec advertises `"lkg": "<svc>.improve.lkg"`; asked to confirm a last-known-good for an
-  artefact that does not exist, it answers `{"ok": false, ...}`; and an L4 ApplyOrder carrying
-  that `lkg` list, without an operator acceptance, is refused `not_accepted:`.
+  artefact that does not exist, it answers `{"ok": false, ...}`; an L4 ApplyOrder carrying
+  that `lkg` list, without an operator acceptance, is refused `not_accepted:`; the swaps on
+  record in its advertised `"window"` were all or none; every applied L4 on its audit chains
+  names its `revert_proposal_id`.
 
 The probe never changes real state when the service is conformant: every order it sends must be
 refused. Each order's proposal carries a random nonce (in its summary args), so its proposal id,
@@ -30,21 +36,11 @@ for it. Its target is `<first advertised scheme>conformance-probe` and its `prop
 `{}`, so even a service that wrongly applies it has little to apply. Probing stops at the first
 level that fails: a service that did not refuse what it should have is not sent more orders.
 
-What the kit cannot observe (SPEC 09 "Conformance" asks more than a probe can see):
-- L1 also asks that a service *emit* valid proposals on `improve.proposals.<svc>` and *accept
-  triage decisions* on `improve.triage.<svc>`. Emitting happens when the service has something
-  to propose, and triage decisions are records the daemon writes, which the service consumes (or
-  not) without an observable reply. The kit checks the half a request can reach: the service
-  serves apply orders and answers a bad one instead of staying silent.
-- L2's gate is observed from the refusing side only: the kit can show that an order without
-  acceptance is refused for that reason, not that a genuinely accepted one is applied (that
-  would change state; the loop's own end-to-end tests cover it).
-- L3's TOFU asks for storing hashes, refusing drift and re-prompting on a hash change. The kit
-  sees only that an ungranted identity is never served; drift would need a stored skill to
-  tamper with.
-- L4's atomic apply window and `revert_proposal_id` emission happen during a real apply and a
-  rollback; the kit sees only the pre-apply LKG verification refusing an unknown artefact and the
-  acceptance gate on an L4 order.
+What the kit cannot observe is reported as not probed, with why (such a check neither passes
+nor fails its level): an L4 window nobody advertised, or no swap on record in it yet, and no
+applied L4 on the chains (the kit applies nothing, so it judges only what happened). L2's gate
+is seen from the refusing side only (an accepted order applied would change state; the loop's
+end-to-end tests cover it), and L3's drift would need a stored skill to tamper with.
 """
 
 from __future__ import annotations
