@@ -90,9 +90,12 @@ def cmd_conformance(args: argparse.Namespace) -> int:
     report = asyncio.run(probe())
     if isinstance(report, conformance.MeshReport):
         print(conformance.render_mesh(report))
-        return 0 if report.level is not None else 1
+        if not report.reports:
+            return 2  # nothing answered discovery and nothing was named: nothing to probe
+        none_met = report.level is None and bool(report.participants)
+        return 1 if none_met or any(conformance.failed(r) for r in report.reports) else 0
     print(conformance.render(report))
-    return 0 if report.level is not None else 1
+    return 1 if report.level is None or conformance.failed(report) else 0
 
 
 def cmd_tools_list(args: argparse.Namespace) -> int:
@@ -254,8 +257,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                     "conformant service refuses, and report the level it meets (L0–L4) and "
                     "why not the next. With --mesh, every service that answers the "
                     "improved.spec.discover broadcast (and any SERVICE named) is probed, and the "
-                    "mesh meets the lowest level of the services in the loop (SPEC 09). "
-                    "Changes nothing. Exit 1 when not even L0.")
+                    "mesh meets the lowest level of the services in the loop (SPEC 09), and "
+                    "each service's levels are listed: what passed, what failed, what could "
+                    "not be probed and why. Changes nothing. Exit 0 when every level probed "
+                    "passed, 1 when one failed (or a service meets none), 2 when it could "
+                    "not run.")
     add_connection_args(conf)
     conf.add_argument("service", metavar="SERVICE", nargs="*",
                       help="the service to probe (with --mesh: any besides those discovered)")

@@ -11,7 +11,11 @@ What is probed, level by level:
   advertises `"improve": false` has advertised its omission: it is L0 and the probe stops there.
 - L1: the spec says `"improve": true` and names `"apply": "<svc>.improve.apply"` (where the daemon
   sends its orders); a malformed ApplyOrder there gets a well-formed reply: an ApplyResult with
-  `ok: false`, or an error reply `{"error": {...}}`.
+  `ok: false`, or an error reply `{"error": {...}}`. The service emits a valid proposal: asked
+  on `<svc>.improve.conformance.propose`, it answers a sample as it publishes its own, read with
+  the daemon's decoder (the wrong field named); and it takes triage decisions: one handed to it
+  on `<svc>.improve.conformance.triage` is taken, one with an unknown verdict or about another
+  service refused (`conformance_evidence`).
 - L2: a well-formed L2 ApplyOrder whose proposal has no operator acceptance on record is refused,
   `ok: false` with an error starting `not_accepted:`, and so is an L0 order triage never accepted
   (anyone on the bus could label a change L0); sent again, the L2 order gets the very same reply.
@@ -20,8 +24,10 @@ What is probed, level by level:
   `grant_mismatch` or `not_found`, never a definition. A service that holds no skills (no
   `skill:` scheme, no skills read) passes L3 as not applicable: TOFU (§4) binds skills.
 - L4: the spec advertises `"lkg": "<svc>.improve.lkg"`; asked to confirm a last-known-good for an
-  artefact that does not exist, it answers `{"ok": false, ...}`; and an L4 ApplyOrder carrying
-  that `lkg` list, without an operator acceptance, is refused `not_accepted:`.
+  artefact that does not exist, it answers `{"ok": false, ...}`; an L4 ApplyOrder carrying
+  that `lkg` list, without an operator acceptance, is refused `not_accepted:`; the swaps on
+  record in its advertised `"window"` were all or none; every applied L4 on its audit chains
+  names its `revert_proposal_id`.
 
 The probe never changes real state when the service is conformant: every order it sends must be
 refused. Each order's proposal carries a random nonce (in its summary args), so its proposal id,
@@ -30,21 +36,11 @@ for it. Its target is `<first advertised scheme>conformance-probe` and its `prop
 `{}`, so even a service that wrongly applies it has little to apply. Probing stops at the first
 level that fails: a service that did not refuse what it should have is not sent more orders.
 
-What the kit cannot observe (SPEC 09 "Conformance" asks more than a probe can see):
-- L1 also asks that a service *emit* valid proposals on `improve.proposals.<svc>` and *accept
-  triage decisions* on `improve.triage.<svc>`. Emitting happens when the service has something
-  to propose, and triage decisions are records the daemon writes, which the service consumes (or
-  not) without an observable reply. The kit checks the half a request can reach: the service
-  serves apply orders and answers a bad one instead of staying silent.
-- L2's gate is observed from the refusing side only: the kit can show that an order without
-  acceptance is refused for that reason, not that a genuinely accepted one is applied (that
-  would change state; the loop's own end-to-end tests cover it).
-- L3's TOFU asks for storing hashes, refusing drift and re-prompting on a hash change. The kit
-  sees only that an ungranted identity is never served; drift would need a stored skill to
-  tamper with.
-- L4's atomic apply window and `revert_proposal_id` emission happen during a real apply and a
-  rollback; the kit sees only the pre-apply LKG verification refusing an unknown artefact and the
-  acceptance gate on an L4 order.
+What the kit cannot observe is reported as not probed, with why (such a check neither passes
+nor fails its level): an L4 window nobody advertised, or no swap on record in it yet, and no
+applied L4 on the chains (the kit applies nothing, so it judges only what happened). L2's gate
+is seen from the refusing side only (an accepted order applied would change state; the loop's
+end-to-end tests cover it), and L3's drift would need a stored skill to tamper with.
 """
 
 from __future__ import annotations
@@ -59,8 +55,9 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
 
+from improved.client import conformance_evidence as evidence
+from improved.client.probing import Answer, Check, ask, describe_error, error_of, show
 from improved.core import gradient, propose
 from improved.protocol import subjects as S
 from improved.protocol.model import (
@@ -71,10 +68,13 @@ from improved.protocol.model import (
     Origin,
     Proposal,
     Summary,
-    to_json,
 )
 
+__all__ = ["LEVELS", "Check", "MeshReport", "Report", "discover", "level_of", "probe",
+           "probe_mesh", "probe_order", "probe_scheme", "render", "render_mesh"]
+
 LEVELS = ("L0", "L1", "L2", "L3", "L4")
+EMITS = evidence.EMITS
 ACTOR = "conformance"
 ANALYZER = "improved.conformance/1"
 TEMPLATE = "conformance-probe"
@@ -87,15 +87,6 @@ IDENTITY = "<name>:<sha256>"
 MALFORMED_ORDER = {"proposal_id": "x"}
 _SCHEME_RE = re.compile(r"^[a-z][a-z0-9+.-]*\Z")
 _SUBJECT_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\Z")  # no wildcards, no spaces
-_SHOWN = 200  # characters of a reply quoted in a detail
-
-
-@dataclass(frozen=True)
-class Check:
-    level: str
-    name: str
-    passed: bool
-    detail: str
 
 
 @dataclass
@@ -119,16 +110,22 @@ class Report:
 
     @property
     def first_failure(self) -> Check | None:
-        return next((c for c in self.checks if not c.passed), None)
+        return next((c for c in self.checks if c.failed), None)
+
+    @property
+    def not_probed(self) -> list[Check]:
+        """What the kit could not look at, each saying why."""
+        return [c for c in self.checks if not c.probed]
 
 
 def level_of(checks: list[Check]) -> str | None:
-    """The highest level whose checks, and those of every level below, all passed; a level with
-    no checks (never probed) is not met. Pure."""
+    """The highest level none of whose checks, nor those of any level below, failed; a level
+    with no checks (never probed) is not met, and a check the kit could not probe neither
+    passes nor fails its level. Pure."""
     met = None
     for level in LEVELS:
         mine = [c for c in checks if c.level == level]
-        if not mine or not all(c.passed for c in mine):
+        if not mine or any(c.failed for c in mine):
             break
         met = level
     return met
@@ -138,7 +135,7 @@ def render(report: Report) -> str:
     """The report as text: one line per check, then the level met and why not the next."""
     lines = [f"conformance of {report.service} (SPEC 09):"]
     for c in report.checks:
-        lines.append(f"  {'PASS' if c.passed else 'FAIL'} {c.level} {c.name}: {c.detail}")
+        lines.append(f"  {_verdict(c)} {c.level} {c.name}: {c.detail}")
     lines.append(f"{report.service} meets {report.level}" if report.level is not None
                  else f"{report.service} meets no level")
     nxt = report.next_level
@@ -150,50 +147,15 @@ def render(report: Report) -> str:
     return "\n".join(lines)
 
 
+def _verdict(check: Check) -> str:
+    return "PASS" if check.passed else "FAIL" if check.probed else "NOT PROBED"
+
+
 # -- talking to the service -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Answer:
-    value: Any = None  # the decoded JSON reply
-    problem: str | None = None  # why there is none: no responders, a timeout, not JSON
-
-    @property
-    def answered(self) -> bool:
-        return self.problem is None
-
-
-async def _ask(nc: Client, subject: str, body: Any, timeout: float) -> _Answer:
-    try:
-        msg = await nc.request(subject, to_json(body), timeout=timeout)
-    except NoRespondersError:
-        return _Answer(problem=f"no answer on {subject} (no responders)")
-    except TimeoutError:
-        return _Answer(problem=f"no answer on {subject} within {timeout:g}s")
-    try:
-        return _Answer(value=msgspec.json.decode(msg.data))
-    except msgspec.DecodeError:
-        return _Answer(problem=f"{subject} answered non-JSON: {_show(msg.data)}")
-
-
-def _show(value: Any) -> str:
-    text = value.decode(errors="replace") if isinstance(value, bytes) else \
-        to_json(value).decode(errors="replace")
-    return text if len(text) <= _SHOWN else text[:_SHOWN] + "…"
-
-
-def _error_of(reply: Any) -> dict[str, Any] | None:
-    """The inner object of an error reply `{"error": {...}}`, else None."""
-    inner = reply.get("error") if isinstance(reply, dict) else None
-    return inner if isinstance(inner, dict) else None
-
-
-def _describe_error(err: dict[str, Any]) -> str:
-    return f"{err.get('code')}: {err.get('message')}"
-
-
 def _apply_result(reply: Any) -> ApplyResult | None:
-    if not isinstance(reply, dict) or _error_of(reply) is not None:
+    if not isinstance(reply, dict) or error_of(reply) is not None:
         return None
     try:
         return msgspec.convert(reply, type=ApplyResult)
@@ -235,19 +197,19 @@ def probe_lkg() -> list[dict[str, Any]]:
              "smoke_test": "nonempty"}]
 
 
-def _refusal(answer: _Answer, subject: str, change_class: str) -> tuple[bool, str]:
+def _refusal(answer: Answer, subject: str, change_class: str) -> tuple[bool, str]:
     """Whether an order's answer is the refusal for lack of acceptance, and the detail."""
     what = f"an {change_class} order without an operator acceptance on record"
     if not answer.answered:
         return False, f"{answer.problem}: {what} must be refused, not left unanswered"
     result = _apply_result(answer.value)
     if result is None:
-        err = _error_of(answer.value)
+        err = error_of(answer.value)
         if err is not None:
             return False, (f"{what} was refused, but not for lack of acceptance (error reply "
-                           f"{_describe_error(err)}; a refusal is ok: false, "
+                           f"{describe_error(err)}; a refusal is ok: false, "
                            f"error \"{NOT_ACCEPTED} ...\")")
-        return False, f"{subject} answered {what} with no ApplyResult: {_show(answer.value)}"
+        return False, f"{subject} answered {what} with no ApplyResult: {show(answer.value)}"
     if result.ok:
         return False, (f"{what} was applied (applied_id {result.applied_id!r}); check the "
                        f"service for target {PROBE_KEY!r}")
@@ -273,16 +235,16 @@ def _advertised_subject(spec: dict[str, Any], key: str, expected: str | None) ->
 async def _l0(nc: Client, service: str, timeout: float,
               checks: list[Check]) -> dict[str, Any] | None:
     subject = S.service_spec(service)
-    answer = await _ask(nc, subject, {}, timeout)
+    answer = await ask(nc, subject, {}, timeout)
     if not answer.answered:
         checks.append(Check("L0", "spec.get", False, (
             f"no answer on {subject}: a service must advertise, even the omission "
             f"({answer.problem})")))
         return None
     spec = answer.value
-    if not isinstance(spec, dict) or _error_of(spec) is not None:
+    if not isinstance(spec, dict) or error_of(spec) is not None:
         checks.append(Check("L0", "spec.get", False, (
-            f"{subject} answered {_show(spec)}, not the service's capabilities (a JSON object)")))
+            f"{subject} answered {show(spec)}, not the service's capabilities (a JSON object)")))
         return None
     checks.append(Check("L0", "spec.get", True, f"{subject} answered its capabilities"))
     improve = spec.get("improve")
@@ -290,7 +252,7 @@ async def _l0(nc: Client, service: str, timeout: float,
         checks.append(Check("L0", "improve advertised", False, (
             f"the spec must say \"improve\": true or false, not {improve!r}")))
         return None
-    checks.append(Check("L0", "improve advertised", True, f"\"improve\": {_show(improve)}"))
+    checks.append(Check("L0", "improve advertised", True, f"\"improve\": {show(improve)}"))
     return spec
 
 
@@ -307,43 +269,43 @@ async def _l1(nc: Client, service: str, spec: dict[str, Any], timeout: float,
         checks.append(Check("L1", "apply advertised", False, problem))
         return False
     checks.append(Check("L1", "apply advertised", True, subject))
-    answer = await _ask(nc, subject, MALFORMED_ORDER, timeout)
-    what = f"a malformed ApplyOrder {_show(MALFORMED_ORDER)}"
+    answer = await ask(nc, subject, MALFORMED_ORDER, timeout)
+    what = f"a malformed ApplyOrder {show(MALFORMED_ORDER)}"
     if not answer.answered:
         passed, detail = False, f"{answer.problem}: {what} must get a reply"
-    elif (err := _error_of(answer.value)) is not None:
-        passed, detail = True, f"{what} got an error reply ({_describe_error(err)})"
+    elif (err := error_of(answer.value)) is not None:
+        passed, detail = True, f"{what} got an error reply ({describe_error(err)})"
     elif (result := _apply_result(answer.value)) is None:
-        passed, detail = False, (f"{what} got {_show(answer.value)}: neither an ApplyResult "
+        passed, detail = False, (f"{what} got {show(answer.value)}: neither an ApplyResult "
                                  "nor an error reply")
     elif result.ok:
         passed, detail = False, f"{what} was answered ok: true"
     else:
         passed, detail = True, f"{what} was refused: {result.error}"
     checks.append(Check("L1", "malformed order answered", passed, detail))
-    return passed
+    return passed and await evidence.emission(nc, service, timeout, checks)
 
 
 async def _l2(nc: Client, service: str, spec: dict[str, Any], timeout: float,
               checks: list[Check]) -> bool:
     subject = S.apply_request(service)
     order = probe_order(service, spec, "L2")
-    first = await _ask(nc, subject, order, timeout)
+    first = await ask(nc, subject, order, timeout)
     passed, detail = _refusal(first, subject, "L2")
     checks.append(Check("L2", "refuses without acceptance", passed, detail))
     if not passed:
         return False
-    forged = await _ask(nc, subject, probe_order(service, spec, "L0"), timeout)
+    forged = await ask(nc, subject, probe_order(service, spec, "L0"), timeout)
     passed, detail = _refusal(forged, subject, "L0")
     checks.append(Check("L2", "refuses an L0 order triage never accepted", passed, detail))
     if not passed:
         return False
-    second = await _ask(nc, subject, order, timeout)
+    second = await ask(nc, subject, order, timeout)
     if not second.answered:
         passed, detail = False, f"{second.problem}: a repeated order must get the same reply"
     elif second.value != first.value:
         passed, detail = False, (f"a repeated order got a different reply: first "
-                                 f"{_show(first.value)}, then {_show(second.value)}")
+                                 f"{show(first.value)}, then {show(second.value)}")
     else:
         passed, detail = True, "a repeated order got the same reply"
     checks.append(Check("L2", "idempotent", passed, detail))
@@ -377,20 +339,20 @@ async def _l3(nc: Client, service: str, spec: dict[str, Any], timeout: float,
         return False
     subject = spec["get"]
     probe = f"probe:{secrets.token_hex(32)}"
-    answer = await _ask(nc, subject, {"skill": probe}, timeout)
+    answer = await ask(nc, subject, {"skill": probe}, timeout)
     what = f"a read of {probe}, which nobody granted,"
-    err = _error_of(answer.value) if answer.answered else None
+    err = error_of(answer.value) if answer.answered else None
     if not answer.answered:
         passed, detail = False, f"{answer.problem}: {what} must be refused"
     elif isinstance(answer.value, dict) and "definition" in answer.value:
         passed, detail = False, f"{what} returned a definition"
     elif err is None:
-        passed, detail = False, f"{what} got {_show(answer.value)}, not an error reply"
+        passed, detail = False, f"{what} got {show(answer.value)}, not an error reply"
     elif err.get("code") not in GET_REFUSALS:
         passed, detail = False, (f"{what} was refused with code {err.get('code')!r}, not one of "
                                  f"{', '.join(GET_REFUSALS)}")
     else:
-        passed, detail = True, f"{what} was refused ({_describe_error(err)})"
+        passed, detail = True, f"{what} was refused ({describe_error(err)})"
     checks.append(Check("L3", "no read without a grant", passed, detail))
     return all(c.passed for c in checks if c.level == "L3")
 
@@ -406,24 +368,25 @@ async def _l4(nc: Client, service: str, spec: dict[str, Any], timeout: float,
     checks.append(Check("L4", "lkg advertised", True, subject))
     lkg = probe_lkg()
     order = probe_order(service, spec, "L4", lkg)
-    answer = await _ask(nc, subject, {"proposal_id": order.proposal_id, "lkg": lkg}, timeout)
+    answer = await ask(nc, subject, {"proposal_id": order.proposal_id, "lkg": lkg}, timeout)
     what = f"a last-known-good check of {lkg[0]['artefact']}, which exists nowhere,"
     value = answer.value
     if not answer.answered:
         passed, detail = False, f"{answer.problem}: {what} must be answered ok: false"
     elif not isinstance(value, dict) or not isinstance(value.get("ok"), bool):
-        passed, detail = False, f"{what} got {_show(value)}, not {{\"ok\": false, ...}}"
+        passed, detail = False, f"{what} got {show(value)}, not {{\"ok\": false, ...}}"
     elif value["ok"]:
         passed, detail = False, f"{what} was confirmed"
     else:
-        passed, detail = True, f"{what} was refused: {_show(value)}"
+        passed, detail = True, f"{what} was refused: {show(value)}"
     checks.append(Check("L4", "no unknown last-known-good", passed, detail))
     if not passed:
         return False
     apply_subject = S.apply_request(service)
-    passed, detail = _refusal(await _ask(nc, apply_subject, order, timeout), apply_subject, "L4")
+    passed, detail = _refusal(await ask(nc, apply_subject, order, timeout), apply_subject, "L4")
     checks.append(Check("L4", "refuses without acceptance", passed, detail))
-    return passed
+    return (passed and await evidence.atomic_window(nc, service, spec, timeout, checks)
+            and await evidence.reversal_ids(nc, service, checks))
 
 
 async def probe(nc: Client, service: str, timeout: float = 2.0) -> Report:
@@ -476,8 +439,41 @@ def mesh_level_line(mesh: MeshReport) -> str:
     return f"the mesh meets {level} (its lowest participant: {', '.join(lowest)})"
 
 
+def in_loop(report: Report) -> bool:
+    """Whether the service takes part: all but one that advertised its omission."""
+    return not (report.level == "L0" and (report.spec or {}).get("improve") is False)
+
+
+def failed(report: Report) -> bool:
+    """A level the kit probed failed (for a service in the loop; an advertised omission is
+    not a failure). `improved conformance` exits 1 then."""
+    return in_loop(report) and report.first_failure is not None
+
+
+def level_lines(report: Report) -> list[str]:
+    """Per level: what passed, what failed, and what was not probed and why."""
+    out: list[str] = []
+    stopped: str | None = None
+    for level in LEVELS:
+        mine = [c for c in report.checks if c.level == level]
+        if not mine:
+            out.append(f"{level}  not probed: " + (f"{stopped} failed first" if stopped
+                                                   else "the service answered nothing"))
+            continue
+        bad = next((c for c in mine if c.failed), None)
+        if bad is not None:
+            out.append(f"{level}  FAIL {bad.name}: {bad.detail}")
+            stopped = stopped or level
+        else:
+            names = [c.name for c in mine if c.passed]
+            out.append(f"{level}  pass: {', '.join(names) if names else 'nothing to probe'}")
+        out += [f"{level}  not probed: {c.name}: {c.detail}" for c in mine if not c.probed]
+    return out
+
+
 def render_mesh(mesh: MeshReport) -> str:
-    """One line per service (its level, and why not the next), then the mesh's level."""
+    """Per service its level (and why not the next), then per level what was probed and what
+    could not be; the services that emit an invalid proposal; then the mesh's level."""
     if not mesh.reports:
         return ("no service answered improved.spec.discover (each service that serves "
                 "spec.get with improved.serve_spec answers it); name services to probe them")
@@ -485,14 +481,19 @@ def render_mesh(mesh: MeshReport) -> str:
     lines = ["conformance of the mesh (SPEC 09):"]
     for r in mesh.reports:
         met = r.level or "none"
-        if r.level == "L0" and (r.spec or {}).get("improve") is False:
-            why = "advertises no improvement surface: not in the loop"
-        elif r.next_level is None:
-            why = "—"
-        else:
-            failure = r.first_failure
-            why = f"not {r.next_level}: {failure.detail if failure else 'not probed'}"
+        if not in_loop(r):
+            lines.append(f"  {r.service:<{width}}  {met:<4}  advertises no improvement "
+                         "surface: not in the loop")
+            continue
+        failure = r.first_failure
+        why = "—" if r.next_level is None and failure is None else (
+            f"not {r.next_level}: {failure.detail if failure else 'not probed'}")
         lines.append(f"  {r.service:<{width}}  {met:<4}  {why}")
+        lines += [f"      {line}" for line in level_lines(r)]
+    invalid = [r.service for r in mesh.reports if any(
+        c.failed and c.name == EMITS for c in r.checks)]
+    if invalid:
+        lines.append(f"emits invalid proposals: {', '.join(invalid)}")
     lines.append(mesh_level_line(mesh))
     return "\n".join(lines)
 

@@ -56,6 +56,10 @@ SignalLike = Signal | dict[str, Any]
 ApplyHandler = Callable[[ApplyOrder], Awaitable[ApplyResult]]
 # A measurement: the request's metric (by its query, when it has one) → the current value.
 MeasureHandler = Callable[[MeasureRequest], Awaitable[float]]
+# The conformance kit's sample: a proposal as the service publishes its own (or its bytes).
+SampleMaker = Callable[[], Awaitable[ProposalLike | bytes]]
+# What a service does with a triage decision on one of its proposals.
+DecisionHandler = Callable[[TriageDecision], Awaitable[None]]
 
 # The daemon's default message limit: checking it here fails fast instead of after a round trip.
 MAX_MESSAGE_BYTES = 256 * 1024
@@ -442,6 +446,81 @@ class MeshClient:
             return ErrorReply(error=ErrorBody(code="unmeasurable", message=(
                 f"the measure handler returned {value!r}, not a finite number")[:ERROR_LIMIT]))
         return MeasureReply(value=float(value))
+
+    # -- answering the conformance kit -----------------------------------------------------------
+
+    async def serve_conformance(self, sample: SampleMaker,
+                                on_decision: DecisionHandler | None = None) -> SpecServer:
+        """Answer the conformance kit (`improved conformance`, SPEC 09 §9 L1):
+        `<svc>.improve.conformance.propose` with `sample()`, a proposal exactly as this
+        service publishes its own, and `<svc>.improve.conformance.triage` by taking the
+        TriageDecision it carries through `on_decision`. Nothing reaches the loop: the sample
+        is only answered, never published. The subscriptions never die."""
+        answers = Conformance(self, sample, on_decision)
+
+        async def on_propose(msg: Msg) -> None:
+            await _respond(msg, await answers.sample_bytes(), self.service)
+
+        async def on_triage(msg: Msg) -> None:
+            await _respond(msg, to_json(await answers.take(msg.data)), self.service)
+
+        return SpecServer([
+            await self.nc.subscribe(S.conformance_propose(self.service), queue=self.service,
+                                    cb=on_propose),
+            await self.nc.subscribe(S.conformance_triage(self.service), queue=self.service,
+                                    cb=on_triage)])
+
+
+async def _respond(msg: Msg, body: bytes, service: str) -> None:
+    if not msg.reply:
+        return
+    try:
+        await msg.respond(body)
+    except Exception as exc:  # the kit reports no answer
+        log.warning("could not answer the conformance kit", service=service, error=str(exc))
+
+
+class Conformance:
+    """A service's answers to the conformance kit (SPEC 09 §9, L1: it emits valid proposals
+    and takes triage decisions), for `MeshClient.serve_conformance`."""
+
+    def __init__(self, client: MeshClient, sample: SampleMaker,
+                 on_decision: DecisionHandler | None):
+        self.client, self.sample, self.on_decision = client, sample, on_decision
+
+    async def sample_bytes(self) -> bytes:
+        """The sample exactly as the service would publish it: bytes as made, a proposal
+        signed with the client's key when it has one; a sample that cannot be made is the
+        error reply `unavailable`."""
+        try:
+            made = await self.sample()
+        except Exception as exc:
+            return to_json(ErrorReply(error=ErrorBody(code="unavailable", message=(
+                f"no sample proposal: {type(exc).__name__}: {exc}")[:ERROR_LIMIT])))
+        return made if isinstance(made, bytes) else signed("proposal", made, self.client.key)
+
+    async def take(self, data: bytes) -> dict[str, Any] | ErrorReply:
+        """One triage decision's bytes → `{"taken": true, "proposal_id", "verdict"}`, or the
+        error reply naming what is wrong with it: decoded as `MeshClient.decision` reads a
+        retained one, and only for this service's own proposals."""
+        try:
+            decision = wire.decode(data, TriageDecision, MAX_MESSAGE_BYTES)
+        except wire.WireError as err:
+            return ErrorReply(error=ErrorBody(code=err.code, message=err.message,
+                                              field=err.field))
+        if decision.service != self.client.service:
+            return ErrorReply(error=ErrorBody(
+                code=wire.SUBJECT_MISMATCH, field="service", message=(
+                    f"a decision about service {decision.service!r} is not "
+                    f"{self.client.service!r}'s to take")[:ERROR_LIMIT]))
+        if self.on_decision is not None:
+            try:
+                await self.on_decision(decision)
+            except Exception as exc:
+                return ErrorReply(error=ErrorBody(code="unavailable", message=(
+                    f"the decision was not taken: {type(exc).__name__}: {exc}")[:ERROR_LIMIT]))
+        return {"taken": True, "proposal_id": decision.proposal_id,
+                "verdict": decision.verdict}
 
 
 class Served(Protocol):

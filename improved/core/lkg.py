@@ -29,6 +29,9 @@ from improved.protocol.model import (
 )
 
 REVERT_ANALYZER = "improved.revert/1"
+# The bound a reversal's own reversal is validated against: a restore of digests, far below
+# the daemon's default message limit (256 KiB), whatever the deployment configured.
+REVERSAL_MESSAGE_BYTES = 256 * 1024
 Digest = Annotated[str, Meta(pattern=r"^sha256:[0-9a-f]{64}\Z")]
 
 
@@ -211,14 +214,35 @@ def reversal(record: ProposalRecord, report: LkgReport) -> Proposal:
     by_name = {a.artefact: a for a in report.artefacts}
     lkg = [{"artefact": e.artefact, "digest": by_name[e.artefact].lkg_digest,
             "smoke_test": e.smoke_test} for e in entries(p)]
-    body = p.revert if p.revert is not None else {
-        "restore": {e["artefact"]: e["digest"] for e in lkg}}
+    return _restoring(record, lkg, p.revert)
+
+
+def reversal_of_reversal(record: ProposalRecord, original: ProposalRecord) -> Proposal | None:
+    """The way back from a recorded reversal about to run: to what its original installed
+    (the original's `lkg` digests), so an applied reversal names its own pre-generated
+    reversal as every applied L4 must (SPEC 09 §7.3). None when the original lists no
+    artefacts to go back to."""
+    try:
+        installed = entries(original.proposal)
+    except ValueError:
+        return None
+    lkg = [{"artefact": e.artefact, "digest": e.digest, "smoke_test": e.smoke_test}
+           for e in installed]
+    return _restoring(record, lkg, None)
+
+
+def _restoring(record: ProposalRecord, lkg: list[dict[str, Any]], body: Any) -> Proposal:
+    """The reversal of `record`: installs the digests `lkg` lists (`body`, else a restore of
+    them), under the revert analyzer, derived from `record`'s id, dated by its chain."""
+    p = record.proposal
     return Proposal(
         service=p.service, target_ref=p.target_ref, change_class="L4", scope=p.scope,
         origin=Origin(actor="improved", service="improved"),
         analyzer=AnalyzerRef(id=REVERT_ANALYZER),
         summary=Summary(template_id="revert", args={"proposal_id": record.proposal_id}),
-        proposal_data=body, lkg=lkg, derived_from=[f"mg:sha256:{record.proposal_id}"],
+        proposal_data=body if body is not None else {
+            "restore": {e["artefact"]: e["digest"] for e in lkg}},
+        lkg=lkg, derived_from=[f"mg:sha256:{record.proposal_id}"],
         created_at=record.updated_at, namespace=p.namespace,
     )
 
@@ -253,15 +277,19 @@ def refused(record: ProposalRecord, why: str, by: str,
                     "rec:system", f"refused before apply, nothing changed: {error}"[:REASON_LIMIT])
 
 
-def inherit(record: ProposalRecord, original: ProposalRecord | None) -> Draft | None:
+def inherit(record: ProposalRecord, original: ProposalRecord | None,
+            own_reversal: tuple[str, Proposal] | None = None) -> Draft | None:
     """The recorded reversal of an applied L4 proposal runs under the original's approval
-    (SPEC 09 §7.3): no second approval. Anything else claiming to be one is gated as usual."""
+    (SPEC 09 §7.3): no second approval. Anything else claiming to be one is gated as usual.
+    `own_reversal` (its id and proposal, validated) is the reversal's own way back, recorded
+    here before it runs, as `lkg_verified` records an original's."""
     if (original is None or original.revert_id != record.proposal_id
             or original.status != "applied" or original.approved_by is None):
         return None
     by = original.approved_by
     reason = (f"the recorded reversal of {original.proposal_id} inherits its approval by {by} "
               "(SPEC 09 §7)")[:REASON_LIMIT]
-    return draft_of(Inherited(inherits=original.proposal_id, authority=by), record.stage, by,
-                    "rec:policy", reason)
-
+    rid, rev = own_reversal if own_reversal is not None else (None, None)
+    return draft_of(Inherited(inherits=original.proposal_id, authority=by,
+                              revert_proposal_id=rid, revert=rev),
+                    record.stage, by, "rec:policy", reason)

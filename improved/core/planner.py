@@ -217,7 +217,8 @@ def _triage(record: ProposalRecord, view: View, policy: Policy, actor: str,
     if original is not None and triage.needs_triage(record):
         if isinstance(view.original, _Unread):
             return ReadOriginal(original)
-        inherited = lkg.inherit(record, view.original)
+        inherited = lkg.inherit(record, view.original,
+                                _own_reversal(record, view.original, policy, view.now, actor))
         if inherited is not None:
             return Commit(inherited, why="inherit")
     grant = False
@@ -314,20 +315,41 @@ def after_lkg(record: ProposalRecord, answer: Evidence[lkg.LkgReport], policy: P
     why = lkg.report_problem(record, report)
     if why is None:
         rev = lkg.reversal(record, report)
-        try:
-            rev_id, rev_dedup = propose.identify(rev)
-            propose.validate(to_json(rev), record.service, max_message_bytes)
-        except (WireError, ValueError, msgspec.MsgspecError) as exc:
-            why = f"the reversal is not a valid proposal: {exc}"
-        else:
-            start, _ = propose.register(rev, rev_id, rev_dedup, policy, 0)
-            check = triage.decide(start, policy, now, False, actor)
-            if check.verdict != "reject":
-                return Commit(lkg.verified(record, report, rev, rev_id, actor,
-                                           apply_stage.answered_by(answer)), why="lkg_verified")
-            why = f"the reversal would be rejected: {check.cause}: {check.rationale}"
-    return Commit(lkg.refused(record, why, by, apply_stage.answered_by(answer)),
+        rev_id, why = validated_reversal(rev, record.service, policy, now, actor,
+                                         max_message_bytes)
+        if rev_id is not None:
+            return Commit(lkg.verified(record, report, rev, rev_id, actor,
+                                       apply_stage.answered_by(answer)), why="lkg_verified")
+    return Commit(lkg.refused(record, why or "", by, apply_stage.answered_by(answer)),
                   why="lkg_refused")
+
+
+def validated_reversal(rev: Proposal, service: str, policy: Policy, now: int, actor: str,
+                       max_message_bytes: int) -> tuple[str | None, str | None]:
+    """(its id, None) when the reversal decodes as a proposal, is content-addressable and
+    triage would not reject it; else (None, why)."""
+    try:
+        rev_id, rev_dedup = propose.identify(rev)
+        propose.validate(to_json(rev), service, max_message_bytes)
+    except (WireError, ValueError, msgspec.MsgspecError) as exc:
+        return None, f"the reversal is not a valid proposal: {exc}"
+    start, _ = propose.register(rev, rev_id, rev_dedup, policy, 0)
+    check = triage.decide(start, policy, now, False, actor)
+    if check.verdict == "reject":
+        return None, f"the reversal would be rejected: {check.cause}: {check.rationale}"
+    return rev_id, None
+
+
+def _own_reversal(record: ProposalRecord, original: ProposalRecord | None, policy: Policy,
+                  now: int, actor: str) -> tuple[str, Proposal] | None:
+    """A recorded reversal's own reversal, validated like an original's: recorded when it
+    inherits, so the reversal, once applied, emits its revert_proposal_id too."""
+    rev = None if original is None else lkg.reversal_of_reversal(record, original)
+    if rev is None:
+        return None
+    rev_id, _ = validated_reversal(rev, record.service, policy, now, actor,
+                                   lkg.REVERSAL_MESSAGE_BYTES)
+    return None if rev_id is None else (rev_id, rev)
 
 
 def withdrawable(record: ProposalRecord, intended_here: bool, maybe_delivered: bool) -> bool:

@@ -347,6 +347,9 @@ def _changes(record: ProposalRecord, t: Trailer, data: TrailerData) -> dict[str,
         case Decided() | Rejected():
             return {"gate_class": t.gate_class, "dispatched_by": None, "dispatched_at": None,
                     "dispatched_seq": None, "decision": _decision(record, t, data)}
+        case Inherited(authority=by, revert_proposal_id=rid, revert=revert) if rid is not None:
+            return {"approved_by": by or t.actor, "decision": _accepted(record, t, by or t.actor),
+                    "revert": revert, "revert_id": rid}
         case Inherited(authority=by) | QuorumReached(authority=by):
             return {"approved_by": by or t.actor, "decision": _accepted(record, t, by or t.actor)}
         case Voted():

@@ -115,6 +115,9 @@ class Inherited(Data, frozen=True, kw_only=True):
     verdict: Literal["inherit"] = "inherit"
     inherits: str | None = None
     authority: str | None = None  # written by every daemon; without it, the trailer's actor
+    # the reversal's own reversal, generated and validated before it runs (absent before)
+    revert_proposal_id: str | None = None
+    revert: Proposal | None = None
 
 
 class Voted(Signed, frozen=True, kw_only=True):

@@ -243,6 +243,19 @@ def service_spec(svc: str) -> str:
     return f"{svc}.spec.get"
 
 
+def conformance_propose(svc: str) -> str:
+    """The conformance kit asks a service for a sample proposal (extension, docs/protocol.md):
+    the reply is the proposal's bytes exactly as the service publishes its own, checked with
+    the daemon's decoder. Nothing is published: the probe changes nothing."""
+    return f"{svc}.improve.conformance.propose"
+
+
+def conformance_triage(svc: str) -> str:
+    """The conformance kit hands a service a triage decision as the daemon retains it on
+    `improve.triage.<svc>.<id>`; the service takes it (or names what is wrong with it)."""
+    return f"{svc}.improve.conformance.triage"
+
+
 def lkg_request(svc: str) -> str:
     """L4 pre-apply check (extension, docs/protocol.md): the owning service confirms a healthy
     last-known-good for every artefact an L4 proposal touches."""

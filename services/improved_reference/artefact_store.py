@@ -167,7 +167,16 @@ class ArtefactStore(KVService[Change]):
                       "operator's own approval; the revert to the current schema required",
             "buckets": {"objects": self.objects_bucket, "manifest": self.bucket,
                         "ledger": self.ledger_bucket},
+            # all or none: every artefact's version is this one value, written once per swap
+            "window": {"bucket": self.bucket, "key": KEY},
         }
+
+    def sample_body(self, key: str) -> dict[str, Any]:
+        """An L4 swap of one artefact, with the `lkg` entry every L4 must carry."""
+        content = "conformance sample"
+        return {"proposal_data": {"artefacts": {key: content}},
+                "lkg": [{"artefact": key, "digest": digest_of(content.encode()),
+                         "smoke_test": "nonempty"}]}
 
     # -- reading -------------------------------------------------------------------------------
 

@@ -27,9 +27,10 @@ import asyncio
 import os
 import signal as signals
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import msgspec
 import structlog
@@ -50,8 +51,19 @@ from improved.client import acceptance, connection, credentials
 from improved.client.config import DATA_DIR_ENV, state_dir
 from improved.client.keys import load_key
 from improved.client.sdk import MeshClient, Served, failed, serve_spec
+from improved.core import gradient
 from improved.protocol import subjects as S
-from improved.protocol.model import ApplyOrder, ApplyResult, to_json
+from improved.protocol.model import (
+    AnalyzerRef,
+    ApplyOrder,
+    ApplyResult,
+    ChangeClass,
+    Origin,
+    Proposal,
+    Summary,
+    TriageDecision,
+    to_json,
+)
 
 HISTORY = 64  # revisions kept per key: how far back a recovering order looks for its own write
 ROUNDS = 8  # optimistic-concurrency rounds before an order gives up
@@ -141,6 +153,7 @@ class KVService(Generic[C]):
 
     async def _serve(self) -> None:
         self._subs.append(await self.client.serve_apply(self.apply))
+        self._subs.append(await self.client.serve_conformance(self.sample, self.take_decision))
         self._subs.append(await serve_spec(self.nc, self.service, self.capabilities(),
                                            key=self.key))
         self.log.info(f"{self.KIND} ready", service=self.service,
@@ -230,6 +243,35 @@ class KVService(Generic[C]):
         """The ledger holds a finished apply of `pid`: a repeated order gets its result."""
         entry, _ = await read_json(self.ledger, pid)
         return entry is not None and entry.get("revision") is not None
+
+    # -- what the conformance kit asks (SPEC 09 §9, L1) ------------------------------------------
+
+    async def sample(self) -> Proposal:
+        """The sample proposal `improved conformance` checks: one of the kind this store
+        takes, at its first scheme's minimum class, as it would be published."""
+        schemes = self.capabilities().get("schemes") or ["config:"]
+        scheme = str(schemes[0]).rstrip(":")
+        key = "conformance-sample"
+        return Proposal(
+            service=self.service, target_ref=f"{scheme}:{key}",
+            change_class=cast("ChangeClass", gradient.min_class(scheme)),
+            scope=gradient.implied_scope(scheme),
+            origin=Origin(actor=f"{self.service}:conformance", service=self.service),
+            analyzer=AnalyzerRef(id=f"{self.service}.conformance/1"),
+            summary=Summary(template_id="conformance-sample", args={"key": key}),
+            created_at=int(time.time() * 1000), **self.sample_body(key))
+
+    def sample_body(self, key: str) -> dict[str, Any]:
+        """The sample's body and what its class must carry (a store overrides it)."""
+        return {"proposal_data": {"set": {"key": key, "value": 1}}}
+
+    async def take_decision(self, decision: TriageDecision) -> None:
+        """A triage decision on one of this store's proposals: noted (what the store would
+        do with it — stop proposing what was rejected — is its analyzer's business); it
+        moves nothing: only an accepted ApplyOrder does."""
+        self.log.info("triage decision taken", service=self.service,
+                      proposal_id=decision.proposal_id, verdict=decision.verdict,
+                      cause=decision.cause)
 
     def surface(self) -> dict[str, Any]:
         """What every such store's `spec.get` opens with: its service, where orders go, the

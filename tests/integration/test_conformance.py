@@ -17,7 +17,7 @@ from improved.client.conformance import (
 )
 from improved.client.sdk import MeshClient, failed, serve_spec
 from improved.protocol import subjects
-from improved.protocol.model import ApplyOrder, ApplyResult, to_json
+from improved.protocol.model import ApplyOrder, ApplyResult, TriageDecision, to_json
 from improved_reference import doc_store, knowledge_store, ranking_store, skills_store
 from improved_reference.doc_store import DocStore
 from improved_reference.knowledge_store import KnowledgeStore
@@ -35,16 +35,28 @@ class Fake:
         self.nc, self.service = nc, service
         self.subs: list = []
         self.orders: list[ApplyOrder] = []
+        self.decisions: list[TriageDecision] = []
 
     async def spec(self, spec: dict[str, Any]) -> None:
         self.subs.append(await serve_spec(self.nc, self.service, spec))
 
-    async def apply(self, handler: Callable[[ApplyOrder], Awaitable[ApplyResult]]) -> None:
+    async def apply(self, handler: Callable[[ApplyOrder], Awaitable[ApplyResult]],
+                    sample: Any = None) -> None:
+        """Serve applies with `handler`, and the conformance kit with `sample` (a valid
+        proposal of this service unless given), taking decisions into `self.decisions`."""
         async def counted(order: ApplyOrder) -> ApplyResult:
             self.orders.append(order)
             return await handler(order)
 
-        self.subs.append(await MeshClient(self.nc, self.service).serve_apply(counted))
+        async def made() -> Any:
+            return sample if sample is not None else valid_sample(self.service)
+
+        async def took(decision: TriageDecision) -> None:
+            self.decisions.append(decision)
+
+        client = MeshClient(self.nc, self.service)
+        self.subs.append(await client.serve_apply(counted))
+        self.subs.append(await client.serve_conformance(made, took))
 
     async def reply(self, subject: str, answer: Callable[[dict], Any]) -> None:
         async def on_msg(msg) -> None:
@@ -66,6 +78,16 @@ async def fake(nc, svc):
 
 async def refuse_unaccepted(order: ApplyOrder) -> ApplyResult:
     return failed(f"not_accepted: no operator acceptance on record for {order.proposal_id}")
+
+
+def valid_sample(svc: str, **over: Any) -> dict[str, Any]:
+    """A proposal as a service publishes its own."""
+    return {"service": svc, "target_ref": "config:sample", "change_class": "L2",
+            "scope": "operation", "origin": {"actor": f"{svc}:tuner", "service": svc},
+            "analyzer": {"id": f"{svc}.tuner/1"},
+            "summary": {"template_id": "tune", "args": {}},
+            "proposal_data": {"set": {"key": "sample", "value": 1}},
+            "created_at": 1_700_000_000_000, **over}
 
 
 def improving(svc: str, **more: Any) -> dict[str, Any]:
@@ -303,9 +325,14 @@ async def test_a_full_l4_service(fake, nc, svc):
     await full_l4(fake, svc)
     report = await probe(nc, svc, timeout=FAST)
     assert report.level == "L4", render(report)
-    assert all(c.passed for c in report.checks)
+    assert not any(c.failed for c in report.checks)
     assert {c.level for c in report.checks} == {"L0", "L1", "L2", "L3", "L4"}
     assert lines(report)[-1] == f"{svc} meets L4"
+    # what the kit could not see is said, with why: no window advertised, nothing applied
+    assert [(c.name, c.probed) for c in report.not_probed] == [
+        ("all-or-none window", False), ("applied L4s emit revert_proposal_id", False)]
+    assert "NOT PROBED L4 all-or-none window: the spec advertises no \"window\"" in \
+        render(report)
     l4 = [o for o in fake.orders if o.proposal.change_class == "L4"]
     assert len(l4) == 1 and l4[0].proposal.lkg[0]["digest"] == "sha256:" + "0" * 64
     assert l4[0].proposal.target_ref == "code:conformance-probe"
@@ -419,7 +446,7 @@ async def test_the_mesh_meets_the_lowest_level_of_the_services_in_the_loop(own_s
 
         cli = await asyncio.to_thread(improved, "conformance", "--mesh", "--nats",
                                       own_server.url)
-        assert cli.returncode == 0, cli.stderr
+        assert cli.returncode == 1, cli.stderr  # the ranking store fails L2
         assert cli.stdout.splitlines()[-1] == text.splitlines()[-1]
 
         await ranking.stop()
@@ -443,3 +470,186 @@ def test_conformance_wants_one_service_or_the_mesh():
     for args in ((), ("a", "b"), ("Bad_Name",)):
         done = improved("conformance", *args)
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, args
+
+
+# -- L1: what a service emits and takes (issue 34) ------------------------------------------------
+
+
+async def test_the_sample_and_the_decision_reach_the_service_and_nothing_reaches_the_loop(
+        fake, nc, svc):
+    await fake.spec(improving(svc))
+    await fake.apply(refuse_unaccepted)
+    report = await probe(nc, svc, timeout=FAST)
+    passed = {c.name for c in report.checks if c.level == "L1" and c.passed}
+    assert {"emits a valid proposal", "takes triage decisions",
+            "refuses a bad decision"} <= passed, render(report)
+    from improved.core import propose
+    from improved.protocol.model import Proposal
+
+    sample_id = propose.identify(msgspec.convert(valid_sample(svc), Proposal))[0]
+    # one decision taken, on the sample, as the daemon retains it; the bad ones never reach it
+    assert [(d.proposal_id, d.verdict) for d in fake.decisions] == [(sample_id, "defer")]
+    assert await MeshClient(nc, svc).decision(sample_id) is None  # nothing was published
+
+
+async def test_a_service_emitting_an_invalid_proposal_is_l0_and_the_mesh_names_it(
+        fake, nc, svc, own_server):
+    """A service built from the SDK whose proposals carry a class the contract does not
+    have: the kit names the field, and `--mesh` names the service."""
+    import asyncio
+
+    from improved.client import connection
+    from tests.cli import improved
+
+    bad = valid_sample(svc, change_class="L9")
+    await fake.spec(improving(svc))
+    await fake.apply(refuse_unaccepted, sample=bad)
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level == "L0"
+    assert report.first_failure.name == "emits a valid proposal"
+    assert report.first_failure.detail.startswith(
+        "its sample proposal is invalid at change_class: invalid_value")
+    assert fake.orders == []  # the malformed order never reaches the handler; no other sent
+    assert fake.decisions == []
+
+    own = await connection.connect(own_server.url, "conformance-bad-emitter")
+    bad_fake = Fake(own, "bademitter")
+    try:
+        await bad_fake.spec(improving("bademitter"))
+        await bad_fake.apply(refuse_unaccepted, sample=valid_sample("bademitter",
+                                                                    change_class="L9"))
+        cli = await asyncio.to_thread(improved, "conformance", "--mesh", "--nats",
+                                      own_server.url, "--timeout", "0.5")
+    finally:
+        await bad_fake.close()
+        await connection.close(own)
+    assert cli.returncode == 1, cli.stderr
+    out = cli.stdout.splitlines()
+    assert "emits invalid proposals: bademitter" in out
+    assert any(line.strip().startswith("L1  FAIL emits a valid proposal: its sample proposal "
+                                       "is invalid at change_class") for line in out), out
+    assert any(line.strip() == "L2  not probed: L1 failed first" for line in out), out
+
+
+async def test_a_service_that_cannot_be_asked_for_a_sample_is_l0(fake, nc, svc):
+    await fake.spec(improving(svc))
+    fake.subs.append(await MeshClient(nc, svc).serve_apply(refuse_unaccepted))
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level == "L0"
+    assert report.first_failure.detail == (
+        f"no answer on {svc}.improve.conformance.propose (no responders): the kit asks a "
+        "service for a sample of the proposals it emits there (MeshClient.serve_conformance)")
+
+
+async def test_a_service_taking_any_decision_handed_to_it_is_l0(fake, nc, svc):
+    """One that takes a decision about another service's proposal, or with a verdict the
+    contract does not have, does not read what it is given."""
+    await fake.spec(improving(svc))
+    fake.subs.append(await MeshClient(nc, svc).serve_apply(refuse_unaccepted))
+    async def sample(msg) -> None:
+        await msg.respond(to_json(valid_sample(svc)))
+
+    async def takes_anything(msg) -> None:
+        body = msgspec.json.decode(msg.data)
+        await msg.respond(to_json({"taken": True, "proposal_id": body.get("proposal_id"),
+                                   "verdict": body.get("verdict")}))
+
+    fake.subs.append(await nc.subscribe(subjects.conformance_propose(svc), cb=sample))
+    fake.subs.append(await nc.subscribe(subjects.conformance_triage(svc), cb=takes_anything))
+    report = await probe(nc, svc, timeout=FAST)
+    assert report.level == "L0", render(report)
+    assert report.first_failure.name == "refuses a bad decision"
+    assert report.first_failure.detail.startswith(
+        "a decision with verdict \"maybe\" was not refused with an error reply")
+
+
+async def test_a_decision_handed_to_a_store_moves_nothing(daemon, nc, svc):
+    """The attack on the new surface: anyone may hand a store an `accept` decision; a store
+    verifying acceptance still refuses the order, since only the audit chain counts."""
+    from improved.client.conformance import probe_order
+    from improved.client.conformance_evidence import probe_decision
+
+    store = RankingStore(nc, svc, verify_acceptance=True)
+    await store.start()
+    try:
+        order = probe_order(svc, {"schemes": ["rank:"]})
+        taken = msgspec.json.decode((await nc.request(
+            subjects.conformance_triage(svc),
+            to_json(probe_decision(svc, order.proposal_id, verdict="accept", cause=None,
+                                   actor="operator:mallory")), timeout=2)).data)
+        assert taken == {"taken": True, "proposal_id": order.proposal_id, "verdict": "accept"}
+        result = msgspec.json.decode((await nc.request(
+            subjects.apply_request(svc), to_json(order), timeout=2)).data)
+        assert result["ok"] is False and result["error"].startswith("not_accepted:")
+        assert store.applies == 0
+    finally:
+        await store.stop()
+        for bucket in ranking_store.bucket_names(svc):
+            await nc.jetstream().delete_key_value(bucket)
+
+
+# -- L4: the window and the reversal ids, judged from what happened (issue 34) --------------------
+
+
+async def window_fake(fake: Fake, nc, svc: str, writes: list[tuple[str | None, dict]]) -> str:
+    """A full L4 fake advertising a window whose key holds `writes` (tag, version set)."""
+    js = nc.jetstream()
+    bucket = f"window_{svc.replace('-', '_')}"
+    await js.create_key_value(bucket=bucket, history=64)
+    for tag, value in writes:
+        headers = {"Improve-Proposal-Id": tag} if tag else None
+        await js.publish(f"$KV.{bucket}.manifest", to_json(value), headers=headers)
+    await full_l4(fake, svc, window={"bucket": bucket, "key": "manifest"})
+    return bucket
+
+
+async def test_swapping_one_artefact_at_a_time_is_not_l4(fake, nc, svc):
+    bucket = await window_fake(fake, nc, svc, [(None, {"a": "1", "b": "1"}),
+                                               ("p" * 64, {"a": "2", "b": "1"}),
+                                               ("p" * 64, {"a": "2", "b": "2"})])
+    try:
+        report = await probe(nc, svc, timeout=FAST)
+    finally:
+        await nc.jetstream().delete_key_value(bucket)
+    assert report.level == "L3", render(report)
+    assert report.first_failure.name == "all-or-none window"
+    assert report.first_failure.detail == (
+        f"{bucket}/manifest: proposal pppppppppppp changed ['a'] in revision 2 and ['b'] in "
+        "revision 3: a reader between them saw a mix")
+
+
+async def test_swapping_every_artefact_in_one_write_is_l4(fake, nc, svc):
+    bucket = await window_fake(fake, nc, svc, [(None, {"a": "1", "b": "1"}),
+                                               ("p" * 64, {"a": "2", "b": "2"})])
+    try:
+        report = await probe(nc, svc, timeout=FAST)
+    finally:
+        await nc.jetstream().delete_key_value(bucket)
+    assert report.level == "L4", render(report)
+    window = next(c for c in report.checks if c.name == "all-or-none window")
+    assert window.passed and window.probed
+
+
+async def test_the_artefact_store_after_an_l4_and_its_reversal_is_l4_on_evidence(
+        daemon, nc, svc):
+    """After a real swap and its reversal through the daemon, the kit judges both from what
+    happened: each a single write of the manifest, each naming its reversal on its chain."""
+    from tests.bus import approve, outcome, started
+    from tests.factories import swap
+
+    store = await started(nc, svc, {"a": '{"v": 1}', "b": '{"v": 1}'})
+    try:
+        client = MeshClient(nc, svc)
+        pid = await client.publish(swap(svc, {"a": '{"v": 2}', "b": '{"v": 2}'}))
+        await approve(nc, client, svc, pid)
+        assert (await outcome(client, pid)).ok
+        rev_id = await client.publish((await daemon.engine.records.truth(svc, pid)).revert)
+        assert (await outcome(client, rev_id)).ok
+        report = await probe(nc, svc, timeout=FAST)
+        assert report.level == "L4", render(report)
+        assert report.not_probed == []
+        by_name = {c.name: c.detail for c in report.checks}
+        assert by_name["all-or-none window"].startswith("2 write(s) of applies")
+        assert by_name["applied L4s emit revert_proposal_id"].startswith("2 applied L4(s)")
+    finally:
+        await store.stop()

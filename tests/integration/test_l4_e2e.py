@@ -102,6 +102,34 @@ async def test_a_successful_l4_apply_is_reverted_without_a_second_approval(daemo
     await store.stop()
 
 
+async def test_an_applied_reversal_emits_its_own_revert_proposal_id(daemon, nc, svc):
+    """SPEC 09 §7.3: every applied L4 emits its revert_proposal_id, the reversal too; its own
+    reversal, published by anyone, runs under the same approval and reinstalls the change."""
+    store = await started(nc, svc, {"a": '{"v": 1}'})
+    client = MeshClient(nc, svc)
+    pid = await client.publish(swap(svc, {"a": '{"v": 2}'}))
+    await approve(nc, client, svc, pid)
+    out = await outcome(client, pid)
+    assert out.ok, out.error
+    rev_id = await client.publish((await daemon.engine.records.truth(svc, pid)).revert)
+    rev_out = await outcome(client, rev_id)
+    assert rev_out.ok, rev_out.error
+    assert await store.content("a") == b'{"v": 1}'
+    assert rev_out.revert_proposal_id is not None
+    applied = [t for t in await trailers(daemon, svc, rev_id) if t.get("verdict") == "applied"]
+    assert f"revert_proposal_id:{rev_out.revert_proposal_id}" in applied[0]["refs"]
+
+    rev_record = await daemon.engine.records.truth(svc, rev_id)
+    assert rev_record.revert_id == rev_out.revert_proposal_id
+    again = await client.publish(rev_record.revert)
+    assert again == rev_out.revert_proposal_id
+    again_out = await outcome(client, again)
+    assert again_out.ok and again_out.authority == ALICE[0], again_out.error
+    assert again_out.revert_proposal_id is not None
+    assert await store.content("a") == b'{"v": 2}'
+    await store.stop()
+
+
 async def _status(client, pid, wanted):
     state = await client.state(pid)
     return state if state is not None and state.status == wanted else None

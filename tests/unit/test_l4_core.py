@@ -197,6 +197,42 @@ def test_the_reversal_inherits_the_approval_only_of_its_applied_original():
     assert lkg.inherit(other.replace(proposal=rev), applied.replace(revert_id="0" * 64)) is None
 
 
+def test_an_inherited_reversal_records_its_own_reversal_back_to_what_the_original_installed():
+    """SPEC 09 §7.3: every applied L4 emits its revert_proposal_id, a reversal too. The
+    reversal's own way back is generated and validated when it inherits, before it runs, and
+    the applied reversal names it; it in turn inherits the same approval."""
+    from improved.core import planner
+    from improved.core.apply import transition
+    from improved.core.boundary import Attested
+    from improved.protocol.model import ApplyResult
+
+    original = approved(l4())
+    rev = lkg.reversal(original, report())
+    rev_id, _ = propose.identify(rev)
+    original = committed(original, lkg.verified(original, report(), rev, rev_id, TRIAGER))
+    applied = original.replace(status="applied")
+    step = planner.next_step(registered(rev), planner.View(now=NOW, original=applied), POLICY,
+                             TRIAGER)
+    assert isinstance(step, planner.Commit) and step.why == "inherit"
+    reversal = committed(registered(rev), step.draft)
+    assert reversal.approved_by == "operator:alice" and reversal.revert_id is not None
+    back = reversal.revert
+    assert propose.identify(back)[0] == reversal.revert_id
+    assert lkg.reverts(back) == rev_id and back.change_class == "L4"
+    assert back.proposal_data == {"restore": {"a": DIGEST_A, "b": l4().lkg[1]["digest"]}}
+    assert f"revert_proposal_id:{reversal.revert_id}" in step.draft.refs
+    answer = Attested(ApplyResult(ok=True, applied_id="m@2"), "service:deploy", "signature")
+    done = committed(reversal, transition(reversal, answer, "operator:alice"))
+    assert done.outcome.ok and done.outcome.revert_proposal_id == reversal.revert_id
+    # and the reversal's reversal runs under the same approval, with a way back of its own
+    step = planner.next_step(registered(back), planner.View(now=NOW, original=done.replace(
+        status="applied")), POLICY, TRIAGER)
+    again = committed(registered(back), step.draft)
+    assert again.approved_by == "operator:alice"
+    assert again.revert.proposal_data == {"restore": {"a": "sha256:" + "1" * 64,
+                                                      "b": "sha256:" + "2" * 64}}
+
+
 # -- the quorum ------------------------------------------------------------------------------------
 
 def open_record():
