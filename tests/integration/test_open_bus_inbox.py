@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import signal as signals
-import subprocess
 
 import nats
 import pytest
@@ -21,22 +20,14 @@ from improved.client.sdk import MeshClient
 from improved.runtime import bus
 from improved_reference.ranking_store import RankingStore
 from tests.bus import eventually
-from tests.cli import ENV, IMPROVED, improved
+from tests.cli import improved
 from tests.factories import rank_proposal
+from tests.integration.test_embedded_broker import started
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 SVC = "openinbox"
 SERVICE_INBOX = "_INBOX_openinbox"  # the service's own prefix, so the attacker spares it
-
-
-def started(data_dir, port: int) -> subprocess.Popen:
-    daemon = subprocess.Popen([*IMPROVED, "run", "--data-dir", str(data_dir), "--port",
-                               str(port)], stderr=subprocess.PIPE, text=True, env=ENV)
-    assert daemon.stderr is not None
-    while "ready as improved:" not in (line := daemon.stderr.readline()):
-        assert line, "the daemon exited before it was ready"
-    return daemon
 
 
 async def test_no_one_but_the_server_answers_the_daemon_on_the_open_bus(tmp_path):
