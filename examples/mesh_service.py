@@ -82,7 +82,13 @@ async def main(args: argparse.Namespace) -> int:
         await serve_spec(nc, args.service, {
             "service": args.service, "improve": True, "schemes": ["rank:"],
             "apply": f"{args.service}.improve.apply"})
-        reply = await client.propose(rank_change(args.service, args.key, args.value))
+        change = rank_change(args.service, args.key, args.value)
+
+        async def sample() -> Proposal:  # `improved conformance` asks what it proposes (L1)
+            return change
+
+        await client.serve_conformance(sample)
+        reply = await client.propose(change)
         print(f"proposed {reply.proposal_id} ({reply.status})")
         deadline = time.monotonic() + args.timeout
         while (outcome := await client.outcome(reply.proposal_id)) is None:
