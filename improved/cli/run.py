@@ -175,7 +175,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                      help="embedded server: the users and permissions of deploy/accounts.conf, "
                           "credentials under <data_dir>/accounts (default: config accounts, "
                           "else off: anyone on the bus may publish anything)")
-    run.add_argument("--metrics-port", type="port", metavar="N",
-                     help="serve Prometheus /metrics, /healthz and /readyz on this port "
-                          "(default: config metrics_port, else off)")
+    run.add_argument("--metrics-port", type="port or free", metavar="N",
+                     help="serve Prometheus /metrics, /healthz and /readyz on this port (0: a "
+                          "free port, logged; default: config metrics_port, else off)")
     run.set_defaults(func=cmd_run)

@@ -48,8 +48,10 @@ def one_line(done: subprocess.CompletedProcess, code: int) -> str:
 
 TRACEBACKS = [
     (["run", "--port", "99999"], "argument --port: a port is 0 to 65535 (0: a free port)"),
-    (["run", "--metrics-port", "99999"], "argument --metrics-port: a port is 1 to 65535"),
-    (["run", "--metrics-port", "0"], "argument --metrics-port: a port is 1 to 65535"),
+    (["run", "--metrics-port", "99999"], "argument --metrics-port: a port is 0 to 65535 (0: a "
+                                           "free port)"),
+    (["run", "--metrics-port", "-1"], "argument --metrics-port: a port is 0 to 65535 (0: a "
+                                      "free port)"),
     (["console", "--port", "70000"], "argument --port: a port is 0 to 65535 (0: a free port)"),
     (["run", "--data-dir", "{file}"], "the data directory {file} is a file, not a directory"),
     (["run", "--data-dir", "{file}/sub"], "cannot make the data directory {file}/sub: Not a "
