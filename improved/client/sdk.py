@@ -315,14 +315,18 @@ class MeshClient:
                                    traced(traceparent))
         return digest
 
-    async def report(self, report: ApplyReport | dict[str, Any]) -> None:
+    async def report(self, report: ApplyReport | dict[str, Any],
+                     traceparent: str | None = None) -> None:
         """Report an apply this service made asynchronously (`improve.applied.<svc>`),
         durably; signed with the client's key when it has one (`sign_report`). The daemon
-        takes it once, while the proposal awaits its apply."""
+        takes it once, while the proposal awaits its apply. It carries `traceparent`, else
+        the current OpenTelemetry span's (`client.tracing`), as `signal` does."""
+        headers = traced(traceparent)
         data = encode(report)
         if self.key is not None:
             data = boundary.sign_report(data, self.key)
-        await self.js.publish(S.inbound_applied(self.service), data, stream=S.STREAM_INBOUND)
+        await self.js.publish(S.inbound_applied(self.service), data, stream=S.STREAM_INBOUND,
+                              headers=headers)
 
     # -- retained records --------------------------------------------------------------------------
 

@@ -198,3 +198,36 @@ def test_traces_asked_for_in_a_form_the_daemon_cannot_use_stop_the_start_in_one_
         "improved: OTEL_EXPORTER_OTLP_PROTOCOL: expected http/protobuf or grpc, got "
         "'http/json'"]
     assert not (tmp_path / "data" / "checkpoint.pem").exists(), "nothing started"
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_an_asynchronous_report_carries_the_callers_trace_and_refuses_a_bad_one(
+        daemon, nc, svc):
+    """`MeshClient.report`, like `signal`, sends the caller's `traceparent` with the
+    ApplyReport (the daemon's consumer reads it, as for a proposal), and refuses a malformed
+    one before anything is published."""
+    from improved.client.sdk import ImproveError
+    from improved.protocol import subjects as S
+    from improved.protocol.model import ApplyReport
+
+    seen: list = []
+
+    async def noted(msg) -> None:
+        seen.append(msg)
+
+    sub = await nc.subscribe(S.inbound_applied(svc), cb=noted)
+    await nc.flush()
+    good = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    client = MeshClient(nc, svc)
+    report = ApplyReport(proposal_id="a" * 64, service=svc, ok=True, applied_id="x")
+    with pytest.raises(ImproveError) as refused:
+        await client.report(report, traceparent="00-nope")
+    assert refused.value.field == "traceparent"
+    await client.report(report, traceparent=good)
+    await eventually(lambda: _true(bool(seen)), 5, what="the report on its subject")
+    assert [msg.headers.get(tracing.TRACEPARENT) for msg in seen] == [good]
+    await sub.unsubscribe()
+
+
+async def _true(value: bool) -> bool:
+    return value
