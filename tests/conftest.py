@@ -119,3 +119,18 @@ async def accounts_bus(tmp_path):
     """`mesh_bus` with deploy/accounts.conf's users only."""
     async with started("accounts", tmp_path) as mesh:
         yield mesh
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def skills_store(nc, svc):
+    """The test's own reference skills store (service `svc`), its buckets removed after."""
+    from improved_reference.skill_definitions import bucket_names
+    from improved_reference.skills_store import SkillsStore
+
+    store = SkillsStore(nc, svc)
+    await store.start()
+    yield store
+    await store.stop()
+    js = nc.jetstream()
+    for bucket in bucket_names(svc):
+        await js.delete_key_value(bucket)

@@ -112,10 +112,10 @@ def prepare(data_dir: Path) -> str:
     """Make what is missing of this data directory's credentials (a password per user of
     deploy/accounts.conf and of the added services), check what is there, and write the
     server's block; return the line that includes it in the server's configuration."""
-    private = _private_dir(directory(data_dir))
+    private = private_dir(directory(data_dir))
     text = with_services(template(), added(data_dir))
-    passwords = {user: _password(private / f"{user}.pw") for user in users(text)}
-    _write_private(private / SERVER_BLOCK, server_block(text, passwords))
+    passwords = {user: password_in(private / f"{user}.pw") for user in users(text)}
+    write_private(private / SERVER_BLOCK, server_block(text, passwords))
     return INCLUDE
 
 
@@ -128,7 +128,7 @@ def add_service(data_dir: Path, service: str) -> tuple[Path, bool]:
     user = f"svc-{service}"
     new = user not in users(with_services(template(), added(data_dir)))
     if new:
-        private = _private_dir(directory(data_dir))
+        private = private_dir(directory(data_dir))
         fd = os.open(private / SERVICES, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "a", encoding="utf-8") as fh:
             fh.write(service + "\n")
@@ -147,7 +147,7 @@ def mode_in(data_dir: Path) -> str | None:
     return None
 
 
-def _private_dir(path: Path) -> Path:
+def private_dir(path: Path) -> Path:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     _owner_only(path, "700")
     return path
@@ -161,7 +161,7 @@ def _owner_only(path: Path, mode: str) -> None:
                             f"`chmod {mode} {path}`, or remove it to make a new one")
 
 
-def _password(path: Path) -> str:
+def password_in(path: Path) -> str:
     """The password in `path`, made (random, 0600) when there is none."""
     made = secrets.token_urlsafe(24)
     try:
@@ -178,7 +178,7 @@ def _password(path: Path) -> str:
     return made
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """Replace `path` by `text` atomically, readable by its owner only."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

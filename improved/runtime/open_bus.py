@@ -20,7 +20,7 @@ import secrets
 from pathlib import Path
 
 from improved.client.answers import DAEMON_INBOX
-from improved.runtime.accounts import _password, _private_dir, _write_private
+from improved.runtime.accounts import password_in, private_dir, write_private
 
 DIR = "open-bus"
 SERVER_BLOCK = "nats.conf"
@@ -55,7 +55,7 @@ def prepare(data_dir: Path) -> str:
     """The daemon's password (made on the first start, kept after) and the server's block,
     written; the line that includes the block in the server's configuration. `anyone`'s
     password is new at every start and kept nowhere: no one logs in as `anyone`."""
-    private = _private_dir(directory(data_dir))
-    block = server_block(_password(password_file(data_dir)), secrets.token_urlsafe(24))
-    _write_private(private / SERVER_BLOCK, block)
+    private = private_dir(directory(data_dir))
+    block = server_block(password_in(password_file(data_dir)), secrets.token_urlsafe(24))
+    write_private(private / SERVER_BLOCK, block)
     return f'include "{DIR}/{SERVER_BLOCK}"\n'

@@ -5,26 +5,13 @@ namespace, holder and proficiency) and the heads view of a holder's supersession
 from __future__ import annotations
 
 import msgspec
-import pytest_asyncio
 
 from improved.protocol import canonical
 from improved.protocol import subjects as S
 from improved.protocol.model import Signal, to_json
-from improved_reference.skill_definitions import bucket_names
-from improved_reference.skills_store import SkillsStore
 
 AT = 1768471200000
 ALICE, BOB, CAROL = ("did:key:z6MkAlice", "did:key:z6MkBob", "did:key:z6MkCarol")
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def store(nc, svc):
-    s = SkillsStore(nc, svc)
-    await s.start()
-    yield s
-    await s.stop()
-    for bucket in bucket_names(svc):
-        await nc.jetstream().delete_key_value(bucket)
 
 
 async def discover(nc, svc: str, **query) -> dict:
@@ -39,7 +26,8 @@ async def practised(store, identity: str, holder: str, outcomes: list[bool]) -> 
         await store.practice(identity, holder, signal, True, AT + 1000 * (i + 1))
 
 
-async def test_discovery_finds_every_holder_of_a_skill_best_first(nc, svc, store):
+async def test_discovery_finds_every_holder_of_a_skill_best_first(nc, svc, skills_store):
+    store = skills_store
     review = await store.put_definition({"name": "review", "description": "review a diff"})
     summary = await store.put_definition({"name": "summary", "description": "summarise"})
     await practised(store, review, ALICE, [True, True, True])
@@ -62,7 +50,8 @@ async def test_discovery_finds_every_holder_of_a_skill_best_first(nc, svc, store
     assert bad["error"]["field"] == "min_proficiency"
 
 
-async def test_the_heads_view_links_each_superseded_grain_to_its_successor(nc, svc, store):
+async def test_the_heads_view_links_each_superseded_grain_to_its_successor(nc, svc, skills_store):
+    store = skills_store
     review = await store.put_definition({"name": "review", "description": "review a diff"})
     await practised(store, review, ALICE, [True, False, True])
     chain = (await discover(nc, svc, holder=ALICE, history=True))["skills"]

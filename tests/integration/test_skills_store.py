@@ -7,7 +7,6 @@ import asyncio
 
 import msgspec
 import pytest
-import pytest_asyncio
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
@@ -71,15 +70,10 @@ def name(svc) -> str:
     return f"sum-{svc}"
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def store(nc, svc):
-    s = SkillsStore(nc, svc)
-    await s.start()
-    yield s
-    await s.stop()
-    js = nc.jetstream()
-    for bucket in bucket_names(svc):
-        await js.delete_key_value(bucket)
+@pytest.fixture
+def store(skills_store):
+    """The test's own skills store (tests/conftest.py)."""
+    return skills_store
 
 
 async def stored(nc, svc: str, key: str) -> list[KVRevision]:
