@@ -73,16 +73,17 @@ class Answers:
             queue.put_nowait(msg)
 
     async def ask(self, service: str, subject: str, body: bytes, timeout: float,
-                  grace: float = 0.0, headers: dict[str, str] | None = None
-                  ) -> list[boundary.Evidence[bytes]]:
+                  grace: float = 0.0, headers: dict[str, str] | None = None,
+                  first: bool = False) -> list[boundary.Evidence[bytes]]:
         """Send `body` on `subject` and return every answer heard, each as evidence of
         `service`'s: up to the first when nothing `service` says could be attested; else
         until one is attested (and `grace` seconds more, to hear one that disagrees), or the
         timeout. NoRespondersError when nobody serves the subject, nats-py's TimeoutError when
-        nothing at all came. `headers` (a `traceparent`) go with the request."""
+        nothing at all came. `headers` (a `traceparent`) go with the request; `first`: the
+        first answer ends the wait (a probe of whether anyone serves the subject)."""
         if self._sub is None:
             await self._start()
-        attestable = self.attestable(service)
+        attestable = self.attestable(service) and not first
         inbox = f"{self._prefix}{next(self._ids)}"
         queue: asyncio.Queue[Msg] = asyncio.Queue()
         self._waiting[inbox] = queue

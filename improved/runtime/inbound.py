@@ -404,7 +404,8 @@ class InboundConsumer:
             return True  # the pass expires it
         try:
             await self.engine.answers.ask(record.service, S.apply_request(record.service),
-                                          PROBE_ORDER, timeout=self.config.apply.timeout_s)
+                                          PROBE_ORDER, timeout=self.config.apply.timeout_s,
+                                          first=True)
         except NoRespondersError:
             return False
         except Exception:
