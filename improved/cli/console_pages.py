@@ -298,8 +298,8 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f} s"
 
 
-VERDICT_CLASS = {"OK": "ok", "BROKEN": "broken"}
-MEANING = {"OK": "nothing forged, altered or missing; every writer checked against a trusted "
+VERDICT_CLASS = {"VERIFIED": "ok", "BROKEN": "broken"}
+MEANING = {"VERIFIED": "nothing forged, altered or missing; every writer checked against a trusted "
                  "daemon key",
            "BROKEN": "something was forged, altered or is missing",
            "UNVERIFIED": "nothing wrong found, but no trusted daemon key here to check who "

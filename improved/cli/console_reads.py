@@ -103,7 +103,7 @@ def listed(states: Sequence[ProposalState], filters: Filters) -> Listed:
 
 
 def verdict_of(code: int, anchored: bool) -> str:
-    """The verify's exit code in the project's words: OK, BROKEN (something forged, altered
+    """The verify's exit code in the words `audit verify` says: VERIFIED, BROKEN (something forged, altered
     or missing), UNVERIFIED (nothing wrong found, but with no trusted daemon key the writers
     could not be checked: exit 3, or 0 from a verifier that trusted no key) or, when it could
     not run, NOT RUN."""
@@ -111,7 +111,7 @@ def verdict_of(code: int, anchored: bool) -> str:
         return "BROKEN"
     if code == 3 or (code == 0 and not anchored):
         return "UNVERIFIED"
-    return "OK" if code == 0 else "NOT RUN"
+    return "VERIFIED" if code == 0 else "NOT RUN"
 
 
 def hidden(line: str, paths: Sequence[tuple[str, str]]) -> str:

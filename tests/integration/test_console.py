@@ -197,7 +197,7 @@ async def test_the_audit_page_verifies_since_the_checkpoint_and_the_whole_log_on
         with running(own_server.url, tmp_path, daemon.config.checkpoint_key) as base:
             status, audit = await get(f"{base}audit")
             assert status == 200, audit
-            assert verdict_of(audit, "since") == "OK"
+            assert verdict_of(audit, "since") == "VERIFIED"
             assert "trailers after the checkpoint of" in audit
             assert "id=full-verify" in audit and "Not run from this console yet" in audit
             assert str(tmp_path) not in audit and "/data" not in audit
@@ -214,7 +214,7 @@ async def test_the_audit_page_verifies_since_the_checkpoint_and_the_whole_log_on
                 return page if "id=full-lines" in page else None
 
             finished = await eventually(done, timeout=60, interval=0.5)
-    assert verdict_of(finished, "full") == "OK"
+    assert verdict_of(finished, "full") == "VERIFIED"
     assert "chains verified" in finished and "checkpoint file the data directory" in finished
     assert str(tmp_path) not in finished
 

@@ -161,12 +161,12 @@ def _walk(base: str, svc: str, l0: str, l2: str, keyid: str, private: str, shot:
         assert "trailers up to stream sequence" in text(driver, "checkpoint")
 
         driver.find_element(By.ID, "nav-audit").click()
-        assert wait.until(ec.presence_of_element_located((By.ID, "since"))).text == "OK"
+        assert wait.until(ec.presence_of_element_located((By.ID, "since"))).text == "VERIFIED"
         assert private not in driver.page_source
         driver.find_element(By.ID, "full-verify").click()
         full = WebDriverWait(driver, 90).until(
             ec.presence_of_element_located((By.ID, "full")))  # the page reloads itself
-        assert full.text == "OK", driver.find_element(By.ID, "full-lines").text
+        assert full.text == "VERIFIED", driver.find_element(By.ID, "full-lines").text
         assert "chains verified" in text(driver, "full-lines")
         assert private not in driver.page_source
 

@@ -21,7 +21,7 @@ def state(pid: str, updated_at: int, summary: str = "s") -> ProposalState:
 
 
 def test_the_verdict_words():
-    assert verdict_of(0, anchored=True) == "OK"
+    assert verdict_of(0, anchored=True) == "VERIFIED"
     assert verdict_of(0, anchored=False) == "UNVERIFIED"  # nothing to check writers against
     assert verdict_of(3, anchored=True) == "UNVERIFIED"
     assert verdict_of(1, anchored=True) == verdict_of(1, anchored=False) == "BROKEN"
@@ -55,7 +55,7 @@ def test_one_full_verify_at_a_time_its_progress_shown_while_it_runs():
         return 0
 
     job = FullVerify(run, anchored=True, paths=[])
-    since = Verified("OK", 0, [])
+    since = Verified("VERIFIED", 0, [])
     assert job.start() and not job.start()  # the second asks while the first runs
     deadline = time.monotonic() + 5
     while job.state().read != 500 and time.monotonic() < deadline:
@@ -67,5 +67,5 @@ def test_one_full_verify_at_a_time_its_progress_shown_while_it_runs():
     while job.state().running and time.monotonic() < deadline:
         time.sleep(0.01)
     done = audit_page(since, job.state(), "token", "read-only")
-    assert '<p id=full class="verdict ok">OK</p>' in done and "700 trailers" in done
+    assert '<p id=full class="verdict ok">VERIFIED</p>' in done and "700 trailers" in done
     assert "http-equiv=refresh" not in done and "id=full-verify" in done
