@@ -254,3 +254,32 @@ async def test_no_broker_is_one_line_and_exit_2():
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("improved: cannot reach NATS at nats://127.0.0.1:")
     assert len(result.stderr.splitlines()) == 1
+
+
+async def test_a_forged_retained_state_is_listed_as_a_hint_and_offers_nothing_to_sign(
+        daemon, nc, svc, nats_url, tmp_path):
+    """Anyone on the open bus may write a retained state: the front page lists what the
+    records say, but the proposal's page reads its chain, so a made-up waiting proposal gets
+    no approval form, and an approval posted for it signs and publishes nothing."""
+    import msgspec
+
+    from improved.protocol import subjects as S
+    from improved.protocol.model import to_json
+
+    real = await _proposed(nc, svc, skill_proposal(svc))
+    state = await eventually(lambda: MeshClient(nc, svc).state(real))
+    fake = "f" * 64
+    await nc.jetstream().publish(S.proposal_state(svc, fake), to_json(
+        msgspec.structs.replace(state, proposal_id=fake)))
+    key = alice_pem(tmp_path)
+    with running(nats_url, tmp_path, daemon.config.checkpoint_key, "--key", str(key),
+                 "--principal", "operator:alice") as base:
+        status, front = await get(f"{base}?service={svc}")
+        assert status == 200 and fake[:12] in front  # a hint, as the records say
+        status, page = await get(f"{base}p/{fake}")
+        assert f'action="/p/{fake}/approve"' not in page
+        token = csrf_of((await get(f"{base}p/{real}"))[1])
+        status, refused = await get(f"{base}p/{fake}/approve",
+                                    form={"reason": "looks fine", "csrf": token})
+        assert status >= 400 and "accepted" not in refused and "Traceback" not in refused, refused
+    assert await Store(nc).read_chain(svc, fake) == []  # nothing reached the loop
