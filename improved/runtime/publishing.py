@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
+from typing import Any
 
 import msgspec
 import structlog
@@ -93,17 +94,39 @@ class Publisher:
                                error=f"unreachable: {error}", at=now_ms())
         await self.store.publish(S.apply_outcome(record.service, record.proposal_id), outcome)
 
-    async def republish_all(self, concurrency: int = 32) -> int:
-        """Rebuild every record and grant from its chain and publish the retained records and
-        the review index again: what they would say had they never been lost. One read of the
-        log (with its stream sequences), then `concurrency` chains at a time. Returns the
-        chains replayed (proposals' and grants': the daemon's own have no records)."""
-        chains = iter((await self.store.sequenced_chains()).items())
+    async def republish_all(self, start: int = 1, concurrency: int = 32) -> int:
+        """Rebuild records from their chains and publish the retained records and the review
+        index again: what they would say had they never been lost. Read are every grant chain
+        (the mesh chains stay whole and small) and the proposal chains that begin at or after
+        stream sequence `start` — the daemon passes the sequence after the last seal, where
+        every open proposal and every index member is (`core.epochs.Scan.cut`), so the cost
+        follows the epoch, not the history. A chain that began before `start` is closed: its
+        records are not refilled (they would leave the bus after `records_ttl_days`), its chain
+        keeps everything. One read of each range (with its stream sequences), then
+        `concurrency` chains at a time. Returns the chains replayed."""
+        last = (await self.store.audit_view()).last_seq
+        chains: dict[tuple[str, str], list[tuple[int, dict[str, Any]]]] = {}
+        async for seq, subject, body, _ in self.store.follow(
+                S.audit(S.GRANT_CHAINS, "*"), 1, last):
+            if body is not None:
+                chains.setdefault((S.GRANT_CHAINS, S.token(subject, 3) or ""), []).append(
+                    (seq, body))
+        began_before: set[str] = set()
+        async for seq, subject, body, _ in self.store.follow(S.AUDIT_FILTER, start, last):
+            svc = S.token(subject, 2) or ""
+            if body is None or svc in S.MESH_CHAINS or subject in began_before:
+                continue
+            key = (svc, S.token(subject, 3) or "")
+            if key not in chains and body.get("seq") != 0:
+                began_before.add(subject)  # began before `start`: closed, not refilled
+                continue
+            chains.setdefault(key, []).append((seq, body))
+        todo = iter(chains.items())
         count = 0
 
         async def worker() -> None:
             nonlocal count
-            for (svc, cid), entries in chains:  # one shared iterator: each chain once
+            for (svc, cid), entries in todo:  # one shared iterator: each chain once
                 trailers = [decode_trailer(body) for _, body in entries]
                 try:
                     if svc == S.GRANT_CHAINS:
@@ -111,10 +134,8 @@ class Publisher:
                         if state is not None:
                             await self.store.publish(S.grant_record(*state.skill.split(":", 1)),
                                                      state)
-                    elif svc not in S.MESH_CHAINS:
-                        await self._republish(svc, cid, trailers, [seq for seq, _ in entries])
                     else:
-                        continue  # the daemon's own chains have no retained records
+                        await self._republish(svc, cid, trailers, [seq for seq, _ in entries])
                 except (ValueError, KeyError, msgspec.MsgspecError) as exc:
                     log.error("chain not replayable; left for audit verify", chain=cid,
                               service=svc, error=str(exc))

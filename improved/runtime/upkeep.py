@@ -13,6 +13,7 @@ import anyio
 import structlog
 from nats.aio.client import Client
 
+from improved.client.indexing import chains_start
 from improved.core import queue
 from improved.protocol.model import (
     ReviewEntry,
@@ -164,11 +165,13 @@ class Upkeep:
                 return False
             if await self.store.has_chains():
                 started = time.perf_counter()
-                count = await self.engine.publisher.republish_all()
+                start, where = await chains_start(self.store, set(
+                    self.engine.trust.chain_trust.daemons))
+                count = await self.engine.publisher.republish_all(start)
                 # a new data directory has only the daemon's own chains: nothing was lost
                 say = log.warning if count else log.info
                 say("retained records and the review index refilled from the audit chains",
-                    chains=count, seconds=round(time.perf_counter() - started, 2))
+                    chains=count, read=where, seconds=round(time.perf_counter() - started, 2))
             await self.store.mark_filled(seen)
             return True
 

@@ -10,10 +10,12 @@ import msgspec
 import pytest
 
 from improved.cli.queries import review_view
-from improved.client import connection
+from improved.client import archive, connection
+from improved.client.config import AuditSettings
 from improved.client.sdk import MeshClient
 from improved.core.policy import Policy
 from improved.protocol import subjects as S
+from improved.protocol.model import ApplyResult
 from improved.runtime.daemon import Daemon
 from improved_reference.ranking_store import RankingStore
 from tests.bus import daemon_config, eventually
@@ -135,4 +137,65 @@ async def test_records_a_broker_outage_kept_from_being_published_are_published_a
     finally:
         daemon.store.publish = real_publish
         await daemon.stop()
+        await connection.close(nc)
+
+
+async def test_the_refill_reads_the_chains_after_the_last_seal_not_the_history(
+        own_server, tmp_path):
+    """Every open proposal and every index member is after the last seal (`Scan.cut`), so the
+    refill reads from there: what it costs follows the epoch. A chain closed before the seal
+    gets no records back (they would have left the bus after `records_ttl_days`); its chain
+    keeps everything, and `show` reads it."""
+    config = daemon_config(data_dir=tmp_path / "data", checkpoint_interval_s=0.0,
+                           audit=AuditSettings(epoch_trailers=12, retention_days=0.0))
+    nc = await connection.connect(own_server.url, "sealed-refill")
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    client = MeshClient(nc, "sealsvc")
+
+    async def applier(order):
+        return ApplyResult(ok=True, applied_id=order.proposal_id[:8])
+
+    sub = await client.serve_apply(applier)
+    try:
+        early = [(await client.propose(rank_proposal("sealsvc", key=f"e{i}"))).proposal_id
+                 for i in range(4)]
+        for pid in early:
+            await eventually(lambda pid=pid: _applied(client, pid))
+        waiting = (await client.propose(skill_proposal("sealsvc"))).proposal_id
+        late = (await client.propose(rank_proposal("sealsvc", key="late"))).proposal_id
+        await eventually(lambda: _applied(client, late))
+        waiting_state = await client.state(waiting)
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
+        await daemon.engine.checkpoints.seal_if_due(daemon._checkpoint_key)
+        trusted = daemon.engine.trust.trusted_daemons(daemon._checkpoint_key)
+        seal, problem = await archive.last_seal(daemon.store, trusted)
+        assert problem is None and seal is not None
+        assert seal.upto < (await daemon.store.read_chain("sealsvc", waiting))[0][0]
+        await daemon.stop()
+
+        await nc.jetstream().purge_stream(S.STREAM_RECORDS)  # the records, index and marker
+        again = Daemon(nc, config)
+        replayed: list[int] = []
+        original = again.engine.publisher.republish_all
+
+        async def counted(*args, **kw):
+            replayed.append(await original(*args, **kw))
+            return replayed[-1]
+
+        again.engine.publisher.republish_all = counted  # type: ignore[method-assign]
+        await again.start()
+        try:
+            await eventually(lambda: again.store.filled(), timeout=20)
+            assert replayed == [2]  # the waiting proposal and the late one: the epoch's chains
+            assert await client.state(waiting) == waiting_state
+            assert (await client.state(late)).status == "applied"
+            assert await eventually(lambda: _reviewed(own_server.url, waiting))
+            for pid in early:  # closed before the seal: no records back, the chain holds all
+                assert await client.state(pid) is None
+                assert len(await again.store.read_chain("sealsvc", pid)) >= 2
+        finally:
+            await again.stop()
+    finally:
+        await sub.unsubscribe()
         await connection.close(nc)
