@@ -15,8 +15,10 @@ see it, in a process of its own:
   audit verify --archive` after it (every epoch checked exactly against its seal);
 - a broker restart: `improved run` spawn → ready again (on the archived stream), `review`
   right after ready (and where it read from: the review index, or every chain), and until the
-  records are known whole (whether the daemon refilled them: with `memory` among the
-  arguments the retained records are in memory storage, so the restart loses them);
+  records are known whole (whether the daemon refilled them: the retained records are in
+  memory storage, the default, so the restart loses them; with `file` among the arguments
+  they are kept); the refill itself, in process, from the chains after the seal and, as
+  before, from every chain;
 - bytes per proposal: every stream's bytes on disk over N.
 Prints one table, the sizes side by side. Leaves nothing behind."""
 
@@ -148,6 +150,16 @@ async def seal_and_archive(url: str, cfg: Config, tmp: Path, n: int) -> dict[str
                                      int(time.time() * 1000), 1, 1e6, 0.0, {kept["keyid"]})
     row["seal an epoch of the whole log (s)"] = time.perf_counter() - started
     assert seal is not None
+    # what a daemon refills when its records are lost (memory storage across a broker
+    # restart): the chains after the last seal, against every chain as before
+    d = Daemon(nc, cfg)
+    await d.start()
+    start, _ = await indexing.chains_start(d.store, {kept["keyid"]})
+    row["refill of lost records: the chains after the seal, in process (s)"] = await timed(
+        d.engine.publisher.republish_all(start))
+    row["  … every chain of the log, as before (s)"] = await timed(
+        d.engine.publisher.republish_all(1))
+    await d.stop()
     config = tmp / "improved.toml"
     config.write_text(f'data_dir = "{cfg.data_dir}"\n')
     seconds, rss, _ = run_cli("audit", "archive", str(tmp / "archive"), "--remove", "--nats",
@@ -286,4 +298,4 @@ async def main(sizes: list[int], records: str) -> None:
 
 if __name__ == "__main__":
     asyncio.run(main([int(a) for a in sys.argv[1:] if a.isdigit()] or [2000],
-                     "memory" if "memory" in sys.argv[1:] else "file"))
+                     "file" if "file" in sys.argv[1:] else "memory"))

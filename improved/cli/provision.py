@@ -28,16 +28,19 @@ ADMIN = "IMPROVED_NATS_USER=improved-admin IMPROVED_NATS_PASSWORD_FILE=FILE"
 
 
 async def provisioned(url: str | Target, replicas: int, records_storage: str,
-                      sweep_ttl_s: int | None = None) -> list[str]:
-    """What provisioning changed (nothing when all is in place), connected to `url`."""
+                      sweep_ttl_s: int | None = None, move_records: bool = False
+                      ) -> tuple[list[str], list[str]]:
+    """What provisioning found and left as it is (said, not changed), and what it changed
+    (nothing when all is in place), connected to `url`."""
     nc = await connection.connect(url, "improved-provision", persistent=False)
     try:
         store = Store(nc, replicas, records_storage)
+        store.move_records = move_records
         changes = await store.ensure(strict=True)
         changes += await store.remove_retired()
         if sweep_ttl_s is not None:
             changes.append(await sweep_dedup(store, sweep_ttl_s))
-        return changes
+        return store.notes, changes
     finally:
         await connection.close(nc)
 
@@ -83,7 +86,8 @@ def cmd_provision(args: argparse.Namespace) -> int:
             return 2
         sweep = int(config.records_ttl_days * 86400)
     try:
-        changes = asyncio.run(provisioned(url, replicas, config.records_storage, sweep))
+        notes, changes = asyncio.run(provisioned(url, replicas, config.records_storage, sweep,
+                                                 args.move_records))
     except NeedsProvision as exc:
         print(f"improved provision: {exc.what}, and these credentials may not change it "
               f"(JetStream did not answer): connect as the provisioning user, e.g. "
@@ -99,8 +103,8 @@ def cmd_provision(args: argparse.Namespace) -> int:
     except nats.errors.Error as exc:
         print(f"improved provision: {where}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    for change in changes:
-        print(change)
+    for line in notes + changes:
+        print(line)
     print(f"provisioned {where}: the loop's streams, buckets and inbound consumer are in place "
           f"(R{replicas}, records on {config.records_storage}); "
           + (f"{len(changes)} changed" if changes else "nothing changed"))
@@ -139,4 +143,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "records_ttl_days (daemons do so at each close; keys closed before "
                         "they did are otherwise kept for good): once, after upgrading; it "
                         "reads every key and its proposal's chain")
+    p.add_argument("--move-records", action="store_true",
+                   help="make the records stream IMPROVE_RECORDS again when its storage is "
+                        "not the configured records_storage (a stream's storage is fixed when "
+                        "it is made): it is removed and made anew, and the daemon refills "
+                        "what it holds from the audit chains after the last sealed epoch")
     p.set_defaults(func=cmd_provision, as_user=credentials.ADMIN)

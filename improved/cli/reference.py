@@ -57,8 +57,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                             "(once per node)")
     bench.add_argument("--sync", default="always",
                        help="embedded server fsync: always (durable, default) or e.g. 2m")
-    bench.add_argument("--records", choices=("file", "memory"), default="file",
-                       help="the daemons' records_storage (file)")
+    bench.add_argument("--records", choices=("file", "memory"), default="memory",
+                       help="the daemons' records_storage (memory, the default's)")
     bench.add_argument("--applier", choices=("ranking", "instant"), default="ranking",
                        help="the owning service: ranking = the persisting reference stores "
                             "(RankingStore for rank: L0, SkillsStore for skill: L2/L3, in "

@@ -117,8 +117,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     async def main() -> int:
         stop = stop_on_signals()
         if config.accounts:  # the daemon's user may not make the streams: provisioning may
-            changes = await provisioned(as_user(config, where.where, credentials.ADMIN),
-                                        config.replicas, config.records_storage)
+            notes, changes = await provisioned(as_user(config, where.where, credentials.ADMIN),
+                                               config.replicas, config.records_storage)
+            for note in notes:
+                print(f"improved: {note}", file=sys.stderr, flush=True)
             print(f"improved: provisioned as {credentials.ADMIN}: "
                   + (f"{len(changes)} changed" if changes else "nothing changed"),
                   file=sys.stderr, flush=True)

@@ -35,8 +35,9 @@ accounts = false                     # embedded server: true gives it deploy/acc
                                      # users and permissions (`improved run --accounts`)
 max_message_bytes = 262144
 replicas = 1                         # JetStream replicas of every stream (3 on a cluster)
-records_storage = "file"             # retained records: "file", or "memory" as ABP kept them
-                                     # (rebuilt from the chains after a broker restart)
+records_storage = "memory"           # retained records: "memory" (as ABP kept them: not
+                                     # fsync'd; refilled from the chains after the last sealed
+                                     # epoch when a broker restart loses them), or "file"
 records_ttl_days = 30                # a closed proposal's retained records and dedup key
                                      # leave this long after their last publish (0: kept for
                                      # good); chains and the rejection ledger stay
@@ -218,7 +219,9 @@ class Config(_Section, frozen=True, kw_only=True):
     accounts: bool = False
     max_message_bytes: Annotated[int, Meta(ge=1, le=64 * 1024 * 1024)] = 256 * 1024
     replicas: Replicas = 1
-    records_storage: RecordsStorage = "file"
+    # retained records are outputs rebuilt from the fsync'd chains (`Upkeep.republish_if_lost`),
+    # so they need no fsync of their own; "file" keeps them across a broker restart
+    records_storage: RecordsStorage = "memory"
     # how long a closed proposal's retained records and dedup key stay (Nats-TTL); 0 keeps
     # them for good
     records_ttl_days: Annotated[float, Meta(ge=0.0, le=3660.0)] = 30.0

@@ -8,6 +8,8 @@ cluster electing its leaders answers nothing for a while.
 
 from __future__ import annotations
 
+import dataclasses
+
 import structlog
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
@@ -47,7 +49,7 @@ REFUSED_MAX_AGE_S = 30 * 24 * 3600
 RETIRED_BUCKETS = ("improved_state",)
 
 
-def stream_configs(replicas: int = 1, records_storage: str = "file") -> list[jsapi.StreamConfig]:
+def stream_configs(replicas: int = 1, records_storage: str = "memory") -> list[jsapi.StreamConfig]:
     return [
         jsapi.StreamConfig(
             name=S.STREAM_INBOUND, subjects=list(S.INBOUND_FILTERS),
@@ -123,6 +125,8 @@ class Provisioning(Streams):
     js: JetStreamContext
     replicas: int
     records_storage: str
+    move_records: bool = False  # `improved provision --move-records`: see `_records_storage`
+    notes: list[str]  # what `ensure(strict=True)` found and left as it is: said, not changed
     dedup: KeyValue
     ledger: KeyValue
     windows: KeyValue
@@ -137,7 +141,11 @@ class Provisioning(Streams):
         change it goes without unless `strict` (`improved provision`): per-message TTLs on the
         dedup bucket (`dedup_ttl`), without which its heads are simply kept for good."""
         done: list[str] = []
+        self.notes = []
         for cfg in stream_configs(self.replicas, self.records_storage):
+            if cfg.name == S.STREAM_RECORDS:
+                cfg, note = await self._records_storage(cfg, strict)
+                done += note
             done += await self._ensure_stream(cfg, strict)
         done += await self._ensure_consumer()
         self.dedup = await self._bucket(S.BUCKET_DEDUP, "newest proposal per dedup_key", done)
@@ -151,6 +159,33 @@ class Provisioning(Streams):
         self.learned = await self._bucket(S.BUCKET_LEARNED, "each analyzer's accepted and "
                                           "rejected proposals (stage 1's weights)", done)
         return done
+
+    async def _records_storage(self, cfg: jsapi.StreamConfig, strict: bool
+                               ) -> tuple[jsapi.StreamConfig, list[str]]:
+        """The records stream's config with the storage it is to have. A stream's storage is
+        fixed when it is made, so an existing records stream keeps its own (one made on file
+        storage before memory became the default, say), said in one line; with
+        `move_records` (`improved provision --move-records`) it is removed and made again
+        on the configured storage, and the daemon refills it from the chains (its refill
+        marker went with it)."""
+        have = await self._stream_config(S.STREAM_RECORDS)
+        if have is None or have.storage == cfg.storage:
+            return cfg, []
+        was = jsapi.StorageType(have.storage or "file").value
+        want = self.records_storage
+        if strict and self.move_records:
+            await self._change(f"stream {S.STREAM_RECORDS} is on {was} storage",
+                               lambda: self.js.delete_stream(S.STREAM_RECORDS))
+            return cfg, [f"removed stream {S.STREAM_RECORDS} ({was} storage) to make it again "
+                         f"on {want}: the daemon refills its records from the chains"]
+        note = (f"stream {S.STREAM_RECORDS} keeps its {was} storage (records_storage is "
+                f"{want}; a stream's storage is fixed when it is made): `improved provision "
+                f"--move-records` makes it again on {want}, and the daemon refills it")
+        if strict:
+            self.notes.append(note)
+        else:
+            log.info(note)
+        return dataclasses.replace(cfg, storage=have.storage), []
 
     async def _ensure_consumer(self) -> list[str]:
         want = inbound_consumer()

@@ -62,7 +62,7 @@ class Store(Provisioning, AuditLog, Buckets, Retained, GrantReads):
     """The daemon's JetStream, one concern a base: a part reads only the connection and the
     state this constructor sets, and no part calls another's methods."""
 
-    def __init__(self, nc: Client, replicas: int = 1, records_storage: str = "file", *,
+    def __init__(self, nc: Client, replicas: int = 1, records_storage: str = "memory", *,
                  audit_stream: str = S.STREAM_AUDIT):
         # the connection, the audit stream its chains live in (the daemon's log, or the tool
         # runtimes'), and the daemon's key every trailer is signed with once it is loaded
@@ -77,6 +77,7 @@ class Store(Provisioning, AuditLog, Buckets, Retained, GrantReads):
         self.record_acks = Acks(nc)  # the retained records' acknowledgements
         # whether the dedup bucket's stream takes per-message TTLs (`ensure` finds out)
         self.dedup_ttl = False
+        self.notes: list[str] = []
         # skill hash → the grant chain as last read whole: re-read only when it has moved
         self._grants: OrderedDict[str, _GrantChain] = OrderedDict()
 

@@ -110,13 +110,62 @@ def test_provision_makes_what_is_missing_then_nothing(own_server):
     again = improved("provision", "--nats", own_server.url)
     assert again.returncode == 0 and again.stdout.splitlines() == [
         f"provisioned {own_server.url}: the loop's streams, buckets and inbound consumer are in "
-        "place (R1, records on file); nothing changed"]
+        "place (R1, records on memory); nothing changed"]
     # a change the server refuses is one line, never a traceback
     refused = improved("provision", "--nats", own_server.url, "--replicas", "3")
     assert refused.returncode == 2 and refused.stdout == ""
     assert refused.stderr.startswith("improved provision: stream IMPROVE_IN differs from this "
                                      "configuration (num_replicas)"), refused.stderr
     assert len(refused.stderr.splitlines()) == 1
+
+
+async def test_records_on_file_storage_are_kept_until_provision_moves_them(own_server):
+    """A deployment made when retained records were on file storage: the daemon and a plain
+    `improved provision` keep that stream (a stream's storage is fixed when it is made) and
+    say so; `--move-records` makes it again on memory storage, and the running daemon refills
+    it from the chains, so nothing a reader needs is missing."""
+    from nats.js.api import StorageType
+
+    from improved.client.sdk import MeshClient
+    from improved.protocol import subjects as S
+    from improved.runtime.daemon import Daemon
+    from tests.bus import daemon_config, eventually
+
+    nc = await connection.connect(own_server.url, "file-records")
+    try:
+        js = nc.jetstream()
+        earlier = Daemon(nc, daemon_config(records_storage="file"))
+        await earlier.start()
+        client = MeshClient(nc, "movesvc")
+        waiting = (await client.propose(skill_proposal("movesvc"))).proposal_id
+        state = await client.state(waiting)
+        await earlier.stop()
+
+        daemon = Daemon(nc, daemon_config())  # the default: memory
+        await daemon.start()
+        try:
+            assert (await js.stream_info(S.STREAM_RECORDS)).config.storage == StorageType.FILE
+            kept = await asyncio.to_thread(improved, "provision", "--nats", own_server.url)
+            assert kept.returncode == 0, kept.stderr
+            assert ("stream IMPROVE_RECORDS keeps its file storage (records_storage is memory; "
+                    "a stream's storage is fixed when it is made): `improved provision "
+                    "--move-records` makes it again on memory, and the daemon refills it"
+                    ) in kept.stdout.splitlines(), kept.stdout
+            assert (await js.stream_info(S.STREAM_RECORDS)).config.storage == StorageType.FILE
+
+            moved = await asyncio.to_thread(improved, "provision", "--nats", own_server.url,
+                                            "--move-records")
+            assert moved.returncode == 0, moved.stderr
+            assert ("removed stream IMPROVE_RECORDS (file storage) to make it again on memory: "
+                    "the daemon refills its records from the chains") in moved.stdout, moved.stdout
+            assert "created stream IMPROVE_RECORDS" in moved.stdout.splitlines()
+            assert (await js.stream_info(S.STREAM_RECORDS)).config.storage == StorageType.MEMORY
+            assert await eventually(lambda: client.state(waiting), timeout=20) == state
+            assert await eventually(lambda: daemon.store.filled(), timeout=20)
+        finally:
+            await daemon.stop()
+    finally:
+        await connection.close(nc)
 
 
 async def test_provision_removes_the_state_bucket_an_earlier_version_kept(own_server):

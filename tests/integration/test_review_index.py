@@ -148,7 +148,7 @@ class _Refills:
 @pytest.mark.timeout(120)
 async def test_a_broker_restart_with_file_records_refills_nothing(own_server):
     nc = await connection.connect(own_server.url, "restart-daemon")
-    daemon = Daemon(nc, daemon_config())
+    daemon = Daemon(nc, daemon_config(records_storage="file"))
     refills = _Refills(daemon)
     await daemon.start()
     client_nc = await connection.connect(own_server.url, "restart-client")

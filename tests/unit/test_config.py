@@ -183,7 +183,7 @@ def test_defaults_are_unchanged(monkeypatch):
     c = Config()
     assert (c.nats_url, c.data_dir, c.port, c.sync, c.max_message_bytes, c.replicas,
             c.records_storage, c.metrics_port, c.checkpoint_interval_s, c.checkpoint_key,
-            c.metrics_host) == (None, config_module.state_dir(), 4222, "always", 262144, 1, "file", None,
+            c.metrics_host) == (None, config_module.state_dir(), 4222, "always", 262144, 1, "memory", None,
                                 300.0, None, "127.0.0.1")
     p = c.policy
     assert (p.forbidden_targets, p.min_class, p.fallback_min_class, p.policy_principal,
@@ -233,7 +233,7 @@ def test_the_docstring_example_loads_to_its_values(tmp_path):
     path.write_text(_with_keys(_toml_block(config_module.__doc__)))
     assert load(path) == Config(
         nats_url="nats://127.0.0.1:4222", data_dir=Path("/var/lib/improved"), port=4222, sync="always",
-        max_message_bytes=262144, replicas=1, records_storage="file", metrics_port=9464,
+        max_message_bytes=262144, replicas=1, records_storage="memory", metrics_port=9464,
         metrics_host="127.0.0.1", checkpoint_interval_s=300.0,
         checkpoint_key=Path("/etc/improved/checkpoint.pem"),
         nats=NatsSettings(user="improved", password_file=Path("/etc/improved/nats-password")),
@@ -258,7 +258,7 @@ def test_the_readme_example_loads_to_its_values(tmp_path):
     config = load(path)
     assert config == Config(
         nats_url="nats://127.0.0.1:4222", data_dir=Path("/var/lib/improved"), port=4222, sync="always",
-        max_message_bytes=262144, metrics_port=9464, replicas=1, records_storage="file",
+        max_message_bytes=262144, metrics_port=9464, replicas=1, records_storage="memory",
         metrics_host="127.0.0.1", checkpoint_interval_s=300.0,
         nats=NatsSettings(user="improved", password_file=Path("/etc/improved/nats-password")),
         policy=Policy(forbidden_targets=("deploy/secrets/**",),
