@@ -6,6 +6,7 @@ write: a value that is no such entry reads as none (`decoded`), and the chain de
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import msgspec
@@ -29,6 +30,19 @@ from improved.protocol.model import (
 from improved.runtime.conflicts import StateConflict, kv_create
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a claim of a dedup key found and left: `before`, the head the key held before
+    (None: none, or a value that is no head); `revision`, where the head naming the claimant
+    stands (0: not known to this claim); `leased`, whether that head carries the TTL a closed
+    proposal's head carries (`Buckets.claim_dedup_head`)."""
+
+    before: DedupHead | None
+    revision: int
+    leased: bool
+
 dedup_head_decoder = msgspec.json.Decoder(DedupHead)
 ledger_entry_decoder = msgspec.json.Decoder(LedgerEntry)
 
@@ -56,13 +70,29 @@ class Buckets:
         return the head that was there before (None for a first proposal under the key, or a
         value that is no head: written over). With `absent` (the caller expects the key to be
         new) the create is tried first, without a read."""
-        return (await self.claim_dedup_head(svc, dedup, pid, created_at, absent))[0]
+        return (await self.claim_dedup_head(svc, dedup, pid, created_at, absent)).before
 
     async def claim_dedup_head(self, svc: str, dedup: str, pid: str, created_at: int,
-                               absent: bool = False) -> tuple[DedupHead | None, int]:
-        """`set_dedup_head`, and the revision this call wrote the head at (0: it wrote
-        nothing), which a later compare-and-set may start from without reading the key."""
-        value = to_json(DedupHead(proposal_id=pid, created_at=created_at))
+                               absent: bool = False, lease_s: int = 0) -> Claim:
+        """`set_dedup_head`, and where the head naming `pid` now stands: the revision this call
+        wrote it at (0: it wrote nothing), which a later compare-and-set may start from
+        without reading the key. With `lease_s` the create without a read (`absent`) gives the
+        head that TTL already — a closed proposal's, so one that closes in the pass that
+        claimed it needs no second write (`Engine._settle`); a pass that leaves it open takes
+        the TTL off (`keep_dedup_head`). When the key already names `pid` with a TTL (a claim
+        whose pass never ended: a crash), that head is reported leased at its revision, so the
+        pass takes it off as well if the proposal stays open."""
+        own = DedupHead(proposal_id=pid, created_at=created_at)
+        value = to_json(own)
+        subject = f"$KV.{S.BUCKET_DEDUP}.{S.dedup_key_of(svc, dedup)}"
+        if absent and lease_s:
+            try:  # a KV create with the TTL, as nats-py publishes a create
+                return Claim(None, await self.acks.publish(subject, value, ttl_s=lease_s, headers={
+                    "Nats-Expected-Last-Subject-Sequence": "0"}), True)
+            except APIError as exc:
+                if not is_conflict(exc):
+                    raise
+                absent = False  # there is a key: read it
 
         def newest(current: bytes | None) -> tuple[bytes | None, DedupHead | None]:
             head = decoded(dedup_head_decoder, current)
@@ -72,8 +102,32 @@ class Buckets:
                 return None, head
             return value, head
 
-        return await self.compare_and_set(self.dedup, S.BUCKET_DEDUP,
-                                          S.dedup_key_of(svc, dedup), newest, absent=absent)
+        before, written = await self.compare_and_set(self.dedup, S.BUCKET_DEDUP,
+                                                     S.dedup_key_of(svc, dedup), newest,
+                                                     absent=absent)
+        if written or before != own or not lease_s:
+            return Claim(before, written, False)
+        try:  # the key names this very proposal already: does its head carry a TTL?
+            msg = await self.js.get_msg(f"KV_{S.BUCKET_DEDUP}", subject=subject)
+        except NotFoundError:
+            return Claim(before, 0, False)
+        leased = bool((msg.headers or {}).get("Nats-TTL")) and decoded(
+            dedup_head_decoder, msg.data) == own
+        return Claim(before, msg.seq or 0 if leased else 0, leased)
+
+    async def keep_dedup_head(self, svc: str, dedup: str, head: DedupHead,
+                              revision: int) -> int:
+        """Write `head` again under `dedup` without a TTL, compare-and-set at `revision` (where
+        a leased claim put it): an open proposal's head stays for as long as it is open. The
+        revision written, or 0 when the key moved since (a newer proposal's claim: theirs)."""
+        try:
+            return await self.acks.publish(
+                f"$KV.{S.BUCKET_DEDUP}.{S.dedup_key_of(svc, dedup)}", to_json(head),
+                headers={"Nats-Expected-Last-Subject-Sequence": str(revision)})
+        except APIError as exc:
+            if is_conflict(exc):
+                return 0
+            raise
 
     async def expire_dedup_head(self, svc: str, dedup: str, ttl_s: int,
                                 may_expire: Callable[[DedupHead], bool],

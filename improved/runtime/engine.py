@@ -116,8 +116,9 @@ class Engine:
         # told the `valid_to` of every review index entry this process writes, so the daemon's
         # expiry sweep wakes when the earliest is due (`Upkeep.expiries`)
         self.on_indexed: Callable[[int], None] | None = None
-        # proposal id → (revision, head) of the dedup head this process wrote for it
-        self._heads: OrderedDict[str, tuple[int, DedupHead]] = OrderedDict()
+        # proposal id → (revision, head, leased) of the dedup head this process wrote for it;
+        # leased: it carries a closed proposal's TTL already (`Buckets.claim_dedup_head`)
+        self._heads: OrderedDict[str, tuple[int, DedupHead, bool]] = OrderedDict()
         # applied proposals awaiting their measurement: proposal id → (review_after, service);
         # only a wake-up call (the pass it makes decides from the chain), see `due_reviews`
         self.reviews: dict[str, tuple[int, str]] = {}
@@ -154,11 +155,19 @@ class Engine:
         return other.proposal_id if other is not None and propose.stands_over(
             other, proposal, pid, dedup) else None
 
-    def claimed(self, pid: str, revision: int, head: DedupHead) -> None:
-        """This process wrote `head` (naming `pid`) at `revision`: its close may give it its TTL
-        by a compare-and-set from there, without reading the key (`_expire_head`)."""
+    @property
+    def head_lease_s(self) -> int:
+        """The TTL a claim's create gives a dedup head (`Buckets.claim_dedup_head`): a closed
+        proposal's, when heads take TTLs at all; else none."""
+        return self.records_ttl_s if self.store.dedup_ttl else 0
+
+    def claimed(self, pid: str, revision: int, head: DedupHead, leased: bool = False) -> None:
+        """`head` (naming `pid`) stands at `revision`, written by this process or found
+        leased: its close may give it its TTL by a compare-and-set from there, without reading
+        the key (`_expire_head`), or, `leased`, needs no write at all; a pass that leaves the
+        proposal open takes a lease off (`_keep_head`)."""
         if revision:
-            self._heads[pid] = (revision, head)
+            self._heads[pid] = (revision, head, leased)
             self._heads.move_to_end(pid)
             while len(self._heads) > CACHE_SIZE:
                 self._heads.popitem(last=False)
@@ -193,7 +202,7 @@ class Engine:
                     except ServiceUnreachable as exc:
                         # What was decided stands and is published; the apply waits.
                         await self._settle(await self.commits.append(exc.record or record), before,
-                                           republish)
+                                           republish, waiting=True)
                         raise
                     record = await self.commits.append(record)
                     changed = record != before
@@ -215,11 +224,14 @@ class Engine:
             self.locks.release(pid, lock)
 
     async def _settle(self, record: ProposalRecord, before: ProposalRecord | None,
-                      republish: bool) -> None:
+                      republish: bool, waiting: bool = False) -> None:
         """After the chain moved: remember the record and publish the retained records, the
         review index entry when the operator's queue changed (`queue.change`: never for an L0
         proposal), and the measurement index entry when a measurement fell due or was made
-        (`learnback.due_change`: never for a proposal without review_after). Of the retained
+        (`learnback.due_change`: never for a proposal without review_after). A dedup head
+        this pass's claim leased keeps its TTL while the apply is owed (the next pass closes
+        the proposal, or finds the service unreachable: `waiting`), and loses it when the
+        proposal is left open waiting for anything else (`_keep_head`). Of the retained
         records, only those that differ from what this process last published for the
         proposal are sent again (`Publisher.publish_changes`); with nothing shown here
         (another process's work, a restart) all of them are."""
@@ -244,6 +256,9 @@ class Engine:
         if self.records_ttl_s and self.store.dedup_ttl and closed(record) and (
                 republish or before is None or not closed(before)):
             jobs.append(self._expire_head(record))
+        elif pid in self._heads and self._heads[pid][2] and not closed(record) and (
+                waiting or not apply_stage.needs_apply(record)):
+            jobs.append(self._keep_head(record))
         try:
             await asyncio.gather(*jobs)
         except Exception:
@@ -262,14 +277,37 @@ class Engine:
         `Store.expire_dedup_head` writes it compare-and-set). Nothing is lost when this fails:
         the head stays as it was, kept for good as before; logged, never raised, so the records
         published beside it are not marked unpublished for it."""
+        held = self._heads.pop(record.proposal_id, None)
+        if held is not None and held[2] and propose.head_may_expire(record, held[1]):
+            return  # leased at its claim, in this very pass: it carries the TTL already
         try:
             await self.store.expire_dedup_head(
                 record.service, record.dedup_key, self.records_ttl_s,
                 lambda head: propose.head_may_expire(record, head),
-                self._heads.pop(record.proposal_id, None))
+                held[:2] if held is not None else None)
         except Exception as exc:
             log.info("dedup head kept without a TTL", proposal_id=record.proposal_id,
                      error=f"{type(exc).__name__}: {exc}")
+
+    async def _keep_head(self, record: ProposalRecord) -> None:
+        """A pass left `record` open while its dedup head carries a closed proposal's TTL (the
+        claim's lease): write the head again without one, so it stays while the proposal is
+        open. Compare-and-set from where the lease put it; a key written meanwhile is a newer
+        claim's, left alone. A failure is logged and left for the proposal's next pass (it
+        stays leased here): never raised, as `_expire_head`."""
+        pid = record.proposal_id
+        revision, head, _ = self._heads[pid]
+        try:
+            kept = await self.store.keep_dedup_head(record.service, record.dedup_key, head,
+                                                    revision)
+        except Exception as exc:
+            log.info("dedup head still carries its lease", proposal_id=pid,
+                     error=f"{type(exc).__name__}: {exc}")
+            return
+        if kept:
+            self._heads[pid] = (kept, head, False)
+        else:
+            self._heads.pop(pid, None)
 
     def expect_review(self, record: ProposalRecord) -> None:
         """Remember when `record` is due for its measurement at review_after (or forget it)."""

@@ -63,12 +63,13 @@ class Intake:
         async def claim_key(absent: bool) -> tuple[DedupHead | None, LedgerEntry | None]:
             """Claim the dedup_key (with `absent`, a create without a read) and read the
             rejection ledger, both at once: (the head the key held before, the entry)."""
-            (head, written), entry = await asyncio.gather(
-                self.store.claim_dedup_head(svc, dedup, pid, proposal.created_at, absent),
+            claimed, entry = await asyncio.gather(
+                self.store.claim_dedup_head(svc, dedup, pid, proposal.created_at, absent,
+                                            self.engine.head_lease_s),
                 self.store.ledger_get(svc, dedup))
-            self.engine.claimed(pid, written, DedupHead(proposal_id=pid,
-                                                        created_at=proposal.created_at))
-            return head, entry
+            self.engine.claimed(pid, claimed.revision, DedupHead(
+                proposal_id=pid, created_at=proposal.created_at), claimed.leased)
+            return claimed.before, entry
 
         if not future and pid not in self.records.cache:
             # most likely new: claim the key first (no read) and read the ledger beside it;

@@ -204,3 +204,44 @@ async def test_a_sweep_with_records_kept_for_good_is_refused(own_server, tmp_pat
                                       "--config", str(config), "--sweep-dedup")
     assert refused.returncode == 2
     assert refused.stderr.strip().count("\n") == 0 and "records_ttl_days" in refused.stderr
+
+
+async def test_a_proposal_closed_in_the_pass_that_claimed_it_writes_its_dedup_key_once(
+        ttl_daemon):
+    """The claim's create gives the head a closed proposal's TTL already: an L0 applied in the
+    pass that registered it needs no second write at its close. One that stays open has the
+    TTL taken off at the end of that pass, and gets it back when it closes."""
+    daemon, nc, client = ttl_daemon
+    js = nc.jetstream()
+    before = (await js.stream_info(STREAM)).state.last_seq
+    once = rank_proposal(SVC, key="ttl.once", value=1.0)
+    pid = (await client.propose(once)).proposal_id
+    await eventually(lambda: status_is(client, pid, "applied"))
+    assert await head(js, dedup_of(once)) == (pid, str(TTL_S))
+    assert (await js.stream_info(STREAM)).state.last_seq == before + 1
+
+    waiting = skill_proposal(SVC, name="ttllease")
+    open_ = (await client.propose(waiting)).proposal_id
+    assert await head(js, dedup_of(waiting)) == (open_, "")  # open: the lease taken off
+    await asyncio.sleep(TTL_S + 1)
+    assert await head(js, dedup_of(waiting)) == (open_, "")  # and it stays
+    await publish(nc, S.inbound_review(SVC), review(open_, verdict="reject", reason="no"))
+    await eventually(lambda: status_is(client, open_, "rejected"))
+    assert await head(js, dedup_of(waiting)) == (open_, str(TTL_S))  # closed: the TTL again
+
+
+async def test_a_lease_left_by_a_claim_whose_pass_never_ended_is_taken_off(ttl_daemon):
+    """A daemon that died between a leased claim and the end of its pass left the head with
+    a closed proposal's TTL under a proposal that is not closed: the redelivered proposal's
+    claim finds it, and the pass takes the TTL off, so an open proposal's head stays."""
+    daemon, nc, client = ttl_daemon
+    js = nc.jetstream()
+    waiting = skill_proposal(SVC, name="ttlcrash")
+    pid, dedup = propose.identify(waiting)[:2]
+    await js.publish(f"$KV.{S.BUCKET_DEDUP}.{S.dedup_key_of(SVC, dedup)}",
+                     msgspec.json.encode({"proposal_id": pid, "created_at": waiting.created_at}),
+                     msg_ttl=3600, headers={"Nats-Expected-Last-Subject-Sequence": "0"})
+    assert await head(js, dedup) == (pid, "3600")
+    assert (await client.propose(waiting)).proposal_id == pid
+    await eventually(lambda: status_is(client, pid, "pending"))
+    assert await head(js, dedup) == (pid, "")
