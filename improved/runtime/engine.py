@@ -23,7 +23,6 @@ enters a pass comes through `runtime.intake` and `runtime.signed_acts`.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -43,17 +42,18 @@ from improved.core import (
     triage,
 )
 from improved.core.audit import Draft
-from improved.core.record import CountedSignal, ProposalRecord, closed
+from improved.core.record import CountedSignal, ProposalRecord
 from improved.protocol.model import DedupHead, Proposal, to_json
 from improved.runtime.autonomy import AutonomyChain
 from improved.runtime.checkpointer import Checkpointer
 from improved.runtime.clock import now_ms
 from improved.runtime.commits import Commits
+from improved.runtime.dedup_heads import DedupHeads
 from improved.runtime.metrics import Metrics
 from improved.runtime.passes import ProposalLocks
 from improved.runtime.policy_chain import PolicyInForce
 from improved.runtime.publishing import Publisher
-from improved.runtime.records import CACHE_SIZE, ChainRecords
+from improved.runtime.records import ChainRecords
 from improved.runtime.service_requests import GrantRevoked, ServiceRequests, ServiceUnreachable
 from improved.runtime.store import Store
 from improved.runtime.telemetry import Tracing
@@ -116,9 +116,8 @@ class Engine:
         # told the `valid_to` of every review index entry this process writes, so the daemon's
         # expiry sweep wakes when the earliest is due (`Upkeep.expiries`)
         self.on_indexed: Callable[[int], None] | None = None
-        # proposal id → (revision, head, leased) of the dedup head this process wrote for it;
-        # leased: it carries a closed proposal's TTL already (`Buckets.claim_dedup_head`)
-        self._heads: OrderedDict[str, tuple[int, DedupHead, bool]] = OrderedDict()
+        # the dedup heads this process claimed: their lease and their close (`DedupHeads`)
+        self.heads = DedupHeads(store, self.records_ttl_s)
         # applied proposals awaiting their measurement: proposal id → (review_after, service);
         # only a wake-up call (the pass it makes decides from the chain), see `due_reviews`
         self.reviews: dict[str, tuple[int, str]] = {}
@@ -154,23 +153,6 @@ class Engine:
         other = await self.records.truth(svc, head.proposal_id)
         return other.proposal_id if other is not None and propose.stands_over(
             other, proposal, pid, dedup) else None
-
-    @property
-    def head_lease_s(self) -> int:
-        """The TTL a claim's create gives a dedup head (`Buckets.claim_dedup_head`): a closed
-        proposal's, when heads take TTLs at all; else none."""
-        return self.records_ttl_s if self.store.dedup_ttl else 0
-
-    def claimed(self, pid: str, revision: int, head: DedupHead, leased: bool = False) -> None:
-        """`head` (naming `pid`) stands at `revision`, written by this process or found
-        leased: its close may give it its TTL by a compare-and-set from there, without reading
-        the key (`_expire_head`), or, `leased`, needs no write at all; a pass that leaves the
-        proposal open takes a lease off (`_keep_head`)."""
-        if revision:
-            self._heads[pid] = (revision, head, leased)
-            self._heads.move_to_end(pid)
-            while len(self._heads) > CACHE_SIZE:
-                self._heads.popitem(last=False)
 
     async def handle(self, svc: str, pid: str, ingest: Ingest, republish: bool,
                      dispatch: bool = True, fresh: bool = False,
@@ -231,7 +213,7 @@ class Engine:
         (`learnback.due_change`: never for a proposal without review_after). A dedup head
         this pass's claim leased keeps its TTL while the apply is owed (the next pass closes
         the proposal, or finds the service unreachable: `waiting`), and loses it when the
-        proposal is left open waiting for anything else (`_keep_head`). Of the retained
+        proposal is left open waiting for anything else (`DedupHeads.after_pass`). Of the retained
         records, only those that differ from what this process last published for the
         proposal are sent again (`Publisher.publish_changes`); with nothing shown here
         (another process's work, a restart) all of them are."""
@@ -253,12 +235,9 @@ class Engine:
         due = learnback.due_change(before, record, republish, moved="due" in touched)
         if due is not None:
             jobs.append(self.store.mark_due(record.service, pid, due.entry))
-        if self.records_ttl_s and self.store.dedup_ttl and closed(record) and (
-                republish or before is None or not closed(before)):
-            jobs.append(self._expire_head(record))
-        elif pid in self._heads and self._heads[pid][2] and not closed(record) and (
-                waiting or not apply_stage.needs_apply(record)):
-            jobs.append(self._keep_head(record))
+        head = self.heads.after_pass(record, before, republish, waiting)
+        if head is not None:
+            jobs.append(head)
         try:
             await asyncio.gather(*jobs)
         except Exception:
@@ -270,44 +249,6 @@ class Engine:
         moved = queue.queued(record) - queue.queued(before)
         if moved:
             self.set_queue_size(self.queue_size + moved)
-
-    async def _expire_head(self, record: ProposalRecord) -> None:
-        """At the close of `record` (or a republish of it closed), give its dedup head the TTL
-        its retained records carry, if the head still names it (`propose.head_may_expire`;
-        `Store.expire_dedup_head` writes it compare-and-set). Nothing is lost when this fails:
-        the head stays as it was, kept for good as before; logged, never raised, so the records
-        published beside it are not marked unpublished for it."""
-        held = self._heads.pop(record.proposal_id, None)
-        if held is not None and held[2] and propose.head_may_expire(record, held[1]):
-            return  # leased at its claim, in this very pass: it carries the TTL already
-        try:
-            await self.store.expire_dedup_head(
-                record.service, record.dedup_key, self.records_ttl_s,
-                lambda head: propose.head_may_expire(record, head),
-                held[:2] if held is not None else None)
-        except Exception as exc:
-            log.info("dedup head kept without a TTL", proposal_id=record.proposal_id,
-                     error=f"{type(exc).__name__}: {exc}")
-
-    async def _keep_head(self, record: ProposalRecord) -> None:
-        """A pass left `record` open while its dedup head carries a closed proposal's TTL (the
-        claim's lease): write the head again without one, so it stays while the proposal is
-        open. Compare-and-set from where the lease put it; a key written meanwhile is a newer
-        claim's, left alone. A failure is logged and left for the proposal's next pass (it
-        stays leased here): never raised, as `_expire_head`."""
-        pid = record.proposal_id
-        revision, head, _ = self._heads[pid]
-        try:
-            kept = await self.store.keep_dedup_head(record.service, record.dedup_key, head,
-                                                    revision)
-        except Exception as exc:
-            log.info("dedup head still carries its lease", proposal_id=pid,
-                     error=f"{type(exc).__name__}: {exc}")
-            return
-        if kept:
-            self._heads[pid] = (kept, head, False)
-        else:
-            self._heads.pop(pid, None)
 
     def expect_review(self, record: ProposalRecord) -> None:
         """Remember when `record` is due for its measurement at review_after (or forget it)."""

@@ -65,9 +65,9 @@ class Intake:
             rejection ledger, both at once: (the head the key held before, the entry)."""
             claimed, entry = await asyncio.gather(
                 self.store.claim_dedup_head(svc, dedup, pid, proposal.created_at, absent,
-                                            self.engine.head_lease_s),
+                                            self.engine.heads.lease_s),
                 self.store.ledger_get(svc, dedup))
-            self.engine.claimed(pid, claimed.revision, DedupHead(
+            self.engine.heads.claimed(pid, claimed.revision, DedupHead(
                 proposal_id=pid, created_at=proposal.created_at), claimed.leased)
             return claimed.before, entry
 
