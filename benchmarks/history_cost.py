@@ -94,7 +94,7 @@ async def daemon_process(url: str, data_dir: Path, settle_s: float = 3.0, config
     async def drain() -> None:
         nonlocal refills
         while line := await proc.stderr.readline():
-            refills += b"refilling them from the audit chains" in line
+            refills += b"refilled from the audit chains" in line
 
     draining = asyncio.create_task(drain())
     seen = await during(started) if during is not None else {}
