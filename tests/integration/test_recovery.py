@@ -199,3 +199,62 @@ async def test_the_refill_reads_the_chains_after_the_last_seal_not_the_history(
     finally:
         await sub.unsubscribe()
         await connection.close(nc)
+
+
+async def test_a_forged_seal_never_narrows_the_refill(own_server, tmp_path):
+    """A bus participant appends a seal of its own making past every chain, as if the log were
+    sealed to its end: the refill would then read nothing. Its signature does not verify, so
+    the daemon reads from the first trailer instead, and the open proposal's records and
+    index entry come back all the same."""
+    config = daemon_config(data_dir=tmp_path / "data", checkpoint_interval_s=0.0,
+                           audit=AuditSettings(epoch_trailers=12, retention_days=0.0))
+    nc = await connection.connect(own_server.url, "forged-seal")
+    daemon = Daemon(nc, config)
+    await daemon.start()
+    client = MeshClient(nc, "forgesvc")
+
+    async def applier(order):
+        return ApplyResult(ok=True, applied_id=order.proposal_id[:8])
+
+    sub = await client.serve_apply(applier)
+    try:
+        done = [(await client.propose(rank_proposal("forgesvc", key=f"f{i}"))).proposal_id
+                for i in range(4)]
+        for pid in done:
+            await eventually(lambda pid=pid: _applied(client, pid))
+        waiting = (await client.propose(skill_proposal("forgesvc"))).proposal_id
+        state = await client.state(waiting)
+        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
+        await daemon.engine.checkpoints.seal_if_due(daemon._checkpoint_key)
+        await daemon.stop()
+
+        js = nc.jetstream()
+        _, genuine = await daemon.store.chain_head(archive.SEAL_SUBJECT)
+        assert genuine is not None
+        last = (await js.stream_info(S.STREAM_AUDIT)).state.last_seq
+        forged = {**genuine, "refs": [f"upto:{last + 1000}" if r.startswith("upto:") else r
+                                      for r in genuine["refs"]]}
+        assert forged["refs"] != genuine["refs"]
+        await js.publish(archive.SEAL_SUBJECT, msgspec.json.encode(forged))
+        await js.purge_stream(S.STREAM_RECORDS)
+
+        again = Daemon(nc, config)
+        replayed: list[int] = []
+        original = again.engine.publisher.republish_all
+
+        async def counted(*args, **kw):
+            replayed.append(await original(*args, **kw))
+            return replayed[-1]
+
+        again.engine.publisher.republish_all = counted  # type: ignore[method-assign]
+        await again.start()
+        try:
+            await eventually(lambda: again.store.filled(), timeout=20)
+            assert replayed == [5]  # every chain, read from the first trailer
+            assert await client.state(waiting) == state
+            assert await eventually(lambda: _reviewed(own_server.url, waiting))
+        finally:
+            await again.stop()
+    finally:
+        await sub.unsubscribe()
+        await connection.close(nc)
