@@ -530,6 +530,30 @@ async def test_a_dedup_bucket_without_ttls_is_kept_by_the_daemon_and_fixed_by_pr
     assert rc == 0 and f"updated bucket {S.BUCKET_DEDUP} (allow_msg_ttl)" in out, out
 
 
+async def test_the_provisioning_user_moves_a_file_records_stream_and_no_one_else_may(
+        secured_server):
+    """A records stream an earlier deployment made on file storage: `improved provision
+    --move-records` as improved-admin makes it again on memory storage (the default); the
+    daemon's user, asked the same, may not remove it and changes nothing."""
+    url = secured_server.url
+    admin = await connect_as(url, "improved-admin")
+    try:
+        store = Store(admin.nc)
+        for cfg in stream_configs(records_storage="file"):
+            await store._ensure_stream(cfg)
+        js = admin.nc.jetstream()
+        assert (await js.stream_info(S.STREAM_RECORDS)).config.storage == StorageType.FILE
+        rc, out = await cli("provision", "--nats", as_user(url, "improved"), "--move-records")
+        assert rc == 2 and "these credentials may not change it" in out, out
+        assert (await js.stream_info(S.STREAM_RECORDS)).config.storage == StorageType.FILE
+        rc, out = await cli("provision", "--nats", as_user(url, "improved-admin"),
+                            "--move-records")
+        assert rc == 0 and f"created stream {S.STREAM_RECORDS}" in out, out
+        assert (await js.stream_info(S.STREAM_RECORDS)).config.storage == StorageType.MEMORY
+    finally:
+        await admin.nc.close()
+
+
 async def test_provision_writes_the_sentinel_into_a_spent_stream_an_earlier_version_made(
         secured_server):
     """The tool runtimes' streams as an earlier version provisioned them, the spent marks'
