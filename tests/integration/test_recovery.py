@@ -5,6 +5,10 @@ chains. A daemon's own memory of a record is not refilled: it reads the chain wh
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import pytest
@@ -17,6 +21,7 @@ from improved.core.policy import Policy
 from improved.protocol import subjects as S
 from improved.protocol.model import ApplyResult
 from improved.runtime.daemon import Daemon
+from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore
 from tests.bus import daemon_config, eventually
 from tests.factories import rank_proposal, skill_proposal
@@ -140,65 +145,95 @@ async def test_records_a_broker_outage_kept_from_being_published_are_published_a
         await connection.close(nc)
 
 
-async def test_the_refill_reads_the_chains_after_the_last_seal_not_the_history(
-        own_server, tmp_path):
-    """Every open proposal and every index member is after the last seal (`Scan.cut`), so the
-    refill reads from there: what it costs follows the epoch. A chain closed before the seal
-    gets no records back (they would have left the bus after `records_ttl_days`); its chain
-    keeps everything, and `show` reads it."""
+@dataclass
+class _Sealed:
+    """A deployment whose log is sealed up to its waiting proposal: `early` applied before
+    the seal, `waiting` open (its first trailer holds the seal back), `late` applied after."""
+
+    nc: Any
+    config: Any
+    client: MeshClient
+    early: list[str]
+    waiting: str
+    state: Any  # the waiting proposal's retained state before any loss
+    late: str
+
+
+@asynccontextmanager
+async def _sealed(url: str, tmp_path, svc: str) -> AsyncIterator[_Sealed]:
+    """Fill a deployment of its own (daemon stopped once the epoch is sealed): four applied
+    L0 proposals, one L2 left waiting, one L0 applied after it; the epoch sealed."""
     config = daemon_config(data_dir=tmp_path / "data", checkpoint_interval_s=0.0,
                            audit=AuditSettings(epoch_trailers=12, retention_days=0.0))
-    nc = await connection.connect(own_server.url, "sealed-refill")
+    nc = await connection.connect(url, svc)
     daemon = Daemon(nc, config)
     await daemon.start()
-    client = MeshClient(nc, "sealsvc")
+    client = MeshClient(nc, svc)
 
     async def applier(order):
         return ApplyResult(ok=True, applied_id=order.proposal_id[:8])
 
     sub = await client.serve_apply(applier)
     try:
-        early = [(await client.propose(rank_proposal("sealsvc", key=f"e{i}"))).proposal_id
+        early = [(await client.propose(rank_proposal(svc, key=f"e{i}"))).proposal_id
                  for i in range(4)]
         for pid in early:
             await eventually(lambda pid=pid: _applied(client, pid))
-        waiting = (await client.propose(skill_proposal("sealsvc"))).proposal_id
-        late = (await client.propose(rank_proposal("sealsvc", key="late"))).proposal_id
+        waiting = (await client.propose(skill_proposal(svc))).proposal_id
+        late = (await client.propose(rank_proposal(svc, key="late"))).proposal_id
         await eventually(lambda: _applied(client, late))
-        waiting_state = await client.state(waiting)
         assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
         await daemon.engine.checkpoints.seal_if_due(daemon._checkpoint_key)
         trusted = daemon.engine.trust.trusted_daemons(daemon._checkpoint_key)
         seal, problem = await archive.last_seal(daemon.store, trusted)
         assert problem is None and seal is not None
-        assert seal.upto < (await daemon.store.read_chain("sealsvc", waiting))[0][0]
+        assert seal.upto < (await daemon.store.read_chain(svc, waiting))[0][0]
         await daemon.stop()
-
-        await nc.jetstream().purge_stream(S.STREAM_RECORDS)  # the records, index and marker
-        again = Daemon(nc, config)
-        replayed: list[int] = []
-        original = again.engine.publisher.republish_all
-
-        async def counted(*args, **kw):
-            replayed.append(await original(*args, **kw))
-            return replayed[-1]
-
-        again.engine.publisher.republish_all = counted  # type: ignore[method-assign]
-        await again.start()
-        try:
-            await eventually(lambda: again.store.filled(), timeout=20)
-            assert replayed == [2]  # the waiting proposal and the late one: the epoch's chains
-            assert await client.state(waiting) == waiting_state
-            assert (await client.state(late)).status == "applied"
-            assert await eventually(lambda: _reviewed(own_server.url, waiting))
-            for pid in early:  # closed before the seal: no records back, the chain holds all
-                assert await client.state(pid) is None
-                assert len(await again.store.read_chain("sealsvc", pid)) >= 2
-        finally:
-            await again.stop()
+        yield _Sealed(nc, config, client, early, waiting, await client.state(waiting), late)
     finally:
         await sub.unsubscribe()
         await connection.close(nc)
+
+
+@asynccontextmanager
+async def _refilled(sealed: _Sealed) -> AsyncIterator[tuple[Daemon, list[int]]]:
+    """The records purged (the records, the index and the marker, as a broker restart loses
+    them on memory storage), then a daemon started and its refill done: (the daemon, the
+    chains each refill replayed)."""
+    await sealed.nc.jetstream().purge_stream(S.STREAM_RECORDS)
+    again = Daemon(sealed.nc, sealed.config)
+    replayed: list[int] = []
+    original = again.engine.publisher.republish_all
+
+    async def counted(*args, **kw):
+        replayed.append(await original(*args, **kw))
+        return replayed[-1]
+
+    again.engine.publisher.republish_all = counted  # type: ignore[method-assign]
+    await again.start()
+    try:
+        await eventually(lambda: again.store.filled(), timeout=20)
+        yield again, replayed
+    finally:
+        await again.stop()
+
+
+async def test_the_refill_reads_the_chains_after_the_last_seal_not_the_history(
+        own_server, tmp_path):
+    """Every open proposal and every index member is after the last seal (`Scan.cut`), so the
+    refill reads from there: what it costs follows the epoch. A chain closed before the seal
+    gets no records back (they would have left the bus after `records_ttl_days`); its chain
+    keeps everything, and `show` reads it."""
+    async with _sealed(own_server.url, tmp_path, "sealsvc") as sealed, \
+            _refilled(sealed) as (again, replayed):
+        client = sealed.client
+        assert replayed == [2]  # the waiting proposal and the late one: the epoch's chains
+        assert await client.state(sealed.waiting) == sealed.state
+        assert (await client.state(sealed.late)).status == "applied"
+        assert await eventually(lambda: _reviewed(own_server.url, sealed.waiting))
+        for pid in sealed.early:  # closed before the seal: no records back, the chain has all
+            assert await client.state(pid) is None
+            assert len(await again.store.read_chain("sealsvc", pid)) >= 2
 
 
 async def test_a_forged_seal_never_narrows_the_refill(own_server, tmp_path):
@@ -206,55 +241,16 @@ async def test_a_forged_seal_never_narrows_the_refill(own_server, tmp_path):
     sealed to its end: the refill would then read nothing. Its signature does not verify, so
     the daemon reads from the first trailer instead, and the open proposal's records and
     index entry come back all the same."""
-    config = daemon_config(data_dir=tmp_path / "data", checkpoint_interval_s=0.0,
-                           audit=AuditSettings(epoch_trailers=12, retention_days=0.0))
-    nc = await connection.connect(own_server.url, "forged-seal")
-    daemon = Daemon(nc, config)
-    await daemon.start()
-    client = MeshClient(nc, "forgesvc")
-
-    async def applier(order):
-        return ApplyResult(ok=True, applied_id=order.proposal_id[:8])
-
-    sub = await client.serve_apply(applier)
-    try:
-        done = [(await client.propose(rank_proposal("forgesvc", key=f"f{i}"))).proposal_id
-                for i in range(4)]
-        for pid in done:
-            await eventually(lambda pid=pid: _applied(client, pid))
-        waiting = (await client.propose(skill_proposal("forgesvc"))).proposal_id
-        state = await client.state(waiting)
-        assert await daemon.engine.checkpoints.checkpoint(daemon._checkpoint_key) is None
-        await daemon.engine.checkpoints.seal_if_due(daemon._checkpoint_key)
-        await daemon.stop()
-
-        js = nc.jetstream()
-        _, genuine = await daemon.store.chain_head(archive.SEAL_SUBJECT)
+    async with _sealed(own_server.url, tmp_path, "forgesvc") as sealed:
+        js = sealed.nc.jetstream()
+        _, genuine = await Store(sealed.nc).chain_head(archive.SEAL_SUBJECT)
         assert genuine is not None
         last = (await js.stream_info(S.STREAM_AUDIT)).state.last_seq
         forged = {**genuine, "refs": [f"upto:{last + 1000}" if r.startswith("upto:") else r
                                       for r in genuine["refs"]]}
         assert forged["refs"] != genuine["refs"]
         await js.publish(archive.SEAL_SUBJECT, msgspec.json.encode(forged))
-        await js.purge_stream(S.STREAM_RECORDS)
-
-        again = Daemon(nc, config)
-        replayed: list[int] = []
-        original = again.engine.publisher.republish_all
-
-        async def counted(*args, **kw):
-            replayed.append(await original(*args, **kw))
-            return replayed[-1]
-
-        again.engine.publisher.republish_all = counted  # type: ignore[method-assign]
-        await again.start()
-        try:
-            await eventually(lambda: again.store.filled(), timeout=20)
-            assert replayed == [5]  # every chain, read from the first trailer
-            assert await client.state(waiting) == state
-            assert await eventually(lambda: _reviewed(own_server.url, waiting))
-        finally:
-            await again.stop()
-    finally:
-        await sub.unsubscribe()
-        await connection.close(nc)
+        async with _refilled(sealed) as (_, replayed):
+            assert replayed == [6]  # every chain, read from the first trailer
+            assert await sealed.client.state(sealed.waiting) == sealed.state
+            assert await eventually(lambda: _reviewed(own_server.url, sealed.waiting))
