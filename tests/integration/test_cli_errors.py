@@ -25,6 +25,7 @@ from tests.factories import rank_proposal
 SCRIPT = Path(sys.executable).with_name("improved")
 IMPROVED = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "improved.cli"]
 ID = "ab" * 32
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def env_in(tmp_path: Path) -> dict[str, str]:
@@ -171,7 +172,10 @@ def test_a_principal_without_operator_suggests_one_that_works(tmp_path):
     assert (tmp_path / "keys" / "operator_alice.pem").exists()
 
 
-def test_run_on_port_0_listens_on_a_free_port_and_a_fresh_start_warns_of_nothing(tmp_path):
+def _run_until_ready(tmp_path, then=None) -> tuple[int, str, list[str]]:
+    """`improved run --port 0` on `tmp_path/data` until ready, 2 s more (what it does after
+    ready is logged too), `then(url)` if given, then SIGTERM: (exit code, all it said, its
+    log lines' levels)."""
     proc = subprocess.Popen([*IMPROVED, "run", "--port", "0", "--data-dir",
                              str(tmp_path / "data")], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env=env_in(tmp_path),
@@ -188,14 +192,33 @@ def test_run_on_port_0_listens_on_a_free_port_and_a_fresh_start_warns_of_nothing
             if line.startswith("improved: ready as"):
                 break
         time.sleep(2)  # what it does after ready (the refill, the index checks) is logged too
+        listening = re.search(r"listening on (nats://127\.0\.0\.1:\d+)", "".join(lines))
+        if then is not None and listening is not None:
+            then(listening.group(1))
     finally:
         proc.send_signal(signal.SIGTERM)
         _, rest = proc.communicate(timeout=60)
     lines += rest.splitlines(keepends=True)
-    said = "".join(lines)
-    assert proc.returncode == 0, said
+    levels = [json.loads(line).get("level") for line in lines if line.startswith("{")]
+    return proc.returncode, "".join(lines), levels
+
+
+def test_run_on_port_0_listens_on_a_free_port_and_a_fresh_start_warns_of_nothing(tmp_path):
+    def propose(url: str) -> None:
+        done = subprocess.run([*IMPROVED, "propose", "--nats", url,
+                               str(ROOT / "examples" / "skill-l2.json")],
+                              capture_output=True, text=True, env=env_in(tmp_path), timeout=60)
+        assert done.returncode == 0, done.stderr
+
+    code, said, levels = _run_until_ready(tmp_path, then=propose)
+    assert code == 0, said
     listening = re.search(r"listening on nats://127\.0\.0\.1:(\d+)", said)
     assert listening is not None and int(listening.group(1)) not in (0, 4222), said
-    levels = [json.loads(line).get("level") for line in lines if line.startswith("{")]
+    assert levels and "warning" not in levels and "error" not in levels, said
+    # started again: the embedded server's restart lost the records (memory storage, the
+    # default) and the daemon refilled them from the chains — as expected, so no warning
+    code, said, levels = _run_until_ready(tmp_path)
+    assert code == 0, said
+    assert "refilled from the audit chains" in said, said
     assert levels and "warning" not in levels and "error" not in levels, said
 
