@@ -78,8 +78,8 @@ class Buckets:
         wrote it at (0: it wrote nothing), which a later compare-and-set may start from
         without reading the key. With `lease_s` the create without a read (`absent`) gives the
         head that TTL already — a closed proposal's, so one that closes in the pass that
-        claimed it needs no second write (`Engine._settle`); a pass that leaves it open takes
-        the TTL off (`keep_dedup_head`). When the key already names `pid` with a TTL (a claim
+        claimed it needs no second write (`DedupHeads.after_pass`); a pass that leaves it open
+        takes the TTL off (`keep_dedup_head`). When the key already names `pid` with a TTL (a claim
         whose pass never ended: a crash), that head is reported leased at its revision, so the
         pass takes it off as well if the proposal stays open."""
         own = DedupHead(proposal_id=pid, created_at=created_at)
@@ -113,7 +113,7 @@ class Buckets:
             return Claim(before, 0, False)
         leased = bool((msg.headers or {}).get("Nats-TTL")) and decoded(
             dedup_head_decoder, msg.data) == own
-        return Claim(before, msg.seq or 0 if leased else 0, leased)
+        return Claim(before, (msg.seq or 0) if leased else 0, leased)
 
     async def keep_dedup_head(self, svc: str, dedup: str, head: DedupHead,
                               revision: int) -> int:
