@@ -9,6 +9,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from improved.cli.errors import USAGE, Failure
+from improved.client.config import RECORDS_STORAGE
 
 
 def reference_command(name: str) -> Callable[..., int]:
@@ -57,8 +58,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                             "(once per node)")
     bench.add_argument("--sync", default="always",
                        help="embedded server fsync: always (durable, default) or e.g. 2m")
-    bench.add_argument("--records", choices=("file", "memory"), default="memory",
-                       help="the daemons' records_storage (memory, the default's)")
+    bench.add_argument("--records", choices=("file", "memory"), default=RECORDS_STORAGE,
+                       help=f"the daemons' records_storage ({RECORDS_STORAGE}, the default's)")
     bench.add_argument("--applier", choices=("ranking", "instant"), default="ranking",
                        help="the owning service: ranking = the persisting reference stores "
                             "(RankingStore for rank: L0, SkillsStore for skill: L2/L3, in "

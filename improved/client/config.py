@@ -130,6 +130,9 @@ from improved.protocol import subjects as S
 
 # Enumerated values, and ranges. A Meta's description is what an error says was expected.
 RecordsStorage = Literal["file", "memory"]
+# retained records are outputs rebuilt from the fsync'd chains (`Upkeep.republish_if_lost`),
+# so by default they take no fsync of their own; "file" keeps them across a broker restart
+RECORDS_STORAGE: RecordsStorage = "memory"
 Replicas = Literal[1, 3, 5]
 Port = Annotated[int, Meta(ge=1, le=65535)]
 # nats-server's jetstream sync_interval: "always", or a Go duration such as "2m" or "1h30m"
@@ -219,9 +222,7 @@ class Config(_Section, frozen=True, kw_only=True):
     accounts: bool = False
     max_message_bytes: Annotated[int, Meta(ge=1, le=64 * 1024 * 1024)] = 256 * 1024
     replicas: Replicas = 1
-    # retained records are outputs rebuilt from the fsync'd chains (`Upkeep.republish_if_lost`),
-    # so they need no fsync of their own; "file" keeps them across a broker restart
-    records_storage: RecordsStorage = "memory"
+    records_storage: RecordsStorage = RECORDS_STORAGE
     # how long a closed proposal's retained records and dedup key stay (Nats-TTL); 0 keeps
     # them for good
     records_ttl_days: Annotated[float, Meta(ge=0.0, le=3660.0)] = 30.0

@@ -20,6 +20,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from improved.client.config import RECORDS_STORAGE
 from improved.client.streams import (
     PROVISION_HINT,
     NeedsProvision,
@@ -49,7 +50,8 @@ REFUSED_MAX_AGE_S = 30 * 24 * 3600
 RETIRED_BUCKETS = ("improved_state",)
 
 
-def stream_configs(replicas: int = 1, records_storage: str = "memory") -> list[jsapi.StreamConfig]:
+def stream_configs(replicas: int = 1, records_storage: str = RECORDS_STORAGE
+                   ) -> list[jsapi.StreamConfig]:
     return [
         jsapi.StreamConfig(
             name=S.STREAM_INBOUND, subjects=list(S.INBOUND_FILTERS),

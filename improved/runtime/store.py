@@ -46,6 +46,7 @@ from nats.aio.client import Client
 
 from improved.client.acks import Acks
 from improved.client.chain_writer import ChainWriter
+from improved.client.config import RECORDS_STORAGE
 from improved.client.records import TOMBSTONE_TTL_S
 from improved.protocol import subjects as S
 from improved.protocol.model import Refusal, to_json
@@ -62,7 +63,7 @@ class Store(Provisioning, AuditLog, Buckets, Retained, GrantReads):
     """The daemon's JetStream, one concern a base: a part reads only the connection and the
     state this constructor sets, and no part calls another's methods."""
 
-    def __init__(self, nc: Client, replicas: int = 1, records_storage: str = "memory", *,
+    def __init__(self, nc: Client, replicas: int = 1, records_storage: str = RECORDS_STORAGE, *,
                  audit_stream: str = S.STREAM_AUDIT):
         # the connection, the audit stream its chains live in (the daemon's log, or the tool
         # runtimes'), and the daemon's key every trailer is signed with once it is loaded
