@@ -465,10 +465,20 @@ async def daemon_with_records_ttl(url: str, svc: str, ttl_s: float, name: str):
     """A daemon whose closed proposals' records and dedup keys carry a TTL of `ttl_s`
     (`records_ttl_days`), and an owning service of `svc` that applies every order at once:
     (daemon, connection, the service's MeshClient)."""
+    config = msgspec.structs.replace(daemon_config(), records_ttl_days=ttl_s / 86400)
+    async with serving_daemon(url, svc, name, config) as running:
+        yield running
+
+
+@asynccontextmanager
+async def serving_daemon(url: str, svc: str, name: str, config: Config | None = None):
+    """A daemon of its own on `url` (`config`, default `daemon_config()`), and an owning
+    service of `svc` that applies every order at once: (daemon, connection, the service's
+    MeshClient). Both stop, and the connection closes, on the way out."""
     from improved.runtime.daemon import Daemon
 
     nc = await connection.connect(url, name)
-    daemon = Daemon(nc, msgspec.structs.replace(daemon_config(), records_ttl_days=ttl_s / 86400))
+    daemon = Daemon(nc, config or daemon_config())
     await daemon.start()
     client = MeshClient(nc, svc)
 

@@ -19,11 +19,10 @@ from improved.client.config import AuditSettings
 from improved.client.sdk import MeshClient
 from improved.core.policy import Policy
 from improved.protocol import subjects as S
-from improved.protocol.model import ApplyResult
 from improved.runtime.daemon import Daemon
 from improved.runtime.store import Store
 from improved_reference.ranking_store import RankingStore
-from tests.bus import daemon_config, eventually
+from tests.bus import daemon_config, eventually, serving_daemon
 from tests.factories import rank_proposal, skill_proposal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -165,16 +164,7 @@ async def _sealed(url: str, tmp_path, svc: str) -> AsyncIterator[_Sealed]:
     L0 proposals, one L2 left waiting, one L0 applied after it; the epoch sealed."""
     config = daemon_config(data_dir=tmp_path / "data", checkpoint_interval_s=0.0,
                            audit=AuditSettings(epoch_trailers=12, retention_days=0.0))
-    nc = await connection.connect(url, svc)
-    daemon = Daemon(nc, config)
-    await daemon.start()
-    client = MeshClient(nc, svc)
-
-    async def applier(order):
-        return ApplyResult(ok=True, applied_id=order.proposal_id[:8])
-
-    sub = await client.serve_apply(applier)
-    try:
+    async with serving_daemon(url, svc, svc, config) as (daemon, _, client):
         early = [(await client.propose(rank_proposal(svc, key=f"e{i}"))).proposal_id
                  for i in range(4)]
         for pid in early:
@@ -188,10 +178,11 @@ async def _sealed(url: str, tmp_path, svc: str) -> AsyncIterator[_Sealed]:
         seal, problem = await archive.last_seal(daemon.store, trusted)
         assert problem is None and seal is not None
         assert seal.upto < (await daemon.store.read_chain(svc, waiting))[0][0]
-        await daemon.stop()
-        yield _Sealed(nc, config, client, early, waiting, await client.state(waiting), late)
+        state = await client.state(waiting)
+    nc = await connection.connect(url, f"{svc}-after")  # the daemon and its service stopped
+    try:
+        yield _Sealed(nc, config, MeshClient(nc, svc), early, waiting, state, late)
     finally:
-        await sub.unsubscribe()
         await connection.close(nc)
 
 

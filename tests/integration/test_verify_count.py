@@ -9,13 +9,10 @@ from collections import Counter
 
 import pytest
 
-from improved.client import connection
 from improved.client.sdk import MeshClient
 from improved.core import evidence, signing
 from improved.protocol import subjects as S
-from improved.protocol.model import ApplyResult
-from improved.runtime.daemon import Daemon
-from tests.bus import daemon_config, eventually, publish
+from tests.bus import eventually, publish, serving_daemon
 from tests.factories import rank_proposal, review, skill_proposal
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -43,16 +40,7 @@ async def test_a_proposal_costs_only_the_checks_of_what_came_from_outside(
 
     monkeypatch.setattr(evidence, "writer_problem", counted_writer)
     monkeypatch.setattr(signing.TrustStore, "verify", counted_envelope)
-    nc = await connection.connect(own_server.url, "verify-count")
-    daemon = Daemon(nc, daemon_config())
-    await daemon.start()
-    client = MeshClient(nc, SVC)
-
-    async def applier(order):
-        return ApplyResult(ok=True, applied_id=order.proposal_id[:8])
-
-    sub = await client.serve_apply(applier)
-    try:
+    async with serving_daemon(own_server.url, SVC, "verify-count") as (_, nc, client):
         await asyncio.sleep(1.0)  # the start's own checks (indexes, checkpoint) are done
         checks.clear()
         l0 = [(await client.propose(rank_proposal(SVC, key=f"v{i}"))).proposal_id
@@ -68,7 +56,3 @@ async def test_a_proposal_costs_only_the_checks_of_what_came_from_outside(
         for pid in l2:
             await eventually(lambda pid=pid: _status(client, pid, "applied"))
         assert checks == Counter(envelope=10)  # each operator's review, once
-    finally:
-        await sub.unsubscribe()
-        await daemon.stop()
-        await connection.close(nc)
