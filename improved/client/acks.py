@@ -18,6 +18,7 @@ import asyncio
 import base64
 import itertools
 import time
+from collections.abc import Iterable
 from contextlib import suppress
 from typing import Any, NamedTuple
 
@@ -80,6 +81,80 @@ def _headers(block: bytes) -> dict[str, str]:
     return out
 
 
+class PendingAck:
+    """A message sent with a reply subject of `Acks`, its answer still to come: `answer()` is
+    the reply as it came, `seq()` the stream sequence of a JetStream ack (its error raised as
+    nats-py raises it), `stored()` the message a message get found, `forget()` for one that
+    will not be awaited."""
+
+    __slots__ = ("_future", "_reply", "_waiting")
+
+    def __init__(self, waiting: dict[str, tuple[asyncio.Future[Msg], float]], reply: str,
+                 future: asyncio.Future[Msg]):
+        self._waiting = waiting
+        self._reply = reply
+        self._future = future
+
+    async def answer(self) -> Msg:
+        try:
+            return await self._future
+        finally:
+            self._waiting.pop(self._reply, None)
+
+    async def seq(self) -> int:
+        msg = await self.answer()
+        if not msg.data and msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
+            raise NoStreamResponseError
+        ack = _ack_decoder.decode(msg.data)
+        if ack.error is not None:
+            APIError.from_error(ack.error)  # raises the error's own class
+            raise APIError(**ack.error)
+        return ack.seq
+
+    async def stored(self) -> Stored | None:
+        """The message a message get (`Acks.send_get`) found; None when there is none."""
+        msg = await self.answer()
+        if not msg.data and msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
+            raise NoStreamResponseError
+        got = _got_decoder.decode(msg.data)
+        if got.error is not None:
+            if got.error.get("code") == 404:
+                return None
+            APIError.from_error(got.error)
+            raise APIError(**got.error)
+        if got.message is None:
+            return None
+        return Stored(got.message.seq, base64.b64decode(got.message.data or ""),
+                      _headers(base64.b64decode(got.message.hdrs or "")))
+
+    def forget(self) -> None:
+        """Not awaited after all (an earlier one failed): no longer waited for."""
+        self._waiting.pop(self._reply, None)
+        if not self._future.done():
+            self._future.cancel()
+        elif not self._future.cancelled():
+            self._future.exception()  # a timeout nobody will await is not an error to report
+
+
+async def settled(pending: list[PendingAck]) -> list[int]:
+    """The stream sequences of `pending`, awaited in order; on the first failure the rest are
+    forgotten and the failure raised."""
+    out: list[int] = []
+    try:
+        for p in pending:
+            out.append(await p.seq())
+    except BaseException:
+        forget(pending[len(out):])
+        raise
+    return out
+
+
+def forget(pending: Iterable[PendingAck]) -> None:
+    """`PendingAck.forget` each of `pending`: what was sent before a failure is not awaited."""
+    for p in pending:
+        p.forget()
+
+
 class Acks:
     """Publishes to JetStream on `nc`, each awaited for its ack through one subscription."""
 
@@ -117,9 +192,10 @@ class Acks:
         if self._waiting:
             self._timer = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
 
-    async def _ask(self, subject: str, payload: bytes, headers: dict[str, str] | None) -> Msg:
-        """Send `payload` on `subject` with a reply subject of this subscription's; the
-        answer, or nats-py's TimeoutError after `timeout`."""
+    async def _send(self, subject: str, payload: bytes,
+                    headers: dict[str, str] | None) -> PendingAck:
+        """Send `payload` on `subject` with a reply subject of this subscription's, now; what
+        awaits its answer (nats-py's TimeoutError after `timeout`)."""
         if self._sub is None:
             await self._start()
         reply = f"{self._prefix}{next(self._ids)}"
@@ -129,47 +205,47 @@ class Acks:
             self._timer = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
         try:
             await self.nc.publish(subject, payload, reply=reply, headers=headers)
-            return await future
-        finally:
+        except BaseException:
             self._waiting.pop(reply, None)
+            raise
+        return PendingAck(self._waiting, reply, future)
 
-    async def publish(self, subject: str, payload: bytes, *, stream: str | None = None,
-                      headers: dict[str, str] | None = None, ttl_s: int | None = None) -> int:
-        """Publish `payload` to JetStream and wait for its ack; the stream sequence it was
-        stored at. `stream`: the stream that must take it (Nats-Expected-Stream); `ttl_s`: its
-        per-message TTL (Nats-TTL)."""
+    async def _ask(self, subject: str, payload: bytes, headers: dict[str, str] | None) -> Msg:
+        """Send `payload` on `subject` and wait for the answer (`_send`)."""
+        return await (await self._send(subject, payload, headers)).answer()
+
+    async def send(self, subject: str, payload: bytes, *, stream: str | None = None,
+                   headers: dict[str, str] | None = None,
+                   ttl_s: int | None = None) -> PendingAck:
+        """`publish` in two halves: the message leaves now, its ack is awaited later
+        (`PendingAck.seq`). Several sent before any is awaited are pipelined without a task
+        each, which is what an `asyncio.gather` of `publish` calls would cost."""
         if stream is not None or ttl_s is not None:
             headers = dict(headers or {})
             if stream is not None:
                 headers["Nats-Expected-Stream"] = stream
             if ttl_s is not None:
                 headers["Nats-TTL"] = str(int(ttl_s))
-        msg = await self._ask(subject, payload, headers)
-        if not msg.data and msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
-            raise NoStreamResponseError
-        ack = _ack_decoder.decode(msg.data)
-        if ack.error is not None:
-            APIError.from_error(ack.error)  # raises the error's own class
-            raise APIError(**ack.error)
-        return ack.seq
+        return await self._send(subject, payload, headers)
+
+    async def publish(self, subject: str, payload: bytes, *, stream: str | None = None,
+                      headers: dict[str, str] | None = None, ttl_s: int | None = None) -> int:
+        """Publish `payload` to JetStream and wait for its ack; the stream sequence it was
+        stored at. `stream`: the stream that must take it (Nats-Expected-Stream); `ttl_s`: its
+        per-message TTL (Nats-TTL)."""
+        pending = await self.send(subject, payload, stream=stream, headers=headers, ttl_s=ttl_s)
+        return await pending.seq()
 
     async def last(self, stream: str, subject: str) -> Stored | None:
         """The last message on `subject` of `stream`, read from the stream's leader (a message
         get); None when there is none."""
-        msg = await self._ask(f"$JS.API.STREAM.MSG.GET.{stream}",
-                              _get_encoder.encode(_LastBySubject(last_by_subj=subject)), None)
-        if not msg.data and msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
-            raise NoStreamResponseError
-        got = _got_decoder.decode(msg.data)
-        if got.error is not None:
-            if got.error.get("code") == 404:
-                return None
-            APIError.from_error(got.error)
-            raise APIError(**got.error)
-        if got.message is None:
-            return None
-        return Stored(got.message.seq, base64.b64decode(got.message.data or ""),
-                      _headers(base64.b64decode(got.message.hdrs or "")))
+        return await (await self.send_get(stream, subject)).stored()
+
+    async def send_get(self, stream: str, subject: str) -> PendingAck:
+        """`last` in two halves: the get leaves now, its answer is awaited later
+        (`PendingAck.stored`)."""
+        return await self._send(f"$JS.API.STREAM.MSG.GET.{stream}",
+                                _get_encoder.encode(_LastBySubject(last_by_subj=subject)), None)
 
     async def close(self) -> None:
         """Stop listening; what still waits fails as timed out."""

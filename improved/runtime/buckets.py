@@ -18,7 +18,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
-from improved.client.acks import Acks
+from improved.client.acks import Acks, PendingAck
 from improved.client.chain_writer import MAX_APPEND_ATTEMPTS, pause_after_conflict
 from improved.client.streams import decoded, is_conflict
 from improved.protocol import subjects as S
@@ -237,8 +237,17 @@ class Buckets:
     async def ledger_get(self, svc: str, dedup: str) -> LedgerEntry | None:
         """The rejection-ledger entry under `dedup`; None when there is none, or the key holds
         no entry (a hint, like the dedup bucket)."""
+        return await ledger_entry(await self.ledger_send(svc, dedup))
+
+    async def ledger_send(self, svc: str, dedup: str) -> PendingAck:
+        """`ledger_get` in two halves: the read leaves now, `ledger_entry` awaits it."""
         key = S.dedup_key_of(svc, dedup)
-        found = await self.acks.last(f"KV_{S.BUCKET_LEDGER}", f"$KV.{S.BUCKET_LEDGER}.{key}")
-        if found is None or found.headers.get("KV-Operation") in ("DEL", "PURGE"):
-            return None
-        return decoded(ledger_entry_decoder, found.data)
+        return await self.acks.send_get(f"KV_{S.BUCKET_LEDGER}", f"$KV.{S.BUCKET_LEDGER}.{key}")
+
+
+async def ledger_entry(pending: PendingAck) -> LedgerEntry | None:
+    """The rejection-ledger entry a read sent by `Buckets.ledger_send` found."""
+    found = await pending.stored()
+    if found is None or found.headers.get("KV-Operation") in ("DEL", "PURGE"):
+        return None
+    return decoded(ledger_entry_decoder, found.data)

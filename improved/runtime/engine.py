@@ -23,7 +23,7 @@ enters a pass comes through `runtime.intake` and `runtime.signed_acts`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -71,6 +71,15 @@ Ingest = Callable[[ProposalRecord | None, int], tuple[ProposalRecord, Draft] | N
 def _onto(record: ProposalRecord, draft: Draft | None) -> tuple[ProposalRecord, Draft] | None:
     """A stage's draft (or nothing to do) as an ingest step on `record`."""
     return None if draft is None else (record, draft)
+
+
+async def _together(jobs: Sequence[Awaitable[object]]) -> None:
+    """Await `jobs` side by side; a lone one (an L0's records) without the task a gather
+    makes of it."""
+    if len(jobs) == 1:
+        await jobs[0]
+    elif jobs:
+        await asyncio.gather(*jobs)
 
 
 @dataclass
@@ -239,7 +248,7 @@ class Engine:
         if head is not None:
             jobs.append(head)
         try:
-            await asyncio.gather(*jobs)
+            await _together(jobs)
         except Exception:
             # the chain moved but what watchers read did not: whoever handles this proposal
             # next, or the next reconnect (`republish_unpublished`), publishes it again

@@ -6,8 +6,6 @@ stands supersedes a registration before anything of it is sent.
 
 from __future__ import annotations
 
-import asyncio
-
 from improved.core import apply as apply_stage
 from improved.core import boundary, identity, learnback, propose, triage
 from improved.core.audit import Draft
@@ -22,6 +20,7 @@ from improved.protocol.model import (
     Proposal,
     Signal,
 )
+from improved.runtime.buckets import ledger_entry
 from improved.runtime.clock import now_ms
 from improved.runtime.engine import Engine, Handled
 from improved.runtime.records import ChainBroken
@@ -63,10 +62,15 @@ class Intake:
         async def claim_key(absent: bool) -> tuple[DedupHead | None, LedgerEntry | None]:
             """Claim the dedup_key (with `absent`, a create without a read) and read the
             rejection ledger, both at once: (the head the key held before, the entry)."""
-            claimed, entry = await asyncio.gather(
-                self.store.claim_dedup_head(svc, dedup, pid, proposal.created_at, absent,
-                                            self.engine.heads.lease_s),
-                self.store.ledger_get(svc, dedup))
+            ledger_read = await self.store.ledger_send(svc, dedup)
+            try:
+                claimed = await self.store.claim_dedup_head(svc, dedup, pid,
+                                                            proposal.created_at, absent,
+                                                            self.engine.heads.lease_s)
+            except BaseException:
+                ledger_read.forget()
+                raise
+            entry = await ledger_entry(ledger_read)
             self.engine.heads.claimed(pid, claimed.revision, DedupHead(
                 proposal_id=pid, created_at=proposal.created_at), claimed.leased)
             return claimed.before, entry

@@ -60,6 +60,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._children: dict[tuple[object, tuple[str, ...]], Any] = {}  # `_child`
         self._transitions = Counter(
             "improved_transitions", "Stage transitions of proposals.",
             ("stage", "verdict", "cause", "class"), registry=r)
@@ -156,9 +157,19 @@ class Metrics:
             "improved_checkpoint_interval_seconds", "How often the daemon signs a checkpoint "
             "(checkpoint_interval_s; 0: only at start and stop).", registry=r)
 
+    def _child(self, metric: Counter | Histogram, *values: str) -> Any:
+        """`metric.labels(*values)`, kept: prometheus_client takes a lock and checks the
+        labels at every call, and this is called for every trailer. The values are the loop's
+        own few (stages, verdicts, causes, classes), so what is kept stays small."""
+        key = (metric, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def transition(self, stage: str, verdict: str | None, cause: str | None,
                    change_class: str) -> None:
-        self._transitions.labels(stage, verdict or "", cause or "", change_class).inc()
+        self._child(self._transitions, stage, verdict or "", cause or "", change_class).inc()
 
     def decided(self, verdict: str | None, change_class: str) -> None:
         """An appended trailer's verdict: a triage decision or a rollback counts by class;
@@ -171,7 +182,7 @@ class Metrics:
         self._apply_seconds[result].observe(max(seconds, 0.0))
 
     def observe_stage(self, stage: str, seconds: float) -> None:
-        self._stage_seconds.labels(stage).observe(seconds)
+        self._child(self._stage_seconds, stage).observe(seconds)
 
     def refused(self, code: str) -> None:
         self._refused.labels(code).inc()
@@ -179,7 +190,7 @@ class Metrics:
     def apply_result(self, result: str) -> None:
         if result not in APPLY_RESULTS:
             raise ValueError(f"unknown apply result {result!r}; expected one of {APPLY_RESULTS}")
-        self._applies.labels(result).inc()
+        self._child(self._applies, result).inc()
 
     def set_pending_reviews(self, n: int) -> None:
         self._pending_reviews.set(n)

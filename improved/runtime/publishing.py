@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import structlog
 
+from improved.client.acks import PendingAck, forget, settled
 from improved.client.chain_writer import decode_trailer
 from improved.core import apply as apply_stage
 from improved.core import authority, indexes, propose, quorum, retained
@@ -80,12 +81,18 @@ class Publisher:
         ttl = retained.ttl_of(record, self.records_ttl_s)
         if ttl is not None and since is not None and not closed(since):
             since = None
-        jobs = [self.store.publish(subject, shown, ttl)
-                for subject, shown in retained.shown(record, now_ms(), since)]
+        sent: list[PendingAck] = []  # every record leaves before any ack is awaited
         decided = quorum.quorum_record(record)
-        if decided is not None and (since is None or decided != quorum.quorum_record(since)):
-            jobs.append(self.store.publish_once(S.quorum_record(record.proposal_id), decided))
-        await asyncio.gather(*jobs)
+        try:
+            for subject, shown in retained.shown(record, now_ms(), since):
+                sent.append(await self.store.send_record(subject, shown, ttl))
+            if decided is not None and (since is None
+                                        or decided != quorum.quorum_record(since)):
+                await self.store.publish_once(S.quorum_record(record.proposal_id), decided)
+        except BaseException:
+            forget(sent)
+            raise
+        await settled(sent)
 
     async def publish_unreachable(self, record: ProposalRecord, error: str) -> None:
         """Tell watchers the apply is stuck, without a trailer: nothing transitioned."""

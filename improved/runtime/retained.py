@@ -14,7 +14,7 @@ from nats.js.errors import (
     NotFoundError,
 )
 
-from improved.client.acks import Acks
+from improved.client.acks import Acks, PendingAck
 from improved.client.records import INDEX_SUBJECTS, IndexEntry, RecordReads
 from improved.client.streams import is_conflict
 from improved.core import queue
@@ -44,6 +44,13 @@ class Retained(RecordReads):
         # an ack lost in a broker restart must not wedge the job: it times out (`Acks`)
         await self.record_acks.publish(subject, b"" if record is None else to_json(record),
                                 stream=S.STREAM_RECORDS, ttl_s=ttl_s)
+
+    async def send_record(self, subject: str, record: msgspec.Struct | None,
+                          ttl_s: int | None = None) -> PendingAck:
+        """`publish`, its acknowledgement awaited later (`acks.settled`): several records
+        of one pass leave together."""
+        return await self.record_acks.send(subject, b"" if record is None else to_json(record),
+                                           stream=S.STREAM_RECORDS, ttl_s=ttl_s)
 
     async def index(self, svc: str, pid: str, entry: ReviewEntry | None) -> None:
         """Put `pid` in the review index (`entry`), or take it out (None)."""

@@ -80,3 +80,25 @@ async def test_an_ack_that_never_comes_times_out_and_is_forgotten(nats_url, svc,
         await acks.close()
     finally:
         await connection.close(nc)
+
+
+async def test_sends_pipelined_without_tasks_settle_in_order_and_a_failure_forgets_the_rest(
+        nc, svc):
+    """`send` then `settled`: what the records of one pass and the claim beside its ledger
+    read use instead of a gather. The sequences come back in the order sent; the first
+    failure is raised as `publish` raises it, and what was sent after it is no longer waited
+    for (nothing left behind to time out unretrieved)."""
+    async with _stream_and_acks(nc, svc, "sent") as (stream, acks):
+        sent = [await acks.send(f"{svc}.sent.{i}", b"x", stream=stream) for i in range(5)]
+        assert await acks_module.settled(sent) == [1, 2, 3, 4, 5]
+        get = await acks.send_get(stream, f"{svc}.sent.3")
+        found = await get.stored()
+        assert found is not None and found.seq == 4
+        mixed = [await acks.send(f"{svc}.sent.a", b"x", stream=stream),
+                 await acks.send(f"{svc}.sent.b", b"x", stream="NOT_THIS_ONE"),
+                 await acks.send(f"{svc}.sent.c", b"x", stream=stream)]
+        with pytest.raises(APIError) as wrong:
+            await acks_module.settled(mixed)
+        assert not is_conflict(wrong.value)
+        assert acks._waiting == {}  # the third is forgotten, though the stream stored it
+        assert (await acks.last(stream, f"{svc}.sent.c")) is not None

@@ -118,15 +118,15 @@ async def test_records_a_broker_outage_kept_from_being_published_are_published_a
     daemon = Daemon(nc, daemon_config())
     await daemon.start()
     client = MeshClient(nc, "unpubsvc")
-    real_publish = daemon.store.publish
+    real_send = daemon.store.send_record
     failing = {"on": True}
 
     async def outage(subject, record, ttl_s=None):
         if failing["on"] and subject.startswith(S.PROPOSALS):
             raise ConnectionError("broker went away")
-        await real_publish(subject, record, ttl_s)
+        return await real_send(subject, record, ttl_s)
 
-    daemon.store.publish = outage
+    daemon.store.send_record = outage
     try:
         with pytest.raises(Exception):  # noqa: B017 - the request path fails with the outage
             await client.propose(skill_proposal("unpubsvc"))
@@ -139,7 +139,7 @@ async def test_records_a_broker_outage_kept_from_being_published_are_published_a
         assert state.status == "pending"
         assert daemon.engine.publisher.unpublished == {}
     finally:
-        daemon.store.publish = real_publish
+        daemon.store.send_record = real_send
         await daemon.stop()
         await connection.close(nc)
 
