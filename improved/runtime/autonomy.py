@@ -9,6 +9,7 @@ covered, reads as a crisis at once.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +58,9 @@ class AutonomyChain:
         # with (`_retention_problem`)
         self._retained: tuple[checkpoints.Anchor, set[str], int] | None = None
         self._recording_loss = False
+        # the read when the view is stale: the passes that find it stale meanwhile wait for
+        # it rather than each reading (and verifying) the same head again
+        self._reading = asyncio.Lock()
 
     def keep(self, anchor: checkpoints.Anchor, trusted: set[str], removable: int) -> None:
         """What the checkpoint just signed covered: from now on, every read of the state
@@ -74,26 +78,36 @@ class AutonomyChain:
         does an audit stream that forgot what the last checkpoint covered or that no longer
         keeps every trailer (`_retention_problem`, O(1)): the crisis is recorded at once."""
         if self._autonomy is None or now - self._autonomy[1] > AUTONOMY_TTL_MS:
-            seq, body = await self.store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
-            problem = self.trust.chain_trust.problem(
-                body, breaker.AUTONOMY_ID, seq, self.trust.chain_trust.start()) if body else None
-            if problem:
-                log.error("the autonomy chain's head does not verify; applies refused",
-                          stream_seq=seq, problem=problem)
-            state = breaker.believed(body, seq, problem)
-            lost = await self._retention_problem()
-            if lost is not None:
-                state = breaker.in_crisis(state, state.crisis or f"crisis-{now_ms()}")
-            self._autonomy = (state, now_ms())  # when it was read, whatever `now` asked for
-            self._autonomy_verified = not problem and lost is None
-            self._show(state, now)
+            lost = None
+            async with self._reading:  # one read at a time; the passes behind it take it
+                if self._autonomy is None or now - self._autonomy[1] > AUTONOMY_TTL_MS:
+                    lost = await self._read(now)
             if lost is not None and not self._recording_loss:
                 self._recording_loss = True
                 try:
                     await self.chain_broken(lost)
                 finally:
                     self._recording_loss = False
+        assert self._autonomy is not None
         return self._autonomy[0]
+
+    async def _read(self, now: int) -> str | None:
+        """Read the chain's head and the audit stream's retention, and keep what they say;
+        what the stream lost, if it did."""
+        seq, body = await self.store.chain_head(S.autonomy_audit(breaker.AUTONOMY_ID))
+        problem = self.trust.chain_trust.problem(
+            body, breaker.AUTONOMY_ID, seq, self.trust.chain_trust.start()) if body else None
+        if problem:
+            log.error("the autonomy chain's head does not verify; applies refused",
+                      stream_seq=seq, problem=problem)
+        state = breaker.believed(body, seq, problem)
+        lost = await self._retention_problem()
+        if lost is not None:
+            state = breaker.in_crisis(state, state.crisis or f"crisis-{now_ms()}")
+        self._autonomy = (state, now_ms())  # when it was read, whatever `now` asked for
+        self._autonomy_verified = not problem and lost is None
+        self._show(state, now)
+        return lost
 
     async def _retention_problem(self) -> str | None:
         """In O(1), whether the audit stream still holds everything the last checkpoint this
