@@ -1,7 +1,8 @@
 """The inbound consumer: every message of IMPROVE_IN, from the durable pull consumer every replica
 shares, decoded (pure) and run as a job of the engine.
 
-Inbound messages are fetched in batches from the shared durable consumer and decoded (pure).
+Inbound messages are pulled from the shared durable consumer, as many as there is room for, and
+handed over as they arrive (`runtime.inbound_pull`), then decoded (pure).
 Each job runs as its own task, chained behind the previous job for the same proposal id: the
 order per proposal holds while proposals do not wait for each other, and fetching goes on while
 earlier work is in flight, up to MAX_IN_FLIGHT jobs.
@@ -38,9 +39,6 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
-from nats.js import JetStreamContext
-from nats.js.errors import FetchTimeoutError
 
 from improved.client.config import Config
 from improved.client.sdk import enqueue
@@ -69,6 +67,7 @@ from improved.protocol.model import (
 from improved.protocol.tracecontext import of_headers
 from improved.runtime.admission import Admission, ProposalUnknown
 from improved.runtime.engine import Engine
+from improved.runtime.inbound_pull import REFILL_AT, InboundPull
 from improved.runtime.intake import Intake
 from improved.runtime.observing import Observing
 from improved.runtime.records import ChainBroken
@@ -79,7 +78,7 @@ from improved.runtime.telemetry import incoming
 
 log = structlog.get_logger("improved.daemon")
 
-FETCH_BATCH = 256
+PULL_BATCH = 256  # messages asked for by one pull request, at most
 MAX_IN_FLIGHT = 1024
 NOT_FOUND_RETRIES = 5
 ACK_PROGRESS_S = 1.5  # a third of the inbound consumer's ack wait (store.INBOUND_ACK_WAIT_S)
@@ -129,18 +128,22 @@ class InboundConsumer:
         # told to the broker to be in progress (monotonic seconds)
         self._held: dict[int, tuple[Msg, float]] = {}
         self._parked: set[int] = set()  # stream sequences of given-up applies on slow retry
-        # the pull subscription of the shared consumer, once bound (`bind`)
-        self._psub: JetStreamContext.PullSubscription | None = None
+        # the pull requests on the shared consumer, once bound (`bind`)
+        self._pull: InboundPull | None = None
 
     async def bind(self) -> None:
-        """Bind to the shared durable consumer (made by `Store.ensure`)."""
-        self._psub = await self.store.js.pull_subscribe_bind(
-            durable=S.CONSUMER_INBOUND, stream=S.STREAM_INBOUND)
+        """Listen for the deliveries of the shared durable consumer (made by `Store.ensure`)."""
+        self._pull = InboundPull(self.nc, S.STREAM_INBOUND, S.CONSUMER_INBOUND,
+                                 batch=PULL_BATCH, refill_at=min(REFILL_AT, MAX_IN_FLIGHT))
+        await self._pull.start()
 
     async def unbind(self) -> None:
-        """Leave the consumer (after the drain): what is not acknowledged is redelivered."""
-        if self._psub is not None:
-            await self._psub.unsubscribe()
+        """Leave the consumer (after the drain): what was delivered and not taken is handed
+        back at once (nak); what is not acknowledged is redelivered."""
+        if self._pull is not None:
+            for msg in await self._pull.stop():
+                with suppress(Exception):
+                    await msg.nak()
 
     async def run(self) -> None:
         """Fetch inbound messages and run each as a job: at most MAX_IN_FLIGHT at once, and
@@ -153,7 +156,7 @@ class InboundConsumer:
             keeper.start_soon(self._keep_alive, name="improved-ack-progress")
             async with anyio.create_task_group() as jobs:
                 while not self._stopping.is_set():
-                    batch = await self._fetch()
+                    batch = await self._fetch(slots)
                     fetched = time.monotonic()
                     self._held.update((id(job), (job.msg, fetched)) for job in batch)
                     for job in batch:
@@ -182,14 +185,13 @@ class InboundConsumer:
                 if key in self._held:
                     self._held[key] = (msg, now)
 
-    async def _fetch(self) -> list[Job]:
-        """The next batch of inbound messages as jobs; none on a timeout or a broker outage
-        (never raises: the consumer must outlive both)."""
-        assert self._psub is not None, "bound before the consumer runs"
+    async def _fetch(self, slots: anyio.CapacityLimiter) -> list[Job]:
+        """The next inbound messages as jobs, as many as were delivered (within 0.5 s when
+        none was yet), for the room `slots` has; none on a timeout or a broker outage (never
+        raises: the consumer must outlive both)."""
+        assert self._pull is not None, "bound before the consumer runs"
         try:
-            msgs = await self._psub.fetch(FETCH_BATCH, timeout=0.5)
-        except (TimeoutError, FetchTimeoutError, NatsTimeout):
-            return []
+            msgs = await self._pull.take(lambda: int(slots.available_tokens), timeout=0.5)
         except Exception as exc:  # broker outage: wait and try again, never die
             log.warning("fetch failed", error=str(exc))
             await anyio.sleep(0.5)
@@ -225,6 +227,8 @@ class InboundConsumer:
             self._held.pop(id(job), None)
             done.set()
             slots.release_on_behalf_of(done)
+            if self._pull is not None:
+                self._pull.nudge()
             self._in_flight -= 1
             self.engine.metrics.set_in_flight(self._in_flight)
 

@@ -20,7 +20,7 @@ from improved.protocol.model import (
     Proposal,
     Signal,
 )
-from improved.runtime.buckets import ledger_entry
+from improved.runtime.buckets import Claim, ledger_entry
 from improved.runtime.clock import now_ms
 from improved.runtime.engine import Engine, Handled
 from improved.runtime.records import ChainBroken
@@ -62,15 +62,7 @@ class Intake:
         async def claim_key(absent: bool) -> tuple[DedupHead | None, LedgerEntry | None]:
             """Claim the dedup_key (with `absent`, a create without a read) and read the
             rejection ledger, both at once: (the head the key held before, the entry)."""
-            ledger_read = await self.store.ledger_send(svc, dedup)
-            try:
-                claimed = await self.store.claim_dedup_head(svc, dedup, pid,
-                                                            proposal.created_at, absent,
-                                                            self.engine.heads.lease_s)
-            except BaseException:
-                ledger_read.forget()
-                raise
-            entry = await ledger_entry(ledger_read)
+            claimed, entry = await self._claim(svc, dedup, pid, proposal.created_at, absent)
             self.engine.heads.claimed(pid, claimed.revision, DedupHead(
                 proposal_id=pid, created_at=proposal.created_at), claimed.leased)
             return claimed.before, entry
@@ -117,6 +109,19 @@ class Intake:
         if dispatch and not dispatch_now:  # held back for nothing: carry it on now
             handled = await self.engine.advance(svc, pid)
         return handled
+
+    async def _claim(self, svc: str, dedup: str, pid: str, created_at: int,
+                     absent: bool) -> tuple[Claim, LedgerEntry | None]:
+        """Claim the dedup_key for `pid` (`Buckets.claim_dedup_head`, leased) and read the
+        rejection ledger beside it: the read leaves first, its answer is awaited after."""
+        ledger_read = await self.store.ledger_send(svc, dedup)
+        try:
+            claimed = await self.store.claim_dedup_head(svc, dedup, pid, created_at, absent,
+                                                        self.engine.heads.lease_s)
+        except BaseException:
+            ledger_read.forget()
+            raise
+        return claimed, await ledger_entry(ledger_read)
 
     async def _rejection(self, svc: str, dedup: str, pid: str,
                          entry: LedgerEntry | None) -> triage.Rejection | None:

@@ -36,6 +36,7 @@ async def test_no_one_but_the_server_answers_the_daemon_on_the_open_bus(tmp_path
     url = f"nats://127.0.0.1:{port}"
     refused: list[str] = []
     forged: list[str] = []
+    asked: list[str] = []  # the subjects of the requests answered
 
     async def violation(exc: Exception) -> None:
         refused.append(str(exc))
@@ -49,6 +50,7 @@ async def test_no_one_but_the_server_answers_the_daemon_on_the_open_bus(tmp_path
         async def answer_first(msg) -> None:
             if msg.reply and not msg.reply.startswith(SERVICE_INBOX):
                 forged.append(msg.reply)
+                asked.append(msg.subject)
                 await evil.publish(msg.reply, json.dumps(
                     {"stream": "IMPROVE_AUDIT", "seq": 1}).encode())
 
@@ -73,6 +75,13 @@ async def test_no_one_but_the_server_answers_the_daemon_on_the_open_bus(tmp_path
         await eventually(lambda: _true(len(refused) >= len(forged) > 0), 5,
                          what="each forged answer refused by the server")
         assert all(reply.startswith(DAEMON_INBOX + ".") for reply in forged), forged
+        # among them the inbound consumer's pull, whose inbox the deliveries come into: a
+        # made-up message there is refused by the server like every other forged answer
+        pull = "$JS.API.CONSUMER.MSG.NEXT.IMPROVE_IN.improved-loop"
+        await eventually(lambda: _true(pull in asked), 10, what="a pull request answered")
+        await eventually(lambda: _true(len(refused) >= len(forged)), 5,
+                         what="that answer refused too")
+        assert daemon.poll() is None, "the daemon stopped serving"
         assert all("permissions violation" in line for line in refused), refused
         # what the server says on the daemon's inboxes reaches no one else either
         assert not [s for s in overheard if s.startswith(DAEMON_INBOX)], overheard

@@ -99,9 +99,9 @@ async def test_three_sessions_split_across_two_replicas_make_one_proposal(own_se
 @pytest.mark.timeout(120)
 async def test_signals_through_the_shared_consumer_make_one_proposal_per_target(
         own_server, monkeypatch):
-    """Both replicas fetching one message at a time from the shared consumer, so the signals
+    """Both replicas pulling one message at a time from the shared consumer, so the signals
     of a target are split between them: one proposal per target all the same."""
-    monkeypatch.setattr(inbound_module, "FETCH_BATCH", 1)
+    monkeypatch.setattr(inbound_module, "PULL_BATCH", 1)
     a, b = await replicas(own_server.url)
     seen: dict[str, set[str]] = {}
     for d in (a, b):

@@ -1,0 +1,128 @@
+"""Pull requests on the inbound consumer, answered into one inbox of the daemon's connection.
+
+nats-py's `fetch` sends a request per batch and waits for each message with a timer and a
+task of its own; under load, with every slot of the consumer's `max_ack_pending` in use, each
+fetch brings one message, so the daemon paid a request, a status message and two timers per
+proposal. Here one request asks for as many messages as the daemon has room for (up to
+`batch`) and stays open: its messages are handed over as they arrive (no wait for the batch to fill), the next
+request leaves only once the open one is done (filled, or ended by the server's status) and
+room for `refill_at` messages has come free, and one deadline serves each wait, however many
+messages it brings.
+
+What arrives in the inbox is what the server delivers: on the embedded open bus nobody else
+may publish under the daemon's inbox prefix (`runtime.open_bus`), under accounts nobody else
+under its user's. A message without a JetStream reply subject is still refused by the
+consumer's decoding (`InboundConsumer._fetch`), as before.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from contextlib import suppress
+
+import anyio
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+EXPIRES_S = 2.0  # how long one request stays open on the server when not filled
+GRACE_S = 1.0  # past that, a request whose end was not heard of (a reconnect) is over here
+PAUSE_S = 0.5  # after a request the consumer refused, before the next
+BATCH = 256  # at most this many messages per request
+REFILL_AT = 64  # room for this many messages before the next request leaves
+
+
+class _Request(msgspec.Struct, omit_defaults=True):
+    batch: int
+    expires: int  # nanoseconds
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def is_status(msg: Msg) -> bool:
+    """A status message of the pull (no messages, request timeout, a heartbeat...), not a
+    delivery: no payload and a `Status` header."""
+    return not msg.data and bool(msg.headers) and "Status" in (msg.headers or {})
+
+
+class InboundPull:
+    """One open pull request at a time on `stream`'s durable `consumer`, for at most `batch`
+    messages, its deliveries kept until `take`n."""
+
+    def __init__(self, nc: Client, stream: str, consumer: str, batch: int = BATCH,
+                 refill_at: int = REFILL_AT):
+        self.nc = nc
+        self.subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self.batch = batch
+        self.refill_at = min(refill_at, batch)
+        self._inbox = ""
+        self._sub: Subscription | None = None
+        self._arrived: deque[Msg] = deque()
+        self._wake = anyio.Event()
+        self.owed = 0  # messages the open request may still deliver
+        self._open_until = 0.0  # monotonic: past it, the open request is taken for over
+        self._refused = False  # the last request was refused: none again before _open_until
+
+    async def start(self) -> None:
+        self._inbox = self.nc.new_inbox()
+        self._sub = await self.nc.subscribe(self._inbox, cb=self._deliver)
+
+    async def stop(self) -> list[Msg]:
+        """Stop listening; what arrived and was not taken (to be handed back to the server)."""
+        if self._sub is not None:
+            with suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+        left = list(self._arrived)
+        self._arrived.clear()
+        self.owed = 0
+        return left
+
+    async def _deliver(self, msg: Msg) -> None:
+        if is_status(msg):
+            status = (msg.headers or {}).get("Status")
+            if status != "100":  # a heartbeat: the request is open
+                self.owed = 0  # no messages, a timeout, a conflict: that request is over
+            self._refused = status not in ("100", "404", "408")
+            if self._refused:  # the consumer refused it (gone, too many waiting): not at once
+                self._open_until = time.monotonic() + PAUSE_S
+        else:
+            self._arrived.append(msg)
+            self.owed = max(self.owed - 1, 0)
+        self._wake.set()
+
+    def nudge(self) -> None:
+        """Room came free: a `take` waiting for it may ask for more."""
+        self._wake.set()
+
+    async def take(self, room: Callable[[], int], timeout: float) -> list[Msg]:
+        """Every message delivered and not taken yet; when there is none, the first to arrive
+        within `timeout` (none after it). A request leaves first when none is open and there
+        is `room()` for `refill_at` messages more than those delivered and not taken: for
+        that many."""
+        await self._ask(room())
+        if not self._arrived:
+            with anyio.move_on_after(timeout):
+                while not self._arrived:
+                    self._wake = anyio.Event()
+                    await self._wake.wait()
+                    await self._ask(room())
+        out = list(self._arrived)
+        self._arrived.clear()
+        return out
+
+    async def _ask(self, room: int) -> None:
+        if time.monotonic() < self._open_until and (self.owed or self._refused):
+            return
+        want = min(room - len(self._arrived), self.batch)
+        if want < self.refill_at:
+            return
+        self.owed = want
+        self._open_until = time.monotonic() + EXPIRES_S + GRACE_S
+        await self.nc.publish(self.subject, _encode(_Request(batch=want,
+                                                             expires=int(EXPIRES_S * 1e9))),
+                              reply=self._inbox)

@@ -1,0 +1,89 @@
+"""The inbound consumer's pull (`runtime.inbound_pull`) against a real JetStream consumer: one
+request asks for the room the daemon has, its messages are handed over as they arrive, no
+request leaves while there is room for fewer than `refill_at`, and what was delivered and not
+taken is handed back at the stop."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+from nats.js import api
+
+from improved.runtime.inbound_pull import InboundPull
+from tests.bus import eventually
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+@asynccontextmanager
+async def _consumer(nc, svc: str, messages: int) -> AsyncIterator[tuple[str, str]]:
+    """A memory stream of `svc.pull.>` holding `messages` messages, and a durable pull
+    consumer on it that acknowledges explicitly; both gone after."""
+    js = nc.jetstream()
+    stream = f"PULL_{svc.replace('-', '_').upper()}"
+    await js.add_stream(name=stream, subjects=[f"{svc}.pull.>"],
+                        storage=api.StorageType.MEMORY)
+    await js.add_consumer(stream, api.ConsumerConfig(
+        durable_name="loop", ack_policy=api.AckPolicy.EXPLICIT, max_ack_pending=1024))
+    for i in range(messages):
+        await js.publish(f"{svc}.pull.{i}", str(i).encode())
+    try:
+        yield stream, "loop"
+    finally:
+        await js.delete_stream(stream)
+
+
+async def _take_for(pull: InboundPull, room, seconds: float) -> list:
+    """What `take` hands over within `seconds`."""
+    taken: list = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        taken.extend(await pull.take(lambda: room(len(taken)), timeout=0.1))  # noqa: B023
+    return taken
+
+
+async def test_one_request_brings_the_room_asked_for_and_no_more(nc, svc):
+    async with _consumer(nc, svc, 100) as (stream, consumer):
+        pull = InboundPull(nc, stream, consumer, refill_at=10)
+        await pull.start()
+        try:
+            # room for 40: the request asks for 40, and once 35 are taken no request leaves
+            # for the 5 left (fewer than refill_at): exactly 40 come, in the stream's order
+            first = await _take_for(pull, lambda taken: 40 - taken, 1.0)
+            assert [int(m.data) for m in first] == list(range(40))
+            for msg in first:
+                await msg.ack()
+            # room again: the next request brings the rest
+            rest = await _take_for(pull, lambda taken: 1024 - taken, 1.0)
+            assert [int(m.data) for m in rest] == list(range(40, 100))
+            for msg in rest:
+                await msg.ack()
+            # nothing waiting: a take gives nothing after its timeout, and a message
+            # published meanwhile is handed over as it arrives, before the request expires
+            assert await pull.take(lambda: 1024, timeout=0.2) == []
+            await nc.jetstream().publish(f"{svc}.pull.late", b"late")
+            started = time.monotonic()
+            late = await pull.take(lambda: 1024, timeout=1.5)
+            assert [m.data for m in late] == [b"late"]
+            assert time.monotonic() - started < 1.0
+            await late[0].ack()
+        finally:
+            await pull.stop()
+
+
+async def test_what_was_delivered_and_not_taken_is_handed_back_at_the_stop(nc, svc):
+    async with _consumer(nc, svc, 5) as (stream, consumer):
+        pull = InboundPull(nc, stream, consumer, refill_at=1)
+        await pull.start()
+        await pull._ask(1024)  # a request leaves; its deliveries are not taken
+        await eventually(lambda: _true(len(pull._arrived) == 5), 2, what="5 delivered")
+        left = await pull.stop()
+        assert [int(m.data) for m in left] == list(range(5))
+        assert pull.owed == 0
+
+
+async def _true(value: bool) -> bool:
+    return value
