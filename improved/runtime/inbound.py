@@ -150,19 +150,17 @@ class InboundConsumer:
         the jobs of one proposal (one key) one after the other, in arrival order. On stop,
         fetching ends and the task group drains what was taken. Every message held meanwhile
         (queued or running) is kept from redelivery by `_keep_alive`."""
-        slots = anyio.CapacityLimiter(MAX_IN_FLIGHT)
         tails: dict[str, anyio.Event] = {}  # set when the last job of each key is done
         async with anyio.create_task_group() as keeper:
             keeper.start_soon(self._keep_alive, name="improved-ack-progress")
             async with anyio.create_task_group() as jobs:
                 while not self._stopping.is_set():
-                    batch = await self._fetch(slots)
+                    batch = await self._fetch()
                     fetched = time.monotonic()
                     self._held.update((id(job), (job.msg, fetched)) for job in batch)
                     for job in batch:
-                        done = anyio.Event()  # also the job's claim on a slot
-                        await slots.acquire_on_behalf_of(done)
-                        jobs.start_soon(self._run_after, tails.get(job.key), done, job, slots)
+                        done = anyio.Event()
+                        jobs.start_soon(self._run_after, tails.get(job.key), done, job)
                         tails[job.key] = done
                         self._in_flight += 1
                         self.engine.metrics.set_in_flight(self._in_flight)
@@ -185,13 +183,14 @@ class InboundConsumer:
                 if key in self._held:
                     self._held[key] = (msg, now)
 
-    async def _fetch(self, slots: anyio.CapacityLimiter) -> list[Job]:
+    async def _fetch(self) -> list[Job]:
         """The next inbound messages as jobs, as many as were delivered (within 0.5 s when
-        none was yet), for the room `slots` has; none on a timeout or a broker outage (never
-        raises: the consumer must outlive both)."""
+        none was yet): the pull asks only for the room MAX_IN_FLIGHT leaves beside the jobs in
+        flight; none on a timeout or a broker outage (never raises: the consumer must outlive
+        both)."""
         assert self._pull is not None, "bound before the consumer runs"
         try:
-            msgs = await self._pull.take(lambda: int(slots.available_tokens), timeout=0.5)
+            msgs = await self._pull.take(lambda: MAX_IN_FLIGHT - self._in_flight, timeout=0.5)
         except Exception as exc:  # broker outage: wait and try again, never die
             log.warning("fetch failed", error=str(exc))
             await anyio.sleep(0.5)
@@ -213,9 +212,9 @@ class InboundConsumer:
                 out.append(job)
         return out
 
-    async def _run_after(self, previous: anyio.Event | None, done: anyio.Event, job: Job,
-                         slots: anyio.CapacityLimiter) -> None:
-        """Run `job` once the previous job of its proposal is done; free its slot after."""
+    async def _run_after(self, previous: anyio.Event | None, done: anyio.Event,
+                         job: Job) -> None:
+        """Run `job` once the previous job of its proposal is done; its room is free after."""
         try:
             if previous is not None:
                 await previous.wait()
@@ -226,11 +225,10 @@ class InboundConsumer:
         finally:
             self._held.pop(id(job), None)
             done.set()
-            slots.release_on_behalf_of(done)
-            if self._pull is not None:
-                self._pull.nudge()
             self._in_flight -= 1
             self.engine.metrics.set_in_flight(self._in_flight)
+            if self._pull is not None:
+                self._pull.nudge()
 
     async def _decode(self, msg: Msg) -> Job | None:
         """Turn one inbound message into a Job, or refuse it (term + refusal record)."""
