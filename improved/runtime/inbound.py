@@ -127,6 +127,9 @@ class InboundConsumer:
         # the inbound messages taken and not yet settled, with when each was last fetched or
         # told to the broker to be in progress (monotonic seconds)
         self._held: dict[int, tuple[Msg, float]] = {}
+        # the last job of each key with one in flight: set when it is done, and the next job
+        # of that key waits for it (gone once done, if no later one came)
+        self._tails: dict[str, anyio.Event] = {}
         self._parked: set[int] = set()  # stream sequences of given-up applies on slow retry
         # the pull requests on the shared consumer, once bound (`bind`)
         self._pull: InboundPull | None = None
@@ -150,7 +153,7 @@ class InboundConsumer:
         the jobs of one proposal (one key) one after the other, in arrival order. On stop,
         fetching ends and the task group drains what was taken. Every message held meanwhile
         (queued or running) is kept from redelivery by `_keep_alive`."""
-        tails: dict[str, anyio.Event] = {}  # set when the last job of each key is done
+        tails = self._tails
         async with anyio.create_task_group() as keeper:
             keeper.start_soon(self._keep_alive, name="improved-ack-progress")
             async with anyio.create_task_group() as jobs:
@@ -164,7 +167,6 @@ class InboundConsumer:
                         tails[job.key] = done
                         self._in_flight += 1
                         self.engine.metrics.set_in_flight(self._in_flight)
-                    tails = {key: done for key, done in tails.items() if not done.is_set()}
             keeper.cancel_scope.cancel()  # every job is done: nothing left to keep
 
     async def _keep_alive(self) -> None:
@@ -225,6 +227,8 @@ class InboundConsumer:
         finally:
             self._held.pop(id(job), None)
             done.set()
+            if self._tails.get(job.key) is done:  # no later job of its key waits for it
+                del self._tails[job.key]
             self._in_flight -= 1
             self.engine.metrics.set_in_flight(self._in_flight)
             if self._pull is not None:
