@@ -218,6 +218,7 @@ async def measure(n: int, records: str) -> dict[str, float]:
         keyed.write_text(f'data_dir = "{cfg.data_dir}"\n')
         d = Daemon(nc, cfg)
         await d.start()
+        await d.settled.wait()  # its work after ready done: the fill's checkpoint alone is timed
         await fill(nc, n)
         row: dict[str, float] = {}
         row["checkpoint, first after the fill (s)"] = await timed(

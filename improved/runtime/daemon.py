@@ -79,6 +79,8 @@ class Daemon:
         self._service: asyncio.Task[None] | None = None  # runs serve(): every background task
         self._scope: anyio.CancelScope | None = None  # serve()'s task group, to halt it
         self.ready = anyio.Event()
+        # set once the work after ready (`_after_ready`: refills, counts, index checks) is done
+        self.settled = anyio.Event()
         admission = Admission(self.store, self.engine, self.intake, self.surfaces)
         self.requests = RequestReply(nc, self.store, config, self.engine, self.intake, admission)
         self.inbound = InboundConsumer(nc, self.store, config, self.engine, self.intake,
@@ -172,6 +174,7 @@ class Daemon:
                 log.warning("checkpoint failed", error=f"{type(exc).__name__}: {exc}")
         await self.upkeep.recount()
         await self.index_checks.check_indexes()
+        self.settled.set()
 
     async def _checkpoints(self) -> None:
         """Sign a checkpoint every interval (verifying the log first), then seal an epoch of

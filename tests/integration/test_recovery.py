@@ -203,7 +203,9 @@ async def _refilled(sealed: _Sealed) -> AsyncIterator[tuple[Daemon, list[int]]]:
     again.engine.publisher.republish_all = counted  # type: ignore[method-assign]
     await again.start()
     try:
-        await eventually(lambda: again.store.filled(), timeout=20)
+        # the daemon says when its work after ready is done, and the records are whole then
+        await asyncio.wait_for(again.settled.wait(), 20)
+        assert await again.store.filled()
         yield again, replayed
     finally:
         await again.stop()
