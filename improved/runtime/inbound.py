@@ -40,6 +40,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
+from improved.client import connection
 from improved.client.config import Config
 from improved.client.sdk import enqueue
 from improved.core import apply as apply_stage
@@ -139,6 +140,7 @@ class InboundConsumer:
         self._pull = InboundPull(self.nc, S.STREAM_INBOUND, S.CONSUMER_INBOUND,
                                  batch=PULL_BATCH, refill_at=min(REFILL_AT, MAX_IN_FLIGHT))
         await self._pull.start()
+        connection.on_reconnect(self.nc, self._pull.reconnected)
 
     async def unbind(self) -> None:
         """Leave the consumer (after the drain): what was delivered and not taken is handed

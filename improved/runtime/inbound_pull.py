@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 EXPIRES_S = 2.0  # how long one request stays open on the server when not filled
-GRACE_S = 1.0  # past that, a request whose end was not heard of (a reconnect) is over here
+GRACE_S = 1.0  # past that, a request whose end was not heard of (a status lost) is over here
 PAUSE_S = 0.5  # after a request the consumer refused, before the next
 BATCH = 256  # at most this many messages per request
 REFILL_AT = 64  # room for this many messages before the next request leaves
@@ -93,6 +93,14 @@ class InboundPull:
         else:
             self._arrived.append(msg)
             self.owed = max(self.owed - 1, 0)
+        self._wake.set()
+
+    async def reconnected(self) -> None:
+        """The connection came back: the open request died with the old one (the server
+        forgets it), so the next `take` asks again at once rather than after its expiry."""
+        self.owed = 0
+        self._open_until = 0.0
+        self._refused = False
         self._wake.set()
 
     def nudge(self) -> None:

@@ -5,6 +5,7 @@ taken is handed back at the stop."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -12,6 +13,8 @@ from contextlib import asynccontextmanager
 import pytest
 from nats.js import api
 
+from improved.client import connection
+from improved.runtime import inbound_pull
 from improved.runtime.inbound_pull import InboundPull
 from tests.bus import eventually
 
@@ -87,3 +90,40 @@ async def test_what_was_delivered_and_not_taken_is_handed_back_at_the_stop(nc, s
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_after_a_broker_is_killed_the_next_request_leaves_at_once(own_server,
+                                                                       monkeypatch):
+    """The open request dies with the server's memory of it, and a killed server says nothing
+    (a clean stop ends it with a status): on the reconnect the pull asks again at once, not
+    when the lost request would have expired (made long here, so only the reconnect can
+    explain a delivery)."""
+    monkeypatch.setattr(inbound_pull, "EXPIRES_S", 60.0)
+    nc = await connection.connect(own_server.url, "pull-restart", persistent=True)
+    js = nc.jetstream()
+    await js.add_stream(name="PULL_RESTART", subjects=["restart.pull.>"])
+    await js.add_consumer("PULL_RESTART", api.ConsumerConfig(
+        durable_name="loop", ack_policy=api.AckPolicy.EXPLICIT))
+    pull = InboundPull(nc, "PULL_RESTART", "loop", refill_at=1)
+    await pull.start()
+    connection.on_reconnect(nc, pull.reconnected)
+    try:
+        assert await pull.take(lambda: 10, timeout=0.1) == []  # a request is open now
+        reconnected = asyncio.Event()
+
+        async def noted() -> None:
+            reconnected.set()
+
+        connection.on_reconnect(nc, noted)
+        own_server.kill()  # SIGKILL: no status tells the open request it is over
+        own_server.start()
+        await asyncio.wait_for(reconnected.wait(), 20)
+        await js.publish("restart.pull.1", b"after")
+        got: list = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            got = await pull.take(lambda: 10, timeout=0.5)
+        assert [m.data for m in got] == [b"after"]
+    finally:
+        await pull.stop()
+        await connection.close(nc)
