@@ -157,6 +157,10 @@ async def shown(store: Deployment, text: str, config: Config, readable: bool = T
     facts["verified"] = view["chain"].startswith("VERIFIED")
     if record is not None and not is_sound(view["chain"]):
         record = None  # a broken chain: nothing is looked up on its word
+    if record is not None:  # as of now, from the chain: a retained record may lag or be forged
+        for name, value in (("decision", record.decision), ("outcome", record.outcome)):
+            if value is not None:
+                view[name] = msgspec.to_builtins(value)
     if record is not None and readable:
         facts["replaced"] = await replaced(store, svc, record)
         if facts["status"] == "pending":  # what an operator deciding on it should know

@@ -134,3 +134,35 @@ async def test_a_grant_covers_its_definition_and_nothing_the_proposal_adds(daemo
     await eventually(lambda: asyncio.sleep(0, applier.orders[1:]))
     assert applier.orders == [l2, reply.proposal_id]
     await sub.unsubscribe()
+
+
+async def test_show_says_the_chains_decision_and_outcome_whatever_the_records_say(
+        daemon, nc, svc):
+    """`improved show` (and the agents' `show`, which reads it) takes the status from the
+    chain; the decision and the outcome too, so a retained record that lags the chain (the
+    records leave after the append) or one a participant rewrote does not show beside it."""
+    from improved.cli.proposals import shown
+    from improved.client.deployment import Deployment
+
+    applier = Applier()
+    client = MeshClient(nc, svc)
+    sub = await client.serve_apply(applier)
+    try:
+        proposal = skill_proposal(svc, change_class="L3", instructions="a skill to show")
+        pid = await granted(nc, proposal)  # an L2 approved and applied
+
+        async def outcome():
+            return await client.outcome(pid)
+
+        real = await eventually(outcome, what="the outcome")
+        assert real.ok
+        js = nc.jetstream()
+        await js.publish(S.apply_outcome(svc, pid), to_json(msgspec.structs.replace(
+            real, ok=False, error="forged")), stream=S.STREAM_RECORDS)
+        await js.publish(S.triage_decision(svc, pid), b"", stream=S.STREAM_RECORDS)  # gone
+        seen = await shown(Deployment(nc), pid, daemon.config, readable=False)
+        assert seen.facts["status"] == "applied"
+        assert seen.view["outcome"] == msgspec.to_builtins(real)
+        assert seen.view["decision"] is not None and seen.view["decision"]["proposal_id"] == pid
+    finally:
+        await sub.unsubscribe()
