@@ -101,11 +101,15 @@ class PendingAck:
         finally:
             self._waiting.pop(self._reply, None)
 
-    async def seq(self) -> int:
+    async def _from_a_stream(self) -> Msg:
+        """The answer, which a stream gave: none taking the subject is no responders."""
         msg = await self.answer()
         if not msg.data and msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
             raise NoStreamResponseError
-        ack = _ack_decoder.decode(msg.data)
+        return msg
+
+    async def seq(self) -> int:
+        ack = _ack_decoder.decode((await self._from_a_stream()).data)
         if ack.error is not None:
             APIError.from_error(ack.error)  # raises the error's own class
             raise APIError(**ack.error)
@@ -113,10 +117,7 @@ class PendingAck:
 
     async def stored(self) -> Stored | None:
         """The message a message get (`Acks.send_get`) found; None when there is none."""
-        msg = await self.answer()
-        if not msg.data and msg.headers and msg.headers.get("Status") == NO_RESPONDERS:
-            raise NoStreamResponseError
-        got = _got_decoder.decode(msg.data)
+        got = _got_decoder.decode((await self._from_a_stream()).data)
         if got.error is not None:
             if got.error.get("code") == 404:
                 return None
@@ -209,10 +210,6 @@ class Acks:
             self._waiting.pop(reply, None)
             raise
         return PendingAck(self._waiting, reply, future)
-
-    async def _ask(self, subject: str, payload: bytes, headers: dict[str, str] | None) -> Msg:
-        """Send `payload` on `subject` and wait for the answer (`_send`)."""
-        return await (await self._send(subject, payload, headers)).answer()
 
     async def send(self, subject: str, payload: bytes, *, stream: str | None = None,
                    headers: dict[str, str] | None = None,

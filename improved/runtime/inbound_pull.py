@@ -4,10 +4,10 @@ nats-py's `fetch` sends a request per batch and waits for each message with a ti
 task of its own; under load, with every slot of the consumer's `max_ack_pending` in use, each
 fetch brings one message, so the daemon paid a request, a status message and two timers per
 proposal. Here one request asks for as many messages as the daemon has room for (up to
-`batch`) and stays open: its messages are handed over as they arrive (no wait for the batch to fill), the next
-request leaves only once the open one is done (filled, or ended by the server's status) and
-room for `refill_at` messages has come free, and one deadline serves each wait, however many
-messages it brings.
+`batch`) and stays open: its messages are handed over as they arrive (no wait for the batch
+to fill), the next request leaves only once the open one is done (filled, or ended by the
+server's status) and room for `refill_at` messages has come free, and one deadline serves
+each wait, however many messages it brings.
 
 What arrives in the inbox is what the server delivers: on the embedded open bus nobody else
 may publish under the daemon's inbox prefix (`runtime.open_bus`), under accounts nobody else
@@ -46,7 +46,7 @@ _encode = msgspec.json.Encoder().encode
 def is_status(msg: Msg) -> bool:
     """A status message of the pull (no messages, request timeout, a heartbeat...), not a
     delivery: no payload and a `Status` header."""
-    return not msg.data and bool(msg.headers) and "Status" in (msg.headers or {})
+    return not msg.data and "Status" in (msg.headers or {})
 
 
 class InboundPull:

@@ -42,8 +42,7 @@ class Retained(RecordReads):
         `ttl_s` it carries that TTL (Nats-TTL): the server removes it then, with its subject;
         a None record is an empty message (a tombstone)."""
         # an ack lost in a broker restart must not wedge the job: it times out (`Acks`)
-        await self.record_acks.publish(subject, b"" if record is None else to_json(record),
-                                stream=S.STREAM_RECORDS, ttl_s=ttl_s)
+        await (await self.send_record(subject, record, ttl_s)).seq()
 
     async def send_record(self, subject: str, record: msgspec.Struct | None,
                           ttl_s: int | None = None) -> PendingAck:
