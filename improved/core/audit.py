@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import msgspec
@@ -55,8 +55,7 @@ def covering(seqs: Sequence[int]) -> list[bool]:
     return [0 < seq == after for seq, after in zip(seqs, [*seqs[1:], 0], strict=False)]
 
 
-@dataclass(frozen=True, slots=True)
-class Draft:
+class Draft(msgspec.Struct, frozen=True):
     """What a stage decided; sealing turns it into the next trailer of the proposal's chain."""
 
     from_stage: Stage
@@ -66,12 +65,12 @@ class Draft:
     reason: str
     verdict: TrailerVerdict | None = None
     cause: Cause | None = None
-    refs: tuple[str, ...] = field(default_factory=tuple)
+    refs: tuple[str, ...] = ()
     envelope: Envelope | None = None  # the signed act an authority trailer rests on
     gate_class: ChangeClass | None = None  # a decision's class; else the chain's (`seal`)
     # what `refs` say, typed, when the stage wrote it from typed data (`draft_of`): a commit
     # folds it without reading the refs back (`trailers.decode` gives back the same)
-    data: TrailerData | None = field(default=None, compare=False, repr=False)
+    data: TrailerData | None = None
 
 
 def draft_of(data: Data, from_stage: Stage, actor: str, observer_type: ObserverType,

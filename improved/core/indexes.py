@@ -19,7 +19,6 @@ is found from the chains. For that:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -111,7 +110,7 @@ def _moved(before: ProposalRecord | None, record: ProposalRecord, draft: Draft, 
     typed = None if isinstance(data, Unknown) else data
     if not refs:
         return draft, typed, (provisional, after)
-    draft = dataclasses.replace(draft, refs=(*draft.refs, *refs))
+    draft = msgspec.structs.replace(draft, refs=(*draft.refs, *refs))
     if typed is not None:
         typed = msgspec.structs.replace(typed, index=(*typed.index,
                                                       *(r.partition(":")[2] for r in refs)))

@@ -35,7 +35,6 @@ The priority order, first match wins:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
 from typing import Final
 
 import msgspec
@@ -70,12 +69,11 @@ UNREAD: Final = _Unread()
 GrantRead = bool | _Unread  # the L3 grant as the view holds it: active or not, or not read yet
 
 
-@dataclass(frozen=True)
-class View:
+class View(msgspec.Struct, frozen=True):
     """What the shell read for one planning pass."""
 
     now: int
-    autonomy: Autonomy = field(default_factory=Autonomy)
+    autonomy: Autonomy = msgspec.field(default_factory=Autonomy)
     dispatch: bool = True  # False: decide, but leave sending orders to the inbound consumer
     # an operator's rejection under the dedup_key, as its chain records it (the ledger only
     # says which chain to read)
@@ -95,8 +93,7 @@ class View:
 # -- steps -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Commit:
+class Commit(msgspec.Struct, frozen=True):
     """Append `draft` as the next trailer of the record planned on; the record after it is
     `record.fold(record, audit.seal(draft, record, at), stream_seq)`, as for every trailer."""
 
@@ -104,13 +101,11 @@ class Commit:
     why: str  # which rule decided: triage, hold, inherit, quorum, revoked
 
 
-@dataclass(frozen=True)
-class ReadGrant:
+class ReadGrant(msgspec.Struct, frozen=True):
     skill: str
 
 
-@dataclass(frozen=True)
-class ConfirmGrant:
+class ConfirmGrant(msgspec.Struct, frozen=True):
     """Was `skill`'s grant active as of stream sequence `as_of_seq` (only grant-chain trailers
     below it count) and unexpired at `at`: does the intent recorded there stand? Read after
     the intent's append was acknowledged, from the stream leader."""
@@ -120,62 +115,53 @@ class ConfirmGrant:
     at: int
 
 
-@dataclass(frozen=True)
-class ReadOriginal:
+class ReadOriginal(msgspec.Struct, frozen=True):
     proposal_id: str
 
 
-@dataclass(frozen=True)
-class Halt:
+class Halt(msgspec.Struct, frozen=True):
     """Nothing may be sent now (a crisis); the proposal stays where it is."""
 
     reason: str
 
 
-@dataclass(frozen=True)
-class SendRollback:
+class SendRollback(msgspec.Struct, frozen=True):
     inverse_id: str
     order: ApplyOrder
 
 
-@dataclass(frozen=True)
-class CheckLkg:
+class CheckLkg(msgspec.Struct, frozen=True):
     """Ask the owning service for a healthy last-known-good of every artefact (SPEC 09 §7.1)."""
 
 
-@dataclass(frozen=True)
-class SendApply:
+class SendApply(msgspec.Struct, frozen=True):
     """Send the order whose dispatch is on the chain, and commit its outcome."""
 
     order: ApplyOrder
     authority: str
 
 
-@dataclass(frozen=True)
-class AskMeasure:
+class AskMeasure(msgspec.Struct, frozen=True):
     """Ask the owning service for the metric at review_after; `after_measure` turns what it
     answered (or that it could not) into the `Measure` step."""
 
     request: MeasureRequest
 
 
-@dataclass(frozen=True)
-class Measure:
+class Measure(msgspec.Struct, frozen=True):
     """Learn-back's measurement: publish `rollback` (if any) durably first, then commit."""
 
     commit: Commit
     rollback: Proposal | None
 
 
-@dataclass(frozen=True)
-class FinishRollback:
+class FinishRollback(msgspec.Struct, frozen=True):
     """The original this applied rollback (or reversal) undoes is to be marked rolled back."""
 
     original_id: str
 
 
-@dataclass(frozen=True)
-class Done:
+class Done(msgspec.Struct, frozen=True):
     pass
 
 
@@ -389,7 +375,8 @@ def with_read(view: View, step: ReadGrant | ConfirmGrant | ReadOriginal,
               value: bool | ProposalRecord | None) -> View:
     """The view after the shell carried out a read step."""
     if isinstance(step, ReadGrant):
-        return replace(view, grant=bool(value))
+        return msgspec.structs.replace(view, grant=bool(value))
     if isinstance(step, ConfirmGrant):
-        return replace(view, grant_at_intent=(step.as_of_seq, bool(value)))
-    return replace(view, original=value if isinstance(value, ProposalRecord) else None)
+        return msgspec.structs.replace(view, grant_at_intent=(step.as_of_seq, bool(value)))
+    return msgspec.structs.replace(view,
+                                   original=value if isinstance(value, ProposalRecord) else None)

@@ -88,7 +88,7 @@ def test_a_signature_moved_to_another_trailer_does_not_verify():
 
 def test_an_approval_without_its_signed_act_is_a_break_even_from_a_daemon_key():
     """A compromised daemon key still cannot make an operator's approval up."""
-    bare = dataclasses.replace(approval(review(PID)), envelope=None)
+    bare = msgspec.structs.replace(approval(review(PID)), envelope=None)
     brk = audit.verify_chain(PID, chain(REGISTER, bare), TRUST)
     assert brk is not None and brk.seq == 1 and "carries no signed act" in brk.problem
 
@@ -100,14 +100,14 @@ def test_an_approval_without_its_signed_act_is_a_break_even_from_a_daemon_key():
     (review(PID), {"actor": "operator:bob"}, "principal"),
 ])
 def test_an_approval_whose_act_says_otherwise_is_a_break(env, draft_overrides, named):
-    draft = dataclasses.replace(approval(env), **draft_overrides)
+    draft = msgspec.structs.replace(approval(env), **draft_overrides)
     brk = audit.verify_chain(PID, chain(REGISTER, draft), TRUST)
     assert brk is not None and named in brk.problem
 
 
 def test_an_act_that_is_not_the_one_the_trailer_names_is_a_break():
     draft = approval(review(PID))
-    draft = dataclasses.replace(draft, refs=(ref("act", "00" * 32), ref("act_seq", 7)))
+    draft = msgspec.structs.replace(draft, refs=(ref("act", "00" * 32), ref("act_seq", 7)))
     brk = audit.verify_chain(PID, chain(REGISTER, draft), TRUST)
     assert brk is not None and "not the one the trailer names" in brk.problem
 
@@ -120,7 +120,7 @@ def test_a_grant_and_a_crisis_resolution_rest_on_their_acts():
                verdict="grant", reason="g", envelope=env,
                refs=(ref("act", signing.envelope_digest(env)), ref("skill", identity)))
     assert audit.verify_chain(sha, chain(ok, chain_id=sha), TRUST) is None
-    other = dataclasses.replace(ok, refs=(ok.refs[0], ref("skill", f"skill-y:{sha}")))
+    other = msgspec.structs.replace(ok, refs=(ok.refs[0], ref("skill", f"skill-y:{sha}")))
     brk = audit.verify_chain(sha, chain(other, chain_id=sha), TRUST)
     assert brk is not None and "skill" in brk.problem
     forged = Draft(from_stage="learn-back", to_stage="learn-back", actor=ALICE[0],
@@ -147,7 +147,7 @@ def test_a_signed_signal_proves_its_emitter_and_only_its_own_content():
     trust = dataclasses.replace(TRUST, history=evidence.History(
         fallback=evidence.KeySet.from_config({}, {}, {CHECK[0]: b64(CHECK[1])})))
     assert audit.verify_chain(pid, chain(reg, draft, chain_id=pid), trust) is None
-    lying = dataclasses.replace(draft, refs=tuple(r.replace(f"emitter:{CHECK[0]}",
+    lying = msgspec.structs.replace(draft, refs=tuple(r.replace(f"emitter:{CHECK[0]}",
                                                            "emitter:check:other")
                                                   for r in draft.refs))
     brk = audit.verify_chain(pid, chain(reg, lying, chain_id=pid), trust)
@@ -240,7 +240,7 @@ def test_a_trailer_this_process_wrote_needs_no_second_signature_check_and_no_oth
     mine = chain(REGISTER, approval(review(PID)), key=None)
     trust = dataclasses.replace(TRUST, written={body["hash"] for body in mine})
     assert audit.verify_chain(PID, mine, trust, [1, 2]) is None
-    other = chain(REGISTER, dataclasses.replace(approval(review(PID)), reason="another"),
+    other = chain(REGISTER, msgspec.structs.replace(approval(review(PID)), reason="another"),
                   key=None)
     brk = audit.verify_chain(PID, other, trust, [1, 2])
     assert brk is not None and brk.seq == 1 and "not signed by a daemon" in brk.problem

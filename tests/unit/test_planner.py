@@ -5,7 +5,6 @@ record is walked through its transitions purely (seal the draft, append it, ask 
 from __future__ import annotations
 
 import base64
-import dataclasses
 import itertools
 
 import msgspec
@@ -284,7 +283,7 @@ def test_a_review_trailer_says_approved_or_rejected_and_the_old_wording_still_ve
     assert review_of(record, "approve").reason == "approved by operator:alice: changed my mind"
     draft = review_of(record, "reject")
     assert draft.reason == "rejected by operator:alice: changed my mind"
-    old = dataclasses.replace(draft, reason="rejectd by operator:alice: changed my mind")
+    old = msgspec.structs.replace(draft, reason="rejectd by operator:alice: changed my mind")
     bodies = [msgspec.to_builtins(t) for t in (*trailers, audit.seal(old, record, NOW))]
     assert audit.verify_chain(record.proposal_id, bodies) is None
 

@@ -110,17 +110,17 @@ def test_a_swapped_envelope_is_a_break_though_the_daemon_signed_the_trailer():
     p = proposal()
     pid, draft = registration(p, signed(p), AGENT_A[0])
     # the same agent's valid envelope of other content
-    swapped = dataclasses.replace(draft, envelope=signed(proposal(created_at=NOW - 5)))
+    swapped = msgspec.structs.replace(draft, envelope=signed(proposal(created_at=NOW - 5)))
     assert "not the one the trailer names" in _break(pid, swapped)
     # another agent's valid envelope of this very content, the ref left as it was
-    assert "signer" in _break(pid, dataclasses.replace(draft, envelope=signed(p, AGENT_B[1])))
+    assert "signer" in _break(pid, msgspec.structs.replace(draft, envelope=signed(p, AGENT_B[1])))
     # the ref edited to name the other agent, the envelope left as it was
     refs = tuple(r for r in draft.refs if not r.startswith("proposer:"))
-    edited = dataclasses.replace(draft, refs=(*refs, ref("proposer", AGENT_B[0])))
+    edited = msgspec.structs.replace(draft, refs=(*refs, ref("proposer", AGENT_B[0])))
     assert "signer" in _break(pid, edited)
     # a proposer with no envelope, and an envelope with no proposer
-    assert "carries no signed act" in _break(pid, dataclasses.replace(draft, envelope=None))
-    assert "signer" in _break(pid, dataclasses.replace(draft, refs=refs))
+    assert "carries no signed act" in _break(pid, msgspec.structs.replace(draft, envelope=None))
+    assert "signer" in _break(pid, msgspec.structs.replace(draft, refs=refs))
 
 
 def test_a_registration_signed_by_a_key_not_trusted_then_is_a_break():
