@@ -58,21 +58,22 @@ class DedupHeads:
         service was unreachable)."""
         if self.records_ttl_s and self.store.dedup_ttl and closed(record) and (
                 republish or before is None or not closed(before)):
-            return self._expire(record)
+            held = self._held.pop(record.proposal_id, None)
+            if held is not None and held[2] and propose.head_may_expire(record, held[1]):
+                return None  # leased at its claim (an L0 closed in one pass): it has the TTL
+            return self._expire(record, held)
         held = self._held.get(record.proposal_id)
         if held is not None and held[2] and not closed(record) and (
                 waiting or not apply_stage.needs_apply(record)):
             return self._keep(record)
         return None
 
-    async def _expire(self, record: ProposalRecord) -> None:
+    async def _expire(self, record: ProposalRecord,
+                      held: tuple[int, DedupHead, bool] | None) -> None:
         """At the close of `record`, give its dedup head the TTL its retained records carry,
         if the head still names it (`propose.head_may_expire`; `Store.expire_dedup_head`
-        writes it compare-and-set) — nothing when its claim leased it in this very pass.
+        writes it compare-and-set from `held`, where this process last saw it, if known).
         Nothing is lost when this fails: the head stays as it was, kept for good as before."""
-        held = self._held.pop(record.proposal_id, None)
-        if held is not None and held[2] and propose.head_may_expire(record, held[1]):
-            return  # leased at its claim: it carries the TTL already
         try:
             await self.store.expire_dedup_head(
                 record.service, record.dedup_key, self.records_ttl_s,
