@@ -1,40 +1,32 @@
 """Reading the audit chains of one audit stream, as any client of the bus may: a chain by direct
-gets, the whole log once through an ordered consumer, a batch at a time, so a reader of the
-history holds one batch and never the log. What is read is raw: the caller verifies it
+gets, the whole log once through a consumer of its own, pulled a batch at a time (`pulls`), so
+a reader of the history holds one batch and never the log. What is read is raw: the caller verifies it
 (`improved.core.audit`, `improved.core.evidence`) before believing it. The daemon's store and
 the command line read through this same code (`runtime.audit_log` extends it with the append).
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
+import time
 from collections.abc import AsyncIterator
 from contextlib import suppress
 from typing import Any
 
 import msgspec
+from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import ConnectionClosedError
+from nats.errors import ConnectionClosedError, NotJSMessageError
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
-from nats.js.errors import NotFoundError, ServiceUnavailableError
+from nats.js.errors import NotFoundError
 
+from improved.client.pulls import PAUSE_S, Pull
 from improved.core import audit, checkpoint
 from improved.protocol import subjects as S
 
 READ_IDLE_S = 5.0  # a read of the audit log that receives nothing this long has ended
 FOLLOW_BATCH = 512  # trailers a reader of the log pulls at once
-
-
-async def _nothing_pending(sub: JetStreamContext.PullSubscription) -> bool:
-    """Whether a consumer just made has nothing to deliver, so a read need not wait
-    READ_IDLE_S to find out; False when its info does not come (a clustered consumer whose
-    leader is not elected yet): the read then finds out by waiting."""
-    try:
-        return (await sub.consumer_info()).num_pending == 0
-    except Exception:
-        return False
 
 
 Entry = tuple[int, str, dict[str, Any] | None, dict[str, str]]
@@ -61,6 +53,7 @@ def _chain_key(subject: str) -> tuple[str, str]:
 class AuditReader:
     """The reads of the chains on `audit_stream` (the daemon's log, or the tool runtimes')."""
 
+    nc: Client
     js: JetStreamContext
     audit_stream: str
 
@@ -151,14 +144,17 @@ class AuditReader:
                                                        dict[str, str]]]:
         """(stream sequence, subject, body or None when it is not a JSON object, headers) of
         every message on `subject` from stream sequence `start` to `upto`, one at a time: a
-        reader of the whole log holds one batch (FOLLOW_BATCH messages), not the log. It pulls each
-        batch when the one before is read, so a slow reader never makes the server push the
-        log into its buffers. Ends early when nothing arrives for READ_IDLE_S (a message the
-        server holds but cannot read). `start_ms` (epoch ms): from the first trailer the
-        server stored at or after that time instead of from `start`."""
+        reader of the whole log holds one batch (FOLLOW_BATCH messages), not the log. One pull
+        request is open at a time and the next leaves once the reader took what came
+        (`pulls.Pull`), so a slow reader never makes the server push the log into its buffers.
+        Ends early when nothing arrives for READ_IDLE_S (a message the server holds but cannot
+        read). `start_ms` (epoch ms): from the first trailer the server stored at or after that
+        time instead of from `start`. What arrives without a JetStream reply subject is no
+        delivery of the server's (a forgery into the inbox; no client may publish with a
+        `$JS.ACK` reply, the server refuses it): left out."""
         if upto < start:
             return
-        config = jsapi.ConsumerConfig(ack_policy=jsapi.AckPolicy.NONE,
+        config = jsapi.ConsumerConfig(ack_policy=jsapi.AckPolicy.NONE, filter_subject=subject,
                                       inactive_threshold=READ_IDLE_S * 6, mem_storage=True)
         if start_ms is not None:
             config.deliver_policy = jsapi.DeliverPolicy.BY_START_TIME
@@ -166,46 +162,52 @@ class AuditReader:
         else:
             config.deliver_policy = jsapi.DeliverPolicy.BY_START_SEQUENCE
             config.opt_start_seq = start
-        sub = await self.js.pull_subscribe(subject, stream=self.audit_stream, config=config)
+        made = await self.js.add_consumer(self.audit_stream, config)
+        if made.num_pending == 0:  # nothing there (a purged chain, a window past the end)
+            with suppress(Exception):
+                await self.js.delete_consumer(self.audit_stream, made.name)
+            return
+        pull = Pull(self.nc, self.audit_stream, made.name, batch=FOLLOW_BATCH,
+                    refill_at=FOLLOW_BATCH // 2)
+        await pull.start()
         try:
-            if await _nothing_pending(sub):
-                return  # nothing there (a purged chain, a window past the end): no wait
-            while True:
+            async for msg in self._pulled(pull):
                 try:
-                    msgs = await self._pull(sub)
-                except TimeoutError:  # nats-py raises its own or asyncio's, by timing
+                    meta = msg.metadata
+                except (NotJSMessageError, ValueError, IndexError):
+                    continue  # no delivery of the server's
+                seq = meta.sequence.stream
+                if seq > upto:
                     return
-                for msg in msgs:
-                    seq = msg.metadata.sequence.stream
-                    if seq > upto:
-                        return
-                    try:
-                        body = msgspec.json.decode(msg.data)
-                    except msgspec.DecodeError:
-                        body = None  # not JSON: counted as unreadable by the caller
-                    yield seq, msg.subject, body if isinstance(body, dict) else None, \
-                        dict(msg.headers or {})
-                    if msg.metadata.num_pending == 0 or seq >= upto:
-                        return
+                try:
+                    body = msgspec.json.decode(msg.data)
+                except msgspec.DecodeError:
+                    body = None  # not JSON: counted as unreadable by the caller
+                yield seq, msg.subject, body if isinstance(body, dict) else None, \
+                    dict(msg.headers or {})
+                if meta.num_pending == 0 or seq >= upto:
+                    return
         finally:
-            with suppress(Exception):  # it goes by itself once inactive
-                await self.js.delete_consumer(self.audit_stream, config.name or "")
             # a reader that stopped early (its output closed) may finalize this after the
             # connection is gone: nothing is left to unsubscribe then
             with suppress(ConnectionClosedError):
-                await sub.unsubscribe()
+                await pull.stop()
+            with suppress(Exception):  # it goes by itself once inactive
+                await self.js.delete_consumer(self.audit_stream, made.name)
 
     @staticmethod
-    async def _pull(sub: JetStreamContext.PullSubscription) -> list[Msg]:
-        """The next batch of a log read. A consumer just made on a clustered stream may not
-        answer until its leader is elected (the server says "no responders"): try again for
-        up to READ_IDLE_S, as for a silent read."""
-        for _ in range(int(READ_IDLE_S / 0.1)):
-            try:
-                return await sub.fetch(FOLLOW_BATCH, timeout=READ_IDLE_S)
-            except ServiceUnavailableError:
-                await asyncio.sleep(0.1)
-        return await sub.fetch(FOLLOW_BATCH, timeout=READ_IDLE_S)
+    async def _pulled(pull: Pull) -> AsyncIterator[Msg]:
+        """The messages of a log read as they come, until nothing came for READ_IDLE_S. A
+        consumer just made on a clustered stream may not answer until its leader is elected
+        (the server says "no responders", and the pull asks again after a pause): that wait
+        counts as silence too."""
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < READ_IDLE_S:
+            msgs = await pull.take(lambda: FOLLOW_BATCH, timeout=PAUSE_S)
+            if msgs:
+                quiet_since = time.monotonic()
+            for msg in msgs:
+                yield msg
 
     async def audit_view(self) -> checkpoint.StreamView:
         """The audit stream as its state says, in O(1): creation time, first and last

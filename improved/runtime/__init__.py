@@ -1,6 +1,6 @@
 """The daemon's imperative shell, one concern a module (docs/architecture.md, "Functional core,
 imperative shell"): `daemon` (start, serve, drain) and what it runs — `inbound` (the shared
-consumer's jobs, pulled by `inbound_pull`), `request_reply` and `admission` (the request
+consumer's jobs, pulled by `client.pulls`), `request_reply` and `admission` (the request
 handlers), `upkeep` (the periodic passes), `index_checks`; `engine` (one proposal's pass:
 load, ask the planner, carry out one step at a time; `commits`, what it decided appended as
 one message) and what a pass relies on — `intake`, `signed_acts`, `trusting`,

@@ -2,7 +2,7 @@
 shares, decoded (pure) and run as a job of the engine.
 
 Inbound messages are pulled from the shared durable consumer, as many as there is room for, and
-handed over as they arrive (`runtime.inbound_pull`), then decoded (pure).
+handed over as they arrive (`client.pulls`), then decoded (pure).
 Each job runs as its own task, chained behind the previous job for the same proposal id: the
 order per proposal holds while proposals do not wait for each other, and fetching goes on while
 earlier work is in flight, up to MAX_IN_FLIGHT jobs.
@@ -42,6 +42,7 @@ from nats.errors import NoRespondersError
 
 from improved.client import connection
 from improved.client.config import Config
+from improved.client.pulls import REFILL_AT, Pull
 from improved.client.sdk import enqueue
 from improved.core import apply as apply_stage
 from improved.core import boundary, propose
@@ -68,7 +69,6 @@ from improved.protocol.model import (
 from improved.protocol.tracecontext import of_headers
 from improved.runtime.admission import Admission, ProposalUnknown
 from improved.runtime.engine import Engine
-from improved.runtime.inbound_pull import REFILL_AT, InboundPull
 from improved.runtime.intake import Intake
 from improved.runtime.observing import Observing
 from improved.runtime.records import ChainBroken
@@ -133,11 +133,11 @@ class InboundConsumer:
         self._tails: dict[str, anyio.Event] = {}
         self._parked: set[int] = set()  # stream sequences of given-up applies on slow retry
         # the pull requests on the shared consumer, once bound (`bind`)
-        self._pull: InboundPull | None = None
+        self._pull: Pull | None = None
 
     async def bind(self) -> None:
         """Listen for the deliveries of the shared durable consumer (made by `Store.ensure`)."""
-        self._pull = InboundPull(self.nc, S.STREAM_INBOUND, S.CONSUMER_INBOUND,
+        self._pull = Pull(self.nc, S.STREAM_INBOUND, S.CONSUMER_INBOUND,
                                  batch=PULL_BATCH, refill_at=min(REFILL_AT, MAX_IN_FLIGHT))
         await self._pull.start()
         connection.on_reconnect(self.nc, self._pull.reconnected)

@@ -1,9 +1,10 @@
-"""Pull requests on the inbound consumer, answered into one inbox of the daemon's connection.
+"""Pull requests on a JetStream consumer, answered into one inbox of the connection: the
+daemon's inbound consumer, and every read of the audit log (`client.audit_log`).
 
 nats-py's `fetch` sends a request per batch and waits for each message with a timer and a
-task of its own; under load, with every slot of the consumer's `max_ack_pending` in use, each
-fetch brings one message, so the daemon paid a request, a status message and two timers per
-proposal. Here one request asks for as many messages as the daemon has room for (up to
+task of its own (about half the cost of reading a message of the log); under load on the
+inbound consumer, with every slot of its `max_ack_pending` in use, each fetch brought one
+message. Here one request asks for as many messages as the reader has room for (up to
 `batch`) and stays open: its messages are handed over as they arrive (no wait for the batch
 to fill), the next request leaves only once the open one is done (filled, or ended by the
 server's status) and room for `refill_at` messages has come free, and one deadline serves
@@ -11,18 +12,18 @@ each wait, however many messages it brings.
 
 What arrives in the inbox is what the server delivers: on the embedded open bus nobody else
 may publish under the daemon's inbox prefix (`runtime.open_bus`), under accounts nobody else
-under its user's. A message without a JetStream reply subject is still refused by the
-consumer's decoding (`InboundConsumer._fetch`), as before.
+under its user's. A message without a JetStream reply subject is refused by whoever reads it
+(`runtime.inbound.InboundConsumer._fetch`, `client.audit_log.AuditReader.follow_messages`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
 
-import anyio
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -49,7 +50,7 @@ def is_status(msg: Msg) -> bool:
     return not msg.data and "Status" in (msg.headers or {})
 
 
-class InboundPull:
+class Pull:
     """One open pull request at a time on `stream`'s durable `consumer`, for at most `batch`
     messages, its deliveries kept until `take`n."""
 
@@ -62,7 +63,7 @@ class InboundPull:
         self._inbox = ""
         self._sub: Subscription | None = None
         self._arrived: deque[Msg] = deque()
-        self._wake = anyio.Event()
+        self._wake = asyncio.Event()
         self.owed = 0  # messages the open request may still deliver
         self._open_until = 0.0  # monotonic: past it, the open request is taken for over
         self._refused = False  # the last request was refused: none again before _open_until
@@ -114,11 +115,12 @@ class InboundPull:
         that many."""
         await self._ask(room())
         if not self._arrived:
-            with anyio.move_on_after(timeout):
-                while not self._arrived:
-                    self._wake = anyio.Event()
-                    await self._wake.wait()
-                    await self._ask(room())
+            with suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    while not self._arrived:
+                        self._wake = asyncio.Event()
+                        await self._wake.wait()
+                        await self._ask(room())
         out = list(self._arrived)
         self._arrived.clear()
         return out
