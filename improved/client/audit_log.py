@@ -16,12 +16,12 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import ConnectionClosedError, NotJSMessageError
+from nats.errors import ConnectionClosedError
 from nats.js import JetStreamContext
 from nats.js import api as jsapi
 from nats.js.errors import NotFoundError
 
-from improved.client.pulls import PAUSE_S, Pull
+from improved.client.pulls import PAUSE_S, Pull, delivery
 from improved.core import audit, checkpoint
 from improved.protocol import subjects as S
 
@@ -172,11 +172,10 @@ class AuditReader:
         await pull.start()
         try:
             async for msg in self._pulled(pull):
-                try:
-                    meta = msg.metadata
-                except (NotJSMessageError, ValueError, IndexError):
+                delivered = delivery(msg.reply)
+                if delivered is None:
                     continue  # no delivery of the server's
-                seq = meta.sequence.stream
+                seq = delivered.seq
                 if seq > upto:
                     return
                 try:
@@ -185,7 +184,7 @@ class AuditReader:
                     body = None  # not JSON: counted as unreadable by the caller
                 yield seq, msg.subject, body if isinstance(body, dict) else None, \
                     dict(msg.headers or {})
-                if meta.num_pending == 0 or seq >= upto:
+                if delivered.pending == 0 or seq >= upto:
                     return
         finally:
             # a reader that stopped early (its output closed) may finalize this after the

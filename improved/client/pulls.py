@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import suppress
+from typing import NamedTuple
 
 import msgspec
 from nats.aio.client import Client
@@ -42,6 +43,32 @@ class _Request(msgspec.Struct, omit_defaults=True):
 
 
 _encode = msgspec.json.Encoder().encode
+
+
+class Delivery(NamedTuple):
+    """What a JetStream delivery's reply subject says of the message."""
+
+    stream: str
+    seq: int  # its stream sequence
+    pending: int  # messages the consumer still has to deliver after it
+
+
+def delivery(reply: str | None) -> Delivery | None:
+    """The delivery a reply subject names (`$JS.ACK.<stream>.<consumer>.<delivered>.<stream
+    seq>.<consumer seq>.<time>.<pending>`, or with a domain and an account hash after `ACK`),
+    or None when it is no JetStream delivery's: nats-py's `Msg.metadata`, without the
+    timestamp's datetime and the dataclasses (a tenth of a log read's time)."""
+    if not reply or not reply.startswith("$JS.ACK."):
+        return None
+    tokens = reply.split(".")
+    try:
+        if len(tokens) == 9:
+            return Delivery(tokens[2], int(tokens[5]), int(tokens[8]))
+        if len(tokens) >= 11:
+            return Delivery(tokens[4], int(tokens[7]), int(tokens[10]))
+    except ValueError:
+        return None
+    return None
 
 
 def is_status(msg: Msg) -> bool:
