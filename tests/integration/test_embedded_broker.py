@@ -14,9 +14,9 @@ from improved.runtime import bus
 from tests.cli import ENV, IMPROVED, improved
 
 
-def started(data_dir, port: int) -> subprocess.Popen:
+def started(data_dir, port: int, *args: str) -> subprocess.Popen:
     daemon = subprocess.Popen([*IMPROVED, "run", "--data-dir", str(data_dir), "--port",
-                               str(port)], stderr=subprocess.PIPE, text=True, env=ENV)
+                               str(port), *args], stderr=subprocess.PIPE, text=True, env=ENV)
     assert daemon.stderr is not None
     while "ready as improved:" not in (line := daemon.stderr.readline()):
         assert line, "the daemon exited before it was ready"

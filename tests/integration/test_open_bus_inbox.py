@@ -32,7 +32,11 @@ SERVICE_INBOX = "_INBOX_openinbox"  # the service's own prefix, so the attacker 
 
 async def test_no_one_but_the_server_answers_the_daemon_on_the_open_bus(tmp_path):
     port = bus.free_port()
-    daemon = started(tmp_path / "data", port)
+    # a checkpoint every second: the daemon's reads of the log (`client.pulls`) pull while the
+    # attacker listens
+    config = tmp_path / "improved.toml"
+    config.write_text("checkpoint_interval_s = 1\n")
+    daemon = started(tmp_path / "data", port, "--config", str(config))
     url = f"nats://127.0.0.1:{port}"
     refused: list[str] = []
     forged: list[str] = []
@@ -79,8 +83,14 @@ async def test_no_one_but_the_server_answers_the_daemon_on_the_open_bus(tmp_path
         # made-up message there is refused by the server like every other forged answer
         pull = "$JS.API.CONSUMER.MSG.NEXT.IMPROVE_IN.improved-loop"
         await eventually(lambda: _true(pull in asked), 10, what="a pull request answered")
+        # and the pull of the checkpoint's read of the log, which the L0 appended to: made-up
+        # deliveries there would be trailers the daemon checks and signs a checkpoint over
+        read = "$JS.API.CONSUMER.MSG.NEXT.IMPROVE_AUDIT."
+        await eventually(lambda: _true(any(s.startswith(read) for s in asked)), 10,
+                         what="a pull of the log answered")
         await eventually(lambda: _true(len(refused) >= len(forged)), 5,
-                         what="that answer refused too")
+                         what="those answers refused too")
+        assert all(reply.startswith(DAEMON_INBOX + ".") for reply in forged), forged
         assert daemon.poll() is None, "the daemon stopped serving"
         assert all("permissions violation" in line for line in refused), refused
         # what the server says on the daemon's inboxes reaches no one else either
