@@ -6,10 +6,11 @@ key it signs with, `streams` to bring its streams to their configuration and `ch
 append to its own chain (its acknowledgements, like the daemon's, through `acks`). And what
 an operator or an outside auditor runs against a deployment, as a client of the bus:
 `deployment` (one connection's reads, nothing created) over `audit_log` (the chains read,
-the whole log through `pulls`, as the daemon's inbound consumer pulls) and `records` (the retained records and indexes read),
-`indexing` (an index confirmed by its chains), the verifiers `checkpointing`, `archive` (sealed
-epochs and their exports), `tool_chains` and `anchor` (the kept checkpoint read), `archiving`
-(an operator's export and removal of sealed epochs), `config`
-(the configuration file), `answers` (a request that hears every answer) and `conformance` (the
-SPEC 09 probe). The daemon's shell stands on the same pieces (its store extends `ChainWriter`,
-a `Deployment`). Depends on the protocol and the core only, never on the daemon."""
+the whole log through `pulls`, as the daemon's inbound consumer pulls) and `records` (the
+retained records and indexes read), `indexing` (an index confirmed by its chains), the
+verifiers `checkpointing`, `archive` (sealed epochs and their exports), `tool_chains` and
+`anchor` (the kept checkpoint read), `archiving` (an operator's export and removal of sealed
+epochs), `config` (the configuration file), `answers` (a request that hears every answer)
+and `conformance` (the SPEC 09 probe). The daemon's shell stands on the same pieces (its
+store extends `ChainWriter`, a `Deployment`). Depends on the protocol and the core only, never
+on the daemon."""

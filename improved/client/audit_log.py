@@ -1,8 +1,9 @@
 """Reading the audit chains of one audit stream, as any client of the bus may: a chain by direct
-gets, the whole log once through a consumer of its own, pulled a batch at a time (`pulls`), so
-a reader of the history holds one batch and never the log. What is read is raw: the caller verifies it
-(`improved.core.audit`, `improved.core.evidence`) before believing it. The daemon's store and
-the command line read through this same code (`runtime.audit_log` extends it with the append).
+gets, the whole log once through a consumer of its own, pulled a batch at a time (`pulls`),
+so a reader of the history holds one batch and never the log. What is read is raw: the caller
+verifies it (`improved.core.audit`, `improved.core.evidence`) before believing it. The
+daemon's store and the command line read through this same code (`runtime.audit_log` extends
+it with the append).
 """
 
 from __future__ import annotations
@@ -163,14 +164,12 @@ class AuditReader:
             config.deliver_policy = jsapi.DeliverPolicy.BY_START_SEQUENCE
             config.opt_start_seq = start
         made = await self.js.add_consumer(self.audit_stream, config)
-        if made.num_pending == 0:  # nothing there (a purged chain, a window past the end)
-            with suppress(Exception):
-                await self.js.delete_consumer(self.audit_stream, made.name)
-            return
         pull = Pull(self.nc, self.audit_stream, made.name, batch=FOLLOW_BATCH,
                     refill_at=FOLLOW_BATCH // 2)
-        await pull.start()
         try:
+            if made.num_pending == 0:  # nothing there (a purged chain, a window past the end)
+                return
+            await pull.start()
             async for msg in self._pulled(pull):
                 delivered = delivery(msg.reply)
                 if delivered is None:

@@ -78,8 +78,8 @@ def is_status(msg: Msg) -> bool:
 
 
 class Pull:
-    """One open pull request at a time on `stream`'s durable `consumer`, for at most `batch`
-    messages, its deliveries kept until `take`n."""
+    """One open pull request at a time on `stream`'s `consumer` (the shared durable one, or a
+    log read's own), for at most `batch` messages, its deliveries kept until `take`n."""
 
     def __init__(self, nc: Client, stream: str, consumer: str, batch: int = BATCH,
                  refill_at: int = REFILL_AT):
